@@ -1,0 +1,175 @@
+"""What the console, the API and the operator CLI see of the cluster, and what they can ask of it.
+
+:class:`ClusterSnapshot` is a plain, immutable picture of the cluster at one moment.
+:class:`ClusterControl` is the whole surface a front end uses: a snapshot, the event bus, previews
+of plan changes, the operator actions, chat, and bootstrap. The embedded coordinator implements it;
+so does the HTTP client used by ``exo-tui --attach URL``. Front ends never reach past it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from exo_tui.cluster.events import EventBus
+
+# Node states, in the order the console sorts them.
+NODE_STATES = ("ready", "loading", "suspect", "draining", "drained", "failed", "foreign", "discovered")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    name: str
+    address: str
+    port: int
+    state: str  # one of NODE_STATES
+    backend: str = ""  # the backend its shard runs on
+    backends: tuple[str, ...] = ()
+    memory_total_bytes: int = 0
+    memory_used_bytes: int = 0
+    cpu_percent: float = 0.0
+    score: float | None = None
+    eligible: bool = True
+    ineligible_reason: str = ""
+    score_breakdown: dict[str, float] = field(default_factory=dict)  # part -> points
+    weights: dict[str, float] = field(default_factory=dict)  # group -> weight in force
+    layers: tuple[int, int] | None = None  # [start, end) it holds in the current plan
+    pinned: tuple[int, int] | None = None
+    drained: bool = False
+    tok_per_s: float = 0.0
+    heartbeat_age_s: float | None = None
+    profile: dict[str, Any] = field(default_factory=dict)  # the node's full profile (JSON-able)
+    history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # metric -> recent values
+
+
+@dataclass(frozen=True)
+class LinkView:
+    src: str  # node ids, in ring order
+    dst: str
+    latency_ms: float | None
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class ShardView:
+    node_id: str
+    start: int
+    end: int
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class PlanView:
+    version: int
+    n_layers: int
+    shards: tuple[ShardView, ...]
+    strategy: str = "latency"
+    predicted_tok_per_s: float = 0.0
+    predicted_ttft_s: float = 0.0
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostView:
+    host: str
+    port: int = 22
+    source: str = ""  # mdns | ssh_config | config | tailscale | peer | manual
+    state: str = "new"  # new | bootstrapping | node | failed
+    detail: str = ""  # last bootstrap step or error
+    user: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    name: str
+    model: str
+    nodes: tuple[NodeView, ...] = ()
+    links: tuple[LinkView, ...] = ()
+    plan: PlanView | None = None
+    hosts: tuple[HostView, ...] = ()
+    tok_per_s: float = 0.0
+    updated_at: float = 0.0
+    readonly: bool = False
+
+    @property
+    def ready_count(self) -> int:
+        return sum(1 for n in self.nodes if n.state == "ready")
+
+
+@dataclass(frozen=True)
+class LayerMove:
+    start: int
+    end: int
+    src: str | None  # node id (None: loaded fresh, e.g. after a failure)
+    dst: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PlanPreview:
+    """What a plan change will do, shown before the operator says yes."""
+
+    action: str
+    targets: tuple[str, ...]
+    moves: tuple[LayerMove, ...] = ()
+    bytes_moved: int = 0
+    tok_per_s_before: float = 0.0
+    tok_per_s_after: float = 0.0
+    new_plan: PlanView | None = None
+    error: str = ""  # when the change is impossible, why and what to do
+    note: str = ""  # e.g. "a chat is streaming: the drain waits for it to end"
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    max_tokens: int = 512
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatChunk:
+    """A piece of a streaming answer; the last one has ``finish_reason`` and the stats."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0
+    tok_per_s: float = 0.0
+    nodes: tuple[str, ...] = ()
+    error: str = ""
+
+
+@runtime_checkable
+class ClusterControl(Protocol):
+    """Everything a front end may read or do."""
+
+    events: EventBus
+
+    def snapshot(self) -> ClusterSnapshot: ...
+
+    async def preview(self, action: str, targets: tuple[str, ...] = ()) -> PlanPreview:
+        """What ``action`` (drain, undrain, pin, unpin, rebalance, remove) would change."""
+        ...
+
+    async def apply(self, preview: PlanPreview) -> PlanPreview:
+        """Carry out a previewed change; returns what was done (``error`` set on failure)."""
+        ...
+
+    def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
+        """Stream an answer; closing the iterator (or cancelling its task) stops generation."""
+        ...
+
+    async def bootstrap(self, host: str, *, accept_new_host_key: bool = False) -> None: ...
+
+    async def add_host(self, host: str) -> None: ...
+
+    async def set_model(self, name_or_path: str) -> None: ...
