@@ -148,6 +148,20 @@ class ChatChunk:
     error: str = ""
 
 
+class HostKeyUnknown(Exception):
+    """``bootstrap`` met a host key it has never seen; ask the operator, then call again with
+    ``accept_new_host_key=True``. A key that *changed* is a different error and is never accepted."""
+
+    def __init__(self, host: str, fingerprint: str, key_type: str = "") -> None:
+        super().__init__(
+            f"{host} presents an unknown {key_type or 'host'} key {fingerprint}: check it, then accept it "
+            f"to continue the bootstrap"
+        )
+        self.host = host
+        self.fingerprint = fingerprint
+        self.key_type = key_type
+
+
 @runtime_checkable
 class ClusterControl(Protocol):
     """Everything a front end may read or do."""
