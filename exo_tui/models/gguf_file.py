@@ -183,48 +183,95 @@ class GGUFModel:
 
     # ---------------------------------------------------------------- weights
 
+    def raw_tensor(self, name: str) -> tuple[TensorInfo, np.ndarray]:
+        """A tensor's bytes exactly as stored in the file (quantized blocks stay blocks)."""
+        info = self.tensor_info(name)
+        return info, np.asarray(self._tensors[name].data).reshape(-1).view(np.uint8)
+
     def tensor(self, name: str) -> Weight:
         """A tensor as a float32 vector/matrix or a :class:`QuantizedWeight`."""
-        info = self.tensor_info(name)
-        t = self._tensors[name]
+        info, raw = self.raw_tensor(name)
         try:
-            raw = np.asarray(t.data)
-            if info.type_name == "F32":
-                return np.array(raw, dtype=np.float32).reshape(info.shape)
-            if info.type_name in ("F16", "BF16") and len(info.shape) == 1:
-                return _to_float32(raw, info.type_name).reshape(info.shape)
-            if info.type_name == "F16":
-                return np.array(raw, dtype=np.float16).reshape(info.shape)
-            if info.type_name in _BLOCK_BYTES:
-                return unpack_blocks(raw.reshape(info.shape[0], -1), info.type_name, info.shape)
-            return _dequantize_other(raw, t.tensor_type, info)
+            return tensor_from_raw(info, raw)
         except ModelFileError:
             raise
         except Exception as exc:
             raise ModelFileError(f"{self.path}: tensor {name} cannot be read ({exc}); the file may be corrupt") from exc
 
-    def layer_weights(self, layer: int) -> LayerWeights:
-        if not 0 <= layer < self.config.n_layers:
-            raise ModelFileError(f"layer {layer} is out of range 0..{self.config.n_layers - 1} of {self.path}")
-        ws = {f: self.tensor(f"blk.{layer}.{n}.weight") for f, n in _LAYER_TENSORS.items()}
-        for norm in ("attn_norm", "ffn_norm"):
-            ws[norm] = np.asarray(_dense_vector(ws[norm]))
-        return LayerWeights(**ws)
+    def shard_tensor_names(self, start: int, end: int) -> list[str]:
+        """The names of the tensors a shard of layers ``[start, end)`` needs."""
+        names = ["token_embd.weight"] if start == 0 else []
+        names += [f"blk.{i}.{n}.weight" for i in range(start, end) for n in _LAYER_TENSORS.values()]
+        if end == self.config.n_layers:
+            names.append("output_norm.weight")
+            if not self.tied_embeddings:
+                names.append("output.weight")
+            elif start != 0:
+                names.append("token_embd.weight")
+        return names
 
     def shard_weights(self, start: int, end: int) -> ShardWeights:
         """The weights of layers ``[start, end)``, plus the embedding / head at the ends."""
         n = self.config.n_layers
         if not 0 <= start < end <= n:
             raise ModelFileError(f"layer range [{start}, {end}) is not within [0, {n}) of {self.path}")
-        embed = self.tensor("token_embd.weight") if start == 0 else None
-        norm = output = None
-        if end == n:
-            norm = _dense_vector(self.tensor("output_norm.weight"))
-            if self.tied_embeddings:
-                output = embed if embed is not None else self.tensor("token_embd.weight")
-            else:
-                output = self.tensor("output.weight")
-        return ShardWeights(start, end, [self.layer_weights(i) for i in range(start, end)], embed, norm, output)
+        tensors = {name: self.tensor(name) for name in self.shard_tensor_names(start, end)}
+        return assemble_shard(self.config, start, end, tensors)
+
+
+def assemble_shard(config: ModelConfig, start: int, end: int, tensors: dict[str, Weight]) -> ShardWeights:
+    """Shard weights from tensors by GGUF name (read from a file or streamed over the wire)."""
+
+    def get(name: str) -> Weight:
+        if name not in tensors:
+            raise ModelFileError(f"shard [{start}, {end}) is missing tensor {name}")
+        return tensors[name]
+
+    layers = []
+    for i in range(start, end):
+        ws = {f: get(f"blk.{i}.{n}.weight") for f, n in _LAYER_TENSORS.items()}
+        for norm in ("attn_norm", "ffn_norm"):
+            ws[norm] = _dense_vector(ws[norm])
+        layers.append(LayerWeights(**ws))
+    embed = get("token_embd.weight") if start == 0 else None
+    norm = output = None
+    if end == config.n_layers:
+        norm = _dense_vector(get("output_norm.weight"))
+        output = tensors["output.weight"] if "output.weight" in tensors else get("token_embd.weight")
+    return ShardWeights(start, end, layers, embed, norm, output)
+
+
+def tensor_from_raw(info: TensorInfo, raw: np.ndarray) -> Weight:
+    """Decode a tensor's stored bytes (``raw``, uint8) given its type and shape."""
+    import gguf
+
+    expected = _stored_nbytes(info)
+    if raw.nbytes != expected:
+        raise ModelFileError(f"tensor {info.name}: {raw.nbytes} bytes, expected {expected} for {info.type_name} {info.shape}")
+    if info.type_name == "F32":
+        return raw.view(np.float32).reshape(info.shape).copy()
+    if info.type_name in ("F16", "BF16") and len(info.shape) == 1:
+        return _to_float32(raw, info.type_name).reshape(info.shape)
+    if info.type_name == "F16":
+        return raw.view(np.float16).reshape(info.shape).copy()
+    if info.type_name == "BF16":
+        return _to_float32(raw, info.type_name).reshape(info.shape)
+    if info.type_name in _BLOCK_BYTES:
+        rows = info.shape[0] if len(info.shape) > 1 else 1
+        return unpack_blocks(raw.reshape(rows, -1), info.type_name, info.shape)
+    qtype = getattr(gguf.GGMLQuantizationType, info.type_name)
+    rows = info.shape[0] if len(info.shape) > 1 else 1
+    return _dequantize_other(raw.reshape(rows, -1), qtype, info)
+
+
+def _stored_nbytes(info: TensorInfo) -> int:
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, info.type_name, None)
+    if qtype is None:
+        raise ModelFileError(f"tensor {info.name} has unknown type {info.type_name}")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return int(np.prod(info.shape)) // block * type_size
 
 
 def _to_float32(raw: np.ndarray, type_name: str) -> np.ndarray:

@@ -1,0 +1,143 @@
+"""``exo-tui chat``: answer one chat message, on this machine or across nodes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="answer one chat message (here, or across node agents)",
+        description="Answer one chat message, streaming the text as it comes.",
+    )
+    p.add_argument("prompt", help="the user's message")
+    p.add_argument("--model", default=None, help="registered model name or path to a .gguf (default smollm2-135m)")
+    p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto", help="backend for a local run")
+    p.add_argument(
+        "--backends",
+        default=None,
+        help="comma list of backends, one pipeline stage each, layers split evenly (e.g. mlx,onnx,mlx)",
+    )
+    p.add_argument("--nodes", default=None, help="run across node agents: HOST:PORT,HOST:PORT,...")
+    p.add_argument("--local-nodes", type=int, default=0, metavar="N", help="start N node agents on loopback, run, stop them")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from backends.base import BackendError
+    from exo_tui.inference.generate import GenerationError
+    from exo_tui.models.gguf_file import ModelFileError
+
+    try:
+        return asyncio.run(_chat(args))
+    except (ModelFileError, BackendError, GenerationError, ValueError, ConnectionError, OSError) as exc:
+        print(f"exo-tui chat: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _chat(args: argparse.Namespace) -> int:
+    from backends import default_backend_name
+    from exo_tui.inference.generate import generate
+    from exo_tui.inference.request import Request
+    from exo_tui.inference.sampling import SamplingParams
+    from exo_tui.models.model import Model
+
+    model = Model(args.model)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    prompt_ids = model.chat_prompt_ids(messages)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    request = Request(
+        prompt_ids=prompt_ids,
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            seed=seed,
+        ),
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+
+    if args.nodes or args.local_nodes:
+        from exo_tui.cluster.pipeline_cli import open_remote_pipeline
+
+        runner_cm = open_remote_pipeline(model, args)
+    else:
+        names = args.backends.split(",") if args.backends else [
+            default_backend_name() if args.backend == "auto" else args.backend
+        ]
+        runner_cm = _local_runner(model, [n.strip() for n in names])
+
+    pieces: list[str] = []
+    finish = None
+    async with runner_cm as runner:
+        started = time.monotonic()
+        request.created_s = started
+        async for chunk in generate(runner, model.tokenizer, request, context_length=model.config.context_length):
+            if chunk.text:
+                pieces.append(chunk.text)
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+            if chunk.finish_reason:
+                finish = chunk.finish_reason
+        served_by = runner.served_by()
+    text = "".join(pieces)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "finish_reason": finish,
+                    "prompt_token_ids": request.prompt_ids,
+                    "completion_token_ids": request.generated,
+                    "prompt_tokens": len(request.prompt_ids),
+                    "completion_tokens": len(request.generated),
+                    "ttft_s": round(request.ttft_s, 4),
+                    "tok_per_s": round(request.decode_tok_per_s, 2),
+                    "served_by": list(served_by),
+                    "seed": seed,
+                }
+            )
+        )
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{len(request.prompt_ids)} prompt + {len(request.generated)} tokens · "
+            f"ttft {request.ttft_s * 1000:.0f} ms · {request.decode_tok_per_s:.1f} tok/s · "
+            f"{' → '.join(served_by)}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def _local_runner(model, backend_names: list[str]):  # noqa: ANN001, ANN201
+    """Load the shards for an in-process run and close them afterwards."""
+    from exo_tui.inference.local import LocalPipeline, even_split, load_shards
+
+    stages = even_split(model.config.n_layers, backend_names)
+    shards = await asyncio.to_thread(load_shards, model.gguf, stages)
+    pipeline = LocalPipeline(shards, tuple(f"{s.backend}[{s.start}:{s.end})" for s in stages))
+    try:
+        yield pipeline
+    finally:
+        pipeline.close()

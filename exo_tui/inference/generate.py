@@ -1,0 +1,96 @@
+"""The generation loop: prefill, decode, detokenize, stop — over any pipeline of shards.
+
+The loop knows nothing of where layers run. A :class:`StepRunner` runs the tokens of a request
+that are not yet in the pipeline's caches (``request.tokens[start:]``) through every layer and
+returns the sampled next token; it is an in-process list of shards (:mod:`.local`) or a ring of
+node agents driven by the coordinator. Because the request carries its whole token history, a
+runner may rebuild caches anywhere (after a node fails or the plan changes) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from exo_tui.inference.request import Request
+from exo_tui.inference.stops import StopMatcher
+from exo_tui.models.detokenizer import StreamingDetokenizer
+from exo_tui.models.tokenizer import Tokenizer
+
+
+class StepRunner(Protocol):
+    async def step(self, request: Request, start: int) -> tuple[int, float]:
+        """Run ``request.tokens[start:]`` (at positions ``start..``) through the pipeline and
+        return the next token sampled with ``request.sampling`` and its log-probability."""
+        ...
+
+    async def release(self, request: Request) -> None:
+        """Free the request's caches everywhere."""
+        ...
+
+    def served_by(self) -> tuple[str, ...]:
+        """Names of the nodes (or backends) that ran the request's layers."""
+        ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str = ""
+    token_id: int | None = None
+    logprob: float = 0.0
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str = ""
+
+
+class GenerationError(RuntimeError):
+    """Generation could not go on; the message says why and what to do."""
+
+
+async def generate(
+    runner: StepRunner, tokenizer: Tokenizer, request: Request, *, context_length: int
+) -> AsyncIterator[Chunk]:
+    """Stream the answer to ``request``. The last chunk has ``finish_reason`` set.
+
+    Cancelling the consuming task (or closing the iterator) stops generation between steps and
+    releases the request's caches.
+    """
+    detok = StreamingDetokenizer(tokenizer)
+    stops = StopMatcher(list(request.stop))
+    eos = tokenizer.eos_ids
+    start = 0
+    finish = "length"
+    hit_stop_string = False
+    try:
+        if not request.prompt_ids:
+            raise GenerationError("the prompt is empty: give at least one token")
+        while len(request.generated) < request.max_tokens:
+            if len(request.tokens) >= context_length:
+                break
+            token, logprob = await runner.step(request, start)
+            start = len(request.tokens)
+            request.generated.append(token)
+            request.logprobs.append(logprob)
+            if request.first_token_s is None:
+                request.first_token_s = time.monotonic()
+            if token in eos:
+                finish = "stop"
+                break
+            text, stopped = stops.feed(detok.add(token))
+            if text:
+                yield Chunk(text=text, token_id=token, logprob=logprob)
+            if stopped:
+                finish, hit_stop_string = "stop", True
+                break
+        if not hit_stop_string:
+            tail, _ = stops.feed(detok.flush())
+            tail += stops.flush()
+            if tail:
+                yield Chunk(text=tail)
+        request.finished_s = time.monotonic()
+        yield Chunk(finish_reason=finish)
+    finally:
+        if request.finished_s is None:
+            request.finished_s = time.monotonic()
+        await runner.release(request)

@@ -1,0 +1,49 @@
+"""A generation request: its prompt, its parameters and its token history (its checkpoint)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+from exo_tui.inference.sampling import SamplingParams
+
+_counter = itertools.count()
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{os.getpid():x}-{next(_counter):x}-{os.urandom(3).hex()}"
+
+
+@dataclass
+class Request:
+    """One generation. ``tokens`` (prompt + generated) is everything needed to rebuild its KV
+    cache anywhere, so a request survives the loss of any node that held part of it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    id: str = field(default_factory=new_request_id)
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    created_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first_token_s - self.created_s) if self.first_token_s is not None else 0.0
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Generated tokens after the first, per second since the first."""
+        if self.first_token_s is None or self.finished_s is None or len(self.generated) < 2:
+            return 0.0
+        elapsed = self.finished_s - self.first_token_s
+        return (len(self.generated) - 1) / elapsed if elapsed > 0 else 0.0

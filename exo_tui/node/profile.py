@@ -1,0 +1,291 @@
+"""What a node is: its device (memory, CPU, chip, backends) and how fast it runs a layer.
+
+The performance figure the scheduler uses is measured, not looked up: at start the node times a
+few decode steps and a short prefill of layers shaped like the default model's on each backend it
+has, and its memory bandwidth. Results are cached per machine (keyed by backend, versions and
+shape) so restarts are quick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from backends import available_backends, get_backend, is_apple_silicon
+from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights
+from exo_tui import __version__
+from exo_tui.paths import exo_home
+
+# SmolLM2-135M's layer shape: the default model, so figures compare across nodes.
+BENCH_CONFIG = ModelConfig(
+    n_layers=4, hidden_size=576, intermediate_size=1536, n_heads=9, n_kv_heads=3, head_dim=64,
+    vocab_size=256, rms_eps=1e-5, rope_theta=100000.0, context_length=512,
+)
+BENCH_LAYERS = 4
+BENCH_DECODE_STEPS = 8
+BENCH_PREFILL_TOKENS = 32
+
+
+@dataclass
+class LayerTiming:
+    decode_layer_s: float  # one token through one layer, at small context
+    prefill_layer_token_s: float  # one prompt token through one layer, in a batch
+
+
+@dataclass
+class NodeProfile:
+    node_id: str
+    name: str
+    hostname: str
+    os: str
+    arch: str
+    python: str
+    version: str
+    cpu_model: str
+    cpu_cores: int  # physical
+    cpu_threads: int  # logical
+    ram_total_bytes: int
+    ram_available_bytes: int
+    memory_limit_bytes: int | None
+    device_type: str  # apple | cuda | cpu
+    chip: str  # Apple chip or GPU name, when detectable
+    unified_memory: bool
+    backends: list[str]
+    layer_timing: dict[str, LayerTiming] = field(default_factory=dict)
+    memory_bandwidth_bytes_per_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeProfile:
+        d = dict(d)
+        d["layer_timing"] = {k: LayerTiming(**v) for k, v in d.get("layer_timing", {}).items()}
+        return cls(**d)
+
+    def offered_memory_bytes(self) -> int:
+        """Memory this node offers for shards: available RAM, capped by ``--memory-limit``."""
+        avail = self.ram_available_bytes
+        return min(avail, self.memory_limit_bytes) if self.memory_limit_bytes else avail
+
+
+def stable_node_id(name: str) -> str:
+    """The node id for ``name`` on this host, created once and kept across restarts."""
+    directory = exo_home() / "node-ids"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{''.join(c if c.isalnum() or c in '-_.' else '_' for c in name)}.id"
+    if path.exists():
+        value = path.read_text().strip()
+        if value:
+            return value
+    value = f"n-{uuid.uuid4().hex[:12]}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(value)
+    os.replace(tmp, path)
+    return value
+
+
+def _cpu_model() -> str:
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=2
+            ).stdout.strip()
+        except OSError:
+            return platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=3
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def device_profile(name: str, memory_limit_bytes: int | None = None, backends: list[str] | None = None) -> NodeProfile:
+    """The static part of the profile (no benchmark)."""
+    vm = psutil.virtual_memory()
+    apple = is_apple_silicon()
+    gpu = "" if apple else _gpu_name()
+    return NodeProfile(
+        node_id=stable_node_id(name),
+        name=name,
+        hostname=socket.gethostname(),
+        os=f"{platform.system()} {platform.release()}",
+        arch=platform.machine(),
+        python=platform.python_version(),
+        version=__version__,
+        cpu_model=_cpu_model(),
+        cpu_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
+        cpu_threads=psutil.cpu_count(logical=True) or 1,
+        ram_total_bytes=int(vm.total),
+        ram_available_bytes=int(vm.available),
+        memory_limit_bytes=memory_limit_bytes,
+        device_type="apple" if apple else ("cuda" if gpu else "cpu"),
+        chip=_cpu_model() if apple else gpu,
+        unified_memory=apple,
+        backends=list(backends) if backends is not None else available_backends(),
+    )
+
+
+def _random_quantized(rng: np.random.Generator, rows: int, cols: int) -> QuantizedWeight:
+    return QuantizedWeight(
+        q=rng.integers(0, 16, size=(rows, cols), dtype=np.uint8),
+        scales=(rng.random((rows, cols // 32), dtype=np.float32) * 0.01),
+        biases=(rng.random((rows, cols // 32), dtype=np.float32) * -0.05),
+        bits=4,
+        source_type="Q4_1",
+    )
+
+
+def _bench_weights(cfg: ModelConfig) -> ShardWeights:
+    rng = np.random.default_rng(0)
+    h, i, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    layers = [
+        LayerWeights(
+            attn_norm=np.ones(h, np.float32),
+            wq=_random_quantized(rng, qd, h),
+            wk=_random_quantized(rng, kvd, h),
+            wv=_random_quantized(rng, kvd, h),
+            wo=_random_quantized(rng, h, qd),
+            ffn_norm=np.ones(h, np.float32),
+            w_gate=_random_quantized(rng, i, h),
+            w_up=_random_quantized(rng, i, h),
+            w_down=_random_quantized(rng, h, i),
+        )
+        for _ in range(cfg.n_layers)
+    ]
+    # A middle shard: no embedding and no head, so only layer time is measured.
+    return ShardWeights(1, 1 + cfg.n_layers, layers)
+
+
+def time_layers(backend_name: str, cfg: ModelConfig = BENCH_CONFIG) -> LayerTiming:
+    """Seconds per layer for decode (median of a few steps) and for prefill (per token)."""
+    mid_cfg = ModelConfig(**{**asdict(cfg), "n_layers": cfg.n_layers + 2})
+    shard = get_backend(backend_name).load_shard(mid_cfg, _bench_weights(cfg))
+    try:
+        rng = np.random.default_rng(1)
+        prompt = rng.standard_normal((BENCH_PREFILL_TOKENS, cfg.hidden_size)).astype(np.float32)
+        shard.forward("bench-warm", prompt, np.arange(BENCH_PREFILL_TOKENS))
+        t0 = time.perf_counter()
+        shard.forward("bench", prompt, np.arange(BENCH_PREFILL_TOKENS))
+        prefill = (time.perf_counter() - t0) / (cfg.n_layers * BENCH_PREFILL_TOKENS)
+        steps = []
+        x = prompt[-1:]
+        for j in range(BENCH_DECODE_STEPS):
+            t0 = time.perf_counter()
+            shard.forward("bench", x, np.array([BENCH_PREFILL_TOKENS + j]))
+            steps.append(time.perf_counter() - t0)
+        decode = float(np.median(steps)) / cfg.n_layers
+    finally:
+        shard.close()
+    return LayerTiming(decode_layer_s=decode, prefill_layer_token_s=prefill)
+
+
+def memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:
+    """Bytes per second of a large array copy (read + write), best of a few."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def _cache_key(backend: str) -> str:
+    import importlib.metadata as md
+
+    versions = []
+    for dist in ("mlx", "onnxruntime", "numpy"):
+        try:
+            versions.append(f"{dist}={md.version(dist)}")
+        except md.PackageNotFoundError:
+            pass
+    shape = f"{BENCH_CONFIG.hidden_size}x{BENCH_CONFIG.intermediate_size}x{BENCH_CONFIG.n_heads}"
+    return f"{backend}|{shape}|{_cpu_model()}|{os.environ.get('EXO_TUI_THREADS', '')}|{','.join(versions)}"
+
+
+def benchmark(profile: NodeProfile, *, use_cache: bool = True) -> NodeProfile:
+    """Fill in layer timings for each backend and the memory bandwidth."""
+    cache_path = exo_home() / "benchmark-cache.json"
+    cache: dict[str, Any] = {}
+    if use_cache and cache_path.exists():
+        try:
+            cache = json.loads(cache_path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    for backend in profile.backends:
+        key = _cache_key(backend)
+        if key in cache:
+            profile.layer_timing[backend] = LayerTiming(**cache[key])
+            continue
+        timing = time_layers(backend)
+        profile.layer_timing[backend] = timing
+        cache[key] = asdict(timing)
+    if "bandwidth" in cache:
+        profile.memory_bandwidth_bytes_per_s = float(cache["bandwidth"])
+    else:
+        profile.memory_bandwidth_bytes_per_s = memory_bandwidth()
+        cache["bandwidth"] = profile.memory_bandwidth_bytes_per_s
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, cache_path)
+    except OSError:
+        pass
+    return profile
+
+
+def live_metrics(memory_limit_bytes: int | None = None) -> dict[str, Any]:
+    """Memory and CPU right now (sent with every heartbeat)."""
+    vm = psutil.virtual_memory()
+    proc = psutil.Process()
+    metrics: dict[str, Any] = {
+        "ram_total_bytes": int(vm.total if not memory_limit_bytes else min(vm.total, memory_limit_bytes)),
+        "ram_available_bytes": int(vm.available if not memory_limit_bytes else min(vm.available, memory_limit_bytes)),
+        "ram_used_percent": float(vm.percent),
+        "process_rss_bytes": int(proc.memory_info().rss),
+        "cpu_percent": float(psutil.cpu_percent(interval=None)),
+        "load_avg_1m": float(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0.0,
+    }
+    temps = getattr(psutil, "sensors_temperatures", None)
+    if temps:
+        try:
+            readings = [t.current for group in temps().values() for t in group if t.current]
+            if readings:
+                metrics["temperature_c"] = max(readings)
+        except (OSError, RuntimeError):
+            pass
+    battery = getattr(psutil, "sensors_battery", None)
+    if battery:
+        try:
+            b = battery()
+            if b is not None:
+                metrics["on_battery"] = not b.power_plugged
+        except (OSError, RuntimeError):
+            pass
+    return metrics
