@@ -1,0 +1,699 @@
+"""Asyncio RPC over authenticated frames: :func:`serve`, :func:`connect`, :class:`Connection`.
+
+A :class:`Connection` is bidirectional and multiplexed: either side may :meth:`~Connection.call`
+(request → response matched by id) or :meth:`~Connection.send` (one-way), and frames that are not
+responses go to the side's handler ``async def handler(conn, frame) -> Frame | None``.
+
+Ordering and concurrency (the choice made here):
+
+* **Calls** (frames with an id) run concurrently, each in its own task; a long handler (a forward
+  step) never blocks the read loop. At most ``max_concurrent_calls`` run at once per connection;
+  beyond that the read loop waits, which stops reading from the socket (TCP backpressure).
+* **One-way frames** are handled one at a time, in arrival order, per *lane*. The lane is the
+  ``lane`` given to :meth:`Connection.send`, by default the frame's type: all ``forward`` frames of
+  a connection run in order, while a ``heartbeat`` never waits behind them. Give several types the
+  same lane when their relative order matters. A lane's queue holds ``lane_queue`` frames; when it
+  is full the read loop waits (backpressure). Don't make a one-way handler await a call on the same
+  connection while that connection's lanes can fill up.
+* **Responses** are delivered to the waiting caller right in the read loop.
+
+A handler's returned frame is sent back as the response of a call (its ``id`` and ``response``
+flag are set for you); ``None`` answers an empty ``ok`` frame. An exception answers an ``error``
+frame (a :class:`RemoteError` with its message and code; anything else with code
+``handler_error``, logged with its traceback), and the connection stays open. The result of a
+one-way handler is ignored and its exceptions are logged (report failures with a frame of your own).
+
+A broken frame (see :mod:`exo_tui.net.frame`) closes only its connection, after an ``error`` frame
+with code ``bad_frame``; the server keeps serving the others. Everything is logged on the
+``exo_tui.net`` logger with the peer's address.
+
+Example::
+
+    security = Security.coordinator()          # or Security.from_bundle_file(path) on a node
+    dispatch = Dispatcher()
+
+    @dispatch.route("echo")
+    async def echo(conn, frame):
+        return Frame("echo", body=frame.body, tensor=frame.tensor)
+
+    server = await serve(dispatch, "127.0.0.1", 0, security=security)
+    conn = await connect("127.0.0.1", server.port, security=security)
+    reply = await conn.call("echo", {"n": 1}, tensor=np.zeros(576, np.float32))
+    await conn.aclose()
+    server.close()
+    await server.wait_closed()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import inspect
+import itertools
+import logging
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from exo_tui.net import auth
+from exo_tui.net.errors import (
+    AuthError,
+    ConnectError,
+    ConnectionClosed,
+    HandshakeError,
+    RemoteError,
+    UnknownFrameType,
+)
+from exo_tui.net.frame import (
+    DEFAULT_LIMITS,
+    PREFIX_SIZE,
+    Frame,
+    FrameError,
+    IncompleteFrame,
+    Limits,
+    build_frame,
+    encode_frame,
+    header_length,
+    parse_header,
+)
+from exo_tui.net.security import Security
+
+log = logging.getLogger("exo_tui.net")
+
+Handler = Callable[["Connection", Frame], Awaitable[Frame | None]]
+CloseCallback = Callable[["Connection", BaseException | None], Any]
+
+STREAM_LIMIT = 1 << 20  # StreamReader buffer: reading pauses above twice this
+MAX_CONCURRENT_CALLS = 256
+MAX_LANES = 64
+LANE_QUEUE = 64
+CLOSE_TIMEOUT_S = 5.0
+
+
+def _fmt_addr(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = addr[0]
+        return f"[{host}]:{addr[1]}" if ":" in str(host) else f"{host}:{addr[1]}"
+    return str(addr or "?")
+
+
+def error_frame(message: str, code: str = "error") -> Frame:
+    return Frame("error", {"message": message, "code": code})
+
+
+def _remote_error(frame: Frame) -> RemoteError:
+    body = frame.body if isinstance(frame.body, dict) else {}
+    message = body.get("message")
+    code = body.get("code")
+    cls = UnknownFrameType if code == UnknownFrameType.code else RemoteError
+    return cls(
+        str(message) if message is not None else "error without a message",
+        code=str(code) if code is not None else None,
+    )
+
+
+def _set_nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _peer_identity(writer: asyncio.StreamWriter) -> tuple[bytes, str]:
+    """(SHA-256 of the peer's certificate, its common name) on a TLS connection."""
+    sslobj = writer.get_extra_info("ssl_object")
+    if sslobj is None:
+        return b"", ""
+    der = sslobj.getpeercert(binary_form=True)
+    if not der:
+        raise AuthError("the peer presented no certificate")
+    name = ""
+    for rdn in (sslobj.getpeercert() or {}).get("subject", ()):
+        for k, v in rdn:
+            if k == "commonName":
+                name = v
+    return hashlib.sha256(der).digest(), name
+
+
+class Connection:
+    """One authenticated connection. Made by :func:`connect` or handed to a server's handler.
+
+    Attributes: ``peer`` ("host:port"), ``peer_name`` (the common name of the peer's certificate:
+    the node name it was issued for; empty without TLS), ``closed`` (a future resolved with the
+    reason the connection closed: ``None`` when closed here without a reason, else an exception),
+    ``data`` (a dict the application may use to keep per-connection state).
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        handler: Handler | None,
+        limits: Limits = DEFAULT_LIMITS,
+        peer: str = "?",
+        peer_name: str = "",
+        max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.handler = handler
+        self.limits = limits
+        self.peer = peer
+        self.peer_name = peer_name
+        self.data: dict[str, Any] = {}
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self.closed: asyncio.Future[BaseException | None] = loop.create_future()
+        self._pending: dict[int, asyncio.Future[Frame]] = {}
+        self._ids = itertools.count(1)
+        self._lanes: dict[str, asyncio.Queue[Frame]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._call_slots = asyncio.Semaphore(max_concurrent_calls)
+        self._close_callbacks: list[CloseCallback] = []
+        self._closing = False
+        self._peer_error: RemoteError | None = None
+        self._read_task: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else "open"
+        return f"<Connection {self.peer} {self.peer_name!r} {state}>"
+
+    # -------------------------------------------------------------- public API
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closing
+
+    async def call(
+        self,
+        type: str,
+        body: dict[str, Any] | None = None,
+        *,
+        tensor: np.ndarray | None = None,
+        payload: bytes | bytearray | memoryview | None = None,
+        plan: int | None = None,
+        timeout: float | None = None,
+    ) -> Frame:
+        """Send a request and wait for its response frame.
+
+        Raises :class:`RemoteError` when the peer answers with an ``error`` frame,
+        :class:`ConnectionClosed` when the connection closes first, :class:`TimeoutError` after
+        ``timeout`` seconds (the late response is then dropped).
+        """
+        if self._closing:
+            raise self._closed_error()
+        fid = next(self._ids)
+        fut: asyncio.Future[Frame] = self._loop.create_future()
+        self._pending[fid] = fut
+        try:
+            await self._write(Frame(type, body or {}, tensor, payload, plan, fid))
+            if timeout is None:
+                return await fut
+            async with asyncio.timeout(timeout):
+                return await fut
+        finally:
+            self._pending.pop(fid, None)
+
+    async def send(
+        self,
+        type: str,
+        body: dict[str, Any] | None = None,
+        *,
+        tensor: np.ndarray | None = None,
+        payload: bytes | bytearray | memoryview | None = None,
+        plan: int | None = None,
+        lane: str | None = None,
+    ) -> None:
+        """Send a one-way frame (no response). Returns once it is written and the socket drained
+        enough (backpressure). ``lane``: see the module doc (default: the type)."""
+        if self._closing:
+            raise self._closed_error()
+        await self._write(Frame(type, body or {}, tensor, payload, plan, 0, lane=lane))
+
+    def on_close(self, callback: CloseCallback) -> None:
+        """Call ``callback(conn, reason)`` once when the connection closes (at once if it has).
+        A coroutine function is scheduled as a task."""
+        if self.closed.done():
+            self._loop.call_soon(self._run_callback, callback, self.closed.result())
+        else:
+            self._close_callbacks.append(callback)
+
+    def close(self, reason: BaseException | None = None) -> None:
+        """Close now (idempotent): pending calls fail with :class:`ConnectionClosed`, running
+        handlers are cancelled, buffered frames are flushed."""
+        self._shutdown(reason)
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection and its tasks are completely gone."""
+        await asyncio.shield(self.closed)
+        tasks = [t for t in (self._read_task, *self._tasks) if t is not None and t is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self._writer.wait_closed()
+        except (TimeoutError, OSError, ssl.SSLError, ConnectionError):
+            self._writer.transport.abort()
+
+    async def aclose(self, reason: BaseException | None = None) -> None:
+        self.close(reason)
+        await self.wait_closed()
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -------------------------------------------------------------- internals
+
+    def start(self) -> None:
+        self._read_task = self._loop.create_task(self._read_loop(), name=f"exo-tui read {self.peer}")
+
+    def _closed_error(self) -> ConnectionClosed:
+        reason = self.closed.result() if self.closed.done() else None
+        if isinstance(reason, ConnectionClosed):
+            return reason
+        return ConnectionClosed(f"connection to {self.peer} is closed" + (f": {reason}" if reason else ""))
+
+    async def _write(self, frame: Frame) -> None:
+        head, raw = encode_frame(frame)
+        if self._closing:
+            raise self._closed_error()
+        w = self._writer
+        if raw is None:
+            w.write(head)
+        else:
+            w.writelines((head, raw))
+        try:
+            await w.drain()
+        except (ConnectionError, OSError) as e:
+            self._shutdown(ConnectionClosed(f"connection to {self.peer} lost: {e}"))
+            raise self._closed_error() from None
+
+    async def _read_exactly(self, n: int, what: str) -> bytes:
+        try:
+            return await self._reader.readexactly(n)
+        except asyncio.IncompleteReadError as e:
+            raise IncompleteFrame(f"connection closed inside a frame's {what} ({len(e.partial)} of {n} bytes)") from None
+
+    async def _read_loop(self) -> None:
+        reader, limits = self._reader, self.limits
+        reason: BaseException | None = None
+        try:
+            while True:
+                try:
+                    prefix = await reader.readexactly(PREFIX_SIZE)
+                except asyncio.IncompleteReadError as e:
+                    if e.partial:
+                        raise IncompleteFrame("connection closed inside a frame's length prefix") from None
+                    why = f": {self._peer_error}" if self._peer_error else ""
+                    reason = ConnectionClosed(f"connection closed by {self.peer}{why}")
+                    break
+                n = header_length(prefix, limits)
+                try:
+                    async with asyncio.timeout(limits.frame_timeout_s):
+                        header = parse_header(await self._read_exactly(n, "header"), limits)
+                        payload = await self._read_exactly(header.nbytes, "payload") if header.nbytes else None
+                except TimeoutError:
+                    raise FrameError(f"frame not completed within {limits.frame_timeout_s} s") from None
+                await self._dispatch(build_frame(header, payload))
+        except FrameError as e:
+            log.warning("closing connection with %s: bad frame: %s", self.peer, e)
+            with contextlib.suppress(Exception):
+                head, _ = encode_frame(error_frame(str(e), e.code))
+                self._writer.write(head)
+            reason = e
+        except asyncio.CancelledError:
+            raise
+        except (ConnectionError, OSError, ssl.SSLError) as e:
+            reason = ConnectionClosed(f"connection to {self.peer} lost: {type(e).__name__}: {e}")
+            log.info("%s", reason)
+        except Exception as e:  # a bug here must not leave a half-dead connection
+            log.exception("read loop of %s failed", self.peer)
+            reason = e
+        self._shutdown(reason)
+
+    async def _dispatch(self, frame: Frame) -> None:
+        if frame.response:
+            fut = self._pending.pop(frame.id, None)
+            if fut is None or fut.done():
+                log.debug("dropping a late or unknown response %s #%d from %s", frame.type, frame.id, self.peer)
+            elif frame.type == "error":
+                fut.set_exception(_remote_error(frame))
+            else:
+                fut.set_result(frame)
+            return
+        if frame.type == "error":  # the peer says why it is about to close
+            self._peer_error = _remote_error(frame)
+            log.warning("%s reports an error: %s", self.peer, self._peer_error)
+            return
+        if frame.id:
+            await self._call_slots.acquire()
+            self._track(self._loop.create_task(self._run_call(frame)))
+            return
+        lane = frame.lane or frame.type
+        q = self._lanes.get(lane)
+        if q is None:
+            if len(self._lanes) >= MAX_LANES:
+                raise FrameError(f"more than {MAX_LANES} one-way lanes on one connection")
+            q = self._lanes[lane] = asyncio.Queue(LANE_QUEUE)
+            self._track(self._loop.create_task(self._lane_worker(lane, q)))
+        await q.put(frame)
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_call(self, frame: Frame) -> None:
+        try:
+            try:
+                if self.handler is None:
+                    raise UnknownFrameType(f"this side takes no requests (got {frame.type!r})")
+                resp = await self.handler(self, frame)
+                if resp is None:
+                    resp = Frame("ok")
+                elif not isinstance(resp, Frame):
+                    raise TypeError(f"handler for {frame.type!r} returned {type(resp).__name__}, not a Frame")
+                resp.id, resp.response, resp.lane = frame.id, True, None
+                try:
+                    await self._write(resp)
+                    return
+                except (TypeError, ValueError) as e:  # could not encode the response
+                    raise TypeError(f"response to {frame.type!r} cannot be sent: {e}") from None
+            except asyncio.CancelledError:
+                raise
+            except ConnectionClosed:
+                return
+            except RemoteError as e:
+                resp = error_frame(e.message, e.code)
+            except Exception as e:
+                log.exception("handler for %s from %s failed", frame.type, self.peer)
+                resp = error_frame(f"{type(e).__name__}: {e}", "handler_error")
+            resp.id, resp.response = frame.id, True
+            with contextlib.suppress(ConnectionClosed):
+                await self._write(resp)
+        finally:
+            self._call_slots.release()
+
+    async def _lane_worker(self, lane: str, q: asyncio.Queue[Frame]) -> None:
+        while True:
+            frame = await q.get()
+            try:
+                if self.handler is None:
+                    log.warning("dropping one-way %s from %s: this side has no handler", frame.type, self.peer)
+                    continue
+                await self.handler(self, frame)
+            except asyncio.CancelledError:
+                raise
+            except ConnectionClosed:
+                pass
+            except RemoteError as e:
+                log.warning("one-way %s from %s refused: %s", frame.type, self.peer, e)
+            except Exception:
+                log.exception("handler for one-way %s from %s failed", frame.type, self.peer)
+
+    def _shutdown(self, reason: BaseException | None) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if not self.closed.done():
+            self.closed.set_result(reason)
+        err = self._closed_error()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        current = asyncio.current_task()
+        for t in (self._read_task, *self._tasks):
+            if t is not None and t is not current:
+                t.cancel()
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for cb in callbacks:
+            self._run_callback(cb, reason)
+
+    def _run_callback(self, cb: CloseCallback, reason: BaseException | None) -> None:
+        try:
+            r = cb(self, reason)
+            if inspect.isawaitable(r):
+                self._track(asyncio.ensure_future(r))
+        except Exception:
+            log.exception("close callback of %s failed", self.peer)
+
+
+class Dispatcher:
+    """A handler that routes frames by type; an unknown type is refused (``unknown_type``).
+
+    ::
+
+        d = Dispatcher()
+
+        @d.route("ping")
+        async def ping(conn, frame): return Frame("pong")
+
+        d.add("forward", node.forward)
+    """
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Handler] = {}
+
+    def add(self, type: str, handler: Handler) -> None:
+        self.routes[type] = handler
+
+    def route(self, type: str) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            self.add(type, fn)
+            return fn
+
+        return deco
+
+    async def __call__(self, conn: Connection, frame: Frame) -> Frame | None:
+        fn = self.routes.get(frame.type)
+        if fn is None:
+            raise UnknownFrameType(f"unknown frame type {frame.type!r}")
+        return await fn(conn, frame)
+
+
+# ------------------------------------------------------------------ server
+
+
+class Server:
+    """A listening server (see :func:`serve`). ``port`` is the bound port (useful with port 0);
+    ``connections`` the authenticated connections now open."""
+
+    def __init__(
+        self,
+        handler: Handler | None,
+        *,
+        security: Security,
+        limits: Limits,
+        on_connect: Callable[[Connection], Any] | None,
+        max_concurrent_calls: int,
+    ) -> None:
+        self.handler = handler
+        self.security = security
+        self.limits = limits
+        self.on_connect = on_connect
+        self.max_concurrent_calls = max_concurrent_calls
+        self.host = ""
+        self.port = 0
+        self.connections: set[Connection] = set()
+        self._handshakes: set[asyncio.Task] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._closed = False
+
+    async def _start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._accept, host, port, limit=STREAM_LIMIT)
+        sockname = self._server.sockets[0].getsockname()
+        self.host, self.port = sockname[0], sockname[1]
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if self._closed:
+            writer.transport.abort()
+            return
+        assert task is not None
+        self._handshakes.add(task)
+        peer = _fmt_addr(writer.get_extra_info("peername"))
+        sec = self.security
+        try:
+            _set_nodelay(writer)
+            try:
+                async with asyncio.timeout(sec.handshake_timeout_s):
+                    fp_client, name = b"", ""
+                    if sec.enable_tls:
+                        try:
+                            await writer.start_tls(sec.server_context())
+                        except (ssl.SSLError, ConnectionError, OSError) as e:
+                            raise AuthError(
+                                f"TLS handshake failed ({e}): the peer has no certificate of this "
+                                "cluster, or TLS is off on its side"
+                            ) from None
+                        fp_client, name = _peer_identity(writer)
+                    await auth.server_handshake(
+                        reader, writer, sec.cluster_key, fp_server=sec.fingerprint if sec.enable_tls else b"",
+                        fp_client=fp_client, peer=peer,
+                    )
+            except TimeoutError:
+                raise AuthError(f"no complete handshake within {sec.handshake_timeout_s} s") from None
+            except (ssl.SSLError, ConnectionError, OSError) as e:
+                if isinstance(e, HandshakeError):
+                    raise
+                raise AuthError(f"connection failed during the handshake: {type(e).__name__}: {e}") from None
+        except HandshakeError as e:
+            log.warning("refused connection from %s: %s", peer, e)
+            writer.transport.abort()
+            return
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            raise
+        except Exception:
+            log.exception("handshake with %s failed", peer)
+            writer.transport.abort()
+            return
+        finally:
+            self._handshakes.discard(task)
+        conn = Connection(
+            reader, writer, handler=self.handler, limits=self.limits, peer=peer, peer_name=name,
+            max_concurrent_calls=self.max_concurrent_calls,
+        )
+        if self._closed:
+            conn.close()
+            return
+        self.connections.add(conn)
+        conn.on_close(lambda c, _r: self.connections.discard(c))
+        log.info("accepted connection from %s (%s)", peer, name or "no certificate")
+        conn.start()
+        if self.on_connect is not None:
+            try:
+                r = self.on_connect(conn)
+                if inspect.isawaitable(r):
+                    await r
+            except Exception:
+                log.exception("on_connect for %s failed", peer)
+
+    def close(self) -> None:
+        """Stop listening and close every connection (idempotent)."""
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._handshakes):
+            t.cancel()
+        for c in list(self.connections):
+            c.close(ConnectionClosed("server closed"))
+
+    async def wait_closed(self) -> None:
+        conns = list(self.connections)
+        pending = [c.wait_closed() for c in conns]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._handshakes:
+            await asyncio.wait(list(self._handshakes), timeout=CLOSE_TIMEOUT_S)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        await self.wait_closed()
+
+
+async def serve(
+    handler: Handler | None,
+    host: str,
+    port: int,
+    *,
+    security: Security,
+    limits: Limits = DEFAULT_LIMITS,
+    on_connect: Callable[[Connection], Any] | None = None,
+    max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
+) -> Server:
+    """Listen on ``host:port`` (port 0: any free port, see ``Server.port``).
+
+    Every accepted connection does TLS (unless ``security.enable_tls`` is false) and the HMAC
+    handshake within ``security.handshake_timeout_s``; refusals are logged and closed. Then its
+    frames go to ``handler`` and ``on_connect(conn)`` is called (it may be a coroutine function).
+    """
+    server = Server(
+        handler, security=security, limits=limits, on_connect=on_connect,
+        max_concurrent_calls=max_concurrent_calls,
+    )
+    await server._start(host, port)
+    log.info("listening on %s:%d (TLS %s)", server.host, server.port, "on" if security.enable_tls else "OFF")
+    return server
+
+
+# ------------------------------------------------------------------ client
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    security: Security,
+    timeout: float = 5.0,
+    handler: Handler | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
+) -> Connection:
+    """Open an authenticated connection to a server (TCP, TLS, HMAC handshake within ``timeout``).
+
+    ``handler`` serves frames the server sends on its own initiative (calls and one-way frames).
+    Raises :class:`ConnectError` (not reachable), :class:`AuthError` (wrong cluster, refused),
+    :class:`ProtocolMismatch` (other protocol version) or :class:`HandshakeError`.
+    """
+    peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                reader, writer = await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
+            except OSError as e:
+                raise ConnectError(
+                    f"cannot connect to {peer}: {e.strerror or e}: is the node agent running there "
+                    "(exo-tui node) and the port reachable?"
+                ) from None
+            _set_nodelay(writer)
+            fp_server, name = b"", ""
+            if security.enable_tls:
+                try:
+                    await writer.start_tls(security.client_context())
+                except (ssl.SSLError, ConnectionError, OSError) as e:
+                    raise HandshakeError(
+                        f"TLS handshake with {peer} failed ({e}): its certificate is not from this "
+                        "cluster's CA, or TLS is off on one side (network.security.enable_tls)"
+                    ) from None
+                fp_server, name = _peer_identity(writer)
+            try:
+                await auth.client_handshake(
+                    reader, writer, security.cluster_key, fp_server=fp_server,
+                    fp_client=security.fingerprint if security.enable_tls else b"", peer=peer,
+                )
+            except (ssl.SSLError, ConnectionResetError, BrokenPipeError) as e:
+                raise AuthError(
+                    f"{peer} refused the connection during the handshake ({e}): "
+                    "this side's certificate is not from its cluster's CA"
+                ) from None
+    except TimeoutError:
+        if writer is not None:
+            writer.transport.abort()
+        raise ConnectError(f"no complete connection to {peer} within {timeout} s (host down or firewalled?)") from None
+    except BaseException:
+        if writer is not None:
+            writer.transport.abort()
+        raise
+    conn = Connection(
+        reader, writer, handler=handler, limits=limits, peer=peer, peer_name=name,
+        max_concurrent_calls=max_concurrent_calls,
+    )
+    conn.start()
+    return conn
