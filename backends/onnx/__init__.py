@@ -1,0 +1,107 @@
+"""The ONNX Runtime backend: each shard is one ONNX graph built with ``onnx.helper`` and run on
+ONNX Runtime's CPU execution provider, 4-bit and 8-bit GGUF blocks kept quantized
+(``com.microsoft`` ``MatMulNBits``), attention and the KV cache in ``GroupQueryAttention``."""
+
+from __future__ import annotations
+
+import os
+
+from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights
+
+PRECISIONS = {"float32": 0, "int8": 4}
+"""``MatMulNBits`` ``accuracy_level`` per precision. ``float32`` (the default) matches float32 math
+on the dequantized weights; ``int8`` quantizes activations per block (faster, less exact)."""
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except ImportError:
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+class ONNXBackend(Backend):
+    """Shards on ONNX Runtime (CPU).
+
+    ``threads``: intra-op threads per shard (default: env ``EXO_TUI_THREADS``, else the number of
+    physical cores). ``precision``: ``"float32"`` (default) or ``"int8"`` (env
+    ``EXO_TUI_ONNX_PRECISION``), the latter faster but not bit-faithful to float32 math.
+    """
+
+    name = "onnx"
+
+    def __init__(self, threads: int | None = None, precision: str | None = None) -> None:
+        if threads is None:
+            env = os.environ.get("EXO_TUI_THREADS", "").strip()
+            if env:
+                try:
+                    threads = int(env)
+                except ValueError:
+                    raise BackendError(f"EXO_TUI_THREADS={env!r} is not a whole number of threads") from None
+        if threads is not None and threads < 1:
+            raise BackendError(f"threads must be at least 1, got {threads}")
+        self.threads = threads or physical_cores()
+        precision = precision or os.environ.get("EXO_TUI_ONNX_PRECISION", "").strip() or "float32"
+        if precision not in PRECISIONS:
+            raise BackendError(
+                f"unknown ONNX precision {precision!r}: choose one of {', '.join(PRECISIONS)}"
+            )
+        self.precision = precision
+        self._available: bool | None = None
+
+    def available(self) -> bool:
+        if self._available is None:
+            try:
+                import onnx  # noqa: F401
+                import onnxruntime as ort
+
+                self._available = "CPUExecutionProvider" in ort.get_available_providers()
+            except ImportError:
+                self._available = False
+        return self._available
+
+    def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
+        if not self.available():
+            raise BackendError("ONNX Runtime is not installed: pip install onnxruntime onnx")
+        check_shard(config, weights)
+        from backends.onnx.shard import ONNXShard
+
+        return ONNXShard(config, weights, threads=self.threads, accuracy_level=PRECISIONS[self.precision])
+
+
+def check_shard(config: ModelConfig, weights: ShardWeights) -> None:
+    """Errors for weights that do not fit the config, before any graph is built."""
+    c = config
+    if not 0 <= weights.start < weights.end <= c.n_layers:
+        raise BackendError(f"layer range [{weights.start}, {weights.end}) is not within [0, {c.n_layers})")
+    if c.n_heads % c.n_kv_heads or c.head_dim % 2:
+        raise BackendError(
+            f"unsupported attention shape: {c.n_heads} heads, {c.n_kv_heads} KV heads, head_dim {c.head_dim}"
+        )
+    if weights.start == 0 and weights.embed is None:
+        raise BackendError("the first shard needs the token embedding (weights.embed)")
+    if weights.end == c.n_layers and (weights.norm is None or weights.output is None):
+        raise BackendError("the last shard needs the final norm and the output matrix")
+    h, qd, kvd = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {
+        "wq": (qd, h), "wk": (kvd, h), "wv": (kvd, h), "wo": (h, qd),
+        "w_gate": (c.intermediate_size, h), "w_up": (c.intermediate_size, h), "w_down": (h, c.intermediate_size),
+    }
+    for i, lw in enumerate(weights.layers):
+        for name, shape in shapes.items():
+            got = tuple(getattr(lw, name).shape)
+            if got != shape:
+                raise BackendError(f"layer {weights.start + i} {name} has shape {got}, expected {shape}")
+        for name in ("attn_norm", "ffn_norm"):
+            if tuple(getattr(lw, name).shape) != (h,):
+                raise BackendError(f"layer {weights.start + i} {name} has shape {getattr(lw, name).shape}, expected ({h},)")
+    for name in ("embed", "output"):
+        w = getattr(weights, name)
+        if w is not None and tuple(w.shape) != (c.vocab_size, h):
+            raise BackendError(f"{name} has shape {tuple(w.shape)}, expected ({c.vocab_size}, {h})")
+
+
+__all__ = ["ONNXBackend", "PRECISIONS", "check_shard", "physical_cores"]

@@ -1,0 +1,234 @@
+"""The ONNX graph of a shard: layers ``[start, end)`` of a llama model (and the head on the last
+shard), written with ``onnx.helper``, one ``session.run`` per step.
+
+Per layer::
+
+    a      = RMSNorm(h)                                  SkipSimplifiedLayerNormalization
+    qkv    = a @ [Wq; Wk; Wv].T                          MatMulNBits (one, fused)
+    o, K, V = GroupQueryAttention(qkv, past K, past V)   rotary on adjacent pairs, in-place cache
+    h      = h + o @ Wo.T
+    m      = RMSNorm(h)
+    h      = h + (silu(m @ Wg.T) * (m @ Wu.T)) @ Wd.T    gate and up fused; QuickGelu(alpha=1)=silu
+
+The residual add of each block is fused into the next norm. Inputs: ``hidden_in`` ``(1, T, H)``,
+``seqlens_k`` ``(1,)`` int32 (cached + T - 1), ``total_seq_len`` scalar int32 (cached + T),
+``past_key_i`` / ``past_value_i`` ``(1, n_kv_heads, capacity, head_dim)``; on the last shard also
+``logits_start`` ``(1,)`` int64 (the first position whose logits are wanted). Outputs:
+``hidden_out`` or ``logits``, and ``present_key_i`` / ``present_value_i``, which the shard binds to
+the same buffers as the past ones so attention appends to the cache in place.
+
+Weights do not go into the protobuf: they are external initializers handed to the session as
+NumPy-backed ``OrtValue``s (no copy, no 2 GB protobuf limit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from backends.base import ModelConfig, ShardWeights, Weight
+from backends.onnx.weights import dense_linear, quantized_linear, runs_quantized, same_kind
+
+MS = "com.microsoft"
+OPSET = 21
+
+
+@dataclass
+class ShardGraph:
+    """The model proto and the arrays of its external initializers."""
+
+    model: onnx.ModelProto
+    initializers: dict[str, np.ndarray] = field(default_factory=dict)
+    kv_inputs: list[tuple[str, str]] = field(default_factory=list)  # (past_key_i, past_value_i)
+    kv_outputs: list[tuple[str, str]] = field(default_factory=list)  # (present_key_i, present_value_i)
+    output: str = "hidden_out"
+
+
+def rotary_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of ``position * theta ** (-2i / head_dim)``, ``(context_length, head_dim / 2)``."""
+    d = config.head_dim
+    inv = config.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.arange(config.context_length, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class _Builder:
+    def __init__(self, config: ModelConfig, accuracy_level: int) -> None:
+        self.c = config
+        self.accuracy_level = accuracy_level
+        self.nodes: list[onnx.NodeProto] = []
+        self.arrays: dict[str, np.ndarray] = {}
+        self.small: list[onnx.TensorProto] = []
+        self._n = 0
+        self._blocksums: dict[tuple[str, int], str] = {}
+
+    def name(self, stem: str) -> str:
+        self._n += 1
+        return f"{stem}_{self._n}"
+
+    def node(self, op: str, inputs: list[str], stem: str, domain: str = "", n_out: int = 1, **attrs) -> list[str]:
+        outs = [self.name(stem) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=self.name(op), domain=domain, **attrs))
+        return outs
+
+    def weight(self, stem: str, array: np.ndarray) -> str:
+        name = self.name(stem)
+        self.arrays[name] = np.ascontiguousarray(array)
+        return name
+
+    def const(self, stem: str, array: np.ndarray) -> str:
+        name = self.name(stem)
+        self.small.append(onnx.numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    # ------------------------------------------------------------------ blocks
+
+    def rms_norm(self, x: str, weight: np.ndarray, skip: str | None = None) -> tuple[str, str]:
+        """``(normed, residual_sum)``: RMSNorm of ``x + skip`` (or of ``x``) and that sum."""
+        w = self.weight("norm_w", np.asarray(weight, dtype=np.float32))
+        if skip is None:
+            (y,) = self.node("SimplifiedLayerNormalization", [x, w], "normed", axis=-1, epsilon=self.c.rms_eps)
+            return y, x
+        y, _, _, s = self.node(
+            "SkipSimplifiedLayerNormalization", [x, skip, w], "normed", domain=MS, n_out=4, epsilon=self.c.rms_eps
+        )
+        return y, s
+
+    def linear(self, x: str, weights: list[Weight], stem: str) -> str:
+        """``x @ concat(weights).T``; matrices of one kind run as one fused op."""
+        groups: list[list[Weight]] = []
+        for w in weights:
+            if groups and same_kind(groups[-1][0], w):
+                groups[-1].append(w)
+            else:
+                groups.append([w])
+        outs = [self._linear_group(x, g, stem) for g in groups]
+        if len(outs) == 1:
+            return outs[0]
+        return self.node("Concat", outs, stem, axis=-1)[0]
+
+    def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
+        if not runs_quantized(weights[0]):
+            w = self.weight(f"{stem}_w", dense_linear(weights))
+            return self.node("MatMul", [x, w], stem)[0]
+        ql = quantized_linear(weights)  # type: ignore[arg-type]
+        outs = []
+        for part in ql.parts:
+            b = self.weight(f"{stem}_q", part.packed)
+            s = self.weight(f"{stem}_s", part.scales)
+            inputs = [x, b, s]
+            if part.zero_point != 8:
+                blocks = ql.k // ql.group
+                zp = np.full((ql.n, (blocks + 1) // 2), (part.zero_point & 15) * 17, dtype=np.uint8)
+                inputs.append(self.weight(f"{stem}_zp", zp))
+            outs += self.node(
+                "MatMulNBits", inputs, stem, domain=MS,
+                K=ql.k, N=ql.n, bits=4, block_size=ql.group, accuracy_level=self.accuracy_level,
+            )
+        if ql.correction is not None:
+            c = self.weight(f"{stem}_c", np.ascontiguousarray(ql.correction.T))
+            outs += self.node("MatMul", [self.blocksum(x, ql.k, ql.group), c], f"{stem}_corr")
+        y = outs[0]
+        for other in outs[1:]:
+            y = self.node("Add", [y, other], stem)[0]
+        return y
+
+    def blocksum(self, x: str, k: int, group: int) -> str:
+        """Sums of ``x`` over blocks of ``group`` along its last axis: ``(1, T, k // group)``."""
+        key = (x, group)
+        if key not in self._blocksums:
+            shape = self.const("bs_shape", np.array([1, -1, k // group, group], dtype=np.int64))
+            axes = self.const("bs_axes", np.array([-1], dtype=np.int64))
+            (r,) = self.node("Reshape", [x, shape], "blocks")
+            self._blocksums[key] = self.node("ReduceSum", [r, axes], "blocksum", keepdims=0)[0]
+        return self._blocksums[key]
+
+
+def build_shard_graph(config: ModelConfig, weights: ShardWeights, accuracy_level: int = 0) -> ShardGraph:
+    """The ONNX graph of ``weights``' layers; ``accuracy_level`` 0 is float32 math, 4 int8."""
+    c = config
+    is_last = weights.end == c.n_layers
+    b = _Builder(c, accuracy_level)
+    f32 = TensorProto.FLOAT
+    inputs = [
+        helper.make_tensor_value_info("hidden_in", f32, [1, "seq", c.hidden_size]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
+    ]
+    outputs = []
+    graph = ShardGraph(helper.make_model(helper.make_graph([], "empty", [], [])))
+    cos, sin = rotary_tables(c)
+    cos_name, sin_name = b.weight("rope_cos", cos), b.weight("rope_sin", sin)
+    kv_shape = [1, c.n_kv_heads, "capacity", c.head_dim]
+
+    h, skip = "hidden_in", None
+    for i, lw in enumerate(weights.layers):
+        a, h = b.rms_norm(h, lw.attn_norm, skip)
+        qkv = b.linear(a, [lw.wq, lw.wk, lw.wv], f"l{i}_qkv")
+        pk, pv, ok, ov = f"past_key_{i}", f"past_value_{i}", f"present_key_{i}", f"present_value_{i}"
+        inputs += [helper.make_tensor_value_info(n, f32, kv_shape) for n in (pk, pv)]
+        outputs += [helper.make_tensor_value_info(n, f32, kv_shape) for n in (ok, ov)]
+        graph.kv_inputs.append((pk, pv))
+        graph.kv_outputs.append((ok, ov))
+        attn = b.name(f"l{i}_attn")
+        b.nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                [qkv, "", "", pk, pv, "seqlens_k", "total_seq_len", cos_name, sin_name],
+                [attn, ok, ov],
+                name=b.name("GroupQueryAttention"),
+                domain=MS,
+                num_heads=c.n_heads,
+                kv_num_heads=c.n_kv_heads,
+                scale=float(1.0 / np.sqrt(c.head_dim)),
+                do_rotary=1,
+                rotary_interleaved=1,
+            )
+        )
+        o = b.linear(attn, [lw.wo], f"l{i}_o")
+        m, h = b.rms_norm(h, lw.ffn_norm, o)
+        gu = b.linear(m, [lw.w_gate, lw.w_up], f"l{i}_gateup")
+        split = b.const("split", np.array([c.intermediate_size, c.intermediate_size], dtype=np.int64))
+        g, u = b.node("Split", [gu, split], f"l{i}_gu", n_out=2, axis=-1)
+        (act,) = b.node("QuickGelu", [g], f"l{i}_silu", domain=MS, alpha=1.0)
+        (act,) = b.node("Mul", [act, u], f"l{i}_act")
+        skip = b.linear(act, [lw.w_down], f"l{i}_down")
+
+    if is_last:
+        if weights.norm is None or weights.output is None:
+            raise ValueError("the last shard needs the final norm and the output matrix")
+        normed, _ = b.rms_norm(h, weights.norm, skip)
+        inputs.append(helper.make_tensor_value_info("logits_start", TensorProto.INT64, [1]))
+        end = b.const("slice_end", np.array([np.iinfo(np.int64).max], dtype=np.int64))
+        axis = b.const("slice_axis", np.array([1], dtype=np.int64))
+        (tail,) = b.node("Slice", [normed, "logits_start", end, axis], "tail")
+        logits = b.linear(tail, [weights.output], "head")
+        b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits_out"))
+        outputs.insert(0, helper.make_tensor_value_info("logits", f32, [1, "tail", c.vocab_size]))
+        graph.output = "logits"
+    else:
+        b.nodes.append(helper.make_node("Add", [h, skip], ["hidden_out"], name="hidden_out"))
+        outputs.insert(0, helper.make_tensor_value_info("hidden_out", f32, [1, "seq", c.hidden_size]))
+
+    external = []
+    for name, arr in b.arrays.items():
+        t = onnx.TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        t.dims.extend(arr.shape)
+        t.data_location = TensorProto.EXTERNAL
+        entry = t.external_data.add()
+        entry.key, entry.value = "location", f"mem/{name}"
+        external.append(t)
+    g = helper.make_graph(
+        b.nodes, f"llama_{weights.start}_{weights.end}", inputs, outputs, initializer=external + b.small
+    )
+    graph.model = helper.make_model(
+        g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="exo-tui"
+    )
+    graph.model.ir_version = 10
+    graph.initializers = b.arrays
+    return graph
