@@ -1,0 +1,222 @@
+"""Choosing the next token from the model's logits.
+
+The order is Hugging Face's: repetition penalty, temperature, top-k, top-p, min-p, then a draw.
+The draw at a step uses ``np.random.default_rng([seed, len(history)])``: the random state
+depends only on the seed and the position, so a request rebuilt from its token history on
+another node (after a failover or a plan change) samples the same tokens it would have.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+_BINS = 1024
+_BLOCK = 256
+_LOG_FLOOR = -80.0  # weights below e^-80 of the best share the lowest top-p bucket
+
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7  # 0: greedy (argmax)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off; keep tokens with p >= min_p * p(best)
+    repetition_penalty: float = 1.0  # 1.0: off; > 1 discourages tokens already in the history
+    repetition_window: int = 0  # how many of the last history tokens are penalised; 0: all
+    seed: int | None = None  # None: random (see with_seed)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be >= 0 (0 is greedy), not {self.temperature}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 is off), not {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1] (1 is off), not {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            problems.append(f"min_p must be in [0, 1) (0 is off), not {self.min_p}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            problems.append(f"repetition_penalty must be > 0 (1 is off), not {self.repetition_penalty}")
+        if self.repetition_window < 0:
+            problems.append(f"repetition_window must be >= 0 (0 is the whole history), not {self.repetition_window}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            problems.append(f"seed must be in [0, 2**64), not {self.seed}")
+        if problems:
+            raise ValueError("bad sampling parameters: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self) -> SamplingParams:
+        """A copy with a fixed random seed when ``seed`` is None: call it once when a request is
+        accepted, so every node that ever samples for the request draws the same tokens."""
+        if self.seed is not None:
+            return self
+        return replace(self, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for name, value in data.items():
+            if value is None:
+                if name != "seed":
+                    raise ValueError(f"sampling parameter {name} is null")
+                values[name] = None
+            elif name in ("top_k", "repetition_window", "seed"):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"sampling parameter {name} must be an integer, not {value!r}")
+                values[name] = value
+            else:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"sampling parameter {name} must be a number, not {value!r}")
+                values[name] = float(value)
+        return cls(**values)
+
+
+class Sampler:
+    """Samples with one request's parameters. Stateless between calls apart from the resolved
+    seed: the same ``(logits, history)`` always gives the same token."""
+
+    def __init__(self, params: SamplingParams | None = None) -> None:
+        self.params = (params or SamplingParams()).with_seed()
+
+    @property
+    def seed(self) -> int:
+        assert self.params.seed is not None
+        return self.params.seed
+
+    def sample(self, logits: np.ndarray, history: Sequence[int]) -> tuple[int, float]:
+        """The next token id after ``history`` (prompt and tokens generated so far) and its
+        log-probability under the distribution it was drawn from (for greedy: the log-softmax
+        of the raw logits)."""
+        p = self.params
+        raw = np.asarray(logits, dtype=np.float32).reshape(-1)
+        if raw.size == 0:
+            raise ValueError("no logits to sample from")
+        x = self._penalised(raw, history) if p.repetition_penalty != 1.0 else raw
+
+        if p.greedy:
+            token = int(np.argmax(x))
+            if not math.isfinite(float(x[token])):
+                raise ValueError(_bad_logits(raw))
+            return token, float(_log_softmax_at(raw, token))
+
+        top = float(np.max(x))
+        if not math.isfinite(top):
+            raise ValueError(_bad_logits(raw))
+        vocab = x.size
+        scaled = (x - np.float32(top)) * np.float32(1.0 / p.temperature)  # log-weights, best at 0
+        ids: np.ndarray | None = None  # candidate token ids; None: the whole vocabulary
+        if 0 < p.top_k < vocab:
+            kth = np.partition(scaled, vocab - p.top_k)[vocab - p.top_k]
+            ids = np.flatnonzero(scaled >= kth)  # ties with the k-th are kept, as in HF
+        logw = scaled if ids is None else scaled[ids]
+        w = np.exp(logw)  # the best token has weight 1
+        if p.top_p < 1.0:
+            keep = _nucleus(logw, w, p.top_p)
+            ids = keep if ids is None else ids[keep]
+            w = w[keep]
+        if p.min_p > 0.0:
+            keep = np.flatnonzero(w >= p.min_p)  # p / p(best) >= min_p
+            ids = keep if ids is None else ids[keep]
+            w = w[keep]
+        if ids is not None:  # a canonical order: the draw depends on the set, not on sort ties
+            where = np.full(vocab, -1, dtype=np.int64)
+            where[ids] = np.arange(ids.size)
+            ids = np.flatnonzero(where >= 0)
+            w = w[where[ids]]
+        rng = np.random.default_rng([self.seed, len(history)])
+        j, total = _draw(w, rng.random())
+        token = int(j if ids is None else ids[j])
+        return token, math.log(float(w[j]) / total)
+
+    def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        p = self.params
+        window = history[-p.repetition_window :] if p.repetition_window else history
+        if len(window) == 0:
+            return logits
+        seen = np.unique(np.asarray(window, dtype=np.int64))
+        seen = seen[(seen >= 0) & (seen < logits.size)]
+        out = logits.copy()
+        v = out[seen]
+        out[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        return out
+
+
+def _nucleus(logw: np.ndarray, w: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the smallest set of heaviest weights (the best is 1) holding ``top_p`` of the mass.
+
+    O(n): weights are binned by their log into _BINS buckets; only the bucket where the
+    cumulative mass crosses ``top_p`` is sorted.
+    """
+    need = top_p * float(w.sum())
+    lo = max(float(logw.min()), _LOG_FLOOR)
+    if lo >= 0.0:  # all weights equal
+        return np.arange(w.size)
+    b = ((logw - lo) * ((_BINS - 1) / -lo)).clip(0, _BINS - 1).astype(np.int64)
+    mass_from_top = np.cumsum(np.bincount(b, weights=w, minlength=_BINS)[::-1])
+    k = min(int(np.searchsorted(mass_from_top, need, side="left")), _BINS - 1)
+    edge = _BINS - 1 - k  # the bucket where the mass reaches top_p
+    above = np.flatnonzero(b > edge)
+    inside = np.flatnonzero(b == edge)
+    inside = inside[np.argsort(-w[inside], kind="stable")]
+    cum = (float(mass_from_top[k - 1]) if k > 0 else 0.0) + np.cumsum(w[inside])
+    cut = int(np.searchsorted(cum, need, side="left"))  # first position where the mass >= need
+    return np.concatenate([above, inside[: cut + 1]])
+
+
+def _draw(w: np.ndarray, u: float) -> tuple[int, float]:
+    """The index where ``u`` in [0, 1) falls in the cumulative weights, and the total weight.
+
+    Long vectors are cut into blocks: block sums are vectorised, and only the chosen block
+    is scanned (a plain cumulative sum over 49k weights costs half a millisecond).
+    """
+    n = w.size
+    if n <= 4 * _BLOCK:
+        cdf = np.cumsum(w, dtype=np.float64)
+        total = float(cdf[-1])
+        nz = np.flatnonzero(w)
+        j = int(np.searchsorted(cdf[nz], u * total, side="right"))
+        return int(nz[min(j, nz.size - 1)]), total
+    pad = (-n) % _BLOCK
+    wp = np.concatenate([w, np.zeros(pad, dtype=w.dtype)]) if pad else w
+    blocks = np.cumsum(wp.reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64))
+    total = float(blocks[-1])
+    target = u * total
+    bi = min(int(np.searchsorted(blocks, target, side="right")), blocks.size - 1)
+    while bi > 0 and blocks[bi] == blocks[bi - 1]:  # an empty last block (rounding): step back
+        bi -= 1
+    start = bi * _BLOCK
+    inner = wp[start : start + _BLOCK]
+    nz = np.flatnonzero(inner)
+    cdf = (float(blocks[bi - 1]) if bi else 0.0) + np.cumsum(inner[nz], dtype=np.float64)
+    j = min(int(np.searchsorted(cdf, target, side="right")), nz.size - 1)
+    return start + int(nz[j]), total
+
+
+def _log_softmax_at(x: np.ndarray, i: int) -> float:
+    m = float(np.max(x))
+    return float(x[i]) - m - math.log(float(np.exp(x - np.float32(m)).sum(dtype=np.float64)))
+
+
+def _bad_logits(raw: np.ndarray) -> str:
+    n_nan = int(np.isnan(raw).sum())
+    return (
+        f"the model's logits are not usable ({n_nan} NaN of {raw.size}, max {np.nanmax(raw) if n_nan < raw.size else 'nan'}): "
+        "the weights or a backend produced non-finite values; check the model file and the backend"
+    )

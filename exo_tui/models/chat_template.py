@@ -1,0 +1,148 @@
+"""The model's chat template (``tokenizer.chat_template``), rendered with Jinja2 in a sandbox.
+
+Templates are code from the model file, so they run in Jinja2's immutable sandbox, with the
+names Hugging Face templates expect: ``messages``, ``add_generation_prompt``, ``bos_token``,
+``eos_token``, ``raise_exception``, ``strftime_now``, ``tools`` and a ``tojson`` filter that
+keeps non-ASCII text. A file without a template gets ChatML.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from exo_tui.models.gguf_file import GGUFModel
+    from exo_tui.models.tokenizer import Tokenizer
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(Exception):
+    """The chat template cannot be used or rendered; the message names the model file."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    def __init__(
+        self,
+        source: str | None,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        origin: str = "the model file",
+    ) -> None:
+        """``source``: the Jinja2 text (None or empty: ChatML). ``origin`` names the file in errors."""
+        from jinja2 import TemplateError
+
+        self.is_fallback = not source
+        self.source = source or CHATML_TEMPLATE
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.origin = origin
+        try:
+            self._template = _environment().from_string(self.source)
+        except TemplateError as exc:
+            line = getattr(exc, "lineno", None)
+            where = f" (line {line})" if line else ""
+            raise ChatTemplateError(
+                f"the chat template of {origin} does not parse{where}: {exc}; "
+                "fix tokenizer.chat_template in the file or use another model file"
+            ) from exc
+
+    @classmethod
+    def from_gguf(cls, model: GGUFModel, tokenizer: Tokenizer | None = None) -> ChatTemplate:
+        """The template stored in the file, with its BOS/EOS token texts."""
+        source = model.field("tokenizer.chat_template")
+        bos = eos = ""
+        bos_id = model.field("tokenizer.ggml.bos_token_id")
+        eos_id = model.field("tokenizer.ggml.eos_token_id")
+        if tokenizer is not None:
+            bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+            eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+        elif bos_id is not None or eos_id is not None:
+            tokens = model.field("tokenizer.ggml.tokens") or []
+            if bos_id is not None and 0 <= int(bos_id) < len(tokens):
+                bos = str(tokens[int(bos_id)])
+            if eos_id is not None and 0 <= int(eos_id) < len(tokens):
+                eos = str(tokens[int(eos_id)])
+        return cls(str(source) if source else None, bos_token=bos, eos_token=eos, origin=str(model.path))
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for ``messages`` (dicts with ``role`` and ``content``).
+
+        ``extra`` values (``tools``, ``date_string``, ...) are passed to the template as well.
+        """
+        from jinja2 import TemplateError
+        from jinja2.exceptions import SecurityError
+
+        msgs = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise ChatTemplateError(f"message {i} has no role: each message needs a 'role' and a 'content'")
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise ChatTemplateError(f"message {i} ({m['role']}) has content of type {type(content).__name__}: use text")
+            msgs.append(dict(m))
+        context: dict[str, Any] = {
+            "tools": None,
+            **extra,
+            "messages": msgs,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        }
+        try:
+            return self._template.render(**context)
+        except _TemplateRaised as exc:
+            raise ChatTemplateError(f"the chat template of {self.origin} refused the conversation: {exc}") from exc
+        except SecurityError as exc:
+            raise ChatTemplateError(
+                f"the chat template of {self.origin} tried an unsafe operation ({exc}); it was stopped: "
+                "use another model file or replace its template"
+            ) from exc
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise ChatTemplateError(
+                f"the chat template of {self.origin} failed ({type(exc).__name__}: {exc}); "
+                "check the messages (roles, order) or use another model file"
+            ) from exc
