@@ -1,0 +1,187 @@
+"""Running requests through a ring of node agents, and surviving the ring changing under them.
+
+A step sends the request's new tokens to the first hop of the plan in force; each node runs its
+layers and forwards the hidden state to the next; the last samples and sends the token back on
+its connection to the coordinator, which resolves the step's future.
+
+The pipeline remembers, per request, which plan version its KV caches belong to and how many
+tokens they hold. When the plan in force is a newer one — a drain, a rebalance, a failure — and
+the caches were not moved to it, the step re-runs the request's whole token history (its
+checkpoint) on the new ring, which rebuilds the caches there. A failed step is retried on the
+plan the coordinator makes over the survivors, up to ``retry_limit`` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from exo_tui.inference.generate import GenerationError
+from exo_tui.inference.request import Request
+from exo_tui.net.errors import ConnectionClosed, RemoteError
+from exo_tui.net.rpc import Connection
+from exo_tui.node.host import RingPlan
+
+log = logging.getLogger("exo_tui.cluster")
+
+STEP_TIMEOUT_S = 600.0  # last resort; failures are normally detected by heartbeats and sockets
+
+
+class StepFailure(Exception):
+    """A step could not complete; ``node_id`` is the node to suspect (None: unknown)."""
+
+    def __init__(self, message: str, node_id: str | None = None) -> None:
+        super().__init__(message)
+        self.node_id = node_id
+
+
+class PipelineHost(Protocol):
+    """What the pipeline needs from the coordinator."""
+
+    retry_limit: int
+
+    async def plan_ready(self) -> RingPlan:
+        """The plan in force, waiting while a plan switch is under way. Raises
+        :class:`GenerationError` when the cluster cannot serve the model."""
+        ...
+
+    def connection(self, node_id: str) -> Connection:
+        ...
+
+    async def step_failed(self, failure: StepFailure, plan: RingPlan) -> None:
+        """Handle a failed step: suspect/fail the node, and return once a new plan is in force
+        (or raise :class:`GenerationError` when none can be made)."""
+        ...
+
+
+@dataclass
+class _Cached:
+    version: int
+    length: int
+
+
+class RemotePipeline:
+    """A :class:`~exo_tui.inference.generate.StepRunner` over node agents."""
+
+    def __init__(self, host: PipelineHost) -> None:
+        self.host = host
+        self._pending: dict[tuple[str, int, int], asyncio.Future[tuple[int, float]]] = {}
+        self._cached: dict[str, _Cached] = {}
+        self._served: dict[str, tuple[str, ...]] = {}
+        self._active_plans: dict[str, RingPlan] = {}
+
+    # ------------------------------------------------------------------ frames from nodes
+
+    def on_token(self, rid: str, step: int, plan_version: int, token: int, logprob: float) -> None:
+        fut = self._pending.get((rid, step, plan_version))
+        if fut is not None and not fut.done():
+            fut.set_result((token, logprob))
+
+    def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None) -> None:
+        for key, fut in list(self._pending.items()):
+            if key[0] == rid and (step is None or key[1] == step) and not fut.done():
+                fut.set_exception(StepFailure(error, node_id))
+
+    def fail_node(self, node_id: str, reason: str) -> None:
+        """A node died: every step in flight on a plan that includes it fails now."""
+        for (rid, _step, _version), fut in list(self._pending.items()):
+            plan = self._active_plans.get(rid)
+            if plan is not None and any(e.node_id == node_id for e in plan.ring) and not fut.done():
+                fut.set_exception(StepFailure(reason, node_id))
+
+    # ------------------------------------------------------------------ StepRunner
+
+    def cached(self, rid: str) -> tuple[int, int] | None:
+        c = self._cached.get(rid)
+        return (c.version, c.length) if c else None
+
+    def set_cached(self, rid: str, version: int, length: int) -> None:
+        """Record that a request's caches now live on plan ``version`` (after a KV move)."""
+        self._cached[rid] = _Cached(version, length)
+
+    def in_flight(self) -> list[str]:
+        return list(self._cached)
+
+    async def step(self, request: Request, start: int) -> tuple[int, float]:
+        attempts = 0
+        while True:
+            plan = await self.host.plan_ready()
+            cached = self._cached.get(request.id)
+            if cached is not None and cached.version != plan.version:
+                old = self._active_plans.get(request.id)
+                self._cached.pop(request.id, None)
+                if old is not None:
+                    asyncio.create_task(self._drop_on(old, request.id))
+                cached = None
+            pos = cached.length if cached is not None else 0
+            try:
+                token, logprob = await self._run(plan, request, pos)
+            except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
+                attempts += 1
+                failure = exc if isinstance(exc, StepFailure) else StepFailure(str(exc) or type(exc).__name__)
+                log.warning("request %s: step failed on plan %d (%s); attempt %d", request.id, plan.version, failure, attempts)
+                self._cached.pop(request.id, None)
+                if attempts > self.host.retry_limit:
+                    raise GenerationError(
+                        f"request {request.id} failed {attempts} times in a row; last error: {failure}"
+                    ) from exc
+                await self.host.step_failed(failure, plan)
+                continue
+            self._cached[request.id] = _Cached(plan.version, len(request.tokens))
+            return token, logprob
+
+    async def _run(self, plan: RingPlan, request: Request, pos: int) -> tuple[int, float]:
+        tokens = request.tokens
+        step = len(request.generated)
+        key = (request.id, step, plan.version)
+        fut: asyncio.Future[tuple[int, float]] = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        self._active_plans[request.id] = plan
+        self._served[request.id] = tuple(e.node_id for e in plan.ring)
+        body = {
+            "rid": request.id,
+            "hop": 0,
+            "pos": pos,
+            "step": step,
+            "n_tokens": len(tokens),
+            "sampling": request.sampling.to_dict(),
+        }
+        if request.sampling.repetition_penalty != 1.0:
+            body["history"] = tokens
+        try:
+            first = plan.ring[0].node_id
+            try:
+                conn = self.host.connection(first)
+            except KeyError as exc:
+                raise StepFailure(f"node {first} is not connected", first) from exc
+            try:
+                await conn.send("forward", body, tensor=np.asarray(tokens[pos:], dtype=np.int64), plan=plan.version)
+            except (ConnectionError, OSError) as exc:
+                raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
+            return await asyncio.wait_for(fut, STEP_TIMEOUT_S)
+        finally:
+            self._pending.pop(key, None)
+
+    async def _drop_on(self, plan: RingPlan, rid: str) -> None:
+        for entry in plan.ring:
+            with contextlib.suppress(Exception):
+                await self.host.connection(entry.node_id).call("drop", {"rid": rid}, timeout=5)
+
+    async def release(self, request: Request) -> None:
+        self._cached.pop(request.id, None)
+        plan = self._active_plans.pop(request.id, None)
+        if plan is not None:
+            await self._drop_on(plan, request.id)
+
+    def served_by(self) -> tuple[str, ...]:
+        if not self._served:
+            return ()
+        return next(reversed(self._served.values()))
+
+    def served_by_request(self, rid: str) -> tuple[str, ...]:
+        return self._served.get(rid, ())

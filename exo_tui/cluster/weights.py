@@ -1,0 +1,105 @@
+"""Putting a shard's weights on a node: from a path it can read, or streamed in chunks.
+
+Streaming sends the tensors' stored bytes (quantized blocks stay blocks) in chunks of
+``CHUNK_BYTES``, each with its SHA-256; the node checks every chunk and refuses a bad one, which
+is then sent again (up to ``CHUNK_RETRIES`` times) before the load fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.net.errors import RemoteError
+from exo_tui.net.rpc import Connection
+
+CHUNK_BYTES = 4 << 20
+CHUNK_RETRIES = 3
+LOAD_TIMEOUT_S = 300.0
+
+Progress = Callable[[int, int], None]  # (done_bytes, total_bytes)
+
+
+class WeightTransferError(RuntimeError):
+    pass
+
+
+async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None) -> dict:
+    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend}, timeout=LOAD_TIMEOUT_S)
+    return reply.body
+
+
+async def stream_shard(
+    conn: Connection,
+    model: GGUFModel,
+    start: int,
+    end: int,
+    backend: str | None,
+    *,
+    progress: Progress | None = None,
+    corrupt: Callable[[int, bytes], bytes] | None = None,
+) -> dict:
+    """Stream layers ``[start, end)`` of ``model`` to the node on ``conn`` and load them there.
+
+    ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index.
+    """
+    names = model.shard_tensor_names(start, end)
+    infos = [model.tensor_info(n) for n in names]
+    total = sum(i.nbytes for i in infos)
+    transfer_id = f"t-{os.urandom(6).hex()}"
+    await conn.call(
+        "load_begin",
+        {
+            "transfer_id": transfer_id,
+            "config": dataclasses.asdict(model.config),
+            "start": start,
+            "end": end,
+            "backend": backend,
+            "tensors": [{"name": i.name, "type": i.type_name, "shape": list(i.shape), "nbytes": i.nbytes} for i in infos],
+        },
+        timeout=30,
+    )
+    sent = 0
+    index = 0
+    for chunk in _chunks(model, names):
+        sha = hashlib.sha256(chunk).hexdigest()
+        for attempt in range(CHUNK_RETRIES + 1):
+            data = corrupt(index, chunk) if corrupt is not None else chunk
+            try:
+                await conn.call("load_chunk", {"transfer_id": transfer_id, "offset": sent, "sha256": sha}, payload=data, timeout=60)
+                break
+            except RemoteError as exc:
+                if "checksum" not in str(exc) or attempt == CHUNK_RETRIES:
+                    raise WeightTransferError(
+                        f"streaming layers [{start}, {end}) failed at byte {sent} of {total}: {exc}"
+                        + (f" (after {attempt + 1} tries: check the network path to this node)" if attempt else "")
+                    ) from exc
+        sent += len(chunk)
+        index += 1
+        if progress is not None:
+            progress(sent, total)
+    reply = await conn.call("load_commit", {"transfer_id": transfer_id}, timeout=LOAD_TIMEOUT_S)
+    return reply.body
+
+
+def _chunks(model: GGUFModel, names: list[str]):  # noqa: ANN202
+    """The tensors' stored bytes, back to back, cut into chunks of CHUNK_BYTES."""
+    pending = bytearray()
+    for name in names:
+        _, raw = model.raw_tensor(name)
+        view = memoryview(np.ascontiguousarray(raw)).cast("B")
+        offset = 0
+        while offset < len(view):
+            take = min(CHUNK_BYTES - len(pending), len(view) - offset)
+            pending += view[offset : offset + take]
+            offset += take
+            if len(pending) == CHUNK_BYTES:
+                yield bytes(pending)
+                pending.clear()
+    if pending:
+        yield bytes(pending)

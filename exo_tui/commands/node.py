@@ -1,0 +1,76 @@
+"""``exo-tui node``: run the node agent on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import socket
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "node",
+        help="run the node agent (serves shards to a coordinator)",
+        description="Run the node agent: profile this device, then serve shards to the coordinator.",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    p.add_argument("--port", type=int, default=52416)
+    p.add_argument("--name", default=None, help="node name (default: the host name)")
+    p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="cap the memory this node offers")
+    p.add_argument("--key-file", default=None, help="node bundle (cluster key and certificates) from the coordinator")
+    p.add_argument("--join", default=None, metavar="TOKEN", help="fetch the cluster key with a join token first")
+    p.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
+    p.add_argument("--no-tls", action="store_true", help="plain TCP (only to measure what TLS costs)")
+    p.add_argument("--no-benchmark", action="store_true", help="skip the start-up layer benchmark")
+    p.add_argument("--print-profile", action="store_true", help="print this device's profile as JSON and exit")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    from backends import default_backend_name
+    from backends.base import BackendError
+
+    name = args.name or socket.gethostname()
+    backend = default_backend_name() if args.backend == "auto" else args.backend
+    limit = int(args.memory_limit * 1e9) if args.memory_limit else None
+    if args.print_profile:
+        from exo_tui.node.profile import benchmark, device_profile
+
+        profile = device_profile(name, limit)
+        if not args.no_benchmark:
+            profile = benchmark(profile)
+        print(json.dumps(profile.to_dict(), indent=2))
+        return 0
+
+    from exo_tui.net.security import Security, SecurityError
+    from exo_tui.node.agent import NodeAgent
+
+    try:
+        if args.join:
+            from exo_tui.discovery.join import join_cluster
+
+            key_file = join_cluster(args.join, name=name)
+        else:
+            key_file = args.key_file
+        security = Security.from_bundle_file(key_file, enable_tls=not args.no_tls)
+        agent = NodeAgent(
+            name=name,
+            host=args.host,
+            port=args.port,
+            backend=backend,
+            memory_limit_bytes=limit,
+            security=security,
+            advertise=not args.no_advertise,
+            run_benchmark=not args.no_benchmark,
+        )
+        asyncio.run(agent.run_until_signalled())
+    except (SecurityError, BackendError, OSError) as exc:
+        print(f"exo-tui node: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,239 @@
+"""The shards a node holds, the plans it knows, and weights arriving over the wire.
+
+Everything here is synchronous and transport-free; :mod:`exo_tui.node.agent` drives it from the
+network. Backend calls happen on one worker thread, so a shard's per-request caches are never
+touched by two steps at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backends import get_backend
+from backends.base import KVCache, ModelConfig, Shard
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, assemble_shard, tensor_from_raw
+
+
+class HostError(Exception):
+    """A request this node cannot serve; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    node_id: str
+    host: str
+    port: int
+    start: int
+    end: int
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """The ring as a node sees it: which layers each hop runs and where to send hidden states."""
+
+    version: int
+    n_layers: int
+    ring: tuple[PlanEntry, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RingPlan:
+        ring = tuple(PlanEntry(**e) for e in d["ring"])
+        plan = cls(int(d["version"]), int(d["n_layers"]), ring)
+        expected = 0
+        for e in ring:
+            if e.start != expected or e.end <= e.start:
+                raise HostError(f"plan {plan.version} is not a contiguous ring of layers at hop {e}")
+            expected = e.end
+        if expected != plan.n_layers:
+            raise HostError(f"plan {plan.version} covers {expected} of {plan.n_layers} layers")
+        return plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "n_layers": self.n_layers,
+            "ring": [e.__dict__ for e in self.ring],
+        }
+
+
+@dataclass
+class Transfer:
+    """Weights of one shard arriving in checksummed chunks."""
+
+    transfer_id: str
+    config: ModelConfig
+    start: int
+    end: int
+    backend: str
+    tensors: list[TensorInfo]
+    total_bytes: int
+    buffer: bytearray = field(default_factory=bytearray)
+    received: int = 0
+
+    def add_chunk(self, offset: int, data: bytes, sha256: str) -> None:
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise HostError(
+                f"transfer {self.transfer_id}: chunk at byte {offset} failed its checksum "
+                "(corrupted in transit): send it again"
+            )
+        if offset != self.received:
+            raise HostError(f"transfer {self.transfer_id}: chunk at byte {offset}, expected {self.received}")
+        if offset + len(data) > self.total_bytes:
+            raise HostError(f"transfer {self.transfer_id}: chunk ends past the announced {self.total_bytes} bytes")
+        if not self.buffer:
+            self.buffer = bytearray(self.total_bytes)
+        self.buffer[offset : offset + len(data)] = data
+        self.received += len(data)
+
+    def tensors_by_name(self) -> dict[str, Any]:
+        if self.received != self.total_bytes:
+            raise HostError(f"transfer {self.transfer_id}: got {self.received} of {self.total_bytes} bytes")
+        raw = np.frombuffer(self.buffer, dtype=np.uint8)
+        out: dict[str, Any] = {}
+        offset = 0
+        for info in self.tensors:
+            out[info.name] = tensor_from_raw(info, raw[offset : offset + info.nbytes])
+            offset += info.nbytes
+        return out
+
+
+@dataclass
+class HostedShard:
+    shard: Shard
+    backend: str
+    start: int
+    end: int
+    nbytes: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+
+class ShardHost:
+    """A node's shards (by layer range), plans (by version) and transfers."""
+
+    def __init__(self, node_id: str, default_backend: str) -> None:
+        self.node_id = node_id
+        self.default_backend = default_backend
+        self.shards: dict[tuple[int, int], HostedShard] = {}
+        self.plans: dict[int, RingPlan] = {}
+        self.transfers: dict[str, Transfer] = {}
+        self.config: ModelConfig | None = None
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ loading
+
+    def load_from_file(self, path: str, start: int, end: int, backend: str | None) -> HostedShard:
+        try:
+            model = GGUFModel(path)
+        except ModelFileError as exc:
+            raise HostError(str(exc)) from exc
+        weights = model.shard_weights(start, end)
+        return self._install(model.config, weights, backend)
+
+    def begin_transfer(self, transfer_id: str, config: ModelConfig, start: int, end: int, backend: str | None,
+                       tensors: list[TensorInfo]) -> Transfer:
+        total = sum(t.nbytes for t in tensors)
+        transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total)
+        self.transfers[transfer_id] = transfer
+        return transfer
+
+    def commit_transfer(self, transfer_id: str) -> HostedShard:
+        transfer = self.transfers.pop(transfer_id, None)
+        if transfer is None:
+            raise HostError(f"no transfer {transfer_id} in progress here: begin it first")
+        tensors = transfer.tensors_by_name()
+        transfer.buffer = bytearray()
+        weights = assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
+        return self._install(transfer.config, weights, transfer.backend)
+
+    def _install(self, config: ModelConfig, weights: Any, backend: str | None) -> HostedShard:
+        name = backend or self.default_backend
+        if self.config is not None and self.config != config and self.shards:
+            # A different model: the old shards cannot be part of the same ring.
+            self.unload_all()
+        shard = get_backend(name).load_shard(config, weights)
+        hosted = HostedShard(shard, name, weights.start, weights.end, weights.nbytes)
+        with self.lock:
+            old = self.shards.pop(hosted.key, None)
+            self.shards[hosted.key] = hosted
+            self.config = config
+        if old is not None:
+            old.shard.close()
+        return hosted
+
+    def unload(self, start: int, end: int) -> bool:
+        with self.lock:
+            hosted = self.shards.pop((start, end), None)
+        if hosted is None:
+            return False
+        hosted.shard.close()
+        return True
+
+    def unload_all(self) -> None:
+        for key in list(self.shards):
+            self.unload(*key)
+
+    # ------------------------------------------------------------------ plans
+
+    def add_plan(self, plan: RingPlan, keep: int = 4) -> None:
+        self.plans[plan.version] = plan
+        for version in sorted(self.plans)[:-keep]:
+            del self.plans[version]
+
+    def hop(self, version: int, hop: int) -> tuple[RingPlan, PlanEntry, HostedShard]:
+        """The plan, this hop's entry and the shard that serves it — or why not."""
+        plan = self.plans.get(version)
+        if plan is None:
+            raise HostError(f"node {self.node_id} does not hold plan {version} (holds {sorted(self.plans)})")
+        if not 0 <= hop < len(plan.ring):
+            raise HostError(f"plan {version} has no hop {hop}")
+        entry = plan.ring[hop]
+        if entry.node_id != self.node_id:
+            raise HostError(f"hop {hop} of plan {version} belongs to {entry.node_id}, not {self.node_id}")
+        hosted = self.shards.get((entry.start, entry.end))
+        if hosted is None:
+            raise HostError(f"node {self.node_id} has not loaded layers [{entry.start}, {entry.end}) of plan {version}")
+        return plan, entry, hosted
+
+    # ------------------------------------------------------------------ KV caches
+
+    def shard_for_layers(self, start: int, end: int) -> HostedShard:
+        for hosted in self.shards.values():
+            if hosted.start <= start and end <= hosted.end:
+                return hosted
+        raise HostError(f"node {self.node_id} holds no shard covering layers [{start}, {end})")
+
+    def export_kv(self, request_id: str, start: int, end: int) -> KVCache:
+        return self.shard_for_layers(start, end).shard.export_kv(request_id).slice_layers(start, end)
+
+    def drop(self, request_id: str) -> None:
+        for hosted in list(self.shards.values()):
+            hosted.shard.drop(request_id)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "requests": len(h.shard.requests())}
+            for h in self.shards.values()
+        ]
+
+
+def kv_to_array(cache: KVCache) -> np.ndarray:
+    """A cache as one float32 array ``(2, layers, n_kv_heads, length, head_dim)`` for the wire."""
+    if not cache.keys:
+        return np.zeros((2, 0, 0, 0, 0), np.float32)
+    return np.stack([np.stack(cache.keys), np.stack(cache.values)]).astype(np.float32, copy=False)
+
+
+def kv_from_array(start: int, end: int, array: np.ndarray) -> KVCache:
+    if array.ndim != 5 or array.shape[0] != 2 or array.shape[1] != end - start:
+        raise HostError(f"KV array of shape {array.shape} does not fit layers [{start}, {end})")
+    length = array.shape[3]
+    return KVCache(start, end, length, [array[0, i] for i in range(end - start)], [array[1, i] for i in range(end - start)])
