@@ -1,0 +1,268 @@
+"""The ONNX Runtime backend against the NumPy reference, split against whole, KV moves, errors.
+
+Tolerance: the reference dequantizes the same codes the backend keeps quantized, so the only
+differences are float32 rounding (summation order, float32 vs float64 softmax/norm). Logits must
+agree within ``RTOL = 1e-4`` of the largest logit's magnitude (observed: ~1e-6 on tiny models,
+~1e-5 on SmolLM2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends import get_backend
+from backends.base import BackendError, KVCache
+from backends.onnx import ONNXBackend, physical_cores
+from exo_tui.models.gguf_file import GGUFModel
+from tests.conftest import WEIGHT_TYPES
+from tests.factory import write_tiny_llama
+from tests.reference import ReferenceShard
+
+RTOL = 1e-4
+PROMPT = np.array([5, 17, 30, 100, 7, 9, 11, 260, 42])
+
+
+def close(a: np.ndarray, b: np.ndarray, rtol: float = RTOL) -> None:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = float(np.abs(a - b).max())
+    scale = float(np.abs(b).max())
+    assert err <= rtol * scale, f"max abs difference {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def load(path: Path, start: int = 0, end: int | None = None, **kw):
+    model = GGUFModel(path)
+    cfg = model.config
+    weights = model.shard_weights(start, cfg.n_layers if end is None else end)
+    return cfg, weights, ONNXBackend(threads=kw.pop("threads", 2), **kw).load_shard(cfg, weights)
+
+
+def decode_tokens(n: int, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(np.array([(31 * i + 3) % 250]), np.array([start + i])) for i in range(n)]
+
+
+@pytest.mark.parametrize("weight_type", [*WEIGHT_TYPES, "F32-untied"])
+def test_logits_match_reference(tiny_models, weight_type):
+    cfg, weights, shard = load(tiny_models[weight_type])
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
+    last = shard.forward("r2", PROMPT, pos)
+    assert last.shape == (1, cfg.vocab_size) and last.dtype == np.float32
+    close(last, ref.forward("r2", PROMPT, pos))
+    for tok, p in decode_tokens(6, len(PROMPT)):
+        close(shard.forward("r", tok, p), ref.forward("r", tok, p))
+    assert shard.kv_length("r") == len(PROMPT) + 6
+
+
+def test_chunked_prefill_equals_one_prefill(tiny_models):
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    ref = ReferenceShard(cfg, weights)
+    whole = ref.forward("a", PROMPT, np.arange(len(PROMPT)), all_logits=True)
+    first = shard.forward("b", PROMPT[:4], np.arange(4), all_logits=True)
+    rest = shard.forward("b", PROMPT[4:], np.arange(4, len(PROMPT)), all_logits=True)
+    close(np.concatenate([first, rest]), whole)
+
+
+def test_kv_buffers_grow_past_capacity(tmp_path):
+    path = write_tiny_llama(tmp_path / "long.gguf", weight_type="Q4_0", context_length=700, seed=4)
+    cfg, weights, shard = load(path)
+    ref = ReferenceShard(cfg, weights)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, 250)
+    close(shard.forward("r", ids, np.arange(250)), ref.forward("r", ids, np.arange(250)))
+    more = rng.integers(0, cfg.vocab_size, 20)  # crosses the first 256-position buffer
+    close(shard.forward("r", more, np.arange(250, 270)), ref.forward("r", more, np.arange(250, 270)))
+    for tok, p in decode_tokens(3, 270):
+        close(shard.forward("r", tok, p), ref.forward("r", tok, p))
+    ids = rng.integers(0, cfg.vocab_size, 700 - 273)
+    shard.forward("r", ids, np.arange(273, 700))
+    with pytest.raises(BackendError, match="context full"):
+        shard.forward("r", np.array([1]), np.array([700]))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_split_equals_whole(tiny_models, k):
+    path = tiny_models["Q4_1"]
+    cfg, _, whole = load(path)
+    _, _, head = load(path, 0, k)
+    _, tail_w, tail = load(path, k)
+    assert head.is_first and not head.is_last and tail.is_last and not tail.is_first
+    pos = np.arange(len(PROMPT))
+    hidden = head.forward("r", PROMPT, pos)
+    assert hidden.shape == (len(PROMPT), cfg.hidden_size) and hidden.dtype == np.float32
+    close(tail.forward("r", hidden, pos, all_logits=True), whole.forward("r", PROMPT, pos, all_logits=True), 1e-5)
+    for tok, p in decode_tokens(4, len(PROMPT)):
+        close(tail.forward("r", head.forward("r", tok, p), p), whole.forward("r", tok, p), 1e-5)
+    # mixed: ONNX layers [0, k) then the NumPy reference for [k, L)
+    ref_tail = ReferenceShard(cfg, tail_w)
+    ref_whole = ReferenceShard(cfg, GGUFModel(path).shard_weights(0, cfg.n_layers))
+    close(ref_tail.forward("m", head.forward("m", PROMPT, pos), pos), ref_whole.forward("m", PROMPT, pos))
+
+
+def test_export_import_moves_a_request(tiny_models):
+    path = tiny_models["Q8_0"]
+    cfg, weights, a = load(path)
+    _, _, b = load(path)
+    pos = np.arange(len(PROMPT))
+    a.forward("r", PROMPT, pos)
+    steps = decode_tokens(5, len(PROMPT))
+    for tok, p in steps[:2]:
+        a.forward("r", tok, p)
+    cache = a.export_kv("r")
+    assert (cache.start, cache.end, cache.length) == (0, cfg.n_layers, len(PROMPT) + 2)
+    assert all(k.shape == (cfg.n_kv_heads, cache.length, cfg.head_dim) and k.dtype == np.float32 for k in cache.keys)
+    b.import_kv("moved", cache)
+    assert b.kv_length("moved") == cache.length and b.requests() == ["moved"]
+    for tok, p in steps[2:]:
+        np.testing.assert_array_equal(b.forward("moved", tok, p), a.forward("r", tok, p))
+
+
+def test_kv_layout_is_the_reference_layout(tiny_models):
+    """Exported keys are rotated, (n_kv_heads, length, head_dim): a cache written by another
+    backend (here the NumPy reference) continues on ONNX."""
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    shard.forward("r", PROMPT, pos)
+    ref.forward("r", PROMPT, pos)
+    exported = shard.export_kv("r")
+    for (rk, rv), k, v in zip(ref.cache["r"], exported.keys, exported.values, strict=True):
+        close(k, rk)
+        close(v, rv)
+    foreign = KVCache(0, cfg.n_layers, len(PROMPT), [k for k, _ in ref.cache["r"]], [v for _, v in ref.cache["r"]])
+    _, _, fresh = load(tiny_models["Q4_1"])
+    fresh.import_kv("r", foreign)
+    for tok, p in decode_tokens(3, len(PROMPT)):
+        close(fresh.forward("r", tok, p), ref.forward("r", tok, p))
+
+
+def test_import_takes_the_shards_layers_from_a_wider_cache(tiny_models):
+    path = tiny_models["F16"]
+    cfg, _, whole = load(path)
+    _, _, tail = load(path, 2)
+    pos = np.arange(len(PROMPT))
+    whole.forward("r", PROMPT, pos)
+    tail.import_kv("r", whole.export_kv("r"))
+    assert tail.export_kv("r").start == 2 and len(tail.export_kv("r").keys) == cfg.n_layers - 2
+    head_cache = whole.export_kv("r").slice_layers(0, 2)
+    with pytest.raises(BackendError, match="does not cover"):
+        tail.import_kv("x", head_cache)
+
+
+def test_drop_and_truncate(tiny_models):
+    cfg, weights, shard = load(tiny_models["Q4_0"])
+    pos = np.arange(len(PROMPT))
+    full = shard.forward("r", PROMPT, pos, all_logits=True)
+    shard.forward("other", PROMPT[:3], np.arange(3))
+    assert sorted(shard.requests()) == ["other", "r"]
+    shard.truncate_kv("r", 4)
+    assert shard.kv_length("r") == 4 and shard.export_kv("r").length == 4
+    again = shard.forward("r", PROMPT[4:], pos[4:], all_logits=True)
+    close(again, full[4:], 1e-6)
+    shard.drop("r")
+    shard.drop("never-seen")
+    assert shard.requests() == ["other"] and shard.kv_length("r") == 0
+    assert shard.export_kv("r").length == 0
+    close(shard.forward("r", PROMPT, pos, all_logits=True), full, 1e-6)
+    shard.close()
+    with pytest.raises(BackendError, match="closed"):
+        shard.forward("r", PROMPT[:1], np.array([0]))
+
+
+def test_bad_input_raises_clear_errors(tiny_models):
+    path = tiny_models["Q4_1"]
+    cfg, _, first = load(path, 0, 2)
+    _, _, last = load(path, 2)
+    with pytest.raises(BackendError, match="integer token ids"):
+        first.forward("r", np.zeros(3, np.float32), np.arange(3))
+    with pytest.raises(BackendError, match="token id out of range"):
+        first.forward("r", np.array([cfg.vocab_size]), np.array([0]))
+    with pytest.raises(BackendError, match="expects hidden"):
+        last.forward("r", np.zeros((2, cfg.hidden_size + 1), np.float32), np.arange(2))
+    with pytest.raises(BackendError, match="non-empty"):
+        first.forward("r", np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    with pytest.raises(BackendError, match="positions start at 3"):
+        first.forward("r", np.array([1]), np.array([3]))
+    with pytest.raises(BackendError, match="consecutive"):
+        first.forward("r", np.array([1, 2]), np.array([0, 2]))
+    assert first.kv_length("r") == 0  # nothing was appended by the failed calls
+    first.forward("r", np.array([1, 2]), np.arange(2))
+    bad = KVCache(0, 2, 2, [np.zeros((cfg.n_kv_heads, 2, cfg.head_dim + 1), np.float32)] * 2,
+                  [np.zeros((cfg.n_kv_heads, 2, cfg.head_dim), np.float32)] * 2)
+    with pytest.raises(BackendError, match="expected"):
+        first.import_kv("r", bad)
+    assert first.kv_length("r") == 2  # a rejected import leaves the cache alone
+
+
+def test_bad_weights_and_options(tiny_models, monkeypatch):
+    model = GGUFModel(tiny_models["Q4_0"])
+    cfg = model.config
+    weights = model.shard_weights(0, 2)
+    weights.embed = None
+    with pytest.raises(BackendError, match="token embedding"):
+        ONNXBackend().load_shard(cfg, weights)
+    weights = model.shard_weights(0, 2)
+    weights.layers[1].wk = weights.layers[1].wq
+    with pytest.raises(BackendError, match="layer 1 wk has shape"):
+        ONNXBackend().load_shard(cfg, weights)
+    with pytest.raises(BackendError, match="unknown ONNX precision"):
+        ONNXBackend(precision="fp4")
+    with pytest.raises(BackendError, match="threads"):
+        ONNXBackend(threads=0)
+    monkeypatch.setenv("EXO_TUI_THREADS", "many")
+    with pytest.raises(BackendError, match="EXO_TUI_THREADS"):
+        ONNXBackend()
+
+
+def test_options_defaults_and_env(monkeypatch):
+    monkeypatch.delenv("EXO_TUI_THREADS", raising=False)
+    monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
+    backend = ONNXBackend()
+    assert backend.threads == physical_cores() and backend.precision == "float32"
+    assert backend.available()
+    monkeypatch.setenv("EXO_TUI_THREADS", "1")
+    monkeypatch.setenv("EXO_TUI_ONNX_PRECISION", "int8")
+    backend = ONNXBackend()
+    assert backend.threads == 1 and backend.precision == "int8"
+    assert ONNXBackend(threads=3, precision="float32").threads == 3
+    assert get_backend("onnx").name == "onnx"
+
+
+def test_int8_precision_is_opt_in_and_close(tiny_models):
+    cfg, weights, fast = load(tiny_models["Q4_1"], precision="int8")
+    _, _, exact = load(tiny_models["Q4_1"])
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    want = ref.forward("r", PROMPT, pos)
+    close(exact.forward("r", PROMPT, pos), want)
+    got = fast.forward("r", PROMPT, pos)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < err < 0.05  # activation quantization: near, not equal
+
+
+@pytest.mark.slow
+def test_default_model_matches_reference(default_model_path):
+    model = GGUFModel(default_model_path)
+    cfg = model.config
+    weights = model.shard_weights(0, cfg.n_layers)
+    shard = ONNXBackend(threads=2).load_shard(cfg, weights)
+    ref = ReferenceShard(cfg, weights)
+    prompt = np.array([1, 9690, 314, 253, 5356, 30, 2, 198])  # any ids; the check is numerical
+    pos = np.arange(len(prompt))
+    got, want = shard.forward("r", prompt, pos), ref.forward("r", prompt, pos)
+    close(got, want)
+    token = int(got.argmax())
+    assert token == int(want.argmax())
+    for i in range(10):
+        p = np.array([len(prompt) + i])
+        got, want = shard.forward("r", np.array([token]), p), ref.forward("r", np.array([token]), p)
+        close(got, want)
+        assert int(got.argmax()) == int(want.argmax()), f"greedy token differs at step {i}"
+        token = int(got.argmax())
+    # and split in two shards of the real model
+    head = ONNXBackend(threads=2).load_shard(cfg, model.shard_weights(0, 13))
+    tail = ONNXBackend(threads=2).load_shard(cfg, model.shard_weights(13, cfg.n_layers))
+    close(tail.forward("s", head.forward("s", prompt, pos), pos), shard.forward("s", prompt, pos), 1e-5)
