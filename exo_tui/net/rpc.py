@@ -635,21 +635,12 @@ async def serve(
 # ------------------------------------------------------------------ client
 
 
-async def connect(
-    host: str,
-    port: int,
-    *,
-    security: Security,
-    timeout: float = 5.0,
-    handler: Handler | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-    max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
-) -> Connection:
-    """Open an authenticated connection to a server (TCP, TLS, HMAC handshake within ``timeout``).
+async def open_authenticated(
+    host: str, port: int, *, security: Security, timeout: float = 5.0
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+    """TCP, TLS and the HMAC handshake, without the frame layer: ``(reader, writer, peer_name)``.
 
-    ``handler`` serves frames the server sends on its own initiative (calls and one-way frames).
-    Raises :class:`ConnectError` (not reachable), :class:`AuthError` (wrong cluster, refused),
-    :class:`ProtocolMismatch` (other protocol version) or :class:`HandshakeError`.
+    For tools and tests that speak raw bytes; applications use :func:`connect`. Raises like it.
     """
     peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     writer: asyncio.StreamWriter | None = None
@@ -691,8 +682,29 @@ async def connect(
         if writer is not None:
             writer.transport.abort()
         raise
+    return reader, writer, name
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    security: Security,
+    timeout: float = 5.0,
+    handler: Handler | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
+) -> Connection:
+    """Open an authenticated connection to a server (TCP, TLS, HMAC handshake within ``timeout``).
+
+    ``handler`` serves frames the server sends on its own initiative (calls and one-way frames).
+    Raises :class:`ConnectError` (not reachable), :class:`AuthError` (wrong cluster, refused),
+    :class:`ProtocolMismatch` (other protocol version) or :class:`HandshakeError`.
+    """
+    reader, writer, name = await open_authenticated(host, port, security=security, timeout=timeout)
     conn = Connection(
-        reader, writer, handler=handler, limits=limits, peer=peer, peer_name=name,
+        reader, writer, handler=handler, limits=limits,
+        peer=f"[{host}]:{port}" if ":" in host else f"{host}:{port}", peer_name=name,
         max_concurrent_calls=max_concurrent_calls,
     )
     conn.start()
