@@ -1,0 +1,44 @@
+"""A scheduler :class:`~exo_tui.scheduler.spec.ModelSpec` from a GGUF file, a registered model
+name (``smollm2-135m``) or a synthetic size (``synthetic:70b``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError
+from exo_tui.scheduler.spec import SYNTHETIC_SHAPES, ModelSpec, synthetic_spec
+
+
+def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: int | None = None) -> ModelSpec:
+    """Layer sizes, embedding/head sizes and KV bytes as the file holds them."""
+    m = model if isinstance(model, GGUFModel) else GGUFModel(model)
+    cfg = m.config
+    return ModelSpec(
+        name=m.name,
+        n_layers=cfg.n_layers,
+        layer_bytes=tuple(m.layer_nbytes(i) for i in range(cfg.n_layers)),
+        embed_bytes=m.embed_nbytes,
+        head_bytes=m.head_nbytes,
+        kv_bytes_per_token_per_layer=cfg.kv_bytes_per_token_per_layer,
+        hidden_size=cfg.hidden_size,
+        context_length=context_length or cfg.context_length,
+        tied_embeddings=m.tied_embeddings,
+    )
+
+
+def resolve_spec(name_or_path: str | os.PathLike[str] | None, context_length: int | None = None) -> ModelSpec:
+    """``synthetic:SIZE`` (no file needed), a registered model name, or a path to a ``.gguf``."""
+    text = str(name_or_path) if name_or_path is not None else None
+    if text is not None and text.lower().startswith("synthetic:"):
+        try:
+            return synthetic_spec(text, context_length=context_length)
+        except ValueError as exc:
+            raise ModelFileError(str(exc)) from exc
+    from exo_tui.models.registry import resolve_model
+
+    path = resolve_model(text)
+    return spec_from_gguf(Path(path), context_length)
+
+
+SYNTHETIC_NAMES = tuple(f"synthetic:{k}" for k in SYNTHETIC_SHAPES)

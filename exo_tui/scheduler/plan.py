@@ -1,0 +1,158 @@
+"""Plans: immutable, versioned values with their predictions. JSON-able via ``to_dict``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PlanShard:
+    """Layers ``[start, end)`` of the model on ``node_id``, run on ``backend``."""
+
+    node_id: str
+    start: int
+    end: int
+    backend: str = ""
+    pinned: bool = False
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class NodePrediction:
+    node_id: str
+    memory_bytes: int  # weights + KV cache (+ embedding / head at the ends)
+    usable_bytes: int  # what the node may use after reserves
+    compute_s: float  # one decode token through this shard (head included on the last)
+    hop_s: float  # the outgoing hop of one token (the last: token id back to the first)
+    stage_s: float  # compute + outgoing hop: the stage time the throughput bound uses
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.usable_bytes
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """What a plan is predicted to do."""
+
+    decode_s_per_token: float  # one stream: every stage and every hop in turn
+    tok_per_s_single: float
+    tok_per_s_saturated: float  # many streams: 1 / slowest stage
+    ttft_s: float  # prefill of ``prompt_tokens`` plus the first token
+    prompt_tokens: int
+    load_balance_coefficient: float  # std / mean of the stage times
+    nodes: tuple[NodePrediction, ...] = ()
+    fits_memory: bool = True
+
+    def node(self, node_id: str) -> NodePrediction | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    @property
+    def memory_per_node(self) -> dict[str, int]:
+        return {n.node_id: n.memory_bytes for n in self.nodes}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The ordered ring of shards that covers every layer exactly once."""
+
+    model: str
+    n_layers: int
+    shards: tuple[PlanShard, ...]
+    strategy: str
+    version: int = 1
+    predictions: Predictions | None = None
+    reasons: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        pos = 0
+        for s in self.shards:
+            if s.start != pos or s.end <= s.start:
+                raise ValueError(f"plan shards must be contiguous and non-empty in ring order; got {self.layout}")
+            pos = s.end
+        if pos != self.n_layers:
+            raise ValueError(f"plan covers layers [0, {pos}) of {self.n_layers}: every layer needs a node")
+
+    @property
+    def layout(self) -> str:
+        return ", ".join(f"{s.node_id}[{s.start},{s.end})" for s in self.shards)
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(s.node_id for s in self.shards)
+
+    def shard_of(self, node_id: str) -> PlanShard | None:
+        return next((s for s in self.shards if s.node_id == node_id), None)
+
+    def owner(self, layer: int) -> str:
+        for s in self.shards:
+            if s.start <= layer < s.end:
+                return s.node_id
+        raise IndexError(f"layer {layer} is not in [0, {self.n_layers})")
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.predictions.tok_per_s_single if self.predictions else 0.0
+
+    def with_version(self, version: int) -> Plan:
+        return Plan(self.model, self.n_layers, self.shards, self.strategy, version, self.predictions, self.reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shards"] = [asdict(s) for s in self.shards]
+        d["reasons"] = list(self.reasons)
+        if self.predictions is not None:
+            d["predictions"]["nodes"] = [asdict(n) for n in self.predictions.nodes]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        pred = d.get("predictions")
+        predictions = None
+        if pred is not None:
+            pred = dict(pred)
+            pred["nodes"] = tuple(NodePrediction(**n) for n in pred.get("nodes", ()))
+            predictions = Predictions(**pred)
+        return cls(
+            model=d["model"],
+            n_layers=int(d["n_layers"]),
+            shards=tuple(PlanShard(**s) for s in d["shards"]),
+            strategy=d["strategy"],
+            version=int(d.get("version", 1)),
+            predictions=predictions,
+            reasons=tuple(d.get("reasons", ())),
+        )
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Layers ``[start, end)`` fixed to ``node_id``: that node holds exactly this range."""
+
+    node_id: str
+    start: int
+    end: int
+
+    @classmethod
+    def parse(cls, text: str) -> Pin:
+        """``NODE:START-END`` (END exclusive), e.g. ``studio:0-40``."""
+        try:
+            node, rng = text.rsplit(":", 1)
+            a, b = rng.split("-", 1)
+            return cls(node, int(a), int(b))
+        except ValueError as exc:
+            raise ValueError(f"pin {text!r} is not NODE:START-END (layers START..END-1), e.g. studio:0-40") from exc
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the operator imposes on a plan."""
+
+    pins: tuple[Pin, ...] = ()
+    drained: frozenset[str] = frozenset()
+    failed: frozenset[str] = frozenset()
+    min_layers_per_shard: int | None = None  # None: the config's value
+    prompt_tokens: int = 512  # for the time-to-first-token prediction

@@ -1,0 +1,179 @@
+"""What the scheduler knows of a model: its layers and their sizes.
+
+:class:`ModelSpec` is plain data. :mod:`exo_tui.models.spec` builds one from a GGUF file;
+:func:`synthetic_spec` builds llama-shaped specs of well-known sizes (``synthetic:70b``) for
+planning clusters without the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Bytes per weight of GGUF block formats (32 weights per block).
+BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32, "Q4_0": 18 / 32}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a model as the scheduler needs it.
+
+    ``layer_bytes`` holds the weight bytes of each transformer block (an int given to the
+    constructor means "every layer this size"). The first shard also holds ``embed_bytes``; the
+    last holds ``head_bytes`` (final norm and output matrix; with tied embeddings that matrix is
+    the embedding, so a single node holding the whole model stores it once). Each layer of a
+    shard also keeps a KV cache of ``kv_bytes_per_token_per_layer * context_length`` bytes. A hop
+    between stages carries ``hidden_size * 4`` bytes per token (float32 hidden state).
+    """
+
+    name: str
+    n_layers: int
+    layer_bytes: tuple[int, ...] | int
+    embed_bytes: int
+    head_bytes: int
+    kv_bytes_per_token_per_layer: int
+    hidden_size: int
+    context_length: int = 4096
+    tied_embeddings: bool = False
+    _mean: float = field(default=0.0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1:
+            raise ValueError(f"model {self.name} has {self.n_layers} layers; it needs at least 1")
+        lb = self.layer_bytes
+        if isinstance(lb, int):
+            lb = (lb,) * self.n_layers
+        lb = tuple(int(b) for b in lb)
+        if len(lb) != self.n_layers:
+            raise ValueError(f"model {self.name}: {len(lb)} layer sizes for {self.n_layers} layers")
+        if any(b <= 0 for b in lb):
+            raise ValueError(f"model {self.name}: every layer must have a positive size in bytes")
+        object.__setattr__(self, "layer_bytes", lb)
+        object.__setattr__(self, "_mean", sum(lb) / len(lb))
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.layer_bytes  # type: ignore[return-value]
+
+    @property
+    def mean_layer_bytes(self) -> float:
+        return self._mean
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        return self.hidden_size * 4
+
+    @property
+    def kv_bytes_per_layer(self) -> int:
+        """KV cache of one layer at the full context length."""
+        return self.kv_bytes_per_token_per_layer * self.context_length
+
+    @property
+    def weight_bytes(self) -> int:
+        extra = 0 if self.tied_embeddings else self.head_bytes
+        if self.tied_embeddings:
+            extra = max(0, self.head_bytes - self.embed_bytes)
+        return sum(self.layers) + self.embed_bytes + extra
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights plus the KV cache of every layer at the full context."""
+        return self.weight_bytes + self.kv_bytes_per_layer * self.n_layers
+
+    def range_bytes(self, start: int, end: int) -> int:
+        """Memory a shard ``[start, end)`` needs: weights, KV cache, embedding/head at the ends."""
+        b = sum(self.layers[start:end]) + self.kv_bytes_per_layer * (end - start)
+        if start == 0:
+            b += self.embed_bytes
+        if end == self.n_layers:
+            b += self.head_bytes
+            if start == 0 and self.tied_embeddings:
+                b -= min(self.embed_bytes, self.head_bytes)
+        return b
+
+    def to_dict(self) -> dict[str, Any]:
+        lb = self.layers
+        return {
+            "name": self.name,
+            "n_layers": self.n_layers,
+            "layer_bytes": lb[0] if len(set(lb)) == 1 else list(lb),
+            "embed_bytes": self.embed_bytes,
+            "head_bytes": self.head_bytes,
+            "kv_bytes_per_token_per_layer": self.kv_bytes_per_token_per_layer,
+            "hidden_size": self.hidden_size,
+            "context_length": self.context_length,
+            "tied_embeddings": self.tied_embeddings,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        lb = d["layer_bytes"]
+        return cls(
+            name=str(d["name"]),
+            n_layers=int(d["n_layers"]),
+            layer_bytes=int(lb) if isinstance(lb, int | float) else tuple(int(x) for x in lb),
+            embed_bytes=int(d["embed_bytes"]),
+            head_bytes=int(d["head_bytes"]),
+            kv_bytes_per_token_per_layer=int(d["kv_bytes_per_token_per_layer"]),
+            hidden_size=int(d["hidden_size"]),
+            context_length=int(d.get("context_length", 4096)),
+            tied_embeddings=bool(d.get("tied_embeddings", False)),
+        )
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    n_layers: int
+    hidden: int
+    intermediate: int
+    n_heads: int
+    n_kv_heads: int
+    vocab: int
+    tied: bool
+    context: int
+    label: str
+
+
+# Published shapes of Llama-family models (SmolLM2 is llama-architecture too).
+SYNTHETIC_SHAPES: dict[str, LlamaShape] = {
+    "135m": LlamaShape(30, 576, 1536, 9, 3, 49152, True, 8192, "SmolLM2-135M"),
+    "1b": LlamaShape(16, 2048, 8192, 32, 8, 128256, True, 8192, "Llama-3.2-1B"),
+    "3b": LlamaShape(28, 3072, 8192, 24, 8, 128256, True, 8192, "Llama-3.2-3B"),
+    "8b": LlamaShape(32, 4096, 14336, 32, 8, 128256, False, 8192, "Llama-3.1-8B"),
+    "13b": LlamaShape(40, 5120, 13824, 40, 40, 32000, False, 4096, "Llama-2-13B"),
+    "70b": LlamaShape(80, 8192, 28672, 64, 8, 128256, False, 8192, "Llama-3.1-70B"),
+    "405b": LlamaShape(126, 16384, 53248, 128, 8, 128256, False, 8192, "Llama-3.1-405B"),
+}
+
+
+def synthetic_spec(size: str, quant: str = "Q4_1", context_length: int | None = None) -> ModelSpec:
+    """A llama-shaped spec of a published size (``"70b"``), weights at ``quant`` (default Q4_1).
+
+    Layer bytes come from the parameter counts: attention ``h*h*2 + h*kv*2`` and MLP ``3*h*i``.
+    Llama-3.1-70B at Q4_1 is 80 layers of about 0.53 GB; the KV cache is float32 as our backends
+    keep it.
+    """
+    key = size.lower().removeprefix("synthetic:")
+    shape = SYNTHETIC_SHAPES.get(key)
+    if shape is None:
+        raise ValueError(f"unknown synthetic model {size!r}: use one of " + ", ".join(f"synthetic:{k}" for k in SYNTHETIC_SHAPES))
+    if quant not in BYTES_PER_WEIGHT:
+        raise ValueError(f"unknown quantization {quant!r}: use one of {', '.join(BYTES_PER_WEIGHT)}")
+    bpw = BYTES_PER_WEIGHT[quant]
+    h, i = shape.hidden, shape.intermediate
+    head_dim = h // shape.n_heads
+    kv = shape.n_kv_heads * head_dim
+    layer_params = 2 * h * h + 2 * h * kv + 3 * h * i
+    norms = 2 * h * 4
+    embed = int(shape.vocab * h * bpw)
+    return ModelSpec(
+        name=f"synthetic:{key} ({shape.label} {quant})",
+        n_layers=shape.n_layers,
+        layer_bytes=int(layer_params * bpw) + norms,
+        embed_bytes=embed,
+        head_bytes=(embed if shape.tied else int(shape.vocab * h * bpw)) + h * 4,
+        kv_bytes_per_token_per_layer=2 * kv * 4,
+        hidden_size=h,
+        context_length=context_length or shape.context,
+        tied_embeddings=shape.tied,
+    )
