@@ -1,0 +1,496 @@
+"""The exo-tui console: a Textual app over :class:`~exo_tui.cluster.view.ClusterControl`.
+
+The app only ever talks to the cluster through that contract: it reads ``snapshot()`` once per
+refresh (``Z`` pauses), follows the event bus in a worker, and runs every slow call (previews,
+plan changes, bootstrap, model loads, chat) in a worker that reports back by message, so keys keep
+working while an answer streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
+from typing import Any
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.screen import ModalScreen, Screen
+
+import themes
+from exo_tui.cluster import events as ev
+from exo_tui.cluster.view import ClusterControl, ClusterSnapshot, HostKeyUnknown, PlanPreview
+from exo_tui.tui import keymap
+from exo_tui.tui.messages import ActionDone, ClusterEventReceived, HostKeyQuestion, PreviewReady
+from exo_tui.tui.screens.detail import NodeDetailScreen
+from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen, Prompt, Question
+from exo_tui.tui.screens.hosts import HostsScreen
+from exo_tui.tui.screens.main import MainScreen
+from exo_tui.tui.widgets.chat import ChatPane
+from exo_tui.tui.widgets.events import EventsLog
+from exo_tui.tui.widgets.nodes import NodesTable
+
+# Plan changes that open a confirmation (the others apply straight after their preview).
+CONFIRM_ACTIONS = frozenset({"drain", "rebalance", "remove"})
+# Events after which the tables should refresh at once rather than at the next tick.
+STRUCTURAL = (
+    ev.NodeJoined,
+    ev.NodeFailed,
+    ev.NodeGone,
+    ev.NodeStateChanged,
+    ev.NodeDiscovered,
+    ev.PlanChanged,
+    ev.HostDiscovered,
+    ev.HostGone,
+    ev.BootstrapProgress,
+)
+GLOBAL_ACTIONS = frozenset(k.action for k in keymap.specs("global"))
+
+
+class ExoApp(App):
+    """``control`` is the cluster; ``on_start``/``on_stop`` (optional) start and stop it on this
+    app's event loop (the embedded coordinator); ``on_theme_change`` saves the chosen theme."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "exo-tui"
+    BINDINGS = keymap.bindings("global")
+    DANGEROUS = keymap.dangerous_actions("global")
+
+    def __init__(
+        self,
+        control: ClusterControl,
+        *,
+        readonly: bool = False,
+        theme: str | None = None,
+        on_theme_change: Callable[[str], Any] | None = None,
+        on_start: Callable[[], Awaitable[Any]] | None = None,
+        on_stop: Callable[[], Awaitable[Any]] | None = None,
+        clock: Callable[[], float] = time.time,
+        refresh_s: float = 1.0,
+        follow_events: bool = True,
+    ) -> None:
+        super().__init__()
+        self.control = control
+        self._readonly_flag = readonly
+        self.readonly = readonly
+        self._initial_theme = theme or themes.DEFAULT_THEME
+        self._on_theme_change = on_theme_change
+        self._on_start = on_start
+        self._on_stop = on_stop
+        self._stopped = False
+        self.clock = clock
+        self.refresh_s = refresh_s
+        self.follow_events = follow_events
+        self.snapshot: ClusterSnapshot | None = None
+        self.paused = False
+        self._paused_events: list[ev.Event] = []
+        self._refresh_pending = False
+        self.bootstrap_steps: dict[str, dict[str, tuple[str, str, float]]] = {}
+        self.main_screen: MainScreen | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_mount(self) -> None:
+        for theme in themes.THEMES:
+            self.register_theme(theme)
+        if self._initial_theme not in self.available_themes:
+            self.notify(
+                f"theme {self._initial_theme!r} is unknown: using {themes.DEFAULT_THEME} "
+                f"(:theme lists the others)",
+                severity="warning",
+            )
+            self._initial_theme = themes.DEFAULT_THEME
+        self.theme = self._initial_theme
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        self.main_screen = MainScreen()
+        self.push_screen(self.main_screen)
+        self.call_after_refresh(self.refresh_now)
+        self.set_interval(self.refresh_s, self.refresh_now, name="refresh")
+        if self._on_start is not None:
+            self._start_cluster()
+        if self.follow_events:
+            self._follow_events()
+
+    @work(group="lifecycle")
+    async def _start_cluster(self) -> None:
+        try:
+            await self._on_start()  # type: ignore[misc]
+        except Exception as exc:
+            self.notify(f"The cluster did not start: {exc}", title="exo-tui", severity="error", timeout=30)
+        self.refresh_now()
+
+    async def _stop_cluster(self) -> None:
+        if self._on_stop is not None and not self._stopped:
+            self._stopped = True
+            try:
+                await self._on_stop()
+            except Exception:
+                pass
+
+    async def action_quit(self) -> None:
+        await self._stop_cluster()
+        self.exit()
+
+    async def on_unmount(self) -> None:
+        await self._stop_cluster()
+
+    # ------------------------------------------------------------------ refresh and events
+
+    def refresh_now(self) -> None:
+        """Read a snapshot and render it (unless paused)."""
+        self._refresh_pending = False
+        if self.main_screen is None or not self.main_screen.is_mounted:
+            return
+        if self.paused:
+            self.main_screen.render_header(self.snapshot, now=self.clock(), paused=True, readonly=self.readonly)
+            return
+        try:
+            snapshot = self.control.snapshot()
+        except Exception as exc:  # the coordinator is still starting, or it broke
+            self.main_screen.render_header(self.snapshot, now=self.clock(), paused=False, readonly=self.readonly)
+            self.log.warning(f"snapshot failed: {exc}")
+            return
+        self.snapshot = snapshot
+        readonly = self._readonly_flag or snapshot.readonly
+        if readonly != self.readonly:
+            self.readonly = readonly
+            self.refresh_bindings()
+        self._render_screens(snapshot)
+
+    def _render_screens(self, snapshot: ClusterSnapshot) -> None:
+        now = self.clock()
+        seen: set[int] = set()
+        for screen in (self.main_screen, self.screen):
+            if screen is None or id(screen) in seen or not hasattr(screen, "render_snapshot"):
+                continue
+            seen.add(id(screen))
+            screen.render_snapshot(snapshot, now=now, paused=self.paused, readonly=self.readonly)
+
+    def _refresh_soon(self) -> None:
+        if not self._refresh_pending and not self.paused:
+            self._refresh_pending = True
+            self.set_timer(0.05, self.refresh_now)
+
+    @work(group="events")
+    async def _follow_events(self) -> None:
+        sub = self.control.events.subscribe(replay=True)
+        try:
+            while True:
+                self.post_message(ClusterEventReceived(await sub.get()))
+        finally:
+            sub.close()
+
+    def on_cluster_event_received(self, message: ClusterEventReceived) -> None:
+        if self.paused:
+            self._paused_events.append(message.event)
+            return
+        self._take_event(message.event)
+
+    def _take_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.BootstrapProgress):
+            self.bootstrap_steps.setdefault(event.host, {})[event.step] = (event.status, event.message, event.ts)
+            if isinstance(self.screen, HostsScreen):
+                self.screen.render_progress()
+        if self.main_screen is not None and self.main_screen.is_mounted:
+            self.main_screen.query_one(EventsLog).add_event(event, self.node_names())
+        if isinstance(event, STRUCTURAL):
+            self._refresh_soon()
+
+    def log_local(self, event: ev.Event) -> None:
+        """An event only this console knows of (e.g. a cancelled confirmation)."""
+        self._take_event(event)
+
+    # ------------------------------------------------------------------ names
+
+    def node_names(self) -> dict[str, str]:
+        return {n.node_id: n.name for n in self.snapshot.nodes} if self.snapshot else {}
+
+    def node_name(self, node_id: str) -> str:
+        return self.node_names().get(node_id, node_id)
+
+    # ------------------------------------------------------------------ keys
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in self.DANGEROUS and self.readonly:
+            return False
+        if action in GLOBAL_ACTIONS and action not in {"command_palette", "quit"} and isinstance(self.screen, ModalScreen):
+            return False
+        return True
+
+    def _focused_scope(self) -> str:
+        node = self.screen.focused
+        while node is not None:
+            scope = getattr(node, "HELP_SCOPE", None)
+            if scope:
+                return scope
+            node = node.parent
+        return getattr(self.screen, "HELP_SCOPE", "global")
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self._focused_scope(), readonly=self.readonly))
+
+    def _to_main(self) -> MainScreen | None:
+        while len(self.screen_stack) > 2 and self.screen is not self.main_screen:
+            self.pop_screen()
+        if self.screen is not self.main_screen and self.main_screen in self.screen_stack:
+            self.pop_screen()
+        return self.main_screen
+
+    def action_command_mode(self) -> None:
+        main = self._to_main()
+        if main is not None:
+            self.call_after_refresh(main.open_command_line)
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        if not self.paused:
+            queued, self._paused_events = self._paused_events, []
+            for event in queued:
+                self._take_event(event)
+        self.refresh_now()
+
+    def action_toggle_theme(self) -> None:
+        self.theme = "exo-light" if self.theme == "exo-dark" else "exo-dark"
+
+    def _theme_changed(self, theme: Any) -> None:
+        if self._on_theme_change is not None:
+            try:
+                self._on_theme_change(theme.name)
+            except Exception as exc:
+                self.notify(f"Could not save the theme: {exc}", severity="warning")
+        if self.main_screen is not None and self.main_screen.is_mounted:
+            self.main_screen.query_one(NodesTable).restyle()
+            self.main_screen.query_one(EventsLog).restyle()
+        if self.snapshot is not None:
+            self._render_screens(self.snapshot)
+
+    def action_maximize_pane(self) -> None:
+        screen = self.screen
+        if not isinstance(screen, MainScreen):
+            return
+        if screen.maximized is not None:
+            screen.minimize()
+            return
+        node = screen.focused
+        panes = (NodesTable, ChatPane, EventsLog)
+        while node is not None and not isinstance(node, panes):
+            node = node.parent
+        if node is not None:
+            screen.maximize(node, container=False)
+
+    def action_back(self) -> None:
+        if len(self.screen_stack) > 2 or (self.screen is not self.main_screen and len(self.screen_stack) > 1):
+            self.pop_screen()
+        elif self.main_screen is not None and self.main_screen.maximized is not None:
+            self.main_screen.minimize()
+        else:
+            self.run_worker(self.action_quit(), group="lifecycle")
+
+    def open_node_detail(self, node_id: str) -> None:
+        self.push_screen(NodeDetailScreen(node_id))
+
+    def open_hosts(self) -> None:
+        if not isinstance(self.screen, HostsScreen):
+            self._to_main()
+            self.push_screen(HostsScreen())
+
+    # ------------------------------------------------------------------ command mode
+
+    def run_command(self, text: str) -> None:
+        name, arg = keymap.parse_command(text)
+        if not name:
+            return
+        if name not in keymap.COMMANDS:
+            known = " ".join(f":{c}" for c in keymap.command_names(readonly=self.readonly))
+            self.notify(f"Unknown command :{name}. Known: {known}", severity="error")
+            return
+        if self.readonly and name in keymap.DANGEROUS_COMMANDS:
+            self.notify(f":{name} is not available in read-only mode.", severity="warning")
+            return
+        if name in ("nodes", "chat", "events"):
+            main = self._to_main()
+            if main is not None:
+                self.call_after_refresh(main.focus_pane, name)
+        elif name == "hosts":
+            self.open_hosts()
+        elif name == "model":
+            if arg:
+                self._set_model(arg)
+            else:
+                self.action_choose_model()
+        elif name == "theme":
+            if not arg:
+                self.search_themes()
+            elif arg in self.available_themes:
+                self.theme = arg
+            else:
+                self.notify(
+                    f"No theme {arg!r}. Try exo-dark, exo-light or one of: {', '.join(sorted(self.available_themes))}",
+                    severity="error",
+                )
+        elif name == "rebalance":
+            self.action_rebalance()
+        elif name == "pause":
+            self.action_toggle_pause()
+        elif name == "help":
+            self.action_help()
+        elif name == "quit":
+            self.run_worker(self.action_quit(), group="lifecycle")
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        for name in keymap.command_names(readonly=self.readonly):
+            yield SystemCommand(f":{name}", keymap.COMMANDS[name][0], partial(self.run_command, name))
+        for spec in keymap.specs("nodes"):
+            if spec.dangerous and not self.readonly and spec.action in {"drain", "undrain", "pin", "remove"}:
+                yield SystemCommand(
+                    f"{spec.description} ({keymap.display_key(spec)})", spec.help, partial(self._node_action, spec.action)
+                )
+        yield from super().get_system_commands(screen)
+
+    def _node_action(self, action: str) -> None:
+        main = self._to_main()
+        if main is not None:
+            self.call_after_refresh(lambda: main.query_one(NodesTable).run_action(action))
+
+    # ------------------------------------------------------------------ plan changes
+
+    def action_rebalance(self) -> None:
+        self.request_change("rebalance", ())
+
+    def request_change(self, action: str, targets: tuple[str, ...]) -> None:
+        if self.readonly:
+            self.notify("Read-only console: plan changes are off.", severity="warning")
+            return
+        if action != "rebalance" and not targets:
+            self.notify(f"No node selected to {action}.", severity="warning")
+            return
+        self._preview(action, targets)
+
+    @work(group="plan")
+    async def _preview(self, action: str, targets: tuple[str, ...]) -> None:
+        try:
+            preview = await self.control.preview(action, targets)
+        except Exception as exc:
+            preview = PlanPreview(action=action, targets=targets, error=str(exc) or type(exc).__name__)
+        self.post_message(PreviewReady(preview))
+
+    def on_preview_ready(self, message: PreviewReady) -> None:
+        preview = message.preview
+        if preview.action in CONFIRM_ACTIONS or preview.error:
+            self.push_screen(ConfirmChange(preview, self.node_names()), partial(self._confirmed, preview))
+        else:
+            self._apply(preview)
+
+    def _confirmed(self, preview: PlanPreview, ok: bool | None) -> None:
+        target = ",".join(preview.targets)
+        if not ok:
+            if not preview.error:
+                self.log_local(ev.OperatorAction(action=preview.action, target=target, result="cancelled", detail="nothing changed"))
+            return
+        if preview.note:
+            self.notify(preview.note, title=preview.action.title())
+        self._apply(preview)
+
+    @work(group="plan")
+    async def _apply(self, preview: PlanPreview) -> None:
+        target = ",".join(preview.targets)
+        try:
+            result = await self.control.apply(preview)
+            error = result.error
+        except Exception as exc:
+            error = str(exc) or type(exc).__name__
+        self.post_message(ActionDone(preview.action, target, error=error))
+
+    def on_action_done(self, message: ActionDone) -> None:
+        names = ", ".join(self.node_name(t) for t in message.target.split(",") if t) if message.action != "bootstrap" else message.target
+        what = f"{message.action} {names}".strip()
+        if message.error:
+            self.notify(f"{what} failed: {message.error}", title="exo-tui", severity="error", timeout=10)
+        else:
+            self.notify(f"{what}: done" + (f" ({message.detail})" if message.detail else ""), title="exo-tui")
+            if message.action in {"drain", "undrain", "remove"} and self.main_screen is not None:
+                self.main_screen.query_one(NodesTable).marked.clear()
+        self.refresh_now()
+
+    # ------------------------------------------------------------------ hosts, bootstrap, model
+
+    def action_bootstrap(self) -> None:
+        self.open_hosts()
+
+    def start_bootstrap(self, host: str, accept_new_host_key: bool = False) -> None:
+        if self.readonly:
+            self.notify("Read-only console: bootstrap is off.", severity="warning")
+            return
+        self.bootstrap_steps.pop(host, None) if not accept_new_host_key else None
+        self._bootstrap(host, accept_new_host_key)
+
+    @work(group="bootstrap")
+    async def _bootstrap(self, host: str, accept_new_host_key: bool) -> None:
+        try:
+            await self.control.bootstrap(host, accept_new_host_key=accept_new_host_key)
+        except HostKeyUnknown as exc:
+            self.post_message(HostKeyQuestion(exc.host, exc.fingerprint, exc.key_type))
+            return
+        except Exception as exc:
+            self.post_message(ActionDone("bootstrap", host, error=str(exc) or type(exc).__name__))
+            return
+        self.post_message(ActionDone("bootstrap", host))
+
+    def on_host_key_question(self, message: HostKeyQuestion) -> None:
+        kind = f"{message.key_type} " if message.key_type else ""
+        body = (
+            f"{message.host} presents a {kind}host key this machine has never seen:\n\n"
+            f"    {message.fingerprint}\n\n"
+            "Check it against the host (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub) before trusting it."
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._bootstrap(message.host, True)
+            else:
+                self.log_local(ev.OperatorAction(action="bootstrap", target=message.host, result="cancelled", detail="host key not trusted"))
+
+        self.push_screen(Question("Unknown host key", body, yes="Trust and continue"), answered)
+
+    def action_add_host(self) -> None:
+        def added(host: str | None) -> None:
+            if host:
+                self._add_host(host)
+
+        self.push_screen(Prompt("Add host", "user@host[:port]"), added)
+
+    @work(group="hosts")
+    async def _add_host(self, host: str) -> None:
+        try:
+            await self.control.add_host(host)
+        except Exception as exc:
+            self.post_message(ActionDone("add host", host, error=str(exc) or type(exc).__name__))
+            return
+        self.post_message(ActionDone("add host", host))
+
+    def action_choose_model(self) -> None:
+        from exo_tui.models.registry import REGISTRY
+
+        current = self.snapshot.model if self.snapshot else ""
+
+        def chosen(name: str | None) -> None:
+            if name and name != current:
+                self._set_model(name)
+
+        self.push_screen(Prompt("Model (a registered name or a .gguf path)", "smollm2-135m", sorted(REGISTRY), value=current), chosen)
+
+    def _set_model(self, name: str) -> None:
+        if self.readonly:
+            self.notify("Read-only console: changing the model is off.", severity="warning")
+            return
+        self.notify(f"Loading {name}…", title="Model")
+        self._load_model(name)
+
+    @work(group="model", exclusive=True)
+    async def _load_model(self, name: str) -> None:
+        try:
+            await self.control.set_model(name)
+        except Exception as exc:
+            self.post_message(ActionDone("model", name, error=str(exc) or type(exc).__name__))
+            return
+        self.post_message(ActionDone("model", name))

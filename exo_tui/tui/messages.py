@@ -1,0 +1,50 @@
+"""Typed messages the console's workers post back to the UI (results by message, never by blocking)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from exo_tui.cluster.events import Event
+from exo_tui.cluster.view import ClusterSnapshot, PlanPreview
+
+
+@dataclass
+class SnapshotRefreshed(Message):
+    """A new picture of the cluster to render."""
+
+    snapshot: ClusterSnapshot
+
+
+@dataclass
+class ClusterEventReceived(Message):
+    """An event from the coordinator's bus."""
+
+    event: Event
+
+
+@dataclass
+class PreviewReady(Message):
+    """A plan-change preview came back; the confirmation opens on it."""
+
+    preview: PlanPreview
+
+
+@dataclass
+class ActionDone(Message):
+    """An operator action finished (``error`` empty when it worked)."""
+
+    action: str
+    target: str
+    error: str = ""
+    detail: str = ""
+
+
+@dataclass
+class HostKeyQuestion(Message):
+    """A host presented a key we do not know: ask the operator before trusting it."""
+
+    host: str
+    fingerprint: str
+    key_type: str = ""

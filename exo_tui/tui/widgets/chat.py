@@ -1,0 +1,228 @@
+"""The chat pane: streams answers as Markdown, keeps a prompt history, and never blocks the UI.
+
+An answer streams through ``Markdown.get_stream()`` and gets one final ``update`` with the whole
+text. ``esc`` stops generation and keeps what came so far. The log is anchored to the bottom only
+until the user scrolls up to read. Errors become notifications and the prompt comes back into the
+input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rich.text import Text
+from textual import on
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Input, Markdown, Static
+from textual.worker import Worker
+
+from exo_tui.cluster.view import ChatChunk, ChatParams
+from exo_tui.tui import keymap
+from exo_tui.tui.widgets.style import theme_style
+
+_CHAT_KEYS = {k.id: k for k in keymap.specs("chat")}
+
+
+class ChatInput(Input):
+    """The prompt line; ↑/↓ walk the prompt history."""
+
+    HELP_SCOPE = "chat"
+    BINDINGS = [_CHAT_KEYS["exo.chat.history_prev"].binding(), _CHAT_KEYS["exo.chat.history_next"].binding()]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.history: list[str] = []
+        self._index = 0
+        self._draft = ""
+
+    def remember(self, prompt: str) -> None:
+        if prompt and (not self.history or self.history[-1] != prompt):
+            self.history.append(prompt)
+        self._index = len(self.history)
+        self._draft = ""
+
+    def action_history(self, step: int) -> None:
+        if not self.history:
+            return
+        if self._index == len(self.history):
+            self._draft = self.value
+        self._index = max(0, min(len(self.history), self._index + step))
+        self.value = self.history[self._index] if self._index < len(self.history) else self._draft
+        self.cursor_position = len(self.value)
+
+
+class UserMessage(Static):
+    pass
+
+
+class Answer(Vertical):
+    """One assistant answer: its Markdown and, once finished, its status line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.markdown = Markdown("")
+        self.status = Static("…", classes="answer-status")
+        self.text = ""
+
+    def compose(self):
+        yield self.markdown
+        yield self.status
+
+
+class ChatPane(Vertical):
+    HELP_SCOPE = "chat"
+    BINDINGS = [
+        _CHAT_KEYS["exo.chat.stop"].binding(),
+        _CHAT_KEYS["exo.chat.clear"].binding(),
+        _CHAT_KEYS["exo.chat.page_up"].binding(),
+        _CHAT_KEYS["exo.chat.page_down"].binding(),
+    ]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.messages: list[dict[str, str]] = []
+        self.params = ChatParams()
+        self._worker: Worker | None = None
+        self.border_title = "Chat"
+
+    def compose(self):
+        log = VerticalScroll(id="chat-log")
+        log.can_focus = False  # tab goes to the prompt; pageup/pagedown scroll the answers
+        yield log
+        yield ChatInput(placeholder="Ask the cluster…  enter sends · esc stops · ↑ history", id="chat-input")
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one("#chat-log", VerticalScroll)
+
+    @property
+    def prompt_input(self) -> ChatInput:
+        return self.query_one(ChatInput)
+
+    @property
+    def streaming(self) -> bool:
+        return self._worker is not None and not self._worker.is_finished
+
+    @on(Input.Submitted, "#chat-input")
+    async def _submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        prompt = event.value.strip()
+        if not prompt:
+            return
+        if self.streaming:
+            self.notify("An answer is still streaming: esc stops it.", severity="warning")
+            return
+        await self.send(prompt)
+
+    async def send(self, prompt: str) -> Worker:
+        """Show the prompt and start streaming its answer (returns the worker)."""
+        self.prompt_input.remember(prompt)
+        self.prompt_input.value = ""
+        user = UserMessage(Text(prompt), classes="user-message")
+        answer = Answer()
+        await self.log_view.mount_all([user, answer])
+        self.log_view.anchor()
+        self._worker = self.run_worker(self._stream(prompt, user, answer), exclusive=True, group="chat")
+        return self._worker
+
+    async def _stream(self, prompt: str, user: UserMessage, answer: Answer) -> None:
+        app = self.app
+        control = app.control  # type: ignore[attr-defined]
+        messages = [*self.messages, {"role": "user", "content": prompt}]
+        stream = Markdown.get_stream(answer.markdown)
+        final: ChatChunk | None = None
+        error = ""
+        cancelled = False
+        started = time.monotonic()
+        first_token_s: float | None = None
+        completion = 0
+        agen = control.chat(messages, self.params)
+        try:
+            async for chunk in agen:
+                if chunk.text:
+                    if first_token_s is None:
+                        first_token_s = time.monotonic() - started
+                    answer.text += chunk.text
+                    await stream.write(chunk.text)
+                completion += len(chunk.token_ids)
+                if chunk.finish_reason:
+                    final = chunk
+                    if chunk.finish_reason == "error" or chunk.error:
+                        error = chunk.error or "generation failed"
+                    break
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception as exc:  # the cluster said no: show it, give the prompt back
+            error = str(exc) or type(exc).__name__
+        finally:
+            try:
+                await agen.aclose()
+            except Exception:
+                pass
+        try:
+            await stream.stop()
+        except Exception:
+            pass
+        try:
+            await answer.markdown.update(answer.text)
+        except Exception:
+            return
+        if error:
+            answer.status.update(Text(f"✗ {error}", style=theme_style(app, "error")))
+            self.notify(f"The answer failed: {error}", title="Chat", severity="error", timeout=8)
+            if not self.prompt_input.value:
+                self.prompt_input.value = prompt
+                self.prompt_input.cursor_position = len(prompt)
+            if not answer.text:
+                await user.remove()
+                await answer.remove()
+            return
+        self.messages = [*messages, {"role": "assistant", "content": answer.text}]
+        answer.status.update(self._status_text(final, cancelled, first_token_s, completion, started))
+
+    def _status_text(
+        self, final: ChatChunk | None, cancelled: bool, ttft_s: float | None, completion: int, started: float
+    ) -> Text:
+        app = self.app
+        muted = theme_style(app, "foreground-muted")
+        t = Text()
+        if cancelled or final is None or final.finish_reason == "cancelled":
+            t.append("■ stopped · ", theme_style(app, "warning"))
+        elif final.finish_reason == "length":
+            t.append("… length limit · ", theme_style(app, "warning"))
+        if final is not None and final.completion_tokens:
+            names = [app.node_name(n) for n in final.nodes]  # type: ignore[attr-defined]
+            t.append(
+                f"{final.prompt_tokens} prompt · {final.completion_tokens} completion · "
+                f"ttft {final.ttft_s * 1000:.0f} ms · {final.tok_per_s:.1f} tok/s",
+                muted,
+            )
+            if names:
+                t.append(" · " + " → ".join(names), muted)
+        else:
+            elapsed = time.monotonic() - started
+            ttft = f"ttft {ttft_s * 1000:.0f} ms · " if ttft_s is not None else ""
+            t.append(f"{completion} tokens · {ttft}{elapsed:.1f} s", muted)
+        return t
+
+    def action_stop(self) -> None:
+        if self.streaming and self._worker is not None:
+            self._worker.cancel()
+        elif self.screen.maximized is not None:
+            self.screen.minimize()
+        elif hasattr(self.screen, "focus_pane"):
+            self.screen.focus_pane("nodes")
+
+    def action_scroll_log(self, pages: int) -> None:
+        log = self.log_view
+        if pages < 0:
+            log.scroll_page_up(animate=False)
+        else:
+            log.scroll_page_down(animate=False)
+
+    async def action_clear(self) -> None:
+        if self.streaming and self._worker is not None:
+            self._worker.cancel()
+        self.messages = []
+        await self.log_view.remove_children()
