@@ -29,7 +29,8 @@ class NodeHandle:
     links: dict[str, float] = field(default_factory=dict)  # peer node id -> latency_s
     link_bandwidth: dict[str, float] = field(default_factory=dict)  # peer node id -> bytes/s
     local_process: Any = None  # LocalNode when the coordinator started it
-    shards: list[dict[str, Any]] = field(default_factory=list)
+    shards: list[dict[str, Any]] = field(default_factory=list)  # as the node reports them
+    held: set[tuple[int, int]] = field(default_factory=set)  # layer ranges loaded there
     drained: bool = False
     failures: int = 0
 

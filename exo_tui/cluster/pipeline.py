@@ -46,8 +46,13 @@ class PipelineHost(Protocol):
     retry_limit: int
 
     async def plan_ready(self) -> RingPlan:
-        """The plan in force, waiting while a plan switch is under way. Raises
-        :class:`GenerationError` when the cluster cannot serve the model."""
+        """The plan in force, waiting while a plan switch is under way, and counts a step as
+        running on it until :meth:`step_done`. Raises :class:`GenerationError` when the
+        cluster cannot serve the model."""
+        ...
+
+    def step_done(self) -> None:
+        """The step that :meth:`plan_ready` let start has ended (a token boundary)."""
         ...
 
     def connection(self, node_id: str) -> Connection:
@@ -120,7 +125,10 @@ class RemotePipeline:
                 cached = None
             pos = cached.length if cached is not None else 0
             try:
-                token, logprob = await self._run(plan, request, pos)
+                try:
+                    token, logprob = await self._run(plan, request, pos)
+                finally:
+                    self.host.step_done()
             except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
                 attempts += 1
                 failure = exc if isinstance(exc, StepFailure) else StepFailure(str(exc) or type(exc).__name__)

@@ -77,9 +77,7 @@ async def _chat(args: argparse.Namespace) -> int:
     )
 
     if args.nodes or args.local_nodes:
-        from exo_tui.cluster.pipeline_cli import open_remote_pipeline
-
-        runner_cm = open_remote_pipeline(model, args)
+        runner_cm = _cluster_runner(args)
     else:
         names = args.backends.split(",") if args.backends else [
             default_backend_name() if args.backend == "auto" else args.backend
@@ -130,14 +128,34 @@ async def _chat(args: argparse.Namespace) -> int:
 
 
 @contextlib.asynccontextmanager
+async def _cluster_runner(args: argparse.Namespace):  # noqa: ANN201
+    """A coordinator over the given nodes (or N local node processes), layers split evenly."""
+    from exo_tui.cluster.coordinator import Coordinator
+
+    coordinator = Coordinator(
+        model=args.model,
+        peers=[p.strip() for p in args.nodes.split(",")] if args.nodes else [],
+        local_nodes=args.local_nodes,
+        local_backends=[b.strip() for b in args.backends.split(",")] if args.backends else None,
+        strategy="even",
+    )
+    try:
+        await coordinator.start()
+        if coordinator.plan is None:
+            raise ConnectionError("no node could join: see the errors above")
+        yield coordinator.pipeline
+    finally:
+        await coordinator.stop()
+
+
+@contextlib.asynccontextmanager
 async def _local_runner(model, backend_names: list[str]):  # noqa: ANN001, ANN201
     """Load the shards for an in-process run and close them afterwards."""
-    from exo_tui.inference.local import LocalPipeline, even_split, load_shards
+    from exo_tui.inference.local import LocalPipeline, even_split
 
-    stages = even_split(model.config.n_layers, backend_names)
-    shards = await asyncio.to_thread(load_shards, model.gguf, stages)
-    pipeline = LocalPipeline(shards, tuple(f"{s.backend}[{s.start}:{s.end})" for s in stages))
+    pipeline = LocalPipeline()
     try:
+        await pipeline.load(model.gguf, even_split(model.config.n_layers, backend_names))
         yield pipeline
     finally:
-        pipeline.close()
+        await pipeline.close()

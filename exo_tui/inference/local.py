@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,30 +52,37 @@ def run_shards(shards: list[Shard], request_id: str, tokens: list[int], start: i
 class LocalPipeline:
     """A :class:`~exo_tui.inference.generate.StepRunner` over shards in this process.
 
-    Steps run in a worker thread so the event loop (the console, the API) stays responsive.
+    Every backend call (loading, steps, dropping) runs on one worker thread: the event loop (the
+    console, the API) stays responsive, and backends that keep per-thread state (MLX streams)
+    always see the same thread.
     """
 
-    def __init__(self, shards: list[Shard], names: tuple[str, ...] | None = None) -> None:
-        self.shards = shards
-        self.names = names or tuple(type(s).__module__.split(".")[1] for s in shards)
+    def __init__(self) -> None:
+        self.shards: list[Shard] = []
+        self.names: tuple[str, ...] = ()
         self._samplers: dict[str, Sampler] = {}
-        self._lock = asyncio.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-local-worker")
+
+    async def _call(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def load(self, model: GGUFModel, stages: list[Stage]) -> None:
+        self.shards = await self._call(load_shards, model, stages)
+        self.names = tuple(f"{s.backend}[{s.start}:{s.end})" for s in stages)
 
     async def step(self, request: Request, start: int) -> tuple[int, float]:
         sampler = self._samplers.setdefault(request.id, Sampler(request.sampling))
         tokens = request.tokens
-        async with self._lock:
-            logits = await asyncio.to_thread(run_shards, self.shards, request.id, tokens[start:], start)
+        logits = await self._call(run_shards, self.shards, request.id, tokens[start:], start)
         return sampler.sample(logits, tokens)
 
     async def release(self, request: Request) -> None:
         self._samplers.pop(request.id, None)
-        for shard in self.shards:
-            shard.drop(request.id)
+        await self._call(lambda: [shard.drop(request.id) for shard in self.shards])
 
     def served_by(self) -> tuple[str, ...]:
         return self.names
 
-    def close(self) -> None:
-        for shard in self.shards:
-            shard.close()
+    async def close(self) -> None:
+        await self._call(lambda: [shard.close() for shard in self.shards])
+        self._worker.shutdown(wait=True)

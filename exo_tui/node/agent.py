@@ -334,9 +334,16 @@ class NodeAgent:
             items = []
             for i in idxs:
                 f = batch[i].frame
-                start = int(f.body["pos"])
+                rid, start = f.body["rid"], int(f.body["pos"])
+                if shard.kv_length(rid) > start:
+                    # The coordinator rebuilds this request from an earlier position (a plan
+                    # change or a failure): what is cached past it is stale.
+                    if start == 0:
+                        shard.drop(rid)
+                    else:
+                        shard.truncate_kv(rid, start)
                 x = np.asarray(f.tensor)
-                items.append((f.body["rid"], x, np.arange(start, start + x.shape[0], dtype=np.int64)))
+                items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
             try:
                 outs = shard.forward_batch(items)
             except Exception as exc:  # one bad request must not take down the others: run singly
