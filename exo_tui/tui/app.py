@@ -385,7 +385,7 @@ class ExoApp(App):
         target = ",".join(preview.targets)
         if not ok:
             if not preview.error:
-                self.log_local(ev.OperatorAction(action=preview.action, target=target, result="cancelled", detail="nothing changed"))
+                self.log_local(ev.OperatorAction(action=preview.action, target=target, result="cancelled", detail="nothing changed", ts=self.clock()))
             return
         if preview.note:
             self.notify(preview.note, title=preview.action.title())
@@ -429,7 +429,7 @@ class ExoApp(App):
         try:
             await self.control.bootstrap(host, accept_new_host_key=accept_new_host_key)
         except HostKeyUnknown as exc:
-            self.post_message(HostKeyQuestion(exc.host, exc.fingerprint, exc.key_type))
+            self.post_message(HostKeyQuestion(host, exc.fingerprint, exc.key_type, shown=exc.host))
             return
         except Exception as exc:
             self.post_message(ActionDone("bootstrap", host, error=str(exc) or type(exc).__name__))
@@ -439,7 +439,7 @@ class ExoApp(App):
     def on_host_key_question(self, message: HostKeyQuestion) -> None:
         kind = f"{message.key_type} " if message.key_type else ""
         body = (
-            f"{message.host} presents a {kind}host key this machine has never seen:\n\n"
+            f"{message.shown or message.host} presents a {kind}host key this machine has never seen:\n\n"
             f"    {message.fingerprint}\n\n"
             "Check it against the host (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub) before trusting it."
         )
@@ -448,7 +448,7 @@ class ExoApp(App):
             if yes:
                 self._bootstrap(message.host, True)
             else:
-                self.log_local(ev.OperatorAction(action="bootstrap", target=message.host, result="cancelled", detail="host key not trusted"))
+                self.log_local(ev.OperatorAction(action="bootstrap", target=message.host, result="cancelled", detail="host key not trusted", ts=self.clock()))
 
         self.push_screen(Question("Unknown host key", body, yes="Trust and continue"), answered)
 

@@ -48,3 +48,4 @@ class HostKeyQuestion(Message):
     host: str
     fingerprint: str
     key_type: str = ""
+    shown: str = ""  # how the host names itself (host:port)

@@ -97,7 +97,7 @@ class HostsScreen(Screen):
         else:
             for h in hosts:
                 for (col, _), cell in zip(HOST_COLUMNS, self._cells(h), strict=True):
-                    table.update_cell(h.host, col, cell)
+                    table.update_cell(h.host, col, cell, update_width=True)
         table.border_title = f"Hosts [{len(hosts)}]" + (f" · /{self.filter_text}" if self.filter_text else "")
         self.render_progress()
 

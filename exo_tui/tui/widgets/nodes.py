@@ -148,7 +148,9 @@ class NodesTable(DataTable):
                     hot = (node_id, col) in self._changed
                     was_hot = (node_id, col) in self._shown_hot
                     if old.get(col) != new_values[node_id][col] or hot != was_hot:
-                        self.update_cell(node_id, col, self._cell_text(by_id[node_id], col, new_values[node_id][col]))
+                        self.update_cell(
+                            node_id, col, self._cell_text(by_id[node_id], col, new_values[node_id][col]), update_width=True
+                        )
         self._shown_hot = set(self._changed)
         self._values = new_values
         total = len(snapshot.nodes)

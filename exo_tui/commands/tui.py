@@ -1,0 +1,90 @@
+"""``exo-tui`` / ``exo-tui tui``: the terminal console, with an embedded coordinator.
+
+By default it starts a coordinator in this process and one node agent for this machine (plus
+``--local-nodes N`` more on loopback, for a cluster on one machine), joins the ``--peer`` nodes,
+loads the model and opens the console.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tui",
+        help="open the terminal console (the default command)",
+        description="Open the terminal console with an embedded coordinator and a node agent for this machine.",
+    )
+    p.add_argument("--config", default=None, metavar="F", help="config file (default ~/.config/exo-tui/config.yaml)")
+    p.add_argument(
+        "--peer", action="append", default=[], metavar="HOST[:PORT]", help="a node agent to join (repeatable)"
+    )
+    p.add_argument(
+        "--local-nodes", type=int, default=0, metavar="N", help="start N extra node agents on this machine (loopback)"
+    )
+    p.add_argument("--readonly", action="store_true", help="watch only: no drain, rebalance, pin, bootstrap or model change")
+    p.add_argument("--model", default=None, metavar="M", help="registered model name or path to a .gguf (default smollm2-135m)")
+    p.add_argument("--attach", default=None, metavar="URL", help="attach to a running `exo-tui serve` instead of embedding one")
+    p.add_argument("--theme", default=None, help="theme for this run (default: ui.theme of the config)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from exo_tui.config import ConfigError, load_config, save_config
+
+    if args.local_nodes < 0:
+        print("exo-tui: --local-nodes must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"exo-tui: {exc}", file=sys.stderr)
+        return 2
+
+    if args.attach:
+        try:
+            from exo_tui.api.client import ClusterClient  # type: ignore[import-not-found]
+        except ImportError:
+            print(
+                "exo-tui: --attach needs the HTTP cluster client (exo_tui.api.client), which this build lacks; "
+                "run the console without --attach to embed the coordinator",
+                file=sys.stderr,
+            )
+            return 2
+        control = ClusterClient(args.attach)
+        on_start = getattr(control, "start", None)
+        on_stop = getattr(control, "stop", None)
+    else:
+        try:
+            from exo_tui.cluster.coordinator import Coordinator
+        except ImportError as exc:
+            print(f"exo-tui: the coordinator is not available in this build ({exc})", file=sys.stderr)
+            return 2
+        control = Coordinator(
+            model=args.model,
+            config=config,
+            peers=list(args.peer),
+            local_nodes=1 + args.local_nodes,
+            readonly=args.readonly,
+        )
+        on_start, on_stop = control.start, control.stop
+
+    def save_theme(name: str) -> None:
+        if name != config.ui.theme:
+            save_config({"ui.theme": name}, args.config)
+            config.ui.theme = name
+
+    from exo_tui.tui.app import ExoApp
+
+    app = ExoApp(
+        control,
+        readonly=args.readonly,
+        theme=args.theme or config.ui.theme,
+        on_theme_change=save_theme,
+        on_start=on_start,
+        on_stop=on_stop,
+    )
+    app.run()
+    return int(app.return_code or 0)
