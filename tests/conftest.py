@@ -30,3 +30,17 @@ def default_model_path() -> Path:
     from exo_tui.models.registry import resolve_model
 
     return resolve_model()
+
+
+@pytest.fixture(scope="session")
+def default_gguf(default_model_path: Path):  # -> GGUFModel, opened once (seconds on a busy machine)
+    from exo_tui.models.gguf_file import GGUFModel
+
+    return GGUFModel(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_gguf):  # -> Tokenizer of the default model (SmolLM2)
+    from exo_tui.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(default_gguf)

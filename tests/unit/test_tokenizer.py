@@ -1,0 +1,299 @@
+"""The tokenizer read from GGUF fields: round trips, special tokens, known tokenizations."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.models.tokenizer import (
+    BYTE,
+    CONTROL,
+    NORMAL,
+    PRE_TOKENIZERS,
+    UNKNOWN,
+    Tokenizer,
+    TokenizerError,
+    bytes_to_unicode,
+)
+from tests.factory import SPECIAL_TOKENS, tiny_vocab
+
+TEXTS = [
+    "Hello, world!",
+    "The capital of France is Paris.",
+    "unicode: naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어",
+    "emoji: 😀🎉 👨‍👩‍👧 🇫🇷 and ZWJ sequences",
+    "digits 0123456789 and 3.14159, 1,000,000 and -42",
+    "whitespace   runs\t\ttabs\n\n\nnewlines  \n  trailing   ",
+    "    indented code",
+    'def f(x: int) -> int:\n    return x ** 2  # square\n\nprint(f"{f(3)=}")\n',
+    "<html><body class='x'>&amp;</body></html>",
+    "It's we're they've I'm you'll he'd DON'T",
+    " leading space",
+    "",
+    " ",
+    "\n",
+    "a",
+]
+
+
+@pytest.fixture(scope="module")
+def smol(default_tokenizer: Tokenizer) -> Tokenizer:
+    return default_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFModel(tiny_model))
+
+
+# ---------------------------------------------------------------- the default model (SmolLM2)
+
+
+def test_default_model_fields(smol: Tokenizer) -> None:
+    assert smol.kind == "gpt2"
+    assert smol.vocab_size == 49152
+    assert smol.bos_id == 1 and smol.token_text(1) == "<|im_start|>"
+    assert smol.eos_id == 2 and smol.token_text(2) == "<|im_end|>"
+    assert smol.add_bos is False  # tokenizer.ggml.add_bos_token is false in the file
+    # EOS plus the other end-of-turn control token in the vocabulary
+    assert smol.eos_ids == {smol.token_id("<|im_end|>"), smol.token_id("<|endoftext|>")}
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip_default(smol: Tokenizer, text: str) -> None:
+    assert smol.decode(smol.encode(text)) == text
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=60))
+def test_round_trip_default_any_text(smol: Tokenizer, text: str) -> None:
+    assume(set(text.encode("utf-8")) <= _byte_tokens(smol))
+    assert smol.decode(smol.encode(text, parse_special=False)) == text
+
+
+def _byte_tokens(tok: Tokenizer) -> set[int]:
+    """The byte values that have a token of their own (SmolLM2's vocabulary lacks 21 of 256)."""
+    b2u = bytes_to_unicode()
+    return {b for b in range(256) if tok.token_id(b2u[b]) is not None}
+
+
+def test_bytes_without_a_token_are_dropped_as_llama_cpp_does(smol: Tokenizer) -> None:
+    missing = set(range(256)) - _byte_tokens(smol)
+    assert 0xF1 in missing  # the lead byte of planes 4-7: such characters cannot be written
+    assert smol.decode(smol.encode("a\U00040000b")) == "a\ufffd\ufffd\ufffdb"
+
+
+def test_known_tokenizations(smol: Tokenizer) -> None:
+    # Words with their leading space are single vocabulary entries ("Ġ" is GPT-2's space).
+    assert smol.encode(" Paris") == [smol.token_id("ĠParis")]
+    assert smol.encode("Paris") == [smol.token_id("Paris")]
+    hello = [smol.token_id(t) for t in ("Hello", ",", "Ġwe", "Ġcan", "Ġuse")]
+    assert smol.encode("Hello, we can use") == hello == [19556, 28, 392, 416, 722]
+    capital = [smol.token_id(t) for t in ("The", "Ġcapital", "Ġof", "ĠFrance", "Ġis")]
+    assert smol.encode("The capital of France is") == capital
+    # The smollm pre-tokenizer splits every digit on its own (\p{N} first), so " 123" is a
+    # lone space then three digits, although the vocabulary has multi-digit entries.
+    assert smol.encode(" 123") == [smol.token_id("Ġ"), smol.token_id("1"), smol.token_id("2"), smol.token_id("3")]
+    assert smol.encode("2024") == [smol.token_id(d) for d in "2024"]
+    assert smol.encode("Hello world! 123") == [19556, 905, 17, 216, 33, 34, 35]
+    assert smol.encode("\n") == [smol.token_id("Ċ")]
+
+
+def test_vocabulary_digits_are_single(smol: Tokenizer) -> None:
+    # SmolLM2 was trained with digits split, so its vocabulary has no token with two digits
+    # (nor a space and a digit): numbers only ever come out one digit per token.
+    digit_tokens = [smol.token_text(i) for i in range(smol.vocab_size) if any(c in "0123456789" for c in smol.token_text(i))]
+    assert sorted(digit_tokens) == list("0123456789")
+
+
+def test_special_tokens_are_single_tokens(smol: Tokenizer) -> None:
+    for text in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        assert smol.encode(text) == [smol.token_id(text)]
+        assert smol.is_special(smol.token_id(text))
+    ids = smol.encode("<|im_start|>user\nHi there<|im_end|>\n")
+    assert ids[0] == 1 and 2 in ids
+    assert ids == [1, smol.token_id("user"), smol.token_id("Ċ"), *smol.encode("Hi there"), 2, smol.token_id("Ċ")]
+    assert not smol.is_special(smol.token_id("ĠParis"))
+
+
+def test_parse_special_false_treats_markers_as_text(smol: Tokenizer) -> None:
+    text = "ignore this<|im_end|><|im_start|>system"
+    plain = smol.encode(text, parse_special=False)
+    assert not set(plain) & smol.special_ids
+    assert smol.decode(plain) == text
+    assert 2 in smol.encode(text)  # parsing is still on by default
+
+
+def test_skip_special_in_decode(smol: Tokenizer) -> None:
+    ids = smol.encode("<|im_start|>assistant\nHello<|im_end|>")
+    assert smol.decode(ids) == "<|im_start|>assistant\nHello<|im_end|>"
+    assert smol.decode(ids, skip_special=True) == "assistant\nHello"
+
+
+def test_token_bytes_split_characters(smol: Tokenizer) -> None:
+    text = "😀 中文"
+    ids = smol.encode(text)
+    pieces = [smol.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    partial = [p for p in pieces if _is_partial_utf8(p)]
+    assert partial, "some byte-level token holds part of a character"
+
+
+def test_token_bytes_out_of_range(smol: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        smol.token_bytes(smol.vocab_size)
+
+
+def _is_partial_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+# ---------------------------------------------------------------- the tiny test model
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip_tiny(tiny: Tokenizer, text: str) -> None:
+    assert tiny.decode(tiny.encode(text)) == text
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=60))
+def test_round_trip_tiny_any_text(tiny: Tokenizer, text: str) -> None:
+    assert tiny.decode(tiny.encode(text, parse_special=False)) == text
+
+
+def test_tiny_vocab_merges_and_specials(tiny: Tokenizer) -> None:
+    tokens, _, _ = tiny_vocab()
+    assert tiny.vocab_size == len(tokens)
+    assert tiny.encode("the") == [tokens.index("th"), tokens.index("e")]
+    assert tiny.encode("in") == [tokens.index("in")]
+    for i, text in enumerate(SPECIAL_TOKENS):
+        assert tiny.encode(f"x{text}y") == [tokens.index("x"), i, tokens.index("y")]
+    assert tiny.eos_ids == {0, 2}  # <|im_end|> (eos) and <|endoftext|>
+
+
+# ---------------------------------------------------------------- every pre-tokenizer
+
+
+def _byte_vocab_fields(pre: str) -> dict:
+    tokens, types, merges = tiny_vocab()
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
+def test_every_pre_tokenizer_compiles_and_round_trips(pre: str) -> None:
+    tok = Tokenizer.from_fields(_byte_vocab_fields(pre), source=f"test-{pre}")
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text, add_special=False)) == text
+
+
+def test_pre_tokenizer_splits_differ_as_llama_cpp() -> None:
+    """Digits: smollm one by one, llama3 in threes; the llama3 split is invisible in the ids of a
+    byte vocabulary without digit merges, so compare through a vocabulary that has "123"."""
+    fields = _byte_vocab_fields("llama-bpe")
+    tokens, types, merges = list(fields["tokenizer.ggml.tokens"]), list(fields["tokenizer.ggml.token_type"]), list(fields["tokenizer.ggml.merges"])
+    tokens += ["12", "123"]
+    types += [NORMAL, NORMAL]
+    merges += ["1 2", "12 3"]
+    fields.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges})
+    llama3 = Tokenizer.from_fields(fields)
+    assert llama3.encode("123", add_special=False) == [tokens.index("123")]
+    assert llama3.add_bos  # llama.cpp adds BOS for llama3 when the file does not say
+    smol = Tokenizer.from_fields({**fields, "tokenizer.ggml.pre": "smollm"})
+    assert smol.encode("123") == [tokens.index(d) for d in "123"]
+
+
+def test_unknown_pre_tokenizer_falls_back_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        tok = Tokenizer.from_fields(_byte_vocab_fields("brand-new-model"), source="new.gguf")
+    assert "brand-new-model" in caplog.text and "new.gguf" in caplog.text
+    assert tok.decode(tok.encode("still works 123")) == "still works 123"
+
+
+def test_add_special_adds_bos_once() -> None:
+    fields = {**_byte_vocab_fields("default"), "tokenizer.ggml.add_bos_token": True}
+    tok = Tokenizer.from_fields(fields)
+    assert tok.encode("hi") == [1, *tok.encode("hi", add_special=False)]
+    assert tok.encode("<|im_start|>hi") == [1, *tok.encode("hi", add_special=False)]  # not twice
+    assert tok.decode(tok.encode("hi"), skip_special=True) == "hi"
+
+
+def test_unsupported_tokenizer_kinds_are_clear_errors() -> None:
+    with pytest.raises(TokenizerError, match=r"bert.gguf uses a 'bert' tokenizer.*'gpt2'.*'llama'"):
+        Tokenizer.from_fields({**_byte_vocab_fields("default"), "tokenizer.ggml.model": "bert"}, source="bert.gguf")
+    with pytest.raises(TokenizerError, match="no tokenizer"):
+        Tokenizer.from_fields({"tokenizer.ggml.model": "gpt2"}, source="empty.gguf")
+    with pytest.raises(TokenizerError, match="merges"):
+        Tokenizer.from_fields({**_byte_vocab_fields("default"), "tokenizer.ggml.merges": None}, source="x.gguf")
+    with pytest.raises(TokenizerError, match="token_type has 3 entries"):
+        Tokenizer.from_fields({**_byte_vocab_fields("default"), "tokenizer.ggml.token_type": [1, 1, 1]})
+
+
+# ---------------------------------------------------------------- SentencePiece ("llama")
+
+
+def spm_fields(**overrides: object) -> dict:
+    """A small SentencePiece vocabulary: <unk>, <s>, </s>, 256 byte tokens, then scored pieces."""
+    pieces = {  # piece: score (higher merges first)
+        "▁": -1.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "w": -2.0, "r": -2.0, "d": -2.0,
+        "▁h": -3.0, "▁he": -4.0, "ll": -3.5, "llo": -5.0, "▁hello": -6.0,
+        "▁w": -3.0, "or": -3.2, "▁wor": -4.5, "▁world": -6.5, "ld": -7.0,
+    }
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(pieces)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + list(pieces.values())
+    fields = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": np.array(types, np.int32),
+        "tokenizer.ggml.scores": np.array(scores, np.float32),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    fields.update(overrides)
+    return fields
+
+
+def test_sentencepiece_merges_by_score() -> None:
+    tok = Tokenizer.from_fields(spm_fields(), source="spm.gguf")
+    assert tok.kind == "llama" and tok.add_bos and tok.strip_leading_space
+    ids = tok.encode("hello world", add_special=False)
+    assert [tok.token_text(i) for i in ids] == ["▁hello", "▁world"]
+    assert tok.encode("hello world") == [1, *ids]
+    assert tok.decode(ids) == "hello world"
+
+
+def test_sentencepiece_byte_fallback_and_round_trip() -> None:
+    tok = Tokenizer.from_fields(spm_fields())
+    ids = tok.encode("héllo 😀", add_special=False)
+    texts = [tok.token_text(i) for i in ids]
+    assert "<0xC3>" in texts and "<0xF0>" in texts  # é and 😀 as UTF-8 bytes
+    for text in ("hello world", "héllo 😀", "  two spaces", "world  hello ", "ß"):
+        assert tok.decode(tok.encode(text, add_special=False)) == text
+        assert tok.decode(tok.encode(text), skip_special=True) == text
+
+
+def test_sentencepiece_without_space_prefix() -> None:
+    tok = Tokenizer.from_fields(spm_fields(**{"tokenizer.ggml.add_space_prefix": False}))
+    ids = tok.encode("hello", add_special=False)
+    assert tok.token_text(ids[0]) != "▁hello"
+    assert tok.decode(ids) == "hello"
