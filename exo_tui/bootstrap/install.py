@@ -430,8 +430,8 @@ async def _install(
     # unchanged, so a rerun always installs the code that bootstrap uploaded.
     script = f"""
 set -e
-{pip} install -q {index} {w}
-{pip} install -q --force-reinstall --no-deps {w}
+{pip} install -q --no-compile {index} {w}
+{pip} install -q --no-compile --force-reinstall --no-deps {w}
 """
     res = await run(conn, script, timeout_s=opts.pip_timeout_s)
     if res.exit_status != 0:

@@ -1,0 +1,109 @@
+"""Fixtures for SSH bootstrap, mDNS and network-namespace tests (reusable from other tests).
+
+- ``ssh_client_keys``: an authorized and a wrong client key pair (session).
+- ``ssh_host``: a throwaway user with a real ``sshd`` on a loopback port (session).
+- ``fresh_ssh_host``: the same, for one test (to break things in).
+- ``wheelhouse``: this project's dependencies as wheels, built once (``--wheelhouse``).
+- ``exo_home``: an isolated ``EXO_TUI_HOME`` (the cluster CA and key live there).
+- ``bootstrap_options``: BootstrapOptions for ``ssh_host`` (its known_hosts, keys; no agent).
+- ``netns_hosts``: three network namespaces on a bridge, each with sshd (see tests/helpers/netns.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import sshd as sshd_helpers
+from tests.helpers.sshd import KeyPair, SshServer, ThrowawayUser
+
+
+@dataclasses.dataclass
+class SshHost:
+    server: SshServer
+    user: ThrowawayUser
+    client: KeyPair
+    wrong: KeyPair
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def known_hosts(self, path: Path) -> Path:
+        """A known_hosts file at ``path`` that holds this host's real key."""
+        return self.server.write_known_hosts(path)
+
+    def options(self, known_hosts: Path, **kw):  # noqa: ANN201
+        from exo_tui.bootstrap import BootstrapOptions
+
+        base = dict(
+            known_hosts=known_hosts,
+            client_keys=[self.client.private],
+            agent_path=False,
+            ssh_config=False,
+            connect_timeout_s=5.0,
+        )
+        base.update(kw)
+        return BootstrapOptions(**base)
+
+
+@pytest.fixture(scope="session")
+def ssh_client_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[KeyPair, KeyPair]:
+    reason = sshd_helpers.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    d = tmp_path_factory.mktemp("ssh-client")
+    return KeyPair.generate(d / "id_ed25519"), KeyPair.generate(d / "wrong_ed25519", comment="wrong")
+
+
+def _start_host(workdir: Path, keys: tuple[KeyPair, KeyPair]) -> SshHost:
+    user = ThrowawayUser.create()
+    try:
+        server = SshServer.start(workdir, user, client_pubkeys=[keys[0].public_line])
+    except BaseException:
+        user.remove()
+        raise
+    return SshHost(server=server, user=user, client=keys[0], wrong=keys[1])
+
+
+def _stop_host(host: SshHost) -> None:
+    try:
+        host.user.stop_processes()
+    finally:
+        host.server.stop()
+        host.user.remove()
+
+
+@pytest.fixture(scope="session")
+def ssh_host(tmp_path_factory: pytest.TempPathFactory, ssh_client_keys: tuple[KeyPair, KeyPair]) -> Iterator[SshHost]:
+    host = _start_host(tmp_path_factory.mktemp("sshd"), ssh_client_keys)
+    yield host
+    _stop_host(host)
+
+
+@pytest.fixture
+def fresh_ssh_host(tmp_path: Path, ssh_client_keys: tuple[KeyPair, KeyPair]) -> Iterator[SshHost]:
+    host = _start_host(tmp_path / "sshd", ssh_client_keys)
+    yield host
+    _stop_host(host)
+
+
+@pytest.fixture(scope="session")
+def wheelhouse() -> Path:
+    from tests.helpers.wheelhouse import ensure_wheelhouse
+
+    path, why = ensure_wheelhouse()
+    if path is None:
+        pytest.skip(why)
+    return path
+
+
+@pytest.fixture
+def exo_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "exo-home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("EXO_TUI_HOME", str(home))
+    return home
