@@ -123,6 +123,16 @@ def _set_nodelay(writer: asyncio.StreamWriter) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+async def _start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
+    """``writer.start_tls``, marking the stream protocol as TLS first: on CPython 3.11 an EOF that
+    arrives right after the TLS handshake, before ``start_tls`` returns, otherwise makes asyncio
+    warn "returning true from eof_received() has no effect when using ssl"."""
+    protocol = getattr(writer, "_protocol", None)
+    if protocol is not None and hasattr(protocol, "_over_ssl"):
+        protocol._over_ssl = True
+    await writer.start_tls(ctx)
+
+
 def _peer_identity(writer: asyncio.StreamWriter) -> tuple[bytes, str]:
     """(SHA-256 of the peer's certificate, its common name) on a TLS connection."""
     sslobj = writer.get_extra_info("ssl_object")
@@ -530,7 +540,7 @@ class Server:
                     fp_client, name = b"", ""
                     if sec.enable_tls:
                         try:
-                            await writer.start_tls(sec.server_context())
+                            await _start_tls(writer, sec.server_context())
                         except (ssl.SSLError, ConnectionError, OSError) as e:
                             raise AuthError(
                                 f"TLS handshake failed ({e}): the peer has no certificate of this "
@@ -657,7 +667,7 @@ async def open_authenticated(
             fp_server, name = b"", ""
             if security.enable_tls:
                 try:
-                    await writer.start_tls(security.client_context())
+                    await _start_tls(writer, security.client_context())
                 except (ssl.SSLError, ConnectionError, OSError) as e:
                     raise HandshakeError(
                         f"TLS handshake with {peer} failed ({e}): its certificate is not from this "
