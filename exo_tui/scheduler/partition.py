@@ -275,6 +275,8 @@ def _dp(
                 cost = np.maximum(stage, cur[rows][:, None])
             else:
                 cost = compute + hop_in * mats.rows_gt0[rows] + cur[rows][:, None]
+                # the last of several stages also sends the token back to the start
+                cost[:, L] += ctx.hop(nid, seq[0], TOKEN_BYTES) * mats.rows_gt0[rows][:, 0]
             cost = np.where(feasible, cost, inf)
             skip = cur
         best = cost.argmin(axis=0)
@@ -447,7 +449,7 @@ def _memory_targets(ctx: _Ctx, cands: Sequence[str]) -> dict[str, float]:
 # ------------------------------------------------------------------------------- checks and errors
 
 
-def _check_pins(ctx: _Ctx, eligible: set[str], scores: Mapping[str, NodeScore]) -> None:
+def _check_pins(ctx: _Ctx, eligible: set[str], excluded: Mapping[str, str]) -> None:
     L = ctx.spec.n_layers
     seen: dict[str, Pin] = {}
     for p in ctx.pins:
@@ -460,7 +462,7 @@ def _check_pins(ctx: _Ctx, eligible: set[str], scores: Mapping[str, NodeScore]) 
             raise InfeasiblePlan(f"node {p.node_id} is pinned twice ({seen[p.node_id].start}-{seen[p.node_id].end} and {p.start}-{p.end}): a node holds one range", "pins")
         seen[p.node_id] = p
         if p.node_id not in eligible:
-            why = scores[p.node_id].reason if p.node_id in scores else "not eligible"
+            why = excluded.get(p.node_id, "not eligible")
             raise InfeasiblePlan(f"pinned node {p.node_id} cannot hold layers: it is {why}; unpin it or bring it back", "pins")
         if p.end - p.start < ctx.min_layers:
             raise InfeasiblePlan(
@@ -599,7 +601,7 @@ def make_plan(
     if not elig:
         why = "; ".join(f"{n}: {r}" for n, r in sorted(excluded.items())) or "the cluster has no nodes"
         raise InfeasiblePlan(f"no node can take layers ({why}): add a node, undrain one, or check heartbeats", "eligibility")
-    _check_pins(ctx, set(elig), scores)
+    _check_pins(ctx, set(elig), excluded)
     pinned = {p.node_id for p in ctx.pins}
     cands = [n for n in elig if n not in pinned]
 
