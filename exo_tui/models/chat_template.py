@@ -95,12 +95,11 @@ class ChatTemplate:
         if tokenizer is not None:
             bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
             eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-        elif bos_id is not None or eos_id is not None:
-            tokens = model.field("tokenizer.ggml.tokens") or []
-            if bos_id is not None and 0 <= int(bos_id) < len(tokens):
-                bos = str(tokens[int(bos_id)])
-            if eos_id is not None and 0 <= int(eos_id) < len(tokens):
-                eos = str(tokens[int(eos_id)])
+        else:
+            if bos_id is not None:
+                bos = str(model.field_item("tokenizer.ggml.tokens", int(bos_id)) or "")
+            if eos_id is not None:
+                eos = str(model.field_item("tokenizer.ggml.tokens", int(eos_id)) or "")
         return cls(str(source) if source else None, bos_token=bos, eos_token=eos, origin=str(model.path))
 
     def render(

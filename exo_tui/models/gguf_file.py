@@ -90,6 +90,16 @@ class GGUFModel:
         except Exception as exc:
             raise ModelFileError(f"{self.path}: metadata field {key} is corrupt ({exc})") from exc
 
+    def field_item(self, key: str, index: int) -> Any:
+        """One element of an array field (e.g. one token's text) without reading the whole array."""
+        f = self._reader.fields.get(key)
+        if f is None or not 0 <= index < len(f.data):
+            return None
+        try:
+            return f.contents(index)
+        except Exception as exc:
+            raise ModelFileError(f"{self.path}: metadata field {key} is corrupt ({exc})") from exc
+
     def field_array(self, key: str) -> np.ndarray | None:
         """A numeric array field as one NumPy array (fast path for token scores/types)."""
         f = self._reader.fields.get(key)
