@@ -101,6 +101,7 @@ class ExoApp(App):
             )
             self._initial_theme = themes.DEFAULT_THEME
         self.theme = self._initial_theme
+        self._saved_theme = self._initial_theme
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.main_screen = MainScreen()
         self.push_screen(self.main_screen)
@@ -253,7 +254,8 @@ class ExoApp(App):
         self.theme = "exo-light" if self.theme == "exo-dark" else "exo-dark"
 
     def _theme_changed(self, theme: Any) -> None:
-        if self._on_theme_change is not None:
+        if self._on_theme_change is not None and theme.name != self._saved_theme:
+            self._saved_theme = theme.name
             try:
                 self._on_theme_change(theme.name)
             except Exception as exc:

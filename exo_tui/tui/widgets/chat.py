@@ -130,7 +130,7 @@ class ChatPane(Vertical):
         app = self.app
         control = app.control  # type: ignore[attr-defined]
         messages = [*self.messages, {"role": "user", "content": prompt}]
-        stream = Markdown.get_stream(answer.markdown)
+        stream = None  # started with the first text
         final: ChatChunk | None = None
         error = ""
         cancelled = False
@@ -144,6 +144,8 @@ class ChatPane(Vertical):
                     if first_token_s is None:
                         first_token_s = time.monotonic() - started
                     answer.text += chunk.text
+                    if stream is None:
+                        stream = Markdown.get_stream(answer.markdown)
                     await stream.write(chunk.text)
                 completion += len(chunk.token_ids)
                 if chunk.finish_reason:
@@ -160,10 +162,11 @@ class ChatPane(Vertical):
                 await agen.aclose()
             except Exception:
                 pass
-        try:
-            await stream.stop()
-        except Exception:
-            pass
+        if stream is not None:
+            try:
+                await stream.stop()
+            except (Exception, asyncio.CancelledError):  # a stream task that never ran
+                pass
         try:
             await answer.markdown.update(answer.text)
         except Exception:

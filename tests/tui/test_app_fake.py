@@ -1,0 +1,290 @@
+"""Keys in, state out: the console over the in-test FakeCluster."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from textual.widgets import Input
+
+from exo_tui.cluster import events as ev
+from exo_tui.tui.screens.detail import NodeDetailScreen
+from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen, Question
+from exo_tui.tui.screens.hosts import HostsScreen
+from exo_tui.tui.widgets.chat import Answer, ChatPane
+from exo_tui.tui.widgets.cluster import PartitionBar
+from exo_tui.tui.widgets.events import EventsLog
+from exo_tui.tui.widgets.nodes import NodesTable
+from tests.tui.conftest import plain, wait_until
+
+
+def table(app) -> NodesTable:  # noqa: ANN001
+    return app.main_screen.query_one(NodesTable)
+
+
+def partition_text(app) -> str:  # noqa: ANN001
+    bar = app.main_screen.query_one(PartitionBar)
+    return "\n".join(line.plain for line in bar._lines(100))
+
+
+async def test_dashboard_lists_nodes_keyed_by_id(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        t = table(app)
+        assert [k.value for k in t.rows] == ["n01", "n00", "n02"]  # sorted by name
+        assert t.get_cell("n00", "name").plain == "mac-studio"
+        assert t.get_cell("n00", "layers").plain == "0–9"
+        assert "nodes 3/3 ready" in plain(app.main_screen.query_one("#header"))
+
+
+async def test_cursor_survives_refresh_and_changes_are_marked(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("down", "down")
+        assert table(app).selected_node_id == "n02"
+        # a new node appears (rows re-laid out) and another node's layers change
+        fake.nodes["n09"] = dataclasses.replace(fake.nodes["n00"], node_id="n09", name="aaa-first")
+        fake.nodes["n01"] = dataclasses.replace(fake.nodes["n01"], layers=(10, 12))
+        app.refresh_now()
+        await pilot.pause()
+        t = table(app)
+        assert t.row_count == 4
+        assert t.selected_node_id == "n02"
+        assert ("n01", "layers") in t._changed
+        assert t.get_cell("n01", "layers").style  # highlighted
+        app.refresh_now()
+        app.refresh_now()
+        assert ("n01", "layers") not in table(app)._changed  # the mark fades after two refreshes
+
+
+async def test_drain_opens_confirmation_defaulting_to_cancel(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("down")  # mac-studio (n00)
+        await pilot.press("D")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
+        confirm = app.screen
+        assert confirm.preview.action == "drain" and confirm.preview.targets == ("n00",)
+        assert app.focused.id == "cancel"
+        text = plain(confirm.query_one("#diff"))
+        assert "mac-studio" in text and "→" in text and "tok/s" in text
+        await pilot.press("enter")  # Cancel
+        await wait_until(pilot, lambda: not isinstance(app.screen, ConfirmChange))
+        assert fake.applied == []
+        assert fake.nodes["n00"].layers == (0, 10)
+
+        await pilot.press("D")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: fake.applied and table(app).get_cell("n00", "layers").plain == "—")
+        assert fake.nodes["n00"].drained
+        bar = partition_text(app)
+        assert "mac-studio" not in bar.splitlines()[2]  # the bar's labels no longer show it
+        assert "plan v2" in bar
+
+
+async def test_marked_nodes_are_the_targets(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("space", "space")  # marks linux-box and mac-studio, cursor moves down
+        assert table(app).marked == {"n01", "n00"}
+        assert table(app).get_cell("n01", "mark").plain == "✓"
+        await pilot.press("D")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
+        assert set(app.screen.preview.targets) == {"n00", "n01"}
+        await pilot.press("y")
+        await wait_until(pilot, lambda: len(fake.applied) == 1 and not table(app).marked)
+        assert fake.nodes["n00"].drained and fake.nodes["n01"].drained
+
+
+async def test_pin_survives_rebalance(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("down", "down")  # old-laptop n02, layers 20-29
+        await pilot.press("p")  # pin applies straight after its preview
+        await wait_until(pilot, lambda: fake.pins.get("n02") == (20, 30))
+        await wait_until(pilot, lambda: "⚑" in table(app).get_cell("n02", "layers").plain)
+        await pilot.press("R")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: len(fake.applied) == 2)
+        assert fake.nodes["n02"].layers == (20, 30)
+        assert "⚑pinned" in partition_text(app)
+
+
+async def test_readonly_hides_dangerous_keys(make_app, fake):
+    app = make_app(readonly=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("D", "R", "p")
+        await pilot.pause(0.1)
+        assert not isinstance(app.screen, ConfirmChange)
+        assert fake.applied == [] and fake.pins == {}
+        footer_keys = {b.binding.action for b in app.screen.active_bindings.values() if b.enabled}
+        assert not {"drain", "undrain", "pin", "rebalance"} & footer_keys
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert not any("Drain" in t or t == ":rebalance" for t in titles)
+        assert "READONLY" in plain(app.main_screen.query_one("#header"))
+
+
+async def test_chat_streams_markdown_with_status(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.main_screen.query_one(ChatPane)
+        await pilot.click("#chat-input")
+        await pilot.press(*"capital?")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: chat.query(Answer) and not chat.streaming)
+        answer = chat.query_one(Answer)
+        assert "**Paris**" in answer.text
+        assert "Paris" in answer.markdown.source
+        status = plain(answer.status)
+        assert "completion" in status and "31.5 tok/s" in status and "mac-studio" in status
+        assert chat.messages[-1] == {"role": "assistant", "content": answer.text}
+        # up-arrow brings the prompt back
+        await pilot.press("up")
+        assert chat.prompt_input.value == "capital?"
+
+
+async def test_escape_stops_and_keeps_partial_answer_and_keys_work_meanwhile(make_app, fake):
+    fake.chat_delay_s = 0.2
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.main_screen.query_one(ChatPane)
+        await chat.send("tell me")
+        await wait_until(pilot, lambda: chat.query(Answer) and len(chat.query_one(Answer).text) > 10)
+        # the UI stays live while the answer streams: drain opens its confirmation
+        table(app).focus()
+        await pilot.press("D")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not isinstance(app.screen, ConfirmChange))
+        assert chat.streaming
+        chat.prompt_input.focus()
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not chat.streaming)
+        answer = chat.query_one(Answer)
+        assert 0 < len(answer.text) < len(fake_reply())
+        assert "stopped" in plain(answer.status)
+        assert chat.messages[-1]["content"] == answer.text
+
+
+def fake_reply() -> str:
+    from tests.tui.fake_cluster import REPLY
+
+    return REPLY
+
+
+async def test_chat_error_restores_prompt(make_app, fake):
+    fake.fail_next_chat = "no plan: every node is drained; undrain one (U)"
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.main_screen.query_one(ChatPane)
+        await chat.send("hello there")
+        await wait_until(pilot, lambda: not chat.streaming)
+        assert chat.prompt_input.value == "hello there"
+        assert not chat.query(Answer)
+        assert any("undrain one" in n.message for n in app._notifications)
+        assert chat.messages == []
+
+
+async def test_command_mode_and_theme_saved(make_app, fake):
+    saved: list[str] = []
+    app = make_app(on_theme_change=saved.append)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        assert app.theme == "exo-dark"
+        await pilot.press("colon")
+        assert app.focused.id == "command"
+        await pilot.press(*"theme exo-light", "enter")
+        await pilot.pause()
+        assert app.theme == "exo-light" and saved == ["exo-light"]
+        await pilot.press("t")
+        assert app.theme == "exo-dark" and saved[-1] == "exo-dark"
+        await pilot.press("colon", *"hosts", "enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, HostsScreen))
+        await pilot.press("q")
+        await wait_until(pilot, lambda: app.screen is app.main_screen)
+        await pilot.press("colon", *"nope", "enter")
+        await pilot.pause()
+        assert any("Unknown command :nope" in n.message for n in app._notifications)
+
+
+async def test_help_is_for_the_focused_pane(make_app):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        assert app.screen.scope == "nodes"
+        text = plain(app.screen.query_one("#help-body"))
+        assert "Drain" in text and ":hosts" in text
+        await pilot.press("escape")
+        app.main_screen.query_one(EventsLog).focus()
+        await pilot.press("question_mark")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        assert app.screen.scope == "events"
+
+
+async def test_node_detail_shows_score_breakdown(make_app):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("down", "enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, NodeDetailScreen))
+        screen = app.screen
+        assert screen.node_id == "n00"
+        score = plain(screen.query_one("#detail-score"))
+        assert "vram_fit" in score and "performance" in score and "112.5" in score
+        assert "layers 0–9" in plain(screen.query_one("#detail-shards"))
+        await pilot.press("q")
+        await wait_until(pilot, lambda: app.screen is app.main_screen)
+
+
+async def test_bootstrap_asks_for_the_host_key_then_shows_steps(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("b")
+        await wait_until(pilot, lambda: isinstance(app.screen, HostsScreen))
+        await pilot.press("b")
+        await wait_until(pilot, lambda: isinstance(app.screen, Question))
+        assert app.focused.id == "no"
+        assert "SHA256:" in plain(app.screen.query_one("#question-body"))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: "install" in app.bootstrap_steps.get("10.0.0.20", {}))
+        await wait_until(pilot, lambda: isinstance(app.screen, HostsScreen))
+        progress = plain(app.screen.query_one("#bootstrap-progress"))
+        assert "✓ connect" in progress and "install" in progress and "pending" in progress
+
+
+async def test_pause_freezes_the_view(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("Z")
+        fake.nodes["n00"] = dataclasses.replace(fake.nodes["n00"], name="renamed")
+        fake.events.publish(ev.Notice(level="info", message="while paused"))
+        app.refresh_now()
+        await pilot.pause(0.05)
+        assert table(app).get_cell("n00", "name").plain == "mac-studio"
+        assert "PAUSED" in plain(app.main_screen.query_one("#header"))
+        await pilot.press("Z")
+        await pilot.pause(0.05)
+        assert table(app).get_cell("n00", "name").plain == "renamed"
+        assert any("while paused" in e.message for e, _ in app.main_screen.query_one(EventsLog)._logged if isinstance(e, ev.Notice))
+
+
+async def test_filter_narrows_the_table(make_app):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("slash", *"mac")
+        assert table(app).row_count == 1
+        await pilot.press("escape")
+        assert table(app).row_count == 3
+        assert not app.main_screen.query_one("#filter", Input).display
