@@ -1,0 +1,244 @@
+"""The MLX backend: a :class:`~backends.base.Shard` over :class:`~backends.mlx.llama.ShardModel`
+with one preallocated KV cache per request.
+
+Speed on MLX's CPU build comes from dispatching few ops per token: q/k/v and gate/up are one
+matmul each, norms, rotary and attention are ``mx.fast`` kernels, the cache is written in place,
+and a decode step (one token) of the whole shard runs as one ``mx.compile``-d function, traced once
+per cache capacity (capacities grow in steps of :data:`CACHE_STEP` tokens, so retraces are rare).
+Prefill (several tokens) runs eagerly: its per-op cost is shared by all its tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeights, validate_forward_input
+from backends.mlx.llama import ShardModel
+from backends.mlx.quant import MLXWeight
+
+CACHE_STEP = 256
+"""KV cache buffers grow by this many positions at a time."""
+
+
+
+@dataclass
+class RequestCache:
+    """One request's KV buffers ``(1, n_kv_heads, capacity, head_dim)`` per layer."""
+
+    keys: list[mx.array]
+    values: list[mx.array]
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 1 << 62
+
+
+class MLXShard(Shard):
+    def __init__(
+        self, config: ModelConfig, weights: ShardWeights, *, compile_decode: bool = True, threads: int = 1
+    ) -> None:
+        super().__init__(config, weights.start, weights.end)
+        if weights.end > config.n_layers or weights.start < 0:
+            raise BackendError(
+                f"layers [{weights.start}, {weights.end}) are outside the model's {config.n_layers} layers"
+            )
+        self.n_parts = matmul_parts(threads)
+        self.model = ShardModel(config, weights, self.n_parts)
+        if self.is_first and self.model.embed_tokens is None:
+            raise BackendError(f"shard [{self.start}, {self.end}) starts at layer 0 but has no token embedding")
+        if self.is_last and self.model.lm_head is None:
+            raise BackendError(f"shard [{self.start}, {self.end}) ends the model but has no norm/output head")
+        mx.eval(self._arrays())
+        self._caches: dict[str, RequestCache] = {}
+        self._lock = threading.RLock()
+        self.compile_decode = compile_decode
+        self._local = threading.local()  # MLX streams, and so compiled traces, belong to a thread
+
+    # ------------------------------------------------------------------ running
+
+    def _decode_step(
+        self, x: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array]
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        n_keys = keys[0].shape[2] if keys else 1
+        return self.model(x, offset, keys, values, n_keys)
+
+    def _decode_fn(self):  # noqa: ANN202 - a compiled function
+        if not self.compile_decode:
+            return self._decode_step
+        fn = getattr(self._local, "decode", None)
+        if fn is None:
+            fn = self._local.decode = mx.compile(self._decode_step)
+        return fn
+
+    def forward(
+        self, request_id: str, x: np.ndarray, positions: np.ndarray, *, all_logits: bool = False
+    ) -> np.ndarray:
+        x = np.asarray(x)
+        positions = np.asarray(positions)
+        with self._lock:
+            self._check_open()
+            cache = self._caches.get(request_id)
+            cached = cache.length if cache is not None else 0
+            validate_forward_input(self, x, positions, cached)
+            t = positions.shape[0]
+            if not np.array_equal(positions, np.arange(cached, cached + t)):
+                raise BackendError(
+                    f"positions must be consecutive from {cached}, got {positions[:8].tolist()}"
+                    f"{'...' if t > 8 else ''}"
+                )
+            if cache is None:
+                cache = self._caches[request_id] = self._empty_cache()
+            self._reserve(cache, cached + t)
+            tokens = mx.array(x.astype(np.int32)) if self.is_first else mx.array(x.astype(np.float32, copy=False))
+            offset = mx.array([cached], dtype=mx.int32)
+            if t == 1:
+                out, keys, values = self._decode_fn()(tokens, offset, cache.keys, cache.values)
+            else:
+                out, keys, values = self.model(
+                    tokens, offset, cache.keys, cache.values, cached + t, last_only=not all_logits
+                )
+            # drop the old buffers before evaluating, so the cache update happens in place
+            cache.keys, cache.values = keys, values
+            cache.length = cached + t
+            mx.eval(out, keys, values)
+            return np.array(out, dtype=np.float32)
+
+    def _check_open(self) -> None:
+        if self.model is None:
+            raise BackendError(f"shard [{self.start}, {self.end}) is closed: load it again")
+
+    # ------------------------------------------------------------------ caches
+
+    def _empty_cache(self) -> RequestCache:
+        return RequestCache([], [], 0) if not self.model.layers else self._alloc(0)
+
+    def _alloc(self, capacity: int) -> RequestCache:
+        c = self.config
+        shape = (1, c.n_kv_heads, capacity, c.head_dim)
+        n = len(self.model.layers)
+        return RequestCache([mx.zeros(shape, mx.float32) for _ in range(n)],
+                            [mx.zeros(shape, mx.float32) for _ in range(n)], 0)
+
+    def _capacity_for(self, length: int) -> int:
+        step = -(-length // CACHE_STEP) * CACHE_STEP
+        return max(length, min(step, self.config.context_length))
+
+    def _reserve(self, cache: RequestCache, length: int) -> None:
+        """Grow the cache's buffers to hold ``length`` positions."""
+        if not self.model.layers or length <= cache.capacity:
+            return
+        c = self.config
+        extra = self._capacity_for(length) - cache.capacity
+        pad = mx.zeros((1, c.n_kv_heads, extra, c.head_dim), mx.float32)
+        cache.keys = [mx.concatenate([k, pad], axis=2) for k in cache.keys]
+        cache.values = [mx.concatenate([v, pad], axis=2) for v in cache.values]
+        mx.eval(cache.keys, cache.values)
+
+    def kv_length(self, request_id: str) -> int:
+        with self._lock:
+            cache = self._caches.get(request_id)
+            return cache.length if cache is not None else 0
+
+    def export_kv(self, request_id: str) -> KVCache:
+        with self._lock:
+            cache = self._caches.get(request_id)
+            if cache is None:
+                n_layers = self.end - self.start
+                return KVCache(self.start, self.end, 0, [self._zeros_np(0) for _ in range(n_layers)],
+                               [self._zeros_np(0) for _ in range(n_layers)])
+            n = cache.length
+            keys = [np.array(k[0, :, :n], dtype=np.float32) for k in cache.keys]
+            values = [np.array(v[0, :, :n], dtype=np.float32) for v in cache.values]
+            return KVCache(self.start, self.end, n, keys, values)
+
+    def _zeros_np(self, length: int) -> np.ndarray:
+        return np.zeros((self.config.n_kv_heads, length, self.config.head_dim), np.float32)
+
+    def import_kv(self, request_id: str, cache: KVCache) -> None:
+        c = self.config
+        if not (cache.start <= self.start and self.end <= cache.end):
+            raise BackendError(
+                f"a KV cache of layers [{cache.start}, {cache.end}) does not cover this shard's [{self.start}, {self.end})"
+            )
+        if len(cache.keys) != cache.end - cache.start or len(cache.values) != cache.end - cache.start:
+            raise BackendError(
+                f"a KV cache of layers [{cache.start}, {cache.end}) must hold {cache.end - cache.start} key and value "
+                f"arrays, got {len(cache.keys)} and {len(cache.values)}"
+            )
+        if not 0 <= cache.length <= c.context_length:
+            raise BackendError(f"KV cache length {cache.length} is outside 0..{c.context_length}")
+        part = cache.slice_layers(self.start, self.end)
+        want = (c.n_kv_heads, cache.length, c.head_dim)
+        for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True)):
+            if np.shape(k) != want or np.shape(v) != want:
+                raise BackendError(
+                    f"KV cache of layer {self.start + i} has shapes {np.shape(k)} / {np.shape(v)}, expected {want} "
+                    "(n_kv_heads, length, head_dim): it was made for another model"
+                )
+        with self._lock:
+            self._check_open()
+            self._caches.pop(request_id, None)
+            new = self._alloc(self._capacity_for(cache.length)) if self.model.layers else RequestCache([], [], 0)
+            if cache.length:
+                start = mx.array([0], dtype=mx.int32)
+                new.keys = [mx.slice_update(buf, mx.array(np.asarray(k, np.float32))[None], start, axes=(2,))
+                            for buf, k in zip(new.keys, part.keys, strict=True)]
+                new.values = [mx.slice_update(buf, mx.array(np.asarray(v, np.float32))[None], start, axes=(2,))
+                              for buf, v in zip(new.values, part.values, strict=True)]
+            new.length = cache.length
+            mx.eval(new.keys, new.values)
+            self._caches[request_id] = new
+
+    def truncate_kv(self, request_id: str, length: int) -> None:
+        """Keep the first ``length`` positions: later ones are masked out and then overwritten."""
+        if length < 0:
+            raise BackendError(f"cannot truncate a KV cache to {length} positions")
+        with self._lock:
+            cache = self._caches.get(request_id)
+            if cache is not None:
+                cache.length = min(cache.length, length)
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            self._caches.pop(request_id, None)
+
+    def requests(self) -> list[str]:
+        with self._lock:
+            return list(self._caches)
+
+    def close(self) -> None:
+        with self._lock:
+            self._caches.clear()
+            self.model = None  # type: ignore[assignment]
+        mx.clear_cache()
+
+    # ------------------------------------------------------------------ sizes
+
+    def _arrays(self) -> list[mx.array]:
+        out = []
+        for layer in self.model.layers:
+            out += [layer.input_layernorm, layer.post_attention_layernorm]
+            for w in (layer.self_attn.qkv_proj, layer.self_attn.q_proj, layer.self_attn.k_proj,
+                      layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                out += _weight_arrays(w)
+        out += _weight_arrays(self.model.embed_tokens) + _weight_arrays(self.model.lm_head)
+        if self.model.norm is not None:
+            out.append(self.model.norm)
+        return out
+
+
+def _weight_arrays(w: MLXWeight | None) -> list[mx.array]:
+    return [] if w is None else w.arrays()
+
+
+def matmul_parts(threads: int) -> int:
+    """How many row blocks each matmul runs in: one per thread on the CPU, one on a GPU."""
+    if threads < 1:
+        raise BackendError(f"threads must be at least 1, got {threads}")
+    return threads if mx.default_device().type == mx.DeviceType.cpu else 1
