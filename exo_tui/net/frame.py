@@ -64,7 +64,6 @@ MAX_NDIM = 16
 _PREFIX = struct.Struct(">I")
 PREFIX_SIZE = _PREFIX.size
 _MAX_ID = (1 << 63) - 1
-_PLAIN_SCALARS = (str, int, float, bool, bytes, type(None))
 
 
 class FrameError(Exception):
@@ -135,22 +134,29 @@ def _ext_refused(code: int, data: bytes) -> Any:
     raise FrameError(f"msgpack extension type {code} is not allowed in a header")
 
 
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+_KNOWN_KEYS = frozenset({"v", "type", "id", "re", "plan", "dtype", "shape", "nbytes", "body", "lane"})
+
+
 def _check_plain(value: Any) -> None:
-    """Refuse anything but nil/bool/int/float/str/bin/array/map (e.g. a msgpack Timestamp)."""
+    """Refuse anything but nil/bool/int/float/str/bin/array/map with string keys (a msgpack
+    Timestamp, the one extension type msgpack decodes itself, would be refused here)."""
     stack = [value]
+    pop, extend = stack.pop, stack.extend
     while stack:
-        v = stack.pop()
-        if isinstance(v, _PLAIN_SCALARS):
+        v = pop()
+        t = type(v)
+        if t in _SCALARS:
             continue
-        if isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                if not isinstance(k, str):
+        if t is dict:
+            for k in v:
+                if type(k) is not str:
                     raise FrameError("header map keys must be strings")
-                stack.append(item)
+            extend(v.values())
+        elif t is list:
+            extend(v)
         else:
-            raise FrameError(f"header holds a value of type {type(v).__name__}, only plain values are allowed")
+            raise FrameError(f"header holds a value of type {t.__name__}, only plain values are allowed")
 
 
 def header_length(prefix: bytes, limits: Limits = DEFAULT_LIMITS) -> int:
@@ -195,9 +201,13 @@ def parse_header(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> H
         raise
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError...)
         raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(h, dict):
+    if type(h) is not dict:
         raise FrameError(f"header must be a map, got {type(h).__name__}")
-    _check_plain(h)
+    for k, val in h.items():  # known fields are type-checked one by one below; walk the rest
+        if type(k) is not str:
+            raise FrameError("header map keys must be strings")
+        if k not in _KNOWN_KEYS or k == "body":
+            _check_plain(val)
     v = h.get("v")
     if v != PROTOCOL_VERSION or type(v) is not int:
         raise ProtocolVersionError(v)
@@ -213,7 +223,7 @@ def parse_header(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> H
     if nbytes > limits.payload_bytes:
         raise FrameError(f"payload of {nbytes} bytes exceeds the limit of {limits.payload_bytes} bytes")
     body = h.get("body", {})
-    if not isinstance(body, dict):
+    if type(body) is not dict:
         raise FrameError("header field 'body' must be a map")
     lane = h.get("lane")
     if lane is not None and (type(lane) is not str or not 0 < len(lane) <= MAX_TYPE_LEN):

@@ -188,6 +188,9 @@ class Connection:
         self._closing = False
         self._peer_error: RemoteError | None = None
         self._read_task: asyncio.Task | None = None
+        self._frame_since: float | None = None
+        self._frame_timed_out = False
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else "open"
@@ -284,6 +287,22 @@ class Connection:
 
     def start(self) -> None:
         self._read_task = self._loop.create_task(self._read_loop(), name=f"exo-tui read {self.peer}")
+        self._arm_watchdog()
+
+    def _arm_watchdog(self) -> None:
+        # One timer per connection instead of a timeout around every frame read (cheaper per frame).
+        period = max(0.02, min(1.0, self.limits.frame_timeout_s / 4))
+        self._watchdog = self._loop.call_later(period, self._check_frame_time)
+
+    def _check_frame_time(self) -> None:
+        if self._closing:
+            return
+        since = self._frame_since
+        if since is not None and self._loop.time() - since > self.limits.frame_timeout_s and self._read_task:
+            self._frame_timed_out = True
+            self._read_task.cancel()
+            return
+        self._arm_watchdog()
 
     def _closed_error(self) -> ConnectionClosed:
         reason = self.closed.result() if self.closed.done() else None
@@ -313,26 +332,31 @@ class Connection:
             raise IncompleteFrame(f"connection closed inside a frame's {what} ({len(e.partial)} of {n} bytes)") from None
 
     async def _read_loop(self) -> None:
-        reader, limits = self._reader, self.limits
+        reader, limits, loop = self._reader, self.limits, self._loop
         reason: BaseException | None = None
         try:
-            while True:
-                try:
-                    prefix = await reader.readexactly(PREFIX_SIZE)
-                except asyncio.IncompleteReadError as e:
-                    if e.partial:
-                        raise IncompleteFrame("connection closed inside a frame's length prefix") from None
-                    why = f": {self._peer_error}" if self._peer_error else ""
-                    reason = ConnectionClosed(f"connection closed by {self.peer}{why}")
-                    break
-                n = header_length(prefix, limits)
-                try:
-                    async with asyncio.timeout(limits.frame_timeout_s):
-                        header = parse_header(await self._read_exactly(n, "header"), limits)
-                        payload = await self._read_exactly(header.nbytes, "payload") if header.nbytes else None
-                except TimeoutError:
-                    raise FrameError(f"frame not completed within {limits.frame_timeout_s} s") from None
-                await self._dispatch(build_frame(header, payload))
+            try:
+                while True:
+                    try:
+                        prefix = await reader.readexactly(PREFIX_SIZE)
+                    except asyncio.IncompleteReadError as e:
+                        if e.partial:
+                            raise IncompleteFrame("connection closed inside a frame's length prefix") from None
+                        why = f": {self._peer_error}" if self._peer_error else ""
+                        reason = ConnectionClosed(f"connection closed by {self.peer}{why}")
+                        break
+                    n = header_length(prefix, limits)
+                    self._frame_since = loop.time()  # the watchdog enforces limits.frame_timeout_s
+                    header = parse_header(await self._read_exactly(n, "header"), limits)
+                    payload = await self._read_exactly(header.nbytes, "payload") if header.nbytes else None
+                    self._frame_since = None
+                    await self._dispatch(build_frame(header, payload))
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._frame_timed_out or task is None:
+                    raise
+                task.uncancel()
+                raise IncompleteFrame(f"frame not completed within {limits.frame_timeout_s} s") from None
         except FrameError as e:
             log.warning("closing connection with %s: bad frame: %s", self.peer, e)
             with contextlib.suppress(Exception):
@@ -432,6 +456,8 @@ class Connection:
         if self._closing:
             return
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if not self.closed.done():
             self.closed.set_result(reason)
         err = self._closed_error()

@@ -1,0 +1,198 @@
+"""One hop of the wire on loopback: TLS on vs off, against a bare asyncio TCP echo as the floor.
+
+A server process echoes what it gets; this process calls it. One round trip is two hops (the hidden
+state goes there and comes back), so "hop" = round trip / 2. Rows, measured side by side in one run:
+
+* ``floor``: a bare asyncio stream echo of the same bytes (no framing, no TLS, no RPC);
+* ``rpc, TLS off``: exo-tui frames + RPC over TCP (``network.security.enable_tls: false``);
+* ``rpc, TLS on``: the default, mutual TLS 1.3.
+
+Columns: the decode hidden state (1×576 float32, 2.3 KB) round trip, median and p99; a 128-token
+prefill hidden state (128×576 float32, 295 KB) round trip; and the throughput of 4 MiB weight
+chunks (one way, acknowledged).
+
+    .venv/bin/python benchmarks/hop.py [--n 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from exo_tui.net import Dispatcher, Frame, Security, connect, ensure_cluster, serve  # noqa: E402
+
+HIDDEN = 576
+CHUNK = 4 << 20
+
+
+# ------------------------------------------------------------------ server process
+
+
+async def _serve(mode: str, home: str) -> None:
+    if mode == "floor":
+
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    n = int.from_bytes(await reader.readexactly(4), "big")
+                    data = await reader.readexactly(n)
+                    writer.write(n.to_bytes(4, "big") + data)
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(echo, "127.0.0.1", 0, limit=1 << 20)
+        port = server.sockets[0].getsockname()[1]
+    else:
+        sec = Security.from_bundle((Path(home) / "node.bundle").read_bytes(), enable_tls=mode == "tls")
+        d = Dispatcher()
+
+        @d.route("echo")
+        async def echo_frame(conn, f: Frame) -> Frame:
+            return Frame("echo", tensor=f.tensor)
+
+        @d.route("chunk")
+        async def chunk(conn, f: Frame) -> Frame:
+            return Frame("ack", {"n": len(f.payload or b"")})
+
+        srv = await serve(d, "127.0.0.1", 0, security=sec)
+        port = srv.port
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+
+
+# ------------------------------------------------------------------ client
+
+
+def _stats(samples: list[float]) -> tuple[float, float]:
+    s = sorted(samples)
+    return statistics.median(s), s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+async def _measure(mode: str, port: int, coord: Security, n: int) -> dict[str, float]:
+    hidden = np.random.default_rng(0).standard_normal((1, HIDDEN), dtype=np.float32)
+    prefill = np.random.default_rng(1).standard_normal((128, HIDDEN), dtype=np.float32)
+    chunk = os.urandom(CHUNK)
+    out: dict[str, float] = {}
+    pc = time.perf_counter
+    if mode == "floor":
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+
+        async def rt(data: bytes) -> None:
+            writer.write(len(data).to_bytes(4, "big") + data)
+            await writer.drain()
+            m = int.from_bytes(await reader.readexactly(4), "big")
+            np.frombuffer(await reader.readexactly(m), np.float32)
+
+        hb, pb = hidden.tobytes(), prefill.tobytes()
+        for _ in range(200):
+            await rt(hb)
+        ts = []
+        for _ in range(n):
+            t = pc()
+            await rt(hb)
+            ts.append(pc() - t)
+        out["rtt_med"], out["rtt_p99"] = _stats(ts)
+        ts = []
+        for _ in range(max(20, n // 20)):
+            t = pc()
+            await rt(pb)
+            ts.append(pc() - t)
+        out["prefill_med"] = statistics.median(ts)
+        t = pc()
+        for _ in range(20):
+            await rt(chunk[: CHUNK // 2])  # echo both ways: same bytes on the wire as a one-way chunk
+        out["chunk_mb_s"] = 20 * CHUNK / (pc() - t) / 1e6
+        writer.close()
+        return out
+
+    conn = await connect("127.0.0.1", port, security=coord.replace(enable_tls=mode == "tls"))
+    try:
+        for _ in range(200):
+            await conn.call("echo", tensor=hidden)
+        ts = []
+        for _ in range(n):
+            t = pc()
+            await conn.call("echo", tensor=hidden)
+            ts.append(pc() - t)
+        out["rtt_med"], out["rtt_p99"] = _stats(ts)
+        ts = []
+        for _ in range(max(20, n // 20)):
+            t = pc()
+            await conn.call("echo", tensor=prefill)
+            ts.append(pc() - t)
+        out["prefill_med"] = statistics.median(ts)
+        t = pc()
+        for _ in range(20):
+            await conn.call("chunk", payload=chunk)
+        out["chunk_mb_s"] = 20 * CHUNK / (pc() - t) / 1e6
+    finally:
+        await conn.aclose()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=3000, help="round trips per row (default 3000)")
+    ap.add_argument("--serve", choices=["floor", "plain", "tls"], help=argparse.SUPPRESS)
+    ap.add_argument("--home", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        asyncio.run(_serve(args.serve, args.home))
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="exo-hop-") as home:
+        cluster = ensure_cluster(Path(home))
+        (Path(home) / "node.bundle").write_bytes(cluster.node_bundle("bench-node"))
+        os.chmod(Path(home) / "node.bundle", 0o600)
+        coord = cluster.security()
+        rows = {}
+        for mode in ("floor", "plain", "tls"):
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--serve", mode, "--home", home],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            try:
+                port = int(proc.stdout.readline())
+                rows[mode] = asyncio.run(_measure(mode, port, coord, args.n))
+            finally:
+                proc.stdin.close()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    names = {"floor": "floor: bare asyncio TCP echo", "plain": "rpc, TLS off", "tls": "rpc, TLS on (default)"}
+    print(f"\nOne hop on loopback, server in another process, {args.n} round trips per row "
+          f"(Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})\n")
+    print(f"| {'':30} | decode RTT med | p99     | hop = RTT/2 | 128-token prefill RTT | 4 MiB chunks |")
+    print(f"| {'-' * 30} | -------------- | ------- | ----------- | --------------------- | ------------ |")
+    for mode, r in rows.items():
+        print(
+            f"| {names[mode]:30} | {r['rtt_med'] * 1e3:11.3f} ms | {r['rtt_p99'] * 1e3:.3f} ms | "
+            f"{r['rtt_med'] * 1e3 / 2:8.3f} ms | {r['prefill_med'] * 1e3:18.3f} ms | {r['chunk_mb_s']:7.0f} MB/s |"
+        )
+    tls, plain, floor = rows["tls"], rows["plain"], rows["floor"]
+    print(f"\nTLS on / off: decode RTT ×{tls['rtt_med'] / plain['rtt_med']:.2f}, "
+          f"prefill ×{tls['prefill_med'] / plain['prefill_med']:.2f}, "
+          f"chunk throughput ×{tls['chunk_mb_s'] / plain['chunk_mb_s']:.2f}")
+    print(f"rpc (TLS off) / floor: decode RTT ×{plain['rtt_med'] / floor['rtt_med']:.2f}")
+    print(f"target: a hop under 0.3 ms with TLS on -> {tls['rtt_med'] / 2 * 1e3:.3f} ms "
+          f"({'met' if tls['rtt_med'] / 2 < 3e-4 else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
