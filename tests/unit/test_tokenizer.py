@@ -297,3 +297,63 @@ def test_sentencepiece_without_space_prefix() -> None:
     ids = tok.encode("hello", add_special=False)
     assert tok.token_text(ids[0]) != "▁hello"
     assert tok.decode(ids) == "hello"
+
+
+def llama_cpp_spm(text: str, tokens: list[str], scores: list[float], add_prefix: bool = True) -> list[int]:
+    """llama.cpp's SentencePiece tokenization (llm_tokenizer_spm), written out as a reference:
+    merge the adjacent pair whose joined text is the best-scoring token, leftmost first, until
+    none is left; pieces that are not tokens become <0xXX> byte tokens."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    text = (" " + text if add_prefix else text).replace(" ", "▁")
+    symbols = list(text)
+    while True:
+        best = None
+        for pos in range(len(symbols) - 1):
+            i = ids.get(symbols[pos] + symbols[pos + 1])
+            if i is not None and (best is None or scores[i] > best[0]):
+                best = (scores[i], pos)
+        if best is None:
+            break
+        pos = best[1]
+        symbols[pos : pos + 2] = [symbols[pos] + symbols[pos + 1]]
+    out: list[int] = []
+    for s in symbols:
+        if s in ids:
+            out.append(ids[s])
+        else:
+            out.extend(ids[f"<0x{b:02X}>"] for b in s.encode("utf-8"))
+    return out
+
+
+@st.composite
+def spm_vocabularies(draw: st.DrawFn) -> tuple[list[str], list[float]]:
+    alphabet = ["▁", "a", "b", "c"]
+    pieces = set(alphabet)
+    for _ in range(draw(st.integers(0, 25))):
+        pieces.add(draw(st.text(alphabet="▁abc", min_size=2, max_size=5)))
+    pieces_sorted = sorted(pieces)
+    scores = draw(st.lists(st.floats(-100, 0), min_size=len(pieces_sorted), max_size=len(pieces_sorted), unique=True))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces_sorted
+    return tokens, [0.0] * 259 + scores
+
+
+@settings(max_examples=150, deadline=None)
+@given(spm_vocabularies(), st.text(alphabet="abc é", max_size=20))
+def test_sentencepiece_matches_llama_cpp_merging(vocab: tuple[list[str], list[float]], text: str) -> None:
+    tokens, scores = vocab
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * (len(tokens) - 259)
+    tok = Tokenizer.from_fields(
+        {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0,
+        }
+    )
+    if not text:
+        return
+    assert tok.encode(text, add_special=False) == llama_cpp_spm(text, tokens, scores)
+    assert tok.decode(tok.encode(text, add_special=False)) == text
