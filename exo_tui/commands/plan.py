@@ -67,10 +67,6 @@ def run(args: argparse.Namespace) -> int:
         profiles = profiles_from_cluster(data, now=0.0)
     except ClusterSpecError as exc:
         return _fail(args, f"{path}: {exc}", 2)
-    try:
-        spec = resolve_spec(args.model, args.context)
-    except (ModelFileError, ValueError) as exc:
-        return _fail(args, str(exc), 2)
     known = {p.node_id for p in profiles}
     for n in args.drain:
         if n not in known:
@@ -78,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         pins = tuple(Pin.parse(t) for t in args.pin)
     except ValueError as exc:
+        return _fail(args, str(exc), 2)
+    try:
+        spec = resolve_spec(args.model, args.context)
+    except (ModelFileError, ValueError) as exc:
         return _fail(args, str(exc), 2)
     constraints = Constraints(
         pins=pins, drained=frozenset(args.drain), min_layers_per_shard=args.min_layers, prompt_tokens=args.prompt_tokens
