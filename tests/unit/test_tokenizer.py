@@ -357,3 +357,44 @@ def test_sentencepiece_matches_llama_cpp_merging(vocab: tuple[list[str], list[fl
         return
     assert tok.encode(text, add_special=False) == llama_cpp_spm(text, tokens, scores)
     assert tok.decode(tok.encode(text, add_special=False)) == text
+
+
+def llama_cpp_bpe_piece(piece: str, ranks: dict[tuple[str, str], int], tok: Tokenizer) -> list[int]:
+    """llama.cpp's BPE merge of one pre-tokenized piece (llm_tokenizer_bpe_session): merge the
+    adjacent pair with the lowest merge rank, leftmost first, until no pair is a merge."""
+    symbols = list(piece)
+    while True:
+        best = None
+        for pos in range(len(symbols) - 1):
+            r = ranks.get((symbols[pos], symbols[pos + 1]))
+            if r is not None and (best is None or r < best[0]):
+                best = (r, pos)
+        if best is None:
+            break
+        pos = best[1]
+        symbols[pos : pos + 2] = [symbols[pos] + symbols[pos + 1]]
+    return [tok.token_id(s) for s in symbols if tok.token_id(s) is not None]
+
+
+@pytest.fixture(scope="module")
+def smol_ranks(default_gguf: GGUFModel) -> dict[tuple[str, str], int]:
+    merges = default_gguf.field("tokenizer.ggml.merges")
+    return {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}  # type: ignore[misc]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet=st.sampled_from(list("abcdefghijklmnopqrstuvwxyz ETAOIN,.!?'\n\t0123456789éü中文😀-_()")), max_size=50))
+def test_byte_level_merges_match_llama_cpp(smol: Tokenizer, smol_ranks: dict[tuple[str, str], int], text: str) -> None:
+    pieces = smol._hf.pre_tokenizer.pre_tokenize_str(text)
+    expected = [i for piece, _ in pieces for i in llama_cpp_bpe_piece(piece, smol_ranks, smol)]
+    assert smol.encode(text, parse_special=False) == expected
+
+
+def test_smollm_pieces_follow_the_llama_cpp_regexes(smol: Tokenizer) -> None:
+    """Worked by hand from llama.cpp's smollm regexes: digits isolated first, then GPT-2's
+    pattern; "\\s+(?!\\S)" leaves the last space to the next word, unmatched text stays a piece."""
+    def pieces(text: str) -> list[str]:
+        return [p for p, _ in smol._hf.pre_tokenizer.pre_tokenize_str(text)]
+
+    assert pieces("Hello  world 123!!\n\nok") == ["Hello", "Ġ", "Ġworld", "Ġ", "1", "2", "3", "!!", "Ċ", "Ċ", "ok"]
+    assert pieces("it's a\tb  ") == ["it", "'s", "Ġa", "ĉ", "b", "ĠĠ"]
