@@ -23,8 +23,9 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import psutil
-from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
+from zeroconf import DNSAddress, DNSOutgoing, InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+from zeroconf.const import _CLASS_IN_UNIQUE, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_A, _TYPE_AAAA
 
 from exo_tui import __version__
 
@@ -154,9 +155,10 @@ def make_zeroconf(interfaces: Sequence[str] | None) -> AsyncZeroconf:
 class NodeAdvertiser:
     """Advertises one node agent over mDNS while it runs.
 
-    ``interfaces``: IP addresses to bind mDNS to (None: all). ``addresses``: the addresses to put in
-    the A/AAAA records (None: the bound interfaces if given, else the host's non-loopback
-    addresses, re-read every ``poll_interval_s`` seconds; a change re-announces the service).
+    ``interfaces``: IP addresses to bind mDNS to (None: all). The A/AAAA records carry
+    ``addresses`` if given; else what ``address_source()`` returns, re-read every
+    ``poll_interval_s`` seconds (a change re-announces the service); else the bound
+    ``interfaces``; else the host's non-loopback IPv4 addresses, re-read the same way.
 
     Use as ``async with NodeAdvertiser(...)`` or call :meth:`start` and :meth:`stop`.
     """
@@ -186,7 +188,12 @@ class NodeAdvertiser:
             cluster=cluster,
         )
         self.interfaces = list(interfaces) if interfaces else None
-        self._fixed_addresses = tuple(addresses) if addresses else None
+        if addresses:
+            self._fixed_addresses: tuple[str, ...] | None = tuple(addresses)
+        elif address_source is None and interfaces:
+            self._fixed_addresses = tuple(interfaces)
+        else:
+            self._fixed_addresses = None
         self._address_source = address_source or (lambda: host_addresses(ipv6=False))
         self.poll_interval_s = poll_interval_s
         self.instance = f"{_label(name)}-{_label(node_id, 12)}.{NODE_SERVICE}"
@@ -249,8 +256,6 @@ class NodeAdvertiser:
     def _current_addresses(self) -> tuple[str, ...]:
         if self._fixed_addresses is not None:
             return self._fixed_addresses
-        if self.interfaces:
-            return tuple(self.interfaces)
         return tuple(self._address_source())
 
     def _make_info(self, addresses: Sequence[str]) -> AsyncServiceInfo:
@@ -269,11 +274,25 @@ class NodeAdvertiser:
         if rescan and not self.interfaces:
             # New interfaces need new sockets; zeroconf reconciles them and re-announces.
             await self._azc.async_update_interfaces()
+        stale = [a for a in self.addresses if a not in addresses]
         self.addresses = addresses
+        if stale:  # first, so that browsers resolving the update see only the new addresses
+            self._goodbye_addresses(stale)
+            await asyncio.sleep(0.05)
         self._info = self._make_info(addresses)
-        await (await self._azc.async_update_service(self._info))
         self.announcements += 1
+        await (await self._azc.async_update_service(self._info))
         log.info("re-announced %s on %s", self.instance, ", ".join(addresses) or "no address")
+
+    def _goodbye_addresses(self, addresses: Sequence[str]) -> None:
+        """Tell caches to drop address records we no longer hold (TTL 0), as mDNS goodbyes do."""
+        assert self._azc is not None
+        out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+        for a in addresses:
+            ip = ipaddress.ip_address(a.split("%", 1)[0])
+            rtype = _TYPE_AAAA if ip.version == 6 else _TYPE_A
+            out.add_answer_at_time(DNSAddress(self.server, rtype, _CLASS_IN_UNIQUE, 0, ip.packed), 0)
+        self._azc.zeroconf.async_send(out)
 
     async def _watch_addresses(self) -> None:
         while True:

@@ -343,7 +343,8 @@ class Discovery:
             )
             return
         node.last_seen = time.time()
-        before = (node.name, node.address, node.port, node.backends, node.memory_bytes, node.version, node.cluster)
+        before = (node.name, node.address, node.addresses, node.port, node.backends, node.memory_bytes,
+                  node.version, node.cluster)
         # A node seen by mDNS and as a static peer: keep the advertised (richer) record.
         if source != "mdns" and node.source == "mdns" and ad.node_id.startswith("peer:"):
             return
@@ -356,7 +357,8 @@ class Discovery:
             node.cluster = ad.cluster
             if not node.verified:
                 node.foreign = foreign
-        after = (node.name, node.address, node.port, node.backends, node.memory_bytes, node.version, node.cluster)
+        after = (node.name, node.address, node.addresses, node.port, node.backends, node.memory_bytes,
+                 node.version, node.cluster)
         if after != before:
             self.bus.publish(NodeUpdated(node_id=node.node_id, name=node.name, address=node.address, port=node.port))
 
