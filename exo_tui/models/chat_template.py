@@ -58,6 +58,20 @@ def _environment() -> Any:
     return env
 
 
+def _text_of_parts(parts: list[Any], i: int) -> str:
+    """OpenAI-style content parts (``[{"type": "text", "text": ...}]``) as one string."""
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ChatTemplateError(f"message {i} has a content part of type {kind!r}: exo-tui models read text parts only")
+    return "".join(texts)
+
+
 class ChatTemplate:
     def __init__(
         self,
@@ -120,9 +134,11 @@ class ChatTemplate:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ChatTemplateError(f"message {i} has no role: each message needs a 'role' and a 'content'")
             content = m.get("content")
-            if content is not None and not isinstance(content, (str, list)):
+            if isinstance(content, list):
+                content = _text_of_parts(content, i)
+            elif content is not None and not isinstance(content, str):
                 raise ChatTemplateError(f"message {i} ({m['role']}) has content of type {type(content).__name__}: use text")
-            msgs.append(dict(m))
+            msgs.append({**m, "content": content})
         context: dict[str, Any] = {
             "tools": None,
             **extra,

@@ -149,6 +149,13 @@ def test_bad_messages() -> None:
         t.render([{"role": "user", "content": 3}])
 
 
+def test_openai_content_parts_become_text(smol: ChatTemplate) -> None:
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    assert smol.render([{"role": "user", "content": parts}]) == smol.render([{"role": "user", "content": "Hello there"}])
+    with pytest.raises(ChatTemplateError, match="content part of type 'image_url'"):
+        smol.render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
 def test_render_does_not_change_the_callers_messages(smol: ChatTemplate) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     smol.render(messages)
