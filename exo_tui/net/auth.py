@@ -20,7 +20,7 @@ always tells a version mismatch apart from garbage::
 * The role label differs for the two MACs, so one side's proof cannot be reflected as the other's.
 * Comparisons are constant-time (:func:`hmac.compare_digest`).
 * A version mismatch is answered with status 1 and the server's version, so the client can say
-  "peer speaks protocol 2, this process 1: upgrade ...".
+  "node 10.0.0.7:52416 speaks exo-tui protocol 2, this coordinator speaks 1: upgrade ...".
 
 The caller (:mod:`exo_tui.net.rpc`) applies the handshake timeout, logs refusals with the peer's
 address and closes the connection.
@@ -85,6 +85,7 @@ async def client_handshake(
     fp_client: bytes,
     peer: str,
     version: int = PROTOCOL_VERSION,
+    local: str = "this process",
 ) -> None:
     """Prove the cluster key to the server and check its proof. Raises :class:`HandshakeError`."""
     nonce_c = secrets.token_bytes(NONCE_BYTES)
@@ -102,7 +103,7 @@ async def client_handshake(
         raise HandshakeError(f"{peer}: {_describe_garbage(data)}")
     if status == STATUS_VERSION or peer_version != version:
         raise ProtocolMismatch(
-            f"{peer} speaks exo-tui protocol {peer_version}, this process speaks {version}: {UPGRADE_HINT}",
+            f"{peer} speaks exo-tui protocol {peer_version}, {local} speaks {version}: {UPGRADE_HINT}",
             peer_version=peer_version,
         )
     if status != STATUS_OK:
@@ -131,24 +132,24 @@ async def server_handshake(
     *,
     fp_server: bytes,
     fp_client: bytes,
-    peer: str,
     version: int = PROTOCOL_VERSION,
+    local: str = "this process",
 ) -> None:
     """Check the client's proof of the cluster key and prove ours. Raises :class:`HandshakeError`."""
     try:
         data = await reader.readexactly(HELLO_SIZE)
     except asyncio.IncompleteReadError as e:
         if e.partial[:4] not in (b"", MAGIC[: len(e.partial)]):
-            raise HandshakeError(f"{peer}: {_describe_garbage(e.partial)}") from None
-        raise AuthError(f"{peer} closed the connection before completing the handshake (no key?)") from None
+            raise HandshakeError(_describe_garbage(e.partial)) from None
+        raise AuthError("the peer closed the connection before completing the handshake (no key?)") from None
     magic, peer_version, _, nonce_c = _HELLO.unpack(data)
     if magic != MAGIC:
-        raise HandshakeError(f"{peer}: {_describe_garbage(data)}")
+        raise HandshakeError(_describe_garbage(data))
     if peer_version != version:
         writer.write(_CHALLENGE.pack(MAGIC, version, STATUS_VERSION, 0, bytes(32), bytes(32)))
         await writer.drain()
         raise ProtocolMismatch(
-            f"{peer} speaks exo-tui protocol {peer_version}, this process speaks {version}: {UPGRADE_HINT}",
+            f"the peer speaks exo-tui protocol {peer_version}, {local} speaks {version}: {UPGRADE_HINT}",
             peer_version=peer_version,
         )
     nonce_s = secrets.token_bytes(NONCE_BYTES)
@@ -158,11 +159,11 @@ async def server_handshake(
     try:
         mac_c = await reader.readexactly(MAC_BYTES)
     except asyncio.IncompleteReadError:
-        raise AuthError(f"{peer} closed the connection instead of proving the cluster key (wrong or no key)") from None
+        raise AuthError("the peer closed the connection instead of proving the cluster key (wrong or no key)") from None
     want = mac(key, "client", version, nonce_c, nonce_s, fp_server, fp_client)
     if not hmac.compare_digest(want, mac_c):
         writer.write(REFUSED)
         await writer.drain()
-        raise AuthError(f"{peer} failed to prove the cluster key (wrong key, or a replayed handshake)")
+        raise AuthError("the peer failed to prove the cluster key (wrong key, or a replayed handshake)")
     writer.write(ACCEPTED)
     await writer.drain()

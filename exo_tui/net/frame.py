@@ -292,7 +292,9 @@ def encode_frame(frame: Frame) -> tuple[bytes, memoryview | bytes | None]:
             raw = t.reshape(-1).view(np.uint8).data
     elif frame.payload is not None:
         raw = frame.payload
-        h["nbytes"] = len(raw) if not isinstance(raw, memoryview) else raw.nbytes
+        if isinstance(raw, memoryview) and (raw.ndim != 1 or raw.itemsize != 1):
+            raw = raw.cast("B")  # len() must count bytes
+        h["nbytes"] = len(raw)
         if not h["nbytes"]:
             raw = None
     try:

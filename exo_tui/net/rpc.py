@@ -92,6 +92,8 @@ MAX_CONCURRENT_CALLS = 256
 MAX_LANES = 64
 LANE_QUEUE = 64
 CLOSE_TIMEOUT_S = 5.0
+SMALL_FRAME = 64 << 10
+MAX_HANDSHAKES = 128  # unauthenticated connections in progress at once; more are dropped
 
 
 def _fmt_addr(addr: Any) -> str:
@@ -131,6 +133,12 @@ async def _start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
     if protocol is not None and hasattr(protocol, "_over_ssl"):
         protocol._over_ssl = True
     await writer.start_tls(ctx)
+
+
+def _local_name(sec: Security) -> str:
+    if sec.name == "coordinator":
+        return "this coordinator"
+    return f"this node ({sec.name})" if sec.name else "this process"
 
 
 def _peer_identity(writer: asyncio.StreamWriter) -> tuple[bytes, str]:
@@ -317,8 +325,10 @@ class Connection:
         w = self._writer
         if raw is None:
             w.write(head)
+        elif len(raw) <= SMALL_FRAME:
+            w.write(head + raw)  # one write: one TLS record for a hidden state, not two
         else:
-            w.writelines((head, raw))
+            w.writelines((head, raw))  # no copy of a large payload here
         try:
             await w.drain()
         except (ConnectionError, OSError) as e:
@@ -556,8 +566,12 @@ class Server:
             writer.transport.abort()
             return
         assert task is not None
-        self._handshakes.add(task)
         peer = _fmt_addr(writer.get_extra_info("peername"))
+        if len(self._handshakes) >= MAX_HANDSHAKES:
+            log.warning("refused connection from %s: %d handshakes already in progress", peer, MAX_HANDSHAKES)
+            writer.transport.abort()
+            return
+        self._handshakes.add(task)
         sec = self.security
         try:
             _set_nodelay(writer)
@@ -575,7 +589,7 @@ class Server:
                         fp_client, name = _peer_identity(writer)
                     await auth.server_handshake(
                         reader, writer, sec.cluster_key, fp_server=sec.fingerprint if sec.enable_tls else b"",
-                        fp_client=fp_client, peer=peer,
+                        fp_client=fp_client, local=_local_name(sec),
                     )
             except TimeoutError:
                 raise AuthError(f"no complete handshake within {sec.handshake_timeout_s} s") from None
@@ -703,7 +717,8 @@ async def open_authenticated(
             try:
                 await auth.client_handshake(
                     reader, writer, security.cluster_key, fp_server=fp_server,
-                    fp_client=security.fingerprint if security.enable_tls else b"", peer=peer,
+                    fp_client=security.fingerprint if security.enable_tls else b"",
+                    peer=f"node {peer}" if security.name == "coordinator" else peer, local=_local_name(security),
                 )
             except (ssl.SSLError, ConnectionResetError, BrokenPipeError) as e:
                 raise AuthError(

@@ -360,7 +360,7 @@ async def test_replayed_handshake_is_refused_and_logged(coord, node, tls, caplog
             writer.transport.abort()
         assert answer[auth.CHALLENGE_SIZE :] == auth.REFUSED
         await until(lambda: refusals(caplog))
-        assert "failed to prove the cluster key (wrong key, or a replayed handshake)" in refusals(caplog)[0]
+        assert "the peer failed to prove the cluster key (wrong key, or a replayed handshake)" in refusals(caplog)[0]
         assert not server.connections
 
 
@@ -430,16 +430,16 @@ async def test_other_protocol_version_is_refused_with_a_clear_error(coord, node,
     async with running(node) as server:
         reader, writer = await asyncio.open_connection(HOST, server.port, ssl=coord.client_context(), server_hostname="")
         try:
-            with pytest.raises(ProtocolMismatch, match="speaks exo-tui protocol 1, this process speaks 2: upgrade") as e:
+            with pytest.raises(ProtocolMismatch, match="node 127.0.0.1 speaks exo-tui protocol 1, this coordinator speaks 2: upgrade") as e:
                 await auth.client_handshake(
                     reader, writer, coord.cluster_key, fp_server=_peer_identity(writer)[0],
-                    fp_client=coord.fingerprint, peer="127.0.0.1", version=2,
+                    fp_client=coord.fingerprint, peer="node 127.0.0.1", version=2, local="this coordinator",
                 )
             assert e.value.peer_version == 1
         finally:
             writer.transport.abort()
         await until(lambda: refusals(caplog))
-        assert "speaks exo-tui protocol 2, this process speaks 1" in refusals(caplog)[0]
+        assert "the peer speaks exo-tui protocol 2, this node (node-a) speaks 1: upgrade" in refusals(caplog)[0]
 
 
 # ------------------------------------------------------------------ bad input after authentication

@@ -233,3 +233,9 @@ def test_limits_are_validated():
         Limits(payload_bytes=-1)
     with pytest.raises(ValueError):
         Limits(frame_timeout_s=0)
+
+
+def test_payload_memoryview_counts_bytes():
+    mv = memoryview(np.arange(6, dtype=np.float32).reshape(2, 3))
+    g, _ = decode_frame(frame_bytes(Frame("chunk", payload=mv)))
+    assert g.payload == mv.tobytes() and len(g.payload) == 24
