@@ -120,7 +120,8 @@ class Sampler:
         if not math.isfinite(top):
             raise ValueError(_bad_logits(raw))
         vocab = x.size
-        scaled = (x - np.float32(top)) * np.float32(1.0 / p.temperature)  # log-weights, best at 0
+        inv_t = np.float32(min(1.0 / p.temperature, 1e30))  # a temperature of 1e-45 stays finite
+        scaled = (x - np.float32(top)) * inv_t  # log-weights, the best token at 0
         ids: np.ndarray | None = None  # candidate token ids; None: the whole vocabulary
         if 0 < p.top_k < vocab:
             kth = np.partition(scaled, vocab - p.top_k)[vocab - p.top_k]

@@ -98,6 +98,13 @@ def test_tiny_temperature_is_greedy(logits: np.ndarray, step: int) -> None:
     assert logprob == pytest.approx(0.0, abs=1e-6)
 
 
+def test_extreme_temperatures_stay_finite() -> None:
+    logits = np.array([1.0, 3.0, 2.0], np.float32)
+    assert Sampler(SamplingParams(temperature=1e-45, seed=1)).sample(logits, []) == (1, 0.0)
+    token, logprob = Sampler(SamplingParams(temperature=1e6, seed=1)).sample(logits, [])
+    assert logprob == pytest.approx(math.log(1 / 3), abs=1e-4)
+
+
 @given(logit_arrays, st.integers(1, 20), st.integers(0, 2**32), histories)
 def test_top_k_restricts_the_support(logits: np.ndarray, k: int, seed: int, history: list[int]) -> None:
     token, logprob = Sampler(SamplingParams(temperature=1.0, top_k=k, seed=seed)).sample(logits, history)
