@@ -1,0 +1,92 @@
+"""SVG snapshots of the console's views at 120×40 and 80×24, in both exo themes.
+
+Rendered from the FakeCluster's fixed snapshot with a frozen clock and UTC event times, so they
+are deterministic. Update with ``pytest tests/tui/test_snapshots.py --snapshot-update`` after a
+deliberate change, and look at the report before committing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from exo_tui.tui.screens.detail import NodeDetailScreen
+from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen
+from exo_tui.tui.screens.hosts import HostsScreen
+from exo_tui.tui.widgets.chat import Answer, ChatPane
+from exo_tui.tui.widgets.nodes import NodesTable
+from tests.tui.conftest import no_blink, wait_until
+
+SIZES = [(120, 40), (80, 24)]
+THEMES = ["exo-dark", "exo-light"]
+
+
+async def _ready(pilot) -> None:  # noqa: ANN001
+    app = pilot.app
+    await wait_until(pilot, lambda: app.main_screen is not None and app.main_screen.query_one(NodesTable).row_count == 3)
+    no_blink(app)
+
+
+async def dashboard(pilot) -> None:  # noqa: ANN001
+    await _ready(pilot)
+
+
+async def node_detail(pilot) -> None:  # noqa: ANN001
+    await _ready(pilot)
+    await pilot.press("down", "enter")
+    await wait_until(pilot, lambda: isinstance(pilot.app.screen, NodeDetailScreen))
+    await pilot.pause(0.1)
+
+
+async def help_screen(pilot) -> None:  # noqa: ANN001
+    await _ready(pilot)
+    await pilot.press("question_mark")
+    await wait_until(pilot, lambda: isinstance(pilot.app.screen, HelpScreen))
+
+
+async def drain_confirmation(pilot) -> None:  # noqa: ANN001
+    await _ready(pilot)
+    await pilot.press("down", "D")
+    await wait_until(pilot, lambda: isinstance(pilot.app.screen, ConfirmChange))
+
+
+async def hosts_bootstrap(pilot) -> None:  # noqa: ANN001
+    app = pilot.app
+    await _ready(pilot)
+    await pilot.press("colon", *"hosts", "enter")
+    await wait_until(pilot, lambda: isinstance(app.screen, HostsScreen))
+    app.control.known_keys.add("10.0.0.20")  # the key question has its own test; here: the steps
+    await pilot.press("b")
+    await wait_until(pilot, lambda: "install" in app.bootstrap_steps.get("10.0.0.20", {}))
+    await pilot.pause(0.1)
+    app.clear_notifications()
+    no_blink(app)
+    await pilot.pause()
+
+
+async def chat_answer(pilot) -> None:  # noqa: ANN001
+    app = pilot.app
+    await _ready(pilot)
+    chat = app.main_screen.query_one(ChatPane)
+    await chat.send("What is the capital of France?")
+    await wait_until(pilot, lambda: bool(chat.query(Answer)) and not chat.streaming)
+    await pilot.pause(0.1)
+    no_blink(app)
+    await pilot.pause()
+
+
+VIEWS = {
+    "dashboard": dashboard,
+    "node_detail": node_detail,
+    "help": help_screen,
+    "drain_confirmation": drain_confirmation,
+    "hosts_bootstrap": hosts_bootstrap,
+    "chat_answer": chat_answer,
+}
+
+
+@pytest.mark.parametrize("theme", THEMES)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("view", list(VIEWS))
+def test_view(snap_compare, make_app, view: str, size: tuple[int, int], theme: str) -> None:
+    app = make_app(theme=theme)
+    assert snap_compare(app, run_before=VIEWS[view], terminal_size=size)
