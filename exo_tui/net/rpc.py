@@ -193,6 +193,7 @@ class Connection:
         self._tasks: set[asyncio.Task] = set()
         self._call_slots = asyncio.Semaphore(max_concurrent_calls)
         self._close_callbacks: list[CloseCallback] = []
+        self._callback_tasks: set[asyncio.Future] = set()
         self._closing = False
         self._peer_error: RemoteError | None = None
         self._read_task: asyncio.Task | None = None
@@ -488,8 +489,10 @@ class Connection:
     def _run_callback(self, cb: CloseCallback, reason: BaseException | None) -> None:
         try:
             r = cb(self, reason)
-            if inspect.isawaitable(r):
-                self._track(asyncio.ensure_future(r))
+            if inspect.isawaitable(r):  # keep a reference; wait_closed does not wait for these
+                t = asyncio.ensure_future(r)
+                self._callback_tasks.add(t)
+                t.add_done_callback(self._callback_tasks.discard)
         except Exception:
             log.exception("close callback of %s failed", self.peer)
 
