@@ -10,9 +10,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import ssl
 import struct
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -38,6 +42,7 @@ from exo_tui.net import (
     connect,
     ensure_cluster,
     serve,
+    write_node_bundle,
 )
 from exo_tui.net.frame import DTYPES, FrameError, IncompleteFrame, decode_frame, frame_bytes
 from exo_tui.net.rpc import _peer_identity, open_authenticated
@@ -646,3 +651,52 @@ def test_fuzz_generated_frames_and_bytes_at_a_live_server(cluster: Cluster, capl
 
             lt.run(stop())
         lt.stop()
+
+
+SERVER_PROCESS = """
+import asyncio, sys
+from exo_tui.net import Dispatcher, Frame, Security, serve
+
+async def main():
+    d = Dispatcher()
+
+    @d.route("echo")
+    async def echo(conn, f):
+        return Frame("echo", body=f.body)
+
+    @d.route("sleep")
+    async def sleep(conn, f):
+        await asyncio.sleep(60)
+
+    server = await serve(d, "127.0.0.1", 0, security=Security.from_bundle_file(sys.argv[1]))
+    print(server.port, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_peer_process_breaks_the_connection_at_once(cluster: Cluster, coord: Security, tmp_path: Path):
+    bundle = write_node_bundle(tmp_path / "n.bundle", cluster.node_bundle("victim"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_PROCESS, str(bundle)], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
+        conn = await connect(HOST, port, security=coord)
+        failed: list = []
+        conn.on_close(lambda c, reason: failed.append((time.monotonic(), reason)))
+        assert (await conn.call("echo", {"x": 1})).body == {"x": 1}
+        step = asyncio.create_task(conn.call("sleep"))  # a step in flight on the node
+        await asyncio.sleep(0.1)
+        killed = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(step, 5)
+        await asyncio.wait_for(asyncio.shield(conn.closed), 5)
+        assert failed and failed[0][0] - killed < 1.0  # noticed at once, not after heartbeats
+        await conn.wait_closed()
+    finally:
+        proc.kill()
+        proc.wait(10)
