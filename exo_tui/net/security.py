@@ -244,11 +244,11 @@ class Cluster:
     """The coordinator's secrets: CA, cluster key and its own certificate."""
 
     dir: Path
-    cluster_key: bytes
-    ca_cert_pem: bytes
-    ca_key_pem: bytes
-    cert_pem: bytes
-    key_pem: bytes
+    cluster_key: bytes = field(repr=False)  # secrets never show in reprs, logs or tracebacks
+    ca_cert_pem: bytes = field(repr=False)
+    ca_key_pem: bytes = field(repr=False)
+    cert_pem: bytes = field(repr=False)
+    key_pem: bytes = field(repr=False)
 
     def issue_node_cert(
         self, name: str, *, public_key_pem: bytes | None = None, valid_days: int = CERT_VALID_DAYS
@@ -399,10 +399,10 @@ class Security:
     costs: frames travel in clear, but the HMAC handshake still runs (without channel binding).
     """
 
-    cluster_key: bytes
-    ca_cert_pem: bytes | None = None
-    cert_pem: bytes | None = None
-    key_pem: bytes | None = None
+    cluster_key: bytes = field(repr=False)  # secrets never show in reprs, logs or tracebacks
+    ca_cert_pem: bytes | None = field(default=None, repr=False)
+    cert_pem: bytes | None = field(default=None, repr=False)
+    key_pem: bytes | None = field(default=None, repr=False)
     enable_tls: bool = True
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     name: str = ""

@@ -197,9 +197,9 @@ async def test_one_way_frames_keep_their_order_per_lane(coord: Security, node: S
         rng = np.random.default_rng(1)
         for i in range(50):
             await conn.send("record", {"i": i, "s": float(rng.uniform(0, 0.003))})
-        await conn.send("slow", {"i": 0, "s": 1.0})  # its own lane: does not hold up "record"
+        await conn.send("slow", {"i": 0, "s": 5.0})  # its own lane: does not hold up "record"
         await conn.send("record", {"i": 50})
-        await until(lambda: ("record", 50) in app.seen, timeout=0.8)
+        await until(lambda: ("record", 50) in app.seen, timeout=4.0)
         assert [i for t, i in app.seen if t == "record"] == list(range(51))
         assert ("slow", 0) not in app.seen
         # one lane shared by two types keeps their relative order
@@ -695,7 +695,7 @@ async def test_a_killed_peer_process_breaks_the_connection_at_once(cluster: Clus
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(step, 5)
         await asyncio.wait_for(asyncio.shield(conn.closed), 5)
-        assert failed and failed[0][0] - killed < 1.0  # noticed at once, not after heartbeats
+        assert failed and failed[0][0] - killed < 2.0  # noticed at once, not after 3 missed heartbeats
         await conn.wait_closed()
     finally:
         proc.kill()

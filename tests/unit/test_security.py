@@ -173,3 +173,13 @@ def test_handshake_macs_bind_role_nonces_version_and_certificates():
         auth.mac(key, "client", 1, nc, ns, fc, fs),  # swapped certificates
     ]
     assert base not in variants and len(set(variants)) == len(variants)
+
+
+def test_secrets_never_show_in_reprs(home: Path):
+    c = ensure_cluster()
+    sec = c.security()
+    for obj in (c, sec, Security.from_bundle(c.node_bundle("n"))):
+        text = repr(obj)
+        assert c.cluster_key.hex() not in text and repr(c.cluster_key) not in text
+        assert "PRIVATE KEY" not in text
+    assert "enable_tls=True" in repr(sec) and "coordinator" in repr(sec)
