@@ -8,7 +8,7 @@ import os
 
 from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights
 
-PRECISIONS = {"float32": 0, "int8": 4}
+PRECISIONS = {"float32": 1, "int8": 4}
 """``MatMulNBits`` ``accuracy_level`` per precision. ``float32`` (the default) matches float32 math
 on the dequantized weights; ``int8`` quantizes activations per block (faster, less exact)."""
 

@@ -147,8 +147,8 @@ class _Builder:
         return self._blocksums[key]
 
 
-def build_shard_graph(config: ModelConfig, weights: ShardWeights, accuracy_level: int = 0) -> ShardGraph:
-    """The ONNX graph of ``weights``' layers; ``accuracy_level`` 0 is float32 math, 4 int8."""
+def build_shard_graph(config: ModelConfig, weights: ShardWeights, accuracy_level: int = 1) -> ShardGraph:
+    """The ONNX graph of ``weights``' layers; ``accuracy_level`` 1 is float32 math, 4 int8."""
     c = config
     is_last = weights.end == c.n_layers
     b = _Builder(c, accuracy_level)

@@ -39,7 +39,7 @@ class ONNXShard(Shard):
     """Layers ``[weights.start, weights.end)`` on ONNX Runtime's CPU execution provider."""
 
     def __init__(
-        self, config: ModelConfig, weights: ShardWeights, *, threads: int, accuracy_level: int = 0
+        self, config: ModelConfig, weights: ShardWeights, *, threads: int, accuracy_level: int = 1
     ) -> None:
         super().__init__(config, weights.start, weights.end)
         self.threads = threads
