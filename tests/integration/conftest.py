@@ -107,3 +107,73 @@ def exo_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home.mkdir(mode=0o700)
     monkeypatch.setenv("EXO_TUI_HOME", str(home))
     return home
+
+
+# ---------------------------------------------------------------------- network namespaces
+
+
+@dataclasses.dataclass
+class NetnsNodes:
+    """``netns_lab`` after bootstrap: a node agent in each namespace, all of one cluster."""
+
+    lab: object  # tests.helpers.netns.NetnsLab
+    home: Path  # the EXO_TUI_HOME of the cluster the nodes joined (coordinator side)
+    results: list  # BootstrapResult per host, in lab.hosts order
+    known_hosts: Path
+    bootstrap_s: float
+
+    def options(self, **kw):  # noqa: ANN201
+        from exo_tui.bootstrap import BootstrapOptions
+
+        base = dict(known_hosts=self.known_hosts, client_keys=[self._client.private], agent_path=False,
+                    ssh_config=False, home=self.home, connect_timeout_s=5.0)
+        base.update(kw)
+        return BootstrapOptions(**base)
+
+    _client: KeyPair = dataclasses.field(default=None, repr=False)  # type: ignore[assignment]
+
+
+@pytest.fixture(scope="session")
+def netns_lab(ssh_client_keys: tuple[KeyPair, KeyPair]) -> Iterator[object]:
+    """Three namespaces (a, b, c) on a bridge, each with a throwaway user and sshd on port 22."""
+    from tests.helpers import netns
+
+    reason = netns.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    lab = netns.NetnsLab.create(3)
+    try:
+        lab.start_sshd([ssh_client_keys[0].public_line])
+        yield lab
+    finally:
+        lab.close()
+
+
+@pytest.fixture(scope="session")
+def netns_nodes(netns_lab, ssh_client_keys, wheelhouse: Path) -> NetnsNodes:  # noqa: ANN001
+    """Bootstrap a node agent (advertising over mDNS, port 52416) into each namespace."""
+    import asyncio
+    import time
+
+    from exo_tui.bootstrap import BootstrapOptions, bootstrap
+
+    home = netns_lab.workdir / "exo-home"
+    home.mkdir(mode=0o700, exist_ok=True)
+    kh = netns_lab.known_hosts(netns_lab.workdir / "known_hosts")
+
+    async def all_hosts() -> list:
+        return await asyncio.gather(*(
+            bootstrap(h.ssh_target, BootstrapOptions(
+                known_hosts=kh, client_keys=[ssh_client_keys[0].private], agent_path=False, ssh_config=False,
+                home=home, wheelhouse=wheelhouse, node_name=f"lab-{h.label}", node_args=["--no-benchmark"],
+                connect_timeout_s=5.0, handshake_timeout_s=120,
+            ))
+            for h in netns_lab.hosts
+        ))
+
+    t0 = time.monotonic()
+    results = asyncio.run(all_hosts())
+    nodes = NetnsNodes(lab=netns_lab, home=home, results=list(results), known_hosts=kh,
+                       bootstrap_s=time.monotonic() - t0)
+    nodes._client = ssh_client_keys[0]
+    return nodes
