@@ -1,6 +1,7 @@
 """Choosing the next token from the model's logits.
 
-The order is Hugging Face's: repetition penalty, temperature, top-k, top-p, min-p, then a draw.
+The order is Hugging Face's: penalties (repetition, then OpenAI's frequency and presence, over
+the history as llama.cpp applies them), temperature, top-k, top-p, min-p, then a draw.
 The draw at a step uses ``np.random.default_rng([seed, len(history)])``: the random state
 depends only on the seed and the position, so a request rebuilt from its token history on
 another node (after a failover or a plan change) samples the same tokens it would have.
@@ -30,6 +31,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0.0: off; keep tokens with p >= min_p * p(best)
     repetition_penalty: float = 1.0  # 1.0: off; > 1 discourages tokens already in the history
     repetition_window: int = 0  # how many of the last history tokens are penalised; 0: all
+    frequency_penalty: float = 0.0  # OpenAI's: logit -= this * times the token is in the window
+    presence_penalty: float = 0.0  # OpenAI's: logit -= this once if the token is in the window
     seed: int | None = None  # None: random (see with_seed)
 
     def __post_init__(self) -> None:
@@ -46,6 +49,10 @@ class SamplingParams:
             problems.append(f"repetition_penalty must be > 0 (1 is off), not {self.repetition_penalty}")
         if self.repetition_window < 0:
             problems.append(f"repetition_window must be >= 0 (0 is the whole history), not {self.repetition_window}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                problems.append(f"{name} must be in [-2, 2] (0 is off), not {value}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             problems.append(f"seed must be in [0, 2**64), not {self.seed}")
         if problems:
@@ -108,7 +115,8 @@ class Sampler:
         raw = np.asarray(logits, dtype=np.float32).reshape(-1)
         if raw.size == 0:
             raise ValueError("no logits to sample from")
-        x = self._penalised(raw, history) if p.repetition_penalty != 1.0 else raw
+        penalised = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        x = self._penalised(raw, history) if penalised else raw
 
         if p.greedy:
             token = int(np.argmax(x))
@@ -151,11 +159,15 @@ class Sampler:
         window = history[-p.repetition_window :] if p.repetition_window else history
         if len(window) == 0:
             return logits
-        seen = np.unique(np.asarray(window, dtype=np.int64))
-        seen = seen[(seen >= 0) & (seen < logits.size)]
+        seen, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+        inside = (seen >= 0) & (seen < logits.size)
+        seen, counts = seen[inside], counts[inside]
         out = logits.copy()
         v = out[seen]
-        out[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if p.repetition_penalty != 1.0:
+            v = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        v = v - np.float32(p.frequency_penalty) * counts - np.float32(p.presence_penalty)
+        out[seen] = v.astype(np.float32)
         return out
 
 

@@ -40,6 +40,8 @@ def test_params_defaults_and_validation() -> None:
         {"repetition_penalty": 0},
         {"temperature": float("nan")},
         {"seed": -1},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -3},
     ):
         with pytest.raises(ValueError, match="bad sampling parameters"):
             SamplingParams(**bad)
@@ -54,6 +56,8 @@ def test_params_defaults_and_validation() -> None:
         min_p=st.floats(0, 0.99),
         repetition_penalty=st.floats(0.5, 2),
         repetition_window=st.integers(0, 100),
+        frequency_penalty=st.floats(-2, 2),
+        presence_penalty=st.floats(-2, 2),
         seed=st.none() | st.integers(0, 2**64 - 1),
     )
 )
@@ -145,6 +149,17 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
     windowed = SamplingParams(temperature=0, repetition_penalty=1.2, repetition_window=1)
     assert Sampler(windowed).sample(pos, [0, 2])[0] == 0
     assert Sampler(windowed).sample(pos, [2, 0])[0] == 1
+
+
+def test_frequency_and_presence_penalties() -> None:
+    logits = np.array([5.0, 4.0, 3.5, 0.0], np.float32)
+    freq = Sampler(SamplingParams(temperature=0, frequency_penalty=0.6))
+    assert freq.sample(logits, [])[0] == 0
+    assert freq.sample(logits, [0, 0]) == (1, pytest.approx(math.log(softmax(logits)[1]), abs=1e-6))  # 3.8 < 4
+    assert freq.sample(logits, [0, 0, 0, 1])[0] == 2  # 3.2 and 3.4 against 3.5
+    pres = Sampler(SamplingParams(temperature=0, presence_penalty=1.6))
+    assert pres.sample(logits, [0, 0, 0])[0] == 1  # once, however often: 3.4 < 4
+    assert pres.sample(logits, [0, 1])[0] == 2  # 3.4 and 2.4 against 3.5
 
 
 def test_repetition_penalty_changes_the_sampled_distribution() -> None:
