@@ -473,8 +473,13 @@ class Security:
 
 
 def _load_chain(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> None:
-    """``load_cert_chain`` reads files only: write a private temporary file, load it, remove it."""
-    fd, tmp = tempfile.mkstemp(prefix="exo-tui-tls-", suffix=".pem")  # mode 0600
+    """``load_cert_chain`` reads files only: write a private temporary file (0600, in the 0700
+    exo-tui home rather than a shared /tmp), load it, remove it."""
+    try:
+        where: Path | None = home_dir()
+    except OSError:
+        where = None
+    fd, tmp = tempfile.mkstemp(prefix=".exo-tui-tls-", suffix=".pem", dir=where)  # mode 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(cert_pem.rstrip() + b"\n" + key_pem)
