@@ -204,7 +204,9 @@ class Tokenizer:
                 for t, ty in zip(self._tokens, self._types.tolist(), strict=True)
             ]
         self._special = frozenset(np.flatnonzero(self._types == CONTROL).tolist())
-        self._ids = {t: i for i, t in enumerate(self._tokens)}  # first id of each text
+        self._ids: dict[str, int] = {}
+        for i, t in enumerate(self._tokens):
+            self._ids.setdefault(t, i)  # the first id of a text that appears twice, as encode uses
         eos = {eos_id} if eos_id is not None else set()
         eos.update(extra_eos_ids)
         for text in END_OF_TURN_TEXTS:
