@@ -272,6 +272,22 @@ async def test_connect_to_nothing_says_what_to_check(coord: Security):
         await connect(HOST, 1, security=coord, timeout=2)
 
 
+async def test_connect_to_a_silent_server_times_out(coord: Security):
+    writers: list[asyncio.StreamWriter] = []
+    silent = await asyncio.start_server(lambda r, w: writers.append(w), HOST, 0)  # accepts, never speaks
+    try:
+        port = silent.sockets[0].getsockname()[1]
+        with pytest.raises(ConnectError, match=r"no complete connection to 127.0.0.1:\d+ within 0.3 s"):
+            await connect(HOST, port, security=coord, timeout=0.3)
+        with pytest.raises(ConnectError, match="within 0.3 s"):
+            await connect(HOST, port, security=coord.replace(enable_tls=False), timeout=0.3)
+    finally:
+        for w in writers:
+            w.transport.abort()
+        silent.close()
+        await silent.wait_closed()
+
+
 # ------------------------------------------------------------------ security
 
 
