@@ -238,6 +238,9 @@ class ExoApp(App):
         return self.main_screen
 
     def action_command_mode(self) -> None:
+        if self.screen is self.main_screen:
+            self.main_screen.open_command_line()
+            return
         main = self._to_main()
         if main is not None:
             self.call_after_refresh(main.open_command_line)
@@ -310,9 +313,12 @@ class ExoApp(App):
             self.notify(f":{name} is not available in read-only mode.", severity="warning")
             return
         if name in ("nodes", "chat", "events"):
-            main = self._to_main()
-            if main is not None:
-                self.call_after_refresh(main.focus_pane, name)
+            if self.screen is self.main_screen:
+                self.main_screen.focus_pane(name)
+            else:
+                main = self._to_main()
+                if main is not None:
+                    self.call_after_refresh(main.focus_pane, name)
         elif name == "hosts":
             self.open_hosts()
         elif name == "model":

@@ -34,6 +34,7 @@ class MainScreen(Screen):
         yield Input(
             placeholder=":nodes :hosts :chat :events :model NAME :theme NAME",
             id="command",
+            select_on_focus=False,
             suggester=SuggestFromList([f":{c}" for c in keymap.COMMANDS], case_sensitive=False),
         )
         yield Footer()
@@ -45,6 +46,13 @@ class MainScreen(Screen):
     def on_resize(self) -> None:
         self.set_class(self.size.width < 100, "-narrow")
         self.set_class(self.size.height < 32, "-short")
+        self.query_one(PartitionBar).compact = self.size.height < 32
+        self.query_one(PartitionBar).refresh(layout=True)
+        self.query_one(ClusterHeader).compact = self.size.width < 100
+
+    @property
+    def small(self) -> bool:
+        return self.size.height < 32
 
     # ------------------------------------------------------------------ rendering
 
@@ -110,5 +118,10 @@ class MainScreen(Screen):
             self.minimize()
 
     def focus_pane(self, name: str) -> None:
+        """Focus a pane; on a short terminal, chat and events are shown alone (esc restores)."""
         target = {"nodes": "#nodes", "chat": "#chat-input", "events": "#events"}[name]
+        if self.maximized is not None:
+            self.minimize()
         self.query_one(target).focus()
+        if self.small and name in ("chat", "events"):
+            self.maximize(self.query_one("#chat" if name == "chat" else "#events"), container=False)

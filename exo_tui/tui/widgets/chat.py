@@ -71,6 +71,7 @@ class Answer(Vertical):
 
 
 class ChatPane(Vertical):
+    ALLOW_MAXIMIZE = True
     HELP_SCOPE = "chat"
     BINDINGS = [
         _CHAT_KEYS["exo.chat.stop"].binding(),

@@ -14,6 +14,8 @@ from exo_tui.tui.widgets.style import theme_style
 class ClusterHeader(Static):
     """Cluster name, model, nodes ready/total, tok/s, plan version, time since the last update."""
 
+    compact = False  # narrow terminals: labels left out
+
     def show(self, snapshot: ClusterSnapshot | None, *, now: float, paused: bool, readonly: bool) -> None:
         app = self.app
         t = Text(no_wrap=False, overflow="fold")
@@ -22,23 +24,26 @@ class ClusterHeader(Static):
             t.append("  waiting for the coordinator…", theme_style(app, "warning"))
             self.update(t)
             return
-        sep = ("  │ ", theme_style(app, "foreground-muted"))
+        sep = (" │ " if self.compact else "  │ ", theme_style(app, "foreground-muted"))
         t.append(f" {snapshot.name}", theme_style(app, "foreground", bold=True))
         t.append(*sep)
-        t.append("model ", theme_style(app, "foreground-muted"))
+        if not self.compact:
+            t.append("model ", theme_style(app, "foreground-muted"))
         t.append(snapshot.model or "—", theme_style(app, "secondary", bold=True))
         t.append(*sep)
         total = len(snapshot.nodes)
         ready = snapshot.ready_count
-        t.append("nodes ", theme_style(app, "foreground-muted"))
+        if not self.compact:
+            t.append("nodes ", theme_style(app, "foreground-muted"))
         t.append(f"{ready}/{total} ready", theme_style(app, "success" if total and ready == total else "warning"))
         t.append(*sep)
         t.append(f"{fmt_rate(snapshot.tok_per_s)} tok/s", theme_style(app, "foreground"))
         t.append(*sep)
-        t.append(f"plan v{snapshot.plan.version}" if snapshot.plan else "no plan", theme_style(app, "foreground"))
+        plan = (f"v{snapshot.plan.version}" if self.compact else f"plan v{snapshot.plan.version}") if snapshot.plan else "no plan"
+        t.append(plan, theme_style(app, "foreground"))
         t.append(*sep)
         age = now - snapshot.updated_at if snapshot.updated_at else None
-        t.append(f"updated {fmt_age(age)} ago", theme_style(app, "foreground-muted"))
+        t.append(f"{fmt_age(age)} ago" if self.compact else f"updated {fmt_age(age)} ago", theme_style(app, "foreground-muted"))
         if paused:
             t.append("  ⏸ PAUSED (Z)", theme_style(app, "warning", bold=True))
         if readonly:
@@ -93,6 +98,7 @@ class PartitionBar(Widget):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._snapshot: ClusterSnapshot | None = None
+        self.compact = False  # short terminals: no legend (the labels under the bar remain)
 
     def show(self, snapshot: ClusterSnapshot) -> None:
         self._snapshot = snapshot
@@ -160,6 +166,7 @@ class PartitionBar(Widget):
             else:
                 legend_lines.append(item)
         lines = [head, bar, labels]
-        lines.extend(legend_lines)
+        if not self.compact:
+            lines.extend(legend_lines)
         lines = [line for part in lines for line in part.wrap(app.console, width)]
         return lines

@@ -85,6 +85,7 @@ def describe(event: ev.Event, names: dict[str, str]) -> tuple[str, str] | None:
 
 
 class EventsLog(RichLog):
+    ALLOW_MAXIMIZE = True
     HELP_SCOPE = "events"
     BINDINGS = keymap.bindings("events")
 

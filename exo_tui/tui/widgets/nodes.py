@@ -68,6 +68,7 @@ def node_cells(node: NodeView, marked: bool) -> dict[str, str]:
 
 class NodesTable(DataTable):
     """Nodes of the cluster (scope ``nodes`` of the keymap)."""
+    ALLOW_MAXIMIZE = True
 
     HELP_SCOPE = "nodes"
     BINDINGS = keymap.bindings("nodes")
