@@ -7,9 +7,10 @@ state goes there and comes back), so "hop" = round trip / 2. Rows, measured side
 * ``rpc, TLS off``: exo-tui frames + RPC over TCP (``network.security.enable_tls: false``);
 * ``rpc, TLS on``: the default, mutual TLS 1.3.
 
-Columns: the decode hidden state (1×576 float32, 2.3 KB) round trip, median and p99; a 128-token
-prefill hidden state (128×576 float32, 295 KB) round trip; and the throughput of 4 MiB weight
-chunks (one way, acknowledged).
+Columns: the decode hidden state (1×576 float32, 2.3 KB) as a call round trip, median and p99;
+the same as two one-way ``forward`` frames (there, and passed back by the server's handler: the
+path the pipeline uses); a 128-token prefill hidden state (128×576 float32, 295 KB) round trip; and
+the throughput of 4 MiB weight chunks (one way, acknowledged).
 
     .venv/bin/python benchmarks/hop.py [--n 3000]
 """
@@ -62,6 +63,10 @@ async def _serve(mode: str, home: str) -> None:
         async def echo_frame(conn, f: Frame) -> Frame:
             return Frame("echo", tensor=f.tensor)
 
+        @d.route("forward")
+        async def forward(conn, f: Frame) -> None:  # one-way, as in the pipeline: pass it on
+            await conn.send("forward", tensor=f.tensor)
+
         @d.route("chunk")
         async def chunk(conn, f: Frame) -> Frame:
             return Frame("ack", {"n": len(f.payload or b"")})
@@ -104,6 +109,7 @@ async def _measure(mode: str, port: int, coord: Security, n: int) -> dict[str, f
             await rt(hb)
             ts.append(pc() - t)
         out["rtt_med"], out["rtt_p99"] = _stats(ts)
+        out["oneway_med"] = out["rtt_med"]  # the floor has no one-way path: same echo
         ts = []
         for _ in range(max(20, n // 20)):
             t = pc()
@@ -117,8 +123,25 @@ async def _measure(mode: str, port: int, coord: Security, n: int) -> dict[str, f
         writer.close()
         return out
 
-    conn = await connect("127.0.0.1", port, security=coord.replace(enable_tls=mode == "tls"))
+    arrived: asyncio.Queue[Frame] = asyncio.Queue()
+    client = Dispatcher()
+
+    @client.route("forward")
+    async def back(conn, f: Frame) -> None:
+        arrived.put_nowait(f)
+
+    conn = await connect("127.0.0.1", port, security=coord.replace(enable_tls=mode == "tls"), handler=client)
     try:
+        for _ in range(200):
+            await conn.send("forward", tensor=hidden)
+            await arrived.get()
+        ts = []
+        for _ in range(n):
+            t = pc()
+            await conn.send("forward", tensor=hidden)
+            await arrived.get()
+            ts.append(pc() - t)
+        out["oneway_med"] = statistics.median(ts)
         for _ in range(200):
             await conn.call("echo", tensor=hidden)
         ts = []
@@ -177,12 +200,13 @@ def main() -> int:
     names = {"floor": "floor: bare asyncio TCP echo", "plain": "rpc, TLS off", "tls": "rpc, TLS on (default)"}
     print(f"\nOne hop on loopback, server in another process, {args.n} round trips per row "
           f"(Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})\n")
-    print(f"| {'':30} | decode RTT med | p99     | hop = RTT/2 | 128-token prefill RTT | 4 MiB chunks |")
-    print(f"| {'-' * 30} | -------------- | ------- | ----------- | --------------------- | ------------ |")
+    print(f"| {'':30} | decode call RTT | p99      | hop = RTT/2 | one-way there+back | 128-token prefill RTT | 4 MiB chunks |")
+    print(f"| {'-' * 30} | --------------- | -------- | ----------- | ------------------ | --------------------- | ------------ |")
     for mode, r in rows.items():
         print(
-            f"| {names[mode]:30} | {r['rtt_med'] * 1e3:11.3f} ms | {r['rtt_p99'] * 1e3:.3f} ms | "
-            f"{r['rtt_med'] * 1e3 / 2:8.3f} ms | {r['prefill_med'] * 1e3:18.3f} ms | {r['chunk_mb_s']:7.0f} MB/s |"
+            f"| {names[mode]:30} | {r['rtt_med'] * 1e3:12.3f} ms | {r['rtt_p99'] * 1e3:5.3f} ms | "
+            f"{r['rtt_med'] * 1e3 / 2:8.3f} ms | {r['oneway_med'] * 1e3:15.3f} ms | "
+            f"{r['prefill_med'] * 1e3:18.3f} ms | {r['chunk_mb_s']:7.0f} MB/s |"
         )
     tls, plain, floor = rows["tls"], rows["plain"], rows["floor"]
     print(f"\nTLS on / off: decode RTT ×{tls['rtt_med'] / plain['rtt_med']:.2f}, "
