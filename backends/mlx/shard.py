@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeights, validate_forward_input
-from backends.mlx.llama import ShardModel
+from backends.mlx.llama import ShardModel, Step, step_inputs
 from backends.mlx.quant import MLXWeight
 
 CACHE_STEP = 256
@@ -62,18 +62,52 @@ class MLXShard(Shard):
     # ------------------------------------------------------------------ running
 
     def _decode_step(
-        self, x: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array]
+        self, x: mx.array, step: list[mx.array], keys: list[mx.array], values: list[mx.array]
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        n_keys = keys[0].shape[2] if keys else 1
-        return self.model(x, offset, keys, values, n_keys)
+        """One token through the shard, attending over the whole cache buffer (fixed shapes)."""
+        offset, mask, cos, sin = step
+        return self.model(x, Step(offset, mask, cos, sin, mask.shape[1]), keys, values)
 
-    def _decode_fn(self):  # noqa: ANN202 - a compiled function
+    def _batch_step(
+        self, x: mx.array, steps: list[list[mx.array]], keys: list[list[mx.array]], values: list[list[mx.array]]
+    ) -> tuple[mx.array, list[list[mx.array]], list[list[mx.array]]]:
+        """One token of each of several requests, each attending over its whole cache buffer."""
+        return self.model.decode_batch(x, [Step(o, m, c, s, m.shape[1]) for o, m, c, s in steps], keys, values)
+
+    def _compiled(self, name: str, fn):  # noqa: ANN001, ANN202 - a step function, compiled
         if not self.compile_decode:
-            return self._decode_step
-        fn = getattr(self._local, "decode", None)
-        if fn is None:
-            fn = self._local.decode = mx.compile(self._decode_step)
-        return fn
+            return fn
+        compiled = getattr(self._local, name, None)
+        if compiled is None:
+            compiled = mx.compile(fn)
+            setattr(self._local, name, compiled)
+        return compiled
+
+    def _begin(self, request_id: str, x: np.ndarray, positions: np.ndarray) -> int:
+        """Check one request's step (nothing changes when it is wrong); the tokens it has cached."""
+        cache = self._caches.get(request_id)
+        cached = cache.length if cache is not None else 0
+        validate_forward_input(self, x, positions, cached)
+        t = positions.shape[0]
+        if not np.array_equal(positions, np.arange(cached, cached + t)):
+            raise BackendError(
+                f"positions must be consecutive from {cached}, got {positions[:8].tolist()}{'...' if t > 8 else ''}"
+            )
+        return cached
+
+    def _cache_for(self, request_id: str, length: int) -> RequestCache:
+        cache = self._caches.get(request_id)
+        if cache is None:
+            cache = self._caches[request_id] = self._empty_cache()
+        self._reserve(cache, length)
+        return cache
+
+    def _inputs(self, x: np.ndarray) -> mx.array:
+        return mx.array(x.astype(np.int32)) if self.is_first else mx.array(x.astype(np.float32, copy=False))
+
+    def _decode_keys(self, cache: RequestCache) -> int:
+        """Positions a decode step attends over: the whole buffer (masked), for fixed shapes."""
+        return min(cache.capacity, self.config.context_length)
 
     def forward(
         self, request_id: str, x: np.ndarray, positions: np.ndarray, *, all_logits: bool = False
@@ -82,31 +116,48 @@ class MLXShard(Shard):
         positions = np.asarray(positions)
         with self._lock:
             self._check_open()
-            cache = self._caches.get(request_id)
-            cached = cache.length if cache is not None else 0
-            validate_forward_input(self, x, positions, cached)
+            cached = self._begin(request_id, x, positions)
             t = positions.shape[0]
-            if not np.array_equal(positions, np.arange(cached, cached + t)):
-                raise BackendError(
-                    f"positions must be consecutive from {cached}, got {positions[:8].tolist()}"
-                    f"{'...' if t > 8 else ''}"
-                )
-            if cache is None:
-                cache = self._caches[request_id] = self._empty_cache()
-            self._reserve(cache, cached + t)
-            tokens = mx.array(x.astype(np.int32)) if self.is_first else mx.array(x.astype(np.float32, copy=False))
-            offset = mx.array([cached], dtype=mx.int32)
+            cache = self._cache_for(request_id, cached + t)
             if t == 1:
-                out, keys, values = self._decode_fn()(tokens, offset, cache.keys, cache.values)
+                step = step_inputs(self.config, cached, 1, self._decode_keys(cache))
+                out, keys, values = self._compiled("decode", self._decode_step)(
+                    self._inputs(x), [step.offset, step.mask, step.cos, step.sin], cache.keys, cache.values
+                )
             else:
+                step = step_inputs(self.config, cached, t, cached + t)
                 out, keys, values = self.model(
-                    tokens, offset, cache.keys, cache.values, cached + t, last_only=not all_logits
+                    self._inputs(x), step, cache.keys, cache.values, last_only=not all_logits
                 )
             # drop the old buffers before evaluating, so the cache update happens in place
             cache.keys, cache.values = keys, values
             cache.length = cached + t
             mx.eval(out, keys, values)
             return np.array(out, dtype=np.float32)
+
+    def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """Decode steps (one token each) of several requests run as one batch: each matmul runs
+        once for all of them. Anything else runs one by one. A bad item fails the whole call
+        before any cache changes."""
+        items = [(rid, np.asarray(x), np.asarray(p)) for rid, x, p in items]
+        if len(items) < 2 or any(p.shape != (1,) for _, _, p in items) or len({r for r, _, _ in items}) < len(items):
+            return super().forward_batch(items)
+        with self._lock:
+            self._check_open()
+            cached = [self._begin(rid, x, p) for rid, x, p in items]
+            caches = [self._cache_for(rid, n + 1) for (rid, _, _), n in zip(items, cached, strict=True)]
+            steps = [step_inputs(self.config, n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
+            out, keys, values = self._compiled("decode_batch", self._batch_step)(
+                self._inputs(np.concatenate([x for _, x, _ in items])),
+                [[s.offset, s.mask, s.cos, s.sin] for s in steps],
+                [c.keys for c in caches],
+                [c.values for c in caches],
+            )
+            for cache, n, ks, vs in zip(caches, cached, keys, values, strict=True):
+                cache.keys, cache.values, cache.length = ks, vs, n + 1
+            mx.eval(out, keys, values)
+            out = np.array(out, dtype=np.float32)
+            return [out[i : i + 1] for i in range(len(items))]
 
     def _check_open(self) -> None:
         if self.model is None:

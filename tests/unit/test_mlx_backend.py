@@ -203,6 +203,42 @@ def test_context_full(tmp_path):
         shard.forward("r", np.array([1]), np.array([12]))
 
 
+@pytest.mark.parametrize("compile_decode", [True, False])
+def test_batched_decode_equals_one_by_one(tiny_models, monkeypatch, compile_decode):
+    monkeypatch.setattr(mlx_shard, "CACHE_STEP", 8)  # requests with buffers of different sizes
+    path = tiny_models["Q4_1"]
+    cfg, weights, single = load(path)
+    head, tail = load(path, 0, 2, compile_decode=compile_decode)[2], load(path, 2, compile_decode=compile_decode)[2]
+    ref = ReferenceShard(cfg, weights)
+    lengths = {"a": 3, "b": 9, "c": 12}
+    for rid, n in lengths.items():
+        for shard in (single, ref):
+            shard.forward(rid, PROMPT[:n] if n <= len(PROMPT) else np.arange(n) % 250, np.arange(n))
+        tail.forward(rid, head.forward(rid, np.arange(n) % 250 if n > len(PROMPT) else PROMPT[:n], np.arange(n)),
+                     np.arange(n))
+    for step in range(3):
+        items = [(rid, np.array([(7 * step + len(rid) + n) % 250]), np.array([n + step])) for rid, n in lengths.items()]
+        items.append(("new", np.array([40 + step]), np.array([step])))  # a request that starts with a decode step
+        got = single.forward_batch(items)
+        hidden = head.forward_batch(items)
+        assert [h.shape for h in hidden] == [(1, cfg.hidden_size)] * len(items)
+        split = tail.forward_batch([(rid, h, p) for (rid, _, p), h in zip(items, hidden, strict=True)])
+        for (rid, tok, pos), g, s in zip(items, got, split, strict=True):
+            want = ref.forward(rid, tok, pos)
+            assert g.shape == (1, cfg.vocab_size)
+            close(g, want)
+            close(s, want)
+    assert single.kv_length("b") == 12 and single.kv_length("new") == 3
+    # a prefill in the batch: each item runs on its own
+    outs = single.forward_batch([("p", PROMPT, np.arange(len(PROMPT))), ("a", np.array([1]), np.array([6]))])
+    close(outs[0], ref.forward("p", PROMPT, np.arange(len(PROMPT))))
+    close(outs[1], ref.forward("a", np.array([1]), np.array([6])))
+    # one bad item fails the batch before any cache changes
+    with pytest.raises(BackendError, match="positions start at 0"):
+        single.forward_batch([("a", np.array([1]), np.array([7])), ("b", np.array([1]), np.array([0]))])
+    assert single.kv_length("a") == 7 and single.kv_length("b") == 12
+
+
 # ---------------------------------------------------------------------------- KV caches
 
 
