@@ -1,0 +1,77 @@
+"""``exo-tui join-token``: print a one-time token with which a node fetches the cluster key."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "join-token",
+        help="print a one-time token a new node joins with (exo-tui node --join TOKEN)",
+        description=(
+            "Make a one-time, expiring join token. On the new host run `exo-tui node --join TOKEN`: "
+            "it fetches this cluster's key from the coordinator's join endpoint once. The running "
+            "coordinator serves that endpoint; without one, add --serve."
+        ),
+    )
+    p.add_argument("--ttl", type=float, default=60.0, metavar="MINUTES", help="minutes until it expires (default 60)")
+    p.add_argument("--address", action="append", metavar="HOST[:PORT]",
+                   help="address the node reaches this machine at (default: this host's addresses)")
+    p.add_argument("--port", type=int, default=None, help="join port (default 52417)")
+    p.add_argument("--serve", action="store_true", help="serve the join endpoint here until the token is used or expires")
+    p.add_argument("--revoke-all", action="store_true", help="invalidate every unused token and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from exo_tui.discovery.join import DEFAULT_JOIN_PORT, JoinError, TokenStore, create_join_token, serve_join
+    from exo_tui.discovery.mdns import host_addresses
+    from exo_tui.discovery.static import split_host_port
+    from exo_tui.net.security import SecurityError, home_dir
+
+    if args.revoke_all:
+        n = TokenStore(home_dir() / "join-tokens.json").revoke_all()
+        print(f"revoked {n} unused join token(s)")
+        return 0
+    port = args.port or DEFAULT_JOIN_PORT
+    try:
+        if args.address:
+            addresses = [":".join(map(str, split_host_port(a, port))) for a in args.address]
+        else:
+            addresses = [f"{a}:{port}" for a in host_addresses(ipv6=False)] or [f"127.0.0.1:{port}"]
+        token = create_join_token(addresses, ttl_s=args.ttl * 60)
+    except (JoinError, SecurityError, ValueError) as exc:
+        print(f"exo-tui join-token: {exc}", file=sys.stderr)
+        return 1
+    print(token.encode())
+    until = time.strftime("%H:%M", time.localtime(token.expires))
+    print(f"\nOn the new host: exo-tui node --join <the token above>   (works once, until {until}; "
+          f"join endpoint {', '.join(addresses)})", file=sys.stderr)
+    if not args.serve:
+        return 0
+
+    async def serve() -> int:
+        done = asyncio.Event()
+        server = await serve_join("0.0.0.0", port, on_join=lambda name: done.set())
+        print(f"serving the join endpoint on port {server.port}; waiting for the node…", file=sys.stderr)
+        try:
+            await asyncio.wait_for(done.wait(), max(1.0, token.expires - time.time()))
+        except TimeoutError:
+            print("the token expired unused", file=sys.stderr)
+            return 1
+        finally:
+            await server.close()
+        print(f"node {server.joined[-1]} joined", file=sys.stderr)
+        return 0
+
+    try:
+        return asyncio.run(serve())
+    except OSError as exc:
+        print(f"exo-tui join-token: cannot listen on port {port}: {exc.strerror or exc} "
+              "(is the coordinator already serving it? then drop --serve)", file=sys.stderr)
+        return 1

@@ -1,0 +1,360 @@
+"""Join tokens: how a node gets the cluster key without SSH.
+
+The operator runs ``exo-tui join-token`` on the coordinator's machine; it prints a token, and on
+the new host the operator types ``exo-tui node --join TOKEN``. The node connects to the
+coordinator's *join endpoint* (:func:`serve_join`, TLS with the coordinator's certificate, port
+52417 by default), checks that certificate against the fingerprint in the token, sends the token's
+secret and gets its node bundle (cluster key, CA, a certificate issued for its name) back, which
+it stores 0600. The secret works once and expires (one hour by default); the coordinator keeps
+only its SHA-256, in ``<exo home>/join-tokens.json`` (0600), so ``join-token`` and the coordinator
+can be different processes.
+
+A token: ``exo-join1.`` + base64url(JSON ``{"a": [HOST:PORT...], "i": id, "s": secret, "e":
+expiry (unix s), "f": SHA-256 of the coordinator certificate, hex}``). It is a secret until used.
+
+Wire protocol of the join endpoint: the client sends one JSON line ``{"join": 1, "id", "secret",
+"name"}``; the server answers one JSON line, ``{"ok": true, "bundle": "<bundle text>"}`` or
+``{"ok": false, "error": "..."}``, and closes. Lines are at most 64 KiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import ssl
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFIX = "exo-join1."
+DEFAULT_JOIN_PORT = 52417
+DEFAULT_TTL_S = 3600.0
+MAX_LINE = 64 * 1024
+STORE_NAME = "join-tokens.json"
+
+
+class JoinError(Exception):
+    """A token that cannot be used (malformed, expired, used, unknown) or a failed join."""
+
+
+@dataclass(frozen=True)
+class JoinToken:
+    addresses: tuple[str, ...]  # "host:port" of the join endpoint, tried in order
+    token_id: str
+    secret: str
+    expires: float  # unix time
+    fingerprint: str  # SHA-256 (hex) of the coordinator's certificate
+
+    def encode(self) -> str:
+        doc = {"a": list(self.addresses), "i": self.token_id, "s": self.secret, "e": int(self.expires),
+               "f": self.fingerprint}
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        return PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> JoinToken:
+        text = "".join(text.split())  # a token pasted with line breaks still works
+        if not text.startswith(PREFIX):
+            raise JoinError(f"not an exo-tui join token (it should start with {PREFIX!r}): run `exo-tui join-token` "
+                            "on the coordinator and copy the whole token")
+        body = text[len(PREFIX):]
+        try:
+            doc = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+            token = cls(
+                addresses=tuple(str(a) for a in doc["a"]),
+                token_id=str(doc["i"]),
+                secret=str(doc["s"]),
+                expires=float(doc["e"]),
+                fingerprint=str(doc["f"]).lower(),
+            )
+        except (ValueError, KeyError, TypeError):
+            raise JoinError("the join token is damaged (copied only in part?): copy the whole token again") from None
+        if not token.addresses or not token.token_id or len(token.secret) < 32 or len(token.fingerprint) != 64:
+            raise JoinError("the join token is incomplete: copy the whole token again")
+        return token
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.expires
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class TokenStore:
+    """The coordinator's one-time secrets (hashes only), in a 0600 JSON file with a lock."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        if path is None:
+            from exo_tui.net.security import home_dir
+
+            path = home_dir() / STORE_NAME
+        self.path = Path(path)
+
+    @contextlib.contextmanager
+    def _locked(self):  # noqa: ANN202
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = self.path.with_name(self.path.name + ".lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except ValueError:
+            raise JoinError(f"{self.path} is damaged: delete it (outstanding join tokens stop working)") from None
+        return data if isinstance(data, dict) else {}
+
+    def _write(self, data: dict[str, dict]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.path)
+
+    def add(self, token: JoinToken, *, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._locked():
+            data = {k: v for k, v in self._read().items() if v.get("expires", 0) > now - 86400}  # prune old
+            data[token.token_id] = {"hash": _hash(token.secret), "created": now, "expires": token.expires,
+                                    "used": None, "used_by": ""}
+            self._write(data)
+
+    def _check(self, rec: dict | None, secret: str, now: float) -> None:
+        if rec is None or not hmac.compare_digest(rec.get("hash", ""), _hash(secret)):
+            raise JoinError("unknown join token (made for another coordinator, or revoked): make a new one "
+                            "with `exo-tui join-token`")
+        if rec.get("used"):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["used"]))
+            raise JoinError(f"this join token was already used (at {when} by {rec.get('used_by') or 'a node'}): "
+                            "tokens work once; make a new one with `exo-tui join-token`")
+        if now >= rec.get("expires", 0):
+            raise JoinError("this join token has expired: make a new one with `exo-tui join-token`")
+
+    def validate(self, token_id: str, secret: str, *, now: float | None = None) -> None:
+        """Raise :class:`JoinError` unless the token is known, unused and unexpired."""
+        with self._locked():
+            self._check(self._read().get(token_id), secret, time.time() if now is None else now)
+
+    def consume(self, token_id: str, secret: str, *, name: str = "", now: float | None = None) -> None:
+        """Validate and mark used, atomically: a second use is refused."""
+        now = time.time() if now is None else now
+        with self._locked():
+            data = self._read()
+            self._check(data.get(token_id), secret, now)
+            data[token_id]["used"] = now
+            data[token_id]["used_by"] = name
+            self._write(data)
+
+    def revoke_all(self) -> int:
+        with self._locked():
+            data = self._read()
+            n = sum(1 for v in data.values() if not v.get("used"))
+            self._write({})
+            return n
+
+    def outstanding(self, *, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        return sum(1 for v in self._read().values() if not v.get("used") and v.get("expires", 0) > now)
+
+
+# ---------------------------------------------------------------------- coordinator side
+
+
+def create_join_token(
+    addresses: Sequence[str],
+    *,
+    home: Path | None = None,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: float | None = None,
+) -> JoinToken:
+    """Make and record a one-time token for the join endpoint at ``addresses`` ("host:port")."""
+    from exo_tui.net.security import cert_fingerprint, ensure_cluster, home_dir
+
+    if not addresses:
+        raise JoinError("no address for the join endpoint: pass --address HOST[:PORT]")
+    cluster = ensure_cluster(home)
+    now = time.time() if now is None else now
+    token = JoinToken(
+        addresses=tuple(addresses),
+        token_id=secrets.token_hex(6),
+        secret=secrets.token_hex(16),
+        expires=float(int(now + ttl_s)),
+        fingerprint=cert_fingerprint(cluster.cert_pem).hex(),
+    )
+    TokenStore((home or home_dir()) / STORE_NAME).add(token, now=now)
+    return token
+
+
+def _server_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    fd, tmp = tempfile.mkstemp(prefix="exo-tui-join-", suffix=".pem")  # 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cert_pem.rstrip() + b"\n" + key_pem)
+        ctx.load_cert_chain(tmp)
+    finally:
+        os.unlink(tmp)
+    return ctx
+
+
+class JoinServer:
+    """The join endpoint. ``on_join(name)`` is called after a bundle was handed out."""
+
+    def __init__(self, home: Path | None = None, *, on_join=None) -> None:  # noqa: ANN001
+        from exo_tui.net.security import ensure_cluster, home_dir
+
+        self.home = home
+        self.cluster = ensure_cluster(home)
+        self.store = TokenStore((home or home_dir()) / STORE_NAME)
+        self.on_join = on_join
+        self.joined: list[str] = []
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task] = set()
+        self.port = 0
+
+    async def start(self, host: str = "0.0.0.0", port: int = DEFAULT_JOIN_PORT) -> None:
+        ctx = _server_context(self.cluster.cert_pem, self.cluster.key_pem)
+        self._server = await asyncio.start_server(self._handle, host, port, ssl=ctx, limit=MAX_LINE)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._handlers):
+                task.cancel()
+            for task in list(self._handlers):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> JoinServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            try:
+                reply = await asyncio.wait_for(self._answer(reader), 10)
+            except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError,
+                    asyncio.LimitOverrunError):
+                reply = {"ok": False, "error": "bad join request"}
+            with contextlib.suppress(Exception):
+                writer.write(json.dumps(reply).encode() + b"\n")
+                await writer.drain()
+        finally:
+            self._handlers.discard(task)
+            writer.transport.abort() if writer.transport.is_closing() else writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> dict:
+        line = await reader.readuntil(b"\n")
+        req = json.loads(line)
+        if not isinstance(req, dict) or req.get("join") != 1:
+            return {"ok": False, "error": "not a join request"}
+        name = str(req.get("name", ""))[:64].strip()
+        if not name:
+            return {"ok": False, "error": "a join request needs the node's name"}
+        try:
+            self.store.consume(str(req.get("id", "")), str(req.get("secret", "")), name=name)
+        except JoinError as exc:
+            return {"ok": False, "error": str(exc)}
+        bundle = self.cluster.node_bundle(name)
+        self.joined.append(name)
+        if self.on_join is not None:
+            self.on_join(name)
+        return {"ok": True, "bundle": bundle.decode()}
+
+
+async def serve_join(host: str = "0.0.0.0", port: int = DEFAULT_JOIN_PORT, *, home: Path | None = None,
+                     on_join=None) -> JoinServer:  # noqa: ANN001
+    """Start the join endpoint (the coordinator mounts this next to its node connections)."""
+    server = JoinServer(home, on_join=on_join)
+    await server.start(host, port)
+    return server
+
+
+# ---------------------------------------------------------------------- node side
+
+
+def _split(addr: str) -> tuple[str, int]:
+    from exo_tui.discovery.static import split_host_port
+
+    return split_host_port(addr, DEFAULT_JOIN_PORT)
+
+
+async def fetch_bundle(token: JoinToken | str, *, name: str, timeout_s: float = 10.0) -> bytes:
+    """Use the token once: connect to the join endpoint, check its certificate, get a node bundle."""
+    tok = JoinToken.decode(token) if isinstance(token, str) else token
+    if tok.expired():
+        raise JoinError("this join token has expired: make a new one with `exo-tui join-token` on the coordinator")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # the pin below is the check: the token names the certificate
+    errors: list[str] = []
+    for addr in tok.addresses:
+        host, port = _split(addr)
+        writer = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection(host, port, ssl=ctx, limit=MAX_LINE)
+                der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+                if not der or not hmac.compare_digest(hashlib.sha256(der).hexdigest(), tok.fingerprint):
+                    errors.append(f"{addr}: its certificate is not the coordinator's named in the token")
+                    continue
+                req = {"join": 1, "id": tok.token_id, "secret": tok.secret, "name": name}
+                writer.write(json.dumps(req).encode() + b"\n")
+                await writer.drain()
+                reply = json.loads(await reader.readuntil(b"\n"))
+        except (OSError, TimeoutError, ssl.SSLError, ValueError, asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError) as exc:
+            errors.append(f"{addr}: {getattr(exc, 'strerror', None) or str(exc) or type(exc).__name__}")
+            continue
+        finally:
+            if writer is not None:
+                writer.close()
+        if not reply.get("ok"):
+            raise JoinError(f"the coordinator refused the token: {reply.get('error', 'no reason given')}")
+        bundle = str(reply.get("bundle", "")).encode()
+        from exo_tui.net.security import parse_bundle
+
+        parse_bundle(bundle, "the bundle from the coordinator")  # raises SecurityError if bad
+        return bundle
+    raise JoinError(
+        "could not reach the coordinator's join endpoint (" + "; ".join(errors) + "): is the coordinator "
+        "running (exo-tui / exo-tui serve / exo-tui join-token --serve) and its join port open to this host?"
+    )
+
+
+def join_cluster(token: str, *, name: str, key_file: Path | None = None, timeout_s: float = 10.0) -> Path:
+    """For ``exo-tui node --join TOKEN``: fetch the bundle once, store it 0600, return its path."""
+    from exo_tui.net.security import SecurityError, default_bundle_path, write_node_bundle
+
+    try:
+        bundle = asyncio.run(fetch_bundle(token, name=name, timeout_s=timeout_s))
+    except JoinError as exc:
+        raise SecurityError(f"join: {exc}") from None
+    return write_node_bundle(Path(key_file) if key_file else default_bundle_path(), bundle)
