@@ -332,7 +332,9 @@ def spm_vocabularies(draw: st.DrawFn) -> tuple[list[str], list[float]]:
     for _ in range(draw(st.integers(0, 25))):
         pieces.add(draw(st.text(alphabet="▁abc", min_size=2, max_size=5)))
     pieces_sorted = sorted(pieces)
-    scores = draw(st.lists(st.floats(-100, 0), min_size=len(pieces_sorted), max_size=len(pieces_sorted), unique=True))
+    # distinct float32 scores (GGUF stores float32): equal scores may break ties differently
+    floats = st.floats(-100, 0, width=32).map(lambda f: f + 0.0)  # -0.0 and 0.0 are one score
+    scores = draw(st.lists(floats, min_size=len(pieces_sorted), max_size=len(pieces_sorted), unique=True))
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces_sorted
     return tokens, [0.0] * 259 + scores
 
