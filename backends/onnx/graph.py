@@ -42,6 +42,9 @@ class ShardGraph:
 
     model: onnx.ModelProto
     initializers: dict[str, np.ndarray] = field(default_factory=dict)
+    # "nbits_b" / "matmul_b" for the constant B of MatMulNBits / MatMul, which the CPU kernels
+    # usually repack into their own buffers; everything else is read as given for the session's life.
+    roles: dict[str, str] = field(default_factory=dict)
     kv_inputs: list[tuple[str, str]] = field(default_factory=list)  # (past_key_i, past_value_i)
     kv_outputs: list[tuple[str, str]] = field(default_factory=list)  # (present_key_i, present_value_i)
     output: str = "hidden_out"
@@ -61,6 +64,7 @@ class _Builder:
         self.accuracy_level = accuracy_level
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
+        self.roles: dict[str, str] = {}
         self.small: list[onnx.TensorProto] = []
         self._n = 0
         self._blocksums: dict[tuple[str, int], str] = {}
@@ -74,9 +78,10 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, outs, name=self.name(op), domain=domain, **attrs))
         return outs
 
-    def weight(self, stem: str, array: np.ndarray) -> str:
+    def weight(self, stem: str, array: np.ndarray, role: str = "") -> str:
         name = self.name(stem)
         self.arrays[name] = np.ascontiguousarray(array)
+        self.roles[name] = role
         return name
 
     def const(self, stem: str, array: np.ndarray) -> str:
@@ -112,12 +117,12 @@ class _Builder:
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if not runs_quantized(weights[0]):
-            w = self.weight(f"{stem}_w", dense_linear(weights))
+            w = self.weight(f"{stem}_w", dense_linear(weights), "matmul_b")
             return self.node("MatMul", [x, w], stem)[0]
         ql = quantized_linear(weights)  # type: ignore[arg-type]
         outs = []
         for part in ql.parts:
-            b = self.weight(f"{stem}_q", part.packed)
+            b = self.weight(f"{stem}_q", part.packed, "nbits_b")
             s = self.weight(f"{stem}_s", part.scales)
             inputs = [x, b, s]
             if part.zero_point != 8:
@@ -129,7 +134,7 @@ class _Builder:
                 K=ql.k, N=ql.n, bits=4, block_size=ql.group, accuracy_level=self.accuracy_level,
             )
         if ql.correction is not None:
-            c = self.weight(f"{stem}_c", np.ascontiguousarray(ql.correction.T))
+            c = self.weight(f"{stem}_c", np.ascontiguousarray(ql.correction.T), "matmul_b")
             outs += self.node("MatMul", [self.blocksum(x, ql.k, ql.group), c], f"{stem}_corr")
         y = outs[0]
         for other in outs[1:]:
@@ -231,4 +236,5 @@ def build_shard_graph(config: ModelConfig, weights: ShardWeights, accuracy_level
     )
     graph.model.ir_version = 10
     graph.initializers = b.arrays
+    graph.roles = b.roles
     return graph

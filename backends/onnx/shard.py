@@ -69,8 +69,42 @@ class ONNXShard(Shard):
         # Kernels that do not prepack (norms, rotary tables) read these arrays for the session's life.
         self._caches: dict[str, _RequestCache] = {}
         self._lock = threading.Lock()
-        self._scalar_seqlens = np.zeros(1, dtype=np.int32)
-        self._logits_start = np.zeros(1, dtype=np.int64)
+        self._release_repacked(graph.roles)
+
+    def _release_repacked(self, roles: dict[str, str]) -> None:
+        """Free our copies of the matrices ONNX Runtime repacked into its own buffers at load.
+
+        Whether a kernel repacks depends on the CPU (MLAS has no 4-bit kernel everywhere), so this
+        is checked, not assumed: the matrices of a kind are zeroed and a probe step must give the
+        same output as before; only then are they released, else restored.
+        """
+        for role in ("nbits_b", "matmul_b"):
+            names = [n for n, r in roles.items() if r == role]
+            if not names:
+                continue
+            before = self._probe()
+            saved = {n: self._weight_arrays[n].copy() for n in names}
+            for n in names:
+                self._weight_arrays[n][...] = 0
+            after = self._probe()
+            if np.array_equal(before, after):
+                for n in names:
+                    del self._weight_arrays[n], self._weight_values[n]
+            else:
+                for n in names:
+                    self._weight_arrays[n][...] = saved[n]
+            del saved
+
+    def _probe(self) -> np.ndarray:
+        rid = "\0probe"
+        if self.is_first:
+            x = np.arange(2, dtype=np.int64) % self.config.vocab_size
+        else:
+            x = np.random.default_rng(0).standard_normal((2, self.config.hidden_size)).astype(np.float32)
+        try:
+            return self.forward(rid, x, np.arange(2))
+        finally:
+            self.drop(rid)
 
     # ------------------------------------------------------------------ caches
 
