@@ -245,10 +245,18 @@ class Coordinator:
         return self._replan_task
 
     async def _replan_after_failure(self, reason: str) -> None:
-        try:
-            await self.replan(reason, move_kv=False)
-        except Exception as exc:  # noqa: BLE001 - reported to the operator and to requests
-            log.error("cannot replan after failure: %s", exc)
+        """A plan over the survivors. A node that dies while it is being made is failed too
+        (its connection closes) and the plan is made again without it."""
+        for attempt in range(1, 2 + len(self.nodes)):
+            try:
+                await self.replan(reason, move_kv=False)
+                return
+            except GenerationError:
+                return  # _cannot_serve has told requests and the operator why
+            except (RemoteError, ConnectionError, TimeoutError, KeyError) as exc:
+                log.warning("replanning after a failure, attempt %d: %s", attempt, exc)
+                await asyncio.sleep(0.2)
+        self._cannot_serve(f"no stable plan after {len(self.nodes) + 1} attempts")
 
     def connection(self, node_id: str) -> Connection:
         handle = self.nodes[node_id]
@@ -261,10 +269,12 @@ class Coordinator:
     async def _on_frame(self, conn: Connection, frame: Frame) -> Frame | None:
         node_id = conn.data.get("node_id", "")
         b = frame.body
+        handle = self.nodes.get(node_id)
+        if handle is not None and handle.conn is conn:
+            handle.last_heartbeat_s = time.monotonic()  # any frame is a sign of life
         if frame.type == "token":
             self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), float(b["logprob"]))
         elif frame.type == "heartbeat":
-            handle = self.nodes.get(node_id)
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(b.get("metrics", {}))
                 self.events.publish(ev.NodeMetrics(node_id=node_id, metrics={k: v for k, v in handle.metrics.items() if k != "requests"}))

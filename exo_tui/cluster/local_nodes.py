@@ -37,6 +37,7 @@ class LocalNode:
     process: subprocess.Popen[bytes]
     log_path: Path
     extra_args: list[str] = field(default_factory=list)
+    log_offset: int = 0  # where this run's output starts in the (appended) log file
 
     @property
     def address(self) -> tuple[str, int]:
@@ -71,13 +72,14 @@ def spawn_node(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "exo_tui.cli", "node", "--host", "127.0.0.1", "--port", str(port),
-           "--name", name, "--backend", backend, "--no-advertise"]
+           "--name", name, "--backend", backend, "--no-advertise", "--exit-with-parent", str(os.getpid())]
     if key_file:
         cmd += ["--key-file", key_file]
     if memory_limit_gb:
         cmd += ["--memory-limit", str(memory_limit_gb)]
     cmd += extra_args or []
     with open(log_path, "ab") as log:
+        offset = log.tell()
         proc = subprocess.Popen(
             cmd,
             stdout=log,
@@ -87,7 +89,7 @@ def spawn_node(
             env={**os.environ, **(env or {})},
         )
     _live.add(proc)
-    return LocalNode(name, port, backend, proc, log_path, list(extra_args or []))
+    return LocalNode(name, port, backend, proc, log_path, list(extra_args or []), offset)
 
 
 async def wait_ready(node: LocalNode, timeout_s: float = 120.0) -> None:
@@ -98,8 +100,9 @@ async def wait_ready(node: LocalNode, timeout_s: float = 120.0) -> None:
             raise RuntimeError(
                 f"node {node.name} exited with code {node.process.returncode} before it was ready:\n{node.log_tail()}"
             )
-        with contextlib.suppress(OSError):
-            if READY_PREFIX in node.log_path.read_text(errors="replace"):
+        with contextlib.suppress(OSError), open(node.log_path, "rb") as fh:
+            fh.seek(node.log_offset)
+            if READY_PREFIX.encode() in fh.read():
                 return
         await asyncio.sleep(0.1)
     raise TimeoutError(f"node {node.name} was not ready after {timeout_s:.0f} s:\n{node.log_tail()}")

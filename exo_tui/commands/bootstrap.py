@@ -23,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--python", metavar="PATH", help="the remote Python ≥ 3.11 to use (default: the newest found)")
     p.add_argument("--wheelhouse", metavar="DIR", type=Path, help="install dependencies only from these wheels (offline LANs)")
     p.add_argument("--stop", action="store_true", help="stop the node agent on HOST instead")
+    p.add_argument("--no-install", action="store_true", help="only restart the node that is installed there")
     p.add_argument("--node-port", type=int, default=None, help="the node's port (default: network.node_port, 52416)")
     p.add_argument("--name", help="node name (default: the host's hostname)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default=None)
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         memory_limit_gb=args.memory_limit,
         advertise=not args.no_advertise,
         connect_timeout_s=connect_timeout or 10.0,
+        install=not args.no_install,
     )
     if not args.accept_new_host_key:
 

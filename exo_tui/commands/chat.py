@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -41,11 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from backends.base import BackendError
+    from exo_tui.commands._runtime import run_main
     from exo_tui.inference.generate import GenerationError
     from exo_tui.models.gguf_file import ModelFileError
 
     try:
-        return asyncio.run(_chat(args))
+        return run_main(lambda: _chat(args))
     except (ModelFileError, BackendError, GenerationError, ValueError, ConnectionError, OSError) as exc:
         print(f"exo-tui chat: {exc}", file=sys.stderr)
         return 2

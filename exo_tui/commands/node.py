@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-benchmark", action="store_true", help="skip the start-up layer benchmark")
     p.add_argument("--print-profile", action="store_true", help="print this device's profile as JSON and exit")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--exit-with-parent", type=int, default=None, metavar="PID", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             security=security,
             advertise=not args.no_advertise,
             run_benchmark=not args.no_benchmark,
+            parent_pid=args.exit_with_parent,
         )
         asyncio.run(agent.run_until_signalled())
     except (SecurityError, BackendError, OSError) as exc:

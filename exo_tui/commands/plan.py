@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         assert pr is not None
         comparison[s] = {
             "layout": other.layout,
+            "ring": " · ".join(f"{x.node_id} {x.start}-{x.end - 1}" for x in other.shards),
             "tok_per_s_single": pr.tok_per_s_single,
             "tok_per_s_saturated": pr.tok_per_s_saturated,
             "ttft_s": pr.ttft_s,
@@ -162,7 +163,7 @@ def _print(cluster: str, spec: Any, plan: Any, profiles: list[Any], scores: dict
     for r in plan.reasons:
         console.print(f"  · {r}")
     c = Table(title="strategies compared (ratios against exo-ring)")
-    for col in ("strategy", "tok/s one stream", "tok/s saturated", "TTFT", "fits memory", "layout"):
+    for col in ("strategy", "tok/s one stream", "tok/s saturated", "TTFT", "fits", "ring (layers)"):
         c.add_column(col)
     for s, row in comparison.items():
         if "error" in row:
@@ -172,5 +173,5 @@ def _print(cluster: str, spec: Any, plan: Any, profiles: list[Any], scores: dict
         ratio_s = f" (x{row['saturated_vs_exo_ring']:.2f})" if "saturated_vs_exo_ring" in row else ""
         c.add_row(s + (" *" if s == strategy else ""), f"{row['tok_per_s_single']:.2f}{ratio}",
                   f"{row['tok_per_s_saturated']:.2f}{ratio_s}", f"{row['ttft_s']:.2f} s",
-                  "yes" if row["fits_memory"] else "[red]no[/]", row["layout"])
+                  "yes" if row["fits_memory"] else "[red]no[/]", row["ring"])
     console.print(c)

@@ -84,6 +84,7 @@ class NodeAgent:
         security: Any = None,
         advertise: bool = False,
         run_benchmark: bool = True,
+        parent_pid: int | None = None,
     ) -> None:
         self.name = name
         self.bind_host = host
@@ -93,6 +94,7 @@ class NodeAgent:
         self.security = security
         self.advertise = advertise
         self.run_benchmark = run_benchmark
+        self.parent_pid = parent_pid
         self.profile: NodeProfile | None = None
         self.host: ShardHost | None = None
         self.coordinator: Connection | None = None
@@ -178,9 +180,21 @@ class NodeAgent:
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, self._stopping.set)
         await self.start()
+        if self.parent_pid:
+            self._tasks.append(asyncio.create_task(self._watch_parent(), name="node-parent"))
         print(f"exo-tui node {self.name} ({self.profile.node_id}) listening on port {self.port}", flush=True)
         await self._stopping.wait()
         await self.stop()
+
+    async def _watch_parent(self) -> None:
+        """A node started by a coordinator (``--local-nodes``) stops when that process is gone,
+        however it ended (even ``kill -9``)."""
+        import os
+
+        while os.getppid() == self.parent_pid:
+            await asyncio.sleep(1.0)
+        log.warning("the coordinator that started this node (pid %s) is gone: stopping", self.parent_pid)
+        self._stopping.set()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -306,6 +320,15 @@ class NodeAgent:
 
     async def _work_loop(self) -> None:
         """Take every step waiting, run them (one batch per shard), send results on."""
+        try:
+            await self._work()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the worker loop stopped")
+            raise
+
+    async def _work(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
@@ -344,16 +367,17 @@ class NodeAgent:
                         shard.truncate_kv(rid, start)
                 x = np.asarray(f.tensor)
                 items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
+            outs: list[Any]
             try:
-                outs = shard.forward_batch(items)
-            except Exception as exc:  # one bad request must not take down the others: run singly
-                outs = []
-                for rid, x, pos in items:
-                    try:
-                        outs.append(shard.forward(rid, x, pos))
-                    except Exception as inner:  # noqa: BLE001 - reported to the coordinator
-                        outs.append(inner)
-                log.debug("batched forward failed (%s); ran steps one by one", exc)
+                if len(items) == 1:
+                    outs = [shard.forward(*items[0])]
+                else:
+                    outs = shard.forward_batch(items)
+            except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which rebuilds
+                log.warning("forward of layers [%d, %d) failed: %s", shard.start, shard.end, exc, exc_info=True)
+                for rid, _, _ in items:
+                    shard.drop(rid)  # the step may have half-updated the caches
+                outs = [exc] * len(items)
             for i, out in zip(idxs, outs, strict=True):
                 results[i] = out
             if shard.is_last:
@@ -431,12 +455,25 @@ class NodeAgent:
     # ------------------------------------------------------------------ heartbeats
 
     async def _heartbeat_loop(self) -> None:
+        try:
+            await self._heartbeats()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("heartbeats stopped")
+            raise
+
+    async def _heartbeats(self) -> None:
         import psutil
 
         psutil.cpu_percent(interval=None)
         last_busy, last_t = 0.0, time.monotonic()
         while True:
+            slept = time.monotonic()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            lag = time.monotonic() - slept - HEARTBEAT_INTERVAL_S
+            if lag > 0.5:
+                log.warning("event loop was blocked for %.2f s: heartbeat late", lag)
             if self.coordinator is None or self.coordinator.is_closed:
                 continue
             now = time.monotonic()

@@ -206,7 +206,9 @@ class ShardHost:
     # ------------------------------------------------------------------ KV caches
 
     def shard_for_layers(self, start: int, end: int) -> HostedShard:
-        for hosted in self.shards.values():
+        with self.lock:
+            hosted_all = list(self.shards.values())
+        for hosted in hosted_all:
             if hosted.start <= start and end <= hosted.end:
                 return hosted
         raise HostError(f"node {self.node_id} holds no shard covering layers [{start}, {end})")
@@ -215,13 +217,17 @@ class ShardHost:
         return self.shard_for_layers(start, end).shard.export_kv(request_id).slice_layers(start, end)
 
     def drop(self, request_id: str) -> None:
-        for hosted in list(self.shards.values()):
+        with self.lock:
+            hosted_all = list(self.shards.values())
+        for hosted in hosted_all:
             hosted.shard.drop(request_id)
 
     def describe(self) -> list[dict[str, Any]]:
+        with self.lock:
+            hosted = list(self.shards.values())
         return [
             {"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "requests": len(h.shard.requests())}
-            for h in self.shards.values()
+            for h in hosted
         ]
 
 
