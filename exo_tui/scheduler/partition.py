@@ -31,15 +31,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+from typing import Any
 
 import numpy as np
 
 from exo_tui.config import SchedulerConfig
 from exo_tui.scheduler.order import ring_order
 from exo_tui.scheduler.plan import Constraints, NodePrediction, Pin, Plan, PlanShard, Predictions
-from exo_tui.scheduler.profile import DeviceProfile
+from exo_tui.scheduler.profile import UNKNOWN_LINK, DeviceProfile
 from exo_tui.scheduler.score import NodeScore, score_nodes
 from exo_tui.scheduler.spec import ModelSpec
 
@@ -81,11 +82,31 @@ class _Ctx:
     min_layers: int
     prompt_tokens: int
     act_bytes: int
+    orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
+    predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:
             return 0.0
         return self.profiles[a].link_to(b).hop_s(self.act_bytes if nbytes is None else nbytes)
+
+    @cached_property
+    def links(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+        """(index of each node, latency matrix, bandwidth matrix) over all profiles."""
+        ids = sorted(self.profiles)
+        index = {n: i for i, n in enumerate(ids)}
+        lat = np.full((len(ids), len(ids)), UNKNOWN_LINK.latency_s)
+        bw = np.full((len(ids), len(ids)), UNKNOWN_LINK.bandwidth_bytes_per_s)
+        for i, nid in enumerate(ids):
+            links = self.profiles[nid].links
+            known = [p for p in links if p in index]
+            if known:
+                cols = [index[p] for p in known]
+                lat[i, cols] = [links[p].latency_s for p in known]
+                bw[i, cols] = np.maximum([links[p].bandwidth_bytes_per_s for p in known], 1.0)
+        np.fill_diagonal(lat, 0.0)
+        np.fill_diagonal(bw, np.inf)
+        return index, lat, bw
 
 
 def _make_ctx(
@@ -160,6 +181,13 @@ def _predict(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
     )
 
 
+def _predict_cached(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
+    key = tuple(tuple(x) for x in shards)
+    if key not in ctx.predictions:
+        ctx.predictions[key] = _predict(ctx, shards)
+    return ctx.predictions[key]
+
+
 # ------------------------------------------------------------------------------- matrices
 
 
@@ -171,34 +199,45 @@ def _prefix(spec: ModelSpec) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Mats:
-    Wd: np.ndarray  # (L+1, L+1): layer-weight of [s, e), inf where the range is not allowed
-    M: np.ndarray  # memory bytes of [s, e), inf where not allowed
-    N: np.ndarray  # e - s
-    rows_gt0: np.ndarray  # (L+1, 1): 1.0 where s > 0
+    """Shard ranges indexed by (end e, length n): the range is ``[e - n, e)``."""
+
+    S: np.ndarray  # start e - n (clipped at 0), int
+    Wd: np.ndarray  # layer-weight of the range, inf where the range is not allowed
+    M: np.ndarray  # memory bytes of the range (embedding/head at the ends), inf where not allowed
+    N: np.ndarray  # n, float
+    gt0: np.ndarray  # 1.0 where the range starts after layer 0
+    min_layer_bytes: float
 
 
 @lru_cache(maxsize=64)
 def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int) -> _Mats:
     L = spec.n_layers
     W = _prefix(spec)
-    s = np.arange(L + 1)[:, None]
-    e = np.arange(L + 1)[None, :]
-    n = (e - s).astype(np.float64)
+    e = np.arange(L + 1)[:, None]
+    n = np.arange(L + 1)[None, :]
+    start = e - n
+    S = np.clip(start, 0, None)
     pinned = np.zeros(L + 1)
     for p in pins:
         pinned[p.start + 1 : p.end + 1] = 1  # layers p.start..p.end-1
-    pinned_prefix = np.cumsum(np.concatenate([[0.0], pinned[1:]]))
-    crosses = (pinned_prefix[None, :] - pinned_prefix[:, None]) > 0
-    valid = (n >= max(1, min_layers)) & ~crosses
+    pp = np.cumsum(pinned)
+    crosses = (pp[e] - pp[S]) > 0
+    valid = (start >= 0) & (n >= max(1, min_layers)) & ~crosses
     B = np.concatenate([[0.0], np.cumsum(np.array(spec.layers, dtype=np.float64))])
-    mem = B[None, :] - B[:, None] + spec.kv_bytes_per_layer * n
-    mem[0, :] += spec.embed_bytes
-    mem[:, L] += spec.head_bytes
+    nf = np.broadcast_to(n, (L + 1, L + 1)).astype(np.float64)
+    mem = B[e] - B[S] + spec.kv_bytes_per_layer * nf
+    mem = mem + np.where(start == 0, float(spec.embed_bytes), 0.0)
+    mem[L, :] += spec.head_bytes
     if spec.tied_embeddings:
-        mem[0, L] -= min(spec.embed_bytes, spec.head_bytes)
-    Wd = np.where(valid, W[None, :] - W[:, None], np.inf)
-    M = np.where(valid, mem, np.inf)
-    return _Mats(Wd, M, n, (np.arange(L + 1) > 0).astype(np.float64)[:, None])
+        mem[L, L] -= min(spec.embed_bytes, spec.head_bytes)
+    return _Mats(
+        S=S,
+        Wd=np.where(valid, W[e] - W[S], np.inf),
+        M=np.where(valid, mem, np.inf),
+        N=nf,
+        gt0=(start > 0).astype(np.float64),
+        min_layer_bytes=float(min(spec.layers)) + spec.kv_bytes_per_layer,
+    )
 
 
 # ------------------------------------------------------------------------------- the dynamic program
@@ -210,19 +249,30 @@ def _dp(
     mode: str,
     targets: Mapping[str, float] | None = None,
     cap: float | None = None,
+    close: bool = True,
+    skip: bool = True,
 ) -> list[tuple[str, int, int]] | None:
     """Walk ``seq`` (unpinned nodes in ring order); pins are forced jumps between the nodes.
 
-    ``mode``: ``sum`` (latency objective), ``max`` (slowest stage), ``dev`` (squared deviation
-    from ``targets`` layers per node). ``cap``: stages longer than this are not allowed.
-    Returns the shards in ring order, or None when nothing fits.
+    State: the cost of covering layers ``[0, e)`` so far. Each node either is skipped or takes
+    ``[e - n, e)``; only lengths up to what its memory could hold are looked at. ``mode``:
+    ``sum`` (latency objective), ``max`` (slowest stage), ``dev`` (squared deviation from
+    ``targets`` layers per node). ``cap``: stages longer than this are not allowed. ``close``:
+    count the token's way back from the last stage to ``seq[0]``. ``skip``: nodes may take
+    nothing (then the hop into the next node is counted from the skipped one: an estimate);
+    without skipping every node takes layers and the costs of this order are exact. Returns the
+    shards in ring order, or None when nothing fits.
     """
     spec = ctx.spec
     L = spec.n_layers
+    if mode == "sum" and not skip and not ctx.pins and cap is None and _uniform(spec):
+        return _fill_fastest(ctx, seq)
+    close_hop = close
     mats = _mats(spec, ctx.pins, ctx.min_layers)
     inf = np.inf
     cur = np.full(L + 1, inf)
     cur[0] = 0.0
+    ends = np.arange(L + 1)
     steps: list[tuple[str, str, np.ndarray]] = []
     W = _prefix(spec)
     pin_cost = {}
@@ -248,42 +298,53 @@ def _dp(
     cur = jump(cur)
     nseq = len(seq)
     for i, nid in enumerate(seq):
-        rows = np.flatnonzero(np.isfinite(cur))
-        rows = rows[rows < L]
-        if len(rows) == 0:
+        room = ctx.usable[nid]
+        k = min(L, int(room // mats.min_layer_bytes)) if mats.min_layer_bytes > 0 else L
+        if k < max(1, ctx.min_layers):
+            if not skip:
+                return None
             steps.append(("node", nid, np.full(L + 1, -1, dtype=np.int64)))
+            if mode == "dev":
+                target = (targets or {}).get(nid, 0.0)
+                cur = cur + target * target
             continue
-        t = ctx.t[nid]
-        wd = mats.Wd[rows]
-        feasible = mats.M[rows] <= ctx.usable[nid]
+        cols = slice(0, k + 1)
+        prior = cur[mats.S[:, cols]]
+        feasible = mats.M[:, cols] <= room
         if mode == "dev":
             target = (targets or {}).get(nid, 0.0)
-            cost = (mats.N[rows] - target) ** 2
-            cost = np.where(feasible & np.isfinite(wd), cost + cur[rows][:, None], inf)
-            skip = cur + target * target
+            cost = (mats.N[:, cols] - target) ** 2 + prior
+            keep = cur + target * target
         else:
-            compute = t * wd
-            compute[:, L] += ctx.head_t[nid]
+            compute = ctx.t[nid] * mats.Wd[:, cols]
+            compute[L] += ctx.head_t[nid]
             prev = seq[i - 1] if i > 0 else seq[-1]
             hop_in = ctx.hop(prev, nid) if nseq > 1 else 0.0
             nxt = seq[(i + 1) % nseq]
-            stage = compute + ctx.hop(nid, nxt)
-            stage[:, L] += ctx.hop(nid, seq[0], TOKEN_BYTES) - ctx.hop(nid, nxt)
-            if cap is not None:
-                feasible &= stage <= cap
+            close = ctx.hop(nid, seq[0], TOKEN_BYTES) if close_hop else 0.0
+            if mode == "max" or cap is not None:
+                stage = compute + ctx.hop(nid, nxt)
+                stage[L] += close - ctx.hop(nid, nxt)
+                if cap is not None:
+                    feasible &= stage <= cap
             if mode == "max":
-                cost = np.maximum(stage, cur[rows][:, None])
+                cost = np.maximum(stage, prior)
             else:
-                cost = compute + hop_in * mats.rows_gt0[rows] + cur[rows][:, None]
+                gt0 = mats.gt0[:, cols]
+                cost = compute + hop_in * gt0 + prior
                 # the last of several stages also sends the token back to the start
-                cost[:, L] += ctx.hop(nid, seq[0], TOKEN_BYTES) * mats.rows_gt0[rows][:, 0]
-            cost = np.where(feasible, cost, inf)
-            skip = cur
-        best = cost.argmin(axis=0)
-        val = cost[best, np.arange(L + 1)]
-        take = val < skip
-        src = np.where(take, rows[best], -1)
-        cur = np.where(take, val, skip)
+                cost[L] += close * gt0[L]
+            keep = cur
+        cost = np.where(feasible, cost, inf)
+        best = cost.argmin(axis=1)
+        val = cost[ends, best]
+        if skip:
+            take = val < keep
+            src = np.where(take, ends - best, -1)
+            cur = np.where(take, val, keep)
+        else:
+            src = np.where(np.isfinite(val), ends - best, -1)
+            cur = val
         steps.append(("node", nid, src))
         cur = jump(cur)
     if not np.isfinite(cur[L]):
@@ -306,55 +367,104 @@ def _dp(
     return list(reversed(out))
 
 
+@lru_cache(maxsize=64)
+def _uniform(spec: ModelSpec) -> bool:
+    return len(set(spec.layers)) == 1
+
+
+def _fill_fastest(ctx: _Ctx, seq: Sequence[str]) -> list[tuple[str, int, int]] | None:
+    """The latency split of equal layers over ``seq`` in this order, every node used.
+
+    With the order fixed, the hops are fixed and each layer costs its node's seconds per layer,
+    so the fastest nodes take as many layers as their memory allows (the first node's memory
+    also holds the embedding, the last one's the head): exact, and much cheaper than the program.
+    """
+    spec = ctx.spec
+    L, m = spec.n_layers, len(seq)
+    if m == 0 or m * ctx.min_layers > L:
+        return None
+    per = spec.layers[0] + spec.kv_bytes_per_layer
+    caps = []
+    for i, nid in enumerate(seq):
+        extra = (spec.embed_bytes if i == 0 else 0) + (spec.head_bytes if i == m - 1 else 0)
+        if m == 1 and spec.tied_embeddings:
+            extra -= min(spec.embed_bytes, spec.head_bytes)
+        cap = min(L, int((ctx.usable[nid] - extra) // per)) if ctx.usable[nid] >= extra else -1
+        if cap < ctx.min_layers:
+            return None
+        caps.append(cap)
+    n = [ctx.min_layers] * m
+    left = L - m * ctx.min_layers
+    for i in sorted(range(m), key=lambda i: (ctx.t[seq[i]], i)):
+        give = min(left, caps[i] - n[i])
+        n[i] += give
+        left -= give
+    if left > 0:
+        return None
+    out, pos = [], 0
+    for nid, k in zip(seq, n, strict=True):
+        out.append((nid, pos, pos + k))
+        pos += k
+    return out
+
+
 def _dp_any(
-    ctx: _Ctx, seq: Sequence[str], mode: str, targets: Mapping[str, float] | None = None
+    ctx: _Ctx, seq: Sequence[str], mode: str, targets: Mapping[str, float] | None = None, close: bool = True
 ) -> list[tuple[str, int, int]] | None:
     """:func:`_dp` on ``seq``; if nothing fits in that order, on its rotations and reversal (the
     first and last shards carry the embedding and the head, so the order can decide whether a
-    split fits), then, for up to :data:`PERMUTE_MAX` nodes, on every order."""
-    out = _dp(ctx, seq, mode, targets)
+    split fits): starting at the roomiest node, then (up to :data:`ROTATE_MAX` nodes) every
+    rotation and reversal, then (up to :data:`PERMUTE_MAX` nodes) every order."""
+    out = _dp(ctx, seq, mode, targets, close=close)
     if out is not None or len(seq) < 2:
         return out
     seq = list(seq)
     tried = {tuple(seq)}
-    orders = [seq[i:] + seq[:i] for i in range(1, len(seq))]
-    orders += [list(reversed(o)) for o in [seq, *orders]]
+    # The first shard holds the embedding: start at the node with the most room, either way round.
+    k = seq.index(max(seq, key=lambda n: (ctx.usable[n], n)))
+    start_big = seq[k:] + seq[:k]
+    orders = [start_big, [start_big[0], *reversed(start_big[1:])]]
+    if len(seq) <= ROTATE_MAX:
+        rotations = [seq[i:] + seq[:i] for i in range(1, len(seq))]
+        orders += rotations + [list(reversed(o)) for o in [seq, *rotations]]
     if len(seq) <= PERMUTE_MAX:
         orders += [list(p) for p in itertools.permutations(seq)]
     for order in orders:
         if tuple(order) in tried:
             continue
         tried.add(tuple(order))
-        out = _dp(ctx, order, mode, targets)
+        out = _dp(ctx, order, mode, targets, close=close)
         if out is not None:
             return out
     return None
 
 
 PERMUTE_MAX = 5
+ROTATE_MAX = 12
 
 
 def _cost_matrix(ctx: _Ctx, ids: Sequence[str]) -> np.ndarray:
-    n = len(ids)
-    c = np.zeros((n, n))
-    for i, a in enumerate(ids):
-        pa = ctx.profiles[a]
-        for j, b in enumerate(ids):
-            if i != j:
-                c[i, j] = pa.link_to(b).hop_s(ctx.act_bytes)
-    return c
+    index, lat, bw = ctx.links
+    ix = np.array([index[n] for n in ids])
+    return lat[np.ix_(ix, ix)] + ctx.act_bytes / bw[np.ix_(ix, ix)]
 
 
 def _ordered(ctx: _Ctx, ids: Sequence[str]) -> list[str]:
+    """``ids`` in ring order, starting after the costliest hop (the closing hop carries only a
+    token id). Memoised per planning call."""
     ids = sorted(ids)
+    key = tuple(ids)
+    if key in ctx.orders:
+        return list(ctx.orders[key])
     if len(ids) <= 2:
         return list(ids)
-    order = [ids[i] for i in ring_order(_cost_matrix(ctx, ids))]
-    # Start after the costliest hop: the closing hop carries only a token id.
-    n = len(order)
-    costs = [ctx.hop(order[i], order[(i + 1) % n]) for i in range(n)]
-    k = int(np.argmax(costs))
-    return order[k + 1 :] + order[: k + 1]
+    cost = _cost_matrix(ctx, ids)
+    idx = ring_order(cost)
+    n = len(idx)
+    k = int(np.argmax([cost[idx[i], idx[(i + 1) % n]] for i in range(n)]))
+    order = [ids[i] for i in idx[k + 1 :] + idx[: k + 1]]
+    ctx.orders[key] = tuple(order)
+    return order
 
 
 # ------------------------------------------------------------------------------- strategies
@@ -637,16 +747,23 @@ def make_plan(
             candidates.append(exo)
     seq = [n for n in _ordered(ctx, cands + sorted(pinned)) if n not in pinned]
     if strategy == "latency":
-        first = _dp_any(ctx, seq, "sum")
+        # Over all nodes the first stage is not known, so the token's way back is left out;
+        # over the nodes that pass chose, in their own ring order, it is counted.
+        first = _dp_any(ctx, seq, "sum", close=False)
         if first is not None:
             candidates.append(first)
             used = sorted({n for n, _, _ in first} - pinned)
             seq2 = [n for n in _ordered(ctx, used + sorted(pinned)) if n not in pinned]
-            if seq2 != seq:
-                second = _dp(ctx, seq2, "sum")
-                if second is not None:
-                    candidates.append(second)
-        key = lambda sh: _predict(ctx, sh).decode_s_per_token  # noqa: E731
+            second = _dp(ctx, seq2, "sum", skip=False) or _dp(ctx, seq2, "sum")
+            if second is not None:
+                candidates.append(second)
+        if not ctx.pins:  # the fastest node that holds the whole model alone: no hops at all
+            alone = [n for n in cands if spec.range_bytes(0, spec.n_layers) <= ctx.usable[n]]
+            if alone and spec.n_layers >= ctx.min_layers:
+                candidates.append([(min(alone, key=lambda n: (ctx.t[n], n)), 0, spec.n_layers)])
+        key = lambda sh: _predict_cached(ctx, sh).decode_s_per_token  # noqa: E731
+        if len(cands) <= LOCAL_SEARCH_MAX_NODES:
+            candidates.append(_local_search(ctx, min(candidates, key=key), cands, pinned, key, "sum"))
     else:
         bound = _dp_any(ctx, seq, "max")
         if bound is not None:
@@ -659,11 +776,77 @@ def make_plan(
                     candidates.extend(_throughput_candidates(ctx, bound2, pinned))
 
         def key(sh: Sequence[tuple[str, int, int]]) -> tuple[float, float]:
-            pr = _predict(ctx, sh)
+            pr = _predict_cached(ctx, sh)
             return (round(1.0 / pr.tok_per_s_saturated, 12), pr.decode_s_per_token)
 
     best_shards = min(candidates, key=key)
     return _finish(ctx, best_shards, strategy, version, elig, excluded, config)
+
+
+LOCAL_SEARCH_MAX_NODES = 12  # clusters this small also get the local search below
+LOCAL_SEARCH_BUDGET = 80
+LOCAL_SEARCH_BUDGET_SLOW = 12
+LOCAL_SEARCH_ROUNDS = 4
+LOCAL_SEARCH_ROTATE_MAX = 5  # rings this short are also tried from every starting node
+LOCAL_SEARCH_MOVE_MAX = 8  # rings this short also try moving each node to every other place
+
+
+def _local_search(
+    ctx: _Ctx,
+    start: Sequence[tuple[str, int, int]],
+    cands: Sequence[str],
+    pinned: set[str],
+    key: Any,
+    mode: str,
+) -> list[tuple[str, int, int]]:
+    """Improve a plan by changing its ring: insert an unused node at each place, drop a node,
+    replace one by an unused node, move one to another place, start the ring elsewhere; the
+    program re-splits the layers of each new ring exactly (every node takes layers). Keep the
+    best by exact prediction; repeat while it improves."""
+    best = list(start)
+    best_val = key(best)
+    t = ctx.t
+    # orders tried, in all rounds: bounds the decision time (equal layers without pins take the
+    # exact greedy split, which is cheap; otherwise each order runs the program)
+    fast = mode == "sum" and not ctx.pins and _uniform(ctx.spec)
+    budget = LOCAL_SEARCH_BUDGET if fast else LOCAL_SEARCH_BUDGET_SLOW
+    for _ in range(LOCAL_SEARCH_ROUNDS):
+        seq = [n for n, _, _ in best if n not in pinned]
+        unused = [n for n in cands if n not in set(seq)]
+        extra = list(dict.fromkeys(sorted(unused, key=lambda n: (t[n], n))[:4]
+                                   + sorted(unused, key=lambda n: (-ctx.usable[n], n))[:2]))
+        trials = [seq[:i] + [x] + seq[i:] for x in extra for i in range(len(seq) + 1)]
+        trials += [seq[:a] + seq[a + 1 :] for a in range(len(seq))] if len(seq) > 1 or ctx.pins else []
+        trials += [seq[:a] + [x] + seq[a + 1 :] for a in range(len(seq)) for x in extra]
+        if len(seq) <= LOCAL_SEARCH_MOVE_MAX:
+            for a in range(len(seq)):
+                rest = seq[:a] + seq[a + 1 :]
+                trials += [rest[:i] + [seq[a]] + rest[i:] for i in range(len(rest) + 1) if i != a]
+        if len(seq) + 1 <= LOCAL_SEARCH_ROTATE_MAX:  # the ring starts at order[0]: try each start
+            trials += [o[i:] + o[:i] for o in [seq, *trials] for i in range(1, len(o))]
+        improved = False
+        seen: set[tuple[str, ...]] = {tuple(seq)}
+        for order in trials:
+            if tuple(order) in seen:
+                continue
+            seen.add(tuple(order))
+            budget -= 1
+            if budget < 0:
+                return best
+            found = _dp(ctx, order, mode, skip=False)
+            if found is None:
+                continue
+            if mode == "max":
+                options = _throughput_candidates(ctx, found, pinned)
+            else:
+                options = [found]
+            for sh in options:
+                v = key(sh)
+                if v < best_val:
+                    best, best_val, improved = sh, v, True
+        if not improved:
+            break
+    return best
 
 
 def _throughput_candidates(
@@ -713,7 +896,7 @@ def _finish(
     config: SchedulerConfig,
 ) -> Plan:
     pinned = {p.node_id for p in ctx.pins}
-    pred = _predict(ctx, shards)
+    pred = _predict_cached(ctx, shards)
     plan_shards = tuple(PlanShard(n, s, e, ctx.backend[n], n in pinned) for n, s, e in shards)
     reasons = _reasons(ctx, shards, strategy, elig, excluded, pred)
     return Plan(ctx.spec.name, ctx.spec.n_layers, plan_shards, strategy, version, pred, tuple(reasons))
@@ -750,7 +933,8 @@ def _reasons(
     unused = [n for n in elig if n not in used]
     slowest_used = max(used, key=lambda n: ctx.t[n])
     per_layer = spec.mean_layer_bytes + spec.kv_bytes_per_layer
-    for n in sorted(unused, key=lambda n: ctx.t[n]):
+    unused = sorted(unused, key=lambda n: (ctx.t[n], n))
+    for n in unused[:MAX_NODE_REASONS]:
         if ctx.usable[n] < per_layer * ctx.min_layers:
             node_reasons.append(f"{n} left unused: its {gb(ctx.usable[n])} free cannot hold {ctx.min_layers} layer(s) "
                                 f"({gb(per_layer * ctx.min_layers)})")
@@ -772,7 +956,7 @@ def _reasons(
             node_reasons.append(f"{n} left unused by the {strategy} split")
     for n, why in sorted(excluded.items()):
         node_reasons.append(f"{n} holds nothing: {why}")
-    if len(node_reasons) > MAX_NODE_REASONS:
-        more = len(node_reasons) - MAX_NODE_REASONS
+    more = len(unused) + len(excluded) - MAX_NODE_REASONS
+    if more > 0:
         node_reasons = node_reasons[:MAX_NODE_REASONS] + [f"... and {more} more nodes hold nothing"]
     return out + node_reasons

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
+
+import numpy as np
 
 from exo_tui.config import SchedulerConfig
 from exo_tui.scheduler.profile import DeviceProfile
@@ -67,6 +70,10 @@ class Work:
     preferred_device_type: str | None = None
     communication_heavy: bool = True
     related_nodes: tuple[str, ...] = ()
+
+    @cached_property
+    def related_set(self) -> frozenset[str]:
+        return frozenset(self.related_nodes)
 
 
 def work_for_model(
@@ -122,8 +129,8 @@ def cluster_state(profiles: Iterable[DeviceProfile], network_congestion: float |
     cpu_util = sum(p.cpu_utilization for p in ps) / len(ps)
     loads = [p.load_factor for p in ps]
     if network_congestion is None:
-        lat = [min(1.0, link.latency_s * 1000 / 100) for p in ps for link in p.links.values()]
-        network_congestion = sum(lat) / len(lat) if lat else 0.0
+        lat = np.fromiter((link.latency_s for p in ps for link in p.links.values()), dtype=np.float64)
+        network_congestion = float(np.minimum(1.0, lat * 10.0).mean()) if lat.size else 0.0  # latency_ms / 100
     return ClusterState(
         resource_utilization=max(0.0, min(1.0, max(mem_util, cpu_util))),
         load_imbalance=max(0.0, min(1.0, max(loads) - min(loads))),
@@ -206,7 +213,8 @@ def score_parts(d: DeviceProfile, w: Work) -> dict[str, float]:
         parts["performance"] = 25.0 * min(1.0, max(0.0, d.benchmark_score) / w.min_performance)
     parts["load_balance"] = 30.0 * (1.0 - min(max(d.load_factor, 0.0), 1.0))
     if w.communication_heavy:
-        lat = [d.links[n].latency_s for n in w.related_nodes if n != d.node_id and n in d.links]
+        related = w.related_set
+        lat = [link.latency_s for n, link in d.links.items() if n in related and n != d.node_id]
         avg_ms = 1000.0 * sum(lat) / len(lat) if lat else 0.0
         parts["network"] = 20.0 * (1.0 - min(1.0, avg_ms / 100.0))
     return parts
@@ -246,8 +254,8 @@ def score_node(
         score=round(total, 3),
         eligible=not reason,
         reason=reason,
-        parts={k: round(v, 3) for k, v in parts.items()},
-        weighted_parts={k: round(v, 3) for k, v in weighted.items()},
+        parts=parts,
+        weighted_parts=weighted,
         weights=weights.as_dict(),
         penalty=penalty,
     )
