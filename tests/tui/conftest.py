@@ -51,7 +51,9 @@ async def wait_until(pilot, predicate: Callable[[], bool], timeout: float = 5.0)
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {predicate}")
+            notes = [n.message for n in pilot.app._notifications]
+            notes.append(str(getattr(pilot.app.screen, "preview", "")))
+            raise AssertionError(f"timed out waiting for {predicate}; screen {pilot.app.screen}; notifications {notes}")
         await pilot.pause(0.02)
     await pilot.pause()
 
