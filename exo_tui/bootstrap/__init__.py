@@ -1,6 +1,6 @@
 """Bootstrap: install and start node agents over SSH (asyncssh), and stop them.
 
-- :func:`bootstrap` — connect, detect, venv, upload, install, key, start, handshake.
+- :func:`bootstrap` / :func:`bootstrap_host` — connect, detect, venv, upload, install, key, start, handshake.
 - :func:`stop_node` — stop what bootstrap started.
 - :class:`BootstrapError` (``.step``), :class:`HostKeyUnknown`, :class:`HostKeyChanged`.
 """
@@ -10,6 +10,7 @@ from exo_tui.bootstrap.install import (
     BootstrapResult,
     RemoteHost,
     bootstrap,
+    bootstrap_host,
     stop_node,
 )
 from exo_tui.bootstrap.ssh import (
@@ -30,6 +31,7 @@ __all__ = [
     "RemoteHost",
     "Target",
     "bootstrap",
+    "bootstrap_host",
     "connect",
     "parse_target",
     "stop_node",

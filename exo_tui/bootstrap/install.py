@@ -67,6 +67,7 @@ class BootstrapOptions:
     handshake_address: str | None = None  # where to reach the node; default: the SSH peer address
     use_systemd: bool | None = None  # None: when systemd --user works there
     pip_timeout_s: float = 1800.0
+    install: bool = True  # False: skip venv/upload/install, only (re)start what is installed
 
 
 @dataclass
@@ -94,9 +95,11 @@ class RemoteHost:
 
 @dataclass
 class BootstrapResult:
+    """What a bootstrap did. ``host``/``port``: where the coordinator reaches the node."""
+
     target: str
-    host: RemoteHost
-    address: str
+    remote: RemoteHost
+    host: str
     port: int
     node_name: str
     node_id: str = ""
@@ -107,6 +110,10 @@ class BootstrapResult:
     @property
     def total_s(self) -> float:
         return sum(self.durations_s.values())
+
+    @property
+    def address(self) -> str:
+        return self.host
 
 
 class _Reporter:
@@ -297,15 +304,21 @@ async def bootstrap(
                 f"{host.os} {host.arch}{' (Apple silicon)' if host.apple_silicon else ''}, "
                 f"Python {host.python_version} at {host.python}"
             )
-        async with rep.step("venv") as box:
-            await _make_venv(conn, host)
-            box["ok"] = host.venv
-        async with rep.step("upload") as box:
-            remote_wheel, remote_wh, nfiles = await _upload(conn, host, opts)
-            box["ok"] = f"{Path(remote_wheel).name}" + (f" and {nfiles} wheelhouse files" if remote_wh else "")
-        async with rep.step("install") as box:
-            await _install(conn, host, remote_wheel, remote_wh, opts)
-            box["ok"] = f"exo-tui {exo_tui.__version__} in {host.venv}"
+        if opts.install:
+            async with rep.step("venv") as box:
+                await _make_venv(conn, host)
+                box["ok"] = host.venv
+            async with rep.step("upload") as box:
+                remote_wheel, remote_wh, nfiles = await _upload(conn, host, opts)
+                box["ok"] = f"{Path(remote_wheel).name}" + (f" and {nfiles} wheelhouse files" if remote_wh else "")
+            async with rep.step("install") as box:
+                await _install(conn, host, remote_wheel, remote_wh, opts)
+                box["ok"] = f"exo-tui {exo_tui.__version__} in {host.venv}"
+        else:
+            res = await run(conn, f"test -x {_q(host.exe)}", timeout_s=30)
+            if res.exit_status != 0:
+                raise BootstrapError("start", f"exo-tui is not installed in {host.venv} on {host.hostname}: "
+                                              "run bootstrap without --no-install first")
         name = opts.node_name or host.hostname or t.host
         async with rep.step("key") as box:
             bundle_path = await _write_bundle(conn, host, name, opts)
@@ -315,7 +328,7 @@ async def bootstrap(
             manager, log_path = await _start(conn, host, name, bundle_path, opts)
             box["ok"] = f"{manager}; log {log_path}"
         result = BootstrapResult(
-            target=str(t), host=host, address=address, port=opts.node_port, node_name=name,
+            target=str(t), remote=host, host=address, port=opts.node_port, node_name=name,
             manager=manager, log_path=log_path,
         )
         async with rep.step("handshake", f"{address}:{opts.node_port}") as box:
@@ -588,6 +601,25 @@ async def _handshake(
         f"the node did not answer on {result.address}:{result.port} within {opts.handshake_timeout_s:g} s "
         f"(last: {last}). Check that port {result.port} is open in the host's firewall and read {result.log_path}",
     )
+
+
+async def bootstrap_host(
+    target: str | Target,
+    *,
+    accept_new_host_key: bool = False,
+    confirm_host_key: ConfirmHostKey | None = None,
+    on_event: Progress | None = None,
+    bus: EventBus | None = None,
+    home: Path | None = None,
+    **options: Any,
+) -> BootstrapResult:
+    """:func:`bootstrap` with keyword options (what the coordinator calls).
+
+    ``options`` are :class:`BootstrapOptions` fields (``wheelhouse``, ``python``, ``node_port``...).
+    """
+    opts = BootstrapOptions(accept_new_host_key=accept_new_host_key, confirm_host_key=confirm_host_key,
+                            home=home, **options)
+    return await bootstrap(target, opts, bus=bus, on_progress=on_event)
 
 
 # ---------------------------------------------------------------------- stop

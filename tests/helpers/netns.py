@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,7 +176,7 @@ class NetnsLab:
                     p.wait(5)
                 if p.poll() is None:
                     p.kill()
-        for host in self.hosts:
+        def teardown(host: NetnsHost) -> None:
             if host.user is not None:
                 with contextlib.suppress(Exception):
                     host.user.stop_processes()
@@ -184,8 +185,12 @@ class NetnsLab:
                     host.sshd.stop()
             if host.user is not None:
                 with contextlib.suppress(Exception):
-                    host.user.remove()
+                    host.user.remove()  # deleting a home with a venv takes seconds: in parallel
             _ip("link", "del", host.veth_root, check=False)
             _ip("netns", "del", host.ns, check=False)
+
+        if self.hosts:
+            with ThreadPoolExecutor(len(self.hosts)) as pool:
+                list(pool.map(teardown, self.hosts))
         _ip("link", "del", self.bridge, check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import stat
@@ -17,6 +18,7 @@ from exo_tui.bootstrap import (
     HostKeyChanged,
     HostKeyUnknown,
     bootstrap,
+    bootstrap_host,
     connect,
     stop_node,
 )
@@ -185,10 +187,10 @@ async def test_bootstrap_installs_starts_upgrades_and_stops_a_node(
     assert all(e.host == ssh_host.target for e in events)
 
     assert result.node_id.startswith("n-")
-    assert result.host.python.endswith("python3.11") or result.host.python.endswith("python3")
-    assert result.host.os == "Linux" and not result.host.apple_silicon
+    assert result.remote.python.endswith("python3.11") or result.remote.python.endswith("python3")
+    assert result.remote.os == "Linux" and not result.remote.apple_silicon
     data = ssh_host.user.home / ".local/share/exo-tui"
-    assert result.host.data_dir == str(data)
+    assert result.remote.data_dir == str(data)
     bundle = data / "node.bundle"
     st = bundle.stat()
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == ssh_host.user.uid
@@ -208,7 +210,11 @@ async def test_bootstrap_installs_starts_upgrades_and_stops_a_node(
 
     # Again: upgrade and restart (a new process, same node id).
     t0 = time.monotonic()
-    again = await bootstrap(ssh_host.target, opts)
+    kw = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)
+          if f.name not in ("accept_new_host_key", "confirm_host_key", "home")}
+    seen: list[BootstrapProgress] = []
+    again = await bootstrap_host(ssh_host.target, on_event=seen.append, home=exo_home, **kw)  # the coordinator's call
+    assert seen[-1].step == "done" and (again.host, again.port) == ("127.0.0.1", port)
     print(f"second bootstrap {time.monotonic() - t0:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in again.durations_s.items()))
     assert again.node_id == result.node_id
     new_pids = _node_pids(ssh_host.user)
@@ -235,6 +241,8 @@ async def test_pip_failure_reports_pips_last_lines_and_a_hint(fresh_ssh_host, tm
     empty = tmp_path / "wheelhouse"
     empty.mkdir()
     opts = fresh_ssh_host.options(fresh_ssh_host.known_hosts(tmp_path / "kh"), wheelhouse=empty)
+    with pytest.raises(BootstrapError, match="not installed .* without --no-install"):
+        await bootstrap(fresh_ssh_host.target, dataclasses.replace(opts, install=False))
     events: list[BootstrapProgress] = []
     with pytest.raises(BootstrapError) as info:
         await bootstrap(fresh_ssh_host.target, opts, on_progress=events.append)

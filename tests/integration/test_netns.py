@@ -63,12 +63,15 @@ async def test_bootstrapped_nodes_are_discovered_across_the_bridge_and_withdraw(
         assert stopped.startswith("pid ")
         gone = await _events(sub, lambda e: isinstance(e, NodeGone), 1, 15)
         assert gone[0].node_id == by_addr[first.address].node_id
-        # Bring it back for whoever uses the lab next (idempotent bootstrap: restart).
+        # Bring it back for whoever uses the lab next (restart without reinstalling); it reappears.
         from exo_tui.bootstrap import bootstrap
 
         again = await bootstrap(first.ssh_target, netns_nodes.options(
-            node_name=f"lab-{first.label}", node_args=["--no-benchmark"], wheelhouse=None))
-        assert again.node_id == by_addr[first.address].node_id
+            node_name=f"lab-{first.label}", node_args=["--no-benchmark"], install=False))
+        assert again.node_id == by_addr[first.address].node_id and set(again.durations_s) == {
+            "connect", "detect", "key", "start", "handshake"}
+        back = await _events(sub, lambda e: isinstance(e, NodeDiscovered), 1, 20)
+        assert back[0].node_id == again.node_id
 
 
 def _tcp_rtt_ms(address: str, port: int, n: int = 15) -> float:
