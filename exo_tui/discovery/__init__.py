@@ -11,9 +11,10 @@ from exo_tui.discovery.mdns import (
     MdnsBrowser,
     NodeAdvertisement,
     NodeAdvertiser,
+    cluster_fingerprint,
     host_addresses,
 )
-from exo_tui.discovery.service import DiscoveredNode, Discovery, tcp_probe
+from exo_tui.discovery.service import DiscoveredNode, Discovery, net_probe, tcp_probe
 from exo_tui.discovery.static import (
     ENV_KNOWN_PEERS,
     CandidateHost,
@@ -37,7 +38,9 @@ __all__ = [
     "NodeAdvertisement",
     "NodeAdvertiser",
     "Peer",
+    "cluster_fingerprint",
     "host_addresses",
+    "net_probe",
     "parse_peer",
     "parse_ssh_config",
     "parse_tailscale_status",

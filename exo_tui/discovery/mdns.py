@@ -104,6 +104,17 @@ class SshServiceRecord:
     service: str
 
 
+def cluster_fingerprint(ca_cert_pem: bytes) -> str:
+    """The public TXT ``cluster`` value: the first 16 hex digits of SHA-256 of the CA certificate.
+
+    Not a secret (the CA certificate is shown to anyone who connects); it lets the coordinator
+    tell at a glance that an advertisement claims another cluster. Proof is the handshake.
+    """
+    from exo_tui.net.security import cert_fingerprint
+
+    return cert_fingerprint(ca_cert_pem).hex()[:16]
+
+
 def host_addresses(*, include_loopback: bool = False, ipv6: bool = True) -> tuple[str, ...]:
     """This host's unicast addresses, sorted (IPv4 first). Link-local IPv6 is left out."""
     out: set[str] = set()

@@ -76,6 +76,43 @@ async def tcp_probe(peer: Peer, timeout_s: float) -> NodeAdvertisement | None:
     )
 
 
+def net_probe(security: Any, cluster: str = "") -> PeerProbe:
+    """A probe over :mod:`exo_tui.net`: the authenticated handshake, then the node's profile.
+
+    A peer that answers the handshake is of our cluster (``cluster`` is then put in its record, so
+    pass :func:`~exo_tui.discovery.mdns.cluster_fingerprint` of the CA, the same value given to
+    :class:`Discovery`); one that is reachable but fails the handshake is reported keyed
+    ``peer:HOST:PORT`` and foreign; one that does not answer is absent.
+    """
+
+    async def probe(peer: Peer, timeout_s: float) -> NodeAdvertisement | None:
+        from exo_tui.net.errors import ConnectError, HandshakeError
+        from exo_tui.net.rpc import connect
+
+        try:
+            conn = await connect(peer.host, peer.port, security=security, timeout=timeout_s)
+        except HandshakeError:  # includes AuthError and ProtocolMismatch: someone else's node
+            return NodeAdvertisement(node_id=f"peer:{peer.key}", name=peer.host, port=peer.port, version="",
+                                     addresses=(peer.host,))
+        except (ConnectError, OSError):
+            return None
+        try:
+            reply = await conn.call("profile", timeout=timeout_s)
+            prof = (reply.body or {}).get("profile", {})
+        except Exception:
+            return None
+        finally:
+            await conn.aclose()
+        memory = prof.get("memory_limit_bytes") or prof.get("ram_available_bytes") or 0
+        return NodeAdvertisement(
+            node_id=str(prof.get("node_id") or f"peer:{peer.key}"), name=str(prof.get("name") or peer.host),
+            port=peer.port, version=str(prof.get("version", "")), backends=tuple(prof.get("backends") or ()),
+            memory_bytes=int(memory), cluster=cluster, addresses=(peer.host,),
+        )
+
+    return probe
+
+
 @dataclass
 class DiscoveredNode:
     node_id: str

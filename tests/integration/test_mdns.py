@@ -167,3 +167,39 @@ def test_from_config_reads_the_discovery_section() -> None:
     d = Discovery.from_config(EventBus(), cfg, cli_peers=["10.0.0.6"], environ={})
     assert d.mode == "manual" and d.browse_interval_s == 2 and d.connect_timeout_s == 1.5
     assert [(p.key, p.source) for p in d.peers] == [("10.0.0.6:6000", "peer"), ("10.0.0.5:52416", "config")]
+
+
+async def test_net_probe_learns_a_peers_identity_and_spots_another_cluster(tmp_path: Path) -> None:
+    from exo_tui.discovery import cluster_fingerprint, net_probe
+    from exo_tui.net.frame import Frame
+    from exo_tui.net.rpc import serve
+    from exo_tui.net.security import Security, ensure_cluster
+
+    ours, theirs = ensure_cluster(tmp_path / "ours"), ensure_cluster(tmp_path / "theirs")
+
+    async def handler(conn, frame):  # noqa: ANN001, ANN202
+        assert frame.type == "profile"
+        return Frame("profile", body={"profile": {"node_id": "n-probed", "name": "probed", "version": "0.1.0",
+                                                  "backends": ["onnx"], "ram_available_bytes": 123}})
+
+    ours_srv = await serve(handler, "127.0.0.1", 0, security=Security.from_bundle(ours.node_bundle("probed")))
+    theirs_srv = await serve(handler, "127.0.0.1", 0, security=Security.from_bundle(theirs.node_bundle("x")))
+    fp = cluster_fingerprint(ours.ca_cert_pem)
+    bus = EventBus()
+    sub = bus.subscribe()
+    d = discovery(bus, mode="manual", cli_peers=[f"127.0.0.1:{ours_srv.port}", f"127.0.0.1:{theirs_srv.port}"],
+                  probe=net_probe(ours.security(), fp), cluster_fingerprint=fp)
+    try:
+        async with d:
+            seen = {}
+            while len(seen) < 2:
+                ev = await wait_for(sub, lambda e: isinstance(e, NodeDiscovered))
+                seen[ev.port] = ev
+            mine, other = seen[ours_srv.port], seen[theirs_srv.port]
+            assert (mine.node_id, mine.name, mine.backends, mine.memory_bytes, mine.foreign) == (
+                "n-probed", "probed", ("onnx",), 123, False)
+            assert other.node_id == f"peer:127.0.0.1:{theirs_srv.port}" and other.foreign
+    finally:
+        for srv in (ours_srv, theirs_srv):
+            srv.close()
+            await srv.wait_closed()
