@@ -15,6 +15,7 @@ from typing import Any
 
 from textual import work
 from textual.app import App, SystemCommand
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 
 import themes
@@ -165,7 +166,10 @@ class ExoApp(App):
             if screen is None or id(screen) in seen or not hasattr(screen, "render_snapshot"):
                 continue
             seen.add(id(screen))
-            screen.render_snapshot(snapshot, now=now, paused=self.paused, readonly=self.readonly)
+            try:
+                screen.render_snapshot(snapshot, now=now, paused=self.paused, readonly=self.readonly)
+            except NoMatches:  # the screen is being torn down (app exit)
+                pass
 
     def _refresh_soon(self) -> None:
         if not self._refresh_pending and not self.paused:
@@ -193,7 +197,8 @@ class ExoApp(App):
             if isinstance(self.screen, HostsScreen):
                 self.screen.render_progress()
         if self.main_screen is not None and self.main_screen.is_mounted:
-            self.main_screen.query_one(EventsLog).add_event(event, self.node_names())
+            for log_view in self.main_screen.query(EventsLog):  # none while the app shuts down
+                log_view.add_event(event, self.node_names())
         if isinstance(event, STRUCTURAL):
             self._refresh_soon()
 
