@@ -29,11 +29,18 @@ class ONNXBackend(Backend):
     ``threads``: intra-op threads per shard (default: env ``EXO_TUI_THREADS``, else the number of
     physical cores). ``precision``: ``"float32"`` (default) or ``"int8"`` (env
     ``EXO_TUI_ONNX_PRECISION``), the latter faster but not bit-faithful to float32 math.
+    ``session_config``: extra ONNX Runtime session config entries (for example
+    ``{"session.intra_op.allow_spinning": "0"}`` on a machine shared with other work).
     """
 
     name = "onnx"
 
-    def __init__(self, threads: int | None = None, precision: str | None = None) -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        precision: str | None = None,
+        session_config: dict[str, str] | None = None,
+    ) -> None:
         if threads is None:
             env = os.environ.get("EXO_TUI_THREADS", "").strip()
             if env:
@@ -50,6 +57,7 @@ class ONNXBackend(Backend):
                 f"unknown ONNX precision {precision!r}: choose one of {', '.join(PRECISIONS)}"
             )
         self.precision = precision
+        self.session_config = dict(session_config or {})
         self._available: bool | None = None
 
     def available(self) -> bool:
@@ -69,7 +77,13 @@ class ONNXBackend(Backend):
         check_shard(config, weights)
         from backends.onnx.shard import ONNXShard
 
-        return ONNXShard(config, weights, threads=self.threads, accuracy_level=PRECISIONS[self.precision])
+        return ONNXShard(
+            config,
+            weights,
+            threads=self.threads,
+            accuracy_level=PRECISIONS[self.precision],
+            session_config=self.session_config,
+        )
 
 
 def check_shard(config: ModelConfig, weights: ShardWeights) -> None:

@@ -17,8 +17,8 @@ The residual add of each block is fused into the next norm. Inputs: ``hidden_in`
 ``hidden_out`` or ``logits``, and ``present_key_i`` / ``present_value_i``, which the shard binds to
 the same buffers as the past ones so attention appends to the cache in place.
 
-Weights do not go into the protobuf: they are external initializers handed to the session as
-NumPy-backed ``OrtValue``s (no copy, no 2 GB protobuf limit).
+Weights do not go into the protobuf (no serialization copy, no 2 GB protobuf limit): they are
+external initializers handed to the session as NumPy-backed ``OrtValue``s.
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ class ShardGraph:
 
     model: onnx.ModelProto
     initializers: dict[str, np.ndarray] = field(default_factory=dict)
-    # "nbits_b" / "matmul_b" for the constant B of MatMulNBits / MatMul, which the CPU kernels
-    # usually repack into their own buffers; everything else is read as given for the session's life.
-    roles: dict[str, str] = field(default_factory=dict)
     kv_inputs: list[tuple[str, str]] = field(default_factory=list)  # (past_key_i, past_value_i)
     kv_outputs: list[tuple[str, str]] = field(default_factory=list)  # (present_key_i, present_value_i)
     output: str = "hidden_out"
@@ -64,7 +61,6 @@ class _Builder:
         self.accuracy_level = accuracy_level
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
-        self.roles: dict[str, str] = {}
         self.small: list[onnx.TensorProto] = []
         self._n = 0
         self._blocksums: dict[tuple[str, int], str] = {}
@@ -78,10 +74,10 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, outs, name=self.name(op), domain=domain, **attrs))
         return outs
 
-    def weight(self, stem: str, array: np.ndarray, role: str = "") -> str:
+    def weight(self, stem: str, array: np.ndarray) -> str:
+        """A graph initializer from an array the builder made (never the caller's own memory)."""
         name = self.name(stem)
         self.arrays[name] = np.ascontiguousarray(array)
-        self.roles[name] = role
         return name
 
     def const(self, stem: str, array: np.ndarray) -> str:
@@ -93,7 +89,7 @@ class _Builder:
 
     def rms_norm(self, x: str, weight: np.ndarray, skip: str | None = None) -> tuple[str, str]:
         """``(normed, residual_sum)``: RMSNorm of ``x + skip`` (or of ``x``) and that sum."""
-        w = self.weight("norm_w", np.asarray(weight, dtype=np.float32))
+        w = self.weight("norm_w", np.array(weight, dtype=np.float32, copy=True))
         if skip is None:
             (y,) = self.node("SimplifiedLayerNormalization", [x, w], "normed", axis=-1, epsilon=self.c.rms_eps)
             return y, x
@@ -117,12 +113,12 @@ class _Builder:
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if not runs_quantized(weights[0]):
-            w = self.weight(f"{stem}_w", dense_linear(weights), "matmul_b")
+            w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
         ql = quantized_linear(weights)  # type: ignore[arg-type]
         outs = []
         for part in ql.parts:
-            b = self.weight(f"{stem}_q", part.packed, "nbits_b")
+            b = self.weight(f"{stem}_q", part.packed)
             s = self.weight(f"{stem}_s", part.scales)
             inputs = [x, b, s]
             if part.zero_point != 8:
@@ -134,7 +130,7 @@ class _Builder:
                 K=ql.k, N=ql.n, bits=4, block_size=ql.group, accuracy_level=self.accuracy_level,
             )
         if ql.correction is not None:
-            c = self.weight(f"{stem}_c", np.ascontiguousarray(ql.correction.T), "matmul_b")
+            c = self.weight(f"{stem}_c", np.ascontiguousarray(ql.correction.T))
             outs += self.node("MatMul", [self.blocksum(x, ql.k, ql.group), c], f"{stem}_corr")
         y = outs[0]
         for other in outs[1:]:
@@ -236,5 +232,4 @@ def build_shard_graph(config: ModelConfig, weights: ShardWeights, accuracy_level
     )
     graph.model.ir_version = 10
     graph.initializers = b.arrays
-    graph.roles = b.roles
     return graph

@@ -39,7 +39,13 @@ class ONNXShard(Shard):
     """Layers ``[weights.start, weights.end)`` on ONNX Runtime's CPU execution provider."""
 
     def __init__(
-        self, config: ModelConfig, weights: ShardWeights, *, threads: int, accuracy_level: int = 1
+        self,
+        config: ModelConfig,
+        weights: ShardWeights,
+        *,
+        threads: int,
+        accuracy_level: int = 1,
+        session_config: dict[str, str] | None = None,
     ) -> None:
         super().__init__(config, weights.start, weights.end)
         self.threads = threads
@@ -53,7 +59,9 @@ class ONNXShard(Shard):
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
-        # Weights stay in our NumPy arrays; the session reads them through OrtValues (no copy).
+        for key, value in (session_config or {}).items():
+            options.add_session_config_entry(key, value)
+        # Weights reach the session as OrtValues over our NumPy arrays (see _release_weight_copies).
         self._weight_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in graph.initializers.items()}
         self._weight_arrays = graph.initializers
         options.add_external_initializers(list(self._weight_values), list(self._weight_values.values()))
@@ -66,45 +74,46 @@ class ONNXShard(Shard):
                 f"ONNX Runtime cannot build layers [{self.start}, {self.end}) ({exc}); "
                 "check that onnxruntime >= 1.20 is installed"
             ) from exc
-        # Kernels that do not prepack (norms, rotary tables) read these arrays for the session's life.
         self._caches: dict[str, _RequestCache] = {}
         self._lock = threading.Lock()
-        self._release_repacked(graph.roles)
+        self._release_weight_copies()
 
-    def _release_repacked(self, roles: dict[str, str]) -> None:
-        """Free our copies of the matrices ONNX Runtime repacked into its own buffers at load.
+    @property
+    def weight_arrays_nbytes(self) -> int:
+        """Bytes of weight arrays this shard holds besides ONNX Runtime's own buffers."""
+        return sum(a.nbytes for a in self._weight_arrays.values())
 
-        Whether a kernel repacks depends on the CPU (MLAS has no 4-bit kernel everywhere), so this
-        is checked, not assumed: the matrices of a kind are zeroed and a probe step must give the
-        same output as before; only then are they released, else restored.
+    def _release_weight_copies(self) -> None:
+        """Free our weight arrays when the session no longer reads them.
+
+        ONNX Runtime (1.2x, CPU) copies external initializers into its own buffers and repacks
+        the matrices, so after loading our arrays are dead weight, as large as the model. That is
+        checked, not assumed: all arrays are zeroed and probe steps (prompt and decode) must give
+        exactly the outputs they gave before; only then are the arrays released, else restored.
         """
-        for role in ("nbits_b", "matmul_b"):
-            names = [n for n, r in roles.items() if r == role]
-            if not names:
-                continue
-            before = self._probe()
-            saved = {n: self._weight_arrays[n].copy() for n in names}
-            for n in names:
-                self._weight_arrays[n][...] = 0
-            after = self._probe()
-            if np.array_equal(before, after):
-                for n in names:
-                    del self._weight_arrays[n], self._weight_values[n]
-            else:
-                for n in names:
-                    self._weight_arrays[n][...] = saved[n]
-            del saved
+        before = self._probe()
+        saved = {n: a.copy() for n, a in self._weight_arrays.items()}
+        for a in self._weight_arrays.values():
+            a[...] = 0
+        after = self._probe()
+        if np.array_equal(before, after):
+            self._weight_arrays = {}
+            self._weight_values = {}
+        else:
+            for n, a in self._weight_arrays.items():
+                a[...] = saved[n]
 
     def _probe(self) -> np.ndarray:
+        """Outputs of a fixed random prompt of two tokens and one decode step (no cache kept)."""
         rid = "\0probe"
-        if self.is_first:
-            x = np.arange(2, dtype=np.int64) % self.config.vocab_size
-        else:
-            x = np.random.default_rng(0).standard_normal((2, self.config.hidden_size)).astype(np.float32)
-        try:
-            return self.forward(rid, x, np.arange(2))
-        finally:
-            self.drop(rid)
+        hidden = np.random.default_rng(0).standard_normal((3, self.config.hidden_size)).astype(np.float32)
+        with self._lock:
+            try:
+                prompt = self._run(rid, hidden[:2], 0, all_logits=True)
+                step = self._run(rid, hidden[2:], 2, all_logits=True)
+                return np.concatenate([prompt, step])
+            finally:
+                self._caches.pop(rid, None)
 
     # ------------------------------------------------------------------ caches
 
@@ -162,34 +171,42 @@ class ONNXShard(Shard):
                 raise BackendError(
                     f"positions must be consecutive from {cached}, got {positions[:8].tolist()}..."
                 )
-            c = self.config
             if self.is_first:
                 if self._embed is None:
                     raise BackendError("the first shard was loaded without the token embedding")
                 hidden = embedding_rows(self._embed, x.astype(np.int64))
             else:
                 hidden = np.ascontiguousarray(x, dtype=np.float32)
-            cache = self._cache_with_room(request_id, cached + t)
-            io = cache.binding
-            io.bind_cpu_input("hidden_in", hidden.reshape(1, t, c.hidden_size))
-            io.bind_cpu_input("seqlens_k", np.array([cached + t - 1], dtype=np.int32))
-            io.bind_cpu_input("total_seq_len", np.array(cached + t, dtype=np.int32))
-            if self.is_last:
-                rows = t if all_logits else 1
-                io.bind_cpu_input("logits_start", np.array([t - rows], dtype=np.int64))
-                out = np.empty((1, rows, c.vocab_size), dtype=np.float32)
-            else:
-                out = np.empty((1, t, c.hidden_size), dtype=np.float32)
-            io.bind_output(self._output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-            try:
-                self._session.run_with_iobinding(io)
-            except Exception as exc:
-                raise BackendError(
-                    f"ONNX Runtime failed on layers [{self.start}, {self.end}) for request {request_id} "
-                    f"at position {cached} ({exc})"
-                ) from exc
-            cache.length = cached + t
-            return out[0]
+            return self._run(request_id, hidden, cached, all_logits)
+
+    def _run(self, request_id: str, hidden: np.ndarray, cached: int, all_logits: bool) -> np.ndarray:
+        """One ``session.run`` of ``hidden`` ``(T, hidden)`` after ``cached`` positions."""
+        c = self.config
+        t = hidden.shape[0]
+        new_request = request_id not in self._caches
+        cache = self._cache_with_room(request_id, cached + t)
+        io = cache.binding
+        io.bind_cpu_input("hidden_in", hidden.reshape(1, t, c.hidden_size))
+        io.bind_cpu_input("seqlens_k", np.array([cached + t - 1], dtype=np.int32))
+        io.bind_cpu_input("total_seq_len", np.array(cached + t, dtype=np.int32))
+        if self.is_last:
+            rows = t if all_logits else 1
+            io.bind_cpu_input("logits_start", np.array([t - rows], dtype=np.int64))
+            out = np.empty((1, rows, c.vocab_size), dtype=np.float32)
+        else:
+            out = np.empty((1, t, c.hidden_size), dtype=np.float32)
+        io.bind_output(self._output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        try:
+            self._session.run_with_iobinding(io)
+        except Exception as exc:
+            if new_request:
+                self._caches.pop(request_id, None)
+            raise BackendError(
+                f"ONNX Runtime failed on layers [{self.start}, {self.end}) for request {request_id} "
+                f"at position {cached} ({exc})"
+            ) from exc
+        cache.length = cached + t
+        return out[0]
 
     def kv_length(self, request_id: str) -> int:
         cache = self._caches.get(request_id)
