@@ -46,7 +46,7 @@ Progress = Callable[[BootstrapProgress], Any]
 
 @dataclass
 class BootstrapOptions:
-    accept_new_host_key: bool = False
+    accept_new_host_key: bool | str = False  # or the "SHA256:..." fingerprint the operator accepted
     confirm_host_key: ConfirmHostKey | None = None
     known_hosts: Path | None = None
     client_keys: Sequence[str | Path] | None = None  # None: ssh's defaults
@@ -81,6 +81,7 @@ class RemoteHost:
     python_version: str = ""
     apple_silicon: bool = False
     free_bytes: int | None = None
+    free_dir: str = ""
     systemd_user: bool = False
     pythons: list[tuple[str, str, bool]] = field(default_factory=list)  # (path, version, has venv)
 
@@ -173,6 +174,7 @@ if [ "$(uname -s)" = Darwin ]; then
 fi
 d="$HOME"; [ -d "${{XDG_DATA_HOME:-$HOME/.local/share}}" ] && d="${{XDG_DATA_HOME:-$HOME/.local/share}}"
 echo "free_kb=$(df -Pk "$d" 2>/dev/null | awk 'NR==2 {{print $4}}')"
+echo "free_dir=$d"
 if command -v systemctl >/dev/null 2>&1 && systemctl --user show-environment >/dev/null 2>&1; then
   echo "systemd_user=1"
 fi
@@ -205,6 +207,8 @@ def _parse_detect(out: str) -> RemoteHost:
             brand = value
         elif key == "free_kb" and value.isdigit():
             h.free_bytes = int(value) * 1024
+        elif key == "free_dir":
+            h.free_dir = value
         elif key == "systemd_user":
             h.systemd_user = value == "1"
     h.apple_silicon = h.os == "Darwin" and (h.arch == "arm64" or translated == "1" or "Apple" in brand)
@@ -376,7 +380,7 @@ async def _detect(conn: asyncssh.SSHClientConnection, opts: BootstrapOptions) ->
     if host.free_bytes is not None and host.free_bytes < need:
         raise BootstrapError(
             "detect",
-            f"only {host.free_bytes / 1e6:.0f} MB free under {host.home} on {host.hostname}; the install needs "
+            f"only {host.free_bytes / 1e6:.0f} MB free in {host.free_dir or host.home} on {host.hostname}; the install needs "
             f"about {need / 1e6:.0f} MB: free disk space there and run again",
         )
     return host
@@ -606,7 +610,7 @@ async def _handshake(
 async def bootstrap_host(
     target: str | Target,
     *,
-    accept_new_host_key: bool = False,
+    accept_new_host_key: bool | str = False,
     confirm_host_key: ConfirmHostKey | None = None,
     on_event: Progress | None = None,
     bus: EventBus | None = None,

@@ -112,10 +112,10 @@ def default_known_hosts() -> Path:
 class _HostKeyCheck:
     """known_hosts lookup for asyncssh that remembers what it found and what the host offered."""
 
-    def __init__(self, path: Path, pinned: asyncssh.SSHKey | None, accept_new: bool) -> None:
+    def __init__(self, path: Path, pinned: asyncssh.SSHKey | None, accept_new: bool | str) -> None:
         self.path = path
         self.pinned = pinned
-        self.accept_new = accept_new
+        self.accept_new = accept_new  # True, or the one fingerprint the operator accepted
         self.known_count = 0
         self.presented: asyncssh.SSHKey | None = None
         self.host = ""
@@ -143,7 +143,9 @@ class _HostKeyCheck:
         if self.pinned is not None and key == self.pinned:
             self.accepted_new = True
             return True
-        if self.accept_new:
+        if self.accept_new is True or (
+            isinstance(self.accept_new, str) and self.accept_new == key.get_fingerprint("sha256")
+        ):
             self.accepted_new = True
             return True
         return False
@@ -172,7 +174,7 @@ async def connect(
     target: Target | str,
     *,
     known_hosts: Path | None = None,
-    accept_new_host_key: bool = False,
+    accept_new_host_key: bool | str = False,
     confirm_host_key: ConfirmHostKey | None = None,
     client_keys: Sequence[str | Path] | None = None,
     agent_path: str | None | bool = True,
@@ -180,6 +182,10 @@ async def connect(
     connect_timeout_s: float = 10.0,
 ) -> asyncssh.SSHClientConnection:
     """Open an SSH connection, checking the host key; every failure is a :class:`BootstrapError`.
+
+    ``accept_new_host_key``: True accepts (and records) any key of a host not in known_hosts; a
+    fingerprint string (``"SHA256:..."``, as :class:`HostKeyUnknown` showed it) accepts only that
+    key — what a console should pass after the operator said yes to that fingerprint.
 
     ``client_keys``/``agent_path``/``ssh_config``: ``True``/``None`` mean ssh's defaults (keys in
     ``~/.ssh``, ``$SSH_AUTH_SOCK``, ``~/.ssh/config``); ``False`` turns the agent or config off.

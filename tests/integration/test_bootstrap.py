@@ -92,6 +92,25 @@ async def test_accepted_key_is_recorded_and_then_trusted(ssh_host, tmp_path: Pat
     assert kh.read_text() == recorded  # not recorded twice
 
 
+async def test_accepting_a_fingerprint_accepts_only_that_key(ssh_host, tmp_path: Path) -> None:
+    kh = tmp_path / "known_hosts"
+    with pytest.raises(HostKeyUnknown) as info:
+        await _connect(ssh_host, kh, accept_new_host_key="SHA256:not-the-key-that-was-shown")
+    assert not kh.exists()
+    conn = await _connect(ssh_host, kh, accept_new_host_key=info.value.fingerprint)
+    assert await _whoami(conn) == ssh_host.user.name
+    assert ssh_host.server.host_key.public_line.split()[1] in kh.read_text()
+
+
+async def test_an_ssh_config_alias_works_as_with_ssh(ssh_host, tmp_path: Path) -> None:
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host labbox\n  HostName 127.0.0.1\n  Port {ssh_host.server.port}\n  User {ssh_host.user.name}\n"
+                   f"  IdentityFile {ssh_host.client.private}\n")
+    kh = ssh_host.known_hosts(tmp_path / "known_hosts")
+    conn = await connect("labbox", known_hosts=kh, agent_path=False, ssh_config=[cfg], connect_timeout_s=5)
+    assert await _whoami(conn) == ssh_host.user.name
+
+
 async def test_changed_host_key_is_always_refused(ssh_host, tmp_path: Path) -> None:
     other = KeyPair.generate(tmp_path / "other_host_key", comment="impostor")
     kh = ssh_host.server.write_known_hosts(tmp_path / "known_hosts", key=other)
@@ -251,6 +270,23 @@ async def test_pip_failure_reports_pips_last_lines_and_a_hint(fresh_ssh_host, tm
     assert "No matching distribution" in str(err) or "Could not find a version" in str(err)
     assert "--wheelhouse" in str(err)
     assert events[-1].step == "install" and events[-1].status == "failed"
+
+
+async def test_too_little_disk_space_is_reported_before_installing(fresh_ssh_host, tmp_path: Path) -> None:
+    import subprocess
+
+    share = fresh_ssh_host.user.home / ".local" / "share"
+    share.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m,mode=0755", "tmpfs", str(share)], check=True)
+    try:
+        os.chown(share, fresh_ssh_host.user.uid, fresh_ssh_host.user.gid)
+        opts = fresh_ssh_host.options(fresh_ssh_host.known_hosts(tmp_path / "kh"))
+        with pytest.raises(BootstrapError) as info:
+            await bootstrap(fresh_ssh_host.target, opts)
+        assert info.value.step == "detect"
+        assert "MB free" in str(info.value) and "free disk space" in str(info.value)
+    finally:
+        subprocess.run(["umount", str(share)], check=False)
 
 
 async def test_permission_denied_in_the_data_dir_is_reported(fresh_ssh_host, tmp_path: Path) -> None:
