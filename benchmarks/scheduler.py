@@ -69,7 +69,7 @@ def decision_times(trials: int, sizes: list[int], layer_counts: list[int], strat
                     data = random_cluster(rng, n)
                     profiles = profiles_from_cluster(data)
                     # a model needing about a third of the cluster's memory
-                    free = sum(p.ram_available_bytes if not p.uses_vram else p.vram_available_bytes for p in profiles)
+                    free = sum(p.usable_bytes(2 * GB, 1 * GB, 0.1) for p in profiles)  # after the default reserves
                     spec = layered_spec(L, free / 1e9 * 0.3)
                     # two pins of a few layers in the middle, on the two roomiest nodes
                     big = sorted(profiles, key=lambda p: -(p.vram_available_bytes if p.uses_vram else p.ram_available_bytes))

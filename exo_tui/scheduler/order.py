@@ -105,7 +105,7 @@ def _nearest_neighbour(sym: np.ndarray, start: int) -> list[int]:
     return order
 
 
-def _two_opt(sym: np.ndarray, order: list[int], max_passes: int = 4) -> list[int]:
+def _two_opt(sym: np.ndarray, order: list[int], max_passes: int = 3) -> list[int]:
     n = len(order)
     tour = np.array(order)
     for _ in range(max_passes):

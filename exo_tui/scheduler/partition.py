@@ -749,7 +749,7 @@ def make_plan(
     if strategy == "latency":
         # Over all nodes the first stage is not known, so the token's way back is left out;
         # over the nodes that pass chose, in their own ring order, it is counted.
-        first = _dp_any(ctx, seq, "sum", close=False)
+        first = _dp_any(ctx, _latency_shortlist(ctx, seq), "sum", close=False)
         if first is not None:
             candidates.append(first)
             used = sorted({n for n, _, _ in first} - pinned)
@@ -849,6 +849,29 @@ def _local_search(
     return best
 
 
+SHORTLIST_MIN = 16
+
+
+def _latency_shortlist(ctx: _Ctx, seq: Sequence[str]) -> list[str]:
+    """For one stream, the nodes worth the program's time on a large cluster: the fastest ones
+    that can hold a shard, until they could hold the model 1.5 times over (at least
+    :data:`SHORTLIST_MIN`), and the four roomiest; in ``seq``'s order."""
+    if len(seq) <= SHORTLIST_MIN:
+        return list(seq)
+    per = ctx.spec.mean_layer_bytes + ctx.spec.kv_bytes_per_layer
+    keep: set[str] = set()
+    room = 0.0
+    for n in sorted(seq, key=lambda n: (ctx.t[n], n)):
+        if room >= 1.5 * ctx.spec.n_layers and len(keep) >= SHORTLIST_MIN:
+            break
+        layers = ctx.usable[n] // per
+        if layers >= ctx.min_layers:
+            keep.add(n)
+            room += layers
+    keep.update(sorted(seq, key=lambda n: (-ctx.usable[n], n))[:4])
+    return [n for n in seq if n in keep]
+
+
 def _throughput_candidates(
     ctx: _Ctx, bound: list[tuple[str, int, int]], pinned: set[str]
 ) -> list[list[tuple[str, int, int]]]:
@@ -883,6 +906,17 @@ def _memory_shards(ctx: _Ctx, cands: Sequence[str]) -> list[tuple[str, int, int]
         return _dp(ctx, [], "dev", {})
     targets = _memory_targets(ctx, cands)
     seq = [n for n in _ordered(ctx, list(cands) + pinned) if n not in pinned]
+    if not ctx.pins:
+        # The program's optimum is the targets themselves when they fit in this order (cost 0):
+        # lay them out and check each shard exactly before running it.
+        out, pos = [], 0
+        for n in seq:
+            k = int(targets.get(n, 0))
+            if k > 0:
+                out.append((n, pos, pos + k))
+                pos += k
+        if pos == ctx.spec.n_layers and all(ctx.spec.range_bytes(s, e) <= ctx.usable[n] for n, s, e in out):
+            return out
     return _dp_any(ctx, seq, "dev", targets)
 
 
