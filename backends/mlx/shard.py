@@ -1,17 +1,24 @@
 """The MLX backend: a :class:`~backends.base.Shard` over :class:`~backends.mlx.llama.ShardModel`
 with one preallocated KV cache per request.
 
-Speed on MLX's CPU build comes from dispatching few ops per token: q/k/v and gate/up are one
-matmul each, norms, rotary and attention are ``mx.fast`` kernels, the cache is written in place,
-and a decode step (one token) of the whole shard runs as one ``mx.compile``-d function, traced once
-per cache capacity (capacities grow in steps of :data:`CACHE_STEP` tokens, so retraces are rare).
-Prefill (several tokens) runs eagerly: its per-op cost is shared by all its tokens.
+A decode step (one token) of the whole shard runs as one ``mx.compile``-d function (elementwise
+ops fused, ~47 graph nodes per layer), traced once per thread and cache capacity (capacities grow
+in steps of :data:`CACHE_STEP` positions, so retraces are rare); prefill (several tokens) runs
+eagerly, its per-op cost shared by all its tokens. q/k/v and gate/up are one matmul each and the
+cache is written in place. On MLX's CPU build the matmul kernels, not op dispatch, take the time
+(single-threaded scalar loops), so each matmul is also cut into row blocks run at once on several
+CPU streams (``threads``).
+
+Several requests' decode steps go through :meth:`MLXShard.forward_batch` together: one matmul
+per weight for all of them, attention per request over its own cache.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +29,6 @@ from backends.mlx.quant import MLXWeight
 
 CACHE_STEP = 256
 """KV cache buffers grow by this many positions at a time."""
-
 
 
 @dataclass
@@ -74,7 +80,8 @@ class MLXShard(Shard):
         """One token of each of several requests, each attending over its whole cache buffer."""
         return self.model.decode_batch(x, [Step(o, m, c, s, m.shape[1]) for o, m, c, s in steps], keys, values)
 
-    def _compiled(self, name: str, fn):  # noqa: ANN001, ANN202 - a step function, compiled
+    def _compiled(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` compiled, once per thread (compiled traces hold the thread's MLX streams)."""
         if not self.compile_decode:
             return fn
         compiled = getattr(self._local, name, None)
@@ -132,7 +139,7 @@ class MLXShard(Shard):
             # drop the old buffers before evaluating, so the cache update happens in place
             cache.keys, cache.values = keys, values
             cache.length = cached + t
-            mx.eval(out, keys, values)
+            self._evaluate([request_id], out, keys, values)
             return np.array(out, dtype=np.float32)
 
     def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
@@ -155,9 +162,19 @@ class MLXShard(Shard):
             )
             for cache, n, ks, vs in zip(caches, cached, keys, values, strict=True):
                 cache.keys, cache.values, cache.length = ks, vs, n + 1
-            mx.eval(out, keys, values)
+            self._evaluate([rid for rid, _, _ in items], out, keys, values)
             out = np.array(out, dtype=np.float32)
             return [out[i : i + 1] for i in range(len(items))]
+
+    def _evaluate(self, request_ids: list[str], *arrays: Any) -> None:
+        """Run the step; when it fails, its requests' caches are half-written, so they are dropped
+        (the coordinator rebuilds them from their tokens)."""
+        try:
+            mx.eval(*arrays)
+        except Exception as exc:
+            for rid in request_ids:
+                self._caches.pop(rid, None)
+            raise BackendError(f"MLX failed to run layers [{self.start}, {self.end}): {exc}") from exc
 
     def _check_open(self) -> None:
         if self.model is None:
