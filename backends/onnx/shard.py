@@ -20,6 +20,7 @@ from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
 
 CAPACITY_STEP = 256  # KV buffers grow in multiples of this many positions
+PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ONNXShard(Shard):
             ) from exc
         self._caches: dict[str, _RequestCache] = {}
         self._lock = threading.Lock()
+        self.prefill_chunk = PREFILL_CHUNK
         self._release_weight_copies()
 
     @property
@@ -177,7 +179,22 @@ class ONNXShard(Shard):
                 hidden = embedding_rows(self._embed, x.astype(np.int64))
             else:
                 hidden = np.ascontiguousarray(x, dtype=np.float32)
-            return self._run(request_id, hidden, cached, all_logits)
+            if t <= self.prefill_chunk:
+                return self._run(request_id, hidden, cached, all_logits)
+            outs = []
+            try:
+                for a in range(0, t, self.prefill_chunk):
+                    chunk = hidden[a : a + self.prefill_chunk]
+                    out = self._run(request_id, chunk, cached + a, all_logits)
+                    if all_logits or not self.is_last or a + len(chunk) == t:
+                        outs.append(out)
+            except BackendError:  # all or nothing: forget the chunks that did run
+                if cached == 0:
+                    self._caches.pop(request_id, None)
+                elif request_id in self._caches:
+                    self._caches[request_id].length = cached
+                raise
+            return np.concatenate(outs)
 
     def _run(self, request_id: str, hidden: np.ndarray, cached: int, all_logits: bool) -> np.ndarray:
         """One ``session.run`` of ``hidden`` ``(T, hidden)`` after ``cached`` positions."""

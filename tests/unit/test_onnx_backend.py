@@ -278,3 +278,18 @@ def test_weight_copies_are_released_after_load(tiny_models):
     close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
     for tok, p in decode_tokens(3, len(PROMPT)):
         close(shard.forward("r", tok, p), ref.forward("r", tok, p))
+
+
+def test_long_prompts_run_in_chunks(tiny_models):
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    shard.prefill_chunk = 4
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    close(shard.forward("a", PROMPT, pos, all_logits=True), ref.forward("a", PROMPT, pos, all_logits=True))
+    last = shard.forward("b", PROMPT, pos)
+    assert last.shape == (1, cfg.vocab_size)
+    close(last, ref.forward("b", PROMPT, pos))
+    _, _, head = load(tiny_models["Q4_1"], 0, 2)
+    head.prefill_chunk = 4
+    _, _, whole_head = load(tiny_models["Q4_1"], 0, 2)
+    close(head.forward("c", PROMPT, pos), whole_head.forward("c", PROMPT, pos), 1e-5)
