@@ -302,20 +302,20 @@ async def bootstrap(
             peer = conn.get_extra_info("peername")
             address = opts.handshake_address or (peer[0] if peer else t.host)
             box["ok"] = f"connected as {conn.get_extra_info('username')} to {address}"
-        async with rep.step("detect") as box:
+        async with rep.step("detect", "OS, architecture, Python ≥ 3.11, disk space") as box:
             host = await _detect(conn, opts)
             box["ok"] = (
                 f"{host.os} {host.arch}{' (Apple silicon)' if host.apple_silicon else ''}, "
                 f"Python {host.python_version} at {host.python}"
             )
         if opts.install:
-            async with rep.step("venv") as box:
+            async with rep.step("venv", "creating or reusing the venv") as box:
                 await _make_venv(conn, host)
                 box["ok"] = host.venv
-            async with rep.step("upload") as box:
+            async with rep.step("upload", "the exo-tui wheel" + (" and the wheelhouse" if opts.wheelhouse else "")) as box:
                 remote_wheel, remote_wh, nfiles = await _upload(conn, host, opts)
                 box["ok"] = f"{Path(remote_wheel).name}" + (f" and {nfiles} wheelhouse files" if remote_wh else "")
-            async with rep.step("install") as box:
+            async with rep.step("install", "pip install (the dependencies take a while the first time)") as box:
                 await _install(conn, host, remote_wheel, remote_wh, opts)
                 box["ok"] = f"exo-tui {exo_tui.__version__} in {host.venv}"
         else:
@@ -324,10 +324,10 @@ async def bootstrap(
                 raise BootstrapError("start", f"exo-tui is not installed in {host.venv} on {host.hostname}: "
                                               "run bootstrap without --no-install first")
         name = opts.node_name or host.hostname or t.host
-        async with rep.step("key") as box:
+        async with rep.step("key", "node bundle: cluster key, CA, node certificate") as box:
             bundle_path = await _write_bundle(conn, host, name, opts)
             box["ok"] = f"{bundle_path} (0600)"
-        async with rep.step("start") as box:
+        async with rep.step("start", f"exo-tui node --name {name} --port {opts.node_port}") as box:
             await _stop(conn, host)
             manager, log_path = await _start(conn, host, name, bundle_path, opts)
             box["ok"] = f"{manager}; log {log_path}"
