@@ -1,7 +1,7 @@
 """The llama layers in MLX, in the shape of mlx-lm's ``models/llama.py``: Attention, MLP,
 TransformerBlock and the shard's model, float32 throughout, quantized matrices kept quantized.
 
-Rotary angles are computed by the caller in float64 (``rope_tables``) and handed in as float32
+Rotary angles are computed on the host in float64 (``step_inputs``) and handed in as float32
 cos/sin, like the NumPy reference: ``mx.fast.rope`` computes them in float32, which is off by
 ~1e-3 at position 8000, and on MLX's CPU build it is a dozen small ops anyway.
 
@@ -23,6 +23,46 @@ import numpy as np
 
 from backends.base import LayerWeights, ModelConfig, ShardWeights
 from backends.mlx.quant import MLXWeight, fuse_rows, to_mlx
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer needs to know about the new tokens of one forward."""
+
+    offset: mx.array  # int32 (1,): the first new position (where the cache is written)
+    mask: mx.array  # bool (T, n_keys): query i sees key j
+    cos: mx.array  # float32 (T, 1, head_dim): cos of each pair's angle, repeated for both elements
+    sin: mx.array  # float32 (T, 1, head_dim): -sin for the first element of a pair, +sin for the second
+    n_keys: int  # attend over the first n_keys cache positions
+
+
+def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate adjacent pairs of ``x`` ``(B, T, heads, head_dim)``:
+    ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)``, as ``x * cos + swap_pairs(x) * sin`` with
+    :class:`Step`'s ``cos``/``sin`` (broadcast over the heads)."""
+    b, t, h, d = x.shape
+    swapped = x.reshape(b, t, h, d // 2, 2)[..., ::-1].reshape(b, t, h, d)
+    return x * cos + swapped * sin
+
+
+def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int) -> Step:
+    """The :class:`Step` of ``t`` new tokens at positions ``start ..``, attending over ``n_keys``
+    cache positions; angles in float64 (``theta_i = p * rope_theta ** (-2i / head_dim)``)."""
+    positions = np.arange(start, start + t)
+    d = config.head_dim
+    inv = config.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = positions[:, None].astype(np.float64) * inv[None, :]
+    cos = np.repeat(np.cos(ang), 2, axis=-1)
+    sin = np.repeat(np.sin(ang), 2, axis=-1)
+    sin[:, 0::2] *= -1
+    mask = np.arange(n_keys)[None, :] <= positions[:, None]
+    return Step(
+        offset=mx.array(np.array([start], dtype=np.int32)),
+        mask=mx.array(mask),
+        cos=mx.array(cos[:, None, :].astype(np.float32)),
+        sin=mx.array(sin[:, None, :].astype(np.float32)),
+        n_keys=n_keys,
+    )
 
 
 class Attention:
@@ -188,43 +228,3 @@ class ShardModel:
         if self.lm_head is None:
             return h
         return self.lm_head.matmul(mx.fast.rms_norm(h, self.norm, self.config.rms_eps))
-
-
-@dataclass(frozen=True)
-class Step:
-    """What every layer needs to know about the new tokens of one forward."""
-
-    offset: mx.array  # int32 (1,): the first new position (where the cache is written)
-    mask: mx.array  # bool (T, n_keys): query i sees key j
-    cos: mx.array  # float32 (T, 1, head_dim): cos of each pair's angle, repeated for both elements
-    sin: mx.array  # float32 (T, 1, head_dim): -sin for the first element of a pair, +sin for the second
-    n_keys: int  # attend over the first n_keys cache positions
-
-
-def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate adjacent pairs of ``x`` ``(B, T, heads, head_dim)``:
-    ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)``, as ``x * cos + swap_pairs(x) * sin`` with
-    :class:`Step`'s ``cos``/``sin`` (broadcast over the heads)."""
-    b, t, h, d = x.shape
-    swapped = x.reshape(b, t, h, d // 2, 2)[..., ::-1].reshape(b, t, h, d)
-    return x * cos + swapped * sin
-
-
-def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int) -> Step:
-    """The :class:`Step` of ``t`` new tokens at positions ``start ..``, attending over ``n_keys``
-    cache positions; angles in float64 (``theta_i = p * rope_theta ** (-2i / head_dim)``)."""
-    positions = np.arange(start, start + t)
-    d = config.head_dim
-    inv = config.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = positions[:, None].astype(np.float64) * inv[None, :]
-    cos = np.repeat(np.cos(ang), 2, axis=-1)
-    sin = np.repeat(np.sin(ang), 2, axis=-1)
-    sin[:, 0::2] *= -1
-    mask = np.arange(n_keys)[None, :] <= positions[:, None]
-    return Step(
-        offset=mx.array(np.array([start], dtype=np.int32)),
-        mask=mx.array(mask),
-        cos=mx.array(cos[:, None, :].astype(np.float32)),
-        sin=mx.array(sin[:, None, :].astype(np.float32)),
-        n_keys=n_keys,
-    )

@@ -17,14 +17,16 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from backends import get_backend  # noqa: E402
-from backends.base import BackendError, KVCache, QuantizedWeight  # noqa: E402
+from backends.base import BackendError, KVCache, ModelConfig, QuantizedWeight  # noqa: E402
 from backends.mlx import MLXBackend  # noqa: E402
 from backends.mlx import shard as mlx_shard  # noqa: E402
+from backends.mlx.llama import rope, step_inputs  # noqa: E402
 from backends.mlx.quant import MLXQuantized, pack_codes, to_mlx  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 from tests.conftest import WEIGHT_TYPES  # noqa: E402
 from tests.factory import write_tiny_llama  # noqa: E402
 from tests.reference import ReferenceShard  # noqa: E402
+from tests.reference import rope as reference_rope  # noqa: E402
 
 RTOL = 1e-4
 PROMPT = np.array([5, 17, 30, 100, 7, 9, 11, 260, 42])
@@ -75,6 +77,28 @@ def test_eager_and_compiled_decode_agree(tiny_models):
         close(compiled.forward("r", tok, p), eager.forward("r", tok, p), 1e-6)
 
 
+def test_layers_with_mixed_formats(tiny_models):
+    """q/k/v or gate/up in different formats (as in GGUFs that keep attn_v in Q8_0) run as
+    separate matmuls; dense F16 matrices run in float32."""
+    model = GGUFModel(tiny_models["Q4_1"])
+    cfg = model.config
+    weights = model.shard_weights(0, cfg.n_layers)
+    other = GGUFModel(tiny_models["Q8_0"]).shard_weights(0, cfg.n_layers)
+    f16 = GGUFModel(tiny_models["F16"]).shard_weights(0, cfg.n_layers)
+    weights.layers[0].wv = other.layers[0].wv
+    weights.layers[1].w_up = f16.layers[1].w_up
+    weights.layers[2].wo = f16.layers[2].wo
+    assert f16.layers[1].w_up.dtype == np.float16
+    shard = MLXBackend(threads=2).load_shard(cfg, weights)
+    assert shard.model.layers[0].self_attn.qkv_proj is None and shard.model.layers[0].self_attn.v_proj.bits == 8
+    assert shard.model.layers[1].mlp.gate_up_proj is None and shard.model.layers[1].mlp.up_proj.weight.dtype == mx.float32
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
+    for tok, p in decode_tokens(3, len(PROMPT)):
+        close(shard.forward("r", tok, p), ref.forward("r", tok, p))
+
+
 def test_quantized_weights_stay_quantized(tiny_models):
     """Q4_1 layers and the tied Q8_0-style head run as MLX affine-quantized arrays, not floats."""
     for weight_type, bits in (("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)):
@@ -85,6 +109,18 @@ def test_quantized_weights_stay_quantized(tiny_models):
             assert w.scales.dtype == mx.float32 and w.biases.dtype == mx.float32
         assert shard.model.lm_head is shard.model.embed_tokens  # tied: one copy of the matrix
         assert isinstance(shard.model.lm_head, MLXQuantized)
+
+
+def test_rotary_is_exact_at_long_positions():
+    """Angles come from float64 on the host, so keys far into a long context match the
+    reference's rotation to float32 rounding (mx.fast.rope's float32 angles are ~1e-3 off at 8000)."""
+    cfg = ModelConfig(n_layers=1, hidden_size=192, intermediate_size=64, n_heads=3, n_kv_heads=3, head_dim=64,
+                      vocab_size=10, rope_theta=100000.0, context_length=9000)
+    x = np.random.default_rng(0).standard_normal((3, 5, 64)).astype(np.float32)  # (heads, T, head_dim)
+    for start in (0, 1000, 8190):
+        step = step_inputs(cfg, start, 5, start + 5)
+        got = np.array(rope(mx.array(x.transpose(1, 0, 2))[None], step.cos, step.sin))[0].transpose(1, 0, 2)
+        np.testing.assert_allclose(got, reference_rope(x, np.arange(start, start + 5), cfg.rope_theta), atol=2e-6)
 
 
 # ---------------------------------------------------------------------------- packing
