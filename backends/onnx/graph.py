@@ -30,7 +30,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
-from backends.onnx.weights import dense_linear, quantized_linear, runs_quantized, same_kind
+from backends.onnx.weights import (
+    dense_linear,
+    packed_zero_points,
+    quantized_linear,
+    runs_quantized,
+    same_kind,
+)
 
 MS = "com.microsoft"
 OPSET = 21
@@ -121,9 +127,8 @@ class _Builder:
             b = self.weight(f"{stem}_q", part.packed)
             s = self.weight(f"{stem}_s", part.scales)
             inputs = [x, b, s]
-            if part.zero_point != 8:
-                blocks = ql.k // ql.group
-                zp = np.full((ql.n, (blocks + 1) // 2), (part.zero_point & 15) * 17, dtype=np.uint8)
+            if part.zero_point != 8:  # 8 is MatMulNBits' default
+                zp = packed_zero_points(ql.n, ql.k // ql.group, part.zero_point)
                 inputs.append(self.weight(f"{stem}_zp", zp))
             outs += self.node(
                 "MatMulNBits", inputs, stem, domain=MS,

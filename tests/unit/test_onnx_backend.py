@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from backends import get_backend
-from backends.base import BackendError, KVCache
+from backends.base import BackendError, KVCache, QuantizedWeight, dense
 from backends.onnx import ONNXBackend, physical_cores
 from exo_tui.models.gguf_file import GGUFModel
 from tests.conftest import WEIGHT_TYPES
@@ -293,3 +293,35 @@ def test_long_prompts_run_in_chunks(tiny_models):
     head.prefill_chunk = 4
     _, _, whole_head = load(tiny_models["Q4_1"], 0, 2)
     close(head.forward("c", PROMPT, pos), whole_head.forward("c", PROMPT, pos), 1e-5)
+
+
+def affine(w: np.ndarray, bits: int, group: int) -> QuantizedWeight:
+    """Min-max affine quantization of ``w`` (any bits and group), the general QuantizedWeight."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // group, group)
+    lo, hi = blocks.min(axis=2), blocks.max(axis=2)
+    scale = np.maximum(hi - lo, 1e-6) / (2**bits - 1)
+    q = np.clip(np.round((blocks - lo[:, :, None]) / scale[:, :, None]), 0, 2**bits - 1).astype(np.uint8)
+    return QuantizedWeight(q.reshape(rows, cols), scale.astype(np.float32), lo.astype(np.float32), bits, group)
+
+
+def test_mixed_and_general_quantization(tiny_models):
+    """Layers whose matrices differ in kind (GGUF mixes types) and affine forms beyond GGUF's:
+    8-bit with a min (correction path), group 64, and kinds that fall back to dense float32."""
+    model = GGUFModel(tiny_models["Q4_1"])
+    cfg = model.config
+    weights = model.shard_weights(0, cfg.n_layers)
+    other = GGUFModel(tiny_models["Q8_0"]).shard_weights(0, cfg.n_layers)
+    l0, l1, l2, l3 = weights.layers
+    l0.wv = other.layers[0].wv  # Q4_1, Q4_1, Q8_0 in one fused projection
+    l0.w_up = dense(l0.w_up).astype(np.float16)
+    l1.wq, l1.wk, l1.wv = (affine(dense(w), 8, 32) for w in (l1.wq, l1.wk, l1.wv))
+    l2.w_gate, l2.w_up = affine(dense(l2.w_gate), 4, 64), affine(dense(l2.w_up), 4, 64)
+    l3.wo = affine(dense(l3.wo), 3, 32)  # 3-bit: dense
+    l3.w_down = affine(dense(l3.w_down), 4, 16)
+    ref = ReferenceShard(cfg, weights)
+    shard = ONNXBackend(threads=2).load_shard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
+    for tok, p in decode_tokens(3, len(PROMPT)):
+        close(shard.forward("r", tok, p), ref.forward("r", tok, p))
