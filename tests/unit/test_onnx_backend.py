@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends import get_backend
+from backends import available_backends, get_backend
 from backends.base import BackendError, KVCache, QuantizedWeight, dense
 from backends.onnx import ONNXBackend, physical_cores
 from exo_tui.models.gguf_file import GGUFModel
@@ -325,3 +325,26 @@ def test_mixed_and_general_quantization(tiny_models):
     close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
     for tok, p in decode_tokens(3, len(PROMPT)):
         close(shard.forward("r", tok, p), ref.forward("r", tok, p))
+
+
+def test_mixed_with_mlx(tiny_models):
+    """ONNX and MLX shards in one pipeline, and a KV cache moved from ONNX to MLX and back."""
+    if "mlx" not in available_backends():
+        pytest.skip("the MLX backend is not available on this machine")
+    path = tiny_models["Q4_1"]
+    model = GGUFModel(path)
+    cfg = model.config
+    mlx = get_backend("mlx")
+    onnx_head, onnx_whole = load(path, 0, 2)[2], load(path)[2]
+    mlx_tail = mlx.load_shard(cfg, model.shard_weights(2, cfg.n_layers))
+    pos = np.arange(len(PROMPT))
+    close(mlx_tail.forward("r", onnx_head.forward("r", PROMPT, pos), pos), onnx_whole.forward("r", PROMPT, pos))
+    mlx_whole = mlx.load_shard(cfg, model.shard_weights(0, cfg.n_layers))
+    mlx_whole.import_kv("r", onnx_whole.export_kv("r"))
+    steps = decode_tokens(4, len(PROMPT))
+    for tok, p in steps[:2]:
+        close(mlx_whole.forward("r", tok, p), onnx_whole.forward("r", tok, p))
+    _, _, back = load(path)
+    back.import_kv("r", mlx_whole.export_kv("r"))
+    for tok, p in steps[2:]:
+        close(back.forward("r", tok, p), onnx_whole.forward("r", tok, p))
