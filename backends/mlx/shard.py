@@ -30,6 +30,9 @@ from backends.mlx.quant import MLXWeight
 CACHE_STEP = 256
 """KV cache buffers grow by this many positions at a time."""
 
+PREFILL_CHUNK = 512
+"""Prompts run in chunks of at most this many tokens (bounds the attention scores' memory)."""
+
 
 @dataclass
 class RequestCache:
@@ -131,16 +134,22 @@ class MLXShard(Shard):
                 out, keys, values = self._compiled("decode", self._decode_step)(
                     self._inputs(x), [step.offset, step.mask, step.cos, step.sin], cache.keys, cache.values
                 )
-            else:
-                step = step_inputs(self.config, cached, t, cached + t)
+                # drop the old buffers before evaluating, so the cache update happens in place
+                cache.keys, cache.values, cache.length = keys, values, cached + 1
+                self._evaluate([request_id], out, keys, values)
+                return np.array(out, dtype=np.float32)
+            outs = []
+            for a in range(0, t, PREFILL_CHUNK):  # chunks bound the (heads, T, keys) attention scores
+                b = min(t, a + PREFILL_CHUNK)
+                step = step_inputs(self.config, cached + a, b - a, cached + b)
                 out, keys, values = self.model(
-                    self._inputs(x), step, cache.keys, cache.values, last_only=not all_logits
+                    self._inputs(x[a:b]), step, cache.keys, cache.values, last_only=not all_logits
                 )
-            # drop the old buffers before evaluating, so the cache update happens in place
-            cache.keys, cache.values = keys, values
-            cache.length = cached + t
-            self._evaluate([request_id], out, keys, values)
-            return np.array(out, dtype=np.float32)
+                cache.keys, cache.values, cache.length = keys, values, cached + b
+                self._evaluate([request_id], out, keys, values)
+                if b == t or all_logits or not self.is_last:
+                    outs.append(np.array(out, dtype=np.float32))
+            return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """Decode steps (one token each) of several requests run as one batch: each matmul runs

@@ -169,6 +169,25 @@ def test_split_matmul_parts_share_the_weight(tiny_models):
 # ---------------------------------------------------------------------------- splits
 
 
+def test_long_prompts_run_in_chunks(tiny_models, monkeypatch):
+    monkeypatch.setattr(mlx_shard, "PREFILL_CHUNK", 4)
+    path = tiny_models["Q4_1"]
+    cfg, weights, shard = load(path)
+    _, _, head = load(path, 0, 2)
+    _, _, tail = load(path, 2)
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))  # 9 tokens: chunks of 4, 4, 1
+    want = ref.forward("r", PROMPT, pos, all_logits=True)
+    close(shard.forward("all", PROMPT, pos, all_logits=True), want)
+    close(shard.forward("last", PROMPT, pos), want[-1:])
+    hidden = head.forward("r", PROMPT, pos)
+    assert hidden.shape == (len(PROMPT), cfg.hidden_size)
+    close(tail.forward("r", hidden, pos, all_logits=True), want)
+    assert shard.kv_length("last") == len(PROMPT)
+    for tok, p in decode_tokens(2, len(PROMPT)):
+        close(shard.forward("last", tok, p), ref.forward("r", tok, p))
+
+
 def test_chunked_prefill_equals_one_prefill(tiny_models):
     cfg, weights, shard = load(tiny_models["Q4_1"])
     ref = ReferenceShard(cfg, weights)
