@@ -258,6 +258,10 @@ class Coordinator:
                 await asyncio.sleep(0.2)
         self._cannot_serve(f"no stable plan after {len(self.nodes) + 1} attempts")
 
+    def node_name(self, node_id: str) -> str:
+        handle = self.nodes.get(node_id)
+        return handle.name if handle is not None else node_id
+
     def connection(self, node_id: str) -> Connection:
         handle = self.nodes[node_id]
         if not handle.connected:
@@ -509,7 +513,8 @@ class Coordinator:
             missing = [e for e in ring.ring if (e.start, e.end) not in self.nodes[e.node_id].held]
             for i in range(0, len(missing), limit):
                 await asyncio.gather(*(self._ensure_shard(e) for e in missing[i : i + limit]))
-            await asyncio.gather(*(self.connection(e.node_id).call("plan", {"plan": ring.to_dict()}, timeout=30) for e in ring.ring))
+            conns = [self.connection(e.node_id) for e in ring.ring]
+            await asyncio.gather(*(conn.call("plan", {"plan": ring.to_dict()}, timeout=30) for conn in conns))
             # 2. switch at a token boundary: no new step starts; wait for the ones running
             self._plan_ready.clear()
             await self._idle.wait()

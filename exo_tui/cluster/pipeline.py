@@ -58,6 +58,9 @@ class PipelineHost(Protocol):
     def connection(self, node_id: str) -> Connection:
         ...
 
+    def node_name(self, node_id: str) -> str:
+        ...
+
     async def step_failed(self, failure: StepFailure, plan: RingPlan) -> None:
         """Handle a failed step: suspect/fail the node, and return once a new plan is in force
         (or raise :class:`GenerationError` when none can be made)."""
@@ -187,9 +190,10 @@ class RemotePipeline:
             await self._drop_on(plan, request.id)
 
     def served_by(self) -> tuple[str, ...]:
+        """Names of the nodes of the most recent request's ring."""
         if not self._served:
             return ()
-        return next(reversed(self._served.values()))
+        return tuple(self.host.node_name(n) for n in next(reversed(self._served.values())))
 
     def served_by_request(self, rid: str) -> tuple[str, ...]:
         return self._served.get(rid, ())

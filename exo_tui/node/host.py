@@ -223,12 +223,11 @@ class ShardHost:
             hosted.shard.drop(request_id)
 
     def describe(self) -> list[dict[str, Any]]:
+        """The shards held, from this host's own records: it never calls into a shard, whose
+        backend may be busy with a step on the worker thread (heartbeats must not wait)."""
         with self.lock:
             hosted = list(self.shards.values())
-        return [
-            {"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "requests": len(h.shard.requests())}
-            for h in hosted
-        ]
+        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes} for h in hosted]
 
 
 def kv_to_array(cache: KVCache) -> np.ndarray:

@@ -86,7 +86,7 @@ def _heuristic(cost: np.ndarray) -> list[int]:
         if c < best_cost - 1e-15:
             best_cost, best_order = c, order
     assert best_order is not None
-    order = _two_opt(sym, best_order)
+    order = _two_opt(sym, best_order, 3 if n <= 32 else 2)
     i = order.index(min(order))
     return order[i:] + order[:i]
 

@@ -269,8 +269,8 @@ class ExoApp(App):
             except Exception as exc:
                 self.notify(f"Could not save the theme: {exc}", severity="warning")
         if self.main_screen is not None and self.main_screen.is_mounted:
-            self.main_screen.query_one(NodesTable).restyle()
-            self.main_screen.query_one(EventsLog).restyle()
+            for widget in self.main_screen.query("NodesTable, EventsLog, PartitionBar, Topology, ClusterHeader"):
+                widget.restyle()
         if self.snapshot is not None:
             self._render_screens(self.snapshot)
 

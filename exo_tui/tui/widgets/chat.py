@@ -22,6 +22,7 @@ from exo_tui.tui import keymap
 from exo_tui.tui.widgets.style import theme_style
 
 _CHAT_KEYS = {k.id: k for k in keymap.specs("chat")}
+FLUSH_S = 0.05  # the answer on screen trails the tokens by at most this
 
 
 class ChatInput(Input):
@@ -139,15 +140,23 @@ class ChatPane(Vertical):
         first_token_s: float | None = None
         completion = 0
         agen = control.chat(messages, self.params)
+        pending: list[str] = []
+        last_flush = 0.0
         try:
             async for chunk in agen:
                 if chunk.text:
+                    now = time.monotonic()
                     if first_token_s is None:
-                        first_token_s = time.monotonic() - started
+                        first_token_s = now - started
                     answer.text += chunk.text
-                    if stream is None:
-                        stream = Markdown.get_stream(answer.markdown)
-                    await stream.write(chunk.text)
+                    pending.append(chunk.text)
+                    # at most FLUSH_S between screen updates, however fast the tokens come
+                    if now - last_flush >= FLUSH_S:
+                        if stream is None:
+                            stream = Markdown.get_stream(answer.markdown)
+                        await stream.write("".join(pending))
+                        pending.clear()
+                        last_flush = now
                 completion += len(chunk.token_ids)
                 if chunk.finish_reason:
                     final = chunk

@@ -15,6 +15,10 @@ class ClusterHeader(Static):
     """Cluster name, model, nodes ready/total, tok/s, plan version, time since the last update."""
 
     compact = False  # narrow terminals: labels left out
+    _last: Text | None = None
+
+    def restyle(self) -> None:
+        self._last = None
 
     def show(self, snapshot: ClusterSnapshot | None, *, now: float, paused: bool, readonly: bool) -> None:
         app = self.app
@@ -48,7 +52,9 @@ class ClusterHeader(Static):
             t.append("  ⏸ PAUSED (Z)", theme_style(app, "warning", bold=True))
         if readonly:
             t.append("  READONLY", theme_style(app, "accent", bold=True))
-        self.update(t)
+        if t != self._last:
+            self._last = t
+            self.update(t)
 
 
 def ring_order(snapshot: ClusterSnapshot) -> list[str]:
@@ -59,10 +65,28 @@ def ring_order(snapshot: ClusterSnapshot) -> list[str]:
     return []
 
 
+def _plan_key(snapshot: ClusterSnapshot) -> object:
+    """What the partition bar and the ring draw: the plan, node names and states, links."""
+    return (
+        snapshot.plan,
+        tuple((n.node_id, n.name, n.state) for n in snapshot.nodes),
+        tuple((link.src, link.dst, None if link.latency_ms is None else round(link.latency_ms, 1), link.ok) for link in snapshot.links),
+    )
+
+
 class Topology(Static):
     """The ring in plan order with each link's measured latency; failed links in the error colour."""
 
+    _key: object = None
+
+    def restyle(self) -> None:
+        self._key = None
+
     def show(self, snapshot: ClusterSnapshot) -> None:
+        key = _plan_key(snapshot)
+        if key == self._key:
+            return
+        self._key = key
         app = self.app
         names = {n.node_id: n.name for n in snapshot.nodes}
         order = ring_order(snapshot)
@@ -98,11 +122,18 @@ class PartitionBar(Widget):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._snapshot: ClusterSnapshot | None = None
+        self._key: object = None
         self.compact = False  # short terminals: no legend (the labels under the bar remain)
 
     def show(self, snapshot: ClusterSnapshot) -> None:
+        key = _plan_key(snapshot)
         self._snapshot = snapshot
-        self.refresh(layout=True)
+        if key != self._key:  # live metrics alone do not change the bar
+            self._key = key
+            self.refresh(layout=True)
+
+    def restyle(self) -> None:
+        self._key = None
 
     def get_content_height(self, container, viewport, width: int) -> int:  # noqa: ANN001
         return len(self._lines(width))

@@ -1,0 +1,71 @@
+"""Node agent processes for tests: started once, stopped always, attached to by coordinators."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from exo_tui.cluster.coordinator import Coordinator
+from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
+from exo_tui.config import Config
+from exo_tui.net.security import ensure_cluster, write_node_bundle
+
+
+@dataclass
+class NodeSet:
+    home: Path
+    nodes: list[LocalNode]
+
+    @property
+    def peers(self) -> list[str]:
+        return [f"127.0.0.1:{n.port}" for n in self.nodes]
+
+
+@contextlib.contextmanager
+def node_processes(home: Path, backends: list[str], *, memory_limits_gb: list[float | None] | None = None,
+                   extra_args: list[str] | None = None) -> Iterator[NodeSet]:
+    """Start one node agent process per backend (bundles issued by ``home``'s cluster)."""
+    cluster = ensure_cluster(home)
+    nodes: list[LocalNode] = []
+    try:
+        for i, backend in enumerate(backends):
+            name = f"t{i}-{backend}"
+            bundle = write_node_bundle(home / "nodes" / f"{name}.bundle", cluster.node_bundle(name))
+            limit = memory_limits_gb[i] if memory_limits_gb else None
+            nodes.append(spawn_node(name, backend=backend, key_file=str(bundle), memory_limit_gb=limit,
+                                    log_dir=home / "logs", env={"EXO_TUI_HOME": str(home)}, extra_args=extra_args))
+        asyncio.run(_wait_all(nodes))
+        yield NodeSet(home, nodes)
+    finally:
+        for node in nodes:
+            stop_node(node)
+
+
+async def _wait_all(nodes: list[LocalNode]) -> None:
+    await asyncio.gather(*(wait_ready(n, timeout_s=180) for n in nodes))
+
+
+def test_config(**scheduler: object) -> Config:
+    """Defaults, with a looser heartbeat timeout: a 2-core CI machine running several node
+    processes can starve one for a moment, and these tests are not about heartbeats."""
+    config = Config()
+    config.scheduler.fault_tolerance.heartbeat_timeout = float(scheduler.pop("heartbeat_timeout", 10.0))
+    for key, value in scheduler.items():
+        section, name = key.split("__")
+        setattr(getattr(config.scheduler, section), name, value)
+    return config
+
+
+@contextlib.asynccontextmanager
+async def coordinator(nodes: NodeSet, *, model: str | Path | None = None, peers: list[str] | None = None,
+                      strategy: str | None = "even", config: Config | None = None, weights: str = "auto") -> AsyncIterator[Coordinator]:
+    c = Coordinator(model=str(model) if model else None, peers=peers if peers is not None else nodes.peers,
+                    strategy=strategy, config=config or test_config(), home=nodes.home, weights=weights)
+    try:
+        await c.start()
+        yield c
+    finally:
+        await c.stop()

@@ -1,0 +1,224 @@
+"""Pipeline inference across node agent processes on loopback (issue: node agent, wire, pipeline).
+
+The real default model's greedy answer must be token-for-token the single-process answer, for
+rings of 2, 3 and 4 nodes with MLX and ONNX mixed. Node processes are started once for the module
+and every test's coordinator attaches to a subset of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from exo_tui.cluster.local_nodes import spawn_node, stop_node, wait_ready
+from exo_tui.cluster.view import ChatParams
+from exo_tui.cluster.weights import WeightTransferError, stream_shard
+from exo_tui.inference.generate import generate
+from exo_tui.inference.local import LocalPipeline, even_split
+from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import SamplingParams
+from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.models.model import Model
+from exo_tui.net.errors import AuthError, HandshakeError, RemoteError
+from exo_tui.net.rpc import connect
+from exo_tui.net.security import Security, ensure_cluster
+from tests.integration.cluster_helpers import coordinator, node_processes
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = ChatParams(temperature=0.0, max_tokens=24, seed=1)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("exo-home")
+    os.environ["EXO_TUI_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="module")
+def nodes(home: Path):
+    with node_processes(home, ["mlx", "onnx", "mlx", "onnx"]) as ns:
+        yield ns
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(default_model_path: Path) -> list[int]:
+    """The single-process greedy answer (ONNX, whole model in one shard)."""
+
+    async def run() -> list[int]:
+        model = Model(default_model_path)
+        request = Request(model.chat_prompt_ids(QUESTION), SamplingParams(temperature=0.0, seed=1), GREEDY.max_tokens)
+        pipeline = LocalPipeline()
+        await pipeline.load(model.gguf, even_split(model.config.n_layers, ["onnx"]))
+        try:
+            async for _ in generate(pipeline, model.tokenizer, request, context_length=model.config.context_length):
+                pass
+        finally:
+            await pipeline.close()
+        return request.generated
+
+    tokens = asyncio.run(run())
+    assert tokens, "the reference run produced no tokens"
+    return tokens
+
+
+async def _answer(c) -> tuple[list[int], str, tuple[str, ...]]:  # noqa: ANN001
+    ids: list[int] = []
+    text = []
+    last = None
+    async for chunk in c.chat(QUESTION, GREEDY):
+        ids.extend(chunk.token_ids)
+        text.append(chunk.text)
+        last = chunk
+    assert last is not None and last.finish_reason in ("stop", "length"), last
+    return ids, "".join(text), last.nodes
+
+
+@pytest.mark.parametrize("count", [3, 2, 4])
+def test_ring_matches_single_process(nodes, reference_tokens: list[int], count: int) -> None:
+    peers = nodes.peers[:count] if count != 3 else [nodes.peers[0], nodes.peers[1], nodes.peers[2]]
+
+    async def run() -> None:
+        async with coordinator(nodes, peers=peers) as c:
+            assert c.plan is not None and len(c.plan.shards) == count
+            backends = [c.nodes[s.node_id].profile.backends[0] for s in c.plan.shards]
+            ids, text, served = await _answer(c)
+            eos = c.model.tokenizer.eos_ids
+            expected = [t for t in reference_tokens if t not in eos]
+            assert ids == expected, f"{count} nodes ({backends}) answered {text!r}"
+            assert "Paris" in text
+            assert len(served) == count
+
+    asyncio.run(run())
+
+
+def test_weights_streamed_to_nodes(nodes, reference_tokens: list[int]) -> None:
+    """Nodes load nothing from disk: every shard is streamed by the coordinator."""
+
+    async def run() -> None:
+        async with coordinator(nodes, peers=nodes.peers[:2], weights="stream") as c:
+            ids, text, _ = await _answer(c)
+            assert ids == [t for t in reference_tokens if t not in c.model.tokenizer.eos_ids]
+            progress = [e for e in c.events.history if e.kind == "shard_progress"]
+            assert progress and all(e.done_bytes <= e.total_bytes for e in progress)
+            assert any(e.done_bytes == e.total_bytes for e in progress)
+
+    asyncio.run(run())
+
+
+def test_corrupted_chunk_is_detected_and_resent(nodes, tiny_model: Path, home: Path) -> None:
+    security = ensure_cluster(home).security()
+    model = GGUFModel(tiny_model)
+
+    async def run() -> None:
+        conn = await connect("127.0.0.1", nodes.nodes[1].port, security=security)
+        try:
+            await conn.call("attach")
+            corrupted: list[int] = []
+
+            def once(index: int, data: bytes) -> bytes:
+                if index == 0 and not corrupted:
+                    corrupted.append(index)
+                    return bytes([data[0] ^ 0xFF]) + data[1:]
+                return data
+
+            body = await stream_shard(conn, model, 0, model.config.n_layers, "onnx", corrupt=once)
+            assert corrupted == [0] and body["start"] == 0 and body["end"] == model.config.n_layers
+
+            with pytest.raises(WeightTransferError, match="checksum"):
+                await stream_shard(conn, model, 0, 2, "onnx", corrupt=lambda i, d: d[:-1] + bytes([d[-1] ^ 1]))
+        finally:
+            await conn.aclose()
+
+    asyncio.run(run())
+
+
+def test_node_refuses_wrong_cluster_and_keeps_serving(nodes, tmp_path: Path, home: Path) -> None:
+    other = ensure_cluster(tmp_path / "other-cluster").security()
+    ours = ensure_cluster(home).security()
+
+    async def run() -> None:
+        with pytest.raises(HandshakeError):  # TLS refuses a certificate from another cluster's CA
+            await connect("127.0.0.1", nodes.nodes[0].port, security=other, timeout=5)
+        no_tls_no_key = Security(cluster_key=os.urandom(32), enable_tls=False)
+        with pytest.raises((AuthError, ConnectionError)):
+            await connect("127.0.0.1", nodes.nodes[0].port, security=no_tls_no_key, timeout=5)
+        conn = await connect("127.0.0.1", nodes.nodes[0].port, security=ours)
+        try:
+            reply = await conn.call("ping", {"t": 1})
+            assert reply.type == "pong"
+            # Only the defined operations exist; anything else is refused, the node goes on.
+            with pytest.raises(RemoteError, match="unknown operation"):
+                await conn.call("exec", {"cmd": "rm -rf /"})
+            with pytest.raises(RemoteError):
+                await conn.call("kv_import", {"rid": "x", "start": 0, "end": 2}, tensor=np.zeros((3, 3), np.float32))
+            assert (await conn.call("ping", {"t": 2})).type == "pong"
+        finally:
+            await conn.aclose()
+
+    asyncio.run(run())
+
+
+def test_node_refuses_steps_for_unknown_plan(nodes, home: Path) -> None:
+    security = ensure_cluster(home).security()
+
+    async def run() -> None:
+        conn = await connect("127.0.0.1", nodes.nodes[2].port, security=security)
+        try:
+            await conn.call("attach")
+            with pytest.raises(RemoteError, match="does not hold plan 987654"):
+                await conn.call("forward", {"rid": "r", "hop": 0, "pos": 0, "step": 0, "n_tokens": 1}, tensor=np.array([1]), plan=987654)
+        finally:
+            await conn.aclose()
+
+    asyncio.run(run())
+
+
+def test_sigterm_stops_node_cleanly(home: Path) -> None:
+    bundle = home / "nodes" / "sigterm.bundle"
+    from exo_tui.net.security import write_node_bundle
+
+    write_node_bundle(bundle, ensure_cluster(home).node_bundle("sigterm"))
+    node = spawn_node("sigterm", backend="onnx", key_file=str(bundle), log_dir=home / "logs",
+                      env={"EXO_TUI_HOME": str(home)}, extra_args=["--no-benchmark"])
+    try:
+        asyncio.run(wait_ready(node))
+        os.killpg(node.pid, signal.SIGTERM)
+        assert node.process.wait(15) == 0
+    finally:
+        stop_node(node)
+
+
+def test_chat_cli_local_nodes(default_model_path: Path, home: Path, reference_tokens: list[int]) -> None:
+    """``exo-tui chat --local-nodes 3 --backends mlx,onnx,mlx`` as a user runs it."""
+    env = {**os.environ, "EXO_TUI_HOME": str(home)}
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "exo_tui.cli", "chat", "--local-nodes", "3", "--backends", "mlx,onnx,mlx",
+         "--temperature", "0", "--seed", "1", "--max-tokens", str(GREEDY.max_tokens), "--json", "What is the capital of France?"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["completion_token_ids"] == reference_tokens
+    assert "Paris" in result["text"]
+    assert len(result["served_by"]) == 3
+    # Every node process it started is gone.
+    time.sleep(0.5)
+    left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if any(str(home / "nodes") in part and "-local" in part for part in (p.info["cmdline"] or []))]
+    assert not left, f"node processes left behind: {left}"
+    assert time.monotonic() - started < 600
