@@ -87,6 +87,7 @@ async def project_wheel(wheelhouse: Path | None = None) -> Path:
     dest = cache_dir() / f"{exo_tui.__version__}-{source_hash(root)}"
     if (w := find_project_wheel(dest)) is not None:
         return w
+    _prune(keep=4)
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=_ensure(cache_dir())))
     try:
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp), str(root)]
@@ -102,6 +103,14 @@ async def project_wheel(wheelhouse: Path | None = None) -> Path:
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prune(keep: int) -> None:
+    """Drop all but the newest ``keep`` source-state wheels (each edit of the code makes one)."""
+    dirs = [d for d in cache_dir().glob("*-*") if d.is_dir() and not d.name.startswith(("release-", "build-"))]
+    dirs.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+    for d in dirs[keep:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _ensure(p: Path) -> Path:
