@@ -130,7 +130,11 @@ class ThrowawayUser:
 
     def remove(self) -> None:
         self.stop_processes()
-        subprocess.run(["userdel", "--remove", self.name], capture_output=True)
+        for _ in range(3):
+            res = subprocess.run(["userdel", "--force", "--remove", self.name], capture_output=True, text=True)
+            if res.returncode in (0, 6):  # 6: no such user
+                break
+            self.stop_processes()  # e.g. an sshd session child that was still closing
         shutil.rmtree(self.home, ignore_errors=True)
 
 
