@@ -196,3 +196,11 @@ def test_source_wheel_is_cached_per_source_state(tmp_path: Path, monkeypatch: py
     h1 = wheel.source_hash(root)
     assert h1 == wheel.source_hash(root)
     assert len(h1) == 16 and os.path.isdir(root / "exo_tui")
+
+
+def test_ssh_and_netns_tests_say_why_they_skip_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers import netns, sshd
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "root" in (sshd.skip_reason() or "")
+    assert "root" in (netns.skip_reason() or "")
