@@ -156,7 +156,9 @@ class _Reporter:
 
 def _detect_script(candidates: Sequence[str]) -> str:
     cands = " ".join(shlex.quote(c) for c in candidates)
+    # Non-interactive SSH sessions get a short PATH (macOS: no Homebrew): look there too.
     return f"""
+PATH="$PATH:/opt/homebrew/bin:/usr/local/bin:$HOME/.local/bin:$HOME/.pyenv/shims"
 echo "os=$(uname -s)"
 echo "arch=$(uname -m)"
 echo "home=$HOME"
