@@ -203,3 +203,23 @@ async def test_net_probe_learns_a_peers_identity_and_spots_another_cluster(tmp_p
         for srv in (ours_srv, theirs_srv):
             srv.close()
             await srv.wait_closed()
+
+
+async def test_the_discovery_tool_prints_what_it_finds(tmp_path: Path) -> None:
+    import json
+    import os
+    import sys
+
+    node_id = f"n-test-{secrets.token_hex(4)}"
+    env = dict(os.environ, EXO_TUI_HOME=str(tmp_path), HOME=str(tmp_path))
+    env.pop("EXO_TUI_KNOWN_PEERS", None)
+    async with NodeAdvertiser(node_id, "tool", 52995, interfaces=LOOPBACK):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "exo_tui.discovery", "--interface", "127.0.0.1", "--seconds", "4",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            cwd=Path(__file__).resolve().parents[2])
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    events = [json.loads(line) for line in out.decode().splitlines()]
+    mine = [e for e in events if e.get("node_id") == node_id]
+    assert mine and mine[0]["type"] == "node_discovered" and mine[0]["port"] == 52995
