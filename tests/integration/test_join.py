@@ -70,3 +70,33 @@ async def test_node_joins_with_a_token_and_the_token_is_then_spent(tmp_path: Pat
             node.kill()
             node.wait(5)
         await server.close()
+
+
+async def test_join_token_serve_waits_for_the_node_and_exits(tmp_path: Path) -> None:
+    from exo_tui.discovery.join import fetch_bundle
+
+    home = tmp_path / "coordinator"
+    home.mkdir(mode=0o700)
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "exo_tui.cli", "join-token", "--serve", "--port", str(port), "--address",
+        f"127.0.0.1:{port}", env=dict(os.environ, EXO_TUI_HOME=str(home)), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        token = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        bundle = None
+        for _ in range(40):  # until it listens
+            try:
+                bundle = await fetch_bundle(token, name="served", timeout_s=2)
+                break
+            except Exception as exc:
+                if "could not reach" not in str(exc):
+                    raise
+                await asyncio.sleep(0.25)
+        assert bundle is not None and b'"name": "served"' in bundle
+        _out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0 and "node served joined" in err.decode()
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
