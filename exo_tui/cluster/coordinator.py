@@ -29,6 +29,7 @@ from exo_tui.cluster import events as ev
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
+from exo_tui.cluster.store import StateStore
 from exo_tui.cluster.view import (
     ChatChunk,
     ChatParams,
@@ -91,6 +92,7 @@ class Coordinator:
         strategy: str | None = None,
         weights: str = "auto",  # auto | stream | path
         home: Path | None = None,
+        persist: bool = True,
     ) -> None:
         self.config = config or load_config()
         self.model_name = model
@@ -129,6 +131,7 @@ class Coordinator:
         self._last_update = time.time()
         self._last_rebalance_s: float | None = None
         self._tok_times: list[float] = []
+        self.store: StateStore | None = StateStore(self.home / "state.db") if persist else None
 
     # ================================================================== lifecycle
 
@@ -138,8 +141,11 @@ class Coordinator:
         self.model = await asyncio.to_thread(Model, self.model_name)
         _ = await asyncio.to_thread(lambda: self.model.tokenizer)
         self.spec = spec_from_gguf(self.model.gguf)
+        self._restore_state()
         await self._start_local_nodes(cluster)
         addresses = [n.address for n in self._local] + [_parse_peer(p, self.config.network.node_port) for p in self.peers]
+        if self.store is not None:
+            addresses += [(k.host, k.port) for k in self.store.known_nodes() if (k.host, k.port) not in addresses]
         results = await asyncio.gather(*(self.add_node(h, p) for h, p in addresses), return_exceptions=True)
         for (h, p), r in zip(addresses, results, strict=True):
             if isinstance(r, BaseException):
@@ -148,7 +154,38 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
         if self.nodes:
             await self._probe_links()
-            await self.replan("initial plan")
+            if not await self._adopt_saved_plan():
+                await self.replan("initial plan")
+
+    def _restore_state(self) -> None:
+        if self.store is None:
+            return
+        self.drained = self.store.drains()
+        self.pins = {n: Pin(n, a, b) for n, (a, b) in self.store.pins().items()}
+        for host, port, source, user in self.store.known_hosts():
+            self.hosts[host] = HostView(host=host, port=port, source=source, user=user)
+
+    async def _adopt_saved_plan(self) -> bool:
+        """Re-adopt the plan a previous coordinator left in force, if its nodes still hold it."""
+        saved = self.store.plan() if self.store is not None else None
+        if saved is None or self.model is None:
+            return False
+        version, model_path, body = saved
+        if model_path != str(self.model.path):
+            return False
+        plan = Plan.from_dict(body)
+        for s in plan.shards:
+            h = self.nodes.get(s.node_id)
+            if h is None or h.state == "failed" or (s.start, s.end) not in h.held:
+                return False
+        self._version = max(self._version, version)
+        await self._switch(plan, "re-adopted after a coordinator restart")
+        return True
+
+    def _save_constraints(self) -> None:
+        if self.store is not None:
+            self.store.save_drains(self.drained)
+            self.store.save_pins({n: (p.start, p.end) for n, p in self.pins.items()})
 
     async def _start_local_nodes(self, cluster: Any) -> None:
         if not self.local_count:
@@ -179,6 +216,8 @@ class Coordinator:
                 with contextlib.suppress(Exception):
                     await handle.conn.aclose()
         await asyncio.gather(*(asyncio.to_thread(stop_node, n) for n in self._local))
+        if self.store is not None:
+            self.store.close()
 
     async def __aenter__(self) -> Coordinator:
         await self.start()
@@ -211,6 +250,8 @@ class Coordinator:
         conn.on_close(self._on_conn_closed)
         handle.local_process = next((n for n in self._local if n.port == port and host == "127.0.0.1"), None)
         self.nodes[profile.node_id] = handle
+        if self.store is not None and handle.local_process is None:
+            self.store.remember_node(handle.node_id, handle.name, host, port)
         self.events.publish(ev.NodeJoined(node_id=handle.node_id, name=handle.name, address=host, port=port))
         self._touch()
         return handle
@@ -532,6 +573,8 @@ class Coordinator:
                     if wanted != h.state:
                         h.state = wanted
                         self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state=wanted))
+            if self.store is not None:
+                self.store.save_plan(new.version, str(self.model.path) if self.model else "", new.to_dict())
             diff = {"moves": [m.__dict__ for m in moves], "bytes_moved": sum(m.nbytes for m in moves)}
             self.events.publish(ev.PlanChanged(version=new.version, plan=new.to_dict(), diff=diff, reason=reason))
             self._touch()
@@ -764,6 +807,7 @@ class Coordinator:
         if not result.error:
             drained, pins = self._proposed(action, ids)
             self.drained, self.pins = drained, pins
+            self._save_constraints()
             for nid in ids:
                 if action in ("drain", "remove") and self.nodes[nid].state in ("ready", "loading"):
                     self.nodes[nid].state = "draining"
@@ -780,11 +824,16 @@ class Coordinator:
             except (GenerationError, InfeasiblePlan, RemoteError, ConnectionError, TimeoutError, KeyError) as exc:
                 result = replace(result, error=str(exc))
         names = " ".join(self.nodes[i].name if i in self.nodes else i for i in ids)
-        self.events.publish(ev.OperatorAction(
-            action=action, target=names, result="ok" if not result.error else f"error: {result.error}",
-            detail=f"{len(result.moves)} moves, {result.bytes_moved} bytes, "
-                   f"{result.tok_per_s_before:.1f} → {result.tok_per_s_after:.1f} tok/s"))
+        self._audit(action, names, "ok" if not result.error else f"error: {result.error}",
+                    f"{len(result.moves)} moves, {result.bytes_moved} bytes, "
+                    f"{result.tok_per_s_before:.1f} → {result.tok_per_s_after:.1f} tok/s")
         return result
+
+    def _audit(self, action: str, target: str, result: str, detail: str = "") -> None:
+        """An operator action: on the event stream and in the persisted audit log."""
+        if self.store is not None:
+            self.store.audit(action, target, result, detail)
+        self.events.publish(ev.OperatorAction(action=action, target=target, result=result, detail=detail))
 
     async def _forget(self, node_id: str) -> None:
         h = self.nodes.pop(node_id, None)
@@ -794,6 +843,9 @@ class Coordinator:
             await h.conn.aclose()
         if h is not None:
             self.events.publish(ev.NodeGone(node_id=node_id, name=h.name))
+        if self.store is not None:
+            self.store.forget_node(node_id)
+        self._save_constraints()
 
     async def bootstrap(self, host: str, *, accept_new_host_key: bool = False) -> None:
         from exo_tui.bootstrap import bootstrap_host  # heavy: asyncssh
@@ -807,6 +859,9 @@ class Coordinator:
 
     async def add_host(self, host: str) -> None:
         self.hosts[host] = HostView(host=host, source="manual")
+        if self.store is not None:
+            self.store.remember_host(host, 22, "manual")
+        self._audit("add_host", host, "ok")
         self.events.publish(ev.HostDiscovered(host=host, source="manual"))
         self._touch()
 
@@ -825,7 +880,7 @@ class Coordinator:
                 h.held.clear()
                 h.shards = []
         await self.replan(f"model {model.name}")
-        self.events.publish(ev.OperatorAction(action="model", target=model.name, result="ok"))
+        self._audit("model", model.name, "ok")
 
     # ================================================================== views
 

@@ -138,6 +138,7 @@ async def _cluster_runner(args: argparse.Namespace):  # noqa: ANN201
         local_nodes=args.local_nodes,
         local_backends=[b.strip() for b in args.backends.split(",")] if args.backends else None,
         strategy="even",
+        persist=False,
     )
     try:
         await coordinator.start()

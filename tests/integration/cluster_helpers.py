@@ -61,9 +61,13 @@ def test_config(**scheduler: object) -> Config:
 
 @contextlib.asynccontextmanager
 async def coordinator(nodes: NodeSet, *, model: str | Path | None = None, peers: list[str] | None = None,
-                      strategy: str | None = "even", config: Config | None = None, weights: str = "auto") -> AsyncIterator[Coordinator]:
+                      strategy: str | None = "even", config: Config | None = None, weights: str = "auto",
+                      persist: bool = False) -> AsyncIterator[Coordinator]:
+    """A coordinator over ``peers`` (default: all the node set's nodes). ``persist=False`` keeps
+    tests from re-adopting nodes that an earlier test's coordinator saved in the shared home."""
     c = Coordinator(model=str(model) if model else None, peers=peers if peers is not None else nodes.peers,
-                    strategy=strategy, config=config or test_config(), home=nodes.home, weights=weights)
+                    strategy=strategy, config=config or test_config(), home=nodes.home, weights=weights,
+                    persist=persist)
     try:
         await c.start()
         yield c

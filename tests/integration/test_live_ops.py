@@ -1,0 +1,307 @@
+"""Live plan changes and failures during generation, on real node processes (issue 7).
+
+Every disturbed run must produce exactly the tokens of an undisturbed single-process run of
+the default model (greedy): a drain, pin, rebalance, undrain or a node joining moves KV caches at a
+token boundary; a dead node's layers are reloaded on the survivors and each request's cache is
+rebuilt from its token history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from exo_tui.cluster.coordinator import Coordinator
+from exo_tui.cluster.view import ChatParams
+from exo_tui.inference.generate import generate
+from exo_tui.inference.local import LocalPipeline, even_split
+from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import SamplingParams
+from exo_tui.models.model import Model
+from tests.integration.cluster_helpers import coordinator, node_processes, test_config
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Tell me a short story about a robot who learns to paint.",
+    "Explain how a bicycle works.",
+    "List some uses of copper.",
+    "Why is the sky blue?",
+]
+LONG = 200
+SHORT = 60
+
+
+def _messages(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("exo-home")
+    os.environ["EXO_TUI_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="module")
+def references(default_model_path: Path) -> dict[tuple[str, int], list[int]]:
+    """Undisturbed single-process greedy answers."""
+
+    async def one(model: Model, pipeline: LocalPipeline, prompt: str, n: int) -> list[int]:
+        request = Request(model.chat_prompt_ids(_messages(prompt)), SamplingParams(temperature=0.0, seed=7), n)
+        async for _ in generate(pipeline, model.tokenizer, request, context_length=model.config.context_length):
+            pass
+        return request.generated
+
+    async def run() -> dict[tuple[str, int], list[int]]:
+        model = Model(default_model_path)
+        pipeline = LocalPipeline()
+        await pipeline.load(model.gguf, even_split(model.config.n_layers, ["onnx"]))
+        try:
+            out = {(PROMPTS[0], LONG): await one(model, pipeline, PROMPTS[0], LONG)}
+            for p in PROMPTS:
+                out[(p, SHORT)] = await one(model, pipeline, p, SHORT)
+            return out
+        finally:
+            await pipeline.close()
+
+    return asyncio.run(run())
+
+
+async def _disturbed(c: Coordinator, prompts: list[str], n: int, action: Callable[[], Awaitable[None]],
+                     after_tokens: int = 15) -> list[list[int]]:
+    """Run ``prompts`` concurrently; call ``action`` once the first has ``after_tokens`` tokens."""
+    counts = [0] * len(prompts)
+    triggered = asyncio.Event()
+    results: list[list[int]] = [[] for _ in prompts]
+
+    async def one(i: int, prompt: str) -> None:
+        async for chunk in c.chat(_messages(prompt), ChatParams(temperature=0.0, max_tokens=n, seed=7)):
+            results[i].extend(chunk.token_ids)
+            counts[i] += len(chunk.token_ids)
+            if chunk.finish_reason:
+                assert chunk.finish_reason in ("stop", "length"), chunk.error
+                results[i].append(-1)  # marks a normal end
+            if i == 0 and counts[0] >= after_tokens:
+                triggered.set()
+
+    async def act() -> None:
+        await triggered.wait()
+        await action()
+
+    tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+    actor = asyncio.create_task(act())
+    await asyncio.gather(*tasks)
+    assert actor.done() or counts[0] < after_tokens, "the action did not run during the stream"
+    await actor
+    return [r[:-1] if r and r[-1] == -1 else r for r in results]
+
+
+def _expected(references, prompt: str, n: int, eos) -> list[int]:  # noqa: ANN001
+    return [t for t in references[(prompt, n)] if t not in eos]
+
+
+@pytest.fixture(scope="module")
+def four(home: Path):
+    with node_processes(home, ["onnx", "mlx", "onnx", "onnx"]) as ns:
+        yield ns
+
+
+def _node_id(c: Coordinator, port: int) -> str:
+    return next(h.node_id for h in c.nodes.values() if h.port == port)
+
+
+def test_drain_middle_node_during_long_generation(four, references) -> None:
+    async def run() -> None:
+        async with coordinator(four, peers=four.peers[:3]) as c:
+            middle = c.plan.shards[1].node_id
+
+            async def drain() -> None:
+                preview = await c.preview("drain", (middle,))
+                assert not preview.error and preview.moves
+                done = await c.apply(preview)
+                assert not done.error, done.error
+
+            [tokens] = await _disturbed(c, [PROMPTS[0]], LONG, drain)
+            assert tokens == _expected(references, PROMPTS[0], LONG, c.model.tokenizer.eos_ids)
+            assert middle not in c.plan.node_ids
+            assert c.nodes[middle].state == "drained" and not c.nodes[middle].held
+            kinds = [e.kind for e in c.events.history]
+            assert "plan_changed" in kinds and "operator_action" in kinds
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("action", ["pin", "rebalance", "undrain", "join"])
+def test_live_change_with_four_requests(four, references, action: str) -> None:
+    peers = four.peers[:3]
+    if action == "join":
+        peers = four.peers[:2]
+
+    async def run() -> None:
+        async with coordinator(four, peers=peers, strategy="throughput" if action in ("pin", "rebalance") else "even") as c:
+            target = c.plan.shards[0].node_id
+            if action == "undrain":
+                drained = c.plan.shards[-1].node_id
+                r = await c.apply(await c.preview("drain", (drained,)))
+                assert not r.error
+                target = drained
+
+            async def change() -> None:
+                if action == "join":
+                    await c.add_node("127.0.0.1", four.nodes[2].port)
+                    preview = await c.preview("rebalance")
+                else:
+                    preview = await c.preview(action, (target,) if action != "rebalance" else ())
+                assert not preview.error, preview.error
+                done = await c.apply(preview)
+                assert not done.error, done.error
+
+            results = await _disturbed(c, PROMPTS, SHORT, change, after_tokens=8)
+            eos = c.model.tokenizer.eos_ids
+            for prompt, tokens in zip(PROMPTS, results, strict=True):
+                assert tokens == _expected(references, prompt, SHORT, eos), prompt
+            if action == "pin":
+                assert target in c.pins
+                # The pin survives a rebalance.
+                r = await c.apply(await c.preview("rebalance"))
+                assert not r.error
+                pin = c.pins[target]
+                assert c.plan.shard_of(target) is not None
+                assert (c.plan.shard_of(target).start, c.plan.shard_of(target).end) == (pin.start, pin.end)
+            if action == "undrain":
+                assert target in c.plan.node_ids
+            if action == "join":
+                assert len(c.plan.shards) == 3
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+def test_kill_9_during_generation(home: Path, references, position: str) -> None:
+    with node_processes(home, ["onnx", "mlx", "onnx"]) as ns:
+
+        async def run() -> None:
+            async with coordinator(ns) as c:
+                index = {"first": 0, "middle": 1, "last": 2}[position]
+                victim = c.plan.shards[index].node_id
+                port = c.nodes[victim].port
+                proc = next(n for n in ns.nodes if n.port == port)
+
+                async def kill() -> None:
+                    os.kill(proc.pid, signal.SIGKILL)
+
+                [tokens] = await _disturbed(c, [PROMPTS[0]], LONG, kill)
+                assert tokens == _expected(references, PROMPTS[0], LONG, c.model.tokenizer.eos_ids)
+                assert c.nodes[victim].state == "failed"
+                assert victim not in c.plan.node_ids
+                assert any(e.kind == "node_failed" and e.node_id == victim for e in c.events.history)
+
+        asyncio.run(run())
+
+
+def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references) -> None:
+    with node_processes(home, ["onnx", "onnx", "onnx"]) as ns:
+
+        async def run() -> None:
+            config = test_config(heartbeat_timeout=3.0)
+            async with coordinator(ns, config=config) as c:
+                victim = c.plan.shards[1].node_id
+                proc = next(n for n in ns.nodes if n.port == c.nodes[victim].port)
+
+                async def stop() -> None:
+                    os.kill(proc.pid, signal.SIGSTOP)
+
+                try:
+                    [tokens] = await _disturbed(c, [PROMPTS[1]], SHORT, stop, after_tokens=10)
+                    assert tokens == _expected(references, PROMPTS[1], SHORT, c.model.tokenizer.eos_ids)
+                    assert victim not in c.plan.node_ids
+                    reasons = [e.reason for e in c.events.history if e.kind == "node_failed" and e.node_id == victim]
+                    assert reasons and "heartbeat" in reasons[0]
+                finally:
+                    os.kill(proc.pid, signal.SIGCONT)
+                for _ in range(100):
+                    if c.nodes[victim].state != "failed":
+                        break
+                    await asyncio.sleep(0.2)
+                assert c.nodes[victim].state == "ready"
+                view = next(n for n in c.snapshot().nodes if n.node_id == victim)
+                assert view.eligible, view.ineligible_reason
+                # And it serves again after a rebalance.
+                r = await c.apply(await c.preview("rebalance"))
+                assert not r.error and victim in c.plan.node_ids
+                [tokens] = await _disturbed(c, [PROMPTS[2]], SHORT, _nothing)
+                assert tokens == _expected(references, PROMPTS[2], SHORT, c.model.tokenizer.eos_ids)
+
+        asyncio.run(run())
+
+
+async def _nothing() -> None:
+    return None
+
+
+def test_too_little_memory_after_failure_is_a_clear_error(home: Path) -> None:
+    """Two nodes that can each hold only half the model: when one dies the request ends with
+    the reason, and the survivor keeps serving a model that fits."""
+    with node_processes(home, ["onnx", "onnx"], memory_limits_gb=[0.9, 0.9]) as ns:
+
+        async def run() -> None:
+            async with coordinator(ns, strategy="memory") as c:
+                assert len(c.plan.shards) == 2, c.plan.layout
+                victim = c.plan.shards[1].node_id
+                proc = next(n for n in ns.nodes if n.port == c.nodes[victim].port)
+                errors: list[str] = []
+
+                async def kill() -> None:
+                    os.kill(proc.pid, signal.SIGKILL)
+
+                async for _chunk in _collect_errors(c, kill, errors):
+                    pass
+                assert errors and "cannot serve" in errors[0] and "GB" in errors[0], errors
+
+        asyncio.run(run())
+
+
+async def _collect_errors(c: Coordinator, action, errors: list[str]):  # noqa: ANN001, ANN201
+    n = 0
+    async for chunk in c.chat(_messages(PROMPTS[0]), ChatParams(temperature=0.0, max_tokens=LONG, seed=7)):
+        n += len(chunk.token_ids)
+        if n == 10:
+            await action()
+        if chunk.finish_reason == "error":
+            errors.append(chunk.error)
+        yield chunk
+
+
+def test_restarted_coordinator_restores_state(home: Path, references) -> None:
+    state_home = home / "restart"
+    state_home.mkdir()
+    with node_processes(state_home, ["onnx", "onnx", "onnx"]) as ns:
+
+        async def first() -> tuple[str, str, int]:
+            async with coordinator(ns, persist=True) as c:
+                drained = c.plan.shards[2].node_id
+                pinned = c.plan.shards[0].node_id
+                assert not (await c.apply(await c.preview("drain", (drained,)))).error
+                assert not (await c.apply(await c.preview("pin", (pinned,)))).error
+                return drained, pinned, c.plan.version
+
+        async def second(drained: str, pinned: str, version: int) -> None:
+            async with coordinator(ns, persist=True, peers=[]) as c:
+                assert set(c.nodes) >= {drained, pinned}
+                assert c.drained == {drained}
+                assert pinned in c.pins
+                assert c.plan is not None and c.plan.version > version
+                assert drained not in c.plan.node_ids
+                [tokens] = await _disturbed(c, [PROMPTS[3]], SHORT, _nothing)
+                assert tokens == _expected(references, PROMPTS[3], SHORT, c.model.tokenizer.eos_ids)
+                log = c.store.audit_log()
+                assert [(e.action, e.result) for e in log][-2:] == [("drain", "ok"), ("pin", "ok")]
+
+        drained, pinned, version = asyncio.run(first())
+        asyncio.run(second(drained, pinned, version))
