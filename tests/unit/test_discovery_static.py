@@ -204,3 +204,21 @@ def test_ssh_and_netns_tests_say_why_they_skip_without_root(monkeypatch: pytest.
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "root" in (sshd.skip_reason() or "")
     assert "root" in (netns.skip_reason() or "")
+
+
+def test_node_command_and_systemd_unit_quote_their_arguments() -> None:
+    import shlex
+
+    from exo_tui.bootstrap.install import BootstrapOptions, _node_argv, _unit_text
+
+    h = _parse_detect("os=Linux\nhome=/home/a b\ndata=/home/a b/.local/share/exo-tui\nhostname=pi\n")
+    argv = _node_argv(h, "pi 4", f"{h.data_dir}/node.bundle",
+                      BootstrapOptions(node_port=6000, backend="onnx", memory_limit_gb=2.5, advertise=False))
+    assert argv[:2] == ["/home/a b/.local/share/exo-tui/venv/bin/exo-tui", "node"]
+    assert argv[argv.index("--name") + 1] == "pi 4" and argv[argv.index("--port") + 1] == "6000"
+    assert ["--backend", "onnx"] == argv[argv.index("--backend"):argv.index("--backend") + 2]
+    assert "--no-advertise" in argv and "--memory-limit" in argv
+    unit = _unit_text(argv, h)
+    exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert shlex.split(exec_line[len("ExecStart="):]) == argv
+    assert "Restart=on-failure" in unit and "WantedBy=default.target" in unit
