@@ -34,8 +34,18 @@ lint: setup
 	$(BIN)/ruff check exo_tui backends themes tests benchmarks
 	$(BIN)/lint-imports
 
+# llama.cpp for the side-by-side benchmark: built from source (about 10 minutes on 2 cores);
+# ggml's native build dies on these machines' AMX kernels, so the CPU features are spelled out.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
 bench: setup
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install llama-cpp-python
 	$(BIN)/python benchmarks/single_node.py
+	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/resilience.py
+	$(BIN)/python benchmarks/scheduler.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,133 @@
+"""Prefill and decode speed of each backend on the default model, against llama.cpp on the same
+GGUF with the same thread count when ``llama-cpp-python`` is installed (``make bench`` builds it).
+
+Runs alternate between engines and report medians of many repetitions, because these machines
+are noisy (the same llama.cpp run varies by ±20 % between runs). Prints a table of tok/s and of
+ratios to llama.cpp.
+
+    python benchmarks/single_node.py [--threads 2] [--reps 7] [--prompt 64] [--decode 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _ours(backend: str, model_path: Path, threads: int) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
+    os.environ["EXO_TUI_THREADS"] = str(threads)
+    from backends import get_backend
+    from exo_tui.models.gguf_file import GGUFModel
+
+    model = GGUFModel(model_path)
+    shard = get_backend(backend).load_shard(model.config, model.shard_weights(0, model.config.n_layers))
+    counter = [0]
+
+    def prefill(tokens: list[int]) -> float:
+        counter[0] += 1
+        rid = f"p{counter[0]}"
+        t0 = time.perf_counter()
+        shard.forward(rid, np.asarray(tokens), np.arange(len(tokens)))
+        dt = time.perf_counter() - t0
+        shard.drop(rid)
+        return len(tokens) / dt
+
+    def decode(tokens: list[int], n: int) -> float:
+        counter[0] += 1
+        rid = f"d{counter[0]}"
+        logits = shard.forward(rid, np.asarray(tokens), np.arange(len(tokens)))
+        pos = len(tokens)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            nxt = int(np.argmax(logits[-1]))
+            logits = shard.forward(rid, np.array([nxt]), np.array([pos]))
+            pos += 1
+        dt = time.perf_counter() - t0
+        shard.drop(rid)
+        return n / dt
+
+    return prefill, decode
+
+
+def _llama_cpp(model_path: Path, threads: int) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]] | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(str(model_path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
+
+    def prefill(tokens: list[int]) -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(tokens)
+        return len(tokens) / (time.perf_counter() - t0)
+
+    def decode(tokens: list[int], n: int) -> float:
+        llm.reset()
+        llm.eval(tokens)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([nxt])
+        return n / (time.perf_counter() - t0)
+
+    return prefill, decode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--backends", default="onnx,mlx")
+    args = ap.parse_args()
+
+    from backends import available_backends
+    from exo_tui.models.registry import resolve_model
+
+    path = resolve_model()
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(100, 40000, size=args.prompt)]
+    engines: dict[str, tuple[Callable, Callable]] = {}
+    for b in args.backends.split(","):
+        if b in available_backends():
+            engines[f"exo-tui {b}"] = _ours(b, path, args.threads)
+    ref = _llama_cpp(path, args.threads)
+    if ref is not None:
+        engines["llama.cpp"] = ref
+    else:
+        print("llama-cpp-python is not installed: no llama.cpp column (make bench builds it)", file=sys.stderr)
+
+    for pf, dc in engines.values():  # warm up
+        pf(prompt)
+        dc(prompt[:8], 4)
+    results: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in engines}
+    for _ in range(args.reps):
+        for name, (pf, dc) in engines.items():  # alternate engines within each repetition
+            results[name]["prefill"].append(pf(prompt))
+            results[name]["decode"].append(dc(prompt[:16], args.decode))
+
+    print(f"\nDefault model ({path.name}), {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
+          f"median of {args.reps} alternating repetitions\n")
+    base = {k: statistics.median(v) for k, v in results.get("llama.cpp", {}).items()}
+    print("| engine | prefill tok/s | decode tok/s | prefill ÷ llama.cpp | decode ÷ llama.cpp |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in results.items():
+        p, d = statistics.median(r["prefill"]), statistics.median(r["decode"])
+        rp = f"{p / base['prefill']:.2f}" if base else "–"
+        rd = f"{d / base['decode']:.2f}" if base else "–"
+        print(f"| {name} | {p:.1f} | {d:.1f} | {rp} | {rd} |")
+
+
+if __name__ == "__main__":
+    main()
