@@ -1,0 +1,171 @@
+"""Request and response bodies of the HTTP API, as pydantic models (they make the OpenAPI document).
+
+The OpenAI-compatible bodies follow OpenAI's field names; fields OpenAI has and exo-tui does not
+use (``user``, ``logit_bias``...) are accepted and ignored, like other OpenAI-compatible servers
+do. ``top_k`` and ``repetition_penalty`` are extensions, as in vLLM and llama.cpp.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SEED_MAX = 2**63 - 1
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+Stop = str | list[str] | None
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, description="a model id from GET /v1/models")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX, description="same seed, same answer")
+    stop: Stop = Field(default=None, description="up to 4 strings; the answer ends before the first one")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1, description="only 1 answer per request")
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    top_k: int | None = Field(default=None, ge=0, description="extension: 0 is off")
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10, description="extension: 1 is off")
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] = Field(description="a string, a one-string list, or token ids")
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "exo-tui"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ActionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dry_run: bool = Field(default=False, description="only say what would change (the plan diff)")
+
+
+class PinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    node: str = Field(min_length=1, description="node id or name")
+    start: int | None = Field(default=None, ge=0, description="first layer; must be the node's current layers")
+    end: int | None = Field(default=None, ge=1, description="one past the last layer")
+    dry_run: bool = False
+
+
+class HostRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = Field(min_length=1, description="[user@]host[:port]")
+
+
+class BootstrapRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    accept_new_host_key: bool = False
+
+
+class ModelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, description="registered model name or path to a .gguf on the coordinator")
+
+
+# A JSON object whose shape is documented in exo_tui/cluster/view.py (ClusterSnapshot, PlanPreview).
+JsonObject = dict[str, Any]

@@ -1,0 +1,111 @@
+"""Running the API with uvicorn inside the coordinator's event loop.
+
+:class:`ApiServer` binds the socket itself (so "address in use" is an error that says what to
+do, not a log line and ``sys.exit``), runs ``uvicorn.Server.serve`` as a task of the running
+loop, and leaves signal handling to the command that owns the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from typing import Any
+
+import uvicorn
+
+from exo_tui.api.app import create_app
+
+log = logging.getLogger("exo_tui.api")
+
+
+class ApiServerError(RuntimeError):
+    """The API could not start; the message says why and what to do."""
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201 - the command's run_main handles SIGTERM/SIGINT
+        yield
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning to print when the API listens beyond this machine with no key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"warning: the API listens on {host} without an API key: anyone who can reach this address can use "
+            f"and change the cluster; set network.api.key in the config or EXO_TUI_API_KEY")
+
+
+class ApiServer:
+    def __init__(self, coordinator: Any, *, host: str = "127.0.0.1", port: int = 52415, api_key: str | None = None,
+                 log_level: str = "warning", graceful_s: float = 3.0) -> None:
+        self.coordinator = coordinator
+        self.host, self.port, self.api_key = host, port, api_key
+        self.app = create_app(coordinator, api_key=api_key)
+        self._config = uvicorn.Config(self.app, log_level=log_level, lifespan="off", access_log=False,
+                                      timeout_graceful_shutdown=graceful_s, http="h11")
+        self._server = _Server(self._config)
+        self._task: asyncio.Task[None] | None = None
+        self._sock: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise ApiServerError(
+                f"cannot listen on {self.host}:{self.port} ({exc.strerror or exc}): another exo-tui serve may be "
+                f"running there (exo-tui status); pick another address with --api-host/--api-port"
+            ) from exc
+        sock.listen(128)
+        sock.set_inheritable(True)
+        self.port = sock.getsockname()[1]
+        self._sock = sock
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="api-server")
+        while not self._server.started:
+            if self._task.done():
+                exc = self._task.exception() if not self._task.cancelled() else None
+                raise ApiServerError(f"the API server stopped while starting: {exc!r}")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), (self._config.timeout_graceful_shutdown or 3.0) + 2.0)
+        except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
+            self._server.force_exit = True
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._sock is not None:
+            self._sock.close()
+        self._task = None
+
+    async def __aenter__(self) -> ApiServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,94 @@
+"""``exo-tui serve``: the coordinator and its API, headless (no console).
+
+It listens on the API address first (so a busy port fails fast), starts the local node agents
+(one by default when no ``--peer`` is given), joins the peers, plans, and prints one ready line
+with the URL on stdout. Logs go to stderr. SIGTERM or Ctrl-C stops the API, the coordinator and
+every node process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+READY_PREFIX = "exo-tui serve: ready at "
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the coordinator and the OpenAI-compatible API without the console",
+        description="Run the coordinator and the API headless: local node agents, peers, the plan, and "
+                    "http://127.0.0.1:52415/v1 for OpenAI clients and `exo-tui status/drain/...`.",
+    )
+    p.add_argument("--config", default=None, metavar="F", help="config file (default ~/.config/exo-tui/config.yaml)")
+    p.add_argument("--model", default=None, metavar="M", help="registered model name or path to a .gguf (default smollm2-135m)")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST[:PORT]", help="a node agent to join (repeatable)")
+    p.add_argument("--local-nodes", type=int, default=None, metavar="N",
+                   help="node agents to start on this machine (default 1 without --peer, 0 with)")
+    p.add_argument("--backends", default=None, metavar="B,B",
+                   help="comma list of backends for the local nodes, used in turn (e.g. onnx,mlx)")
+    p.add_argument("--api-host", default=None, metavar="HOST", help="address to listen on (default network.api.host, 127.0.0.1)")
+    p.add_argument("--api-port", type=int, default=None, metavar="PORT", help="port (default network.api.port, 52415)")
+    p.add_argument("--strategy", default=None, choices=["latency", "throughput", "memory", "exo-ring", "even"],
+                   help="partition strategy (default: the config's)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from backends.base import BackendError
+    from exo_tui.api.server import ApiServerError
+    from exo_tui.commands._runtime import run_main
+    from exo_tui.config import ConfigError
+    from exo_tui.models.gguf_file import ModelFileError
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.local_nodes is not None and args.local_nodes < 0:
+        print("exo-tui serve: --local-nodes must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        return run_main(lambda: _serve(args))
+    except (ApiServerError, ConfigError, ModelFileError, BackendError, ValueError, OSError, RuntimeError) as exc:
+        print(f"exo-tui serve: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from exo_tui.api.server import ApiServer, exposure_warning
+    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.config import load_config
+
+    config = load_config(args.config)
+    host = args.api_host or config.network.api.host
+    port = args.api_port if args.api_port is not None else config.network.api.port
+    key = config.network.api.key
+    warning = exposure_warning(host, key)
+    if warning:
+        print(f"exo-tui serve: {warning}", file=sys.stderr, flush=True)
+    local = args.local_nodes if args.local_nodes is not None else (0 if args.peer else 1)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    coordinator = Coordinator(model=args.model, config=config, peers=list(args.peer), local_nodes=local,
+                              local_backends=backends, strategy=args.strategy)
+    server = ApiServer(coordinator, host=host, port=port, api_key=key,
+                       log_level="warning" if args.log_level != "debug" else "info")
+    log = logging.getLogger("exo_tui.serve")
+    await server.start()
+    try:
+        await coordinator.start()
+        snap = coordinator.snapshot()
+        if coordinator.plan is None:
+            state = "no plan yet (no node could serve the model: see the errors above)"
+        else:
+            state = f"{snap.model} on {snap.ready_count} node(s)"
+        print(f"{READY_PREFIX}{server.url}/v1 — {state}", flush=True)
+        log.info("API at %s/v1 (OpenAPI at %s/docs)%s", server.url, server.url, ", API key required" if key else "")
+        await asyncio.Event().wait()
+    finally:
+        log.info("stopping")
+        await server.stop()
+        await coordinator.stop()
+    return 0
