@@ -285,9 +285,18 @@ class Coordinator:
             self._replan_task = asyncio.create_task(self._replan_after_failure(reason))
         return self._replan_task
 
+    def broken_pins(self) -> list[str]:
+        return [
+            f"{self.nodes[n].name} layers {p.start}-{p.end - 1}"
+            for n, p in self.pins.items() if n in self.nodes and self.nodes[n].state == "failed"
+        ]
+
     async def _replan_after_failure(self, reason: str) -> None:
         """A plan over the survivors. A node that dies while it is being made is failed too
         (its connection closes) and the plan is made again without it."""
+        broken = self.broken_pins()
+        if broken:
+            self._notice("warning", f"{reason}: the pin of {', '.join(broken)} cannot hold until the node returns")
         for attempt in range(1, 2 + len(self.nodes)):
             try:
                 await self.replan(reason, move_kv=False)
@@ -434,7 +443,7 @@ class Coordinator:
         out = []
         for h in self.nodes.values():
             p = h.profile
-            backend = p.backends[0] if len(p.backends) == 1 else self._node_backend(h)
+            backend = self._node_backend(h)
             timing = p.layer_timing.get(backend)
             held = sum(int(s.get("nbytes", 0)) for s in h.shards)
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
@@ -470,12 +479,15 @@ class Coordinator:
         return out
 
     def _node_backend(self, h: NodeHandle) -> str:
-        return (h.profile.backends or ["onnx"])[0]
+        return h.profile.backend or (h.profile.backends or ["onnx"])[0]
 
     def constraints(self, *, drained: set[str] | None = None, pins: dict[str, Pin] | None = None) -> Constraints:
+        """Pins, drains and failures for the scheduler. A pin on a failed node cannot hold: it is
+        left out (and kept, to apply again when the node returns); see :meth:`broken_pins`."""
         failed = frozenset(n for n, h in self.nodes.items() if h.state == "failed")
+        pins = pins if pins is not None else self.pins
         return Constraints(
-            pins=tuple((pins if pins is not None else self.pins).values()),
+            pins=tuple(p for n, p in pins.items() if n not in failed),
             drained=frozenset(drained if drained is not None else self.drained),
             failed=failed,
         )

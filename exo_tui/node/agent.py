@@ -121,8 +121,9 @@ class NodeAgent:
             raise BackendError(
                 f"backend {self.backend} is not available on this node (available: {', '.join(profile.backends) or 'none'})"
             )
+        profile.backend = self.backend
         if self.run_benchmark:
-            profile = await loop.run_in_executor(None, benchmark, profile)
+            profile = await loop.run_in_executor(None, lambda: benchmark(profile, backends=[self.backend]))
         self.profile = profile
         self.host = ShardHost(profile.node_id, self.backend)
         self._server = await serve(self._handle, self.bind_host, self.port, security=self.security)

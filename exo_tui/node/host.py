@@ -141,6 +141,16 @@ class ShardHost:
     def begin_transfer(self, transfer_id: str, config: ModelConfig, start: int, end: int, backend: str | None,
                        tensors: list[TensorInfo]) -> Transfer:
         total = sum(t.nbytes for t in tensors)
+        if not tensors or any(t.nbytes <= 0 for t in tensors) or not 0 <= start < end <= config.n_layers:
+            raise HostError(f"transfer {transfer_id}: an empty or malformed tensor list for layers [{start}, {end})")
+        import psutil
+
+        free = psutil.virtual_memory().available
+        if total > free:
+            raise HostError(
+                f"transfer {transfer_id}: {total / 1e9:.2f} GB of weights do not fit in the {free / 1e9:.2f} GB free here: "
+                "give this node fewer layers or free memory"
+            )
         transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total)
         self.transfers[transfer_id] = transfer
         return transfer

@@ -64,6 +64,7 @@ class NodeProfile:
     backends: list[str]
     layer_timing: dict[str, LayerTiming] = field(default_factory=dict)
     memory_bandwidth_bytes_per_s: float = 0.0
+    backend: str = ""  # the backend this node agent runs its shards on (one of ``backends``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,8 +229,9 @@ def _cache_key(backend: str) -> str:
     return f"{backend}|{shape}|{_cpu_model()}|{os.environ.get('EXO_TUI_THREADS', '')}|{','.join(versions)}"
 
 
-def benchmark(profile: NodeProfile, *, use_cache: bool = True) -> NodeProfile:
-    """Fill in layer timings for each backend and the memory bandwidth."""
+def benchmark(profile: NodeProfile, *, use_cache: bool = True, backends: list[str] | None = None) -> NodeProfile:
+    """Fill in layer timings for ``backends`` (default: every backend the node has) and the
+    memory bandwidth."""
     cache_path = exo_home() / "benchmark-cache.json"
     cache: dict[str, Any] = {}
     if use_cache and cache_path.exists():
@@ -237,7 +239,7 @@ def benchmark(profile: NodeProfile, *, use_cache: bool = True) -> NodeProfile:
             cache = json.loads(cache_path.read_text())
         except (OSError, ValueError):
             cache = {}
-    for backend in profile.backends:
+    for backend in backends if backends is not None else profile.backends:
         key = _cache_key(backend)
         if key in cache:
             profile.layer_timing[backend] = LayerTiming(**cache[key])

@@ -222,3 +222,54 @@ def test_chat_cli_local_nodes(default_model_path: Path, home: Path, reference_to
             if any(str(home / "nodes") in part and "-local" in part for part in (p.info["cmdline"] or []))]
     assert not left, f"node processes left behind: {left}"
     assert time.monotonic() - started < 600
+
+
+OPS = ["attach", "profile", "load", "load_begin", "load_chunk", "load_commit", "unload", "plan", "forward",
+       "kv_export", "kv_import", "drop", "ping", "link_probe", "exec", "", "eval"]
+
+
+def test_fuzz_operations_at_a_live_node(nodes, home: Path) -> None:
+    """Well-formed frames with generated operations, bodies and tensors: every one is answered
+    (a reply or an error), the node never executes anything else, and it keeps serving."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from hypothesis.extra import numpy as hnp
+
+    security = ensure_cluster(home).security()
+    target = nodes.nodes[3]
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=12),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+        max_leaves=6,
+    )
+    keys = st.sampled_from(["rid", "start", "end", "hop", "pos", "step", "n_tokens", "path", "plan", "transfer_id",
+                            "offset", "sha256", "tensors", "config", "host", "port", "sampling", "history"])
+    bodies = st.dictionaries(keys, values, max_size=6)
+    tensors = st.none() | hnp.arrays(st.sampled_from([np.float32, np.int64, np.uint8]), hnp.array_shapes(max_dims=3, max_side=5))
+
+    loop = asyncio.new_event_loop()
+    conn = loop.run_until_complete(connect("127.0.0.1", target.port, security=security))
+    try:
+        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(op=st.sampled_from(OPS), body=bodies, tensor=tensors, plan=st.none() | st.integers(0, 3))
+        def throw(op: str, body: dict, tensor, plan) -> None:  # noqa: ANN001
+            if op == "link_probe":
+                body = {**body, "host": "127.0.0.1", "port": 1}  # loopback only, a closed port
+            if op == "load":
+                body = {**body, "path": "/nonexistent/model.gguf"}
+
+            async def one() -> None:
+                try:
+                    await conn.call(op, body, tensor=tensor, plan=plan, timeout=20)
+                except RemoteError:
+                    pass
+                pong = await conn.call("ping", {"t": 0}, timeout=20)
+                assert pong.type == "pong"
+
+            loop.run_until_complete(one())
+
+        throw()
+        assert target.alive()
+    finally:
+        loop.run_until_complete(conn.aclose())
+        loop.close()
