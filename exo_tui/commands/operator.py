@@ -1,0 +1,192 @@
+"""Operator commands against a running coordinator (``exo-tui serve`` or a console):
+``status``, ``drain``, ``undrain``, ``pin``, ``unpin``, ``rebalance``.
+
+They talk to its HTTP API (``--url``, default the config's ``network.api`` address,
+http://127.0.0.1:52415) with the API key of the config or ``EXO_TUI_API_KEY``, and change the
+cluster exactly as the console's keys do: each action is planned by the coordinator, and
+``--dry-run`` shows the plan diff without changing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="the coordinator's API (default http://127.0.0.1:52415, or network.api of the config)")
+    p.add_argument("--api-key", default=None, help="API key (default network.api.key of the config or EXO_TUI_API_KEY)")
+    p.add_argument("--config", default=None, metavar="F", help="config file (default ~/.config/exo-tui/config.yaml)")
+    p.add_argument("--json", action="store_true", help="print the API's JSON answer")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show the cluster of a running coordinator",
+                       description="Nodes, their state, scores and layers, and the plan of a running coordinator.")
+    _common(p)
+    p.set_defaults(func=run, action="status")
+
+    for action, text in (("drain", "move a node's layers to the others and keep it empty"),
+                         ("undrain", "let a drained node hold layers again")):
+        p = sub.add_parser(action, help=text, description=f"{text[0].upper()}{text[1:]} (NODE: id or name).")
+        p.add_argument("node", metavar="NODE", help="node id or name")
+        p.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
+        _common(p)
+        p.set_defaults(func=run, action=action)
+
+    p = sub.add_parser("pin", help="keep a node's layers where they are across rebalances",
+                       description="Pin a node's current layers (NODE: id or name). START-END (inclusive, e.g. 0-14), "
+                                   "when given, must be the layers the node holds now.")
+    p.add_argument("node", metavar="NODE")
+    p.add_argument("layers", metavar="START-END", nargs="?", default=None, help="the node's current layers, inclusive")
+    p.add_argument("--dry-run", action="store_true")
+    _common(p)
+    p.set_defaults(func=run, action="pin")
+
+    p = sub.add_parser("unpin", help="let rebalances move a pinned node's layers again", description="Unpin a node.")
+    p.add_argument("node", metavar="NODE")
+    p.add_argument("--dry-run", action="store_true")
+    _common(p)
+    p.set_defaults(func=run, action="unpin")
+
+    p = sub.add_parser("rebalance", help="make the best plan for the cluster as it is now",
+                       description="Plan afresh and switch to it; --dry-run shows the diff (moves, bytes, tok/s).")
+    p.add_argument("--dry-run", action="store_true")
+    _common(p)
+    p.set_defaults(func=run, action="rebalance")
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """``"0-14"`` (inclusive, as the console shows ranges) -> ``(0, 15)``."""
+    try:
+        a, b = (int(x) for x in text.replace("–", "-").split("-", 1))
+    except ValueError:
+        raise ValueError(f"layers {text!r} are not START-END (inclusive, e.g. 0-14)") from None
+    if a < 0 or b < a:
+        raise ValueError(f"layers {text!r}: START must be >= 0 and END >= START")
+    return a, b + 1
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from exo_tui.api.client import ApiClientError
+    from exo_tui.config import ConfigError
+
+    try:
+        url, key = _target(args)
+        return asyncio.run(_run(args, url, key))
+    except (ApiClientError, ConfigError, ValueError) as exc:
+        print(f"exo-tui {args.action}: {exc}", file=sys.stderr)
+        return 2 if "no coordinator at" in str(exc) else 1
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str | None]:
+    from exo_tui.config import load_config
+
+    config = load_config(args.config)
+    key = args.api_key or config.network.api.key
+    if args.url:
+        return args.url, key
+    host = config.network.api.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{config.network.api.port}", key
+
+
+async def _run(args: argparse.Namespace, url: str, key: str | None) -> int:
+    from exo_tui.api.client import ClusterClient
+
+    client = ClusterClient(url, api_key=key or "")
+    try:
+        if args.action == "status":
+            data = await client.request("GET", "/v1/cluster")
+            if args.json:
+                print(json.dumps(data, indent=2))
+            else:
+                _print_status(data, url)
+            return 0
+        targets = (args.node,) if getattr(args, "node", None) else ()
+        layers = parse_layers(args.layers) if getattr(args, "layers", None) else None
+        result = await client.action(args.action, targets, dry_run=args.dry_run, layers=layers)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            names = {n["node_id"]: n["name"] for n in (await client.request("GET", "/v1/cluster"))["nodes"]}
+            _print_preview(result, names, args.dry_run)
+        return 0
+    finally:
+        await client._http.aclose()
+
+
+def _gb(n: float | None) -> str:
+    return f"{(n or 0) / 1e9:.1f}"
+
+
+def _print_status(d: dict[str, Any], url: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    plan = d.get("plan") or {}
+    names = {n["node_id"]: n["name"] for n in d.get("nodes", [])}
+    nodes = d.get("nodes", [])
+    ready = sum(1 for n in nodes if n["state"] == "ready")
+    head = (f"[bold]{d.get('name', '')}[/] · {d.get('model', '')} · {ready}/{len(nodes)} nodes ready · "
+            f"{d.get('tok_per_s', 0.0):.1f} tok/s now · {url}")
+    if d.get("readonly"):
+        head += " · read-only"
+    console.print(head)
+    table = Table(title="nodes", title_justify="left")
+    for col in ("node", "id", "state", "backend", "layers", "pin", "score", "memory GB", "cpu %", "heartbeat"):
+        table.add_column(col, justify="right" if col in ("score", "memory GB", "cpu %", "heartbeat") else "left")
+    glyph = {"ready": "●", "loading": "◐", "draining": "◐", "drained": "○", "suspect": "▲", "failed": "✖"}
+    for n in nodes:
+        layers = f"{n['layers'][0]}-{n['layers'][1] - 1}" if n.get("layers") else "—"
+        pin = f"{n['pinned'][0]}-{n['pinned'][1] - 1}" if n.get("pinned") else ""
+        score = "—" if n.get("score") is None else f"{n['score']:.0f}" + ("" if n.get("eligible", True) else " ✗")
+        hb = "—" if n.get("heartbeat_age_s") is None else f"{n['heartbeat_age_s']:.1f}s"
+        state = f"{glyph.get(n['state'], '·')} {n['state']}"
+        if n.get("ineligible_reason") and n["state"] == "failed":
+            state += f" ({n['ineligible_reason'][:40]})"
+        table.add_row(n["name"], n["node_id"], state, n.get("backend", ""), layers, pin, score,
+                      f"{_gb(n.get('memory_used_bytes'))}/{_gb(n.get('memory_total_bytes'))}",
+                      f"{n.get('cpu_percent', 0.0):.0f}", hb)
+    console.print(table)
+    if plan:
+        t = Table(title=f"plan v{plan['version']} · {plan.get('strategy', '')} · predicted "
+                        f"{plan.get('predicted_tok_per_s', 0.0):.1f} tok/s, ttft {plan.get('predicted_ttft_s', 0.0) * 1000:.0f} ms",
+                  title_justify="left")
+        for col in ("stage", "node", "layers", "pinned"):
+            t.add_column(col)
+        for i, sh in enumerate(plan.get("shards", [])):
+            t.add_row(str(i), names.get(sh["node_id"], sh["node_id"]), f"{sh['start']}-{sh['end'] - 1}",
+                      "yes" if sh.get("pinned") else "")
+        console.print(t)
+    else:
+        console.print("no plan: no node serves the model")
+
+
+def _print_preview(p: dict[str, Any], names: dict[str, str], dry_run: bool) -> None:
+    targets = " ".join(names.get(t, t) for t in p.get("targets", []))
+    verb = "would move" if dry_run else "moved"
+    moves = p.get("moves", [])
+    print(f"{p.get('action', '')} {targets}".strip() + (" (dry run)" if dry_run else ": done"))
+    if moves:
+        print(f"  {verb} {len(moves)} layer range(s), {p.get('bytes_moved', 0) / 1e6:.1f} MB:")
+        for m in moves:
+            src = names.get(m["src"], m["src"]) if m.get("src") else "(fresh)"
+            print(f"    layers {m['start']}-{m['end'] - 1}: {src} → {names.get(m['dst'], m['dst'])}")
+    else:
+        print("  no layers move")
+    print(f"  predicted {p.get('tok_per_s_before', 0.0):.1f} → {p.get('tok_per_s_after', 0.0):.1f} tok/s")
+    plan = p.get("new_plan")
+    if plan:
+        layout = "  ".join(f"{names.get(s['node_id'], s['node_id'])}[{s['start']}-{s['end'] - 1}]" for s in plan["shards"])
+        print(f"  plan: {layout}")
+    if p.get("note"):
+        print(f"  note: {p['note']}")
