@@ -53,6 +53,7 @@ from exo_tui.discovery.static import (
 log = logging.getLogger(__name__)
 
 MODES = ("mdns", "manual", "tailscale")
+TAILSCALE_INTERVAL_S = 30.0
 
 # Probe a static peer: return what it says it is, or None when it does not answer.
 PeerProbe = Callable[[Peer, float], Awaitable[NodeAdvertisement | None]]
@@ -184,6 +185,8 @@ class Discovery:
         self._browser: MdnsBrowser | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._tailscale_cache: list[CandidateHost] = []
+        self._tailscale_next = 0.0
 
     @classmethod
     def from_config(cls, bus: EventBus, config: Any, *, cli_peers: Iterable[str] = (), **kwargs: Any) -> Discovery:
@@ -291,10 +294,13 @@ class Discovery:
             if self.ssh_config is not False:
                 path = self.ssh_config if isinstance(self.ssh_config, Path) else None
                 hosts += ssh_config_hosts(path)
-            ts_hosts: list[CandidateHost] = []
-            if self.mode in ("mdns", "tailscale"):
-                ts_hosts = await tailscale_hosts(command=self.tailscale_command)
-                hosts += ts_hosts
+            ts_hosts = self._tailscale_cache
+            now = time.monotonic()
+            if self.mode in ("mdns", "tailscale") and now >= self._tailscale_next:
+                # `tailscale status` is a process start: at most every TAILSCALE_INTERVAL_S.
+                ts_hosts = self._tailscale_cache = await tailscale_hosts(command=self.tailscale_command)
+                self._tailscale_next = now + max(self.browse_interval_s, TAILSCALE_INTERVAL_S)
+            hosts += ts_hosts
             self._set_static_hosts(unique(hosts))
             peers = list(self.peers)
             if self.mode == "tailscale":
