@@ -223,3 +223,28 @@ async def test_the_discovery_tool_prints_what_it_finds(tmp_path: Path) -> None:
     events = [json.loads(line) for line in out.decode().splitlines()]
     mine = [e for e in events if e.get("node_id") == node_id]
     assert mine and mine[0]["type"] == "node_discovered" and mine[0]["port"] == 52995
+
+
+async def test_tailscale_mode_finds_tailnet_hosts_and_probes_them_as_nodes(tmp_path: Path) -> None:
+    import json
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    status = {"BackendState": "Running", "Peer": {"k": {"HostName": "tailbox", "DNSName": "tailbox.ts.net.",
+                                                        "TailscaleIPs": ["127.0.0.1"], "Online": True}}}
+    fake = tmp_path / "tailscale"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{json.dumps(status)}\nEOF\n")
+    fake.chmod(0o755)
+    bus = EventBus()
+    sub = bus.subscribe(replay=True)
+    try:
+        async with discovery(bus, mode="tailscale", tailscale_command=str(fake), node_port=port) as d:
+            host = await wait_for(sub, lambda e: isinstance(e, HostDiscovered))
+            assert (host.host, host.port, host.source, host.name) == ("tailbox.ts.net", 22, "tailscale", "tailbox")
+            node = await wait_for(sub, lambda e: isinstance(e, NodeDiscovered))
+            assert (node.node_id, node.source) == (f"peer:127.0.0.1:{port}", "tailscale")
+            assert d._browser is None  # no multicast in tailscale mode
+    finally:
+        listener.close()
