@@ -125,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
             "comparison": comparison,
         }))
         return 0
-    _print(data.get("name", path.stem), spec, plan, profiles, scores, comparison, strategy)
+    _print(data.get("name", path.stem), spec, plan, profiles, scores, comparison, strategy, set(args.drain))
     return 0
 
 
 def _print(cluster: str, spec: Any, plan: Any, profiles: list[Any], scores: dict[str, Any],
-           comparison: dict[str, dict[str, Any]], strategy: str) -> None:
+           comparison: dict[str, dict[str, Any]], strategy: str, drained: set[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -152,7 +152,8 @@ def _print(cluster: str, spec: Any, plan: Any, profiles: list[Any], scores: dict
     for p in profiles:
         if p.node_id not in used:
             sc = scores[p.node_id]
-            t.add_row("-", p.node_id, names[p.node_id], "-", "0", "-", "-", "-", "-",
+            status = "drained" if p.node_id in drained or p.drained else ("not eligible" if not sc.eligible else "unused")
+            t.add_row("-", p.node_id, names[p.node_id], status, "0", "-", "-", "-", "-",
                       f"{sc.score:.0f}" + ("" if sc.eligible else " ✗"), style="dim")
     console.print(t)
     console.print(
