@@ -93,6 +93,7 @@ class Coordinator:
         weights: str = "auto",  # auto | stream | path
         home: Path | None = None,
         persist: bool = True,
+        discover: bool = False,
     ) -> None:
         self.config = config or load_config()
         self.model_name = model
@@ -132,6 +133,9 @@ class Coordinator:
         self._last_rebalance_s: float | None = None
         self._tok_times: list[float] = []
         self.store: StateStore | None = StateStore(self.home / "state.db") if persist else None
+        self.discover = discover
+        self.discovery: Any = None
+        self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
 
     # ================================================================== lifecycle
 
@@ -150,6 +154,8 @@ class Coordinator:
         for (h, p), r in zip(addresses, results, strict=True):
             if isinstance(r, BaseException):
                 self._notice("error", f"node {h}:{p} could not join: {r}")
+        if self.discover:
+            await self._start_discovery(cluster)
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="coordinator-monitor"))
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
         if self.nodes:
@@ -187,6 +193,65 @@ class Coordinator:
             self.store.save_drains(self.drained)
             self.store.save_pins({n: (p.start, p.end) for n, p in self.pins.items()})
 
+    async def _start_discovery(self, cluster: Any) -> None:
+        """Browse for nodes and hosts (mDNS, static peers, ssh_config, tailscale, per config).
+        Nodes that prove our cluster key join; the others show as foreign."""
+        from exo_tui.discovery.mdns import cluster_fingerprint
+        from exo_tui.discovery.service import Discovery, net_probe
+
+        fp = cluster_fingerprint(cluster.ca_cert_pem)
+        self.discovery = Discovery.from_config(
+            self.events, self.config, cli_peers=(), cluster_fingerprint=fp, probe=net_probe(self.security, fp),
+            ignore_node_ids=tuple(self.nodes),
+        )
+        self._tasks.append(asyncio.create_task(self._discovery_loop(), name="coordinator-discovery"))
+        try:
+            await self.discovery.start()
+        except OSError as exc:  # no multicast-capable interface, say
+            self._notice("warning", f"discovery could not start ({exc}): add nodes with --peer")
+
+    async def _discovery_loop(self) -> None:
+        with self.events.subscribe() as sub:
+            async for event in sub:
+                try:
+                    await self._on_discovery_event(event)
+                except Exception as exc:  # noqa: BLE001 - one bad advertisement must not stop discovery
+                    log.warning("discovery event %s: %s", event.kind, exc)
+
+    async def _on_discovery_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.NodeDiscovered):
+            if event.node_id in self.nodes and self.nodes[event.node_id].state != "failed":
+                self.discovery.mark_member(event.node_id)
+                return
+            self.discovered[event.node_id] = event
+            if event.foreign:
+                return
+            try:
+                await self.add_node(event.address, event.port)
+            except (ConnectError, OSError, TimeoutError) as exc:
+                if "handshake" in str(exc).lower() or "refused the connection" in str(exc):
+                    self.discovery.mark_foreign(event.node_id, str(exc))
+                return
+            self.discovered.pop(event.node_id, None)
+            self.discovery.mark_member(event.node_id)
+            await self._after_membership_change(f"node {event.name} discovered")
+        elif isinstance(event, ev.NodeStateChanged) and event.state == "foreign" and event.node_id in self.discovered:
+            self.discovered[event.node_id] = replace(self.discovered[event.node_id], foreign=True)
+        elif isinstance(event, ev.NodeGone):
+            self.discovered.pop(event.node_id, None)
+        elif isinstance(event, ev.HostDiscovered) and event.source != "manual":
+            if event.host not in self.hosts or self.hosts[event.host].state == "new":
+                self.hosts[event.host] = HostView(host=event.host, port=event.port, source=event.source)
+                self._touch()
+        elif isinstance(event, ev.HostGone) and event.host in self.hosts and self.hosts[event.host].state == "new":
+            del self.hosts[event.host]
+            self._touch()
+        elif isinstance(event, ev.BootstrapProgress) and event.host in self.hosts:
+            state = "bootstrapping" if event.status == "running" else ("failed" if event.status == "failed" else
+                                                                      ("node" if event.step == "done" else "bootstrapping"))
+            self.hosts[event.host] = replace(self.hosts[event.host], state=state, detail=f"{event.step}: {event.message}")
+            self._touch()
+
     async def _start_local_nodes(self, cluster: Any) -> None:
         if not self.local_count:
             return
@@ -206,6 +271,9 @@ class Coordinator:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self.discovery is not None:
+            with contextlib.suppress(Exception):
+                await self.discovery.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -937,6 +1005,16 @@ class Coordinator:
                     history={k: tuple(v) for k, v in h.history.items()},
                 )
             )
+        for d in self.discovered.values():
+            if d.node_id in self.nodes:
+                continue
+            nodes.append(NodeView(
+                node_id=d.node_id, name=d.name, address=d.address, port=d.port,
+                state="foreign" if d.foreign else "discovered", backends=tuple(d.backends),
+                memory_total_bytes=d.memory_bytes, eligible=False,
+                ineligible_reason="does not hold this cluster's key: bootstrap it over SSH or join it with a token"
+                if d.foreign else "joining",
+            ))
         links = []
         if self.ring is not None and len(self.ring.ring) > 1:
             ring = self.ring.ring

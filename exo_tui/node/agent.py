@@ -141,7 +141,11 @@ class NodeAgent:
             log.warning("mDNS advertising is not available in this build")
             return
         assert self.profile is not None
+        from exo_tui.discovery.mdns import cluster_fingerprint
+
+        ca = getattr(self.security, "ca_cert_pem", None)
         self._advertiser = NodeAdvertiser(
+            cluster=cluster_fingerprint(ca) if ca else "",
             node_id=self.profile.node_id,
             name=self.name,
             port=self.port,
