@@ -59,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, physical_cores()}))
     ap.add_argument("--precision", nargs="+", default=["float32", "int8"])
+    ap.add_argument("--spin", type=int, nargs="+", choices=[0, 1], default=[0], help="ORT thread spinning")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -67,19 +68,19 @@ def main() -> None:
     config = model.config
     weights = model.shard_weights(0, config.n_layers)
     print(f"{model.name}: prompt {args.prompt} tokens, decode {args.decode} tokens, best of {args.repeats}")
-    print(f"{'precision':<10}{'threads':>8}{'load s':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode cpu ms/tok':>19}")
-    for precision in args.precision:
-        for threads in args.threads:
-            backend = ONNXBackend(threads=threads, precision=precision)
-            t0 = time.perf_counter()
-            shard = backend.load_shard(config, weights)
-            load_s = time.perf_counter() - t0
-            s = measure(shard, args.prompt, args.decode, args.repeats)
-            shard.close()
-            print(
-                f"{precision:<10}{threads:>8}{load_s:>8.2f}{s.prefill_tok_s:>15.1f}"
-                f"{s.decode_tok_s:>14.1f}{s.decode_cpu_ms:>19.2f}"
-            )
+    print(f"{'precision':<10}{'threads':>8}{'spin':>5}{'load s':>8}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode cpu ms/tok':>19}")
+    runs = [(p, t, spin) for p in args.precision for t in args.threads for spin in args.spin]
+    for precision, threads, spin in runs:
+        backend = ONNXBackend(threads=threads, precision=precision, spin=bool(spin))
+        t0 = time.perf_counter()
+        shard = backend.load_shard(config, weights)
+        load_s = time.perf_counter() - t0
+        s = measure(shard, args.prompt, args.decode, args.repeats)
+        shard.close()
+        print(
+            f"{precision:<10}{threads:>8}{spin:>5}{load_s:>8.2f}{s.prefill_tok_s:>15.1f}"
+            f"{s.decode_tok_s:>14.1f}{s.decode_cpu_ms:>19.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -215,18 +215,25 @@ def test_bad_weights_and_options(tiny_models, monkeypatch):
     monkeypatch.setenv("EXO_TUI_THREADS", "many")
     with pytest.raises(BackendError, match="EXO_TUI_THREADS"):
         ONNXBackend()
+    monkeypatch.setenv("EXO_TUI_THREADS", "2")
+    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "sometimes")
+    with pytest.raises(BackendError, match="EXO_TUI_ONNX_SPIN"):
+        ONNXBackend()
 
 
 def test_options_defaults_and_env(monkeypatch):
     monkeypatch.delenv("EXO_TUI_THREADS", raising=False)
     monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
+    monkeypatch.delenv("EXO_TUI_ONNX_SPIN", raising=False)
     backend = ONNXBackend()
-    assert backend.threads == physical_cores() and backend.precision == "float32"
+    assert backend.threads == physical_cores() and backend.precision == "float32" and not backend.spin
     assert backend.available()
     monkeypatch.setenv("EXO_TUI_THREADS", "1")
     monkeypatch.setenv("EXO_TUI_ONNX_PRECISION", "int8")
+    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "1")
     backend = ONNXBackend()
-    assert backend.threads == 1 and backend.precision == "int8"
+    assert backend.threads == 1 and backend.precision == "int8" and backend.spin
+    assert backend.session_config["session.intra_op.allow_spinning"] == "1"
     assert ONNXBackend(threads=3, precision="float32").threads == 3
     assert get_backend("onnx").name == "onnx"
 
