@@ -76,7 +76,7 @@ class ONNXShard(Shard):
                 "check that onnxruntime >= 1.20 is installed"
             ) from exc
         self._caches: dict[str, _RequestCache] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.prefill_chunk = PREFILL_CHUNK
         self._release_weight_copies()
 
@@ -195,6 +195,19 @@ class ONNXShard(Shard):
                     self._caches[request_id].length = cached
                 raise
             return np.concatenate(outs)
+
+    def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """``forward`` for several requests, one run each (M=1 ``MatMulNBits`` is the fastest path
+        per token up to ~3 requests). All items are checked before any cache changes."""
+        with self._lock:
+            seen: set[str] = set()
+            for rid, x, positions in items:
+                if rid in seen:
+                    raise BackendError(f"request {rid} appears twice in one batch")
+                seen.add(rid)
+                x, positions = np.asarray(x), np.asarray(positions)
+                validate_forward_input(self, x, positions, self.kv_length(rid))
+            return [self.forward(rid, x, positions) for rid, x, positions in items]
 
     def _run(self, request_id: str, hidden: np.ndarray, cached: int, all_logits: bool) -> np.ndarray:
         """One ``session.run`` of ``hidden`` ``(T, hidden)`` after ``cached`` positions."""

@@ -355,3 +355,19 @@ def test_mixed_with_mlx(tiny_models):
     back.import_kv("r", mlx_whole.export_kv("r"))
     for tok, p in steps[2:]:
         close(back.forward("r", tok, p), onnx_whole.forward("r", tok, p))
+
+
+def test_forward_batch(tiny_models):
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    ref = ReferenceShard(cfg, weights)
+    for rid, n in (("a", 3), ("b", 9)):
+        shard.forward(rid, PROMPT[:n], np.arange(n))
+        ref.forward(rid, PROMPT[:n], np.arange(n))
+    items = [("a", np.array([4]), np.array([3])), ("b", np.array([8]), np.array([9])), ("new", PROMPT[:2], np.arange(2))]
+    for (rid, x, pos), got in zip(items, shard.forward_batch(items), strict=True):
+        close(got, ref.forward(rid, x, pos))
+    with pytest.raises(BackendError, match="positions start at 0"):
+        shard.forward_batch([("a", np.array([1]), np.array([4])), ("b", np.array([1]), np.array([0]))])
+    with pytest.raises(BackendError, match="twice"):
+        shard.forward_batch([("a", np.array([1]), np.array([4])), ("a", np.array([1]), np.array([5]))])
+    assert shard.kv_length("a") == 4 and shard.kv_length("b") == 10  # nothing ran
