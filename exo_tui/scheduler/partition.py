@@ -628,7 +628,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
     if need > have:
         what = "the model" if not ctx.pins else "the unpinned layers"
         return InfeasiblePlan(
-            f"{what} needs {gb(need)} (weights and a {spec.context_length}-token KV cache of {gb(kv)} in all) but the "
+            f"{what} needs {gb(need)} (weights plus a KV cache of {gb(kv)} for {spec.context_length} tokens) but the "
             f"eligible nodes have {gb(have)} free {_reserve_text(config)}: needs {gb(need - have)} more{largest_text}. "
             "Add a node, free memory, or lower the context length.", "memory", need - have)
     # Enough bytes in total, but not in whole layers per node (or in the minimum shard size).
@@ -716,10 +716,13 @@ def make_plan(
     cands = [n for n in elig if n not in pinned]
 
     if strategy == "exo-ring":
-        shards = exo_ring_shards([ps[n] for n in elig], spec.n_layers)
-        plan = _finish(ctx, shards, "exo-ring", version, elig, excluded, config)
         if ctx.pins:
             raise InfeasiblePlan("exo-ring cannot honour pins (it splits by memory alone): use latency, throughput or memory", "pins")
+        shards = exo_ring_shards([ps[n] for n in elig], spec.n_layers)
+        if not shards:
+            raise InfeasiblePlan("exo-ring: the eligible nodes report no memory at all: check their profiles", "memory",
+                                 spec.total_bytes)
+        plan = _finish(ctx, shards, "exo-ring", version, elig, excluded, config)
         small = [s for s in plan.shards if s.n_layers < ctx.min_layers]
         if small:
             raise InfeasiblePlan(
