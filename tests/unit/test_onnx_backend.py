@@ -64,6 +64,8 @@ def test_chunked_prefill_equals_one_prefill(tiny_models):
     first = shard.forward("b", PROMPT[:4], np.arange(4), all_logits=True)
     rest = shard.forward("b", PROMPT[4:], np.arange(4, len(PROMPT)), all_logits=True)
     close(np.concatenate([first, rest]), whole)
+    one_by_one = [shard.forward("c", PROMPT[i : i + 1], np.array([i])) for i in range(len(PROMPT))]
+    close(np.concatenate(one_by_one), whole)
 
 
 def test_kv_buffers_grow_past_capacity(tmp_path):
