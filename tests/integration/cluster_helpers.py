@@ -48,7 +48,7 @@ async def _wait_all(nodes: list[LocalNode]) -> None:
     await asyncio.gather(*(wait_ready(n, timeout_s=180) for n in nodes))
 
 
-def test_config(**scheduler: object) -> Config:
+def cluster_config(**scheduler: object) -> Config:
     """Defaults, with a looser heartbeat timeout: a 2-core CI machine running several node
     processes can starve one for a moment, and these tests are not about heartbeats."""
     config = Config()
@@ -66,10 +66,34 @@ async def coordinator(nodes: NodeSet, *, model: str | Path | None = None, peers:
     """A coordinator over ``peers`` (default: all the node set's nodes). ``persist=False`` keeps
     tests from re-adopting nodes that an earlier test's coordinator saved in the shared home."""
     c = Coordinator(model=str(model) if model else None, peers=peers if peers is not None else nodes.peers,
-                    strategy=strategy, config=config or test_config(), home=nodes.home, weights=weights,
+                    strategy=strategy, config=config or cluster_config(), home=nodes.home, weights=weights,
                     persist=persist)
     try:
         await c.start()
         yield c
     finally:
         await c.stop()
+
+
+def reference_answer(model_path: Path, prompt: str, max_tokens: int, seed: int = 7) -> list[int]:
+    """The undisturbed single-process greedy answer (ONNX, the whole model in one shard)."""
+    from exo_tui.inference.generate import generate
+    from exo_tui.inference.local import LocalPipeline, even_split
+    from exo_tui.inference.request import Request
+    from exo_tui.inference.sampling import SamplingParams
+    from exo_tui.models.model import Model
+
+    async def run() -> list[int]:
+        model = Model(model_path)
+        messages = [{"role": "user", "content": prompt}]
+        request = Request(model.chat_prompt_ids(messages), SamplingParams(temperature=0.0, seed=seed), max_tokens)
+        pipeline = LocalPipeline()
+        await pipeline.load(model.gguf, even_split(model.config.n_layers, ["onnx"]))
+        try:
+            async for _ in generate(pipeline, model.tokenizer, request, context_length=model.config.context_length):
+                pass
+        finally:
+            await pipeline.close()
+        return [t for t in request.generated if t not in model.tokenizer.eos_ids]
+
+    return asyncio.run(run())

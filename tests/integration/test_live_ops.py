@@ -23,7 +23,7 @@ from exo_tui.inference.local import LocalPipeline, even_split
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams
 from exo_tui.models.model import Model
-from tests.integration.cluster_helpers import coordinator, node_processes, test_config
+from tests.integration.cluster_helpers import coordinator, node_processes, cluster_config
 
 pytestmark = pytest.mark.slow
 
@@ -209,7 +209,7 @@ def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references) -> N
     with node_processes(home, ["onnx", "onnx", "onnx"]) as ns:
 
         async def run() -> None:
-            config = test_config(heartbeat_timeout=3.0)
+            config = cluster_config(heartbeat_timeout=3.0)
             async with coordinator(ns, config=config) as c:
                 victim = c.plan.shards[1].node_id
                 proc = next(n for n in ns.nodes if n.port == c.nodes[victim].port)
