@@ -23,7 +23,7 @@ from exo_tui.inference.local import LocalPipeline, even_split
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams
 from exo_tui.models.model import Model
-from tests.integration.cluster_helpers import coordinator, node_processes, cluster_config
+from tests.integration.cluster_helpers import cluster_config, coordinator, node_processes
 
 pytestmark = pytest.mark.slow
 

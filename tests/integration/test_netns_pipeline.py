@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from exo_tui.cluster.view import ChatParams
-from tests.integration.cluster_helpers import reference_answer, cluster_config
+from tests.integration.cluster_helpers import cluster_config, reference_answer
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
