@@ -1,0 +1,130 @@
+"""GGUF files: loading layer ranges, and one clear error for each kind of bad file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from backends.base import QuantizedWeight, dense
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError, tensor_from_raw
+from exo_tui.models.registry import resolve_model
+from tests.factory import write_tiny_llama
+
+
+def test_loads_only_the_requested_layers(tiny_models: dict[str, Path]) -> None:
+    model = GGUFModel(tiny_models["Q4_1"])
+    mid = model.shard_weights(1, 3)
+    assert (mid.start, mid.end, len(mid.layers)) == (1, 3, 2)
+    assert mid.embed is None and mid.output is None and mid.norm is None
+    first = model.shard_weights(0, 1)
+    assert first.embed is not None and first.output is None
+    last = model.shard_weights(3, 4)
+    assert last.embed is None and last.norm is not None
+    # Tied embeddings: the head of the last shard is the token embedding.
+    assert np.array_equal(dense(last.output), dense(first.embed))
+    assert isinstance(mid.layers[0].wq, QuantizedWeight) and mid.layers[0].wq.source_type == "Q4_1"
+
+
+@pytest.mark.parametrize("wt", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_weights_equal_gguf_dequantization(tiny_models: dict[str, Path], wt: str) -> None:
+    """Quantized blocks unpack to exactly what gguf's own dequantizer gives."""
+    model = GGUFModel(tiny_models[wt])
+    t = model._tensors["blk.2.ffn_down.weight"]
+    expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(model.tensor_info(t.name).shape)
+    assert np.array_equal(dense(model.tensor(t.name)), expected.astype(np.float32))
+
+
+def test_raw_bytes_round_trip(tiny_models: dict[str, Path]) -> None:
+    """What weight streaming sends (a tensor's stored bytes) decodes to the same weight."""
+    model = GGUFModel(tiny_models["Q8_0"])
+    info, raw = model.raw_tensor("blk.0.attn_q.weight")
+    again = tensor_from_raw(info, np.frombuffer(raw.tobytes(), np.uint8))
+    assert np.array_equal(dense(again), dense(model.tensor("blk.0.attn_q.weight")))
+    with pytest.raises(ModelFileError, match="bytes, expected"):
+        tensor_from_raw(info, raw[:-1])
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ModelFileError, match="does not exist"):
+        GGUFModel("/nonexistent/model.gguf")
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "model.gguf"
+    p.write_bytes(b"PK\x03\x04 this is a zip file")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        GGUFModel(p)
+
+
+def test_truncated_file(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    data = tiny_models["F32"].read_bytes()
+    p = tmp_path / "truncated.gguf"
+    p.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ModelFileError, match="truncated|corrupt") as info:
+        GGUFModel(p)
+    assert str(p) in str(info.value)
+
+
+def test_corrupt_header(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    data = bytearray(tiny_models["F32"].read_bytes())
+    data[8:16] = b"\xff" * 8  # tensor count: absurd
+    p = tmp_path / "corrupt.gguf"
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match="truncated or corrupt"):
+        GGUFModel(p)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    p = tmp_path / "bert.gguf"
+    w = gguf.GGUFWriter(str(p), "bert")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="architecture 'bert'.*llama"):
+        GGUFModel(p)
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    p = write_tiny_llama(tmp_path / "ok.gguf")
+    assert GGUFModel(p).config.n_layers == 4
+    w = gguf.GGUFWriter(str(tmp_path / "incomplete.gguf"), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(8)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match="lacks .* tensors .*incomplete"):
+        GGUFModel(tmp_path / "incomplete.gguf")
+
+
+def test_unsupported_tensor_type(tmp_path: Path) -> None:
+    """A type gguf cannot dequantize is refused with what to use instead."""
+    from exo_tui.models.gguf_file import TensorInfo
+
+    info = TensorInfo("blk.0.attn_q.weight", "Q8_1", (256, 256), 256 * 256 * 40 // 32)
+    with pytest.raises(ModelFileError, match="Q8_1.*Q4_1"):
+        tensor_from_raw(info, np.zeros(info.nbytes, np.uint8))
+
+
+def test_layer_range_out_of_bounds(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ModelFileError, match=r"layer range \[2, 9\)"):
+        GGUFModel(tiny_models["F32"]).shard_weights(2, 9)
+
+
+def test_registry() -> None:
+    assert resolve_model().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert resolve_model("smollm2-135m") == resolve_model()
+    with pytest.raises(ModelFileError, match="unknown model 'gpt-9'.*smollm2-135m"):
+        resolve_model("gpt-9")
+    with pytest.raises(ModelFileError, match="does not exist"):
+        resolve_model("/nope/x.gguf")
