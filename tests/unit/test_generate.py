@@ -1,0 +1,87 @@
+"""The generation loop over an in-process pipeline of a tiny model: lengths, stops, seeds,
+cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from exo_tui.inference.generate import Chunk, GenerationError, generate
+from exo_tui.inference.local import LocalPipeline, even_split
+from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import SamplingParams
+from exo_tui.models.model import Model
+
+
+async def _run(model: Model, request: Request, backends: list[str] | None = None, stop_after: int | None = None) -> tuple[list[Chunk], LocalPipeline]:
+    pipeline = LocalPipeline()
+    await pipeline.load(model.gguf, even_split(model.config.n_layers, backends or ["onnx"]))
+    chunks: list[Chunk] = []
+    agen = generate(pipeline, model.tokenizer, request, context_length=model.config.context_length)
+    async for chunk in agen:
+        chunks.append(chunk)
+        if stop_after is not None and len(chunks) >= stop_after:
+            break
+    await agen.aclose()
+    return chunks, pipeline
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models: dict[str, Path]) -> Model:
+    return Model(tiny_models["Q8_0"])
+
+
+def test_max_tokens_and_text(model: Model) -> None:
+    request = Request(model.tokenizer.encode("hello there"), SamplingParams(temperature=0.0), max_tokens=7)
+    chunks, pipeline = asyncio.run(_run(model, request))
+    assert chunks[-1].finish_reason in ("length", "stop")
+    assert len(request.generated) <= 7
+    text = "".join(c.text for c in chunks)
+    eos = model.tokenizer.eos_ids
+    assert text == model.tokenizer.decode([t for t in request.generated if t not in eos], skip_special=True)
+    asyncio.run(pipeline.close())
+
+
+def test_same_seed_same_tokens_and_split_does_not_matter(model: Model) -> None:
+    def once(backends: list[str]) -> list[int]:
+        request = Request(model.tokenizer.encode("the cat"), SamplingParams(temperature=50.0, seed=11), 12)
+        _, pipeline = asyncio.run(_run(model, request, backends))
+        asyncio.run(pipeline.close())
+        return request.generated
+
+    a, b, c = once(["onnx"]), once(["onnx"]), once(["onnx", "mlx"])
+    assert a == b == c
+    request = Request(model.tokenizer.encode("the cat"), SamplingParams(temperature=50.0, seed=12), 12)
+    _, pipeline = asyncio.run(_run(model, request))
+    asyncio.run(pipeline.close())
+    assert request.generated != a  # another seed, another draw
+
+
+def test_stop_string_is_not_emitted(model: Model) -> None:
+    probe = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 20)
+    chunks, pipeline = asyncio.run(_run(model, probe))
+    asyncio.run(pipeline.close())
+    full = "".join(c.text for c in chunks)
+    if len(full) < 4:
+        pytest.skip("the random model ended too early to cut")
+    stop = full[2:4]
+    request = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 20, stop=(stop,))
+    chunks, pipeline = asyncio.run(_run(model, request))
+    asyncio.run(pipeline.close())
+    text = "".join(c.text for c in chunks)
+    assert text == full[: full.index(stop)]
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_closing_the_stream_releases_caches(model: Model) -> None:
+    request = Request(model.tokenizer.encode("hello"), SamplingParams(temperature=0.0), 50)
+    chunks, pipeline = asyncio.run(_run(model, request, stop_after=2))
+    assert all(not shard.requests() for shard in pipeline.shards)
+    asyncio.run(pipeline.close())
+
+
+def test_empty_prompt_is_an_error(model: Model) -> None:
+    with pytest.raises(GenerationError, match="prompt is empty"):
+        asyncio.run(_run(model, Request([], SamplingParams(temperature=0.0), 5)))
