@@ -18,12 +18,7 @@ import pytest
 
 from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.view import ChatParams
-from exo_tui.inference.generate import generate
-from exo_tui.inference.local import LocalPipeline, even_split
-from exo_tui.inference.request import Request
-from exo_tui.inference.sampling import SamplingParams
-from exo_tui.models.model import Model
-from tests.integration.cluster_helpers import cluster_config, coordinator, node_processes
+from tests.integration.cluster_helpers import cluster_config, coordinator, node_processes, reference_answer
 
 pytestmark = pytest.mark.slow
 
@@ -50,27 +45,11 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def references(default_model_path: Path) -> dict[tuple[str, int], list[int]]:
-    """Undisturbed single-process greedy answers."""
-
-    async def one(model: Model, pipeline: LocalPipeline, prompt: str, n: int) -> list[int]:
-        request = Request(model.chat_prompt_ids(_messages(prompt)), SamplingParams(temperature=0.0, seed=7), n)
-        async for _ in generate(pipeline, model.tokenizer, request, context_length=model.config.context_length):
-            pass
-        return request.generated
-
-    async def run() -> dict[tuple[str, int], list[int]]:
-        model = Model(default_model_path)
-        pipeline = LocalPipeline()
-        await pipeline.load(model.gguf, even_split(model.config.n_layers, ["onnx"]))
-        try:
-            out = {(PROMPTS[0], LONG): await one(model, pipeline, PROMPTS[0], LONG)}
-            for p in PROMPTS:
-                out[(p, SHORT)] = await one(model, pipeline, p, SHORT)
-            return out
-        finally:
-            await pipeline.close()
-
-    return asyncio.run(run())
+    """Undisturbed single-process greedy answers (without end tokens)."""
+    out = {(PROMPTS[0], LONG): reference_answer(default_model_path, PROMPTS[0], LONG)}
+    for p in PROMPTS:
+        out[(p, SHORT)] = reference_answer(default_model_path, p, SHORT)
+    return out
 
 
 async def _disturbed(c: Coordinator, prompts: list[str], n: int, action: Callable[[], Awaitable[None]],
@@ -102,8 +81,8 @@ async def _disturbed(c: Coordinator, prompts: list[str], n: int, action: Callabl
     return [r[:-1] if r and r[-1] == -1 else r for r in results]
 
 
-def _expected(references, prompt: str, n: int, eos) -> list[int]:  # noqa: ANN001
-    return [t for t in references[(prompt, n)] if t not in eos]
+def _expected(references, prompt: str, n: int) -> list[int]:  # noqa: ANN001
+    return references[(prompt, n)]
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +107,7 @@ def test_drain_middle_node_during_long_generation(four, references) -> None:
                 assert not done.error, done.error
 
             [tokens] = await _disturbed(c, [PROMPTS[0]], LONG, drain)
-            assert tokens == _expected(references, PROMPTS[0], LONG, c.model.tokenizer.eos_ids)
+            assert tokens == _expected(references, PROMPTS[0], LONG)
             assert middle not in c.plan.node_ids
             assert c.nodes[middle].state == "drained" and not c.nodes[middle].held
             kinds = [e.kind for e in c.events.history]
@@ -163,9 +142,8 @@ def test_live_change_with_four_requests(four, references, action: str) -> None:
                 assert not done.error, done.error
 
             results = await _disturbed(c, PROMPTS, SHORT, change, after_tokens=8)
-            eos = c.model.tokenizer.eos_ids
             for prompt, tokens in zip(PROMPTS, results, strict=True):
-                assert tokens == _expected(references, prompt, SHORT, eos), prompt
+                assert tokens == _expected(references, prompt, SHORT), prompt
             if action == "pin":
                 assert target in c.pins
                 # The pin survives a rebalance.
@@ -197,7 +175,7 @@ def test_kill_9_during_generation(home: Path, references, position: str) -> None
                     os.kill(proc.pid, signal.SIGKILL)
 
                 [tokens] = await _disturbed(c, [PROMPTS[0]], LONG, kill)
-                assert tokens == _expected(references, PROMPTS[0], LONG, c.model.tokenizer.eos_ids)
+                assert tokens == _expected(references, PROMPTS[0], LONG)
                 assert c.nodes[victim].state == "failed"
                 assert victim not in c.plan.node_ids
                 assert any(e.kind == "node_failed" and e.node_id == victim for e in c.events.history)
@@ -219,7 +197,7 @@ def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references) -> N
 
                 try:
                     [tokens] = await _disturbed(c, [PROMPTS[1]], SHORT, stop, after_tokens=10)
-                    assert tokens == _expected(references, PROMPTS[1], SHORT, c.model.tokenizer.eos_ids)
+                    assert tokens == _expected(references, PROMPTS[1], SHORT)
                     assert victim not in c.plan.node_ids
                     reasons = [e.reason for e in c.events.history if e.kind == "node_failed" and e.node_id == victim]
                     assert reasons and "heartbeat" in reasons[0]
@@ -236,7 +214,7 @@ def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references) -> N
                 r = await c.apply(await c.preview("rebalance"))
                 assert not r.error and victim in c.plan.node_ids
                 [tokens] = await _disturbed(c, [PROMPTS[2]], SHORT, _nothing)
-                assert tokens == _expected(references, PROMPTS[2], SHORT, c.model.tokenizer.eos_ids)
+                assert tokens == _expected(references, PROMPTS[2], SHORT)
 
         asyncio.run(run())
 
@@ -299,7 +277,7 @@ def test_restarted_coordinator_restores_state(home: Path, references) -> None:
                 assert c.plan is not None and c.plan.version > version
                 assert drained not in c.plan.node_ids
                 [tokens] = await _disturbed(c, [PROMPTS[3]], SHORT, _nothing)
-                assert tokens == _expected(references, PROMPTS[3], SHORT, c.model.tokenizer.eos_ids)
+                assert tokens == _expected(references, PROMPTS[3], SHORT)
                 log = c.store.audit_log()
                 assert [(e.action, e.result) for e in log][-2:] == [("drain", "ok"), ("pin", "ok")]
 
