@@ -43,7 +43,7 @@ from exo_tui.cluster.view import (
     ShardView,
 )
 from exo_tui.cluster.weights import load_from_path, stream_shard
-from exo_tui.config import Config, load_config
+from exo_tui.config import GB, Config, load_config
 from exo_tui.inference.generate import GenerationError, generate
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams
@@ -519,7 +519,7 @@ class Coordinator:
             if p.memory_limit_bytes:
                 # The limit is what the node offers: add the reserves back so the scheduler's
                 # usable memory equals the limit.
-                avail = int(min(avail, p.memory_limit_bytes) + rc.system_reserved_ram * 1e9 + rc.emergency_reserve * total)
+                avail = int(min(avail, p.memory_limit_bytes) + rc.system_reserved_ram * GB + rc.emergency_reserve * total)
             out.append(
                 DeviceProfile(
                     node_id=h.node_id,

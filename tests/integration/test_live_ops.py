@@ -223,10 +223,11 @@ async def _nothing() -> None:
     return None
 
 
-def test_too_little_memory_after_failure_is_a_clear_error(home: Path) -> None:
-    """Two nodes that can each hold only half the model: when one dies the request ends with
-    the reason, and the survivor keeps serving a model that fits."""
-    with node_processes(home, ["onnx", "onnx"], memory_limits_gb=[0.9, 0.9]) as ns:
+def test_too_little_memory_after_failure_is_a_clear_error(home: Path, tiny_model: Path) -> None:
+    """Two nodes that can each hold only part of the model: when one dies the request ends with
+    the reason (free memory against what the model needs), and the survivor still serves a
+    model that fits."""
+    with node_processes(home, ["onnx", "onnx"], memory_limits_gb=[0.3, 0.3]) as ns:
 
         async def run() -> None:
             async with coordinator(ns, strategy="memory") as c:
@@ -241,6 +242,11 @@ def test_too_little_memory_after_failure_is_a_clear_error(home: Path) -> None:
                 async for _chunk in _collect_errors(c, kill, errors):
                     pass
                 assert errors and "cannot serve" in errors[0] and "GB" in errors[0], errors
+                # Nothing else broke: the survivor serves a smaller model.
+                await c.set_model(str(tiny_model))
+                assert c.plan is not None and c.plan.node_ids == (next(n for n in c.nodes if n != victim),)
+                chunks = [ch async for ch in c.chat(_messages("hi"), ChatParams(temperature=0.0, max_tokens=5))]
+                assert chunks[-1].finish_reason in ("stop", "length"), chunks[-1].error
 
         asyncio.run(run())
 
