@@ -42,6 +42,7 @@ log = logging.getLogger("exo_tui.api")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 15.0
 MAX_STOPS = 4
+HISTORY_PENALTY = 1.000001
 
 
 class ApiError(Exception):
@@ -62,13 +63,20 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    if 422 in codes:
+        codes = (400, *codes)  # a body that is not JSON at all is a 400, as in OpenAI's API
     text = {400: "bad request", 401: "missing or wrong API key", 403: "read-only coordinator",
             404: "unknown model, node or host", 409: "the change is impossible now", 422: "invalid parameters",
             502: "the host could not be bootstrapped", 503: "the cluster cannot serve the model"}
     return {c: {"model": s.ErrorResponse, "description": text[c]} for c in codes}
 
 
-_SSE_200 = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+# One server-sent event (OpenAPI before 3.2 has ``schema`` describe each event of a stream).
+_SSE_200 = {"content": {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON object, or [DONE] at the end"},
+                   "event": {"type": "string"}, "id": {"type": "string"}},
+}}}}
 
 
 # Module level: FastAPI resolves the (string) annotations of dependencies in this module's globals.
@@ -110,6 +118,20 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         dependencies=[Depends(check_key)],
     )
     app.state.coordinator = coordinator
+    build_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The OpenAPI document, made afresh: ``model`` lists the model served now."""
+        app.openapi_schema = None
+        schema = build_openapi()
+        if coordinator.model is not None:
+            for name in ("ChatCompletionRequest", "CompletionRequest"):
+                prop = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {}).get("model")
+                if prop is not None:
+                    prop["enum"] = model_ids(coordinator)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ errors
 
@@ -167,12 +189,18 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
                                 "add one with --peer, or undrain one)", type="server_error", code="cluster_unavailable")
 
     def sampling(body: s._Sampling) -> SamplingParams:
+        repetition = body.repetition_penalty or 1.0
+        if repetition == 1.0 and (body.frequency_penalty or body.presence_penalty):
+            # The pipeline sends the token history to the sampling node only when the repetition
+            # penalty is on, but OpenAI's penalties need it too: a neutral-in-effect value makes it
+            # send the history (logits / 1.000001).
+            repetition = HISTORY_PENALTY
         try:
             return SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=body.top_k or 0,
-                repetition_penalty=body.repetition_penalty or 1.0,
+                repetition_penalty=repetition,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 presence_penalty=body.presence_penalty or 0.0,
                 seed=body.seed,

@@ -66,7 +66,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     top_k: int | None = Field(default=None, ge=0, description="extension: 0 is off")
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10, description="extension: 1 is off")
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10, description="extension: 1 is off")
     user: str | None = None
 
 
