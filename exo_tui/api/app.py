@@ -17,7 +17,6 @@ import contextlib
 import hmac
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -273,7 +272,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
                            param="messages", code="invalid_messages") from exc
         request = new_request(prompt_ids, body, body.max_completion_tokens or body.max_tokens)
         gen = await start(http, request)
-        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        cid = f"chatcmpl-{request.id}"  # the id in the events (RequestDone...)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_stream(gen, cid, mid, include_usage, usage), media_type="text/event-stream",
@@ -314,7 +313,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             raise ApiError(400, "the prompt is empty: give at least one token", param="prompt", code="invalid_prompt")
         request = new_request(prompt_ids, body, body.max_tokens)
         gen = await start(http, request)
-        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        cid = f"cmpl-{request.id}"
         prefix = prompt_text if body.echo else ""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
