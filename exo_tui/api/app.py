@@ -141,7 +141,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        if any(e.get("type") in ("json_invalid", "model_attributes_type") and tuple(e.get("loc", ())) in (("body",), ("body", 0))
+        if any(e.get("type") == "json_invalid" or (e.get("type") == "model_attributes_type" and tuple(e.get("loc", ())) == ("body",))
                for e in errors):
             return error_response(400, "the body is not a JSON object: send JSON with Content-Type: application/json",
                                   code="invalid_json")
@@ -522,8 +522,7 @@ async def _chat_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
     except Exception as exc:  # noqa: BLE001 - the stream has begun: tell the client in the stream
         yield _stream_error(exc)
     finally:
-        if not gen.done:
-            gen._task.cancel()  # a client that went away: stop at the next step, drop caches
+        gen.cancel_soon()  # a client that went away: stop at the next token boundary, drop caches
     yield "data: [DONE]\n\n"
 
 
@@ -548,6 +547,5 @@ async def _text_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
     except Exception as exc:  # noqa: BLE001
         yield _stream_error(exc)
     finally:
-        if not gen.done:
-            gen._task.cancel()
+        gen.cancel_soon()
     yield "data: [DONE]\n\n"

@@ -1,8 +1,11 @@
 """One API request's generation, run as its own task so that the HTTP side can cancel it.
 
 :class:`Generation` pumps ``coordinator.generate(request)`` into a queue. Cancelling it (a client
-that disconnected) cancels the task between two pipeline steps; the generation loop's ``finally``
-then releases the request's KV caches on every node. Either way it publishes one
+that disconnected) stops it at the next token boundary: the step in flight ends (at most one more
+token of node time), then the generation loop's ``finally`` releases the request's KV caches on
+every node. Stopping between steps, rather than cancelling the task mid-step, matters: a step
+already queued at a node would otherwise run after the drop and leave a cache behind. A step that
+does not end within ``CANCEL_GRACE_S`` (a node gone quiet) is cancelled outright. Either way it publishes one
 :class:`~exo_tui.cluster.events.RequestDone` with the finish reason (``cancelled`` included).
 """
 
@@ -17,6 +20,8 @@ from exo_tui.cluster import events as ev
 from exo_tui.inference.generate import Chunk, GenerationError
 from exo_tui.inference.request import Request
 
+CANCEL_GRACE_S = 30.0
+
 
 class Generation:
     def __init__(self, coordinator: Any, request: Request) -> None:
@@ -27,15 +32,21 @@ class Generation:
         self.created = int(time.time())
         self._queue: asyncio.Queue[Chunk | BaseException | None] = asyncio.Queue()
         self._peeked: list[Chunk | BaseException | None] = []
+        self._stop = asyncio.Event()
+        self._closer: asyncio.Task[None] | None = None
         self._task = asyncio.create_task(self._pump(), name=f"api-{request.id}")
 
     async def _pump(self) -> None:
         finish, error = None, ""
         try:
-            async for chunk in self.coordinator.generate(self.request):
-                if chunk.finish_reason:
-                    finish = chunk.finish_reason
-                self._queue.put_nowait(chunk)
+            async with contextlib.aclosing(self.coordinator.generate(self.request)) as chunks:
+                async for chunk in chunks:
+                    if self._stop.is_set():
+                        finish = "cancelled"
+                        break
+                    if chunk.finish_reason:
+                        finish = chunk.finish_reason
+                    self._queue.put_nowait(chunk)
         except asyncio.CancelledError:
             finish = "cancelled"
             raise
@@ -79,11 +90,21 @@ class Generation:
             raise item
         return item
 
-    async def cancel(self) -> None:
+    async def cancel(self, grace_s: float = CANCEL_GRACE_S) -> None:
+        """Stop at the next token boundary (cancel outright after ``grace_s``) and wait for the end."""
+        self._stop.set()
         if not self._task.done():
-            self._task.cancel()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), grace_s)
+            except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
+                self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._task
+
+    def cancel_soon(self) -> None:
+        """:meth:`cancel` from code that cannot wait (a response stream being torn down)."""
+        if not self._task.done() and self._closer is None:
+            self._closer = asyncio.get_running_loop().create_task(self.cancel())
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,225 @@
+"""The OpenAI-compatible API on the real default model, driven by the official ``openai`` package.
+
+One coordinator (one ONNX node agent process) runs with two API servers in its event loop, on a
+background thread: an open one and one that requires an API key. The tests talk HTTP to them
+like any client and read the coordinator's events to see what happened on the cluster side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from exo_tui.api.server import ApiServer
+from exo_tui.cluster.coordinator import Coordinator
+from exo_tui.cluster.local_nodes import free_port
+from tests.integration.cluster_helpers import cluster_config, node_processes
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+KEY = "test-key-0123456789"
+
+
+class Live:
+    """A coordinator and its API servers, in an event loop on a thread of their own."""
+
+    def __init__(self, peers: list[str], home: Path) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.coordinator = Coordinator(peers=peers, config=cluster_config(), home=home, strategy="even")
+        self.open = ApiServer(self.coordinator, port=free_port())
+        self.keyed = ApiServer(self.coordinator, port=free_port(), api_key=KEY)
+
+    def call(self, coro: Any, timeout: float = 300) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def start(self) -> None:
+        await self.coordinator.start()
+        await self.open.start()
+        await self.keyed.start()
+
+    async def stop(self) -> None:
+        await self.open.stop()
+        await self.keyed.stop()
+        await self.coordinator.stop()
+
+    def events(self) -> list[Any]:
+        return list(self.coordinator.events.history)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    home = tmp_path_factory.mktemp("api-home")
+    with node_processes(home, ["onnx"]) as nodes:
+        live = Live(nodes.peers, home)
+        try:
+            live.call(live.start())
+            assert live.coordinator.plan is not None
+            yield live
+        finally:
+            try:
+                live.call(live.stop(), timeout=60)
+            finally:
+                live.loop.call_soon_threadsafe(live.loop.stop)
+                live.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(live: Live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.open.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(live: Live):  # noqa: ANN201
+    return live.coordinator.model.tokenizer
+
+
+def test_models_lists_the_default_model(client: openai.OpenAI) -> None:
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["smollm2-135m"]
+    assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"
+
+
+def test_chat_answers_correctly_with_exact_usage(client: openai.OpenAI, live: Live, tokenizer) -> None:  # noqa: ANN001
+    r = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0, max_tokens=24)
+    text = r.choices[0].message.content
+    assert "Paris" in text
+    assert r.object == "chat.completion" and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(live.coordinator.model.chat_prompt_ids(QUESTION))
+    # the answer's tokens, plus the end-of-turn token that stopped it
+    assert r.usage.completion_tokens == len(tokenizer.encode(text, add_special=False)) + 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_gives_the_same_answer_and_usage(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0, max_tokens=24)
+    stream = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_max_tokens_stop_and_seed(client: openai.OpenAI, tokenizer) -> None:  # noqa: ANN001
+    short = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0,
+                                           max_completion_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    cut = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0, max_tokens=24,
+                                         stop=[" Paris"])
+    assert cut.choices[0].finish_reason == "stop" and "Paris" not in cut.choices[0].message.content
+    assert cut.choices[0].message.content
+    story = [{"role": "user", "content": "Write one sentence about a cat."}]
+    a, b, c = (client.chat.completions.create(model="smollm2-135m", messages=story, temperature=0.9, seed=s,
+                                              max_tokens=12).choices[0].message.content for s in (7, 7, 8))
+    assert a == b, "the same seed gave different answers"
+    greedy = {client.chat.completions.create(model="smollm2-135m", messages=story, temperature=0, seed=s,
+                                             max_tokens=12).choices[0].message.content for s in (1, 2)}
+    assert len(greedy) == 1
+    assert c  # another seed still answers (it may or may not differ in 12 tokens)
+
+
+def test_completions_endpoint(client: openai.OpenAI, tokenizer) -> None:  # noqa: ANN001
+    prompt = "The capital of France is"
+    r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=4, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt)) and r.usage.completion_tokens == 4
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=4, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+    ids = client.completions.create(model="smollm2-135m", prompt=tokenizer.encode(prompt), max_tokens=4, temperature=0)
+    assert ids.choices[0].text == r.choices[0].text
+
+
+def test_errors_have_openai_shape_and_status(client: openai.OpenAI, live: Live) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=3)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=10**6)
+    assert e.value.code == "context_length_exceeded"
+    r = httpx.post(f"{live.open.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(f"{live.open.url}/v1/chat/completions", json={"model": "smollm2-135m", "messages": []})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "messages"
+    assert httpx.get(f"{live.open.url}/v1/nothing").json()["error"]["code"] == "404"
+
+
+def test_api_key_is_enforced(live: Live) -> None:
+    url = f"{live.keyed.url}/v1"
+    for key in ("wrong", ""):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key=key or "x", max_retries=0).models.list()
+    r = httpx.get(f"{url}/cluster")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(f"{url}/cluster/rebalance", json={"dry_run": True}).status_code == 401
+    good = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+    assert [m.id for m in good.models.list().data] == ["smollm2-135m"]
+    assert httpx.get(f"{url}/cluster", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def _done(live: Live, rid: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [e for e in live.events() if e.kind == "request_done" and e.request_id == rid]
+        if done:
+            return done[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no request_done for {rid}")
+
+
+def _node_requests(live: Live) -> set[str]:
+    """Requests the node agents report holding (their heartbeats' per-request stats)."""
+    return {rid for h in live.coordinator.nodes.values() for rid in h.metrics.get("requests", {})}
+
+
+def _tokens_of(live: Live, rid: str) -> int:
+    return sum(1 for e in live.events() if e.kind == "token" and e.request_id == rid)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnected_client_stops_its_generation(live: Live, stream: bool) -> None:
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "temperature": 0.7, "seed": 3, "max_tokens": 400, "stream": stream}
+    before = {e.request_id for e in live.events() if e.kind == "request_done"}
+    if stream:
+        with httpx.stream("POST", f"{live.open.url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            rid = first.split('"id":"chatcmpl-', 1)[1].split('"', 1)[0]
+            for _ in range(3):
+                next(lines)
+        # leaving the block closes the connection mid-answer
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.open.url}/v1/chat/completions", json=body, timeout=2.0)
+        deadline = time.monotonic() + 30
+        rid = ""
+        while not rid and time.monotonic() < deadline:
+            rid = next((e.request_id for e in live.events() if e.kind == "request_done" and e.request_id not in before), "")
+            time.sleep(0.05)
+    done = _done(live, rid)
+    assert done.finish_reason == "cancelled"
+    assert done.completion_tokens < 400
+    made = _tokens_of(live, rid)
+    time.sleep(1.5)  # a heartbeat or more: nodes report what they hold
+    assert _tokens_of(live, rid) == made, "the cancelled request kept generating"
+    assert rid not in live.coordinator.pipeline.in_flight()
+    assert rid not in _node_requests(live), "a node still holds the cancelled request's cache"
