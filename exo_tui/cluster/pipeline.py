@@ -162,7 +162,7 @@ class RemotePipeline:
             "n_tokens": len(tokens),
             "sampling": request.sampling.to_dict(),
         }
-        if request.sampling.repetition_penalty != 1.0:
+        if request.sampling.uses_history:
             body["history"] = tokens
         try:
             first = plan.ring[0].node_id

@@ -59,6 +59,11 @@ class SamplingParams:
             raise ValueError("bad sampling parameters: " + "; ".join(problems))
 
     @property
+    def uses_history(self) -> bool:
+        """Whether sampling looks at the tokens so far (a penalty is on), not just their count."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -115,8 +120,7 @@ class Sampler:
         raw = np.asarray(logits, dtype=np.float32).reshape(-1)
         if raw.size == 0:
             raise ValueError("no logits to sample from")
-        penalised = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        x = self._penalised(raw, history) if penalised else raw
+        x = self._penalised(raw, history) if p.uses_history else raw
 
         if p.greedy:
             token = int(np.argmax(x))
