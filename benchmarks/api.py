@@ -1,0 +1,155 @@
+"""Aggregate decode tokens/s at 1, 4, 8 and 16 concurrent streams, through a 1-node and a 3-node
+cluster of local node agents (``--backend onnx`` or ``mlx``), directly (``coordinator.generate``) and through the HTTP API
+(streaming ``/v1/chat/completions``), measured side by side in one run.
+
+Each stream asks a different question and decodes ``--tokens`` tokens greedily (fewer if the model
+ends its answer). Columns:
+
+* ``tok/s``: every stream's tokens after its first, over the time from the first stream's first
+  token to the last stream's end (the decode rate of the whole cluster);
+* ``× 1 stream``: that rate over the same path's rate with one stream (batching's gain);
+* ``wall tok/s``: all generated tokens over the whole run, prefill included;
+* ``HTTP cost``: how much lower the HTTP path's decode rate is than the direct one.
+
+The HTTP clients run in this process's event loop, beside the server, so the HTTP column pays for
+both ends of the connection.
+
+    .venv/bin/python benchmarks/api.py [--tokens 32] [--model smollm2-135m] [--nodes 1,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from exo_tui.api.server import ApiServer  # noqa: E402
+from exo_tui.cluster.coordinator import Coordinator  # noqa: E402
+from exo_tui.cluster.view import ChatParams  # noqa: E402
+from exo_tui.config import Config  # noqa: E402
+
+TOPICS = ["the sea", "a red fox", "Paris", "winter", "a robot", "bread", "the moon", "trains", "music", "a garden",
+          "mountains", "a library", "coffee", "rain", "a lighthouse", "bees"]
+
+
+def _messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.end = 0.0
+        self.tokens = 0
+
+
+def _rates(streams: list[Stream]) -> tuple[float, float]:
+    firsts = [s.first for s in streams if s.first is not None]
+    decode_tokens = sum(max(0, s.tokens - 1) for s in streams)
+    span = max(s.end for s in streams) - min(firsts) if firsts else 0.0
+    wall = max(s.end for s in streams) - min(s.start for s in streams)
+    return (decode_tokens / span if span > 0 else 0.0), (sum(s.tokens for s in streams) / wall if wall > 0 else 0.0)
+
+
+async def _direct(c: Coordinator, i: int, tokens: int) -> Stream:
+    s = Stream()
+    request = c.new_request(_messages(i), ChatParams(max_tokens=tokens, temperature=0.0, seed=1))
+    async for chunk in c.generate(request):
+        if chunk.token_id is not None:
+            s.first = s.first or time.monotonic()
+    s.tokens = len(request.generated)
+    s.end = time.monotonic()
+    return s
+
+
+async def _http(http: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> Stream:
+    s = Stream()
+    body = {"model": model, "messages": _messages(i), "temperature": 0, "seed": 1, "max_tokens": tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                s.tokens = data["usage"]["completion_tokens"]
+            elif data["choices"] and data["choices"][0]["delta"].get("content"):
+                s.first = s.first or time.monotonic()
+    s.end = time.monotonic()
+    return s
+
+
+async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None, backend: str) -> list[dict]:
+    home = Path(tempfile.mkdtemp(prefix="exo-bench-api-"))
+    os.environ["EXO_TUI_HOME"] = str(home)
+    config = Config()
+    config.scheduler.fault_tolerance.heartbeat_timeout = 20.0
+    c = Coordinator(model=model, config=config, local_nodes=n_nodes, local_backends=[backend], strategy="even",
+                    home=home, persist=False)
+    rows = []
+    await c.start()
+    try:
+        server = ApiServer(c, port=0)
+        await server.start()
+        try:
+            model_id = (await asyncio.to_thread(httpx.get, f"{server.url}/v1/models")).json()["data"][0]["id"]
+            async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
+                await _direct(c, 0, 4)  # warm up: sessions, caches, connections
+                await _http(http, server.url, model_id, 0, 4)
+                for n in counts:
+                    direct = await asyncio.gather(*(_direct(c, i, tokens) for i in range(n)))
+                    over_http = await asyncio.gather(*(_http(http, server.url, model_id, i, tokens) for i in range(n)))
+                    d_rate, d_wall = _rates(list(direct))
+                    h_rate, h_wall = _rates(list(over_http))
+                    rows.append({"nodes": n_nodes, "streams": n, "direct": d_rate, "direct_wall": d_wall,
+                                 "http": h_rate, "http_wall": h_wall,
+                                 "tokens": sum(s.tokens for s in direct), "http_tokens": sum(s.tokens for s in over_http)})
+                    print(f"  {n_nodes} node(s), {n:2d} stream(s): direct {d_rate:7.1f} tok/s, http {h_rate:7.1f} tok/s",
+                          file=sys.stderr, flush=True)
+        finally:
+            await server.stop()
+    finally:
+        await c.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--nodes", default="1,3")
+    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--backend", default="onnx", choices=["onnx", "mlx"], help="backend of the node agents")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.streams.split(",")]
+    rows = []
+    for n_nodes in (int(x) for x in args.nodes.split(",")):
+        rows += asyncio.run(bench(n_nodes, counts, args.tokens, args.model, args.backend))
+
+    print(f"\nAggregate decode tokens/s, {args.tokens} tokens per stream, {args.backend} node agents on loopback "
+          f"({os.cpu_count()} CPUs)\n")
+    head = f"{'nodes':>5} {'streams':>7} | {'direct tok/s':>12} {'× 1 stream':>10} {'wall tok/s':>10} | " \
+           f"{'HTTP tok/s':>10} {'× 1 stream':>10} {'wall tok/s':>10} | {'HTTP cost':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        base = next(x for x in rows if x["nodes"] == r["nodes"] and x["streams"] == min(counts))
+        cost = 1 - r["http"] / r["direct"] if r["direct"] else 0.0
+        print(f"{r['nodes']:>5} {r['streams']:>7} | {r['direct']:>12.1f} {r['direct'] / base['direct']:>9.2f}× "
+              f"{r['direct_wall']:>10.1f} | {r['http']:>10.1f} {r['http'] / base['http']:>9.2f}× {r['http_wall']:>10.1f} | "
+              f"{cost * 100:>8.1f}%")
+
+
+if __name__ == "__main__":
+    main()
