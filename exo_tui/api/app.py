@@ -154,6 +154,12 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             parts.append(f"{where}: {e.get('msg', 'invalid')}")
         return error_response(422, "invalid parameters: " + "; ".join(parts), param=param, code="invalid_parameter")
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.error("internal error: %r", exc, exc_info=exc)
+        return error_response(500, f"internal error in the coordinator: {type(exc).__name__}: {exc}; see its log",
+                              type="server_error", code="internal_error")
+
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
