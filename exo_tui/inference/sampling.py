@@ -185,7 +185,11 @@ def _nucleus(logw: np.ndarray, w: np.ndarray, top_p: float) -> np.ndarray:
     lo = max(float(logw.min()), _LOG_FLOOR)
     if lo >= 0.0:  # all weights equal
         return np.arange(w.size)
-    b = ((logw - lo) * ((_BINS - 1) / -lo)).clip(0, _BINS - 1).astype(np.int64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        # A minimum within a hair of 0 makes the scale overflow: 0 * inf is the minimum's own
+        # bucket (0), anything above it lands in the top bucket, which is then sorted exactly.
+        scaled = (logw - lo) * ((_BINS - 1) / -lo)
+    b = np.nan_to_num(scaled, nan=0.0, posinf=_BINS - 1).clip(0, _BINS - 1).astype(np.int64)
     mass_from_top = np.cumsum(np.bincount(b, weights=w, minlength=_BINS)[::-1])
     k = min(int(np.searchsorted(mass_from_top, need, side="left")), _BINS - 1)
     edge = _BINS - 1 - k  # the bucket where the mass reaches top_p
