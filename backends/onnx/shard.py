@@ -20,6 +20,7 @@ from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
 
 CAPACITY_STEP = 256  # KV buffers grow in multiples of this many positions
+PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
 
 
@@ -107,7 +108,7 @@ class ONNXShard(Shard):
 
     def _probe(self) -> np.ndarray:
         """Outputs of a fixed random prompt of two tokens and one decode step (no cache kept)."""
-        rid = "\0probe"
+        rid = PROBE_ID
         hidden = np.random.default_rng(0).standard_normal((3, self.config.hidden_size)).astype(np.float32)
         with self._lock:
             try:
@@ -295,8 +296,12 @@ class ONNXShard(Shard):
             self._caches.pop(request_id, None)
 
     def requests(self) -> list[str]:
-        with self._lock:
-            return list(self._caches)
+        # Without the lock: callers such as heartbeats must not wait for a long step to end.
+        while True:
+            try:
+                return [rid for rid in list(self._caches) if rid != PROBE_ID]
+            except RuntimeError:  # the dict changed size while being copied; copy again
+                continue
 
     def close(self) -> None:
         with self._lock:

@@ -373,3 +373,16 @@ def test_forward_batch(tiny_models):
     with pytest.raises(BackendError, match="twice"):
         shard.forward_batch([("a", np.array([1]), np.array([4])), ("a", np.array([1]), np.array([5]))])
     assert shard.kv_length("a") == 4 and shard.kv_length("b") == 10  # nothing ran
+
+
+def test_requests_and_kv_length_do_not_wait_for_a_running_step(tiny_models):
+    import threading
+
+    _, _, shard = load(tiny_models["Q4_0"])
+    shard.forward("r", PROMPT, np.arange(len(PROMPT)))
+    seen: list = []
+    with shard._lock:  # as while a long step runs in another thread
+        t = threading.Thread(target=lambda: seen.append((shard.requests(), shard.kv_length("r"))))
+        t.start()
+        t.join(5)
+    assert seen == [(["r"], len(PROMPT))]
