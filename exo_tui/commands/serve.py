@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-port", type=int, default=None, metavar="PORT", help="port (default network.api.port, 52415)")
     p.add_argument("--strategy", default=None, choices=["latency", "throughput", "memory", "exo-ring", "even"],
                    help="partition strategy (default: the config's)")
+    p.add_argument("--discover", action="store_true", help="browse mDNS for node agents and hosts of this cluster")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -72,7 +73,7 @@ async def _serve(args: argparse.Namespace) -> int:
     local = args.local_nodes if args.local_nodes is not None else (0 if args.peer else 1)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     coordinator = Coordinator(model=args.model, config=config, peers=list(args.peer), local_nodes=local,
-                              local_backends=backends, strategy=args.strategy)
+                              local_backends=backends, strategy=args.strategy, discover=args.discover)
     server = ApiServer(coordinator, host=host, port=port, api_key=key,
                        log_level="warning" if args.log_level != "debug" else "info")
     log = logging.getLogger("exo_tui.serve")
