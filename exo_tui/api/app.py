@@ -247,6 +247,12 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             raise
         return gen
 
+    async def collect(http: Request, gen: Generation) -> str:
+        try:
+            return await _until_done_or_disconnect(http, gen, _collect(gen))
+        except GenerationError as exc:  # the cluster lost the ability to serve mid-answer
+            raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
+
     def usage(request: GenRequest) -> dict[str, int]:
         p, c = len(request.prompt_ids), len(request.generated)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -283,7 +289,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_stream(gen, cid, mid, include_usage, usage), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
-        text = await _until_done_or_disconnect(http, gen, _collect(gen))
+        text = await collect(http, gen)
         return {
             "id": cid, "object": "chat.completion", "created": gen.created, "model": mid,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -325,7 +331,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_text_stream(gen, cid, mid, include_usage, usage, prefix),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        text = await _until_done_or_disconnect(http, gen, _collect(gen))
+        text = await collect(http, gen)
         return {
             "id": cid, "object": "text_completion", "created": gen.created, "model": mid,
             "choices": [{"index": 0, "text": prefix + text, "logprobs": None, "finish_reason": gen.finish_reason}],
