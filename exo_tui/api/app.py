@@ -41,7 +41,6 @@ log = logging.getLogger("exo_tui.api")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 15.0
 MAX_STOPS = 4
-HISTORY_PENALTY = 1.000001
 
 
 class ApiError(Exception):
@@ -195,11 +194,6 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
 
     def sampling(body: s._Sampling) -> SamplingParams:
         repetition = body.repetition_penalty or 1.0
-        if repetition == 1.0 and (body.frequency_penalty or body.presence_penalty):
-            # The pipeline sends the token history to the sampling node only when the repetition
-            # penalty is on, but OpenAI's penalties need it too: a neutral-in-effect value makes it
-            # send the history (logits / 1.000001).
-            repetition = HISTORY_PENALTY
         try:
             return SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,

@@ -624,6 +624,7 @@ class Coordinator:
             same = old_plan is not None and self._plan_alive() and old_plan.shards == new.shards
             if same and not self._serve_error:
                 self._plan_ready.set()
+                self._refresh_states()
                 return
             self._version = max(self._version, old_plan.version if old_plan else 0) + 1
             new = new.with_version(self._version)
@@ -647,18 +648,25 @@ class Coordinator:
             self._plan_ready.set()
             # 4. unload what the new plan does not use; drained nodes become drained
             await self._unload_unused(ring)
-            for h in self.nodes.values():
-                if h.state in ("ready", "draining", "drained", "loading"):
-                    wanted = "drained" if h.node_id in self.drained and not h.held else ("draining" if h.node_id in self.drained else "ready")
-                    if wanted != h.state:
-                        h.state = wanted
-                        self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state=wanted))
+            self._refresh_states()
             if self.store is not None:
                 self.store.save_plan(new.version, str(self.model.path) if self.model else "", new.to_dict())
             diff = {"moves": [m.__dict__ for m in moves], "bytes_moved": sum(m.nbytes for m in moves)}
             self.events.publish(ev.PlanChanged(version=new.version, plan=new.to_dict(), diff=diff, reason=reason))
             self._touch()
             log.info("plan %d in force (%s): %s", new.version, reason, new.layout)
+
+    def _refresh_states(self) -> None:
+        """Drained when a drained node holds nothing, draining while it still does, else ready."""
+        for h in self.nodes.values():
+            if h.state in ("ready", "draining", "drained", "loading"):
+                if h.node_id in self.drained:
+                    wanted = "draining" if h.held else "drained"
+                else:
+                    wanted = "ready"
+                if wanted != h.state:
+                    h.state = wanted
+                    self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state=wanted))
 
     def _ring_for(self, plan: Plan) -> RingPlan:
         entries = []

@@ -178,16 +178,23 @@ class RemotePipeline:
         finally:
             self._pending.pop(key, None)
 
-    async def _drop_on(self, plan: RingPlan, rid: str) -> None:
-        for entry in plan.ring:
+    async def _drop_on(self, plan: RingPlan, rid: str, *, final: bool = False) -> None:
+        async def drop(node_id: str) -> None:
             with contextlib.suppress(Exception):
-                await self.host.connection(entry.node_id).call("drop", {"rid": rid}, timeout=5)
+                await self.host.connection(node_id).call("drop", {"rid": rid, "final": final}, timeout=5)
+
+        await asyncio.gather(*(drop(e.node_id) for e in plan.ring))
 
     async def release(self, request: Request) -> None:
+        """The request has ended (or was cancelled, maybe mid-step): drop its caches for good,
+        everywhere; a step of it still on its way is discarded by the nodes."""
         self._cached.pop(request.id, None)
+        for key, fut in list(self._pending.items()):
+            if key[0] == request.id and not fut.done():
+                fut.cancel()
         plan = self._active_plans.pop(request.id, None)
         if plan is not None:
-            await self._drop_on(plan, request.id)
+            await asyncio.shield(self._drop_on(plan, request.id, final=True))
 
     def served_by(self) -> tuple[str, ...]:
         """Names of the nodes of the most recent request's ring."""

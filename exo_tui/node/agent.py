@@ -33,7 +33,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +53,8 @@ from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_me
 log = logging.getLogger("exo_tui.node")
 
 HEARTBEAT_INTERVAL_S = 1.0
+FINISHED_MEMORY = 10_000  # ended requests remembered, so late steps of theirs are discarded
+_DISCARDED = object()
 
 
 @dataclass
@@ -106,6 +108,7 @@ class NodeAgent:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-worker")
         self._samplers: dict[str, Sampler] = {}
         self._stats: dict[str, _RequestStats] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()  # requests ended for good
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = asyncio.Event()
         self._advertiser: Any = None
@@ -266,6 +269,8 @@ class NodeAgent:
         if frame.plan is None:
             raise HostError("a forward frame must name its plan version")
         hop = int(frame.body["hop"])
+        if frame.body.get("rid") in self._finished:
+            return None  # the request ended while this step was on its way
         self.host.hop(frame.plan, hop)  # refuse early: unknown plan, wrong node, shard missing
         self._queue.append(_Step(conn, frame, hop))
         self._wakeup.set()
@@ -291,7 +296,13 @@ class NodeAgent:
         return Frame("ok")
 
     async def _op_drop(self, conn: Connection, frame: Frame) -> Frame:
+        """Forget a request's caches. ``final``: the request has ended, so a step of it still
+        queued or in flight here is discarded rather than run (it would leave a cache behind)."""
         rid = frame.body["rid"]
+        if frame.body.get("final"):
+            self._finished[rid] = None
+            while len(self._finished) > FINISHED_MEMORY:
+                self._finished.popitem(last=False)
         self._samplers.pop(rid, None)
         self._stats.pop(rid, None)
         await self._in_worker(self.host.drop, rid)
@@ -351,6 +362,9 @@ class NodeAgent:
         results: list[Any] = [None] * len(batch)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, step in enumerate(batch):
+            if step.frame.body.get("rid") in self._finished:
+                results[i] = _DISCARDED
+                continue
             try:
                 _, _, hosted = self.host.hop(step.frame.plan, step.hop)
             except HostError as exc:
@@ -388,7 +402,10 @@ class NodeAgent:
             if shard.is_last:
                 for i in idxs:
                     if not isinstance(results[i], Exception):
-                        results[i] = self._sample(batch[i].frame, results[i])
+                        try:
+                            results[i] = self._sample(batch[i].frame, results[i])
+                        except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
+                            results[i] = exc
         return results
 
     def _sample(self, frame: Frame, logits: np.ndarray) -> tuple[int, float]:
@@ -406,6 +423,9 @@ class NodeAgent:
     async def _deliver(self, step: _Step, result: Any) -> None:
         f = step.frame
         rid = f.body["rid"]
+        if result is _DISCARDED or rid in self._finished:
+            self._stats.pop(rid, None)
+            return
         if isinstance(result, Exception):
             await self._fail_step(step, str(result))
             return
