@@ -75,7 +75,10 @@ def make_nodes(count: int) -> list[NodeView]:
 class FakeCluster:
     """A ClusterControl with deterministic data (no clocks, no randomness)."""
 
-    def __init__(self, n_nodes: int = 3, n_layers: int = 30, *, chat_delay_s: float = 0.0, hosts: int = 2) -> None:
+    def __init__(
+        self, n_nodes: int = 3, n_layers: int = 30, *, chat_delay_s: float = 0.0, hosts: int = 2, reply: str = REPLY
+    ) -> None:
+        self.reply = reply
         self.events = ev.EventBus()
         self.n_layers = n_layers
         self.nodes: dict[str, NodeView] = {n.node_id: n for n in make_nodes(n_nodes)}
@@ -269,7 +272,7 @@ class FakeCluster:
         if self.fail_next_chat:
             error, self.fail_next_chat = self.fail_next_chat, ""
             raise RuntimeError(error)
-        words = REPLY.split(" ")
+        words = self.reply.split(" ")
         count = 0
         for i, word in enumerate(words):
             await asyncio.sleep(self.chat_delay_s)

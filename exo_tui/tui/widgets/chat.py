@@ -22,7 +22,7 @@ from exo_tui.tui import keymap
 from exo_tui.tui.widgets.style import theme_style
 
 _CHAT_KEYS = {k.id: k for k in keymap.specs("chat")}
-FLUSH_S = 0.05  # the answer on screen trails the tokens by at most this
+FLUSH_S = 0.1  # the answer on screen trails the tokens by at most this (10 screen updates a second)
 
 
 class ChatInput(Input):
