@@ -205,7 +205,7 @@ def test_chat_cli_local_nodes(default_model_path: Path, home: Path, reference_to
 
 
 OPS = ["attach", "profile", "load", "load_begin", "load_chunk", "load_commit", "unload", "plan", "forward",
-       "kv_export", "kv_import", "drop", "ping", "link_probe", "exec", "", "eval"]
+       "kv_export", "kv_import", "drop", "ping", "link_probe", "exec", "__init__", "eval"]
 
 
 def test_fuzz_operations_at_a_live_node(nodes, home: Path) -> None:
