@@ -17,6 +17,7 @@ from textual import work
 from textual.app import App, SystemCommand
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
+from textual.widgets import Input
 
 import themes
 from exo_tui.cluster import events as ev
@@ -219,6 +220,9 @@ class ExoApp(App):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.DANGEROUS and self.readonly:
             return False
+        if action == "command_mode" and isinstance(self.focused, Input):
+            return False  # a ':' typed into a text box is just a ':'
+
         if action in GLOBAL_ACTIONS and action not in {"command_palette", "quit"} and isinstance(self.screen, ModalScreen):
             return False
         return True

@@ -37,7 +37,7 @@ class KeySpec:
     dangerous: bool = False  # hidden and refused in --readonly
     show: bool = True  # shown in the footer
     key_display: str | None = None
-    priority: bool = False
+    priority: bool = False  # opens a text box: runs before keys typed right after it are delivered
 
     def binding(self) -> Binding:
         return Binding(
@@ -55,7 +55,7 @@ class KeySpec:
 KEYS: tuple[KeySpec, ...] = (
     # ------------------------------------------------------------------ everywhere
     KeySpec("exo.help", "question_mark", "help", "Help", "global", "Keys of the focused pane", key_display="?"),
-    KeySpec("exo.command", "colon", "command_mode", "Command", "global", "Type a command: :nodes :hosts :chat :events :model :theme", key_display=":"),
+    KeySpec("exo.command", "colon", "command_mode", "Command", "global", "Type a command: :nodes :hosts :chat :events :model :theme", key_display=":", priority=True),
     KeySpec("exo.palette", "ctrl+p", "command_palette", "Palette", "global", "Search every action", show=False),
     KeySpec("exo.rebalance", "R", "rebalance", "Rebalance", "global", "Preview a rebalance of the whole plan, then apply it", dangerous=True),
     KeySpec("exo.bootstrap", "b", "bootstrap", "Bootstrap", "global", "Install and start a node agent on a host (opens the hosts view)", dangerous=True, show=False),
@@ -69,7 +69,7 @@ KEYS: tuple[KeySpec, ...] = (
     # ------------------------------------------------------------------ nodes table
     KeySpec("exo.nodes.details", "enter", "details", "Details", "nodes", "Profile, score breakdown, sparklines and shards of the node"),
     KeySpec("exo.nodes.mark", "space", "mark", "Mark", "nodes", "Mark or unmark the node; D/U act on the marked set"),
-    KeySpec("exo.nodes.filter", "slash", "filter", "Filter", "nodes", "Show only nodes whose name, address or state contains the text", key_display="/"),
+    KeySpec("exo.nodes.filter", "slash", "filter", "Filter", "nodes", "Show only nodes whose name, address or state contains the text", key_display="/", priority=True),
     KeySpec("exo.nodes.drain", "D", "drain", "Drain", "nodes", "Move all layers off the marked (or selected) nodes", dangerous=True),
     KeySpec("exo.nodes.undrain", "U", "undrain", "Undrain", "nodes", "Let the marked (or selected) nodes take layers again", dangerous=True),
     KeySpec("exo.nodes.pin", "p", "pin", "Pin", "nodes", "Pin or unpin the selected node's current layers", dangerous=True),
@@ -86,7 +86,7 @@ KEYS: tuple[KeySpec, ...] = (
     # ------------------------------------------------------------------ hosts view
     KeySpec("exo.hosts.bootstrap", "b", "bootstrap", "Bootstrap", "hosts", "Install and start a node agent on the selected host", dangerous=True),
     KeySpec("exo.hosts.add", "a", "add_host", "Add host", "hosts", "Add a host by name or address", dangerous=True),
-    KeySpec("exo.hosts.filter", "slash", "filter", "Filter", "hosts", "Show only matching hosts", key_display="/"),
+    KeySpec("exo.hosts.filter", "slash", "filter", "Filter", "hosts", "Show only matching hosts", key_display="/", priority=True),
     KeySpec("exo.hosts.back", "q,escape", "back", "Back", "hosts", "Back to the nodes"),
     # ------------------------------------------------------------------ node detail
     KeySpec("exo.detail.back", "q,escape", "back", "Back", "detail", "Back to the nodes"),

@@ -288,3 +288,21 @@ async def test_filter_narrows_the_table(make_app):
         await pilot.press("escape")
         assert table(app).row_count == 3
         assert not app.main_screen.query_one("#filter", Input).display
+
+
+async def test_keys_typed_right_after_colon_reach_the_command_line(make_app):
+    """A fast typist (or tmux send-keys) sends ':chat' in one go: nothing may leak to the table."""
+    from textual import events
+
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        for key, char in [("colon", ":"), ("c", "c"), ("h", "h"), ("a", "a"), ("t", "t"), ("enter", None)]:
+            event = events.Key(key, char)
+            event.set_sender(app)
+            app._driver.send_message(event)
+        await wait_until(pilot, lambda: app.focused is not None and app.focused.id == "chat-input")
+        assert app.screen is app.main_screen  # 'a' did not open the add-host prompt
+        assert app.main_screen.maximized is app.main_screen.query_one(ChatPane)  # short terminal: chat alone
+        await pilot.press("colon")  # in the chat input a ':' is text
+        assert app.focused.id == "chat-input" and app.focused.value == ":"

@@ -69,6 +69,8 @@ class HostsScreen(Screen):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.DANGEROUS and getattr(self.app, "readonly", False):
             return False
+        if action == "filter" and isinstance(self.focused, Input):
+            return False  # a '/' typed into the filter is just a '/'
         return True
 
     # ------------------------------------------------------------------ rendering

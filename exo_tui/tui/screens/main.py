@@ -70,7 +70,7 @@ class MainScreen(Screen):
     def open_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.display = True
-        box.focus()
+        self.set_focus(box)  # at once: keys already queued (a fast typist, a paste) go to the box
 
     @on(Input.Changed, "#filter")
     def _filter_changed(self, event: Input.Changed) -> None:
@@ -90,7 +90,7 @@ class MainScreen(Screen):
         box = self.query_one("#command", Input)
         box.value = ":"
         box.display = True
-        box.focus()
+        self.set_focus(box)  # at once: keys already queued (a fast typist, a paste) go to the box
         box.cursor_position = 1
 
     @on(Input.Submitted, "#command")
