@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from exo_tui.config import ConfigError, load_config, save_config
+    from exo_tui.config import ConfigError, load_config
 
     if args.local_nodes < 0:
         print("exo-tui: --local-nodes must be 0 or more", file=sys.stderr)
@@ -71,20 +71,27 @@ def run(args: argparse.Namespace) -> int:
         )
         on_start, on_stop = control.start, control.stop
 
-    def save_theme(name: str) -> None:
-        if name != config.ui.theme:
-            save_config({"ui.theme": name}, args.config)
-            config.ui.theme = name
-
     from exo_tui.tui.app import ExoApp
 
     app = ExoApp(
         control,
         readonly=args.readonly,
         theme=args.theme or config.ui.theme,
-        on_theme_change=save_theme,
+        on_theme_change=theme_saver(config, args.config),
         on_start=on_start,
         on_stop=on_stop,
     )
     app.run()
     return int(app.return_code or 0)
+
+
+def theme_saver(config, path: str | None):  # noqa: ANN001, ANN201
+    """A callback that writes the chosen theme to ``ui.theme`` of the config file (once per change)."""
+    from exo_tui.config import save_config
+
+    def save(name: str) -> None:
+        if name != config.ui.theme:
+            save_config({"ui.theme": name}, path)
+            config.ui.theme = name
+
+    return save
