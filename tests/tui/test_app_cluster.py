@@ -135,14 +135,16 @@ async def test_chat_answers_while_a_drain_happens(default_model_path: Path, tmp_
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_until(pilot, lambda: table(app).row_count == 2, timeout=20)
             chat = app.main_screen.query_one(ChatPane)
-            chat.params = type(chat.params)(max_tokens=48, temperature=0.0)
-            await chat.send("What is the capital of France? Answer in one short sentence.")
+            chat.params = type(chat.params)(max_tokens=160, temperature=0.0)
+            await chat.send("What is the capital of France? Name it, then describe the city in a few sentences.")
             await wait_until(pilot, lambda: bool(chat.query(Answer)) and len(chat.query_one(Answer).text) > 0, timeout=60)
             victim = next(iter(layers_of(cluster)))
             await select(pilot, app, victim)
             await pilot.press("D")
-            shown = await confirm(pilot, app, "y")
-            assert shown.preview.note  # it says what happens to the streaming answer
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange), timeout=30)
+            assert chat.streaming, "the answer ended before the drain: make it longer"
+            assert app.screen.preview.note  # it says what happens to the streaming answer
+            await confirm(pilot, app, "y")
             await wait_until(pilot, lambda: not chat.streaming, timeout=120)
             answer = chat.query_one(Answer)
             assert "Paris" in answer.text, answer.text
