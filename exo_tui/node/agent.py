@@ -106,6 +106,9 @@ class NodeAgent:
         self._queue: deque[_Step] = deque()
         self._wakeup = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-worker")
+        # Loading weights takes seconds: it runs beside the worker, so the node keeps serving
+        # its current shards while it loads the next plan's (a drain or rebalance does not stall).
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-loader")
         self._samplers: dict[str, Sampler] = {}
         self._stats: dict[str, _RequestStats] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()  # requests ended for good
@@ -179,6 +182,7 @@ class NodeAgent:
             step = self._queue.popleft()
             await self._fail_step(step, "node is shutting down")
         self._worker.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
         if self.host is not None:
             self.host.unload_all()
 
@@ -233,7 +237,7 @@ class NodeAgent:
 
     async def _op_load(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
-        hosted = await self._in_worker(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"))
+        hosted = await self._in_loader(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"))
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
 
     async def _op_load_begin(self, conn: Connection, frame: Frame) -> Frame:
@@ -252,7 +256,7 @@ class NodeAgent:
         return Frame("ok", body={"received": transfer.received})
 
     async def _op_load_commit(self, conn: Connection, frame: Frame) -> Frame:
-        hosted = await self._in_worker(self.host.commit_transfer, frame.body["transfer_id"])
+        hosted = await self._in_loader(self.host.commit_transfer, frame.body["transfer_id"])
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
 
     async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:
@@ -333,6 +337,9 @@ class NodeAgent:
 
     async def _in_worker(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def _in_loader(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._loader, fn, *args)
 
     async def _work_loop(self) -> None:
         """Take every step waiting, run them (one batch per shard), send results on."""

@@ -8,6 +8,7 @@ touched by two steps at once.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,16 +128,28 @@ class ShardHost:
         self.transfers: dict[str, Transfer] = {}
         self.config: ModelConfig | None = None
         self.lock = threading.Lock()
+        self._files: dict[str, tuple[int, GGUFModel]] = {}
 
     # ------------------------------------------------------------------ loading
 
     def load_from_file(self, path: str, start: int, end: int, backend: str | None) -> HostedShard:
-        try:
-            model = GGUFModel(path)
-        except ModelFileError as exc:
-            raise HostError(str(exc)) from exc
+        model = self._open(path)
         weights = model.shard_weights(start, end)
         return self._install(model.config, weights, backend)
+
+    def _open(self, path: str) -> GGUFModel:
+        """The model file, opened once (parsing a GGUF's vocabulary takes seconds) while it is
+        unchanged on disk."""
+        try:
+            stamp = os.stat(path).st_mtime_ns
+            cached = self._files.get(path)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
+            model = GGUFModel(path)
+        except (ModelFileError, OSError) as exc:
+            raise HostError(str(exc)) from exc
+        self._files = {path: (stamp, model)}  # keep one: a node serves one model
+        return model
 
     def begin_transfer(self, transfer_id: str, config: ModelConfig, start: int, end: int, backend: str | None,
                        tensors: list[TensorInfo]) -> Transfer:
