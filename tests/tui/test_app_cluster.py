@@ -136,7 +136,7 @@ async def test_chat_answers_while_a_drain_happens(default_model_path: Path, tmp_
             await wait_until(pilot, lambda: table(app).row_count == 2, timeout=20)
             chat = app.main_screen.query_one(ChatPane)
             chat.params = type(chat.params)(max_tokens=160, temperature=0.0)
-            await chat.send("What is the capital of France? Name it, then describe the city in a few sentences.")
+            await chat.send("List the capital cities of ten European countries, one per line, starting with France.")
             await wait_until(pilot, lambda: bool(chat.query(Answer)) and len(chat.query_one(Answer).text) > 0, timeout=60)
             victim = next(iter(layers_of(cluster)))
             await select(pilot, app, victim)
