@@ -49,3 +49,19 @@ def test_theme_choice_is_saved_in_the_config(tmp_path) -> None:  # noqa: ANN001
     save("exo-light")
     assert load_config(path).ui.theme == "exo-light"
     assert "# my settings" in path.read_text()
+
+
+async def test_attach_to_nothing_says_so_and_keeps_running() -> None:
+    from exo_tui.api.client import ClusterClient
+    from exo_tui.tui.app import ExoApp
+    from tests.tui.conftest import wait_until
+
+    client = ClusterClient("http://127.0.0.1:9")
+    app = ExoApp(client, on_start=client.start, on_stop=client.stop)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: any("did not start" in n.message for n in app._notifications), timeout=15)
+        note = next(n.message for n in app._notifications if "did not start" in n.message)
+        assert "127.0.0.1:9" in note
+        await pilot.press("question_mark")  # still answers keys
+        await pilot.pause()
+        assert app.screen is not app.main_screen
