@@ -28,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, metavar="M", help="registered model name or path to a .gguf (default smollm2-135m)")
     p.add_argument("--attach", default=None, metavar="URL", help="attach to a running `exo-tui serve` instead of embedding one")
     p.add_argument("--theme", default=None, help="theme for this run (default: ui.theme of the config)")
+    p.add_argument(
+        "--no-discover", action="store_true",
+        help="do not browse for nodes and hosts (network.discovery.mode picks mdns, manual or tailscale)",
+    )
     p.set_defaults(func=run)
 
 
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             peers=list(args.peer),
             local_nodes=1 + args.local_nodes,
             readonly=args.readonly,
+            discover=not args.no_discover,
         )
         on_start, on_stop = control.start, control.stop
 
