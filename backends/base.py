@@ -22,9 +22,21 @@ Conventions (all backends follow them exactly):
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+def physical_cores() -> int:
+    """Physical CPU cores (the default thread count of the CPU backends)."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except ImportError:
+        n = None
+    return max(1, n or os.cpu_count() or 1)
 
 
 class BackendError(RuntimeError):
@@ -249,7 +261,7 @@ class Shard(abc.ABC):
         """Requests that hold a cache here."""
         return []
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: shards with nothing to free inherit this
         """Free what the shard holds."""
 
 

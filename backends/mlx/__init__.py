@@ -8,20 +8,10 @@ from __future__ import annotations
 
 import os
 
-from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights
+from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights, physical_cores
 
 MAX_DEFAULT_THREADS = 8
 """The default thread count stops here: past it each matmul's parts get too small to pay off."""
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-    except ImportError:
-        n = None
-    return max(1, n or os.cpu_count() or 1)
 
 
 class MLXBackend(Backend):

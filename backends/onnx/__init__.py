@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import os
 
-from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights
+from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights, physical_cores
 
 PRECISIONS = {"float32": 1, "int8": 4}
 """``MatMulNBits`` ``accuracy_level`` per precision. ``float32`` (the default) matches float32 math
 on the dequantized weights; ``int8`` quantizes activations per block (faster, less exact)."""
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-    except ImportError:
-        n = None
-    return max(1, n or os.cpu_count() or 1)
 
 
 class ONNXBackend(Backend):
