@@ -263,9 +263,12 @@ class Coordinator:
             backend = backends[i % len(backends)] or _default_backend()
             limit = self.local_memory_limits_gb[i] if i < len(self.local_memory_limits_gb) else None
             extra = [] if self.config.network.security.enable_tls else ["--no-tls"]
+            # Nodes on other hosts forward hidden states to this one: then it listens on every
+            # interface (TLS and the cluster key guard it), else on loopback only.
+            listen = "0.0.0.0" if self.peers or self.discover else "127.0.0.1"
             self._local.append(
                 spawn_node(name, backend=backend, key_file=str(bundle), memory_limit_gb=limit, log_dir=log_dir,
-                           env={"EXO_TUI_HOME": str(self.home)}, extra_args=extra)
+                           env={"EXO_TUI_HOME": str(self.home)}, extra_args=extra, listen=listen)
             )
         await asyncio.gather(*(wait_ready(n) for n in self._local))
 
@@ -669,10 +672,15 @@ class Coordinator:
                     self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state=wanted))
 
     def _ring_for(self, plan: Plan) -> RingPlan:
+        """The ring as nodes see it. A node the coordinator reaches on loopback is named, for
+        the others, by the address this host has on their network."""
+        handles = [self.nodes[s.node_id] for s in plan.shards]
+        remote = next((h for h in handles if not _is_loopback(h.host) and h.connected), None)
+        outward = remote.conn.local_address if remote is not None else ""
         entries = []
-        for s in plan.shards:
-            h = self.nodes[s.node_id]
-            entries.append(PlanEntry(s.node_id, h.host, h.port, s.start, s.end, s.backend or self._node_backend(h)))
+        for s, h in zip(plan.shards, handles, strict=True):
+            host = outward if outward and _is_loopback(h.host) else h.host
+            entries.append(PlanEntry(s.node_id, host, h.port, s.start, s.end, s.backend or self._node_backend(h)))
         return RingPlan(plan.version, plan.n_layers, tuple(entries))
 
     async def _ensure_shard(self, entry: PlanEntry) -> None:
@@ -702,7 +710,7 @@ class Coordinator:
     def _use_path(self, h: NodeHandle) -> bool:
         if self.weights_mode != "auto":
             return self.weights_mode == "path"
-        return h.host in ("127.0.0.1", "localhost", "::1") and h.profile.hostname == socket.gethostname()
+        return _is_loopback(h.host) and h.profile.hostname == socket.gethostname()
 
     async def _unload_unused(self, ring: RingPlan) -> None:
         keep = {(e.node_id, e.start, e.end) for e in ring.ring}
@@ -1051,6 +1059,10 @@ def _default_backend() -> str:
     from backends import default_backend_name
 
     return default_backend_name()
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _parse_peer(text: str, default_port: int) -> tuple[str, int]:

@@ -67,11 +67,14 @@ def spawn_node(
     log_dir: Path,
     env: dict[str, str] | None = None,
     extra_args: list[str] | None = None,
+    listen: str = "127.0.0.1",
 ) -> LocalNode:
+    """Start a node agent. ``listen``: its listening address (``0.0.0.0`` when nodes on other
+    hosts must reach it); the coordinator always reaches it on loopback."""
     port = port or free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "exo_tui.cli", "node", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "exo_tui.cli", "node", "--host", listen, "--port", str(port),
            "--name", name, "--backend", backend, "--no-advertise", "--exit-with-parent", str(os.getpid())]
     if key_file:
         cmd += ["--key-file", key_file]

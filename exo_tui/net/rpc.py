@@ -221,6 +221,12 @@ class Connection:
     # -------------------------------------------------------------- public API
 
     @property
+    def local_address(self) -> str:
+        """This side's address on the connection (the interface the peer reaches us on)."""
+        sockname = self._writer.get_extra_info("sockname")
+        return str(sockname[0]) if sockname else ""
+
+    @property
     def is_closed(self) -> bool:
         return self._closing
 

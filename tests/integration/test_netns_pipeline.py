@@ -91,3 +91,25 @@ def test_link_down_mid_generation(netns_nodes, reference: list[int]) -> None:  #
             await c.stop()
 
     asyncio.run(run())
+
+
+def test_ring_mixes_a_local_node_with_namespace_hosts(netns_nodes, reference: list[int]) -> None:  # noqa: ANN001
+    """The coordinator's own node (reached on loopback) in a ring with nodes on other hosts: they
+    forward hidden states to it at this host's address on their network."""
+    from exo_tui.cluster.coordinator import Coordinator
+
+    peers = [f"{r.address}:{r.port}" for r in netns_nodes.results[:2]]
+
+    async def run() -> None:
+        c = Coordinator(peers=peers, local_nodes=1, strategy="even", weights="stream", home=netns_nodes.home,
+                        persist=False, config=cluster_config())
+        await c.start()
+        try:
+            assert c.plan is not None and len(c.plan.shards) == 3
+            local = next(e for e in c.ring.ring if c.nodes[e.node_id].host == "127.0.0.1")
+            assert local.host == netns_nodes.lab.bridge_address
+            assert await _answer(c) == reference
+        finally:
+            await c.stop()
+
+    asyncio.run(run())
