@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -124,7 +124,12 @@ class RemotePipeline:
                 old = self._active_plans.get(request.id)
                 self._cached.pop(request.id, None)
                 if old is not None:
-                    asyncio.create_task(self._drop_on(old, request.id))
+                    # Free the caches on nodes that left the ring. Nodes still in it must not get a
+                    # drop racing the rebuild: they reset a stale cache themselves when a step
+                    # starts at position 0.
+                    gone = [e for e in old.ring if all(e.node_id != n.node_id for n in plan.ring)]
+                    if gone:
+                        asyncio.create_task(self._drop_on(replace(old, ring=tuple(gone)), request.id))
                 cached = None
             pos = cached.length if cached is not None else 0
             try:
