@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import default_backend_name
 from backends.base import KVCache
 from exo_tui.cluster import events as ev
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
@@ -53,10 +54,10 @@ from exo_tui.net.errors import ConnectError, RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.rpc import Connection, connect
 from exo_tui.net.security import Security, ensure_cluster, write_node_bundle
-from exo_tui.node.host import PlanEntry, RingPlan, kv_from_array
+from exo_tui.node.host import PlanEntry, RingPlan, kv_from_array, kv_to_array
 from exo_tui.node.profile import BENCH_CONFIG, NodeProfile
 from exo_tui.paths import exo_home
-from exo_tui.scheduler.diff import ChangePreview, preview_change
+from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change, should_rebalance
 from exo_tui.scheduler.partition import InfeasiblePlan, predict
 from exo_tui.scheduler.plan import Constraints, Pin, Plan, PlanShard
 from exo_tui.scheduler.profile import DeviceProfile, Link
@@ -260,7 +261,7 @@ class Coordinator:
         for i in range(self.local_count):
             name = f"{socket.gethostname()}-local{i}" if self.local_count > 1 else socket.gethostname()
             bundle = write_node_bundle(self.home / "nodes" / f"{name}.bundle", cluster.node_bundle(name))
-            backend = backends[i % len(backends)] or _default_backend()
+            backend = backends[i % len(backends)] or default_backend_name()
             limit = self.local_memory_limits_gb[i] if i < len(self.local_memory_limits_gb) else None
             extra = [] if self.config.network.security.enable_tls else ["--no-tls"]
             # Nodes on other hosts forward hidden states to this one: then it listens on every
@@ -461,8 +462,6 @@ class Coordinator:
         lb = self.config.scheduler.load_balancing
         if self.plan is None or self.plan.predictions is None or not self._plan_ready.is_set():
             return
-        from exo_tui.scheduler.diff import should_rebalance
-
         coefficient = self._measured_balance()
         now = time.monotonic()
         if self._last_rebalance_s is None:
@@ -579,8 +578,6 @@ class Coordinator:
     def _even_preview(self, constraints: Constraints) -> ChangePreview:
         """Layers split evenly over the live, undrained nodes in the order they joined
         (``exo-tui chat --nodes``: the operator's order is the ring)."""
-        from exo_tui.scheduler.diff import plan_diff
-
         live = [h for h in self.nodes.values() if h.state != "failed" and h.node_id not in constraints.drained]
         n_layers = self.spec.n_layers
         if not live:
@@ -743,7 +740,7 @@ class Coordinator:
                         parts.append(kv_from_array(a, b, np.asarray(reply.tensor)))
                     cache = _concat_kv(parts)
                     await self.connection(e.node_id).call(
-                        "kv_import", {"rid": rid, "start": e.start, "end": e.end}, tensor=_kv_array(cache), timeout=30
+                        "kv_import", {"rid": rid, "start": e.start, "end": e.end}, tensor=kv_to_array(cache), timeout=30
                     )
             except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError) as exc:
                 log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
@@ -1055,12 +1052,6 @@ class Coordinator:
 # ====================================================================== helpers
 
 
-def _default_backend() -> str:
-    from backends import default_backend_name
-
-    return default_backend_name()
-
-
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
@@ -1077,15 +1068,7 @@ def _concat_kv(parts: list[KVCache]) -> KVCache:
     return KVCache(parts[0].start, parts[-1].end, parts[0].length, keys, values)
 
 
-def _kv_array(cache: KVCache) -> np.ndarray:
-    from exo_tui.node.host import kv_to_array
-
-    return kv_to_array(cache)
-
-
 def _moves(old: Plan | None, new: Plan, spec: Any) -> list[LayerMove]:
-    from exo_tui.scheduler.diff import plan_diff
-
     diff = plan_diff(old, new, spec)
     return [LayerMove(m.start, m.end, m.src, m.dst, m.nbytes) for m in diff.moves]
 
