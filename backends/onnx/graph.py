@@ -10,9 +10,11 @@ Per layer::
     m      = RMSNorm(h)
     h      = h + (silu(m @ Wg.T) * (m @ Wu.T)) @ Wd.T    gate and up fused; QuickGelu(alpha=1)=silu
 
-The residual add of each block is fused into the next norm. Inputs: ``hidden_in`` ``(1, T, H)``,
-``seqlens_k`` ``(1,)`` int32 (cached + T - 1), ``total_seq_len`` scalar int32 (cached + T),
-``past_key_i`` / ``past_value_i`` ``(1, n_kv_heads, capacity, head_dim)``; on the last shard also
+The residual add of each block is fused into the next norm. Inputs: ``hidden_in`` ``(B, T, H)``
+(B requests' next T tokens: B > 1 batches decode steps of several requests, so every weight is
+read once for all of them), ``seqlens_k`` ``(B,)`` int32 (each row's cached + T - 1: rows may sit
+at different positions), ``total_seq_len`` scalar int32 (the largest cached + T),
+``past_key_i`` / ``past_value_i`` ``(B, n_kv_heads, capacity, head_dim)``; on the last shard also
 ``logits_start`` ``(1,)`` int64 (the first position whose logits are wanted). Outputs:
 ``hidden_out`` or ``logits``, and ``present_key_i`` / ``present_value_i``, which the shard binds to
 the same buffers as the past ones so attention appends to the cache in place.
@@ -143,10 +145,10 @@ class _Builder:
         return y
 
     def blocksum(self, x: str, k: int, group: int) -> str:
-        """Sums of ``x`` over blocks of ``group`` along its last axis: ``(1, T, k // group)``."""
+        """Sums of ``x`` ``(B, T, k)`` over blocks of ``group`` along its last axis: ``(B, T, k // group)``."""
         key = (x, group)
         if key not in self._blocksums:
-            shape = self.const("bs_shape", np.array([1, -1, k // group, group], dtype=np.int64))
+            shape = self.const("bs_shape", np.array([0, 0, k // group, group], dtype=np.int64))
             axes = self.const("bs_axes", np.array([-1], dtype=np.int64))
             (r,) = self.node("Reshape", [x, shape], "blocks")
             self._blocksums[key] = self.node("ReduceSum", [r, axes], "blocksum", keepdims=0)[0]
@@ -160,15 +162,15 @@ def build_shard_graph(config: ModelConfig, weights: ShardWeights, accuracy_level
     b = _Builder(c, accuracy_level)
     f32 = TensorProto.FLOAT
     inputs = [
-        helper.make_tensor_value_info("hidden_in", f32, [1, "seq", c.hidden_size]),
-        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("hidden_in", f32, ["batch", "seq", c.hidden_size]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_seq_len", TensorProto.INT32, []),
     ]
     outputs = []
     graph = ShardGraph(helper.make_model(helper.make_graph([], "empty", [], [])))
     cos, sin = rotary_tables(c)
     cos_name, sin_name = b.weight("rope_cos", cos), b.weight("rope_sin", sin)
-    kv_shape = [1, c.n_kv_heads, "capacity", c.head_dim]
+    kv_shape = ["batch", c.n_kv_heads, "capacity", c.head_dim]
 
     h, skip = "hidden_in", None
     for i, lw in enumerate(weights.layers):
@@ -213,11 +215,11 @@ def build_shard_graph(config: ModelConfig, weights: ShardWeights, accuracy_level
         (tail,) = b.node("Slice", [normed, "logits_start", end, axis], "tail")
         logits = b.linear(tail, [weights.output], "head")
         b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits_out"))
-        outputs.insert(0, helper.make_tensor_value_info("logits", f32, [1, "tail", c.vocab_size]))
+        outputs.insert(0, helper.make_tensor_value_info("logits", f32, ["batch", "tail", c.vocab_size]))
         graph.output = "logits"
     else:
         b.nodes.append(helper.make_node("Add", [h, skip], ["hidden_out"], name="hidden_out"))
-        outputs.insert(0, helper.make_tensor_value_info("hidden_out", f32, [1, "seq", c.hidden_size]))
+        outputs.insert(0, helper.make_tensor_value_info("hidden_out", f32, ["batch", "seq", c.hidden_size]))
 
     external = []
     for name, arr in b.arrays.items():

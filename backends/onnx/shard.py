@@ -1,16 +1,25 @@
 """A shard on ONNX Runtime: one session per shard, one ``run`` per step, KV caches in place.
 
-Each request owns float32 K and V buffers ``(layers, 1, n_kv_heads, capacity, head_dim)`` held as
-NumPy arrays. Their per-layer slices are bound (IOBinding, as ``OrtValue``s sharing the NumPy
-memory) both as the graph's ``past_*`` inputs and as its ``present_*`` outputs, which is
-``GroupQueryAttention``'s buffer-sharing mode: each step writes only its new positions, nothing is
-copied. When a request outgrows its capacity the buffers grow (doubling, up to the context length).
+KV caches live in pools, one per capacity (256, 512, ... positions, up to the context length):
+float32 arrays ``(layers, slots, n_kv_heads, capacity, head_dim)`` for keys and for values, one
+slot per request. A run covers a contiguous range of slots of one pool: the per-layer slices of
+that range are bound (IOBinding, as ``OrtValue``s sharing the NumPy memory) both as the graph's
+``past_*`` inputs and as its ``present_*`` outputs, which is ``GroupQueryAttention``'s
+buffer-sharing mode: each step writes only its new positions, nothing is copied.
+
+That layout is what lets several requests decode in one run (``forward_batch``): their slots are
+rows of one batch, each at its own position (``seqlens_k`` per row), and every weight matrix is
+read once for all of them. A slot inside the range whose request is not in the batch rides along
+as a padding row: it writes one junk position just past its cache's end, which its next real step
+overwrites. So a slot always keeps one free position (``_capacity_for``), except at the model's
+full context, where such a slot splits the range instead. A request that outgrows its pool moves
+to the next one (a copy of its positions).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -19,22 +28,53 @@ from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeight
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
 
-CAPACITY_STEP = 256  # KV buffers grow in multiples of this many positions
+CAPACITY_STEP = 256  # pools hold multiples of this many positions
+FIRST_SLOTS = 4  # slots of a new pool; it doubles when full
+MAX_PADDING = 2  # padding rows a batch accepts between two requests before it splits into two runs
+MIN_BATCH = 4
+"""Fewer single-token steps than this run one by one: ``MatMulNBits``' float32 kernel for one row
+is a fused dequantize-and-dot, for more rows it dequantizes tiles for SGEMM, so 2 rows cost ~2.2×
+one row and 8 rows ~3× (576×3072, 2 threads); on the 49152-row head 4 rows already cost 3.8×."""
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
 
 
 @dataclass
-class _RequestCache:
-    length: int
-    keys: np.ndarray  # (layers, 1, n_kv_heads, capacity, head_dim)
+class _Pool:
+    """Slots of one capacity; ``owners[s]`` is the request in slot ``s`` or None."""
+
+    capacity: int
+    keys: np.ndarray  # (layers, slots, n_kv_heads, capacity, head_dim)
     values: np.ndarray
-    binding: ort.IOBinding
-    ortvalues: list[ort.OrtValue]
+    owners: list[str | None]
+    bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        return len(self.owners)
+
+
+@dataclass
+class _Step:
+    """One request's single-token step inside ``forward_batch``: ``index`` is its place in the batch."""
+
+    index: int
+    rid: str
+    entry: _Entry
+    hidden: np.ndarray  # (1, hidden)
+
+
+@dataclass
+class _Entry:
+    """Where a request's cache lives and how many positions it holds."""
+
+    pool: _Pool
+    slot: int
+    length: int
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
+        return self.pool.capacity
 
 
 class ONNXShard(Shard):
@@ -76,7 +116,8 @@ class ONNXShard(Shard):
                 f"ONNX Runtime cannot build layers [{self.start}, {self.end}) ({exc}); "
                 "check that onnxruntime >= 1.20 is installed"
             ) from exc
-        self._caches: dict[str, _RequestCache] = {}
+        self._pools: dict[int, _Pool] = {}
+        self._caches: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self.prefill_chunk = PREFILL_CHUNK
         self._release_weight_copies()
@@ -116,7 +157,7 @@ class ONNXShard(Shard):
                 step = self._run(rid, hidden[2:], 2, all_logits=True)
                 return np.concatenate([prompt, step])
             finally:
-                self._caches.pop(rid, None)
+                self._release(rid)
 
     # ------------------------------------------------------------------ caches
 
@@ -124,62 +165,117 @@ class ONNXShard(Shard):
     def n_layers(self) -> int:
         return self.end - self.start
 
-    def _new_cache(self, capacity: int) -> _RequestCache:
+    def _capacity_for(self, needed: int) -> int:
+        """The pool for a cache of ``needed`` positions: one spare position (see the module's
+        docstring), rounded up to ``CAPACITY_STEP``, never past the model's context."""
+        cap = -(-(needed + 1) // CAPACITY_STEP) * CAPACITY_STEP
+        return max(1, min(cap, self.config.context_length))
+
+    def _pool(self, capacity: int) -> _Pool:
+        pool = self._pools.get(capacity)
+        if pool is None:
+            keys, values = self._kv_arrays(FIRST_SLOTS, capacity)
+            pool = self._pools[capacity] = _Pool(capacity, keys, values, [None] * FIRST_SLOTS)
+        return pool
+
+    def _kv_arrays(self, slots: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
-        shape = (self.n_layers, 1, c.n_kv_heads, capacity, c.head_dim)
-        keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        shape = (self.n_layers, slots, c.n_kv_heads, capacity, c.head_dim)
+        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # pages come on first write
+
+    def _take_slot(self, pool: _Pool, request_id: str) -> int:
+        """The lowest free slot of ``pool`` (so live requests stay packed), doubling it when full."""
+        for slot, owner in enumerate(pool.owners):
+            if owner is None:
+                pool.owners[slot] = request_id
+                return slot
+        slot = pool.slots
+        keys, values = self._kv_arrays(2 * slot, pool.capacity)
+        keys[:, :slot], values[:, :slot] = pool.keys, pool.values
+        pool.keys, pool.values = keys, values
+        pool.owners += [None] * slot
+        pool.bindings.clear()  # they point at the old arrays
+        pool.owners[slot] = request_id
+        return slot
+
+    def _release(self, request_id: str) -> None:
+        entry = self._caches.pop(request_id, None)
+        if entry is None:
+            return
+        pool = entry.pool
+        pool.owners[entry.slot] = None
+        if not any(pool.owners):
+            del self._pools[pool.capacity]  # its memory goes back; the next request makes a new one
+
+    def _cache_with_room(self, request_id: str, needed: int) -> _Entry:
+        """The request's entry in a pool with room for ``needed`` positions (moved if it must be)."""
+        entry = self._caches.get(request_id)
+        capacity = self._capacity_for(needed)
+        if entry is not None and entry.capacity >= capacity:
+            return entry
+        if entry is not None:
+            capacity = max(capacity, self._capacity_for(2 * entry.capacity))
+        pool = self._pool(capacity)
+        fresh = _Entry(pool, self._take_slot(pool, request_id), 0)
+        if entry is not None:
+            n, old = entry.length, entry.pool
+            pool.keys[:, fresh.slot, :, :n] = old.keys[:, entry.slot, :, :n]
+            pool.values[:, fresh.slot, :, :n] = old.values[:, entry.slot, :, :n]
+            fresh.length = n
+            self._release(request_id)
+        self._caches[request_id] = fresh
+        return fresh
+
+    def _binding(self, pool: _Pool, a: int, b: int) -> ort.IOBinding:
+        """An IOBinding with slots ``[a, b)`` of ``pool`` as every layer's past and present K/V."""
+        cached = pool.bindings.get((a, b))
+        if cached is not None:
+            return cached[0]
         binding = self._session.io_binding()
         ortvalues = []
         for i, ((pk, pv), (ok, ov)) in enumerate(zip(self._kv_inputs, self._kv_outputs, strict=True)):
-            k_val, v_val = ort.OrtValue.ortvalue_from_numpy(keys[i]), ort.OrtValue.ortvalue_from_numpy(values[i])
+            k_val = ort.OrtValue.ortvalue_from_numpy(pool.keys[i, a:b])
+            v_val = ort.OrtValue.ortvalue_from_numpy(pool.values[i, a:b])
             binding.bind_ortvalue_input(pk, k_val)
             binding.bind_ortvalue_output(ok, k_val)
             binding.bind_ortvalue_input(pv, v_val)
             binding.bind_ortvalue_output(ov, v_val)
             ortvalues += [k_val, v_val]
-        return _RequestCache(0, keys, values, binding, ortvalues)
-
-    def _capacity_for(self, needed: int) -> int:
-        cap = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
-        return max(1, min(cap, self.config.context_length))
-
-    def _cache_with_room(self, request_id: str, needed: int) -> _RequestCache:
-        cache = self._caches.get(request_id)
-        if cache is not None and cache.capacity >= needed:
-            return cache
-        old_cap = cache.capacity if cache is not None else 0
-        grown = self._new_cache(self._capacity_for(max(needed, 2 * old_cap)))
-        if cache is not None:
-            n = cache.length
-            grown.keys[:, :, :, :n] = cache.keys[:, :, :, :n]
-            grown.values[:, :, :, :n] = cache.values[:, :, :, :n]
-            grown.length = n
-        self._caches[request_id] = grown
-        return grown
+        pool.bindings[(a, b)] = (binding, ortvalues)
+        return binding
 
     # ------------------------------------------------------------------ Shard
+
+    def _hidden(self, x: np.ndarray) -> np.ndarray:
+        """Float32 rows ``(T, hidden)`` for this shard's input: embedded ids on the first shard."""
+        if self.is_first:
+            if self._embed is None:
+                raise BackendError("the first shard was loaded without the token embedding")
+            return embedding_rows(self._embed, x.astype(np.int64))
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def _check_open(self) -> None:
+        if self._session is None:
+            raise BackendError(f"shard [{self.start}, {self.end}) is closed: load it again")
+
+    def _validate(self, request_id: str, x: np.ndarray, positions: np.ndarray) -> int:
+        """Checks one step's input against the request's cache; returns the cached length."""
+        cached = self.kv_length(request_id)
+        validate_forward_input(self, x, positions, cached)
+        t = positions.shape[0]
+        if t > 1 and not np.array_equal(positions, np.arange(cached, cached + t)):
+            raise BackendError(f"positions must be consecutive from {cached}, got {positions[:8].tolist()}...")
+        return cached
 
     def forward(
         self, request_id: str, x: np.ndarray, positions: np.ndarray, *, all_logits: bool = False
     ) -> np.ndarray:
         x, positions = np.asarray(x), np.asarray(positions)
         with self._lock:
-            if self._session is None:
-                raise BackendError(f"shard [{self.start}, {self.end}) is closed: load it again")
-            cache = self._caches.get(request_id)
-            cached = cache.length if cache is not None else 0
-            validate_forward_input(self, x, positions, cached)
+            self._check_open()
+            cached = self._validate(request_id, x, positions)
+            hidden = self._hidden(x)
             t = positions.shape[0]
-            if t > 1 and not np.array_equal(positions, np.arange(cached, cached + t)):
-                raise BackendError(
-                    f"positions must be consecutive from {cached}, got {positions[:8].tolist()}..."
-                )
-            if self.is_first:
-                if self._embed is None:
-                    raise BackendError("the first shard was loaded without the token embedding")
-                hidden = embedding_rows(self._embed, x.astype(np.int64))
-            else:
-                hidden = np.ascontiguousarray(x, dtype=np.float32)
             if t <= self.prefill_chunk:
                 return self._run(request_id, hidden, cached, all_logits)
             outs = []
@@ -191,69 +287,153 @@ class ONNXShard(Shard):
                         outs.append(out)
             except BackendError:  # all or nothing: forget the chunks that did run
                 if cached == 0:
-                    self._caches.pop(request_id, None)
+                    self._release(request_id)
                 elif request_id in self._caches:
                     self._caches[request_id].length = cached
                 raise
             return np.concatenate(outs)
 
     def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-        """``forward`` for several requests, one run each (M=1 ``MatMulNBits`` is the fastest path
-        per token up to ~3 requests). All items are checked before any cache changes."""
+        """``forward`` for several requests: their single-token steps run as batched runs (rows of
+        one ``session.run`` per range of neighbouring slots), longer ones alone. All items are
+        checked before any cache changes."""
         with self._lock:
+            self._check_open()
             seen: set[str] = set()
+            prepared = []
             for rid, x, positions in items:
                 if rid in seen:
                     raise BackendError(f"request {rid} appears twice in one batch")
                 seen.add(rid)
                 x, positions = np.asarray(x), np.asarray(positions)
-                validate_forward_input(self, x, positions, self.kv_length(rid))
-            return [self.forward(rid, x, positions) for rid, x, positions in items]
+                prepared.append((rid, x, positions, self._validate(rid, x, positions)))
+            results: list[np.ndarray | None] = [None] * len(items)
+            steps: list[_Step] = []
+            for i, (rid, x, positions, cached) in enumerate(prepared):
+                if positions.shape[0] != 1:
+                    results[i] = self.forward(rid, x, positions)
+                    continue
+                new = rid not in self._caches
+                try:
+                    entry = self._cache_with_room(rid, cached + 1)
+                except Exception:
+                    if new:
+                        self._release(rid)
+                    raise
+                steps.append(_Step(i, rid, entry, self._hidden(x)))
+            by_pool: dict[int, list[_Step]] = {}
+            for step in steps:
+                by_pool.setdefault(step.entry.capacity, []).append(step)
+            for group in by_pool.values():
+                group.sort(key=lambda step: step.entry.slot)
+                for run in self._runs(group):
+                    for i, out in self._run_rows(run) if len(run) >= MIN_BATCH else self._run_each(run):
+                        results[i] = out
+            return results  # type: ignore[return-value]
+
+    def _runs(self, group: list[_Step]) -> list[list[_Step]]:
+        """Splits one pool's steps (sorted by slot) into ranges worth running as one batch: a gap
+        of more than ``MAX_PADDING`` slots, or a slot in between whose cache is full (it has no
+        spare position to pad with), starts a new run."""
+        pool = group[0].entry.pool
+        runs = [[group[0]]]
+        for step in group[1:]:
+            between = range(runs[-1][-1].entry.slot + 1, step.entry.slot)
+            full = any(
+                (owner := pool.owners[s]) is not None and self._caches[owner].length >= pool.capacity
+                for s in between
+            )
+            if len(between) > MAX_PADDING or full:
+                runs.append([step])
+            else:
+                runs[-1].append(step)
+        return runs
+
+    def _run_each(self, run: list[_Step]) -> list[tuple[int, np.ndarray]]:
+        return [(step.index, self._run(step.rid, step.hidden, step.entry.length, False)) for step in run]
+
+    def _run_rows(self, run: list[_Step]) -> list[tuple[int, np.ndarray]]:
+        """One ``session.run`` of single-token steps in neighbouring slots of one pool; slots of
+        the range not in ``run`` are padding rows (their one junk position is overwritten later)."""
+        c = self.config
+        pool = run[0].entry.pool
+        a, b = run[0].entry.slot, run[-1].entry.slot + 1
+        hidden = np.zeros((b - a, 1, c.hidden_size), np.float32)
+        seqlens = np.zeros(b - a, np.int32)
+        for s in range(a, b):
+            owner = pool.owners[s]
+            seqlens[s - a] = self._caches[owner].length if owner is not None else 0
+        for step in run:
+            hidden[step.entry.slot - a, 0] = step.hidden[0]
+        try:
+            out = self._session_run(pool, a, b, hidden, seqlens, rows=1)
+        except Exception as exc:
+            for step in run:
+                if step.entry.length == 0:
+                    self._release(step.rid)
+            raise BackendError(
+                f"ONNX Runtime failed on layers [{self.start}, {self.end}) for a batch of {len(run)} requests ({exc})"
+            ) from exc
+        for step in run:
+            step.entry.length += 1
+        return [(step.index, out[step.entry.slot - a]) for step in run]
+
+    def _session_run(
+        self, pool: _Pool, a: int, b: int, hidden: np.ndarray, seqlens: np.ndarray, rows: int
+    ) -> np.ndarray:
+        """Runs ``hidden`` ``(B, T, hidden)`` over slots ``[a, b)`` whose caches hold ``seqlens``
+        positions; returns ``(B, T, hidden)``, or on the last shard the logits of each row's last
+        ``rows`` tokens ``(B, rows, vocab)``."""
+        c = self.config
+        n, t = hidden.shape[0], hidden.shape[1]
+        io = self._binding(pool, a, b)
+        io.bind_cpu_input("hidden_in", hidden)
+        io.bind_cpu_input("seqlens_k", (seqlens + (t - 1)).astype(np.int32))
+        io.bind_cpu_input("total_seq_len", np.array(int(seqlens.max()) + t, dtype=np.int32))
+        if self.is_last:
+            io.bind_cpu_input("logits_start", np.array([t - rows], dtype=np.int64))
+            out = np.empty((n, rows, c.vocab_size), dtype=np.float32)
+        else:
+            out = np.empty((n, t, c.hidden_size), dtype=np.float32)
+        io.bind_output(self._output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        self._session.run_with_iobinding(io)
+        return out
 
     def _run(self, request_id: str, hidden: np.ndarray, cached: int, all_logits: bool) -> np.ndarray:
         """One ``session.run`` of ``hidden`` ``(T, hidden)`` after ``cached`` positions."""
-        c = self.config
         t = hidden.shape[0]
         new_request = request_id not in self._caches
-        cache = self._cache_with_room(request_id, cached + t)
-        io = cache.binding
-        io.bind_cpu_input("hidden_in", hidden.reshape(1, t, c.hidden_size))
-        io.bind_cpu_input("seqlens_k", np.array([cached + t - 1], dtype=np.int32))
-        io.bind_cpu_input("total_seq_len", np.array(cached + t, dtype=np.int32))
-        if self.is_last:
-            rows = t if all_logits else 1
-            io.bind_cpu_input("logits_start", np.array([t - rows], dtype=np.int64))
-            out = np.empty((1, rows, c.vocab_size), dtype=np.float32)
-        else:
-            out = np.empty((1, t, c.hidden_size), dtype=np.float32)
-        io.bind_output(self._output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        entry = self._cache_with_room(request_id, cached + t)
         try:
-            self._session.run_with_iobinding(io)
+            out = self._session_run(
+                entry.pool, entry.slot, entry.slot + 1, hidden.reshape(1, t, -1),
+                np.array([cached], np.int32), rows=t if all_logits else 1,
+            )
         except Exception as exc:
             if new_request:
-                self._caches.pop(request_id, None)
+                self._release(request_id)
             raise BackendError(
                 f"ONNX Runtime failed on layers [{self.start}, {self.end}) for request {request_id} "
                 f"at position {cached} ({exc})"
             ) from exc
-        cache.length = cached + t
+        entry.length = cached + t
         return out[0]
 
     def kv_length(self, request_id: str) -> int:
-        cache = self._caches.get(request_id)
-        return cache.length if cache is not None else 0
+        entry = self._caches.get(request_id)
+        return entry.length if entry is not None else 0
 
     def export_kv(self, request_id: str) -> KVCache:
         c = self.config
         with self._lock:
-            cache = self._caches.get(request_id)
-            if cache is None:
+            entry = self._caches.get(request_id)
+            if entry is None:
                 empty = np.zeros((c.n_kv_heads, 0, c.head_dim), np.float32)
                 return KVCache(self.start, self.end, 0, [empty.copy() for _ in range(self.n_layers)],
                                [empty.copy() for _ in range(self.n_layers)])
-            n = cache.length
-            keys = [cache.keys[i, 0, :, :n].copy() for i in range(self.n_layers)]
-            values = [cache.values[i, 0, :, :n].copy() for i in range(self.n_layers)]
+            n, s, pool = entry.length, entry.slot, entry.pool
+            keys = [pool.keys[i, s, :, :n].copy() for i in range(self.n_layers)]
+            values = [pool.values[i, s, :, :n].copy() for i in range(self.n_layers)]
             return KVCache(self.start, self.end, n, keys, values)
 
     def import_kv(self, request_id: str, cache: KVCache) -> None:
@@ -276,24 +456,23 @@ class ONNXShard(Shard):
                     "(n_kv_heads, length, head_dim)"
                 )
         with self._lock:
-            if self._session is None:
-                raise BackendError(f"shard [{self.start}, {self.end}) is closed: load it again")
-            fresh = self._new_cache(self._capacity_for(max(n, 1)))
+            self._check_open()
+            self._release(request_id)
+            entry = self._cache_with_room(request_id, n)
             for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True)):
-                fresh.keys[i, 0, :, :n] = k
-                fresh.values[i, 0, :, :n] = v
-            fresh.length = n
-            self._caches[request_id] = fresh
+                entry.pool.keys[i, entry.slot, :, :n] = k
+                entry.pool.values[i, entry.slot, :, :n] = v
+            entry.length = n
 
     def truncate_kv(self, request_id: str, length: int) -> None:
         with self._lock:
-            cache = self._caches.get(request_id)
-            if cache is not None:
-                cache.length = max(0, min(int(length), cache.length))
+            entry = self._caches.get(request_id)
+            if entry is not None:
+                entry.length = max(0, min(int(length), entry.length))
 
     def drop(self, request_id: str) -> None:
         with self._lock:
-            self._caches.pop(request_id, None)
+            self._release(request_id)
 
     def requests(self) -> list[str]:
         # Without the lock: callers such as heartbeats must not wait for a long step to end.
@@ -306,6 +485,7 @@ class ONNXShard(Shard):
     def close(self) -> None:
         with self._lock:
             self._caches.clear()
+            self._pools.clear()
             self._session = None  # type: ignore[assignment]
             self._weight_values.clear()
             self._weight_arrays = {}

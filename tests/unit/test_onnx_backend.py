@@ -375,6 +375,115 @@ def test_forward_batch(tiny_models):
     assert shard.kv_length("a") == 4 and shard.kv_length("b") == 10  # nothing ran
 
 
+def _prefill_both(shard, ref, lengths: dict[str, int]) -> None:
+    rng = np.random.default_rng(7)
+    for rid, n in lengths.items():
+        ids = rng.integers(0, 250, n)
+        close(shard.forward(rid, ids, np.arange(n)), ref.forward(rid, ids, np.arange(n)))
+
+
+def _decode_batch(shard, ref, rids: list[str], token: int) -> None:
+    """One batched decode step of ``rids`` on the shard against one step each on the reference."""
+    items = [(rid, np.array([token + i]), np.array([shard.kv_length(rid)])) for i, rid in enumerate(rids)]
+    for (rid, x, pos), got in zip(items, shard.forward_batch(items), strict=True):
+        close(got, ref.forward(rid, x, pos))
+
+
+@pytest.mark.parametrize("layers", [(0, None), (0, 2), (2, None)])
+def test_batched_decode_matches_reference_at_different_positions(tiny_models, layers):
+    from backends.onnx.shard import FIRST_SLOTS, MIN_BATCH
+
+    start, end = layers
+    path = tiny_models["Q4_1"]
+    cfg, weights, shard = load(path, start, end)
+    ref = ReferenceShard(cfg, weights)
+    n = FIRST_SLOTS + 2  # more requests than a new pool's slots: it doubles with caches in it
+    assert n >= MIN_BATCH
+    rids = [f"r{i}" for i in range(n)]
+    if shard.is_first:
+        _prefill_both(shard, ref, {rid: 3 + 2 * i for i, rid in enumerate(rids)})
+    else:
+        rng = np.random.default_rng(3)
+        for i, rid in enumerate(rids):
+            h = rng.standard_normal((3 + 2 * i, cfg.hidden_size)).astype(np.float32)
+            close(shard.forward(rid, h, np.arange(len(h))), ref.forward(rid, h, np.arange(len(h))))
+    for step in range(4):
+        if shard.is_first:
+            _decode_batch(shard, ref, rids, 11 * step)
+        else:
+            rng = np.random.default_rng(step)
+            items = [(rid, rng.standard_normal((1, cfg.hidden_size)).astype(np.float32),
+                      np.array([shard.kv_length(rid)])) for rid in rids]
+            for (rid, x, pos), got in zip(items, shard.forward_batch(items), strict=True):
+                close(got, ref.forward(rid, x, pos))
+    assert [shard.kv_length(rid) for rid in rids] == [3 + 2 * i + 4 for i in range(n)]
+
+
+def test_requests_left_out_of_a_batch_keep_their_caches(tiny_models):
+    """Slots between batched requests run as padding rows: their caches must come out intact."""
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    ref = ReferenceShard(cfg, weights)
+    rids = [f"r{i}" for i in range(8)]
+    _prefill_both(shard, ref, {rid: 4 + i for i, rid in enumerate(rids)})
+    before = {rid: shard.export_kv(rid) for rid in ("r2", "r5")}
+    for step in range(3):
+        _decode_batch(shard, ref, ["r0", "r1", "r3", "r4", "r6", "r7"], 5 * step)
+    for rid, cache in before.items():
+        after = shard.export_kv(rid)
+        assert after.length == cache.length
+        for k0, k1, v0, v1 in zip(cache.keys, after.keys, cache.values, after.values, strict=True):
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
+    _decode_batch(shard, ref, rids, 40)  # and everyone goes on correctly, together
+    shard.drop("r3")
+    _prefill_both(shard, ref, {"late": 5})  # takes the freed slot between live ones
+    _decode_batch(shard, ref, ["r0", "r1", "r2", "late", "r4", "r5"], 60)
+
+
+def test_batched_decode_crosses_a_pool_boundary(tmp_path):
+    from backends.onnx.shard import CAPACITY_STEP
+
+    path = write_tiny_llama(tmp_path / "long.gguf", weight_type="Q4_0", context_length=700, seed=4)
+    cfg, weights, shard = load(path)
+    ref = ReferenceShard(cfg, weights)
+    _prefill_both(shard, ref, {"long": CAPACITY_STEP - 3, "a": 5, "b": 9, "c": 2, "d": 7})
+    for step in range(5):  # "long" moves to the 512-position pool on the way
+        _decode_batch(shard, ref, ["a", "long", "b", "c", "d"], 3 * step)
+    assert shard.kv_length("long") == CAPACITY_STEP + 2
+
+
+def test_a_full_cache_between_batched_requests_is_never_padded(tmp_path):
+    path = write_tiny_llama(tmp_path / "short.gguf", weight_type="Q4_1", context_length=16, seed=5)
+    cfg, weights, shard = load(path)
+    ref = ReferenceShard(cfg, weights)
+    live = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    lengths = {rid: 2 + i for i, rid in enumerate(live)}
+    _prefill_both(shard, ref, {**dict(list(lengths.items())[:4]), "full": 16, **dict(list(lengths.items())[4:])})
+    before = shard.export_kv("full")
+    for step in range(3):  # two batches of four, one each side of the full cache
+        _decode_batch(shard, ref, live, 7 * step)
+    after = shard.export_kv("full")
+    for k0, k1 in zip(before.keys, after.keys, strict=True):
+        np.testing.assert_array_equal(k0, k1)
+    with pytest.raises(BackendError, match="context full"):
+        shard.forward("full", np.array([1]), np.array([16]))
+
+
+def test_batched_decode_after_kv_import(tiny_models):
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    ref = ReferenceShard(cfg, weights)
+    _prefill_both(shard, ref, {"a": 4, "b": 6, "c": 3, "d": 8})
+    _, _, other = load(tiny_models["Q4_1"])
+    other.import_kv("b", shard.export_kv("b"))
+    shard.drop("b")
+    shard.import_kv("b", other.export_kv("b"))
+    _decode_batch(shard, ref, ["a", "b", "c", "d"], 9)
+    assert sorted(shard.requests()) == ["a", "b", "c", "d"]
+    for rid in ("a", "b", "c", "d"):
+        shard.drop(rid)
+    assert shard.requests() == [] and shard._pools == {}  # an empty pool gives its memory back
+
+
 def test_requests_and_kv_length_do_not_wait_for_a_running_step(tiny_models):
     import threading
 
