@@ -277,6 +277,37 @@ def test_default_model_matches_reference(default_model_path):
     close(tail.forward("s", head.forward("s", prompt, pos), pos), shard.forward("s", prompt, pos), 1e-5)
 
 
+@pytest.mark.slow
+def test_default_model_batched_greedy_equals_solo(default_model_path):
+    """Batched rows take MatMulNBits' multi-row kernel (a different summation order than one
+    row's): on the real model, eight requests decoded together give each one's solo greedy tokens."""
+    from exo_tui.models.model import Model
+
+    model = Model(default_model_path)
+    cfg = model.config
+    shard = ONNXBackend(threads=2).load_shard(cfg, model.gguf.shard_weights(0, cfg.n_layers))
+    topics = ["the sea", "Paris", "a red fox", "bread", "the moon", "trains", "rain", "bees"]
+    prompts = {f"r{i}": np.array(model.chat_prompt_ids([{"role": "user", "content": f"Tell me about {t}."}]))
+               for i, t in enumerate(topics)}
+    steps = 16
+
+    def greedy(rid: str, prompt: np.ndarray) -> list[int]:
+        tokens = [int(shard.forward(rid, prompt, np.arange(len(prompt)))[-1].argmax())]
+        for i in range(steps):
+            logits = shard.forward(rid, np.array(tokens[-1:]), np.array([len(prompt) + i]))
+            tokens.append(int(logits[-1].argmax()))
+        shard.drop(rid)
+        return tokens
+
+    solo = {rid: greedy(rid, p) for rid, p in prompts.items()}
+    together = {rid: [int(shard.forward(rid, p, np.arange(len(p)))[-1].argmax())] for rid, p in prompts.items()}
+    for i in range(steps):
+        items = [(rid, np.array(together[rid][-1:]), np.array([len(prompts[rid]) + i])) for rid in prompts]
+        for (rid, _, _), logits in zip(items, shard.forward_batch(items), strict=True):
+            together[rid].append(int(logits[-1].argmax()))
+    assert together == solo
+
+
 def test_weight_copies_are_released_after_load(tiny_models):
     """The session keeps its own copies of the weights; ours are freed once a probe proves that
     (zeroing them changes nothing), and the shard still computes the right logits."""
