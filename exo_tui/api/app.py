@@ -377,8 +377,9 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         reason = "several nodes have that name: use its id" if named else f"known nodes are {known}"
         raise ApiError(404, f"no node {node!r}: {reason}", param="node", code="node_not_found")
 
-    async def act(action: str, targets: tuple[str, ...], dry_run: bool) -> dict[str, Any]:
-        preview = await coordinator.preview(action, targets)
+    async def act(action: str, targets: tuple[str, ...], dry_run: bool,
+                  layers: tuple[int, int] | None = None) -> dict[str, Any]:
+        preview = await coordinator.preview(action, targets, layers)
         if not preview.error and not dry_run:
             preview = await coordinator.apply(preview)
         if preview.error:
@@ -401,17 +402,17 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
                  responses=_errors(401, 403, 404, 409, 422))(make())
 
     @app.post("/v1/cluster/pins", tags=["cluster"], responses=_errors(401, 403, 404, 409, 422),
-              description="pin a node's current layers so rebalances keep them there")
+              description="pin a node to layers [start, end) (moving them there if it holds others), or without "
+                          "start/end to the layers it holds now; rebalances keep pinned layers where they are")
     async def pin(body: s.PinRequest) -> s.JsonObject:
-        nid = resolve_node(body.node)
-        if body.start is not None or body.end is not None:
-            node = next(n for n in coordinator.snapshot().nodes if n.node_id == nid)
-            if node.layers is None or (body.start, body.end) != tuple(node.layers):
-                held = f"holds layers {node.layers[0]}-{node.layers[1] - 1}" if node.layers else "holds no layers"
-                raise ApiError(409, f"node {node.name} {held}; a pin keeps a node's current layers: pin without a "
-                                    f"range, or drain/rebalance first so it holds the layers you want",
-                               param="start", code="change_impossible")
-        return await act("pin", (nid,), body.dry_run)
+        if (body.start is None) != (body.end is None):
+            raise ApiError(422, "give both start and end (layers [start, end)), or neither to pin the node's "
+                                "current layers", param="start" if body.start is None else "end", code="invalid_layers")
+        layers = (body.start, body.end) if body.start is not None and body.end is not None else None
+        if layers is not None and layers[0] >= layers[1]:
+            raise ApiError(422, f"start {layers[0]} must be below end {layers[1]} (end is one past the last layer)",
+                           param="end", code="invalid_layers")
+        return await act("pin", (resolve_node(body.node),), body.dry_run, layers)
 
     @app.delete("/v1/cluster/pins/{node}", tags=["cluster"], responses=_errors(401, 403, 404, 409, 422),
                 description="unpin a node")

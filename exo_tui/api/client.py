@@ -162,19 +162,23 @@ class ClusterClient:
     def snapshot(self) -> ClusterSnapshot:
         return self._snapshot
 
-    async def preview(self, action: str, targets: tuple[str, ...] = ()) -> PlanPreview:
-        return await self._act(action, tuple(targets), dry_run=True)
+    async def preview(
+        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
+    ) -> PlanPreview:
+        return await self._act(action, tuple(targets), dry_run=True, layers=layers)
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
-        result = await self._act(preview.action, tuple(preview.targets), dry_run=False)
+        result = await self._act(preview.action, tuple(preview.targets), dry_run=False, layers=preview.layers)
         self._refresh.set()
         return result
 
-    async def _act(self, action: str, targets: tuple[str, ...], *, dry_run: bool) -> PlanPreview:
+    async def _act(
+        self, action: str, targets: tuple[str, ...], *, dry_run: bool, layers: tuple[int, int] | None = None
+    ) -> PlanPreview:
         try:
-            data = await self.action(action, targets, dry_run=dry_run)
+            data = await self.action(action, targets, dry_run=dry_run, layers=layers)
         except ApiClientError as exc:
-            return PlanPreview(action, targets, error=str(exc))
+            return PlanPreview(action, targets, error=str(exc), layers=layers)
         return preview_from_dict(data)
 
     async def action(self, action: str, targets: tuple[str, ...] = (), *, dry_run: bool = False,

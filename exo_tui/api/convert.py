@@ -114,6 +114,7 @@ def preview_from_dict(d: dict[str, Any]) -> PlanPreview:
         new_plan=plan_from_dict(d.get("new_plan")),
         error=d.get("error") or "",
         note=d.get("note") or "",
+        layers=(int(d["layers"][0]), int(d["layers"][1])) if d.get("layers") else None,
     )
 
 

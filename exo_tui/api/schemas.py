@@ -147,7 +147,7 @@ class ActionRequest(BaseModel):
 class PinRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     node: str = Field(min_length=1, description="node id or name")
-    start: int | None = Field(default=None, ge=0, description="first layer; must be the node's current layers")
+    start: int | None = Field(default=None, ge=0, description="first layer (omit start and end: the node's current layers)")
     end: int | None = Field(default=None, ge=1, description="one past the last layer")
     dry_run: bool = False
 

@@ -582,10 +582,22 @@ class Coordinator:
         n_layers = self.spec.n_layers
         if not live:
             return ChangePreview(None, None, error="no live node to hold layers: start a node agent or undrain one")
-        if len(live) > n_layers:
-            live = live[:n_layers]
-        bounds = [round(i * n_layers / len(live)) for i in range(len(live) + 1)]
-        shards = tuple(PlanShard(h.node_id, bounds[i], bounds[i + 1], self._node_backend(h)) for i, h in enumerate(live))
+        by_id = {h.node_id: h for h in live}
+        pins = sorted((p for p in constraints.pins if p.node_id in by_id), key=lambda p: p.start)
+        free = [h for h in live if h.node_id not in {p.node_id for p in pins}]
+        gaps, at = [], 0
+        for p in [*pins, Pin("", n_layers, n_layers)]:
+            if p.start > at:
+                gaps.append((at, p.start))
+            at = max(at, p.end)
+        if len(gaps) > len(free):
+            return ChangePreview(None, None, error=f"the pins leave {len(gaps)} ranges of layers unheld but only "
+                                                   f"{len(free)} unpinned node(s) to hold them: unpin a node or add one")
+        shards = [PlanShard(p.node_id, p.start, p.end, self._node_backend(by_id[p.node_id])) for p in pins]
+        for (a, b), group in zip(gaps, _share(free, [b - a for a, b in gaps]), strict=True):
+            bounds = [a + round(i * (b - a) / len(group)) for i in range(len(group) + 1)]
+            shards += [PlanShard(h.node_id, bounds[i], bounds[i + 1], self._node_backend(h)) for i, h in enumerate(group)]
+        shards = tuple(sorted(shards, key=lambda s: s.start))
         profiles = {p.node_id: p for p in self.device_profiles()}
         predictions = predict(shards, profiles, self.spec, self.config.scheduler)
         version = (self.plan.version + 1) if self.plan else 1
@@ -858,13 +870,19 @@ class Coordinator:
         known = ", ".join(sorted(h.name for h in self.nodes.values()))
         raise KeyError(f"no node {target!r}: known nodes are {known or 'none'}")
 
-    def _proposed(self, action: str, ids: tuple[str, ...]) -> tuple[set[str], dict[str, Pin]]:
+    def _proposed(
+        self, action: str, ids: tuple[str, ...], layers: tuple[int, int] | None = None
+    ) -> tuple[set[str], dict[str, Pin]]:
         """The drains and pins ``action`` on ``ids`` would leave (raises ValueError if it can't)."""
         drained, pins = set(self.drained), dict(self.pins)
+        if layers is not None and action != "pin":
+            raise ValueError(f"only a pin takes layers, not {action}")
         if action in ("drain", "remove"):
             drained |= set(ids)
         elif action == "undrain":
             drained -= set(ids)
+        elif action == "pin" and layers is not None:
+            pins.update(self._ranged_pin(ids, layers, pins))
         elif action == "pin":
             for nid in ids:
                 shard = self.plan.shard_of(nid) if self.plan else None
@@ -878,27 +896,49 @@ class Coordinator:
             raise ValueError(f"unknown action {action!r}: use drain, undrain, pin, unpin, rebalance or remove")
         return drained, pins
 
-    async def preview(self, action: str, targets: tuple[str, ...] = ()) -> PlanPreview:
+    def _ranged_pin(self, ids: tuple[str, ...], layers: tuple[int, int], pins: dict[str, Pin]) -> dict[str, Pin]:
+        """The pin of one node to ``layers`` (raises ValueError for a range no plan can keep)."""
+        if len(ids) != 1:
+            raise ValueError("a pin with layers names exactly one node")
+        nid, (start, end) = ids[0], (int(layers[0]), int(layers[1]))
+        n_layers = self.spec.n_layers if self.spec is not None else 0
+        if not 0 <= start < end <= n_layers:
+            raise ValueError(f"layers {start}-{end - 1} are not within the model's 0-{n_layers - 1}: "
+                             f"give START-END with 0 <= START <= END <= {n_layers - 1}")
+        for other, p in pins.items():
+            if other != nid and p.start < end and start < p.end:
+                raise ValueError(f"layers {start}-{end - 1} overlap the pin of {self.nodes[other].name} "
+                                 f"({p.start}-{p.end - 1}): unpin it first")
+        if self.nodes[nid].state == "failed":
+            raise ValueError(f"node {self.nodes[nid].name} has failed: a pin needs a node that is up")
+        if nid in self.drained:
+            raise ValueError(f"node {self.nodes[nid].name} is drained: undrain it before pinning layers to it")
+        return {nid: Pin(nid, start, end)}
+
+    async def preview(
+        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
+    ) -> PlanPreview:
         try:
             ids = tuple(self._resolve(t) for t in targets)
-            drained, pins = self._proposed(action, ids)
+            drained, pins = self._proposed(action, ids, layers)
         except (KeyError, ValueError) as exc:
-            return PlanPreview(action, tuple(targets), error=str(exc.args[0]))
+            return PlanPreview(action, tuple(targets), error=str(exc.args[0]), layers=layers)
         change = await asyncio.to_thread(self._preview, self.constraints(drained=drained, pins=pins))
         note = ""
         if self._active:
             note = f"{len(self._active)} answer(s) streaming: the switch happens between two tokens and their caches move with it"
-        return _to_view_preview(action, ids, change, self, note)
+        return replace(_to_view_preview(action, ids, change, self, note), layers=layers)
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
         """Carry out an action previewed with :meth:`preview`, planned afresh on the cluster as
         it is now (it may have changed since the preview)."""
         if self.readonly:
             return replace(preview, error="read-only console: changes are disabled")
-        action, ids = preview.action, preview.targets
-        result = await self.preview(action, ids)
+        action, ids, layers = preview.action, preview.targets, preview.layers
+        result = await self.preview(action, ids, layers)
         if not result.error:
-            drained, pins = self._proposed(action, ids)
+            ids = tuple(self._resolve(t) for t in ids)
+            drained, pins = self._proposed(action, ids, layers)
             self.drained, self.pins = drained, pins
             self._save_constraints()
             for nid in ids:
@@ -1084,6 +1124,26 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:
         predicted_ttft_s=pred.ttft_s if pred else 0.0,
         reasons=plan.reasons,
     )
+
+
+def _share(nodes: list[Any], sizes: list[int]) -> list[list[Any]]:
+    """``nodes`` (in order) dealt to ranges of ``sizes`` layers: each range gets at least one node
+    and at most one per layer, the rest in proportion to the range's size (largest remainder)."""
+    if not sizes:
+        return []
+    counts = [1] * len(sizes)
+    spare = min(len(nodes), sum(sizes)) - len(sizes)
+    total = sum(sizes)
+    while spare > 0:
+        room = [i for i in range(len(sizes)) if counts[i] < sizes[i]]
+        best = max(room, key=lambda i: sizes[i] / total * (len(nodes)) - counts[i])
+        counts[best] += 1
+        spare -= 1
+    out, at = [], 0
+    for n in counts:
+        out.append(nodes[at : at + n])
+        at += n
+    return out
 
 
 def _to_view_preview(action: str, ids: tuple[str, ...], change: ChangePreview, c: Coordinator, note: str) -> PlanPreview:

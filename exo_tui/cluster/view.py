@@ -120,6 +120,7 @@ class PlanPreview:
     new_plan: PlanView | None = None
     error: str = ""  # when the change is impossible, why and what to do
     note: str = ""  # e.g. "a chat is streaming: the drain waits for it to end"
+    layers: tuple[int, int] | None = None  # a pin's layers [start, end); None pins what the node holds
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,11 @@ class ClusterControl(Protocol):
 
     def snapshot(self) -> ClusterSnapshot: ...
 
-    async def preview(self, action: str, targets: tuple[str, ...] = ()) -> PlanPreview:
-        """What ``action`` (drain, undrain, pin, unpin, rebalance, remove) would change."""
+    async def preview(
+        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
+    ) -> PlanPreview:
+        """What ``action`` (drain, undrain, pin, unpin, rebalance, remove) would change. ``layers``
+        (pin only): the range ``[start, end)`` the node is to hold, else the layers it holds now."""
         ...
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:

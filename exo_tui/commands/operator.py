@@ -38,11 +38,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         _common(p)
         p.set_defaults(func=run, action=action)
 
-    p = sub.add_parser("pin", help="keep a node's layers where they are across rebalances",
-                       description="Pin a node's current layers (NODE: id or name). START-END (inclusive, e.g. 0-14), "
-                                   "when given, must be the layers the node holds now.")
+    p = sub.add_parser("pin", help="fix layers to a node, kept there across rebalances",
+                       description="Pin layers START-END (inclusive, e.g. 0-14) to a node (NODE: id or name): the "
+                                   "plan changes so that the node holds exactly those layers, the others share the "
+                                   "rest. Without START-END, pin the layers the node holds now.")
     p.add_argument("node", metavar="NODE")
-    p.add_argument("layers", metavar="START-END", nargs="?", default=None, help="the node's current layers, inclusive")
+    p.add_argument("layers", metavar="START-END", nargs="?", default=None,
+                   help="layers for the node, inclusive (default: the layers it holds now)")
     p.add_argument("--dry-run", action="store_true")
     _common(p)
     p.set_defaults(func=run, action="pin")

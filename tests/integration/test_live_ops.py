@@ -116,15 +116,18 @@ def test_drain_middle_node_during_long_generation(four, references) -> None:
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("action", ["pin", "rebalance", "undrain", "join"])
+@pytest.mark.parametrize("action", ["pin", "pin-range", "rebalance", "undrain", "join"])
 def test_live_change_with_four_requests(four, references, action: str) -> None:
     peers = four.peers[:3]
     if action == "join":
         peers = four.peers[:2]
 
     async def run() -> None:
-        async with coordinator(four, peers=peers, strategy="throughput" if action in ("pin", "rebalance") else "even") as c:
+        strategy = "throughput" if action in ("pin", "pin-range", "rebalance") else "even"
+        async with coordinator(four, peers=peers, strategy=strategy) as c:
             target = c.plan.shards[0].node_id
+            if action == "pin-range":  # a node not holding layer 0 takes the first ten, mid-answer
+                target = next(n for n in c.nodes if n != c.plan.shards[0].node_id)
             if action == "undrain":
                 drained = c.plan.shards[-1].node_id
                 r = await c.apply(await c.preview("drain", (drained,)))
@@ -135,6 +138,9 @@ def test_live_change_with_four_requests(four, references, action: str) -> None:
                 if action == "join":
                     await c.add_node("127.0.0.1", four.nodes[2].port)
                     preview = await c.preview("rebalance")
+                elif action == "pin-range":
+                    preview = await c.preview("pin", (target,), (0, 10))
+                    assert preview.layers == (0, 10) and preview.moves
                 else:
                     preview = await c.preview(action, (target,) if action != "rebalance" else ())
                 assert not preview.error, preview.error
@@ -144,7 +150,10 @@ def test_live_change_with_four_requests(four, references, action: str) -> None:
             results = await _disturbed(c, PROMPTS, SHORT, change, after_tokens=8)
             for prompt, tokens in zip(PROMPTS, results, strict=True):
                 assert tokens == _expected(references, prompt, SHORT), prompt
-            if action == "pin":
+            if action == "pin-range":
+                assert (c.plan.shard_of(target).start, c.plan.shard_of(target).end) == (0, 10)
+                assert c.plan.shards[0].node_id == target
+            if action in ("pin", "pin-range"):
                 assert target in c.pins
                 # The pin survives a rebalance.
                 r = await c.apply(await c.preview("rebalance"))

@@ -119,8 +119,16 @@ def test_drain_undrain_pin_unpin_rebalance_change_the_cluster(served: Served) ->
     served.cli("pin", victim, f"{start}-{end - 1}")
     pinned = next(n for n in served.cluster()["nodes"] if n["name"] == victim)
     assert tuple(pinned["pinned"]) == (start, end)
-    wrong = served.cli("pin", victim, f"{end}-{end}", check=False)
-    assert wrong.returncode == 1 and "current layers" in wrong.stderr
+    wrong = served.cli("pin", victim, "2-9", check=False)
+    assert wrong.returncode == 1 and "not within the model's 0-3" in wrong.stderr
+    served.cli("unpin", victim)
+    held = _layers(served.cluster())[victim]
+    other = (0, 1) if held != (0, 1) else (3, 4)  # a range it does not hold: the plan moves
+    out = served.cli("pin", victim, f"{other[0]}-{other[1] - 1}").stdout
+    assert "moved" in out
+    now = served.cluster()
+    assert _layers(now)[victim] == other
+    assert tuple(next(n for n in now["nodes"] if n["name"] == victim)["pinned"]) == other
     served.cli("unpin", victim)
     assert next(n for n in served.cluster()["nodes"] if n["name"] == victim)["pinned"] is None
 

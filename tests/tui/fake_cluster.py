@@ -196,7 +196,9 @@ class FakeCluster:
             updated_at=T0,
         )
 
-    async def preview(self, action: str, targets: tuple[str, ...] = ()) -> PlanPreview:
+    async def preview(
+        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
+    ) -> PlanPreview:
         await asyncio.sleep(0)
         pins = dict(self.pins)
         drained: set[str] = set()

@@ -113,6 +113,10 @@ def test_before_the_model_is_loaded(idle: Coordinator) -> None:
         r = http.post("/v1/completions", content=b"[1,", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         assert http.post("/v1/cluster/nodes/nobody/drain", json={}).status_code == 404
+        half = http.post("/v1/cluster/pins", json={"node": "n", "start": 2})
+        assert half.status_code == 422 and half.json()["error"]["param"] == "end"
+        assert http.post("/v1/cluster/pins", json={"node": "n", "start": 3, "end": 2}).status_code == 422
+        assert http.post("/v1/cluster/pins", json={"node": "n", "start": 0, "end": 2}).status_code == 404
         assert http.get("/health").json()["ready"] is False
         schema = http.get("/openapi.json").json()
         assert "/v1/chat/completions" in schema["paths"] and "/v1/cluster/rebalance" in schema["paths"]
