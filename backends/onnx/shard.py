@@ -93,7 +93,7 @@ class ONNXShard(Shard):
         self.threads = threads
         self.accuracy_level = accuracy_level
         self._embed = weights.embed if self.is_first else None
-        graph = build_shard_graph(config, weights, accuracy_level)
+        graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH)
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -148,13 +148,15 @@ class ONNXShard(Shard):
                 a[...] = saved[n]
 
     def _probe(self) -> np.ndarray:
-        """Outputs of a fixed random prompt of two tokens and one decode step (no cache kept)."""
+        """Outputs of a fixed random prompt and one decode step (no cache kept): the prompt's
+        ``MIN_BATCH`` rows take the graph's batched paths, the step its single-row ones."""
         rid = PROBE_ID
-        hidden = np.random.default_rng(0).standard_normal((3, self.config.hidden_size)).astype(np.float32)
+        n = MIN_BATCH
+        hidden = np.random.default_rng(0).standard_normal((n + 1, self.config.hidden_size)).astype(np.float32)
         with self._lock:
             try:
-                prompt = self._run(rid, hidden[:2], 0, all_logits=True)
-                step = self._run(rid, hidden[2:], 2, all_logits=True)
+                prompt = self._run(rid, hidden[:n], 0, all_logits=True)
+                step = self._run(rid, hidden[n:], n, all_logits=True)
                 return np.concatenate([prompt, step])
             finally:
                 self._release(rid)
