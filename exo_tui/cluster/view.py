@@ -163,6 +163,17 @@ class HostKeyUnknown(Exception):
         self.key_type = key_type
 
 
+def parse_layers(text: str) -> tuple[int, int]:
+    """``"0-14"`` (inclusive, as the console shows ranges) -> ``(0, 15)``."""
+    try:
+        a, b = (int(x) for x in text.strip().replace("–", "-").split("-", 1))
+    except ValueError:
+        raise ValueError(f"layers {text!r} are not START-END (inclusive, e.g. 0-14)") from None
+    if a < 0 or b < a:
+        raise ValueError(f"layers {text!r}: START must be >= 0 and END >= START")
+    return a, b + 1
+
+
 @runtime_checkable
 class ClusterControl(Protocol):
     """Everything a front end may read or do."""

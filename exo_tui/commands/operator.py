@@ -14,6 +14,8 @@ import json
 import sys
 from typing import Any
 
+from exo_tui.cluster.view import parse_layers
+
 ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance")
 
 
@@ -60,17 +62,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true")
     _common(p)
     p.set_defaults(func=run, action="rebalance")
-
-
-def parse_layers(text: str) -> tuple[int, int]:
-    """``"0-14"`` (inclusive, as the console shows ranges) -> ``(0, 15)``."""
-    try:
-        a, b = (int(x) for x in text.replace("–", "-").split("-", 1))
-    except ValueError:
-        raise ValueError(f"layers {text!r} are not START-END (inclusive, e.g. 0-14)") from None
-    if a < 0 or b < a:
-        raise ValueError(f"layers {text!r}: START must be >= 0 and END >= START")
-    return a, b + 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from textual.widgets import Input
 
 import themes
 from exo_tui.cluster import events as ev
-from exo_tui.cluster.view import ClusterControl, ClusterSnapshot, HostKeyUnknown, PlanPreview
+from exo_tui.cluster.view import ClusterControl, ClusterSnapshot, HostKeyUnknown, PlanPreview, parse_layers
 from exo_tui.tui import keymap
 from exo_tui.tui.messages import ActionDone, ClusterEventReceived, HostKeyQuestion, PreviewReady
 from exo_tui.tui.screens.detail import NodeDetailScreen
@@ -374,26 +374,48 @@ class ExoApp(App):
     def action_rebalance(self) -> None:
         self.request_change("rebalance", ())
 
-    def request_change(self, action: str, targets: tuple[str, ...]) -> None:
+    def request_change(self, action: str, targets: tuple[str, ...], layers: tuple[int, int] | None = None) -> None:
         if self.readonly:
             self.notify("Read-only console: plan changes are off.", severity="warning")
             return
         if action != "rebalance" and not targets:
             self.notify(f"No node selected to {action}.", severity="warning")
             return
-        self._preview(action, targets)
+        self._preview(action, targets, layers)
+
+    def request_pin_layers(self, node: Any) -> None:
+        """Ask for a range of layers (inclusive, as the table shows them) to pin to ``node``."""
+        if self.readonly:
+            self.notify("Read-only console: plan changes are off.", severity="warning")
+            return
+        current = f"{node.layers[0]}-{node.layers[1] - 1}" if node.layers else ""
+
+        def entered(text: str | None) -> None:
+            if not text:
+                return
+            try:
+                layers = parse_layers(text)
+            except ValueError as exc:
+                self.notify(f"{exc}", title="Pin layers", severity="error")
+                return
+            self.request_change("pin", (node.node_id,), layers)
+
+        self.push_screen(Prompt(f"Pin layers to {node.name} (START-END, inclusive)", "e.g. 0-9", value=current), entered)
 
     @work(group="plan")
-    async def _preview(self, action: str, targets: tuple[str, ...]) -> None:
+    async def _preview(self, action: str, targets: tuple[str, ...], layers: tuple[int, int] | None = None) -> None:
         try:
-            preview = await self.control.preview(action, targets)
+            if layers is None:
+                preview = await self.control.preview(action, targets)
+            else:
+                preview = await self.control.preview(action, targets, layers)
         except Exception as exc:
-            preview = PlanPreview(action=action, targets=targets, error=str(exc) or type(exc).__name__)
+            preview = PlanPreview(action=action, targets=targets, error=str(exc) or type(exc).__name__, layers=layers)
         self.post_message(PreviewReady(preview))
 
     def on_preview_ready(self, message: PreviewReady) -> None:
         preview = message.preview
-        if preview.action in CONFIRM_ACTIONS or preview.error:
+        if preview.action in CONFIRM_ACTIONS or preview.error or (preview.action == "pin" and preview.moves):
             self.push_screen(ConfirmChange(preview, self.node_names()), partial(self._confirmed, preview))
         else:
             self._apply(preview)

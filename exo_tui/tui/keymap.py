@@ -73,6 +73,7 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("exo.nodes.drain", "D", "drain", "Drain", "nodes", "Move all layers off the marked (or selected) nodes", dangerous=True),
     KeySpec("exo.nodes.undrain", "U", "undrain", "Undrain", "nodes", "Let the marked (or selected) nodes take layers again", dangerous=True),
     KeySpec("exo.nodes.pin", "p", "pin", "Pin", "nodes", "Pin or unpin the selected node's current layers", dangerous=True),
+    KeySpec("exo.nodes.pin_layers", "P", "pin_layers", "Pin layers", "nodes", "Pin a range of layers to the selected node, moving them there", dangerous=True, show=False),
     KeySpec("exo.nodes.remove", "X", "remove", "Remove", "nodes", "Drain and forget the marked (or selected) nodes", dangerous=True, show=False),
     # ------------------------------------------------------------------ chat
     KeySpec("exo.chat.stop", "escape", "stop", "Stop", "chat", "Stop the answer; the partial text stays"),

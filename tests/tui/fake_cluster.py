@@ -211,6 +211,8 @@ class FakeCluster:
                 self.nodes[t] = dataclasses.replace(self.nodes[t], drained=False)
         elif action == "remove":
             removed = set(targets)
+        elif action == "pin" and layers is not None:
+            pins[targets[0]] = layers
         elif action == "pin":
             for t in targets:
                 if self.nodes[t].layers:
@@ -233,6 +235,7 @@ class FakeCluster:
             tok_per_s_before=self._tok_per_s(self.shards),
             tok_per_s_after=self._tok_per_s(new),
             new_plan=PlanView(self.version + 1, self.n_layers, new),
+            layers=layers,
         )
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
@@ -245,7 +248,9 @@ class FakeCluster:
             for t in preview.targets:
                 self.nodes.pop(t, None)
                 self.pins.pop(t, None)
-        if preview.action == "pin":
+        if preview.action == "pin" and preview.layers is not None:
+            self.pins[preview.targets[0]] = preview.layers
+        elif preview.action == "pin":
             for t in preview.targets:
                 if self.nodes[t].layers:
                     self.pins[t] = self.nodes[t].layers  # type: ignore[assignment]

@@ -8,7 +8,7 @@ from textual.widgets import Input
 
 from exo_tui.cluster import events as ev
 from exo_tui.tui.screens.detail import NodeDetailScreen
-from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen, Question
+from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen, Prompt, Question
 from exo_tui.tui.screens.hosts import HostsScreen
 from exo_tui.tui.widgets.chat import Answer, ChatPane
 from exo_tui.tui.widgets.cluster import PartitionBar
@@ -114,6 +114,29 @@ async def test_pin_survives_rebalance(make_app, fake):
         await wait_until(pilot, lambda: len(fake.applied) == 2)
         assert fake.nodes["n02"].layers == (20, 30)
         assert "⚑pinned" in partition_text(app)
+
+
+async def test_pin_a_range_of_layers_asks_then_confirms_the_move(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("down", "down")  # old-laptop n02, layers 20-29
+        await pilot.press("P")
+        await wait_until(pilot, lambda: isinstance(app.screen, Prompt))
+        assert app.screen.query_one(Input).value == "20-29"  # the node's layers to edit
+        app.screen.query_one(Input).value = "9-3"
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        assert not isinstance(app.screen, ConfirmChange) and fake.applied == []  # a bad range changes nothing
+        await pilot.press("P")
+        await wait_until(pilot, lambda: isinstance(app.screen, Prompt))
+        app.screen.query_one(Input).value = "0-9"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))  # layers move: confirm first
+        await pilot.press("y")
+        await wait_until(pilot, lambda: len(fake.applied) == 1)
+        assert fake.applied[0].layers == (0, 10) and fake.pins["n02"] == (0, 10)
+        await wait_until(pilot, lambda: fake.nodes["n02"].layers == (0, 10))
 
 
 async def test_readonly_hides_dangerous_keys(make_app, fake):

@@ -30,8 +30,8 @@ from exo_tui.cluster.view import (
     PlanPreview,
     PlanView,
     ShardView,
+    parse_layers,
 )
-from exo_tui.commands.operator import parse_layers
 from exo_tui.config import Config
 
 PLAN = PlanView(version=3, n_layers=30, shards=(ShardView("a", 0, 12, pinned=True), ShardView("b", 12, 30)),

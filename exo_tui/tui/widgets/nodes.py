@@ -236,3 +236,9 @@ class NodesTable(DataTable):
         if node is None:
             return
         self.app.request_change("unpin" if node.pinned else "pin", (node_id,))  # type: ignore[attr-defined]
+
+    def action_pin_layers(self) -> None:
+        node_id = self.selected_node_id
+        node = next((n for n in self._snapshot.nodes if n.node_id == node_id), None) if self._snapshot else None
+        if node is not None:
+            self.app.request_pin_layers(node)  # type: ignore[attr-defined]
