@@ -957,8 +957,10 @@ class Coordinator:
             except (GenerationError, InfeasiblePlan, RemoteError, ConnectionError, TimeoutError, KeyError) as exc:
                 result = replace(result, error=str(exc))
         names = " ".join(self.nodes[i].name if i in self.nodes else i for i in ids)
+        if layers is not None:
+            names = f"{names} layers {layers[0]}-{layers[1] - 1}"
         self._audit(action, names, "ok" if not result.error else f"error: {result.error}",
-                    f"{len(result.moves)} moves, {result.bytes_moved} bytes, "
+                    f"{len(result.moves)} moves, {result.bytes_moved / 1e6:.1f} MB, "
                     f"{result.tok_per_s_before:.1f} → {result.tok_per_s_after:.1f} tok/s")
         return result
 

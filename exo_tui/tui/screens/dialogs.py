@@ -85,6 +85,8 @@ class ConfirmChange(ModalScreen[bool]):
     def on_mount(self) -> None:
         p = self.preview
         targets = ", ".join(self.names.get(t, t) for t in p.targets)
+        if p.layers is not None:
+            targets = f"layers {p.layers[0]}–{p.layers[1] - 1} to {targets}"
         self.query_one("#dialog").border_title = f"{ACTION_TITLES.get(p.action, p.action.title())} {targets}".strip() + "?"
         self.query_one("#cancel", Button).focus()
 
