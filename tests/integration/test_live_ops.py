@@ -192,11 +192,15 @@ def test_kill_9_during_generation(home: Path, references, position: str) -> None
         asyncio.run(run())
 
 
-def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references) -> None:
+@pytest.mark.parametrize("auto_rebalance", [False, True], ids=["manual", "auto"])
+def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references, auto_rebalance: bool) -> None:
+    """A frozen node is failed by its heartbeat and the answer goes on; when it thaws it comes back
+    eligible. With ``auto_rebalance`` the coordinator gives it layers again by itself; without,
+    it proposes the rebalance and the operator applies it."""
     with node_processes(home, ["onnx", "onnx", "onnx"]) as ns:
 
         async def run() -> None:
-            config = cluster_config(heartbeat_timeout=3.0)
+            config = cluster_config(heartbeat_timeout=3.0, load_balancing__auto_rebalance=auto_rebalance)
             async with coordinator(ns, config=config) as c:
                 victim = c.plan.shards[1].node_id
                 proc = next(n for n in ns.nodes if n.port == c.nodes[victim].port)
@@ -219,9 +223,20 @@ def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references) -> N
                 assert c.nodes[victim].state == "ready"
                 view = next(n for n in c.snapshot().nodes if n.node_id == victim)
                 assert view.eligible, view.ineligible_reason
-                # And it serves again after a rebalance.
-                r = await c.apply(await c.preview("rebalance"))
-                assert not r.error and victim in c.plan.node_ids
+                if auto_rebalance:  # it serves again without anyone asking
+                    for _ in range(100):
+                        if victim in c.plan.node_ids:
+                            break
+                        await asyncio.sleep(0.2)
+                    assert victim in c.plan.node_ids
+                    assert any(e.kind == "operator_action" and e.action == "rebalance" and e.result == "ok"
+                               for e in c.events.history)
+                else:  # a proposal, then it serves again after the operator's rebalance
+                    await asyncio.sleep(0.5)
+                    assert victim not in c.plan.node_ids
+                    assert any(e.kind == "notice" and "press R" in e.message for e in c.events.history)
+                    r = await c.apply(await c.preview("rebalance"))
+                    assert not r.error and victim in c.plan.node_ids
                 [tokens] = await _disturbed(c, [PROMPTS[2]], SHORT, _nothing)
                 assert tokens == _expected(references, PROMPTS[2], SHORT)
 
