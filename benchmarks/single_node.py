@@ -23,13 +23,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _ours(backend: str, model_path: Path, threads: int) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
+def _ours(
+    backend: str, model_path: Path, threads: int, spin: bool = False
+) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
     os.environ["EXO_TUI_THREADS"] = str(threads)
     from backends import get_backend
+    from backends.onnx import ONNXBackend
     from exo_tui.models.gguf_file import GGUFModel
 
     model = GGUFModel(model_path)
-    shard = get_backend(backend).load_shard(model.config, model.shard_weights(0, model.config.n_layers))
+    engine = ONNXBackend(threads=threads, spin=True) if spin else get_backend(backend)
+    shard = engine.load_shard(model.config, model.shard_weights(0, model.config.n_layers))
     counter = [0]
 
     def prefill(tokens: list[int]) -> float:
@@ -102,6 +106,8 @@ def main() -> None:
     for b in args.backends.split(","):
         if b in available_backends():
             engines[f"exo-tui {b}"] = _ours(b, path, args.threads)
+        if b == "onnx" and b in available_backends():  # EXO_TUI_ONNX_SPIN=1: for a machine that does nothing else
+            engines["exo-tui onnx, spinning"] = _ours(b, path, args.threads, spin=True)
     ref = _llama_cpp(path, args.threads)
     if ref is not None:
         engines["llama.cpp"] = ref
