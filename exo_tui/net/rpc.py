@@ -15,6 +15,11 @@ Ordering and concurrency (the choice made here):
   same lane when their relative order matters. A lane's queue holds ``lane_queue`` frames; when it
   is full the read loop waits (backpressure). Don't make a one-way handler await a call on the same
   connection while that connection's lanes can fill up.
+* **Inline types** (``inline_types`` of :func:`serve` and :func:`connect`): a one-way frame of
+  one of these types whose lane is idle is handled right in the read loop, without the hand-off
+  to the lane's task (one event-loop turn less per frame: what a pipeline hop pays for every
+  token). Nothing else is read from that connection until such a handler returns, so give only
+  handlers that return quickly and never await a call on the same connection.
 * **Responses** are delivered to the waiting caller right in the read loop.
 
 A handler's returned frame is sent back as the response of a call (its ``id`` and ``response``
@@ -54,12 +59,19 @@ import itertools
 import logging
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+import struct
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import numpy as np
 
 from exo_tui.net import auth
+
+try:  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = termios = None  # type: ignore[assignment]
 from exo_tui.net.errors import (
     AuthError,
     ConnectError,
@@ -189,6 +201,7 @@ class Connection:
         peer: str = "?",
         peer_name: str = "",
         max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
+        inline_types: Collection[str] = (),
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -203,6 +216,8 @@ class Connection:
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._ids = itertools.count(1)
         self._lanes: dict[str, asyncio.Queue[Frame]] = {}
+        self._busy_lanes: set[str] = set()  # lanes whose task is running a handler
+        self._inline_types = frozenset(inline_types)
         self._tasks: set[asyncio.Task] = set()
         self._call_slots = asyncio.Semaphore(max_concurrent_calls)
         self._close_callbacks: list[CloseCallback] = []
@@ -229,6 +244,19 @@ class Connection:
     @property
     def is_closed(self) -> bool:
         return self._closing
+
+    def input_pending(self) -> bool:
+        """Whether bytes of a next frame have arrived and not been read yet (in this process's
+        buffer or the socket's): a handler may then expect another frame right after its own."""
+        if getattr(self._reader, "_buffer", None):  # asyncio.StreamReader's buffer (CPython)
+            return True
+        sock = self._writer.get_extra_info("socket")
+        if sock is None or fcntl is None:
+            return False
+        try:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+        except (OSError, ValueError):
+            return False
 
     async def call(
         self,
@@ -423,6 +451,9 @@ class Connection:
             return
         lane = frame.lane or frame.type
         q = self._lanes.get(lane)
+        if frame.type in self._inline_types and (q is None or (q.empty() and lane not in self._busy_lanes)):
+            await self._handle_one_way(frame)  # in order: nothing of this lane is waiting or running
+            return
         if q is None:
             if len(self._lanes) >= MAX_LANES:
                 raise FrameError(f"more than {MAX_LANES} one-way lanes on one connection")
@@ -468,19 +499,26 @@ class Connection:
     async def _lane_worker(self, lane: str, q: asyncio.Queue[Frame]) -> None:
         while True:
             frame = await q.get()
+            self._busy_lanes.add(lane)
             try:
-                if self.handler is None:
-                    log.warning("dropping one-way %s from %s: this side has no handler", frame.type, self.peer)
-                    continue
-                await self.handler(self, frame)
-            except asyncio.CancelledError:
-                raise
-            except ConnectionClosed:
-                pass
-            except RemoteError as e:
-                log.warning("one-way %s from %s refused: %s", frame.type, self.peer, e)
-            except Exception:
-                log.exception("handler for one-way %s from %s failed", frame.type, self.peer)
+                await self._handle_one_way(frame)
+            finally:
+                self._busy_lanes.discard(lane)
+
+    async def _handle_one_way(self, frame: Frame) -> None:
+        try:
+            if self.handler is None:
+                log.warning("dropping one-way %s from %s: this side has no handler", frame.type, self.peer)
+                return
+            await self.handler(self, frame)
+        except asyncio.CancelledError:
+            raise
+        except ConnectionClosed:
+            pass
+        except RemoteError as e:
+            log.warning("one-way %s from %s refused: %s", frame.type, self.peer, e)
+        except Exception:
+            log.exception("handler for one-way %s from %s failed", frame.type, self.peer)
 
     def _shutdown(self, reason: BaseException | None) -> None:
         if self._closing:
@@ -564,12 +602,14 @@ class Server:
         limits: Limits,
         on_connect: Callable[[Connection], Any] | None,
         max_concurrent_calls: int,
+        inline_types: Collection[str] = (),
     ) -> None:
         self.handler = handler
         self.security = security
         self.limits = limits
         self.on_connect = on_connect
         self.max_concurrent_calls = max_concurrent_calls
+        self.inline_types = frozenset(inline_types)
         self.host = ""
         self.port = 0
         self.connections: set[Connection] = set()
@@ -634,7 +674,7 @@ class Server:
             self._handshakes.discard(task)
         conn = Connection(
             reader, writer, handler=self.handler, limits=self.limits, peer=peer, peer_name=name,
-            max_concurrent_calls=self.max_concurrent_calls,
+            max_concurrent_calls=self.max_concurrent_calls, inline_types=self.inline_types,
         )
         if self._closed:
             conn.close()
@@ -688,6 +728,7 @@ async def serve(
     limits: Limits = DEFAULT_LIMITS,
     on_connect: Callable[[Connection], Any] | None = None,
     max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
+    inline_types: Collection[str] = (),
 ) -> Server:
     """Listen on ``host:port`` (port 0: any free port, see ``Server.port``; host ``None`` or
     ``"0.0.0.0"``: every interface).
@@ -695,10 +736,11 @@ async def serve(
     Every accepted connection does TLS (unless ``security.enable_tls`` is false) and the HMAC
     handshake within ``security.handshake_timeout_s``; refusals are logged and closed. Then its
     frames go to ``handler`` and ``on_connect(conn)`` is called (it may be a coroutine function).
+    ``inline_types``: see the module doc.
     """
     server = Server(
         handler, security=security, limits=limits, on_connect=on_connect,
-        max_concurrent_calls=max_concurrent_calls,
+        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types,
     )
     await server._start(host, port)
     log.info("listening on %s:%d (TLS %s)", server.host, server.port, "on" if security.enable_tls else "OFF")
@@ -768,10 +810,12 @@ async def connect(
     handler: Handler | None = None,
     limits: Limits = DEFAULT_LIMITS,
     max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
+    inline_types: Collection[str] = (),
 ) -> Connection:
     """Open an authenticated connection to a server (TCP, TLS, HMAC handshake within ``timeout``).
 
     ``handler`` serves frames the server sends on its own initiative (calls and one-way frames).
+    ``inline_types``: see the module doc.
     Raises :class:`ConnectError` (not reachable), :class:`AuthError` (wrong cluster, refused),
     :class:`ProtocolMismatch` (other protocol version) or :class:`HandshakeError`.
     """
@@ -779,7 +823,7 @@ async def connect(
     conn = Connection(
         reader, writer, handler=handler, limits=limits,
         peer=f"[{host}]:{port}" if ":" in host else f"{host}:{port}", peer_name=name,
-        max_concurrent_calls=max_concurrent_calls,
+        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types,
     )
     conn.start()
     return conn

@@ -210,6 +210,42 @@ async def test_one_way_frames_keep_their_order_per_lane(coord: Security, node: S
         assert [s for s in app.seen if s[1] in (1, 2)] == [("slow", 1), ("record", 2)]
 
 
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+async def test_inline_types_run_in_the_read_loop_in_order(coord: Security, node: Security, tls: bool):
+    """A one-way frame of an inline type is handled in the read loop itself (no hand-off to a
+    lane task) when its lane is idle; behind a busy lane it waits its turn like any other."""
+    coord, node = coord.replace(enable_tls=tls), node.replace(enable_tls=tls)
+    app = App()
+    where: list[str] = []
+    pending: list[bool] = []
+
+    async def fast(conn, f: Frame) -> None:
+        task = asyncio.current_task()
+        where.append(task.get_name() if task else "")
+        pending.append(conn.input_pending())
+        app.seen.append(("fast", f.body["i"]))
+
+    app.d.add("fast", fast)
+    async with running(node, app.d, inline_types=("fast",)) as server, \
+            await connect(HOST, server.port, security=coord) as conn:
+        await conn.send("fast", {"i": 0})
+        await until(lambda: len(where) == 1)
+        assert where[0].startswith("exo-tui read"), where
+        assert pending == [False]  # nothing else was sent
+        # two frames written at once: handling the first, the second is already there
+        await conn.send("fast", {"i": 1})
+        await conn.send("fast", {"i": 2})
+        await until(lambda: len(where) == 3)
+        assert pending[1:] == [True, False]
+        # behind a busy lane, an inline type keeps its place in the lane's order
+        app.seen.clear()
+        await conn.send("slow", {"i": 3, "s": 0.2}, lane="L")
+        await conn.send("fast", {"i": 4}, lane="L")
+        await until(lambda: len(app.seen) == 2)
+        assert app.seen == [("slow", 3), ("fast", 4)]
+        assert not where[-1].startswith("exo-tui read")  # it ran in the lane's task
+
+
 async def test_both_sides_can_call(coord: Security, node: Security):
     client = Dispatcher()
 

@@ -1,0 +1,209 @@
+"""How a node agent runs forward steps: a lone stream's decode steps run at once on the event
+loop (inline), steps of several requests run as one batch, a batch waits a bounded while for a
+step due back, and a batch stays whole on the next hop.
+
+Real node agents in this process (ONNX, a tiny random model) on loopback, driven by a test
+coordinator that sends forward frames and collects the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import exo_tui.node.agent as agent_module
+from exo_tui.net import Cluster, Dispatcher, Frame, Security, connect, ensure_cluster
+from exo_tui.node.agent import NodeAgent
+
+PROMPT = np.array([1, 5, 9, 14, 3, 7, 2, 11, 8, 4, 6, 10], dtype=np.int64)  # longer than INLINE_MAX_ROWS
+GREEDY = {"temperature": 0.0}
+DECODE_STEPS = 5
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path / "home"))
+    return ensure_cluster()
+
+
+class Ring:
+    """Node agents holding a tiny model's layers in a ring, and a coordinator's connection to each."""
+
+    def __init__(self, cluster: Cluster, model: Path) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.agents: list[NodeAgent] = []
+        self.conns = []
+        self.tokens: dict[tuple[str, int], asyncio.Future[int]] = {}
+        self.failures: list[dict] = []
+        self.version = 1
+
+    async def start(self, splits: list[tuple[int, int]]) -> None:
+        handler = Dispatcher()
+
+        @handler.route("token")
+        async def token(conn, f: Frame) -> None:
+            self._future(f.body["rid"], f.body["step"]).set_result(int(f.body["token"]))
+
+        @handler.route("step_failed")
+        async def failed(conn, f: Frame) -> None:
+            self.failures.append(f.body)
+
+        @handler.route("heartbeat")
+        async def heartbeat(conn, f: Frame) -> None:
+            pass
+
+        ring = []
+        for i, (start, end) in enumerate(splits):
+            agent = NodeAgent(name=f"steps-{i}", host="127.0.0.1", port=0, backend="onnx", run_benchmark=False,
+                              security=Security.from_bundle(self.cluster.node_bundle(f"steps-{i}")))
+            await agent.start()
+            self.agents.append(agent)
+            conn = await connect("127.0.0.1", agent.port, security=self.cluster.security(), handler=handler)
+            self.conns.append(conn)
+            await conn.call("attach")
+            await conn.call("load", {"path": str(self.model), "start": start, "end": end, "backend": "onnx"}, timeout=60)
+            ring.append({"node_id": agent.profile.node_id, "host": "127.0.0.1", "port": agent.port,
+                         "start": start, "end": end, "backend": "onnx"})
+        plan = {"version": self.version, "n_layers": splits[-1][1], "ring": ring}
+        for conn in self.conns:
+            await conn.call("plan", {"plan": plan})
+
+    async def stop(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(Exception):
+                await conn.aclose()
+        for agent in self.agents:
+            await agent.stop()
+
+    def _future(self, rid: str, step: int) -> asyncio.Future[int]:
+        key = (rid, step)
+        if key not in self.tokens:
+            self.tokens[key] = asyncio.get_running_loop().create_future()
+        return self.tokens[key]
+
+    async def send(self, rid: str, tokens: list[int], pos: int) -> None:
+        step = len(tokens) - len(PROMPT)
+        body = {"rid": rid, "hop": 0, "pos": pos, "step": step, "n_tokens": len(tokens), "sampling": GREEDY}
+        self._future(rid, step)
+        await self.conns[0].send("forward", body, tensor=np.asarray(tokens[pos:], dtype=np.int64), plan=self.version)
+
+    async def token(self, rid: str, step: int) -> int:
+        async with asyncio.timeout(30):
+            return await self._future(rid, step)
+
+    async def prefill(self, rids: list[str]) -> dict[str, list[int]]:
+        histories = {}
+        for rid in rids:
+            tokens = [int(t) for t in PROMPT]
+            await self.send(rid, tokens, 0)
+            tokens.append(await self.token(rid, 0))
+            histories[rid] = tokens
+        return histories
+
+    async def decode_round(self, histories: dict[str, list[int]], straggler_delay_s: float = 0.0) -> None:
+        """One decode step of every request, sent back to back (the last one after a delay)."""
+        rids = list(histories)
+        for i, rid in enumerate(rids):
+            if straggler_delay_s and i == len(rids) - 1:
+                await asyncio.sleep(straggler_delay_s)
+            tokens = histories[rid]
+            await self.send(rid, tokens, len(tokens) - 1)
+        for rid in rids:
+            tokens = histories[rid]
+            tokens.append(await self.token(rid, len(tokens) - len(PROMPT)))
+
+    async def end(self, rids: list[str]) -> None:
+        for conn in self.conns:
+            for rid in rids:
+                await conn.call("drop", {"rid": rid, "final": True})
+
+
+@contextlib.asynccontextmanager
+async def ring(cluster: Cluster, model: Path, splits: list[tuple[int, int]]):
+    r = Ring(cluster, model)
+    try:
+        await r.start(splits)
+        yield r
+    finally:
+        await r.stop()
+
+
+async def test_lone_stream_steps_run_inline_and_a_prefill_does_not(cluster: Cluster, tiny_model: Path):
+    async with ring(cluster, tiny_model, [(0, 4)]) as r:
+        node = r.agents[0]
+        history = (await r.prefill(["solo"]))["solo"]
+        assert node.inline_steps == 0  # the prompt ran on the worker thread
+        for _ in range(DECODE_STEPS):
+            await r.decode_round({"solo": history})
+        assert node.inline_steps == DECODE_STEPS
+        assert dict(node.batch_sizes) == {1: 1 + DECODE_STEPS}
+        assert not r.failures
+
+
+async def test_steps_of_several_requests_run_as_one_batch_with_their_solo_tokens(cluster: Cluster, tiny_model: Path):
+    async with ring(cluster, tiny_model, [(0, 4)]) as r:
+        node = r.agents[0]
+        solo = (await r.prefill(["solo"]))["solo"]
+        for _ in range(DECODE_STEPS):
+            await r.decode_round({"solo": solo})
+        await r.end(["solo"])
+        rids = [f"r{i}" for i in range(4)]
+        histories = await r.prefill(rids)
+        before = node.inline_steps
+        for _ in range(DECODE_STEPS):
+            await r.decode_round(histories)
+        assert node.inline_steps == before  # other requests are active: no step ran inline
+        assert node.batch_sizes[4] == DECODE_STEPS
+        assert all(h == solo for h in histories.values()), (solo, histories)
+        # once they have ended, a lone stream runs inline again
+        await r.end(rids)
+        lone = (await r.prefill(["late"]))["late"]
+        await r.decode_round({"late": lone})
+        assert node.inline_steps == before + 1
+        assert not r.failures
+
+
+async def test_a_batch_waits_a_bounded_while_for_a_step_due_back(
+    cluster: Cluster, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # the tiny model's steps take microseconds: a window of 0.2 s, for a straggler sent 0.03 s late
+    monkeypatch.setattr(agent_module, "GATHER_MIN_S", 0.2)
+    monkeypatch.setattr(agent_module, "GATHER_MAX_S", 0.2)
+    async with ring(cluster, tiny_model, [(0, 4)]) as r:
+        node = r.agents[0]
+        histories = await r.prefill([f"r{i}" for i in range(4)])
+        for _ in range(3):  # the node learns how long the requests stay away
+            await r.decode_round(histories)
+        assert node.batch_sizes[4] == 3
+        await r.decode_round(histories, straggler_delay_s=0.03)
+        assert node.batch_sizes[4] == 4 and node.batch_sizes[3] == 0, dict(node.batch_sizes)
+        # a request that does not come back in time is waited for at most the window
+        del histories["r3"]
+        started = asyncio.get_running_loop().time()
+        await r.decode_round(histories)
+        assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
+        assert node.batch_sizes[3] == 1
+        assert not r.failures
+
+
+async def test_a_batch_stays_whole_on_the_next_hop(cluster: Cluster, tiny_model: Path):
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        first, second = r.agents
+        solo = (await r.prefill(["solo"]))["solo"]
+        for _ in range(DECODE_STEPS):
+            await r.decode_round({"solo": solo})
+        assert (first.inline_steps, second.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
+        await r.end(["solo"])
+        histories = await r.prefill([f"r{i}" for i in range(4)])
+        for _ in range(DECODE_STEPS):
+            await r.decode_round(histories)
+        assert first.batch_sizes[4] == DECODE_STEPS
+        assert second.batch_sizes[4] == DECODE_STEPS, dict(second.batch_sizes)
+        assert (first.inline_steps, second.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
+        assert all(h == solo for h in histories.values())
+        assert not r.failures
