@@ -304,7 +304,9 @@ class Coordinator:
         """Connect to a node agent, attach to it and add it to the cluster."""
         assert self.security is not None
         timeout = self.config.network.discovery.connect_timeout
-        conn = await connect(host, port, security=self.security, timeout=timeout, handler=self._on_frame)
+        # _on_frame never awaits: tokens and heartbeats are handled in the read loop (no lane task).
+        conn = await connect(host, port, security=self.security, timeout=timeout, handler=self._on_frame,
+                             inline_types=("token", "step_failed", "heartbeat"))
         reply = await conn.call("attach", timeout=10)
         profile = NodeProfile.from_dict(reply.body["profile"])
         existing = self.nodes.get(profile.node_id)

@@ -34,6 +34,7 @@ import logging
 import signal
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ GATHER_MIN_S = 0.001
 GATHER_MAX_S = 0.010
 GATHER_FRACTION = 0.25
 VISITS_KEEP_S = 30.0  # a request not seen here for this long is no longer expected back
+QUIET_S = 0.0005  # with other requests active, a batch waits until no step came for this long
 ACTIVE_S = 1.0  # a request whose step left here counts as active this long, until its time away is known
 _DISCARDED = object()
 
@@ -134,6 +136,7 @@ class NodeAgent:
         self._jobs: set[Future[Any]] = set()  # submitted to the worker and not finished
         self._visits: dict[tuple[str, int], _Visit] = {}
         self._burst: dict[Connection, int] = {}  # steps announced by a sender as following at once
+        self._last_arrival_s = 0.0
         self.batch_sizes: Counter[int] = Counter()  # steps per forward run (inline runs count as 1)
         self._run_s = 0.0  # recent time of one run (moving average), for the gather window
         self.inline_steps = 0
@@ -460,6 +463,7 @@ class NodeAgent:
     # waits: there is no other request to wait for.
 
     def _arrived(self, key: tuple[str, int], now: float) -> None:
+        self._last_arrival_s = now
         v = self._visits.get(key)
         if v is None:
             self._visits[key] = _Visit(now)
@@ -492,11 +496,11 @@ class NodeAgent:
                 return True
         return False
 
-    def _alone(self, key: tuple[str, int], now: float) -> bool:
-        """Whether no other request has a step here or is expected back (a request counts as
-        gone after twice its usual time away, or ACTIVE_S before it has one)."""
+    def _alone(self, keys: Collection[tuple[str, int]], now: float) -> bool:
+        """Whether no request but ``keys`` has a step here or is expected back (a request counts
+        as gone after twice its usual time away, or ACTIVE_S before it has one)."""
         for k, v in self._visits.items():
-            if k == key:
+            if k in keys:
                 continue
             if v.left_s is None:
                 return False
@@ -515,7 +519,7 @@ class NodeAgent:
             return False  # a prefill runs on the worker: the loop keeps answering pings meanwhile
         if step.conn.input_pending():
             return False  # another frame is already here: it may join this step's batch
-        return self._alone(key, step.received_s)
+        return self._alone((key,), step.received_s)
 
     def _next_ready(self, plan: RingPlan, hop: int) -> bool:
         """Whether the result can go on without connecting first (a connection takes a while:
@@ -527,15 +531,24 @@ class NodeAgent:
         return conn is not None and not conn.is_closed
 
     async def _gather(self) -> None:
-        """Wait, at most a window, for the steps due back here and those a sender announced."""
+        """Wait, at most a window, for the steps due back here and those a sender announced;
+        while other requests are active, also until no step has arrived for QUIET_S (steps sent
+        one after another by a coordinator trickle in a few tenths of a millisecond apart)."""
         deadline = time.monotonic() + self._window_s()
         while True:
             now = time.monotonic()
-            if now >= deadline or not (self._burst or self._due(now, deadline)):
+            if now >= deadline:
                 break
+            until = deadline
+            if not (self._burst or self._due(now, deadline)):
+                quiet = self._last_arrival_s + QUIET_S
+                queued = {(str(s.frame.body.get("rid")), s.hop) for s in self._queue}
+                if now >= quiet or self._alone(queued, now):
+                    break
+                until = min(deadline, quiet)
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(deadline - now):
+                async with asyncio.timeout(until - now):
                     await self._wakeup.wait()
         self._burst.clear()  # what has not come by now is not waited for again
 
