@@ -105,12 +105,16 @@ class Ring:
             histories[rid] = tokens
         return histories
 
-    async def decode_round(self, histories: dict[str, list[int]], straggler_delay_s: float = 0.0) -> None:
-        """One decode step of every request, sent back to back (the last one after a delay)."""
+    async def decode_round(self, histories: dict[str, list[int]], straggler_delay_s: float = 0.0,
+                           gap_s: float = 0.0) -> None:
+        """One decode step of every request, sent back to back (``gap_s`` apart; the last one
+        after a delay)."""
         rids = list(histories)
         for i, rid in enumerate(rids):
             if straggler_delay_s and i == len(rids) - 1:
                 await asyncio.sleep(straggler_delay_s)
+            elif gap_s and i:
+                await asyncio.sleep(gap_s)
             tokens = histories[rid]
             await self.send(rid, tokens, len(tokens) - 1)
         for rid in rids:
@@ -188,6 +192,23 @@ async def test_a_batch_waits_a_bounded_while_for_a_step_due_back(
         await r.decode_round(histories)
         assert 0.15 < asyncio.get_running_loop().time() - started < 1.0
         assert node.batch_sizes[3] == 1
+        assert not r.failures
+
+
+async def test_steps_that_trickle_in_form_one_batch(cluster: Cluster, tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
+    """Right after their prompts nothing is known of when the requests come back; steps sent one
+    after another (as a coordinator does) still form one batch, and the batch starts once they
+    stop coming (QUIET_S), long before the window ends."""
+    monkeypatch.setattr(agent_module, "QUIET_S", 0.05)
+    monkeypatch.setattr(agent_module, "GATHER_MIN_S", 2.0)
+    monkeypatch.setattr(agent_module, "GATHER_MAX_S", 2.0)
+    async with ring(cluster, tiny_model, [(0, 4)]) as r:
+        node = r.agents[0]
+        histories = await r.prefill([f"r{i}" for i in range(4)])
+        started = asyncio.get_running_loop().time()
+        await r.decode_round(histories, gap_s=0.01)
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert node.batch_sizes[4] == 1, dict(node.batch_sizes)
         assert not r.failures
 
 
