@@ -69,6 +69,19 @@ ACTIVE_S = 1.0  # a request whose step left here counts as active this long, unt
 _DISCARDED = object()
 
 
+def _decodes_first(steps: list[_Step]) -> tuple[list[_Step], list[_Step]]:
+    """This run's steps and the next run's. While decode steps of running streams wait, prompts
+    (steps of several positions) not deferred before go to the next run, so a burst of new
+    requests does not hold every running stream for the length of their prompts. A prompt is
+    deferred once: it waits at most one run."""
+    fresh = [s for s in steps if s.rows > 1 and not s.deferred]
+    if not fresh or not any(s.rows <= 1 for s in steps):
+        return steps, []
+    for s in fresh:
+        s.deferred = True
+    return [s for s in steps if s.rows <= 1 or (s.deferred and all(s is not f for f in fresh))], fresh
+
+
 @dataclass
 class _Step:
     """One request's step waiting for this node's worker."""
@@ -77,6 +90,13 @@ class _Step:
     frame: Frame
     hop: int
     received_s: float = field(default_factory=time.monotonic)
+    deferred: bool = False  # a prompt that already let one run of decode steps go first
+
+    @property
+    def rows(self) -> int:
+        """Positions this step computes: 1 for a decode step, the prompt's length for a prefill."""
+        tensor = self.frame.tensor
+        return int(np.shape(tensor)[0]) if tensor is not None and np.ndim(tensor) else 1
 
 
 @dataclass
@@ -417,8 +437,9 @@ class NodeAgent:
             self._wakeup.clear()
             while self._queue:
                 await self._gather()
-                batch = list(self._queue)
+                batch, later = _decodes_first(list(self._queue))
                 self._queue.clear()
+                self._queue.extend(later)
                 self.batch_sizes[len(batch)] += 1
                 t0 = time.monotonic()
                 results = await self._in_worker(self._run_batch, batch)

@@ -228,3 +228,35 @@ async def test_a_batch_stays_whole_on_the_next_hop(cluster: Cluster, tiny_model:
         assert (first.inline_steps, second.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
         assert all(h == solo for h in histories.values())
         assert not r.failures
+
+
+async def test_new_prompts_let_the_decode_steps_of_running_streams_go_first(
+    cluster: Cluster, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Decode steps and new prompts queued together: the decode steps run (and answer) first, the
+    prompts in the next run, all with their solo tokens."""
+    monkeypatch.setattr(agent_module, "QUIET_S", 0.05)
+    monkeypatch.setattr(agent_module, "GATHER_MIN_S", 2.0)
+    monkeypatch.setattr(agent_module, "GATHER_MAX_S", 2.0)
+    async with ring(cluster, tiny_model, [(0, 4)]) as r:
+        node = r.agents[0]
+        solo = (await r.prefill(["solo"]))["solo"]
+        await r.decode_round({"solo": solo})
+        await r.end(["solo"])
+        running = await r.prefill(["a", "b"])
+        before = dict(node.batch_sizes)
+        answered: list[str] = []
+        for rid, tokens in running.items():
+            await r.send(rid, tokens, len(tokens) - 1)
+            r._future(rid, 1).add_done_callback(lambda _, rid=rid: answered.append(rid))
+        new = ["n0", "n1", "n2"]
+        for rid in new:
+            await r.send(rid, [int(t) for t in PROMPT], 0)
+            r._future(rid, 0).add_done_callback(lambda _, rid=rid: answered.append(rid))
+        assert [await r.token(rid, 1) for rid in running] == [solo[len(PROMPT) + 1]] * 2
+        assert [await r.token(rid, 0) for rid in new] == [solo[len(PROMPT)]] * 3
+        await asyncio.sleep(0)
+        assert sorted(answered[:2]) == ["a", "b"] and sorted(answered[2:]) == new, answered
+        runs = {k: v - before.get(k, 0) for k, v in node.batch_sizes.items() if v - before.get(k, 0)}
+        assert runs == {2: 1, 3: 1}, runs  # not one run of five
+        assert not r.failures
