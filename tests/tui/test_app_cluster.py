@@ -108,8 +108,9 @@ async def test_keys_change_a_real_cluster(tiny_model: Path, tmp_path: Path) -> N
             shown = await confirm(pilot, app, "y")
             expected = {s.node_id: (s.start, s.end) for s in shown.preview.new_plan.shards} if shown.preview.new_plan else None
             await wait_until(pilot, lambda: layers_of(cluster).get(keeper) == pinned, timeout=60)
-            if expected is not None:
-                await wait_until(pilot, lambda: layers_of(cluster) == expected, timeout=60)
+            if expected is not None:  # apply plans afresh: the same plan unless the measurements moved meanwhile
+                await wait_until(pilot, lambda: set(layers_of(cluster)) <= set(expected) | {keeper}, timeout=60)
+                assert sum(e - s for s, e in layers_of(cluster).values()) == cluster.snapshot().plan.n_layers
             app.refresh_now()
             await pilot.pause()
             assert "⚑" in table(app).get_cell(keeper, "layers").plain
