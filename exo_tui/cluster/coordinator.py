@@ -586,7 +586,8 @@ class Coordinator:
             return ChangePreview(None, None, error="no live node to hold layers: start a node agent or undrain one")
         by_id = {h.node_id: h for h in live}
         pins = sorted((p for p in constraints.pins if p.node_id in by_id), key=lambda p: p.start)
-        free = [h for h in live if h.node_id not in {p.node_id for p in pins}]
+        pinned = {p.node_id for p in pins}
+        free = [h for h in live if h.node_id not in pinned]
         gaps, at = [], 0
         for p in [*pins, Pin("", n_layers, n_layers)]:
             if p.start > at:
@@ -939,7 +940,7 @@ class Coordinator:
         action, ids, layers = preview.action, preview.targets, preview.layers
         result = await self.preview(action, ids, layers)
         if not result.error:
-            ids = tuple(self._resolve(t) for t in ids)
+            ids = result.targets  # resolved to node ids by the preview
             drained, pins = self._proposed(action, ids, layers)
             self.drained, self.pins = drained, pins
             self._save_constraints()

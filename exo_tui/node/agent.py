@@ -74,12 +74,13 @@ def _decodes_first(steps: list[_Step]) -> tuple[list[_Step], list[_Step]]:
     (steps of several positions) not deferred before go to the next run, so a burst of new
     requests does not hold every running stream for the length of their prompts. A prompt is
     deferred once: it waits at most one run."""
+    now = [s for s in steps if s.rows <= 1 or s.deferred]
     fresh = [s for s in steps if s.rows > 1 and not s.deferred]
-    if not fresh or not any(s.rows <= 1 for s in steps):
+    if not fresh or not any(s.rows <= 1 for s in now):  # nothing to defer, or no decode step waits
         return steps, []
     for s in fresh:
         s.deferred = True
-    return [s for s in steps if s.rows <= 1 or (s.deferred and all(s is not f for f in fresh))], fresh
+    return now, fresh
 
 
 @dataclass
@@ -97,6 +98,11 @@ class _Step:
         """Positions this step computes: 1 for a decode step, the prompt's length for a prefill."""
         tensor = self.frame.tensor
         return int(np.shape(tensor)[0]) if tensor is not None and np.ndim(tensor) else 1
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The request and hop this step is for (what ``NodeAgent._visits`` is keyed by)."""
+        return str(self.frame.body.get("rid")), self.hop
 
 
 @dataclass
@@ -334,7 +340,7 @@ class NodeAgent:
             return None  # the request ended while this step was on its way
         plan, _, _ = self.host.hop(frame.plan, hop)  # refuse early: unknown plan, wrong node, shard missing
         step = _Step(conn, frame, hop)
-        key = (str(frame.body.get("rid")), hop)
+        key = step.key
         self._arrived(key, step.received_s)
         more = frame.body.get("more")
         if type(more) is int and more > 0:  # more steps of the previous hop's batch follow at once
@@ -496,7 +502,7 @@ class NodeAgent:
         v.seen_s = now
 
     def _left(self, step: _Step) -> None:
-        v = self._visits.get((str(step.frame.body.get("rid")), step.hop))
+        v = self._visits.get(step.key)
         if v is not None:
             v.left_s = v.seen_s = time.monotonic()
 
@@ -535,8 +541,7 @@ class NodeAgent:
         through the queue, where batches form."""
         if self._queue or self._burst or not self._worker_idle():
             return False
-        x = step.frame.tensor
-        if x is None or x.ndim == 0 or x.shape[0] > INLINE_MAX_ROWS:
+        if np.ndim(step.frame.tensor) == 0 or step.rows > INLINE_MAX_ROWS:
             return False  # a prefill runs on the worker: the loop keeps answering pings meanwhile
         if step.conn.input_pending():
             return False  # another frame is already here: it may join this step's batch
@@ -563,7 +568,7 @@ class NodeAgent:
             until = deadline
             if not (self._burst or self._due(now, deadline)):
                 quiet = self._last_arrival_s + QUIET_S
-                queued = {(str(s.frame.body.get("rid")), s.hop) for s in self._queue}
+                queued = {s.key for s in self._queue}
                 if now >= quiet or self._alone(queued, now):
                     break
                 until = min(deadline, quiet)

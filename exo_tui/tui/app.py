@@ -405,10 +405,7 @@ class ExoApp(App):
     @work(group="plan")
     async def _preview(self, action: str, targets: tuple[str, ...], layers: tuple[int, int] | None = None) -> None:
         try:
-            if layers is None:
-                preview = await self.control.preview(action, targets)
-            else:
-                preview = await self.control.preview(action, targets, layers)
+            preview = await self.control.preview(action, targets, layers)
         except Exception as exc:
             preview = PlanPreview(action=action, targets=targets, error=str(exc) or type(exc).__name__, layers=layers)
         self.post_message(PreviewReady(preview))
