@@ -412,7 +412,7 @@ class ExoApp(App):
 
     def on_preview_ready(self, message: PreviewReady) -> None:
         preview = message.preview
-        if preview.action in CONFIRM_ACTIONS or preview.error or (preview.action == "pin" and preview.moves):
+        if preview.action in CONFIRM_ACTIONS or preview.error or (preview.layers is not None and preview.moves):
             self.push_screen(ConfirmChange(preview, self.node_names()), partial(self._confirmed, preview))
         else:
             self._apply(preview)
