@@ -1,17 +1,18 @@
-"""Decode speed of one stream through 1, 2, 3 and 4 node processes on loopback, TLS on and off.
+"""Decode speed of one stream through 1, 2, 3 and 4 node processes on loopback, TLS on and off,
+on uvloop and on asyncio's own event loop (coordinator and nodes alike, ``EXO_TUI_EVENT_LOOP``).
 
 Each configuration runs a real coordinator with ``--local-nodes N`` (the same backend on every
 node, layers split evenly) and times greedy decode steps of the default model; configurations
 alternate over several rounds and medians are reported. The per-hop time is what each extra node
 adds to a decode step: ``(step(N) - step(1)) / (N - 1)``.
 
-    python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 3]
+    python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 3] [--loops uvloop,asyncio]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -52,28 +53,35 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nodes", default="1,2,3,4")
+    ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (uvloop needs uvloop installed)")
     args = ap.parse_args()
+    from exo_tui.net import loop as event_loop
+
     counts = [int(x) for x in args.nodes.split(",")]
-    results: dict[tuple[int, bool], list[float]] = {}
+    loops = args.loops.split(",")
+    results: dict[tuple[str, int, bool], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         home = Path(d)
         for _ in range(args.rounds):
-            for tls in (True, False):
-                for n in counts:
-                    step = asyncio.run(_measure(n, args.backend, tls, args.tokens, home))
-                    results.setdefault((n, tls), []).append(step)
+            for loop in loops:
+                os.environ[event_loop.ENV] = loop  # node processes inherit it
+                for tls in (True, False):
+                    for n in counts:
+                        step = event_loop.run(_measure(n, args.backend, tls, args.tokens, home))
+                        results.setdefault((loop, n, tls), []).append(step)
     med = {k: statistics.median(v) for k, v in results.items()}
     print(f"\nDecode of the default model, one stream, {args.backend} on every node, loopback, "
           f"median over {args.rounds} rounds\n")
-    print("| nodes | TLS | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
-    print("|---:|---|---:|---:|---:|---:|")
-    for tls in (True, False):
-        one = med.get((1, tls))
-        for n in counts:
-            s = med[(n, tls)]
-            ratio = f"{one / s:.2f}" if one else "–"
-            hop = f"{(s - one) / (n - 1) * 1000:.2f}" if one and n > 1 else "–"
-            print(f"| {n} | {'on' if tls else 'off'} | {s * 1000:.1f} | {1 / s:.1f} | {ratio} | {hop} |")
+    print("| loop | nodes | TLS | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for loop in loops:
+        for tls in (True, False):
+            one = med.get((loop, 1, tls))
+            for n in counts:
+                s = med[(loop, n, tls)]
+                ratio = f"{one / s:.2f}" if one else "–"
+                hop = f"{(s - one) / (n - 1) * 1000:.2f}" if one and n > 1 else "–"
+                print(f"| {loop} | {n} | {'on' if tls else 'off'} | {s * 1000:.1f} | {1 / s:.1f} | {ratio} | {hop} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Running a command's asyncio main so that SIGTERM and SIGINT clean up like an exception would:
 the main task is cancelled, its ``finally`` blocks stop what it started (node processes,
-servers), and the process exits with 128 + the signal number."""
+servers), and the process exits with 128 + the signal number. The loop is uvloop where installed
+(see :mod:`exo_tui.net.loop`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from exo_tui.net import loop as event_loop
 
 
 def run_main(main: Callable[[], Awaitable[Any]]) -> Any:
@@ -29,7 +32,7 @@ def run_main(main: Callable[[], Awaitable[Any]]) -> Any:
         return await main()
 
     try:
-        return asyncio.run(runner())
+        return event_loop.run(runner())
     except asyncio.CancelledError:
         if received:
             return 128 + received[0]

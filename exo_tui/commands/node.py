@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import socket
@@ -49,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(profile.to_dict(), indent=2))
         return 0
 
+    from exo_tui.net import loop as event_loop
+    from exo_tui.net.loop import LoopChoiceError
     from exo_tui.net.security import Security, SecurityError
     from exo_tui.node.agent import NodeAgent
 
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
             run_benchmark=not args.no_benchmark,
             parent_pid=args.exit_with_parent,
         )
-        asyncio.run(agent.run_until_signalled())
-    except (SecurityError, BackendError, OSError) as exc:
+        event_loop.run(agent.run_until_signalled())
+    except (SecurityError, BackendError, LoopChoiceError, OSError) as exc:
         print(f"exo-tui node: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -153,11 +153,27 @@ def _tune_socket(writer: asyncio.StreamWriter) -> None:
 async def _start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
     """``writer.start_tls``, marking the stream protocol as TLS first: on CPython 3.11 an EOF that
     arrives right after the TLS handshake, before ``start_tls`` returns, otherwise makes asyncio
-    warn "returning true from eof_received() has no effect when using ssl"."""
+    warn "returning true from eof_received() has no effect when using ssl".
+
+    On a server's :class:`_TLSFirst` stream, the bytes it held back go to the TLS protocol as
+    soon as ``start_tls`` has put that protocol on the socket (its first step does, before the
+    handshake starts or reading resumes), so they come first, as they came."""
     protocol = getattr(writer, "_protocol", None)
     if protocol is not None and hasattr(protocol, "_over_ssl"):
         protocol._over_ssl = True
-    await writer.start_tls(ctx)
+    if not isinstance(protocol, _TLSFirst):
+        await writer.start_tls(ctx)
+        return
+    transport = writer.transport
+    upgrade = asyncio.ensure_future(writer.start_tls(ctx))
+    try:
+        while transport.get_protocol() is protocol and not upgrade.done():
+            await asyncio.sleep(0)
+        protocol.hand_over(transport.get_protocol())
+    except BaseException:
+        upgrade.cancel()
+        raise
+    await upgrade
 
 
 def _local_name(sec: Security) -> str:
@@ -590,6 +606,41 @@ class Dispatcher:
 # ------------------------------------------------------------------ server
 
 
+class _TLSFirst(asyncio.StreamReaderProtocol):
+    """A server-side stream whose first bytes belong to TLS: it holds them back from the reader
+    and :func:`_start_tls` hands them to the TLS protocol.
+
+    ``start_tls`` puts a TLS protocol on the socket, but bytes the plain stream has already read
+    would stay in the reader's buffer, lost to TLS: a ClientHello that arrives before the accept
+    task runs left the handshake waiting until its timeout (uvloop reads as soon as a connection
+    is accepted, so under load this happened to about half the connections; MagicStack/uvloop#707,
+    CPython gh-142352)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: bytearray | None = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        if self._held is None:
+            super().data_received(data)
+        else:
+            self._held += data
+
+    def hand_over(self, tls: asyncio.BaseProtocol) -> None:
+        """Give the held bytes to ``tls`` (a buffered protocol, as asyncio's and uvloop's TLS
+        protocols are); from now on bytes reaching this protocol are the decrypted stream."""
+        held, self._held = self._held, None
+        if not held or tls is self:
+            return
+        view = memoryview(held)
+        while view:
+            buf = tls.get_buffer(len(view))  # type: ignore[attr-defined]
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            tls.buffer_updated(n)  # type: ignore[attr-defined]
+            view = view[n:]
+
+
 class Server:
     """A listening server (see :func:`serve`). ``port`` is the bound port (useful with port 0);
     ``connections`` the authenticated connections now open."""
@@ -618,7 +669,15 @@ class Server:
         self._closed = False
 
     async def _start(self, host: str | None, port: int) -> None:
-        self._server = await asyncio.start_server(self._accept, host, port, limit=STREAM_LIMIT)
+        loop = asyncio.get_running_loop()
+        tls_first = self.security.enable_tls
+
+        def protocol() -> asyncio.StreamReaderProtocol:  # asyncio.start_server's, but see _TLSFirst
+            reader = asyncio.StreamReader(limit=STREAM_LIMIT, loop=loop)
+            cls = _TLSFirst if tls_first else asyncio.StreamReaderProtocol
+            return cls(reader, self._accept, loop=loop)
+
+        self._server = await loop.create_server(protocol, host, port)
         sockname = self._server.sockets[0].getsockname()
         self.host, self.port = sockname[0], sockname[1]
 

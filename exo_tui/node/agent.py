@@ -47,6 +47,7 @@ from exo_tui.inference.sampling import Sampler, SamplingParams
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
+from exo_tui.net.loop import loop_name
 from exo_tui.net.rpc import Connection, connect, serve
 from exo_tui.node.host import HostError, RingPlan, ShardHost, kv_from_array, kv_to_array
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics
@@ -201,7 +202,8 @@ class NodeAgent:
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="node-heartbeat"))
         if self.advertise:
             await self._start_advertiser()
-        log.info("node %s (%s) serving on %s:%d with %s", self.name, profile.node_id, self.bind_host, self.port, self.backend)
+        log.info("node %s (%s) serving on %s:%d with %s, on %s", self.name, profile.node_id, self.bind_host,
+                 self.port, self.backend, loop_name())
 
     async def _start_advertiser(self) -> None:
         try:

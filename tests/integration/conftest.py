@@ -11,14 +11,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import sshd as sshd_helpers
 from tests.helpers.sshd import KeyPair, SshServer, ThrowawayUser
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The RPC tests run on both event loops a node may use (exo_tui.net.loop): asyncio's and
+    uvloop. The rest run on asyncio's, as the TUI's coordinator does."""
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+    if item.module is not None and item.module.__name__.endswith("test_rpc"):
+        import uvloop
+
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
 
 
 @dataclasses.dataclass

@@ -150,6 +150,60 @@ def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == NET and "refused connection from 127.0.0.1:" in r.getMessage()]
 
 
+# ------------------------------------------------------------------ event loops
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+async def test_first_bytes_sent_before_the_server_looks_are_not_lost(
+    coord: Security, node: Security, tls: bool, loop: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A node serves on uvloop (exo_tui.net.loop). Its loop is held busy while clients connect
+    and send their first bytes (the ClientHello, or the plain handshake), so those bytes are in
+    the socket before the server's accept runs: every connection must still complete, and calls
+    go through. Before the fix, about half the TLS connections to a uvloop server hung."""
+    from exo_tui.net import loop as event_loop
+
+    monkeypatch.setenv(event_loop.ENV, loop)
+    coord, node = coord.replace(enable_tls=tls), node.replace(enable_tls=tls)
+    ready, stop = threading.Event(), threading.Event()
+    box: dict = {}
+
+    async def server_main() -> None:
+        async with running(node) as server:
+            box["port"], box["loop"] = server.port, asyncio.get_running_loop()
+            box["name"] = event_loop.loop_name()
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+
+    thread = threading.Thread(target=event_loop.run, args=(server_main(),), daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        assert box["name"] == loop
+        for _ in range(3):
+            busy = threading.Event()
+
+            def hold(busy: threading.Event = busy) -> None:
+                busy.set()
+                time.sleep(0.3)
+
+            box["loop"].call_soon_threadsafe(hold)
+            assert busy.wait(5)
+            conns = await asyncio.gather(*[connect(HOST, box["port"], security=coord, timeout=5.0) for _ in range(4)])
+            try:
+                replies = await asyncio.gather(*[c.call("echo", {"i": i}) for i, c in enumerate(conns)])
+                assert [r.body for r in replies] == [{"i": i} for i in range(4)]
+            finally:
+                for c in conns:
+                    c.close()
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 # ------------------------------------------------------------------ calls and one-way frames
 
 
