@@ -9,6 +9,9 @@ ends its answer). Columns:
   token to the last stream's end (the decode rate of the whole cluster);
 * ``× 1 stream``: that rate over the same path's rate with one stream (batching's gain);
 * ``wall tok/s``: all generated tokens over the whole run, prefill included;
+* ``steady tok/s`` (direct path): the tokens all streams produce while every one of them is
+  decoding (from the last stream's first token to the first stream's end), over that window: the
+  batched decode rate with no prompt being prefilled beside it;
 * ``HTTP cost``: how much lower the HTTP path's decode rate is than the direct one.
 
 The HTTP clients run in this process's event loop, beside the server, so the HTTP column pays for
@@ -36,6 +39,7 @@ from exo_tui.api.server import ApiServer  # noqa: E402
 from exo_tui.cluster.coordinator import Coordinator  # noqa: E402
 from exo_tui.cluster.view import ChatParams  # noqa: E402
 from exo_tui.config import Config  # noqa: E402
+from exo_tui.net import loop as event_loop  # noqa: E402
 
 TOPICS = ["the sea", "a red fox", "Paris", "winter", "a robot", "bread", "the moon", "trains", "music", "a garden",
           "mountains", "a library", "coffee", "rain", "a lighthouse", "bees"]
@@ -51,6 +55,7 @@ class Stream:
         self.first: float | None = None
         self.end = 0.0
         self.tokens = 0
+        self.stamps: list[float] = []
 
 
 def _rates(streams: list[Stream]) -> tuple[float, float]:
@@ -61,12 +66,23 @@ def _rates(streams: list[Stream]) -> tuple[float, float]:
     return (decode_tokens / span if span > 0 else 0.0), (sum(s.tokens for s in streams) / wall if wall > 0 else 0.0)
 
 
+def _steady(streams: list[Stream]) -> float:
+    """Tokens per second while every stream decodes (0 when the streams never all overlap)."""
+    if any(s.first is None for s in streams):
+        return 0.0
+    start, end = max(s.first for s in streams), min(s.end for s in streams)  # type: ignore[type-var]
+    if end <= start:
+        return 0.0
+    return sum(start < t <= end for s in streams for t in s.stamps) / (end - start)
+
+
 async def _direct(c: Coordinator, i: int, tokens: int) -> Stream:
     s = Stream()
     request = c.new_request(_messages(i), ChatParams(max_tokens=tokens, temperature=0.0, seed=1))
     async for chunk in c.generate(request):
         if chunk.token_id is not None:
-            s.first = s.first or time.monotonic()
+            s.stamps.append(time.monotonic())
+            s.first = s.first or s.stamps[-1]
     s.tokens = len(request.generated)
     s.end = time.monotonic()
     return s
@@ -113,6 +129,7 @@ async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None,
                     d_rate, d_wall = _rates(list(direct))
                     h_rate, h_wall = _rates(list(over_http))
                     rows.append({"nodes": n_nodes, "streams": n, "direct": d_rate, "direct_wall": d_wall,
+                                 "steady": _steady(list(direct)),
                                  "http": h_rate, "http_wall": h_wall,
                                  "tokens": sum(s.tokens for s in direct), "http_tokens": sum(s.tokens for s in over_http)})
                     print(f"  {n_nodes} node(s), {n:2d} stream(s): direct {d_rate:7.1f} tok/s, http {h_rate:7.1f} tok/s",
@@ -135,11 +152,12 @@ def main() -> None:
     counts = [int(x) for x in args.streams.split(",")]
     rows = []
     for n_nodes in (int(x) for x in args.nodes.split(",")):
-        rows += asyncio.run(bench(n_nodes, counts, args.tokens, args.model, args.backend))
+        rows += event_loop.run(bench(n_nodes, counts, args.tokens, args.model, args.backend))
 
     print(f"\nAggregate decode tokens/s, {args.tokens} tokens per stream, {args.backend} node agents on loopback "
           f"({os.cpu_count()} CPUs)\n")
-    head = f"{'nodes':>5} {'streams':>7} | {'direct tok/s':>12} {'× 1 stream':>10} {'wall tok/s':>10} | " \
+    head = f"{'nodes':>5} {'streams':>7} | {'direct tok/s':>12} {'× 1 stream':>10} {'wall tok/s':>10} " \
+           f"{'steady tok/s':>12} {'× 1 stream':>10} | " \
            f"{'HTTP tok/s':>10} {'× 1 stream':>10} {'wall tok/s':>10} | {'HTTP cost':>9}"
     print(head)
     print("-" * len(head))
@@ -147,7 +165,7 @@ def main() -> None:
         base = next(x for x in rows if x["nodes"] == r["nodes"] and x["streams"] == min(counts))
         cost = 1 - r["http"] / r["direct"] if r["direct"] else 0.0
         print(f"{r['nodes']:>5} {r['streams']:>7} | {r['direct']:>12.1f} {r['direct'] / base['direct']:>9.2f}× "
-              f"{r['direct_wall']:>10.1f} | {r['http']:>10.1f} {r['http'] / base['http']:>9.2f}× {r['http_wall']:>10.1f} | "
+              f"{r['direct_wall']:>10.1f} {r['steady']:>12.1f} {r['steady'] / base['steady'] if base['steady'] else 0.0:>9.2f}× | {r['http']:>10.1f} {r['http'] / base['http']:>9.2f}× {r['http_wall']:>10.1f} | "
               f"{cost * 100:>8.1f}%")
 
 

@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exo_tui.net import Dispatcher, Frame, Security, connect, ensure_cluster, serve  # noqa: E402
+from exo_tui.net import loop as event_loop  # noqa: E402
 
 HIDDEN = 576
 CHUNK = 4 << 20
@@ -172,7 +173,7 @@ def main() -> int:
     ap.add_argument("--home", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        asyncio.run(_serve(args.serve, args.home))
+        event_loop.run(_serve(args.serve, args.home))
         return 0
 
     with tempfile.TemporaryDirectory(prefix="exo-hop-") as home:
@@ -188,7 +189,7 @@ def main() -> int:
             )
             try:
                 port = int(proc.stdout.readline())
-                rows[mode] = asyncio.run(_measure(mode, port, coord, args.n))
+                rows[mode] = event_loop.run(_measure(mode, port, coord, args.n))
             finally:
                 proc.stdin.close()
                 try:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from exo_tui.net import loop as event_loop  # noqa: E402
+
 SCENARIOS = ("none", "drain", "rebalance", "kill first", "kill middle", "kill last")
 
 
@@ -84,7 +86,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         for scenario in SCENARIOS:
-            base, stall, recover = asyncio.run(_run(scenario, args.backend, args.tokens, args.at, Path(d)))
+            base, stall, recover = event_loop.run(_run(scenario, args.backend, args.tokens, args.at, Path(d)))
             rows.append((scenario, base, stall, recover))
     print(f"\nOne greedy stream of the default model on 3 {args.backend} nodes (loopback); "
           f"disturbance at token {args.at}\n")
