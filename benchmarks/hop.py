@@ -1,9 +1,10 @@
-"""One hop of the wire on loopback: TLS on vs off, against a bare asyncio TCP echo as the floor.
+"""One hop of the wire on loopback: TLS on vs off, against a bare stream echo as the floor, on uvloop
+and on asyncio's own event loop (both ends).
 
 A server process echoes what it gets; this process calls it. One round trip is two hops (the hidden
 state goes there and comes back), so "hop" = round trip / 2. Rows, measured side by side in one run:
 
-* ``floor``: a bare asyncio stream echo of the same bytes (no framing, no TLS, no RPC);
+* ``floor``: a bare stream echo of the same bytes (no framing, no TLS, no RPC);
 * ``rpc, TLS off``: exo-tui frames + RPC over TCP (``network.security.enable_tls: false``);
 * ``rpc, TLS on``: the default, mutual TLS 1.3.
 
@@ -12,7 +13,7 @@ the same as two one-way ``forward`` frames (there, and passed back by the server
 path the pipeline uses); a 128-token prefill hidden state (128×576 float32, 295 KB) round trip; and
 the throughput of 4 MiB weight chunks (one way, acknowledged).
 
-    .venv/bin/python benchmarks/hop.py [--n 3000]
+    .venv/bin/python benchmarks/hop.py [--n 3000] [--rounds 2] [--loops uvloop,asyncio]
 """
 
 from __future__ import annotations
@@ -166,9 +167,28 @@ async def _measure(mode: str, port: int, coord: Security, n: int) -> dict[str, f
     return out
 
 
+def _serve_and_measure(mode: str, home: str, coord: Security, n: int) -> dict[str, float]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", mode, "--home", home],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        port = int(proc.stdout.readline())
+        return event_loop.run(_measure(mode, port, coord, n))
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=3000, help="round trips per row (default 3000)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds alternating the loops; medians are printed")
+    ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (both ends run on it)")
     ap.add_argument("--serve", choices=["floor", "plain", "tls"], help=argparse.SUPPRESS)
     ap.add_argument("--home", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -176,46 +196,41 @@ def main() -> int:
         event_loop.run(_serve(args.serve, args.home))
         return 0
 
+    loops = args.loops.split(",")
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-hop-") as home:
         cluster = ensure_cluster(Path(home))
         (Path(home) / "node.bundle").write_bytes(cluster.node_bundle("bench-node"))
         os.chmod(Path(home) / "node.bundle", 0o600)
         coord = cluster.security()
-        rows = {}
-        for mode in ("floor", "plain", "tls"):
-            proc = subprocess.Popen(
-                [sys.executable, __file__, "--serve", mode, "--home", home],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            )
-            try:
-                port = int(proc.stdout.readline())
-                rows[mode] = event_loop.run(_measure(mode, port, coord, args.n))
-            finally:
-                proc.stdin.close()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        for _ in range(args.rounds):
+            for loop in loops:
+                os.environ[event_loop.ENV] = loop  # this process and the server it starts
+                for mode in ("floor", "plain", "tls"):
+                    runs.setdefault((loop, mode), []).append(_serve_and_measure(mode, home, coord, args.n))
+    rows = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
 
-    names = {"floor": "floor: bare asyncio TCP echo", "plain": "rpc, TLS off", "tls": "rpc, TLS on (default)"}
-    print(f"\nOne hop on loopback, server in another process, {args.n} round trips per row "
-          f"(Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})\n")
-    print(f"| {'':30} | decode call RTT | p99      | hop = RTT/2 | one-way there+back | 128-token prefill RTT | 4 MiB chunks |")
-    print(f"| {'-' * 30} | --------------- | -------- | ----------- | ------------------ | --------------------- | ------------ |")
-    for mode, r in rows.items():
+    names = {"floor": "floor: bare stream echo", "plain": "rpc, TLS off", "tls": "rpc, TLS on (default)"}
+    print(f"\nOne hop on loopback, server in another process, {args.n} round trips per row, median of "
+          f"{args.rounds} rounds (Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f})\n")
+    print(f"| loop | {'':24} | decode call RTT | p99 | hop = RTT/2 | one-way there+back | 128-token prefill RTT | 4 MiB chunks |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (loop, mode), r in rows.items():
         print(
-            f"| {names[mode]:30} | {r['rtt_med'] * 1e3:12.3f} ms | {r['rtt_p99'] * 1e3:5.3f} ms | "
-            f"{r['rtt_med'] * 1e3 / 2:8.3f} ms | {r['oneway_med'] * 1e3:15.3f} ms | "
-            f"{r['prefill_med'] * 1e3:18.3f} ms | {r['chunk_mb_s']:7.0f} MB/s |"
+            f"| {loop} | {names[mode]:24} | {r['rtt_med'] * 1e3:.3f} ms | {r['rtt_p99'] * 1e3:.3f} ms | "
+            f"{r['rtt_med'] * 1e3 / 2:.3f} ms | {r['oneway_med'] * 1e3:.3f} ms | "
+            f"{r['prefill_med'] * 1e3:.3f} ms | {r['chunk_mb_s']:.0f} MB/s |"
         )
-    tls, plain, floor = rows["tls"], rows["plain"], rows["floor"]
-    print(f"\nTLS on / off: decode RTT ×{tls['rtt_med'] / plain['rtt_med']:.2f}, "
-          f"prefill ×{tls['prefill_med'] / plain['prefill_med']:.2f}, "
-          f"chunk throughput ×{tls['chunk_mb_s'] / plain['chunk_mb_s']:.2f}")
-    print(f"rpc (TLS off) / floor: decode RTT ×{plain['rtt_med'] / floor['rtt_med']:.2f}")
-    print(f"target: a hop under 0.3 ms with TLS on -> {tls['rtt_med'] / 2 * 1e3:.3f} ms "
-          f"({'met' if tls['rtt_med'] / 2 < 3e-4 else 'NOT met'})")
+    print()
+    for loop in loops:
+        tls, plain, floor = rows[(loop, "tls")], rows[(loop, "plain")], rows[(loop, "floor")]
+        print(f"{loop}: TLS on / off: decode RTT ×{tls['rtt_med'] / plain['rtt_med']:.2f}, "
+              f"prefill ×{tls['prefill_med'] / plain['prefill_med']:.2f}, "
+              f"chunk throughput ×{tls['chunk_mb_s'] / plain['chunk_mb_s']:.2f}; "
+              f"rpc (TLS off) / floor: decode RTT ×{plain['rtt_med'] / floor['rtt_med']:.2f}; "
+              f"a hop with TLS {tls['rtt_med'] / 2 * 1e3:.3f} ms (target < 0.3 ms: "
+              f"{'met' if tls['rtt_med'] / 2 < 3e-4 else 'NOT met'})")
     return 0
 
 

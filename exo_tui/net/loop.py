@@ -2,10 +2,11 @@
 
 uvloop where it is installed (it comes with ``uvicorn[standard]``, a dependency), else asyncio's
 own loop. Both are asyncio: the code on top is the same, uvloop only does the loop's work (socket
-readiness, TLS records, timers) in C, which is most of what a hop costs besides the compute:
-on loopback with TLS, three node processes decode one stream at 0.90× one node's rate on uvloop
-against 0.85× on asyncio's loop, 0.9 against 1.3 ms per extra hop (``benchmarks/pipeline.py``,
-five rounds alternating the two in one run).
+readiness, TLS records, timers) in C. Measured side by side (``benchmarks/hop.py``, loopback,
+both ends on the same loop): a decode hidden state's round trip with TLS takes 0.27 ms on uvloop
+against 0.33 ms on asyncio's loop, and prefill-sized frames and weight chunks gain too. Beside a
+decode step of ~15 ms that is small: end to end (``benchmarks/pipeline.py``) the two loops are
+within this machine's run-to-run noise.
 
 ``EXO_TUI_EVENT_LOOP=asyncio`` forces asyncio's loop (to compare, or to rule uvloop out when
 chasing a bug); ``uvloop`` insists on uvloop and fails when it is missing.
