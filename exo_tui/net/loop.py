@@ -60,5 +60,10 @@ def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)`` on the loop :func:`loop_factory` chooses."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    try:
+        factory = loop_factory()
+    except LoopChoiceError:
+        main.close()  # never started: no "coroutine was never awaited" warning beside the error
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

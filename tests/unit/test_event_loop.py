@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import warnings
 
 import pytest
 
@@ -41,6 +42,12 @@ def test_an_unknown_loop_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(event_loop.ENV, "trio")
     with pytest.raises(LoopChoiceError, match="not an event loop: use one of auto, uvloop, asyncio"):
         event_loop.loop_factory()
+    main = _which()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine left unawaited would warn
+        with pytest.raises(LoopChoiceError):
+            event_loop.run(main)
+    assert main.cr_frame is None  # closed, not left pending
 
 
 def test_run_returns_the_result_and_closes_its_loop(monkeypatch: pytest.MonkeyPatch) -> None:
