@@ -1,12 +1,16 @@
 """Decode speed of one stream through 1, 2, 3 and 4 node processes on loopback, TLS on and off,
 on uvloop and on asyncio's own event loop (coordinator and nodes alike, ``EXO_TUI_EVENT_LOOP``).
 
-Each configuration runs a real coordinator with ``--local-nodes N`` (the same backend on every
-node, layers split evenly) and times greedy decode steps of the default model; configurations
-alternate over several rounds and medians are reported. The per-hop time is what each extra node
-adds to a decode step: ``(step(N) - step(1)) / (N - 1)``.
+For each loop and TLS setting, one real coordinator per node count runs with ``--local-nodes N``
+(the same backend on every node, layers split evenly), all of them up at once, and they take turns:
+each round every cluster decodes one greedy stream of ``--tokens`` tokens of the default model.
+Medians over all rounds' decode steps are reported. Taking turns in short blocks matters on a
+shared machine, whose speed drifts by 10-15 % over minutes: measured one configuration after the
+other, that drift lands in the ratios. The per-hop time is what each extra node adds to a decode
+step: ``(step(N) - step(1)) / (N - 1)``.
 
-    python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 3] [--loops uvloop,asyncio]
+    python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 5] [--nodes 1,2,3,4]
+                                  [--loops uvloop,asyncio]
 """
 
 from __future__ import annotations
@@ -22,36 +26,53 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-async def _measure(n: int, backend: str, tls: bool, tokens: int, home: Path) -> float:
-    """Seconds per decode step (median) for one stream on ``n`` local nodes."""
-    from exo_tui.cluster.coordinator import Coordinator
-    from exo_tui.config import Config
+async def _steps(c, tokens: int) -> list[float]:  # noqa: ANN001 - a Coordinator
+    """Seconds between tokens of one greedy stream (the first two, prefill and warm-up, left out)."""
     from exo_tui.inference.request import Request
     from exo_tui.inference.sampling import SamplingParams
+
+    prompt = c.model.chat_prompt_ids([{"role": "user", "content": "Write a long poem about the sea."}])
+    request = Request(prompt, SamplingParams(temperature=0.0, seed=1), tokens)
+    stamps: list[float] = []
+    async for chunk in c.generate(request):
+        if chunk.token_id is not None:
+            stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
+
+
+async def _group(counts: list[int], backend: str, tls: bool, tokens: int, rounds: int, home: Path) -> dict[int, float]:
+    """Median seconds per decode step for each node count, the clusters taking turns."""
+    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.config import Config
 
     config = Config()
     config.network.security.enable_tls = tls
     config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
-    c = Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config, home=home, persist=False)
-    await c.start()
+    coordinators = {
+        n: Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config,
+                       home=home / f"{n}-nodes", persist=False)
+        for n in counts
+    }
+    started = []
     try:
-        prompt = c.model.chat_prompt_ids([{"role": "user", "content": "Write a long poem about the sea."}])
-        request = Request(prompt, SamplingParams(temperature=0.0, seed=1), tokens)
-        stamps: list[float] = []
-        async for chunk in c.generate(request):
-            if chunk.token_id is not None or chunk.finish_reason is None:
-                stamps.append(time.perf_counter())
-        gaps = [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
-        return statistics.median(gaps)
+        for c in coordinators.values():
+            await c.start()
+            started.append(c)
+        gaps: dict[int, list[float]] = {n: [] for n in counts}
+        for _ in range(rounds):
+            for n, c in coordinators.items():
+                gaps[n] += await _steps(c, tokens)
+        return {n: statistics.median(g) for n, g in gaps.items()}
     finally:
-        await c.stop()
+        for c in started:
+            await c.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="onnx")
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="turns each cluster takes")
     ap.add_argument("--nodes", default="1,2,3,4")
     ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (uvloop needs uvloop installed)")
     args = ap.parse_args()
@@ -59,19 +80,16 @@ def main() -> None:
 
     counts = [int(x) for x in args.nodes.split(",")]
     loops = args.loops.split(",")
-    results: dict[tuple[str, int, bool], list[float]] = {}
+    med: dict[tuple[str, int, bool], float] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        home = Path(d)
-        for _ in range(args.rounds):
-            for loop in loops:
-                os.environ[event_loop.ENV] = loop  # node processes inherit it
-                for tls in (True, False):
-                    for n in counts:
-                        step = event_loop.run(_measure(n, args.backend, tls, args.tokens, home))
-                        results.setdefault((loop, n, tls), []).append(step)
-    med = {k: statistics.median(v) for k, v in results.items()}
+        for loop in loops:
+            os.environ[event_loop.ENV] = loop  # node processes inherit it
+            for tls in (True, False):
+                home = Path(d) / f"{loop}-{'tls' if tls else 'plain'}"
+                for n, step in event_loop.run(_group(counts, args.backend, tls, args.tokens, args.rounds, home)).items():
+                    med[(loop, n, tls)] = step
     print(f"\nDecode of the default model, one stream, {args.backend} on every node, loopback, "
-          f"median over {args.rounds} rounds\n")
+          f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, medians\n")
     print("| loop | nodes | TLS | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for loop in loops:
