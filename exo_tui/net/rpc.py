@@ -613,18 +613,30 @@ class _TLSFirst(asyncio.StreamReaderProtocol):
     ``start_tls`` puts a TLS protocol on the socket, but bytes the plain stream has already read
     would stay in the reader's buffer, lost to TLS: a ClientHello that arrives before the accept
     task runs left the handshake waiting until its timeout (uvloop reads as soon as a connection
-    is accepted, so under load this happened to about half the connections; MagicStack/uvloop#707,
-    CPython gh-142352)."""
+    is accepted, so under load this happened to about half the connections; asyncio's loop does
+    the same when it is busy; MagicStack/uvloop#707, CPython gh-142352). What is held is bounded
+    (``MAX_HELD``): a TLS client sends one ClientHello and waits."""
+
+    MAX_HELD = 1 << 16  # a ClientHello is a few hundred bytes; a peer sending more first is not TLS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._held: bytearray | None = bytearray()
+        self._plain: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._plain = transport
+        super().connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         if self._held is None:
             super().data_received(data)
-        else:
-            self._held += data
+            return
+        self._held += data
+        if len(self._held) > self.MAX_HELD and self._plain is not None:
+            log.warning("refused connection from %s: %d bytes before the TLS handshake (not a TLS client)",
+                        _fmt_addr(self._plain.get_extra_info("peername")), len(self._held))
+            self._plain.abort()  # type: ignore[attr-defined]
 
     def hand_over(self, tls: asyncio.BaseProtocol) -> None:
         """Give the held bytes to ``tls`` (a buffered protocol, as asyncio's and uvloop's TLS

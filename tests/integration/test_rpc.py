@@ -153,6 +153,54 @@ def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
 # ------------------------------------------------------------------ event loops
 
 
+class HeldServer:
+    """A server on its own thread and event loop (as in a node process), whose loop the test can
+    hold busy: bytes clients send meanwhile are in the socket before the server's accept runs."""
+
+    def __init__(self, security: Security) -> None:
+        self.security = security
+        self.port = 0
+        self.loop_name = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from exo_tui.net import loop as event_loop
+
+        async def main() -> None:
+            async with running(self.security) as server:
+                self.port, self._loop = server.port, asyncio.get_running_loop()
+                self.loop_name = event_loop.loop_name()
+                self._ready.set()
+                while not self._stop.is_set():
+                    await asyncio.sleep(0.01)
+
+        event_loop.run(main())
+
+    def hold(self, seconds: float) -> None:
+        """Block the server's loop for ``seconds``, from the moment this returns."""
+        busy = threading.Event()
+
+        def block() -> None:
+            busy.set()
+            time.sleep(seconds)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(block)
+        assert busy.wait(5)
+
+    def __enter__(self) -> HeldServer:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+
+
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
 async def test_first_bytes_sent_before_the_server_looks_are_not_lost(
@@ -166,42 +214,40 @@ async def test_first_bytes_sent_before_the_server_looks_are_not_lost(
 
     monkeypatch.setenv(event_loop.ENV, loop)
     coord, node = coord.replace(enable_tls=tls), node.replace(enable_tls=tls)
-    ready, stop = threading.Event(), threading.Event()
-    box: dict = {}
-
-    async def server_main() -> None:
-        async with running(node) as server:
-            box["port"], box["loop"] = server.port, asyncio.get_running_loop()
-            box["name"] = event_loop.loop_name()
-            ready.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-
-    thread = threading.Thread(target=event_loop.run, args=(server_main(),), daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(10)
-        assert box["name"] == loop
+    with HeldServer(node) as server:
+        assert server.loop_name == loop
         for _ in range(3):
-            busy = threading.Event()
-
-            def hold(busy: threading.Event = busy) -> None:
-                busy.set()
-                time.sleep(0.3)
-
-            box["loop"].call_soon_threadsafe(hold)
-            assert busy.wait(5)
-            conns = await asyncio.gather(*[connect(HOST, box["port"], security=coord, timeout=5.0) for _ in range(4)])
+            server.hold(0.3)
+            conns = await asyncio.gather(*[connect(HOST, server.port, security=coord, timeout=5.0) for _ in range(4)])
             try:
                 replies = await asyncio.gather(*[c.call("echo", {"i": i}) for i, c in enumerate(conns)])
                 assert [r.body for r in replies] == [{"i": i} for i in range(4)]
             finally:
                 for c in conns:
                     c.close()
-    finally:
-        stop.set()
-        thread.join(10)
-    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_a_flood_before_the_tls_handshake_is_refused(
+    coord: Security, node: Security, loop: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """The bytes held for TLS before the handshake are bounded: a peer that sends 1 MiB at once
+    (no TLS client does) is cut off and logged, and the server goes on serving."""
+    from exo_tui.net import loop as event_loop
+
+    monkeypatch.setenv(event_loop.ENV, loop)
+    caplog.set_level(logging.WARNING, logger=NET)
+    with HeldServer(node) as server:
+        server.hold(0.3)
+        reader, writer = await asyncio.open_connection(HOST, server.port)
+        writer.write(os.urandom(1 << 20))
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        assert await read_to_eof(reader) == b""
+        writer.close()
+        async with await connect(HOST, server.port, security=coord) as conn:
+            assert (await conn.call("echo", {"ok": 1})).body == {"ok": 1}
+    assert any("bytes before the TLS handshake (not a TLS client)" in m for m in refusals(caplog)), refusals(caplog)
 
 
 # ------------------------------------------------------------------ calls and one-way frames
