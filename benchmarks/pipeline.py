@@ -22,11 +22,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+if TYPE_CHECKING:
+    from exo_tui.cluster.coordinator import Coordinator
 
-async def _steps(c, tokens: int) -> list[float]:  # noqa: ANN001 - a Coordinator
+
+async def _steps(c: Coordinator, tokens: int) -> list[float]:
     """Seconds between tokens of one greedy stream (the first two, prefill and warm-up, left out)."""
     from exo_tui.inference.request import Request
     from exo_tui.inference.sampling import SamplingParams

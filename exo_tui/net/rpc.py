@@ -153,27 +153,15 @@ def _tune_socket(writer: asyncio.StreamWriter) -> None:
 async def _start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
     """``writer.start_tls``, marking the stream protocol as TLS first: on CPython 3.11 an EOF that
     arrives right after the TLS handshake, before ``start_tls`` returns, otherwise makes asyncio
-    warn "returning true from eof_received() has no effect when using ssl".
-
-    On a server's :class:`_TLSFirst` stream, the bytes it held back go to the TLS protocol as
-    soon as ``start_tls`` has put that protocol on the socket (its first step does, before the
-    handshake starts or reading resumes), so they come first, as they came."""
+    warn "returning true from eof_received() has no effect when using ssl". A server's stream
+    (:class:`_TLSFirst`) upgrades itself, with the bytes it held back."""
     protocol = getattr(writer, "_protocol", None)
     if protocol is not None and hasattr(protocol, "_over_ssl"):
         protocol._over_ssl = True
-    if not isinstance(protocol, _TLSFirst):
+    if isinstance(protocol, _TLSFirst):
+        await protocol.upgrade(writer, ctx)
+    else:
         await writer.start_tls(ctx)
-        return
-    transport = writer.transport
-    upgrade = asyncio.ensure_future(writer.start_tls(ctx))
-    try:
-        while transport.get_protocol() is protocol and not upgrade.done():
-            await asyncio.sleep(0)
-        protocol.hand_over(transport.get_protocol())
-    except BaseException:
-        upgrade.cancel()
-        raise
-    await upgrade
 
 
 def _local_name(sec: Security) -> str:
@@ -608,7 +596,7 @@ class Dispatcher:
 
 class _TLSFirst(asyncio.StreamReaderProtocol):
     """A server-side stream whose first bytes belong to TLS: it holds them back from the reader
-    and :func:`_start_tls` hands them to the TLS protocol.
+    and hands them to the TLS protocol when it upgrades (:meth:`upgrade`).
 
     ``start_tls`` puts a TLS protocol on the socket, but bytes the plain stream has already read
     would stay in the reader's buffer, lost to TLS: a ClientHello that arrives before the accept
@@ -638,7 +626,22 @@ class _TLSFirst(asyncio.StreamReaderProtocol):
                         _fmt_addr(self._plain.get_extra_info("peername")), len(self._held))
             self._plain.abort()  # type: ignore[attr-defined]
 
-    def hand_over(self, tls: asyncio.BaseProtocol) -> None:
+    async def upgrade(self, writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
+        """``writer.start_tls``, giving the held bytes to the TLS protocol as soon as ``start_tls``
+        has put it on the socket (its first step does, before the handshake starts or reading
+        resumes), so they come first, as they came."""
+        transport = writer.transport
+        upgrade = asyncio.ensure_future(writer.start_tls(ctx))
+        try:
+            while transport.get_protocol() is self and not upgrade.done():
+                await asyncio.sleep(0)
+            self._hand_over(transport.get_protocol())
+        except BaseException:
+            upgrade.cancel()
+            raise
+        await upgrade
+
+    def _hand_over(self, tls: asyncio.BaseProtocol) -> None:
         """Give the held bytes to ``tls`` (a buffered protocol, as asyncio's and uvloop's TLS
         protocols are); from now on bytes reaching this protocol are the decrypted stream."""
         held, self._held = self._held, None
