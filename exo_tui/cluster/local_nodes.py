@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-READY_PREFIX = "exo-tui node "
+READY_LINE = re.compile(rb"^exo-tui node .* listening on port (\d+)$", re.MULTILINE)
 _live: set[subprocess.Popen[bytes]] = set()
 
 
@@ -70,8 +71,10 @@ def spawn_node(
     listen: str = "127.0.0.1",
 ) -> LocalNode:
     """Start a node agent. ``listen``: its listening address (``0.0.0.0`` when nodes on other
-    hosts must reach it); the coordinator always reaches it on loopback."""
-    port = port or free_port()
+    hosts must reach it); the coordinator always reaches it on loopback. Without ``port`` the node
+    binds a free port itself and :func:`wait_ready` reads which from its ready line (a port picked
+    here and bound there later could be taken in between, by any outgoing connection)."""
+    port = port or 0
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "exo_tui.cli", "node", "--host", listen, "--port", str(port),
@@ -96,7 +99,7 @@ def spawn_node(
 
 
 async def wait_ready(node: LocalNode, timeout_s: float = 120.0) -> None:
-    """Wait until the node prints its ready line (it is then listening)."""
+    """Wait until the node prints its ready line (it is then listening on ``node.port``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not node.alive():
@@ -105,7 +108,9 @@ async def wait_ready(node: LocalNode, timeout_s: float = 120.0) -> None:
             )
         with contextlib.suppress(OSError), open(node.log_path, "rb") as fh:
             fh.seek(node.log_offset)
-            if READY_PREFIX.encode() in fh.read():
+            ready = READY_LINE.search(fh.read())
+            if ready:
+                node.port = int(ready.group(1))
                 return
         await asyncio.sleep(0.1)
     raise TimeoutError(f"node {node.name} was not ready after {timeout_s:.0f} s:\n{node.log_tail()}")

@@ -166,6 +166,7 @@ def test_node_refuses_steps_for_unknown_plan(nodes, home: Path) -> None:
 
 
 def test_sigterm_stops_node_cleanly(home: Path) -> None:
+    """A spawned node binds a free port itself, says which, serves on it, and stops on SIGTERM."""
     bundle = home / "nodes" / "sigterm.bundle"
     from exo_tui.net.security import write_node_bundle
 
@@ -173,7 +174,15 @@ def test_sigterm_stops_node_cleanly(home: Path) -> None:
     node = spawn_node("sigterm", backend="onnx", key_file=str(bundle), log_dir=home / "logs",
                       env={"EXO_TUI_HOME": str(home)}, extra_args=["--no-benchmark"])
     try:
+        assert node.port == 0  # no port picked here (another socket could take it before the node binds)
         asyncio.run(wait_ready(node))
+        assert node.port > 0  # the one the node bound, from its ready line
+
+        async def ping() -> str:
+            async with await connect("127.0.0.1", node.port, security=ensure_cluster(home).security()) as conn:
+                return (await conn.call("ping", {"t": 1})).type
+
+        assert asyncio.run(ping()) == "pong"
         os.killpg(node.pid, signal.SIGTERM)
         assert node.process.wait(15) == 0
     finally:
