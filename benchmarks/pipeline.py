@@ -10,7 +10,10 @@ other, that drift lands in the ratios. The per-hop time is what each extra node 
 step: ``(step(N) - step(1)) / (N - 1)``.
 
     python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 5] [--nodes 1,2,3,4]
-                                  [--loops uvloop,asyncio]
+                                  [--loops uvloop,asyncio] [--pin on|off|on,off]
+
+``--pin on,off`` also runs every cluster with the ONNX backend's core pinning off
+(``EXO_TUI_ONNX_PIN=0``, see ``backends/onnx/affinity.py``), side by side with it on.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PIN_ENV = "EXO_TUI_ONNX_PIN"
 
 if TYPE_CHECKING:
     from exo_tui.cluster.coordinator import Coordinator
@@ -44,31 +49,33 @@ async def _steps(c: Coordinator, tokens: int) -> list[float]:
     return [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
 
 
-async def _group(counts: list[int], backend: str, tls: bool, tokens: int, rounds: int, home: Path) -> dict[int, float]:
-    """Median seconds per decode step for each node count, the clusters taking turns."""
+async def _group(
+    counts: list[int], pins: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path
+) -> dict[tuple[str, int], float]:
+    """Median seconds per decode step for each pinning setting and node count, the clusters
+    taking turns."""
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
 
     config = Config()
     config.network.security.enable_tls = tls
     config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
-    coordinators = {
-        n: Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config,
-                       home=home / f"{n}-nodes", persist=False)
-        for n in counts
-    }
-    started = []
+    coordinators: dict[tuple[str, int], Coordinator] = {}
     try:
-        for c in coordinators.values():
-            await c.start()
-            started.append(c)
-        gaps: dict[int, list[float]] = {n: [] for n in counts}
+        for pin in pins:
+            os.environ[PIN_ENV] = "1" if pin == "on" else "0"  # the node processes read it at start
+            for n in counts:
+                c = Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config,
+                                home=home / f"{n}-nodes-pin-{pin}", persist=False)
+                await c.start()
+                coordinators[(pin, n)] = c
+        gaps: dict[tuple[str, int], list[float]] = {k: [] for k in coordinators}
         for _ in range(rounds):
-            for n, c in coordinators.items():
-                gaps[n] += await _steps(c, tokens)
-        return {n: statistics.median(g) for n, g in gaps.items()}
+            for k, c in coordinators.items():
+                gaps[k] += await _steps(c, tokens)
+        return {k: statistics.median(g) for k, g in gaps.items()}
     finally:
-        for c in started:
+        for c in coordinators.values():
             await c.stop()
 
 
@@ -79,31 +86,37 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="turns each cluster takes")
     ap.add_argument("--nodes", default="1,2,3,4")
     ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (uvloop needs uvloop installed)")
+    ap.add_argument("--pin", default="on", help="ONNX core pinning to compare: on, off or on,off (EXO_TUI_ONNX_PIN)")
     args = ap.parse_args()
     from exo_tui.net import loop as event_loop
 
     counts = [int(x) for x in args.nodes.split(",")]
     loops = args.loops.split(",")
-    med: dict[tuple[str, int, bool], float] = {}
+    pins = args.pin.split(",")
+    if not set(pins) <= {"on", "off"}:
+        ap.error("--pin takes on, off or on,off")
+    med: dict[tuple[str, bool, str, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         for loop in loops:
             os.environ[event_loop.ENV] = loop  # node processes inherit it
             for tls in (True, False):
                 home = Path(d) / f"{loop}-{'tls' if tls else 'plain'}"
-                for n, step in event_loop.run(_group(counts, args.backend, tls, args.tokens, args.rounds, home)).items():
-                    med[(loop, n, tls)] = step
+                steps = event_loop.run(_group(counts, pins, args.backend, tls, args.tokens, args.rounds, home))
+                for (pin, n), step in steps.items():
+                    med[(loop, tls, pin, n)] = step
     print(f"\nDecode of the default model, one stream, {args.backend} on every node, loopback, "
           f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, medians\n")
-    print("| loop | nodes | TLS | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print("| loop | TLS | pinned | nodes | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for loop in loops:
         for tls in (True, False):
-            one = med.get((loop, 1, tls))
-            for n in counts:
-                s = med[(loop, n, tls)]
-                ratio = f"{one / s:.2f}" if one else "–"
-                hop = f"{(s - one) / (n - 1) * 1000:.2f}" if one and n > 1 else "–"
-                print(f"| {loop} | {n} | {'on' if tls else 'off'} | {s * 1000:.1f} | {1 / s:.1f} | {ratio} | {hop} |")
+            for pin in pins:
+                one = med.get((loop, tls, pin, 1))
+                for n in counts:
+                    s = med[(loop, tls, pin, n)]
+                    ratio = f"{one / s:.2f}" if one else "–"
+                    hop = f"{(s - one) / (n - 1) * 1000:.2f}" if one and n > 1 else "–"
+                    print(f"| {loop} | {'on' if tls else 'off'} | {pin} | {n} | {s * 1000:.1f} | {1 / s:.1f} | {ratio} | {hop} |")
 
 
 if __name__ == "__main__":

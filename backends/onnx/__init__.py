@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights, physical_cores
+from backends.onnx.affinity import core_plan
 
 PRECISIONS = {"float32": 1, "int8": 4}
 """``MatMulNBits`` ``accuracy_level`` per precision. ``float32`` (the default) matches float32 math
@@ -36,6 +37,7 @@ class ONNXBackend(Backend):
         precision: str | None = None,
         session_config: dict[str, str] | None = None,
         spin: bool | None = None,
+        pin: bool | None = None,
     ) -> None:
         if threads is None:
             env = os.environ.get("EXO_TUI_THREADS", "").strip()
@@ -53,15 +55,14 @@ class ONNXBackend(Backend):
                 f"unknown ONNX precision {precision!r}: choose one of {', '.join(PRECISIONS)}"
             )
         self.precision = precision
-        if spin is None:
-            env = os.environ.get("EXO_TUI_ONNX_SPIN", "").strip().lower()
-            if env not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise BackendError(f"EXO_TUI_ONNX_SPIN={env!r}: use 1 or 0")
-            spin = env in ("1", "true", "yes", "on")
-        self.spin = spin
-        self.session_config = {"session.intra_op.allow_spinning": "1" if spin else "0"}
-        if spin:  # spin between the ops of a step, not between steps: an idle node uses no CPU
+        self.spin = spin if spin is not None else _env_flag("EXO_TUI_ONNX_SPIN", default=False)
+        self.session_config = {"session.intra_op.allow_spinning": "1" if self.spin else "0"}
+        if self.spin:  # spin between the ops of a step, not between steps: an idle node uses no CPU
             self.session_config["session.force_spinning_stop"] = "1"
+        self.pin = pin if pin is not None else _env_flag("EXO_TUI_ONNX_PIN", default=True)
+        self.cores = core_plan(self.threads) if self.pin else None
+        if self.cores is not None:
+            self.session_config["session.intra_op_thread_affinities"] = self.cores.ort_affinities
         self.session_config.update(session_config or {})
         self._available: bool | None = None
 
@@ -88,7 +89,15 @@ class ONNXBackend(Backend):
             threads=self.threads,
             accuracy_level=PRECISIONS[self.precision],
             session_config=self.session_config,
+            cores=self.cores,
         )
+
+
+def _env_flag(name: str, *, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise BackendError(f"{name}={value!r}: use 1 or 0")
+    return default if not value else value in ("1", "true", "yes", "on")
 
 
 def check_shard(config: ModelConfig, weights: ShardWeights) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeights, validate_forward_input
+from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
 
@@ -90,9 +91,11 @@ class ONNXShard(Shard):
         threads: int,
         accuracy_level: int = 1,
         session_config: dict[str, str] | None = None,
+        cores: CorePlan | None = None,
     ) -> None:
         super().__init__(config, weights.start, weights.end)
         self.threads = threads
+        self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
         self.accuracy_level = accuracy_level
         self._embed = weights.embed if self.is_first else None
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH)
@@ -400,7 +403,14 @@ class ONNXShard(Shard):
         else:
             out = np.empty((n, t, c.hidden_size), dtype=np.float32)
         io.bind_output(self._output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-        self._session.run_with_iobinding(io)
+        if self._cores is None:
+            self._session.run_with_iobinding(io)
+            return out
+        before = self._cores.enter()
+        try:
+            self._session.run_with_iobinding(io)
+        finally:
+            self._cores.leave(before)
         return out
 
     def _run(self, request_id: str, hidden: np.ndarray, cached: int, all_logits: bool) -> np.ndarray:

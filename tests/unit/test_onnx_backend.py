@@ -8,6 +8,7 @@ agree within ``RTOL = 1e-4`` of the largest logit's magnitude (observed: ~1e-6 o
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from backends import available_backends, get_backend
 from backends.base import BackendError, KVCache, QuantizedWeight, dense
 from backends.onnx import ONNXBackend, physical_cores
+from backends.onnx.affinity import CorePlan, core_plan
 from exo_tui.models.gguf_file import GGUFModel
 from tests.conftest import WEIGHT_TYPES
 from tests.factory import write_tiny_llama
@@ -221,6 +223,10 @@ def test_bad_weights_and_options(tiny_models, monkeypatch):
     monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "sometimes")
     with pytest.raises(BackendError, match="EXO_TUI_ONNX_SPIN"):
         ONNXBackend()
+    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "0")
+    monkeypatch.setenv("EXO_TUI_ONNX_PIN", "maybe")
+    with pytest.raises(BackendError, match="EXO_TUI_ONNX_PIN"):
+        ONNXBackend()
 
 
 def test_options_defaults_and_env(monkeypatch):
@@ -238,6 +244,59 @@ def test_options_defaults_and_env(monkeypatch):
     assert backend.session_config["session.intra_op.allow_spinning"] == "1"
     assert ONNXBackend(threads=3, precision="float32").threads == 3
     assert get_backend("onnx").name == "onnx"
+
+
+def test_core_plans():
+    assert core_plan(2, {0, 1}) == CorePlan(0, (1,))
+    assert core_plan(2, {0, 1}).ort_affinities == "2"  # ONNX Runtime counts processors from 1
+    assert core_plan(3, {7, 4, 5, 9}) == CorePlan(4, (5, 7))
+    assert core_plan(3, {7, 4, 5, 9}).ort_affinities == "6;8"
+    assert core_plan(1, {0, 1}) is None  # one thread: nothing to keep apart
+    assert core_plan(3, {0, 1}) is None  # more threads than cores: the scheduler shares them
+
+
+def _thread_cores() -> dict[str, set[int]]:
+    """Each thread of this process and the cores it may run on."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                cores: set[int] = set()
+                for part in line.split(":", 1)[1].strip().split(","):
+                    lo, _, hi = part.partition("-")
+                    cores.update(range(int(lo), int(hi or lo) + 1))
+                out[tid] = cores
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux thread affinity and at least two cores")
+@pytest.mark.parametrize("pin", [True, False])
+def test_a_step_runs_on_its_own_cores_and_gives_them_back(tiny_models, monkeypatch, pin):
+    monkeypatch.setenv("EXO_TUI_ONNX_PIN", "1" if pin else "0")
+    mine = os.sched_getaffinity(0)
+    before = _thread_cores()
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    plan = core_plan(2, mine)
+    assert plan is not None
+    pool = {tid: cores for tid, cores in _thread_cores().items() if tid not in before}
+    assert sorted(pool.values(), key=sorted) == ([{plan.pool_cpus[0]}] if pin else [mine])
+    during = []
+    session = shard._session
+
+    class Watch:  # records which cores the calling thread may use while the session runs
+        def __getattr__(self, name):
+            return getattr(session, name)
+
+        def run_with_iobinding(self, io):
+            during.append(os.sched_getaffinity(0))
+            return session.run_with_iobinding(io)
+
+    shard._session = Watch()
+    ref = ReferenceShard(cfg, weights)
+    close(shard.forward("r", PROMPT, np.arange(len(PROMPT))), ref.forward("r", PROMPT, np.arange(len(PROMPT))))
+    assert during == [{plan.run_cpu}] if pin else [mine]
+    assert os.sched_getaffinity(0) == mine  # given back: threads started later keep every core
 
 
 def test_int8_precision_is_opt_in_and_close(tiny_models):
