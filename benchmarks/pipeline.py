@@ -10,10 +10,10 @@ other, that drift lands in the ratios. The per-hop time is what each extra node 
 step: ``(step(N) - step(1)) / (N - 1)``.
 
     python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 5] [--nodes 1,2,3,4]
-                                  [--loops uvloop,asyncio] [--pin on|off|on,off]
+                                  [--loops uvloop,asyncio] [--pin off|on|off,on]
 
-``--pin on,off`` also runs every cluster with the ONNX backend's core pinning off
-(``EXO_TUI_ONNX_PIN=0``, see ``backends/onnx/affinity.py``), side by side with it on.
+``--pin off,on`` also runs every cluster with the ONNX backend's core pinning on
+(``EXO_TUI_ONNX_PIN=1``, see ``backends/onnx/affinity.py``), side by side with it off.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="turns each cluster takes")
     ap.add_argument("--nodes", default="1,2,3,4")
     ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (uvloop needs uvloop installed)")
-    ap.add_argument("--pin", default="on", help="ONNX core pinning to compare: on, off or on,off (EXO_TUI_ONNX_PIN)")
+    ap.add_argument("--pin", default="off", help="ONNX core pinning to compare: off, on or off,on (EXO_TUI_ONNX_PIN)")
     args = ap.parse_args()
     from exo_tui.net import loop as event_loop
 
@@ -94,7 +94,7 @@ def main() -> None:
     loops = args.loops.split(",")
     pins = args.pin.split(",")
     if not set(pins) <= {"on", "off"}:
-        ap.error("--pin takes on, off or on,off")
+        ap.error("--pin takes off, on or off,on")
     med: dict[tuple[str, bool, str, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         for loop in loops:

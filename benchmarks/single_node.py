@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _ours(
-    backend: str, model_path: Path, threads: int, spin: bool = False, pin: bool = True
+    backend: str, model_path: Path, threads: int, spin: bool = False, pin: bool = False
 ) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
     os.environ["EXO_TUI_THREADS"] = str(threads)
     from backends import get_backend
@@ -32,7 +32,7 @@ def _ours(
     from exo_tui.models.gguf_file import GGUFModel
 
     model = GGUFModel(model_path)
-    engine = ONNXBackend(threads=threads, spin=spin, pin=pin) if spin or not pin else get_backend(backend)
+    engine = ONNXBackend(threads=threads, spin=spin, pin=pin) if spin or pin else get_backend(backend)
     shard = engine.load_shard(model.config, model.shard_weights(0, model.config.n_layers))
     counter = [0]
 
@@ -108,7 +108,7 @@ def main() -> None:
             engines[f"exo-tui {b}"] = _ours(b, path, args.threads)
         if b == "onnx" and b in available_backends():  # EXO_TUI_ONNX_SPIN=1: for a machine that does nothing else
             engines["exo-tui onnx, spinning"] = _ours(b, path, args.threads, spin=True)
-            engines["exo-tui onnx, not pinned"] = _ours(b, path, args.threads, pin=False)  # EXO_TUI_ONNX_PIN=0
+            engines["exo-tui onnx, pinned"] = _ours(b, path, args.threads, pin=True)  # EXO_TUI_ONNX_PIN=1
     ref = _llama_cpp(path, args.threads)
     if ref is not None:
         engines["llama.cpp"] = ref

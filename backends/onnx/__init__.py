@@ -25,8 +25,11 @@ class ONNXBackend(Backend):
     cores with its network loop and often with other work, and spinning threads then steal the
     CPU the step is waiting for. Measured on 2 cores (SmolLM2 decode step, 2 threads): alone
     10.9 ms spinning against 14.6 ms not; beside other busy processes 30-37 ms spinning against
-    18.7 ms not. Turn it on for a machine that does nothing else. ``session_config``: extra ONNX
-    Runtime session config entries.
+    18.7 ms not. Turn it on for a machine that does nothing else. ``pin``: whether a step's
+    threads run on cores of their own (env ``EXO_TUI_ONNX_PIN`` = 1/0). Off by default, a trade
+    measured in :mod:`backends.onnx.affinity`: it speeds up nodes that hand steps to each other on
+    one machine and slows down nodes whose cores other work wants too. ``session_config``: extra
+    ONNX Runtime session config entries.
     """
 
     name = "onnx"
@@ -59,7 +62,7 @@ class ONNXBackend(Backend):
         self.session_config = {"session.intra_op.allow_spinning": "1" if self.spin else "0"}
         if self.spin:  # spin between the ops of a step, not between steps: an idle node uses no CPU
             self.session_config["session.force_spinning_stop"] = "1"
-        self.pin = pin if pin is not None else _env_flag("EXO_TUI_ONNX_PIN", default=True)
+        self.pin = pin if pin is not None else _env_flag("EXO_TUI_ONNX_PIN", default=False)
         self.cores = core_plan(self.threads) if self.pin else None
         if self.cores is not None:
             self.session_config["session.intra_op_thread_affinities"] = self.cores.ort_affinities

@@ -1,13 +1,23 @@
 """Which cores a shard's step runs on.
 
 A step runs on the thread that calls ``session.run`` plus ``threads - 1`` intra-op threads of ONNX
-Runtime's pool. Left to the scheduler, the two land on the same core now and then (a woken
-thread goes where its waker runs), and where several nodes share a machine the thread that
-receives a hidden state wakes on whichever core is idle, so every hop crosses cores. Pinned, the
-calling thread runs each step on the first allowed core and the pool's threads on the next ones,
-one each (what ONNX Runtime itself does when it picks the thread count); co-located nodes then
-hand each other hidden states on one core. Measured on 2 cores, three ONNX nodes on loopback
-against one, the clusters taking turns: 0.90x the one-node decode rate pinned, 0.86x not.
+Runtime's pool. Pinned, the calling thread runs each step on the first allowed core and the pool's
+threads on the next ones, one each (ONNX Runtime pins its pool itself only when it picks the
+thread count). Left to the scheduler, a woken thread tends to go where its waker runs, so a pool
+thread can land on the caller's core, and where several nodes share a machine each hop wakes the
+next node on whichever core is idle.
+
+It is a trade, so it is off unless asked for (``EXO_TUI_ONNX_PIN=1``). Measured on 2 cores:
+
+* Nodes handing steps to each other on one machine (``benchmarks/pipeline.py --pin off,on``:
+  three ONNX node processes on loopback against one, one stream, the clusters taking turns):
+  0.89-0.94x the one-node decode rate pinned against 0.83x not on uvloop, 0.89x against 0.82x
+  on asyncio's loop. Pinning only the pool threads did not help; pinning only the calling
+  thread slowed a lone node down.
+* Nodes whose cores other work wants too (``benchmarks/api.py``, the coordinator and its HTTP
+  server on the same 2 cores): one node, 8 streams batched, 118 tok/s pinned against 146 not;
+  one stream 62 against 71; three nodes, 8 streams, 79 against 85. A pinned thread cannot move
+  away from a core something else is running on, and each op waits for its slowest thread.
 
 Only the calling thread is pinned, and only for the length of a run: other threads of the
 process (and threads it starts later) keep every core.
