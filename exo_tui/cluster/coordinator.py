@@ -927,10 +927,12 @@ class Coordinator:
         except (KeyError, ValueError) as exc:
             return PlanPreview(action, tuple(targets), error=str(exc.args[0]), layers=layers)
         change = await asyncio.to_thread(self._preview, self.constraints(drained=drained, pins=pins))
-        note = ""
-        if self._active:
-            note = f"{len(self._active)} answer(s) streaming: the switch happens between two tokens and their caches move with it"
-        return replace(_to_view_preview(action, ids, change, self, note), layers=layers)
+        return replace(_to_view_preview(action, ids, change, self, self._streaming_note()), layers=layers)
+
+    def _streaming_note(self) -> str:
+        if not self._active:
+            return ""
+        return f"{len(self._active)} answer(s) streaming: the switch happens between two tokens and their caches move with it"
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
         """Carry out an action previewed with :meth:`preview`, planned afresh on the cluster as
@@ -952,6 +954,9 @@ class Coordinator:
                 change = await asyncio.to_thread(self._preview, self.constraints())
                 if change.error or change.new_plan is None:
                     raise GenerationError(change.error or "no plan")
+                # Report what is done, not what the preview said: live metrics (load, memory) can
+                # tip the scheduler another way between the two.
+                result = replace(_to_view_preview(action, ids, change, self, self._streaming_note()), layers=layers)
                 await self._switch(change.new_plan, f"{action} {' '.join(self.nodes[i].name for i in ids)}".strip())
                 if action == "remove":
                     for nid in ids:

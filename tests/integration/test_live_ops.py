@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,37 @@ def test_drain_middle_node_during_long_generation(four, references) -> None:
             assert c.nodes[middle].state == "drained" and not c.nodes[middle].held
             kinds = [e.kind for e in c.events.history]
             assert "plan_changed" in kinds and "operator_action" in kinds
+
+    asyncio.run(run())
+
+
+def test_apply_reports_the_change_it_made(four) -> None:
+    """The scheduler plans afresh when a change is applied, on live load and memory, which can
+    tip it another way than the preview a moment before: what ``apply`` returns (and the operator
+    is shown) is the plan it switched to and the layers that moved."""
+
+    async def run() -> None:
+        async with coordinator(four, peers=four.peers[:3], strategy="throughput") as c:
+            preview = await c.preview("rebalance")
+            assert not preview.error and not preview.moves  # nothing to gain on a fresh cluster
+            leaving = c.plan.shards[-1].node_id
+            real, calls = c._preview, []
+
+            def tipped(constraints):  # from apply's second look on, that node is out of the running
+                calls.append(constraints)
+                if len(calls) > 1:
+                    constraints = replace(constraints, drained=constraints.drained | {leaving})
+                return real(constraints)
+
+            c._preview = tipped
+            done = await c.apply(preview)
+            assert not done.error, done.error
+            assert leaving not in c.plan.node_ids
+            assert done.new_plan is not None
+            assert [(s.node_id, s.start, s.end) for s in done.new_plan.shards] == [
+                (s.node_id, s.start, s.end) for s in c.plan.shards
+            ]
+            assert done.moves and all(m.src == leaving or m.dst != leaving for m in done.moves)
 
     asyncio.run(run())
 
