@@ -9,7 +9,7 @@ so does the HTTP client used by ``exo-tui --attach URL``. Front ends never reach
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from exo_tui.cluster.events import EventBus
@@ -132,6 +132,45 @@ class ChatParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+    SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "repetition_penalty", "seed")
+
+    def with_setting(self, name: str, value: str) -> ChatParams:
+        """A copy with one sampling setting changed from text (the console's ``:set NAME VALUE``);
+        ``ValueError`` says what is wrong and what is allowed."""
+        key = name.strip().lower().replace("-", "_")
+        value = value.strip()
+        if key not in self.SETTINGS:
+            raise ValueError(f"no setting {name!r}: choose one of {', '.join(self.SETTINGS)}")
+        try:
+            if key == "seed":
+                return replace(self, seed=None if value.lower() in ("none", "off", "") else int(value))
+            if key in ("top_k", "max_tokens"):
+                n = int(value)
+            else:
+                x = float(value)
+        except ValueError:
+            kind = "a whole number" if key in ("seed", "top_k", "max_tokens") else "a number"
+            raise ValueError(f"{key} takes {kind}, not {value!r}") from None
+        if key == "top_k":
+            if n < 0:
+                raise ValueError("top_k takes 0 (off) or more")
+            return replace(self, top_k=n)
+        if key == "max_tokens":
+            if n < 1:
+                raise ValueError("max_tokens takes 1 or more")
+            return replace(self, max_tokens=n)
+        limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0)}
+        lo, hi = limits[key]
+        if not (lo <= x <= hi) or (key != "temperature" and x == lo):
+            low = "0" if key == "temperature" else "above 0"
+            raise ValueError(f"{key} takes {low} up to {hi:g}, not {value}")
+        return replace(self, **{key: x})
+
+    def describe(self) -> str:
+        seed = "none" if self.seed is None else str(self.seed)
+        return (f"temperature {self.temperature:g} · top_p {self.top_p:g} · top_k {self.top_k} · "
+                f"max_tokens {self.max_tokens} · repetition_penalty {self.repetition_penalty:g} · seed {seed}")
 
 
 @dataclass(frozen=True)

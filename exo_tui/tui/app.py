@@ -345,6 +345,8 @@ class ExoApp(App):
                     f"No theme {arg!r}. Try exo-dark, exo-light or one of: {', '.join(sorted(self.available_themes))}",
                     severity="error",
                 )
+        elif name == "set":
+            self._set_chat_param(arg)
         elif name == "rebalance":
             self.action_rebalance()
         elif name == "pause":
@@ -353,6 +355,24 @@ class ExoApp(App):
             self.action_help()
         elif name == "quit":
             self.run_worker(self.action_quit(), group="lifecycle")
+
+    def _set_chat_param(self, arg: str) -> None:
+        """``:set NAME VALUE`` (or ``NAME=VALUE``) changes one sampling setting of the chat."""
+        try:
+            chat = self.main_screen.query_one(ChatPane) if self.main_screen is not None else None
+        except NoMatches:
+            chat = None
+        if chat is None:
+            self.notify("The chat is not open yet.", severity="warning")
+            return
+        key, _, value = arg.replace("=", " ", 1).strip().partition(" ")
+        if key:
+            try:
+                chat.params = chat.params.with_setting(key, value)
+            except ValueError as exc:
+                self.notify(f"{exc}. Example: :set temperature 0", severity="error")
+                return
+        self.notify(chat.params.describe(), title="Chat settings")
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         for name in keymap.command_names(readonly=self.readonly):

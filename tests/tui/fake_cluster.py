@@ -87,6 +87,7 @@ class FakeCluster:
         self.chat_delay_s = chat_delay_s
         self.applied: list[PlanPreview] = []
         self.chats: list[list[dict[str, str]]] = []
+        self.chat_params: list[ChatParams] = []
         self.fail_next_chat = ""
         self.known_keys: set[str] = set()
         self.hosts: dict[str, HostView] = {
@@ -276,6 +277,7 @@ class FakeCluster:
 
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
         self.chats.append(messages)
+        self.chat_params.append(params)
         if self.fail_next_chat:
             error, self.fail_next_chat = self.fail_next_chat, ""
             raise RuntimeError(error)

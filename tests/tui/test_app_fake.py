@@ -237,6 +237,28 @@ async def test_command_mode_and_theme_saved(make_app, fake):
         assert any("Unknown command :nope" in n.message for n in app._notifications)
 
 
+async def test_set_changes_the_chats_sampling(make_app, fake):
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        chat = app.main_screen.query_one(ChatPane)
+        await pilot.press("colon", *"set temperature 0", "enter")
+        await pilot.press("colon", *"set max_tokens=64", "enter")
+        await pilot.pause()
+        assert (chat.params.temperature, chat.params.max_tokens) == (0.0, 64)
+        assert any("temperature 0 · " in n.message and "max_tokens 64" in n.message for n in app._notifications)
+        await pilot.press("colon", *"set temperature hot", "enter")
+        await pilot.press("colon", *"set warmth 1", "enter")
+        await pilot.pause()
+        assert chat.params.temperature == 0.0  # refused, unchanged
+        errors = [n.message for n in app._notifications if n.severity == "error"]
+        assert any("temperature takes a number, not 'hot'" in e for e in errors)
+        assert any("no setting 'warmth'" in e and "temperature, top_p" in e for e in errors)
+        await chat.send("hello")
+        await wait_until(pilot, lambda: not chat.streaming)
+        assert fake.chat_params[-1].temperature == 0.0 and fake.chat_params[-1].max_tokens == 64
+
+
 async def test_help_is_for_the_focused_pane(make_app):
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
