@@ -8,6 +8,7 @@ touched by two steps at once.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +23,15 @@ from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, asse
 
 class HostError(Exception):
     """A request this node cannot serve; the message says why and what to do."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,10 @@ class RingPlan:
         if expected != plan.n_layers:
             raise HostError(f"plan {plan.version} covers {expected} of {plan.n_layers} layers")
         return plan
+
+    def on_loopback(self) -> bool:
+        """Whether every hop is reached on loopback: the ring's nodes share one machine's cores."""
+        return all(_is_loopback(e.host) for e in self.ring)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -147,6 +147,7 @@ async def test_lone_stream_steps_run_inline_and_a_prefill_does_not(cluster: Clus
         assert node.inline_steps == DECODE_STEPS
         assert dict(node.batch_sizes) == {1: 1 + DECODE_STEPS}
         assert not r.failures
+        assert node._shared_cores  # its plan reaches every hop on loopback: one machine's cores
 
 
 async def test_steps_of_several_requests_run_as_one_batch_with_their_solo_tokens(cluster: Cluster, tiny_model: Path):
