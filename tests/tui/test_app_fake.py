@@ -257,6 +257,15 @@ async def test_set_changes_the_chats_sampling(make_app, fake):
         await chat.send("hello")
         await wait_until(pilot, lambda: not chat.streaming)
         assert fake.chat_params[-1].temperature == 0.0 and fake.chat_params[-1].max_tokens == 64
+        # Typed in the chat itself, a known command runs; anything else starting with ':' is a message.
+        chat.prompt_input.focus()
+        asked = len(fake.chats)
+        await pilot.press(*":set top_k 40", "enter")
+        await pilot.pause()
+        assert chat.params.top_k == 40 and len(fake.chats) == asked and chat.prompt_input.value == ""
+        await pilot.press(*":) thanks", "enter")
+        await wait_until(pilot, lambda: len(fake.chats) == asked + 1 and not chat.streaming)
+        assert fake.chats[-1][-1]["content"] == ":) thanks"
 
 
 async def test_help_is_for_the_focused_pane(make_app):

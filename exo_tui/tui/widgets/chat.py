@@ -112,6 +112,12 @@ class ChatPane(Vertical):
         prompt = event.value.strip()
         if not prompt:
             return
+        if prompt.startswith(":") and keymap.parse_command(prompt)[0] in keymap.COMMANDS:
+            # ":set temperature 0" typed here is a command, not a question for the model
+            self.prompt_input.remember(prompt)
+            self.prompt_input.value = ""
+            self.app.run_command(prompt)  # type: ignore[attr-defined]
+            return
         if self.streaming:
             self.notify("An answer is still streaming: esc stops it.", severity="warning")
             return
