@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import uvicorn
 
 from exo_tui.api.app import create_app
+from exo_tui.net.address import is_loopback
 
 log = logging.getLogger("exo_tui.api")
 
@@ -29,15 +29,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # noqa: ANN201 - the command's run_main handles SIGTERM/SIGINT
         yield
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

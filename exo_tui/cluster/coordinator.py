@@ -50,6 +50,7 @@ from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
+from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import ConnectError, RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.rpc import Connection, connect
@@ -687,11 +688,11 @@ class Coordinator:
         """The ring as nodes see it. A node the coordinator reaches on loopback is named, for
         the others, by the address this host has on their network."""
         handles = [self.nodes[s.node_id] for s in plan.shards]
-        remote = next((h for h in handles if not _is_loopback(h.host) and h.connected), None)
+        remote = next((h for h in handles if not is_loopback(h.host) and h.connected), None)
         outward = remote.conn.local_address if remote is not None else ""
         entries = []
         for s, h in zip(plan.shards, handles, strict=True):
-            host = outward if outward and _is_loopback(h.host) else h.host
+            host = outward if outward and is_loopback(h.host) else h.host
             entries.append(PlanEntry(s.node_id, host, h.port, s.start, s.end, s.backend or self._node_backend(h)))
         return RingPlan(plan.version, plan.n_layers, tuple(entries))
 
@@ -722,7 +723,7 @@ class Coordinator:
     def _use_path(self, h: NodeHandle) -> bool:
         if self.weights_mode != "auto":
             return self.weights_mode == "path"
-        return _is_loopback(h.host) and h.profile.hostname == socket.gethostname()
+        return is_loopback(h.host) and h.profile.hostname == socket.gethostname()
 
     async def _unload_unused(self, ring: RingPlan) -> None:
         keep = {(e.node_id, e.start, e.end) for e in ring.ring}
@@ -1100,10 +1101,6 @@ class Coordinator:
 
 
 # ====================================================================== helpers
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _parse_peer(text: str, default_port: int) -> tuple[str, int]:

@@ -8,7 +8,6 @@ touched by two steps at once.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import os
 import threading
 from dataclasses import dataclass, field
@@ -19,19 +18,11 @@ import numpy as np
 from backends import get_backend
 from backends.base import KVCache, ModelConfig, Shard
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, assemble_shard, tensor_from_raw
+from exo_tui.net.address import is_loopback
 
 
 class HostError(Exception):
     """A request this node cannot serve; the message says why and what to do."""
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -67,7 +58,7 @@ class RingPlan:
 
     def on_loopback(self) -> bool:
         """Whether every hop is reached on loopback: the ring's nodes share one machine's cores."""
-        return all(_is_loopback(e.host) for e in self.ring)
+        return all(is_loopback(e.host) for e in self.ring)
 
     def to_dict(self) -> dict[str, Any]:
         return {
