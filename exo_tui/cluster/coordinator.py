@@ -922,13 +922,21 @@ class Coordinator:
     async def preview(
         self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
     ) -> PlanPreview:
+        return (await self._planned(action, targets, layers))[0]
+
+    async def _planned(
+        self, action: str, targets: tuple[str, ...], layers: tuple[int, int] | None
+    ) -> tuple[PlanPreview, ChangePreview | None, set[str], dict[str, Pin]]:
+        """What ``action`` would do now: the operator's view of it (targets resolved to node ids,
+        or the error), the scheduler's change, and the drains and pins it would leave."""
         try:
             ids = tuple(self._resolve(t) for t in targets)
             drained, pins = self._proposed(action, ids, layers)
         except (KeyError, ValueError) as exc:
-            return PlanPreview(action, tuple(targets), error=str(exc.args[0]), layers=layers)
+            return PlanPreview(action, tuple(targets), error=str(exc.args[0]), layers=layers), None, set(), {}
         change = await asyncio.to_thread(self._preview, self.constraints(drained=drained, pins=pins))
-        return replace(_to_view_preview(action, ids, change, self, self._streaming_note()), layers=layers)
+        view = replace(_to_view_preview(action, ids, change, self, self._streaming_note()), layers=layers)
+        return view, change, drained, pins
 
     def _streaming_note(self) -> str:
         if not self._active:
@@ -937,14 +945,13 @@ class Coordinator:
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
         """Carry out an action previewed with :meth:`preview`, planned afresh on the cluster as
-        it is now (it may have changed since the preview)."""
+        it is now (it may have changed since the preview); returns what was done."""
         if self.readonly:
             return replace(preview, error="read-only console: changes are disabled")
-        action, ids, layers = preview.action, preview.targets, preview.layers
-        result = await self.preview(action, ids, layers)
-        if not result.error:
-            ids = result.targets  # resolved to node ids by the preview
-            drained, pins = self._proposed(action, ids, layers)
+        action, layers = preview.action, preview.layers
+        result, change, drained, pins = await self._planned(action, preview.targets, layers)
+        ids = result.targets  # resolved to node ids
+        if not result.error and change is not None and change.new_plan is not None:
             self.drained, self.pins = drained, pins
             self._save_constraints()
             for nid in ids:
@@ -952,12 +959,6 @@ class Coordinator:
                     self.nodes[nid].state = "draining"
                     self.events.publish(ev.NodeStateChanged(node_id=nid, state="draining"))
             try:
-                change = await asyncio.to_thread(self._preview, self.constraints())
-                if change.error or change.new_plan is None:
-                    raise GenerationError(change.error or "no plan")
-                # Report what is done, not what the preview said: live metrics (load, memory) can
-                # tip the scheduler another way between the two.
-                result = replace(_to_view_preview(action, ids, change, self, self._streaming_note()), layers=layers)
                 await self._switch(change.new_plan, f"{action} {' '.join(self.nodes[i].name for i in ids)}".strip())
                 if action == "remove":
                     for nid in ids:
@@ -965,6 +966,8 @@ class Coordinator:
                 self._last_rebalance_s = time.monotonic()
             except (GenerationError, InfeasiblePlan, RemoteError, ConnectionError, TimeoutError, KeyError) as exc:
                 result = replace(result, error=str(exc))
+        elif not result.error:
+            result = replace(result, error="no plan")
         names = " ".join(self.nodes[i].name if i in self.nodes else i for i in ids)
         if layers is not None:
             names = f"{names} layers {layers[0]}-{layers[1] - 1}"
