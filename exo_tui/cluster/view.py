@@ -123,6 +123,16 @@ class PlanPreview:
     layers: tuple[int, int] | None = None  # a pin's layers [start, end); None pins what the node holds
 
 
+_SETTING_RULES: dict[str, tuple[type, Any, str]] = {  # name: (type, check, what is allowed)
+    "temperature": (float, lambda x: 0.0 <= x <= 2.0, "0 up to 2"),
+    "top_p": (float, lambda x: 0.0 < x <= 1.0, "above 0 up to 1"),
+    "top_k": (int, lambda n: n >= 0, "0 (off) or more"),
+    "max_tokens": (int, lambda n: n >= 1, "1 or more"),
+    "repetition_penalty": (float, lambda x: 0.0 < x <= 10.0, "above 0 up to 10"),
+    "seed": (int, lambda n: True, "a whole number or none"),
+}
+
+
 @dataclass(frozen=True)
 class ChatParams:
     max_tokens: int = 512
@@ -133,38 +143,24 @@ class ChatParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
-    SETTINGS = ("temperature", "top_p", "top_k", "max_tokens", "repetition_penalty", "seed")
+    SETTINGS = tuple(_SETTING_RULES)
 
     def with_setting(self, name: str, value: str) -> ChatParams:
         """A copy with one sampling setting changed from text (the console's ``:set NAME VALUE``);
         ``ValueError`` says what is wrong and what is allowed."""
         key = name.strip().lower().replace("-", "_")
         value = value.strip()
-        if key not in self.SETTINGS:
+        if key not in _SETTING_RULES:
             raise ValueError(f"no setting {name!r}: choose one of {', '.join(self.SETTINGS)}")
+        if key == "seed" and value.lower() in ("none", "off", ""):
+            return replace(self, seed=None)
+        kind, ok, allowed = _SETTING_RULES[key]
         try:
-            if key == "seed":
-                return replace(self, seed=None if value.lower() in ("none", "off", "") else int(value))
-            if key in ("top_k", "max_tokens"):
-                n = int(value)
-            else:
-                x = float(value)
+            x = kind(value)
         except ValueError:
-            kind = "a whole number" if key in ("seed", "top_k", "max_tokens") else "a number"
-            raise ValueError(f"{key} takes {kind}, not {value!r}") from None
-        if key == "top_k":
-            if n < 0:
-                raise ValueError("top_k takes 0 (off) or more")
-            return replace(self, top_k=n)
-        if key == "max_tokens":
-            if n < 1:
-                raise ValueError("max_tokens takes 1 or more")
-            return replace(self, max_tokens=n)
-        limits = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "repetition_penalty": (0.0, 10.0)}
-        lo, hi = limits[key]
-        if not (lo <= x <= hi) or (key != "temperature" and x == lo):
-            low = "0" if key == "temperature" else "above 0"
-            raise ValueError(f"{key} takes {low} up to {hi:g}, not {value}")
+            raise ValueError(f"{key} takes {'a whole number' if kind is int else 'a number'}, not {value!r}") from None
+        if not ok(x):
+            raise ValueError(f"{key} takes {allowed}, not {value}")
         return replace(self, **{key: x})
 
     def describe(self) -> str:
