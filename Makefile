@@ -43,7 +43,9 @@ bench: setup
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install llama-cpp-python
 	$(BIN)/python benchmarks/single_node.py
+	$(BIN)/python benchmarks/onnx_spin.py
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/api.py
 	$(BIN)/python benchmarks/resilience.py
 	$(BIN)/python benchmarks/scheduler.py
 

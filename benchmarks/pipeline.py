@@ -10,10 +10,12 @@ other, that drift lands in the ratios. The per-hop time is what each extra node 
 step: ``(step(N) - step(1)) / (N - 1)``.
 
     python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 5] [--nodes 1,2,3,4]
-                                  [--loops uvloop,asyncio] [--pin off|on|off,on]
+                                  [--loops uvloop,asyncio] [--variants default,nospin,spin,pin]
 
-``--pin off,on`` also runs every cluster with the ONNX backend's core pinning on
-(``EXO_TUI_ONNX_PIN=1``, see ``backends/onnx/affinity.py``), side by side with it off.
+``--variants`` runs every cluster in each of these ONNX settings, side by side: ``default``
+(intra-op threads spin up to ``SPIN_US`` between the ops of a step), ``nospin`` (they never spin,
+``EXO_TUI_ONNX_SPIN=0``), ``spin`` (they spin until each step ends, ``EXO_TUI_ONNX_SPIN=1``) and
+``pin`` (core pinning, ``EXO_TUI_ONNX_PIN=1``, see ``backends/onnx/affinity.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PIN_ENV = "EXO_TUI_ONNX_PIN"
+VARIANTS = {  # name -> the environment the node processes start with (see backends/onnx/__init__.py)
+    "default": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": ""},
+    "nospin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "0"},
+    "spin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "1"},
+    "pin": {"EXO_TUI_ONNX_PIN": "1", "EXO_TUI_ONNX_SPIN": ""},
+}
 
 if TYPE_CHECKING:
     from exo_tui.cluster.coordinator import Coordinator
@@ -50,10 +57,10 @@ async def _steps(c: Coordinator, tokens: int) -> list[float]:
 
 
 async def _group(
-    counts: list[int], pins: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path
+    counts: list[int], variants: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path
 ) -> dict[tuple[str, int], float]:
-    """Median seconds per decode step for each pinning setting and node count, the clusters
-    taking turns."""
+    """Median seconds per decode step for each variant and node count, the clusters taking
+    turns."""
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
 
@@ -62,13 +69,13 @@ async def _group(
     config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
     coordinators: dict[tuple[str, int], Coordinator] = {}
     try:
-        for pin in pins:
-            os.environ[PIN_ENV] = "1" if pin == "on" else "0"  # the node processes read it at start
+        for variant in variants:
+            os.environ.update(VARIANTS[variant])  # the node processes read it at start
             for n in counts:
                 c = Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config,
-                                home=home / f"{n}-nodes-pin-{pin}", persist=False)
+                                home=home / f"{n}-nodes-{variant}", persist=False)
                 await c.start()
-                coordinators[(pin, n)] = c
+                coordinators[(variant, n)] = c
         gaps: dict[tuple[str, int], list[float]] = {k: [] for k in coordinators}
         for _ in range(rounds):
             for k, c in coordinators.items():
@@ -86,37 +93,41 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="turns each cluster takes")
     ap.add_argument("--nodes", default="1,2,3,4")
     ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (uvloop needs uvloop installed)")
-    ap.add_argument("--pin", default="off", help="ONNX core pinning to compare: off, on or off,on (EXO_TUI_ONNX_PIN)")
+    ap.add_argument("--tls", default="on,off", help="TLS settings to measure: on, off or on,off")
+    ap.add_argument("--variants", default="default", help=f"ONNX settings to compare, of {', '.join(VARIANTS)}")
     args = ap.parse_args()
     from exo_tui.net import loop as event_loop
 
     counts = [int(x) for x in args.nodes.split(",")]
     loops = args.loops.split(",")
-    pins = args.pin.split(",")
-    if not set(pins) <= {"on", "off"}:
-        ap.error("--pin takes off, on or off,on")
+    tls_settings = [t == "on" for t in args.tls.split(",")]
+    if not set(args.tls.split(",")) <= {"on", "off"}:
+        ap.error("--tls takes on, off or on,off")
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants takes some of {', '.join(VARIANTS)}")
     med: dict[tuple[str, bool, str, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         for loop in loops:
             os.environ[event_loop.ENV] = loop  # node processes inherit it
-            for tls in (True, False):
+            for tls in tls_settings:
                 home = Path(d) / f"{loop}-{'tls' if tls else 'plain'}"
-                steps = event_loop.run(_group(counts, pins, args.backend, tls, args.tokens, args.rounds, home))
-                for (pin, n), step in steps.items():
-                    med[(loop, tls, pin, n)] = step
+                steps = event_loop.run(_group(counts, variants, args.backend, tls, args.tokens, args.rounds, home))
+                for (variant, n), step in steps.items():
+                    med[(loop, tls, variant, n)] = step
     print(f"\nDecode of the default model, one stream, {args.backend} on every node, loopback, "
           f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, medians\n")
-    print("| loop | TLS | pinned | nodes | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
+    print("| loop | TLS | variant | nodes | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for loop in loops:
-        for tls in (True, False):
-            for pin in pins:
-                one = med.get((loop, tls, pin, 1))
+        for tls in tls_settings:
+            for variant in variants:
+                one = med.get((loop, tls, variant, 1))
                 for n in counts:
-                    s = med[(loop, tls, pin, n)]
+                    s = med[(loop, tls, variant, n)]
                     ratio = f"{one / s:.2f}" if one else "–"
                     hop = f"{(s - one) / (n - 1) * 1000:.2f}" if one and n > 1 else "–"
-                    print(f"| {loop} | {'on' if tls else 'off'} | {pin} | {n} | {s * 1000:.1f} | {1 / s:.1f} | {ratio} | {hop} |")
+                    print(f"| {loop} | {'on' if tls else 'off'} | {variant} | {n} | {s * 1000:.1f} | {1 / s:.1f} | {ratio} | {hop} |")
 
 
 if __name__ == "__main__":

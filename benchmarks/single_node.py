@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _ours(
-    backend: str, model_path: Path, threads: int, spin: bool = False, pin: bool = False
+    backend: str, model_path: Path, threads: int, spin: bool | int | None = None, pin: bool = False
 ) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
     os.environ["EXO_TUI_THREADS"] = str(threads)
     from backends import get_backend
@@ -32,7 +32,7 @@ def _ours(
     from exo_tui.models.gguf_file import GGUFModel
 
     model = GGUFModel(model_path)
-    engine = ONNXBackend(threads=threads, spin=spin, pin=pin) if spin or pin else get_backend(backend)
+    engine = ONNXBackend(threads=threads, spin=spin, pin=pin) if spin is not None or pin else get_backend(backend)
     shard = engine.load_shard(model.config, model.shard_weights(0, model.config.n_layers))
     counter = [0]
 
@@ -106,8 +106,9 @@ def main() -> None:
     for b in args.backends.split(","):
         if b in available_backends():
             engines[f"exo-tui {b}"] = _ours(b, path, args.threads)
-        if b == "onnx" and b in available_backends():  # EXO_TUI_ONNX_SPIN=1: for a machine that does nothing else
-            engines["exo-tui onnx, spinning"] = _ours(b, path, args.threads, spin=True)
+        if b == "onnx" and b in available_backends():  # the other spin policies (backends.onnx.SPIN_US)
+            engines["exo-tui onnx, never spinning"] = _ours(b, path, args.threads, spin=False)  # EXO_TUI_ONNX_SPIN=0
+            engines["exo-tui onnx, spinning until each step ends"] = _ours(b, path, args.threads, spin=True)  # =1
             engines["exo-tui onnx, pinned"] = _ours(b, path, args.threads, pin=True)  # EXO_TUI_ONNX_PIN=1
     ref = _llama_cpp(path, args.threads)
     if ref is not None:

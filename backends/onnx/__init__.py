@@ -9,6 +9,30 @@ import os
 from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights, physical_cores
 from backends.onnx.affinity import core_plan
 
+SPIN_US = 15
+"""How long (µs) an idle intra-op thread spins for the next op of a step before it sleeps.
+
+A decode step is ~300 ops; with two threads each parallel op hands work to the other thread, and
+a sleeping thread takes tens of microseconds to wake (more in a VM). Measured on 2 cores
+(SmolLM2, one whole-model shard, a decode step, the policies taking turns; "busy": beside one
+process that keeps a core busy):
+
+=================  =============  ==============
+spin               alone, ms      busy, ms
+=================  =============  ==============
+never              13.2 - 17.0    16.0 - 19.3
+15 µs              11.6 - 11.9    16.2 - 16.4
+25 µs              10.9           19.0
+40 µs              10.8           22.4
+until step ends    12.7 - 13.0    24.1 - 28.5
+=================  =============  ==============
+
+A longer spin catches more of the gaps between ops, but where another process wants the core
+the spinning thread holds it away from the step's other thread. 15 µs takes most of the gain
+alone and costs nothing beside one or two busy processes. (``session.intra_op.spin_duration_us``,
+ONNX Runtime 1.26 and later; older versions do not spin at all rather than spin without a bound.)"""
+SPIN_DURATION_MIN_ORT = (1, 26)
+
 PRECISIONS = {"float32": 1, "int8": 4}
 """``MatMulNBits`` ``accuracy_level`` per precision. ``float32`` (the default) matches float32 math
 on the dequantized weights; ``int8`` quantizes activations per block (faster, less exact)."""
@@ -20,16 +44,14 @@ class ONNXBackend(Backend):
     ``threads``: intra-op threads per shard (default: env ``EXO_TUI_THREADS``, else the number of
     physical cores). ``precision``: ``"float32"`` (default) or ``"int8"`` (env
     ``EXO_TUI_ONNX_PRECISION``), the latter faster but not bit-faithful to float32 math.
-    ``spin``: whether idle intra-op threads busy-wait for the next op (env ``EXO_TUI_ONNX_SPIN``
-    = 1/0); when on, they stop spinning as each step returns. Off by default: a node shares its
-    cores with its network loop and often with other work, and spinning threads then steal the
-    CPU the step is waiting for. Measured on 2 cores (SmolLM2 decode step, 2 threads): alone
-    10.9 ms spinning against 14.6 ms not; beside other busy processes 30-37 ms spinning against
-    18.7 ms not. Turn it on for a machine that does nothing else. ``pin``: whether a step's
-    threads run on cores of their own (env ``EXO_TUI_ONNX_PIN`` = 1/0). Off by default, a trade
-    measured in :mod:`backends.onnx.affinity`: it speeds up nodes that hand steps to each other on
-    one machine and slows down nodes whose cores other work wants too. ``session_config``: extra
-    ONNX Runtime session config entries.
+    ``spin``: how long an idle intra-op thread busy-waits for the next op of a step before it
+    sleeps: ``False`` never, ``True`` until the step returns, an int at most that many
+    microseconds (env ``EXO_TUI_ONNX_SPIN``: ``0``, ``1`` or e.g. ``15us``). Default
+    :data:`SPIN_US`, see there for why; threads never spin between steps, so an idle node uses no
+    CPU. ``pin``: whether a step's threads run on cores of their own (env ``EXO_TUI_ONNX_PIN`` =
+    1/0). Off by default, a trade measured in :mod:`backends.onnx.affinity`: it speeds up nodes
+    that hand steps to each other on one machine and slows down nodes whose cores other work
+    wants too. ``session_config``: extra ONNX Runtime session config entries.
     """
 
     name = "onnx"
@@ -39,7 +61,7 @@ class ONNXBackend(Backend):
         threads: int | None = None,
         precision: str | None = None,
         session_config: dict[str, str] | None = None,
-        spin: bool | None = None,
+        spin: bool | int | None = None,
         pin: bool | None = None,
     ) -> None:
         if threads is None:
@@ -58,10 +80,8 @@ class ONNXBackend(Backend):
                 f"unknown ONNX precision {precision!r}: choose one of {', '.join(PRECISIONS)}"
             )
         self.precision = precision
-        self.spin = spin if spin is not None else _env_flag("EXO_TUI_ONNX_SPIN", default=False)
-        self.session_config = {"session.intra_op.allow_spinning": "1" if self.spin else "0"}
-        if self.spin:  # spin between the ops of a step, not between steps: an idle node uses no CPU
-            self.session_config["session.force_spinning_stop"] = "1"
+        self.spin_us = _spin_us(spin)
+        self.session_config = _spin_config(self.spin_us)
         self.pin = pin if pin is not None else _env_flag("EXO_TUI_ONNX_PIN", default=False)
         self.cores = core_plan(self.threads) if self.pin else None
         if self.cores is not None:
@@ -94,6 +114,51 @@ class ONNXBackend(Backend):
             session_config=self.session_config,
             cores=self.cores,
         )
+
+
+def _spin_us(spin: bool | int | None) -> int | None:
+    """The spin policy in microseconds: 0 never, None until the step returns, else at most that."""
+    if spin is None:
+        spin = _spin_from_env()
+    if spin is True:
+        return None
+    if spin is False:
+        return 0
+    if spin < 0:
+        raise BackendError(f"spin must be at least 0 microseconds, got {spin}")
+    return int(spin)
+
+
+def _spin_from_env() -> bool | int:
+    value = os.environ.get("EXO_TUI_ONNX_SPIN", "").strip().lower()
+    if not value:
+        return SPIN_US
+    if value.endswith("us") and value[:-2].strip().isdigit():
+        return int(value[:-2])
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise BackendError(
+        f"EXO_TUI_ONNX_SPIN={value!r}: use 0 (never spin), 1 (spin until each step ends) "
+        f"or microseconds such as {SPIN_US}us"
+    )
+
+
+def _spin_config(spin_us: int | None) -> dict[str, str]:
+    """ONNX Runtime's session config for a spin policy (see :data:`SPIN_US`). Threads stop
+    spinning when each step returns (``force_spinning_stop``): an idle node uses no CPU."""
+    if spin_us == 0:
+        return {"session.intra_op.allow_spinning": "0"}
+    config = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+    if spin_us is not None:
+        import onnxruntime as ort
+
+        version = tuple(int(p) for p in ort.__version__.split(".")[:2] if p.isdigit())
+        if version < SPIN_DURATION_MIN_ORT:  # no bound there: better not to spin than to spin without one
+            return {"session.intra_op.allow_spinning": "0"}
+        config["session.intra_op.spin_duration_us"] = str(spin_us)
+    return config
 
 
 def _env_flag(name: str, *, default: bool) -> bool:
@@ -135,4 +200,4 @@ def check_shard(config: ModelConfig, weights: ShardWeights) -> None:
             raise BackendError(f"{name} has shape {tuple(w.shape)}, expected ({c.vocab_size}, {h})")
 
 
-__all__ = ["ONNXBackend", "PRECISIONS", "check_shard", "physical_cores"]
+__all__ = ["ONNXBackend", "PRECISIONS", "SPIN_US", "check_shard", "physical_cores"]

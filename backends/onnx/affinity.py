@@ -7,9 +7,10 @@ thread count). Left to the scheduler, a woken thread tends to go where its waker
 thread can land on the caller's core, and where several nodes share a machine each hop wakes the
 next node on whichever core is idle.
 
-It is a trade, so it is off unless asked for (``EXO_TUI_ONNX_PIN=1``). Measured on 2 cores:
+It is a trade, so it is off unless asked for (``EXO_TUI_ONNX_PIN=1``). Measured on 2 cores, with
+idle intra-op threads never spinning (``EXO_TUI_ONNX_SPIN=0``, then the default):
 
-* Nodes handing steps to each other on one machine (``benchmarks/pipeline.py --pin off,on``:
+* Nodes handing steps to each other on one machine (``benchmarks/pipeline.py``,
   three ONNX node processes on loopback against one, one stream, the clusters taking turns):
   0.89-0.94x the one-node decode rate pinned against 0.83x not on uvloop, 0.89x against 0.82x
   on asyncio's loop. Pinning only the pool threads did not help; pinning only the calling

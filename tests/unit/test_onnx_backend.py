@@ -9,6 +9,7 @@ agree within ``RTOL = 1e-4`` of the largest logit's magnitude (observed: ~1e-6 o
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 
 from backends import available_backends, get_backend
 from backends.base import BackendError, KVCache, QuantizedWeight, dense
-from backends.onnx import ONNXBackend, physical_cores
+from backends.onnx import SPIN_US, ONNXBackend, physical_cores
 from backends.onnx.affinity import CorePlan, core_plan
 from exo_tui.models.gguf_file import GGUFModel
 from tests.conftest import WEIGHT_TYPES
@@ -234,16 +235,54 @@ def test_options_defaults_and_env(monkeypatch):
     monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
     monkeypatch.delenv("EXO_TUI_ONNX_SPIN", raising=False)
     backend = ONNXBackend()
-    assert backend.threads == physical_cores() and backend.precision == "float32" and not backend.spin
+    assert backend.threads == physical_cores() and backend.precision == "float32"
+    assert backend.spin_us == SPIN_US  # a bounded spin between the ops of a step
+    assert backend.session_config["session.intra_op.spin_duration_us"] == str(SPIN_US)
     assert backend.available()
     monkeypatch.setenv("EXO_TUI_THREADS", "1")
     monkeypatch.setenv("EXO_TUI_ONNX_PRECISION", "int8")
     monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "1")
     backend = ONNXBackend()
-    assert backend.threads == 1 and backend.precision == "int8" and backend.spin
+    assert backend.threads == 1 and backend.precision == "int8" and backend.spin_us is None
     assert backend.session_config["session.intra_op.allow_spinning"] == "1"
+    assert "session.intra_op.spin_duration_us" not in backend.session_config  # until the step ends
     assert ONNXBackend(threads=3, precision="float32").threads == 3
     assert get_backend("onnx").name == "onnx"
+
+
+@pytest.mark.parametrize(
+    ("env", "spin_us", "allow"), [("0", 0, "0"), ("off", 0, "0"), ("40us", 40, "1"), ("0us", 0, "0"), ("on", None, "1")]
+)
+def test_spin_policy_from_env(monkeypatch, env, spin_us, allow):
+    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", env)
+    backend = ONNXBackend()
+    assert backend.spin_us == spin_us
+    assert backend.session_config["session.intra_op.allow_spinning"] == allow
+    if spin_us:
+        assert backend.session_config["session.intra_op.spin_duration_us"] == str(spin_us)
+    if allow == "1":  # never between steps
+        assert backend.session_config["session.force_spinning_stop"] == "1"
+
+
+@pytest.mark.parametrize("env", ["5", "fast", "-3us"])
+def test_a_bad_spin_setting_says_what_to_write(monkeypatch, env):
+    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", env)
+    with pytest.raises(BackendError, match=r"EXO_TUI_ONNX_SPIN=.*use 0 \(never spin\), 1 .* or microseconds such as 15us"):
+        ONNXBackend()
+    with pytest.raises(BackendError, match="at least 0 microseconds"):
+        ONNXBackend(spin=-1)
+
+
+def test_an_idle_shard_does_not_spin(tiny_models, monkeypatch):
+    """Spinning is between the ops of a step only: once a step returns, the pool's threads sleep."""
+    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "1")  # the longest spin there is
+    _, _, shard = load(tiny_models["Q4_1"])
+    for i in range(3):
+        shard.forward(f"r{i}", PROMPT, np.arange(len(PROMPT)))
+        cpu, wall = time.process_time(), time.perf_counter()  # right as the step returns
+        time.sleep(0.2)
+        used = time.process_time() - cpu
+        assert used < 0.1 * (time.perf_counter() - wall), f"{used * 1000:.0f} ms of CPU in the 200 ms after a step"
 
 
 def test_core_plans():
