@@ -14,23 +14,25 @@ SPIN_US = 15
 
 A decode step is ~300 ops; with two threads each parallel op hands work to the other thread, and
 a sleeping thread takes tens of microseconds to wake (more in a VM). Measured on 2 cores
-(SmolLM2, one whole-model shard, a decode step, the policies taking turns; "busy": beside one
-process that keeps a core busy):
+(``benchmarks/onnx_spin.py``: SmolLM2, one whole-model shard, the policies taking turns; ranges
+over the runs that measured each), milliseconds a decode step:
 
-=================  =============  ==============
-spin               alone, ms      busy, ms
-=================  =============  ==============
-never              13.2 - 17.0    16.0 - 19.3
-15 µs              11.6 - 11.9    16.2 - 16.4
-25 µs              10.9           19.0
-40 µs              10.8           22.4
-until step ends    12.7 - 13.0    24.1 - 28.5
-=================  =============  ==============
+=====================  ============  ============================  ============================
+idle threads spin      alone         beside 1 busy process         beside 2 (both cores taken)
+=====================  ============  ============================  ============================
+never                  13.2 - 13.8   15.8 - 19.3                   18.5 - 23.0
+15 µs (the default)    11.6 - 12.4   15.6 - 16.4                   20.7 - 24.1
+25 µs                  10.9 - 11.4   19.0 - 19.8                   21.9
+40 µs                  10.8 - 11.2   22.4 - 22.5                   23.1
+until the step ends    11.1 - 13.0   24.0 - 28.5                   32.0
+=====================  ============  ============================  ============================
 
 A longer spin catches more of the gaps between ops, but where another process wants the core
 the spinning thread holds it away from the step's other thread. 15 µs takes most of the gain
-alone and costs nothing beside one or two busy processes. (``session.intra_op.spin_duration_us``,
-ONNX Runtime 1.26 and later; older versions do not spin at all rather than spin without a bound.)"""
+alone, costs nothing beside one busy process and up to ~30 % where other work takes every core
+(0 - 30 % in three runs; an overloaded node, which its load shows the scheduler).
+(``session.intra_op.spin_duration_us``, ONNX Runtime 1.26 and later; older versions do not spin
+at all rather than spin without a bound.)"""
 SPIN_DURATION_MIN_ORT = (1, 26)
 
 PRECISIONS = {"float32": 1, "int8": 4}
