@@ -8,7 +8,11 @@ default model per policy, all loaded at once and taking turns (the machine drift
 first alone, then beside 1, 2, ... processes that each keep a core busy.
 
     .venv/bin/python benchmarks/onnx_spin.py [--spin 0,15,25,40,until-end] [--busy 0,1,2]
-                                             [--rounds 10] [--tokens 24] [--threads 2]
+                                             [--pin off|on|off,on] [--rounds 10] [--tokens 24]
+                                             [--threads 2]
+
+``--pin off,on`` measures every policy with and without core pinning (``EXO_TUI_ONNX_PIN``, see
+``backends/onnx/affinity.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spin", default="0,15,25,40,until-end", help="policies: microseconds, or until-end")
     ap.add_argument("--busy", default="0,1,2", help="how many busy processes beside the steps, each a run")
+    ap.add_argument("--pin", default="off", help="core pinning: off, on or off,on")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=physical_cores())
@@ -63,14 +68,20 @@ def main() -> None:
 
     model = GGUFModel(resolve_model())
     weights = model.shard_weights(0, model.config.n_layers)
-    names = args.spin.split(",")
-    shards = {n: ONNXBackend(threads=args.threads, spin=_policy(n)).load_shard(model.config, weights) for n in names}
+    pins = args.pin.split(",")
+    if not set(pins) <= {"off", "on"}:
+        ap.error("--pin takes off, on or off,on")
+    names = [(n, pin) for pin in pins for n in args.spin.split(",")]
+    shards = {
+        (n, pin): ONNXBackend(threads=args.threads, spin=_policy(n), pin=pin == "on").load_shard(model.config, weights)
+        for n, pin in names
+    }
     busy_counts = [int(b) for b in args.busy.split(",")]
-    medians: dict[tuple[str, int], float] = {}
+    medians: dict[tuple[tuple[str, str], int], float] = {}
     for busy in busy_counts:
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
-            steps: dict[str, list[float]] = {n: [] for n in names}
+            steps: dict[tuple[str, str], list[float]] = {n: [] for n in names}
             for _ in range(args.rounds):
                 for n, shard in shards.items():
                     steps[n] += decode_steps(shard, args.tokens)
@@ -83,10 +94,11 @@ def main() -> None:
 
     print(f"\nDecode step of the default model, one ONNX shard, {args.threads} threads, median ms of "
           f"{args.rounds} rounds x {args.tokens} steps, the policies taking turns\n")
-    print("| idle threads spin | " + " | ".join(f"beside {b} busy, ms" for b in busy_counts) + " |")
-    print("|---|" + "---:|" * len(busy_counts))
+    print("| idle threads spin | pinned | " + " | ".join(f"beside {b} busy, ms" for b in busy_counts) + " |")
+    print("|---|---|" + "---:|" * len(busy_counts))
     for n in names:
-        print(f"| {_label(n)} | " + " | ".join(f"{medians[(n, b)] * 1000:.1f}" for b in busy_counts) + " |")
+        cells = " | ".join(f"{medians[(n, b)] * 1000:.1f}" for b in busy_counts)
+        print(f"| {_label(n[0])} | {n[1]} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Which cores a shard's step runs on.
 
 A step runs on the thread that calls ``session.run`` plus ``threads - 1`` intra-op threads of ONNX
-Runtime's pool. Pinned, the calling thread runs each step on the first allowed core and the pool's
+Runtime's pool. Pinned, the calling thread runs each step on the first chosen core and the pool's
 threads on the next ones, one each (ONNX Runtime pins its pool itself only when it picks the
-thread count). Left to the scheduler, a woken thread tends to go where its waker runs, so a pool
+thread count). The cores are chosen one logical CPU per physical core, the fastest first
+(:func:`core_plan`). Left to the scheduler, a woken thread tends to go where its waker runs, so a pool
 thread can land on the caller's core, and where several nodes share a machine each hop wakes the
 next node on whichever core is idle.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,49 @@ class CorePlan:
             os.sched_setaffinity(0, before)
 
 
-def core_plan(threads: int, allowed: set[int] | None = None) -> CorePlan | None:
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+def core_plan(threads: int, allowed: set[int] | None = None, sysfs: Path = SYSFS_CPU) -> CorePlan | None:
     """Cores for a step of ``threads`` threads within ``allowed`` (default: this process's
     cores), or None where pinning does not apply: one thread (nothing to keep apart), more threads
-    than cores, or a platform without thread affinity (macOS)."""
+    than physical cores, or a platform without thread affinity (macOS).
+
+    One logical CPU per physical core (two threads on the two hyperthreads of one core would
+    share its execution units), and the fastest cores first where they differ (big.LITTLE: the
+    big ones), read from ``sysfs``; without that information every CPU counts as a core of its own.
+    """
     if not hasattr(os, "sched_setaffinity"):
         return None
     cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
-    if threads < 2 or threads > len(cpus):
+    if threads < 2:
         return None
-    return CorePlan(cpus[0], tuple(cpus[1:threads]))
+    cores: dict[str, int] = {}  # physical core -> its first allowed logical CPU
+    capacity: dict[int, int] = {}
+    for cpu in cpus:
+        core = _read(sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list") or f"cpu{cpu}"
+        if core not in cores:
+            cores[core] = cpu
+            capacity[cpu] = _capacity(sysfs / f"cpu{cpu}")
+    if threads > len(cores):
+        return None
+    fastest = sorted(cores.values(), key=lambda cpu: (-capacity[cpu], cpu))[:threads]
+    chosen = sorted(fastest)
+    return CorePlan(chosen[0], tuple(chosen[1:]))
+
+
+def _capacity(cpu_dir: Path) -> int:
+    """A CPU's relative speed: the kernel's ``cpu_capacity`` (big.LITTLE), else its top clock,
+    else 0 (unknown: all equal)."""
+    for name in ("cpu_capacity", "cpufreq/cpuinfo_max_freq"):
+        value = _read(cpu_dir / name)
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""

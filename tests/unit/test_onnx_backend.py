@@ -285,13 +285,43 @@ def test_an_idle_shard_does_not_spin(tiny_models, monkeypatch):
         assert used < 0.1 * (time.perf_counter() - wall), f"{used * 1000:.0f} ms of CPU in the 200 ms after a step"
 
 
-def test_core_plans():
-    assert core_plan(2, {0, 1}) == CorePlan(0, (1,))
-    assert core_plan(2, {0, 1}).ort_affinities == "2"  # ONNX Runtime counts processors from 1
-    assert core_plan(3, {7, 4, 5, 9}) == CorePlan(4, (5, 7))
-    assert core_plan(3, {7, 4, 5, 9}).ort_affinities == "6;8"
-    assert core_plan(1, {0, 1}) is None  # one thread: nothing to keep apart
-    assert core_plan(3, {0, 1}) is None  # more threads than cores: the scheduler shares them
+def test_core_plans(tmp_path):
+    nothing = tmp_path / "no-sysfs"  # no topology known: every CPU a core of its own
+    assert core_plan(2, {0, 1}, nothing) == CorePlan(0, (1,))
+    assert core_plan(2, {0, 1}, nothing).ort_affinities == "2"  # ONNX Runtime counts processors from 1
+    assert core_plan(3, {7, 4, 5, 9}, nothing) == CorePlan(4, (5, 7))
+    assert core_plan(3, {7, 4, 5, 9}, nothing).ort_affinities == "6;8"
+    assert core_plan(1, {0, 1}, nothing) is None  # one thread: nothing to keep apart
+    assert core_plan(3, {0, 1}, nothing) is None  # more threads than cores: the scheduler shares them
+
+
+def _sysfs(root: Path, cpus: dict[int, tuple[str, int | None]]) -> Path:
+    """A /sys/devices/system/cpu tree: cpu -> (its thread_siblings_list, its cpu_capacity)."""
+    for cpu, (siblings, capacity) in cpus.items():
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "thread_siblings_list").write_text(siblings + "\n")
+        if capacity is not None:
+            (root / f"cpu{cpu}" / "cpu_capacity").write_text(f"{capacity}\n")
+    return root
+
+
+def test_core_plans_take_one_cpu_per_physical_core(tmp_path):
+    # Hyperthread pairs numbered side by side (0-1 one core, 2-3 the next, ...).
+    smt = _sysfs(tmp_path / "smt", {c: (f"{c - c % 2}-{c - c % 2 + 1}", None) for c in range(8)})
+    assert core_plan(2, set(range(8)), smt) == CorePlan(0, (2,))
+    assert core_plan(4, set(range(8)), smt) == CorePlan(0, (2, 4, 6))
+    assert core_plan(5, set(range(8)), smt) is None  # four physical cores
+    assert core_plan(2, {1, 2, 3}, smt) == CorePlan(1, (2,))  # the first allowed CPU of each core
+
+
+def test_core_plans_prefer_the_fast_cores(tmp_path):
+    # big.LITTLE as on an RK3588: four little cores first, then four big ones.
+    bl = _sysfs(tmp_path / "bl", {c: (str(c), 1024 if c >= 4 else 414) for c in range(8)})
+    assert core_plan(4, set(range(8)), bl) == CorePlan(4, (5, 6, 7))
+    assert core_plan(2, set(range(8)), bl) == CorePlan(4, (5,))
+    assert core_plan(6, set(range(8)), bl) == CorePlan(0, (1, 4, 5, 6, 7))  # all four big, then little
+    assert core_plan(2, {0, 1, 2, 5}, bl) == CorePlan(0, (5,))
 
 
 def _thread_cores() -> dict[str, set[int]]:
