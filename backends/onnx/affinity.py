@@ -21,6 +21,13 @@ idle intra-op threads never spinning (``EXO_TUI_ONNX_SPIN=0``, then the default)
   one stream 62 against 71; three nodes, 8 streams, 79 against 85. A pinned thread cannot move
   away from a core something else is running on, and each op waits for its slowest thread.
 
+With the bounded spin (``SPIN_US``, the default since), the same two sides: three nodes against
+one 0.90x pinned against 0.82x not, and pinned every cluster the fastest (``pipeline.py
+--variants default,nospin,pin``); ``api.py`` pinned against not in ABAB order, one pair even or
+in favour of pinning, the next against it (three nodes, 4 and 8 streams: 78-127 tok/s pinned
+against 101-142 not); one step beside one busy process 14.9 ms pinned against 16.2 ms, beside
+two 26.3 against 25.7 (``onnx_spin.py --spin 15 --pin off,on``). Still a trade.
+
 Only the calling thread is pinned, and only for the length of a run: other threads of the
 process (and threads it starts later) keep every core.
 """
