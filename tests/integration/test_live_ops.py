@@ -253,13 +253,17 @@ def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references, auto
                 view = next(n for n in c.snapshot().nodes if n.node_id == victim)
                 assert view.eligible, view.ineligible_reason
                 if auto_rebalance:  # it serves again without anyone asking
+
+                    def rebalanced() -> bool:  # the audit event follows the switch, once the caches moved
+                        return any(e.kind == "operator_action" and e.action == "rebalance" and e.result == "ok"
+                                   for e in c.events.history)
+
                     for _ in range(100):
-                        if victim in c.plan.node_ids:
+                        if victim in c.plan.node_ids and rebalanced():
                             break
                         await asyncio.sleep(0.2)
                     assert victim in c.plan.node_ids
-                    assert any(e.kind == "operator_action" and e.action == "rebalance" and e.result == "ok"
-                               for e in c.events.history)
+                    assert rebalanced()
                 else:  # a proposal, then it serves again after the operator's rebalance
                     await asyncio.sleep(0.5)
                     assert victim not in c.plan.node_ids
