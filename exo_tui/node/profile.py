@@ -8,6 +8,7 @@ shape) so restarts are quick.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,13 +228,43 @@ def _cache_key(backend: str) -> str:
         except md.PackageNotFoundError:
             pass
     shape = f"{BENCH_CONFIG.hidden_size}x{BENCH_CONFIG.intermediate_size}x{BENCH_CONFIG.n_heads}"
-    return f"{backend}|{shape}|{_cpu_model()}|{os.environ.get('EXO_TUI_THREADS', '')}|{','.join(versions)}"
+    settings = ",".join(f"{name}={os.environ.get(name, '')}" for name in TIMING_SETTINGS)
+    return f"{backend}|{shape}|{_cpu_model()}|{settings}|{','.join(versions)}"
+
+
+TIMING_SETTINGS = ("EXO_TUI_THREADS", "EXO_TUI_ONNX_SPIN", "EXO_TUI_ONNX_PIN", "EXO_TUI_ONNX_PRECISION")
+"""Environment settings that change how fast a backend runs: a timing measured under other
+values is measured again, not taken from the cache."""
+
+
+@contextlib.contextmanager
+def _machine_lock(path: Path) -> Iterator[None]:
+    """One process of this machine at a time (where ``fcntl`` exists): nodes started together on
+    one machine would otherwise time their layers at once, each slowed by the others, and cache
+    those slow figures; in turn, the first measures and the others read its results."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock, as before
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def benchmark(profile: NodeProfile, *, use_cache: bool = True, backends: list[str] | None = None) -> NodeProfile:
     """Fill in layer timings for ``backends`` (default: every backend the node has) and the
-    memory bandwidth."""
+    memory bandwidth: from this machine's cache, else measured (one process at a time) and cached."""
     cache_path = exo_home() / "benchmark-cache.json"
+    with _machine_lock(exo_home() / "benchmark.lock"):
+        return _benchmark(profile, cache_path, use_cache, backends)
+
+
+def _benchmark(profile: NodeProfile, cache_path: Path, use_cache: bool, backends: list[str] | None) -> NodeProfile:
     cache: dict[str, Any] = {}
     if use_cache and cache_path.exists():
         try:
@@ -254,7 +286,7 @@ def benchmark(profile: NodeProfile, *, use_cache: bool = True, backends: list[st
         cache["bandwidth"] = profile.memory_bandwidth_bytes_per_s
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_path.with_suffix(".tmp")
+        tmp = cache_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=1))
         os.replace(tmp, cache_path)
     except OSError:

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from exo_tui.node.profile import NodeProfile, device_profile, live_metrics, stable_node_id, time_layers
+from exo_tui.node.profile import (
+    NodeProfile,
+    _cache_key,
+    benchmark,
+    device_profile,
+    live_metrics,
+    stable_node_id,
+    time_layers,
+)
 
 
 def test_node_id_is_stable_per_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,3 +54,41 @@ def test_print_profile(tmp_path: Path) -> None:
     assert profile["name"] == "probe" and profile["node_id"].startswith("n-")
     assert profile["layer_timing"]["onnx"]["decode_layer_s"] > 0
     assert profile["memory_bandwidth_bytes_per_s"] > 0
+
+
+def test_a_timing_taken_under_other_settings_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
+    monkeypatch.delenv("EXO_TUI_ONNX_SPIN", raising=False)
+    cached = {_cache_key("onnx"): {"decode_layer_s": 5.0, "prefill_layer_token_s": 5.0}, "bandwidth": 1.0}
+    (tmp_path / "benchmark-cache.json").write_text(json.dumps(cached))
+    p = benchmark(device_profile("n1"), backends=["onnx"])
+    assert p.layer_timing["onnx"].decode_layer_s == 5.0  # this machine's figure, from the cache
+    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "0")  # threads that never spin run slower: not that figure
+    p = benchmark(device_profile("n1"), backends=["onnx"])
+    assert 0 < p.layer_timing["onnx"].decode_layer_s < 1
+    assert len(json.loads((tmp_path / "benchmark-cache.json").read_text())) == 3  # both kept, and bandwidth
+
+
+_MEASURE = """
+import exo_tui.node.profile as p
+calls = []
+real = p.time_layers
+p.time_layers = lambda backend, *a: calls.append(backend) or real(backend, *a)
+p.benchmark(p.device_profile("n"), backends=["onnx"])
+print(len(calls))
+"""
+
+
+def test_nodes_starting_together_on_one_machine_measure_once(tmp_path: Path) -> None:
+    """Two node processes profiling at once: one measures (alone, so its figure is not slowed by
+    the other's) and the other takes it from the cache."""
+    env = {**os.environ, "EXO_TUI_HOME": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _MEASURE], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        counts = [int(proc.communicate(timeout=300)[0].strip()) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert sorted(counts) == [0, 1]
