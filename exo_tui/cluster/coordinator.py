@@ -1132,6 +1132,7 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:
         strategy=plan.strategy,
         predicted_tok_per_s=pred.tok_per_s_single if pred else 0.0,
         predicted_ttft_s=pred.ttft_s if pred else 0.0,
+        predicted_ttft_prompt_tokens=pred.prompt_tokens if pred else 0,
         reasons=plan.reasons,
     )
 

@@ -68,6 +68,7 @@ class PlanView:
     strategy: str = "latency"
     predicted_tok_per_s: float = 0.0
     predicted_ttft_s: float = 0.0
+    predicted_ttft_prompt_tokens: int = 0  # the prompt length predicted_ttft_s is for
     reasons: tuple[str, ...] = ()
 
 

@@ -152,7 +152,8 @@ def _print_status(d: dict[str, Any], url: str) -> None:
     console.print(table)
     if plan:
         t = Table(title=f"plan v{plan['version']} · {plan.get('strategy', '')} · predicted "
-                        f"{plan.get('predicted_tok_per_s', 0.0):.1f} tok/s, ttft {plan.get('predicted_ttft_s', 0.0) * 1000:.0f} ms",
+                        f"{plan.get('predicted_tok_per_s', 0.0):.1f} tok/s, ttft {plan.get('predicted_ttft_s', 0.0) * 1000:.0f} ms"
+                        + (f" for a {n}-token prompt" if (n := plan.get("predicted_ttft_prompt_tokens")) else ""),
                   title_justify="left")
         for col in ("stage", "node", "layers", "pinned"):
             t.add_column(col)

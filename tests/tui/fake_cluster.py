@@ -185,6 +185,7 @@ class FakeCluster:
             shards=self.shards,
             predicted_tok_per_s=self._tok_per_s(self.shards),
             predicted_ttft_s=0.085,
+            predicted_ttft_prompt_tokens=512,
         )
         return ClusterSnapshot(
             name="home-lab",

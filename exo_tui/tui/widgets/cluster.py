@@ -157,7 +157,7 @@ class PartitionBar(Widget):
         head.append(" · predicted ", muted)
         head.append(f"{plan.predicted_tok_per_s:.1f} tok/s", theme_style(app, "success", bold=True))
         if plan.predicted_ttft_s:
-            head.append(f" · ttft {plan.predicted_ttft_s * 1000:.0f} ms", muted)
+            head.append(f" · ttft {plan.predicted_ttft_s * 1000:.0f} ms{_for_prompt(plan.predicted_ttft_prompt_tokens)}", muted)
         bar = Text()
         labels = Text()
         index = {s.node_id: i for i, s in enumerate(plan.shards)}
@@ -201,3 +201,8 @@ class PartitionBar(Widget):
             lines.extend(legend_lines)
         lines = [line for part in lines for line in part.wrap(app.console, width)]
         return lines
+
+
+def _for_prompt(tokens: int) -> str:
+    """Which prompt a predicted time to first token is for (it grows with the prompt)."""
+    return f" @ {tokens} tok" if tokens else ""
