@@ -84,7 +84,7 @@ class ONNXBackend(Backend):
         self.precision = precision
         self.spin_us = _spin_us(spin)
         self.session_config = _spin_config(self.spin_us)
-        self.pin = pin if pin is not None else _env_flag("EXO_TUI_ONNX_PIN", default=False)
+        self.pin = pin if pin is not None else bool(_env_flag("EXO_TUI_ONNX_PIN", default=False))
         self.cores = core_plan(self.threads) if self.pin else None
         if self.cores is not None:
             self.session_config["session.intra_op_thread_affinities"] = self.cores.ort_affinities
@@ -133,18 +133,10 @@ def _spin_us(spin: bool | int | None) -> int | None:
 
 def _spin_from_env() -> bool | int:
     value = os.environ.get("EXO_TUI_ONNX_SPIN", "").strip().lower()
-    if not value:
-        return SPIN_US
     if value.endswith("us") and value[:-2].strip().isdigit():
         return int(value[:-2])
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise BackendError(
-        f"EXO_TUI_ONNX_SPIN={value!r}: use 0 (never spin), 1 (spin until each step ends) "
-        f"or microseconds such as {SPIN_US}us"
-    )
+    hint = f"use 0 (never spin), 1 (spin until each step ends) or microseconds such as {SPIN_US}us"
+    return _env_flag("EXO_TUI_ONNX_SPIN", default=SPIN_US, hint=hint)
 
 
 def _spin_config(spin_us: int | None) -> dict[str, str]:
@@ -163,11 +155,16 @@ def _spin_config(spin_us: int | None) -> dict[str, str]:
     return config
 
 
-def _env_flag(name: str, *, default: bool) -> bool:
+def _env_flag(name: str, *, default: bool | int, hint: str = "use 1 or 0") -> bool | int:
+    """An on/off environment setting: ``default`` when unset; else an error with ``hint``."""
     value = os.environ.get(name, "").strip().lower()
-    if value not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise BackendError(f"{name}={value!r}: use 1 or 0")
-    return default if not value else value in ("1", "true", "yes", "on")
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise BackendError(f"{name}={value!r}: {hint}")
 
 
 def check_shard(config: ModelConfig, weights: ShardWeights) -> None:

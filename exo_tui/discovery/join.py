@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
@@ -34,6 +33,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from exo_tui.paths import file_lock
 
 PREFIX = "exo-join1."
 DEFAULT_JOIN_PORT = 52417
@@ -100,17 +101,8 @@ class TokenStore:
             path = home_dir() / STORE_NAME
         self.path = Path(path)
 
-    @contextlib.contextmanager
-    def _locked(self):  # noqa: ANN202
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return file_lock(self.path.with_name(self.path.name + ".lock"))
 
     def _read(self) -> dict[str, dict]:
         try:

@@ -8,7 +8,6 @@ shape) so restarts are quick.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -16,7 +15,6 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import psutil
 from backends import available_backends, get_backend, is_apple_silicon
 from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights
 from exo_tui import __version__
-from exo_tui.paths import exo_home
+from exo_tui.paths import exo_home, file_lock
 
 # SmolLM2-135M's layer shape: the default model, so figures compare across nodes.
 BENCH_CONFIG = ModelConfig(
@@ -237,30 +235,14 @@ TIMING_SETTINGS = ("EXO_TUI_THREADS", "EXO_TUI_ONNX_SPIN", "EXO_TUI_ONNX_PIN", "
 values is measured again, not taken from the cache."""
 
 
-@contextlib.contextmanager
-def _machine_lock(path: Path) -> Iterator[None]:
-    """One process of this machine at a time (where ``fcntl`` exists): nodes started together on
-    one machine would otherwise time their layers at once, each slowed by the others, and cache
-    those slow figures; in turn, the first measures and the others read its results."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock, as before
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def benchmark(profile: NodeProfile, *, use_cache: bool = True, backends: list[str] | None = None) -> NodeProfile:
     """Fill in layer timings for ``backends`` (default: every backend the node has) and the
     memory bandwidth: from this machine's cache, else measured (one process at a time) and cached."""
     cache_path = exo_home() / "benchmark-cache.json"
-    with _machine_lock(exo_home() / "benchmark.lock"):
+    # One process of this machine at a time: nodes started together would otherwise time their
+    # layers at once, each slowed by the others, and cache those slow figures; in turn, the first
+    # measures and the others read its results.
+    with file_lock(exo_home() / "benchmark.lock"):
         return _benchmark(profile, cache_path, use_cache, backends)
 
 
