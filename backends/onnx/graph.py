@@ -73,6 +73,7 @@ class _Builder:
         self.small: list[onnx.TensorProto] = []
         self._n = 0
         self._blocksums: dict[tuple[str, int], str] = {}
+        self._indicators: dict[tuple[int, int], str] = {}
 
     def name(self, stem: str) -> str:
         self._n += 1
@@ -171,13 +172,20 @@ class _Builder:
         ))
 
     def blocksum(self, x: str, k: int, group: int) -> str:
-        """Sums of ``x`` ``(B, T, k)`` over blocks of ``group`` along its last axis: ``(B, T, k // group)``."""
+        """Sums of ``x`` ``(B, T, k)`` over blocks of ``group`` along its last axis: ``(B, T, k // group)``.
+
+        One ``MatMul`` against a 0/1 block-indicator matrix (shared by every layer) rather than
+        ``Reshape`` + ``ReduceSum``: the same float32 sums (each product is ``x * 1.0`` or ``x * 0.0``,
+        exact), one op instead of two, and SGEMM's kernel instead of the generic reduction — a
+        decode step of SmolLM2 (120 of these) measured 0.4 ms faster of ~12.5."""
         key = (x, group)
         if key not in self._blocksums:
-            shape = self.const("bs_shape", np.array([0, 0, k // group, group], dtype=np.int64))
-            axes = self.const("bs_axes", np.array([-1], dtype=np.int64))
-            (r,) = self.node("Reshape", [x, shape], "blocks")
-            self._blocksums[key] = self.node("ReduceSum", [r, axes], "blocksum", keepdims=0)[0]
+            if (k, group) not in self._indicators:
+                blocks = np.arange(k) // group
+                self._indicators[(k, group)] = self.weight(
+                    "block_ones", (blocks[:, None] == np.arange(k // group)[None, :]).astype(np.float32)
+                )
+            self._blocksums[key] = self.node("MatMul", [x, self._indicators[(k, group)]], "blocksum")[0]
         return self._blocksums[key]
 
 
