@@ -8,7 +8,7 @@ from pathlib import Path
 from backends.base import ModelConfig
 from exo_tui.models.chat_template import ChatTemplate
 from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.models.registry import resolve_model
+from exo_tui.models.registry import DEFAULT_MODEL, resolve_model
 from exo_tui.models.tokenizer import Tokenizer
 
 
@@ -16,7 +16,10 @@ class Model:
     def __init__(self, name_or_path: str | Path | None = None) -> None:
         self.path = resolve_model(name_or_path)
         self.gguf = GGUFModel(self.path)
-        self.name = str(name_or_path) if name_or_path and not Path(str(name_or_path)).suffix else self.gguf.name
+        # What the operator knows it by: the registered name (the default one when none was given),
+        # or for a path the file's own name for its model (general.name).
+        given = str(name_or_path or DEFAULT_MODEL)
+        self.name = given if not Path(given).suffix else self.gguf.name
 
     @property
     def config(self) -> ModelConfig:

@@ -254,6 +254,18 @@ class ExoApp(App):
         if main is not None:
             self.call_after_refresh(main.open_command_line)
 
+    def action_focus_chat(self) -> None:
+        self._focus_pane("chat")
+
+    def _focus_pane(self, name: str) -> None:
+        """Focus a pane of the main screen, closing the views above it first."""
+        if self.screen is self.main_screen:
+            self.main_screen.focus_pane(name)
+            return
+        main = self._to_main()
+        if main is not None:
+            self.call_after_refresh(main.focus_pane, name)
+
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
         if not self.paused:
@@ -322,12 +334,7 @@ class ExoApp(App):
             self.notify(f":{name} is not available in read-only mode.", severity="warning")
             return
         if name in ("nodes", "chat", "events"):
-            if self.screen is self.main_screen:
-                self.main_screen.focus_pane(name)
-            else:
-                main = self._to_main()
-                if main is not None:
-                    self.call_after_refresh(main.focus_pane, name)
+            self._focus_pane(name)
         elif name == "hosts":
             self.open_hosts()
         elif name == "model":

@@ -55,6 +55,7 @@ class KeySpec:
 KEYS: tuple[KeySpec, ...] = (
     # ------------------------------------------------------------------ everywhere
     KeySpec("exo.help", "question_mark", "help", "Help", "global", "Keys of the focused pane", key_display="?"),
+    KeySpec("exo.chat", "c", "focus_chat", "Chat", "global", "Move to the chat box to ask the model (esc comes back)", show=False, priority=True),
     KeySpec("exo.command", "colon", "command_mode", "Command", "global", "Type a command: :nodes :hosts :chat :events :model :theme", key_display=":", priority=True),
     KeySpec("exo.palette", "ctrl+p", "command_palette", "Palette", "global", "Search every action", show=False),
     KeySpec("exo.rebalance", "R", "rebalance", "Rebalance", "global", "Preview a rebalance of the whole plan, then apply it", dangerous=True),

@@ -360,3 +360,27 @@ async def test_keys_typed_right_after_colon_reach_the_command_line(make_app):
         assert app.main_screen.maximized is app.main_screen.query_one(ChatPane)  # short terminal: chat alone
         await pilot.press("colon")  # in the chat input a ':' is text
         assert app.focused.id == "chat-input" and app.focused.value == ":"
+
+
+async def test_c_moves_to_the_chat_and_the_question_typed_after_it_lands_there(make_app):
+    """The console starts on the nodes table, where letters are commands; the chat box says how to
+    get to it, and ``c`` then a question typed in one go (tmux send-keys, a fast typist) asks it:
+    the ``a`` of "a cat" must not open the add-host prompt."""
+    from textual import events
+
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        chat = app.main_screen.query_one(ChatPane)
+        assert app.focused is table(app)
+        assert "press c to chat" in chat.prompt_input.placeholder
+        for char in "cWhat is a cat":
+            event = events.Key("space" if char == " " else char, char)
+            event.set_sender(app)
+            app._driver.send_message(event)
+        await wait_until(pilot, lambda: chat.prompt_input.value == "What is a cat")
+        assert app.screen is app.main_screen and app.focused is chat.prompt_input
+        assert chat.prompt_input.placeholder.startswith("Ask the cluster")
+        await pilot.press("escape")  # nothing streaming: back to the table, and the hint is back
+        await wait_until(pilot, lambda: app.focused is table(app))
+        assert "press c to chat" in chat.prompt_input.placeholder

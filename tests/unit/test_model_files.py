@@ -128,3 +128,14 @@ def test_registry() -> None:
         resolve_model("gpt-9")
     with pytest.raises(ModelFileError, match="does not exist"):
         resolve_model("/nope/x.gguf")
+
+
+def test_model_is_called_what_the_operator_named_it(tiny_models: dict[str, Path]) -> None:
+    """The header, the API's model ids and the plan show this name: the registered one (the default
+    when none was given), not the GGUF's long ``general.name``; a path shows the file's model name."""
+    from exo_tui.models.model import Model
+
+    assert Model().name == "smollm2-135m"
+    assert Model("smollm2-135m").name == "smollm2-135m"
+    path = tiny_models["Q8_0"]
+    assert Model(path).name == GGUFModel(path).name

@@ -97,7 +97,7 @@ class MainScreen(Screen):
     def _command_done(self, event: Input.Submitted) -> None:
         event.stop()
         event.input.display = False
-        self.query_one(NodesTable).focus()
+        self.set_focus(self.query_one(NodesTable))  # now, so a pane the command focuses stays focused
         self.app.run_command(event.value)  # type: ignore[attr-defined]
 
     def on_key(self, event) -> None:  # noqa: ANN001
@@ -122,6 +122,6 @@ class MainScreen(Screen):
         target = {"nodes": "#nodes", "chat": "#chat-input", "events": "#events"}[name]
         if self.maximized is not None:
             self.minimize()
-        self.query_one(target).focus()
         if self.small and name in ("chat", "events"):
             self.maximize(self.query_one("#chat" if name == "chat" else "#events"), container=False)
+        self.set_focus(self.query_one(target))  # at once: keys typed right after (``c`` then a question) go there

@@ -26,16 +26,29 @@ FLUSH_S = 0.1  # the answer on screen trails the tokens by at most this (10 scre
 
 
 class ChatInput(Input):
-    """The prompt line; ↑/↓ walk the prompt history."""
+    """The prompt line; ↑/↓ walk the prompt history.
+
+    Its placeholder says how to get here while another pane has the keys: the console starts on
+    the nodes table, where letters are commands (``a`` adds a host), so a question typed straight
+    away would run them."""
 
     HELP_SCOPE = "chat"
     BINDINGS = [_CHAT_KEYS["exo.chat.history_prev"].binding(), _CHAT_KEYS["exo.chat.history_next"].binding()]
+    PLACEHOLDER = "Ask the cluster…  enter sends · esc stops · ↑ history"
+    PLACEHOLDER_AWAY = "press c to chat (tab moves between panes)"
 
     def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("placeholder", self.PLACEHOLDER_AWAY)
         super().__init__(**kwargs)
         self.history: list[str] = []
         self._index = 0
         self._draft = ""
+
+    def on_focus(self) -> None:
+        self.placeholder = self.PLACEHOLDER
+
+    def on_blur(self) -> None:
+        self.placeholder = self.PLACEHOLDER_AWAY
 
     def remember(self, prompt: str) -> None:
         if prompt and (not self.history or self.history[-1] != prompt):
@@ -92,7 +105,7 @@ class ChatPane(Vertical):
         log = VerticalScroll(id="chat-log")
         log.can_focus = False  # tab goes to the prompt; pageup/pagedown scroll the answers
         yield log
-        yield ChatInput(placeholder="Ask the cluster…  enter sends · esc stops · ↑ history", id="chat-input")
+        yield ChatInput(id="chat-input")
 
     @property
     def log_view(self) -> VerticalScroll:
