@@ -34,7 +34,10 @@ BENCH_CONFIG = ModelConfig(
 )
 BENCH_LAYERS = 4
 BENCH_DECODE_STEPS = 8
-BENCH_PREFILL_TOKENS = 32
+BENCH_PREFILL_TOKENS = 128  # per-token prefill time at 32 tokens was ~1.3x that at 512 (the predicted prompt)
+BENCH_PREFILL_RUNS = 3  # best of these, while they fit in BENCH_PREFILL_BUDGET_S
+BENCH_PREFILL_BUDGET_S = 0.5
+TIMING_METHOD = "v2"  # in the cache key: figures taken the old way are measured again
 
 
 @dataclass
@@ -188,10 +191,20 @@ def time_layers(backend_name: str, cfg: ModelConfig = BENCH_CONFIG) -> LayerTimi
     try:
         rng = np.random.default_rng(1)
         prompt = rng.standard_normal((BENCH_PREFILL_TOKENS, cfg.hidden_size)).astype(np.float32)
-        shard.forward("bench-warm", prompt, np.arange(BENCH_PREFILL_TOKENS))
-        t0 = time.perf_counter()
-        shard.forward("bench", prompt, np.arange(BENCH_PREFILL_TOKENS))
-        prefill = (time.perf_counter() - t0) / (cfg.n_layers * BENCH_PREFILL_TOKENS)
+        positions = np.arange(BENCH_PREFILL_TOKENS)
+        shard.forward("bench-warm", prompt, positions)
+        shard.drop("bench-warm")
+        # Best of a few runs: other work on the machine only ever adds time, and this figure is
+        # cached for good (the predicted time to first token rests on it).
+        runs: list[float] = []
+        spent = time.perf_counter()
+        while len(runs) < BENCH_PREFILL_RUNS and (not runs or time.perf_counter() - spent < BENCH_PREFILL_BUDGET_S):
+            if runs:
+                shard.drop("bench")
+            t0 = time.perf_counter()
+            shard.forward("bench", prompt, positions)
+            runs.append(time.perf_counter() - t0)
+        prefill = min(runs) / (cfg.n_layers * BENCH_PREFILL_TOKENS)
         steps = []
         x = prompt[-1:]
         for j in range(BENCH_DECODE_STEPS):
@@ -227,7 +240,7 @@ def _cache_key(backend: str) -> str:
             pass
     shape = f"{BENCH_CONFIG.hidden_size}x{BENCH_CONFIG.intermediate_size}x{BENCH_CONFIG.n_heads}"
     settings = ",".join(f"{name}={os.environ.get(name, '')}" for name in TIMING_SETTINGS)
-    return f"{backend}|{shape}|{_cpu_model()}|{settings}|{','.join(versions)}"
+    return f"{backend}|{TIMING_METHOD}|{shape}|{_cpu_model()}|{settings}|{','.join(versions)}"
 
 
 TIMING_SETTINGS = ("EXO_TUI_THREADS", "EXO_TUI_ONNX_SPIN", "EXO_TUI_ONNX_PIN", "EXO_TUI_ONNX_PRECISION")
