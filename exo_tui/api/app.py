@@ -41,6 +41,7 @@ log = logging.getLogger("exo_tui.api")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 15.0
 MAX_STOPS = 4
+RETRY_AFTER_S = 2  # on a 503
 
 
 class ApiError(Exception):
@@ -55,7 +56,11 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
                    param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif status == 503:  # loading, no plan yet, no node reachable: clients that honour it retry then
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -108,6 +108,7 @@ def test_before_the_model_is_loaded(idle: Coordinator) -> None:
         assert http.get("/v1/models").json() == {"object": "list", "data": []}
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "cluster_unavailable"
+        assert r.headers["retry-after"] == "2"  # a client (the openai package does) tries again, not gives up
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "robot", "content": "hi"}]})
         assert r.status_code == 422 and r.json()["error"]["param"].startswith("messages")
         r = http.post("/v1/completions", content=b"[1,", headers={"content-type": "application/json"})
