@@ -134,7 +134,9 @@ class Coordinator:
         self._last_update = time.time()
         self._last_rebalance_s: float | None = None
         self._tok_times: list[float] = []
-        self.store: StateStore | None = StateStore(self.home / "state.db") if persist else None
+        self.store: StateStore | None = (
+            StateStore(self.home / "state.db", on_write_error=self._state_write_error) if persist else None
+        )
         self.discover = discover
         self.discovery: Any = None
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
@@ -430,6 +432,8 @@ class Coordinator:
                 last_reconnect = now
                 for handle in [h for h in self.nodes.values() if h.state == "failed"]:
                     asyncio.create_task(self._try_return(handle))
+                if self.store is not None and self.store.write_error is not None:
+                    self.store.retry()  # the state file was unwritable (a full disk): catch up once it is
             await self._maybe_auto_rebalance()
 
     async def _try_return(self, handle: NodeHandle) -> None:
@@ -1033,6 +1037,12 @@ class Coordinator:
 
     def _touch(self) -> None:
         self._last_update = time.time()
+
+    def _state_write_error(self, message: str | None) -> None:
+        if message is not None:
+            self._notice("error", message)
+        else:
+            self._notice("info", f"the coordinator's state is saved again in {self.home / 'state.db'}")
 
     def _notice(self, level: str, message: str) -> None:
         log.log(logging.ERROR if level == "error" else logging.INFO, message)
