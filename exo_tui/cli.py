@@ -46,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        from exo_tui.paths import storage_error
+
+        message = storage_error(exc)
+        if message is None:
+            raise
+        print(f"exo-tui {args.command}: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,3 +38,17 @@ def file_lock(path: Path) -> Iterator[None]:
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+_STORAGE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                   errno.EROFS: "the file system is read-only"}
+
+
+def storage_error(exc: OSError) -> str | None:
+    """One line for an error writing files (a full disk, a read-only file system), else None."""
+    what = _STORAGE_ERRNOS.get(exc.errno or 0)
+    if what is None:
+        return None
+    where = f" {exc.filename}" if exc.filename else ""
+    return (f"cannot write{where}: {what}. exo-tui keeps its keys and state in {exo_home()}: "
+            "free some space there, or point EXO_TUI_HOME at another folder")

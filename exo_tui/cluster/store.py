@@ -77,6 +77,11 @@ class StateStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
         except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+                raise RuntimeError(
+                    f"the coordinator's state file {self.path} cannot be written ({exc}): free some disk "
+                    "space there, or point EXO_TUI_HOME at another folder"
+                ) from exc
             raise RuntimeError(
                 f"the coordinator's state file {self.path} cannot be used ({exc}): move it away to start "
                 "with a fresh state (nodes, pins and drains are then forgotten)"

@@ -47,7 +47,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_main(lambda: _chat(args))
     except (ModelFileError, BackendError, GenerationError, ValueError, ConnectionError, OSError) as exc:
-        print(f"exo-tui chat: {exc}", file=sys.stderr)
+        from exo_tui.paths import storage_error
+
+        message = storage_error(exc) if isinstance(exc, OSError) else None
+        print(f"exo-tui chat: {message or exc}", file=sys.stderr)
         return 2
 
 

@@ -66,14 +66,18 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             print(f"exo-tui: the coordinator is not available in this build ({exc})", file=sys.stderr)
             return 2
-        control = Coordinator(
-            model=args.model,
-            config=config,
-            peers=list(args.peer),
-            local_nodes=1 + args.local_nodes,
-            readonly=args.readonly,
-            discover=not args.no_discover,
-        )
+        try:
+            control = Coordinator(
+                model=args.model,
+                config=config,
+                peers=list(args.peer),
+                local_nodes=1 + args.local_nodes,
+                readonly=args.readonly,
+                discover=not args.no_discover,
+            )
+        except RuntimeError as exc:  # its state file cannot be opened (corrupt, a full disk)
+            print(f"exo-tui: {exc}", file=sys.stderr)
+            return 2
         on_start, on_stop = control.start, control.stop
 
     from exo_tui.tui.app import ExoApp

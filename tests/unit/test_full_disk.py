@@ -1,5 +1,5 @@
-"""The coordinator's state file on a full disk: writes fail without raising, are reported once,
-and go in, in order, once there is room again (a real tmpfs filled to the last byte)."""
+"""A full disk (a real tmpfs filled to the last byte): the coordinator's state file keeps failed
+writes and catches up once there is room, and the commands say what to do instead of a traceback."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,3 +115,16 @@ def test_the_coordinator_runs_on_and_tells_the_operator(tmp_path: Path) -> None:
             coordinator.store.close()
 
     asyncio.run(scenario())
+
+
+def test_commands_on_a_full_disk_say_what_to_do(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk") as disk:
+        fill(disk)
+        env = {**os.environ, "EXO_TUI_HOME": str(disk / "home")}
+        for argv, code in ((["join-token"], 1), (["tui", "--no-discover"], 2), (["chat", "--local-nodes", "1", "hi"], 2)):
+            out = subprocess.run([sys.executable, "-m", "exo_tui.cli", *argv], capture_output=True, text=True,
+                                 timeout=120, env=env, stdin=subprocess.DEVNULL)
+            assert out.returncode == code, (argv, out.stderr)
+            assert "Traceback" not in out.stderr, (argv, out.stderr)
+            assert "disk" in out.stderr and ("free some space" in out.stderr or "free some disk space" in out.stderr), (argv, out.stderr)
+            assert str(disk / "home") in out.stderr, (argv, out.stderr)
