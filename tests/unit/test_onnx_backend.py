@@ -239,6 +239,9 @@ def test_options_defaults_and_env(monkeypatch):
     assert backend.spin_us == SPIN_US  # a bounded spin between the ops of a step
     assert backend.session_config["session.intra_op.spin_duration_us"] == str(SPIN_US)
     assert backend.available()
+    # The shared instance is made once per process: made under the settings below it would hand
+    # int8 math to every later test that asks for it.
+    assert get_backend("onnx").name == "onnx"
     monkeypatch.setenv("EXO_TUI_THREADS", "1")
     monkeypatch.setenv("EXO_TUI_ONNX_PRECISION", "int8")
     monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "1")
@@ -247,7 +250,6 @@ def test_options_defaults_and_env(monkeypatch):
     assert backend.session_config["session.intra_op.allow_spinning"] == "1"
     assert "session.intra_op.spin_duration_us" not in backend.session_config  # until the step ends
     assert ONNXBackend(threads=3, precision="float32").threads == 3
-    assert get_backend("onnx").name == "onnx"
 
 
 @pytest.mark.parametrize(
@@ -654,3 +656,28 @@ def test_requests_and_kv_length_do_not_wait_for_a_running_step(tiny_models):
         t.start()
         t.join(5)
     assert seen == [(["r"], len(PROMPT))]
+
+
+def test_weight_arrays_are_made_again_when_the_session_reads_them(tiny_models, monkeypatch):
+    """Where an ONNX Runtime build used our arrays in place (zeroing them changes the probe), the
+    shard writes their values back (made again, no copy held during the check) and keeps them."""
+    from backends.onnx.graph import build_shard_graph
+    from backends.onnx.shard import MIN_BATCH, ONNXShard
+
+    real_probe = ONNXShard._probe
+    calls = []
+
+    def probe_sees_zeroed_weights(self):
+        out = real_probe(self)
+        calls.append(1)
+        return out + 1.0 if len(calls) == 2 else out  # the second probe runs on zeroed arrays
+
+    monkeypatch.setattr(ONNXShard, "_probe", probe_sees_zeroed_weights)
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    assert shard.weight_arrays_nbytes > 0
+    fresh = build_shard_graph(cfg, weights, 1, batch_head_rows=MIN_BATCH).initializers
+    assert shard._weight_arrays.keys() == fresh.keys()
+    assert all(np.array_equal(shard._weight_arrays[n], a) for n, a in fresh.items())
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
