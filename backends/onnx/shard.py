@@ -19,6 +19,7 @@ to the next one (a copy of its positions).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,23 +126,26 @@ class ONNXShard(Shard):
         self._caches: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self.prefill_chunk = PREFILL_CHUNK
-        self._release_weight_copies()
+        self._release_weight_copies(
+            lambda: build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH).initializers
+        )
 
     @property
     def weight_arrays_nbytes(self) -> int:
         """Bytes of weight arrays this shard holds besides ONNX Runtime's own buffers."""
         return sum(a.nbytes for a in self._weight_arrays.values())
 
-    def _release_weight_copies(self) -> None:
+    def _release_weight_copies(self, rebuild: Callable[[], dict[str, np.ndarray]]) -> None:
         """Free our weight arrays when the session no longer reads them.
 
         ONNX Runtime (1.2x, CPU) copies external initializers into its own buffers and repacks
         the matrices, so after loading our arrays are dead weight, as large as the model. That is
         checked, not assumed: all arrays are zeroed and probe steps (prompt and decode) must give
-        exactly the outputs they gave before; only then are the arrays released, else restored.
+        exactly the outputs they gave before; only then are the arrays released, else their values
+        are made again (``rebuild``) and written back. No copy is kept meanwhile: at load, memory
+        peaks here, and a copy would add the shard's whole size to that peak.
         """
         before = self._probe()
-        saved = {n: a.copy() for n, a in self._weight_arrays.items()}
         for a in self._weight_arrays.values():
             a[...] = 0
         after = self._probe()
@@ -149,8 +153,8 @@ class ONNXShard(Shard):
             self._weight_arrays = {}
             self._weight_values = {}
         else:
-            for n, a in self._weight_arrays.items():
-                a[...] = saved[n]
+            for n, fresh in rebuild().items():
+                self._weight_arrays[n][...] = fresh
 
     def _probe(self) -> np.ndarray:
         """Outputs of a fixed random prompt and one decode step (no cache kept): the prompt's

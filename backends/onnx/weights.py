@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.base import QuantizedWeight, Weight, dense
+from backends.base import QuantizedWeight, Weight
 
 
 def pack_nibbles(q: np.ndarray, group: int) -> np.ndarray:
@@ -82,9 +82,26 @@ def quantized_linear(weights: list[QuantizedWeight]) -> QuantizedLinear:
     return QuantizedLinear(n, k, group, parts, correction)
 
 
+DENSE_ROWS_PER_PIECE = 4096  # dequantized at a time by dense_linear
+
+
 def dense_linear(weights: list[Weight]) -> np.ndarray:
-    """Stacked float32 matrices, transposed for ``MatMul``: ``(K, N)``."""
-    return np.ascontiguousarray(np.concatenate([dense(w) for w in weights], axis=0).T, dtype=np.float32)
+    """Stacked float32 matrices, transposed for ``MatMul``: ``(K, N)``.
+
+    Written piece by piece into the result: the whole float32 matrix exists once, not as a
+    dequantized copy, a stacked copy and a transposed copy (for SmolLM2's head, 340 MB of
+    temporaries at load, against 113 MB for the result)."""
+    cols = weights[0].shape[1]
+    out = np.empty((cols, sum(w.shape[0] for w in weights)), dtype=np.float32)
+    n0 = 0
+    for w in weights:
+        rows = w.shape[0]
+        for a in range(0, rows, DENSE_ROWS_PER_PIECE):
+            b = min(rows, a + DENSE_ROWS_PER_PIECE)
+            piece = w.dequantize(a, b) if isinstance(w, QuantizedWeight) else np.asarray(w[a:b], dtype=np.float32)
+            out[:, n0 + a : n0 + b] = piece.T
+        n0 += rows
+    return out
 
 
 def same_kind(a: Weight, b: Weight) -> bool:

@@ -7,6 +7,9 @@ touched by two steps at once.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import hashlib
 import os
 import threading
@@ -139,8 +142,9 @@ class ShardHost:
 
     def load_from_file(self, path: str, start: int, end: int, backend: str | None) -> HostedShard:
         model = self._open(path)
-        weights = model.shard_weights(start, end)
-        return self._install(model.config, weights, backend)
+        hosted = self._install(model.config, model.shard_weights(start, end), backend)
+        return_freed_memory()
+        return hosted
 
     def _open(self, path: str) -> GGUFModel:
         """The model file, opened once (parsing a GGUF's vocabulary takes seconds) while it is
@@ -180,7 +184,11 @@ class ShardHost:
         tensors = transfer.tensors_by_name()
         transfer.buffer = bytearray()
         weights = assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
-        return self._install(transfer.config, weights, transfer.backend)
+        del tensors
+        hosted = self._install(transfer.config, weights, transfer.backend)
+        del weights
+        return_freed_memory()
+        return hosted
 
     def _install(self, config: ModelConfig, weights: Any, backend: str | None) -> HostedShard:
         name = backend or self.default_backend
@@ -203,6 +211,8 @@ class ShardHost:
         if hosted is None:
             return False
         hosted.shard.close()
+        del hosted
+        return_freed_memory()
         return True
 
     def unload_all(self) -> None:
@@ -270,3 +280,24 @@ def kv_from_array(start: int, end: int, array: np.ndarray) -> KVCache:
         raise HostError(f"KV array of shape {array.shape} does not fit layers [{start}, {end})")
     length = array.shape[3]
     return KVCache(start, end, length, [array[0, i] for i in range(end - start)], [array[1, i] for i in range(end - start)])
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hand memory the process freed back to the system.
+
+    glibc keeps freed heap memory for reuse, and loading a shard frees a lot: the weights as
+    received, their unpacked and repacked forms, the backend's own temporaries. Measured on the
+    default model (92 MB of weights streamed to a node): resident memory after the load 651 MB,
+    368 MB after ``malloc_trim``. A no-op where the C library has none (macOS, musl)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
