@@ -89,14 +89,17 @@ def stable_node_id(name: str) -> str:
     directory = exo_home() / "node-ids"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{''.join(c if c.isalnum() or c in '-_.' else '_' for c in name)}.id"
-    if path.exists():
-        value = path.read_text().strip()
-        if value:
-            return value
-    value = f"n-{uuid.uuid4().hex[:12]}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(value)
-    os.replace(tmp, path)
+    # Nodes of one name starting together (two processes) must agree on one id: one makes it,
+    # the other reads it.
+    with file_lock(directory / ".lock"):
+        if path.exists():
+            value = path.read_text().strip()
+            if value:
+                return value
+        value = f"n-{uuid.uuid4().hex[:12]}"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(value)
+        os.replace(tmp, path)
     return value
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,26 @@ def test_nodes_starting_together_on_one_machine_measure_once(tmp_path: Path) -> 
             proc.kill()
             proc.wait()
     assert sorted(counts) == [0, 1]
+
+
+def test_nodes_of_one_name_starting_together_get_one_id(tmp_path: Path) -> None:
+    """Four processes asking for the id of one node name at once all get the same one (before,
+    each could make its own, and one crashed moving a temporary file another had just moved)."""
+    env = {**os.environ, "EXO_TUI_HOME": str(tmp_path)}
+    # Imported first, then all ask at one moment (Python's start-up time varies more than the
+    # window this is about).
+    code = ("import sys, time; from exo_tui.node.profile import stable_node_id; "
+            "time.sleep(max(0.0, float(sys.argv[1]) - time.time())); print(stable_node_id('twin'))")
+    at = str(time.time() + 3.0)
+    procs = [subprocess.Popen([sys.executable, "-c", code, at], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        outs = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert all(proc.returncode == 0 for proc in procs), [err for _, err in outs]
+    ids = {out.strip() for out, _ in outs}
+    assert len(ids) == 1 and next(iter(ids)).startswith("n-")
+    assert (tmp_path / "node-ids" / "twin.id").read_text().strip() in ids
