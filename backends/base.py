@@ -153,6 +153,9 @@ class ShardWeights:
     embed: Weight | None = None  # (vocab, hidden), when start == 0
     norm: np.ndarray | None = None  # (hidden,), when end == n_layers
     output: Weight | None = None  # (vocab, hidden), when end == n_layers
+    # The caller hands these over: a backend may drop each layer (``layers[i] = None``) once it
+    # has made its own form of it, so a shard's load does not hold the whole shard twice.
+    disposable: bool = False
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.end - self.start:
@@ -162,7 +165,8 @@ class ShardWeights:
 
     @property
     def nbytes(self) -> int:
-        total = sum(layer.nbytes for layer in self.layers)
+        """Stored bytes (of the layers still here: read it before a load that may drop them)."""
+        total = sum(layer.nbytes for layer in self.layers if layer is not None)
         for w in (self.embed, self.norm, self.output):
             if w is not None:
                 total += weight_nbytes(w)

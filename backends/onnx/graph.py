@@ -200,7 +200,8 @@ def build_shard_graph(
     """The ONNX graph of ``weights``' layers; ``accuracy_level`` 1 is float32 math, 4 int8.
 
     ``batch_head_rows`` > 0: on the last shard, runs of at least that many rows (batched decode)
-    take a dense float32 copy of a quantized output head (see :meth:`_Builder.batched_head`)."""
+    take a dense float32 copy of a quantized output head (see :meth:`_Builder.batched_head`).
+    ``weights.disposable``: each layer is dropped from ``weights`` once its arrays are made."""
     c = config
     is_last = weights.end == c.n_layers
     b = _Builder(c, accuracy_level)
@@ -248,6 +249,8 @@ def build_shard_graph(
         (act,) = b.node("QuickGelu", [g], f"l{i}_silu", domain=MS, alpha=1.0)
         (act,) = b.node("Mul", [act, u], f"l{i}_act")
         skip = b.linear(act, [lw.w_down], f"l{i}_down")
+        if weights.disposable:
+            weights.layers[i] = None  # type: ignore[call-overload]  # its arrays are built; see ShardWeights
 
     if is_last:
         if weights.norm is None or weights.output is None:

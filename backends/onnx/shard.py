@@ -18,6 +18,7 @@ to the next one (a copy of its positions).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnxruntime as ort
 
-from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeights, validate_forward_input
+from backends.base import (
+    BackendError,
+    KVCache,
+    LayerWeights,
+    ModelConfig,
+    QuantizedWeight,
+    Shard,
+    ShardWeights,
+    validate_forward_input,
+)
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
@@ -126,9 +136,15 @@ class ONNXShard(Shard):
         self._caches: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self.prefill_chunk = PREFILL_CHUNK
-        self._release_weight_copies(
-            lambda: build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH).initializers
-        )
+        if not weights.disposable:
+            self._release_weight_copies(
+                lambda: build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH).initializers
+            )
+        elif session_keeps_own_weights(threads, accuracy_level, session_config or {}):
+            # The layers we were given are gone (nothing to make the values again from), so the
+            # check ran on a small shard of the same graph instead, once for this process.
+            self._weight_arrays = {}
+            self._weight_values = {}
 
     @property
     def weight_arrays_nbytes(self) -> int:
@@ -508,3 +524,33 @@ class ONNXShard(Shard):
             self._weight_values.clear()
             self._weight_arrays = {}
             self._embed = None
+
+
+@functools.cache
+def _session_keeps_own_weights(threads: int, accuracy_level: int, session_config: tuple[tuple[str, str], ...]) -> bool:
+    rng = np.random.default_rng(0)
+    c = ModelConfig(n_layers=1, hidden_size=64, intermediate_size=128, n_heads=2, n_kv_heads=1, head_dim=32,
+                    vocab_size=64, rms_eps=1e-5, rope_theta=10000.0, context_length=64)
+
+    def q4(rows: int, cols: int) -> QuantizedWeight:
+        return QuantizedWeight(q=rng.integers(0, 16, (rows, cols), dtype=np.uint8),
+                               scales=rng.random((rows, cols // 32), dtype=np.float32) * 0.1,
+                               biases=rng.random((rows, cols // 32), dtype=np.float32) * -0.5, bits=4)
+
+    h, i, qd, kvd = c.hidden_size, c.intermediate_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    layer = LayerWeights(np.ones(h, np.float32), q4(qd, h), q4(kvd, h), q4(kvd, h), q4(h, qd),
+                         np.ones(h, np.float32), q4(i, h), q4(i, h), q4(h, i))
+    embed = q4(c.vocab_size, h)
+    weights = ShardWeights(0, 1, [layer], embed=embed, norm=np.ones(h, np.float32), output=embed)
+    shard = ONNXShard(c, weights, threads=threads, accuracy_level=accuracy_level, session_config=dict(session_config))
+    try:
+        return shard.weight_arrays_nbytes == 0
+    finally:
+        shard.close()
+
+
+def session_keeps_own_weights(threads: int, accuracy_level: int, session_config: dict[str, str]) -> bool:
+    """Whether ONNX Runtime, with these settings, keeps its own copies of a shard's weights (so
+    ours can go once the session is made): checked as ``_release_weight_copies`` does, on a
+    one-layer shard with every kind of weight the graph has, once per process and settings."""
+    return _session_keeps_own_weights(threads, accuracy_level, tuple(sorted(session_config.items())))

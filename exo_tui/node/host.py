@@ -142,7 +142,10 @@ class ShardHost:
 
     def load_from_file(self, path: str, start: int, end: int, backend: str | None) -> HostedShard:
         model = self._open(path)
-        hosted = self._install(model.config, model.shard_weights(start, end), backend)
+        weights = model.shard_weights(start, end)
+        weights.disposable = True
+        hosted = self._install(model.config, weights, backend)
+        del weights
         return_freed_memory()
         return hosted
 
@@ -184,6 +187,7 @@ class ShardHost:
         tensors = transfer.tensors_by_name()
         transfer.buffer = bytearray()
         weights = assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
+        weights.disposable = True  # the backend may drop each layer once it has made its own form
         del tensors
         hosted = self._install(transfer.config, weights, transfer.backend)
         del weights
@@ -195,8 +199,9 @@ class ShardHost:
         if self.config is not None and self.config != config and self.shards:
             # A different model: the old shards cannot be part of the same ring.
             self.unload_all()
+        nbytes = weights.nbytes  # before the load, which may drop disposable layers
         shard = get_backend(name).load_shard(config, weights)
-        hosted = HostedShard(shard, name, weights.start, weights.end, weights.nbytes)
+        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes)
         with self.lock:
             old = self.shards.pop(hosted.key, None)
             self.shards[hosted.key] = hosted
