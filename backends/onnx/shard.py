@@ -532,15 +532,18 @@ def _session_keeps_own_weights(threads: int, accuracy_level: int, session_config
     c = ModelConfig(n_layers=1, hidden_size=64, intermediate_size=128, n_heads=2, n_kv_heads=1, head_dim=32,
                     vocab_size=64, rms_eps=1e-5, rope_theta=10000.0, context_length=64)
 
-    def q4(rows: int, cols: int) -> QuantizedWeight:
-        return QuantizedWeight(q=rng.integers(0, 16, (rows, cols), dtype=np.uint8),
+    def quantized(rows: int, cols: int, bits: int = 4) -> QuantizedWeight:
+        return QuantizedWeight(q=rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8),
                                scales=rng.random((rows, cols // 32), dtype=np.float32) * 0.1,
-                               biases=rng.random((rows, cols // 32), dtype=np.float32) * -0.5, bits=4)
+                               biases=rng.random((rows, cols // 32), dtype=np.float32) * -0.5, bits=bits)
 
+    # 4-bit with a correction, a dense float32 matrix, an 8-bit tied head (two 4-bit passes and
+    # its dense copy for batches), norms and rotary tables: every kind of initializer a graph has.
     h, i, qd, kvd = c.hidden_size, c.intermediate_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    layer = LayerWeights(np.ones(h, np.float32), q4(qd, h), q4(kvd, h), q4(kvd, h), q4(h, qd),
-                         np.ones(h, np.float32), q4(i, h), q4(i, h), q4(h, i))
-    embed = q4(c.vocab_size, h)
+    dense_v = rng.standard_normal((kvd, h)).astype(np.float32)
+    layer = LayerWeights(np.ones(h, np.float32), quantized(qd, h), quantized(kvd, h), dense_v, quantized(h, qd),
+                         np.ones(h, np.float32), quantized(i, h), quantized(i, h), quantized(h, i))
+    embed = quantized(c.vocab_size, h, bits=8)
     weights = ShardWeights(0, 1, [layer], embed=embed, norm=np.ones(h, np.float32), output=embed)
     shard = ONNXShard(c, weights, threads=threads, accuracy_level=accuracy_level, session_config=dict(session_config))
     try:
