@@ -246,25 +246,24 @@ class ExoApp(App):
             self.pop_screen()
         return self.main_screen
 
-    def action_command_mode(self) -> None:
+    def _on_main(self, act: Callable[[MainScreen], object]) -> None:
+        """``act(main screen)``: at once where it is showing (keys typed right after go where it
+        puts the focus), else after closing the views above it."""
         if self.screen is self.main_screen:
-            self.main_screen.open_command_line()
+            act(self.main_screen)
             return
         main = self._to_main()
         if main is not None:
-            self.call_after_refresh(main.open_command_line)
+            self.call_after_refresh(act, main)
+
+    def action_command_mode(self) -> None:
+        self._on_main(MainScreen.open_command_line)
 
     def action_focus_chat(self) -> None:
         self._focus_pane("chat")
 
     def _focus_pane(self, name: str) -> None:
-        """Focus a pane of the main screen, closing the views above it first."""
-        if self.screen is self.main_screen:
-            self.main_screen.focus_pane(name)
-            return
-        main = self._to_main()
-        if main is not None:
-            self.call_after_refresh(main.focus_pane, name)
+        self._on_main(lambda main: main.focus_pane(name))
 
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
