@@ -13,13 +13,14 @@ import functools
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from backends import get_backend
-from backends.base import KVCache, ModelConfig, Shard
+from backends.base import KVCache, ModelConfig, Shard, ShardWeights
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, assemble_shard, tensor_from_raw
 from exo_tui.net.address import is_loopback
 
@@ -142,12 +143,7 @@ class ShardHost:
 
     def load_from_file(self, path: str, start: int, end: int, backend: str | None) -> HostedShard:
         model = self._open(path)
-        weights = model.shard_weights(start, end)
-        weights.disposable = True
-        hosted = self._install(model.config, weights, backend)
-        del weights
-        return_freed_memory()
-        return hosted
+        return self._install(model.config, lambda: model.shard_weights(start, end), backend)
 
     def _open(self, path: str) -> GGUFModel:
         """The model file, opened once (parsing a GGUF's vocabulary takes seconds) while it is
@@ -184,30 +180,35 @@ class ShardHost:
         transfer = self.transfers.pop(transfer_id, None)
         if transfer is None:
             raise HostError(f"no transfer {transfer_id} in progress here: begin it first")
-        tensors = transfer.tensors_by_name()
-        transfer.buffer = bytearray()
-        weights = assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
-        weights.disposable = True  # the backend may drop each layer once it has made its own form
-        del tensors
-        hosted = self._install(transfer.config, weights, transfer.backend)
-        del weights
-        return_freed_memory()
-        return hosted
 
-    def _install(self, config: ModelConfig, weights: Any, backend: str | None) -> HostedShard:
+        def weights() -> ShardWeights:
+            tensors = transfer.tensors_by_name()
+            transfer.buffer = bytearray()
+            return assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
+
+        return self._install(transfer.config, weights, transfer.backend)
+
+    def _install(self, config: ModelConfig, make_weights: Callable[[], ShardWeights], backend: str | None) -> HostedShard:
+        """Loads the weights ``make_weights`` makes; this is their only holder, so the backend may
+        drop each layer once it has its own form of it (``disposable``) and everything the load
+        freed goes back to the system afterwards."""
         name = backend or self.default_backend
         if self.config is not None and self.config != config and self.shards:
             # A different model: the old shards cannot be part of the same ring.
             self.unload_all()
-        nbytes = weights.nbytes  # before the load, which may drop disposable layers
+        weights = make_weights()
+        weights.disposable = True
+        nbytes = weights.nbytes  # before the load, which drops the layers
         shard = get_backend(name).load_shard(config, weights)
         hosted = HostedShard(shard, name, weights.start, weights.end, nbytes)
+        del weights
         with self.lock:
             old = self.shards.pop(hosted.key, None)
             self.shards[hosted.key] = hosted
             self.config = config
         if old is not None:
             old.shard.close()
+        return_freed_memory()
         return hosted
 
     def unload(self, start: int, end: int) -> bool:
