@@ -47,8 +47,10 @@ def write_tiny_llama(
     tied: bool = True,
     seed: int = 0,
     rope_theta: float = 10000.0,
+    sampling: dict[str, float | int] | None = None,
 ) -> Path:
-    """Write a random llama model; matrices in ``weight_type`` (F32, F16, Q8_0, Q4_0, Q4_1)."""
+    """Write a random llama model; matrices in ``weight_type`` (F32, F16, Q8_0, Q4_0, Q4_1).
+    ``sampling``: recommended sampling fields, e.g. ``{"general.sampling.temp": 0.0}``."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
@@ -75,6 +77,11 @@ def write_tiny_llama(
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            w.add_int32(key, value)
+        else:
+            w.add_float32(key, value)
 
     def matrix(name: str, rows: int, cols: int, qtype: str, scale: float) -> None:
         values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)

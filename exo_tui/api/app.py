@@ -34,7 +34,7 @@ from exo_tui.api.generation import Generation
 from exo_tui.cluster.view import HostKeyUnknown
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request as GenRequest
-from exo_tui.inference.sampling import SamplingParams
+from exo_tui.inference.sampling import SamplingParams, with_defaults
 
 log = logging.getLogger("exo_tui.api")
 
@@ -42,6 +42,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE_S = 15.0
 MAX_STOPS = 4
 RETRY_AFTER_S = 2  # on a 503
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # what a request leaves out, after the model's own
 
 
 class ApiError(Exception):
@@ -198,17 +199,15 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
                                 "add one with --peer, or undrain one)", type="server_error", code="cluster_unavailable")
 
     def sampling(body: s._Sampling) -> SamplingParams:
-        repetition = body.repetition_penalty or 1.0
+        given = {
+            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+            "repetition_penalty": body.repetition_penalty, "frequency_penalty": body.frequency_penalty,
+            "presence_penalty": body.presence_penalty, "seed": body.seed,
+        }
+        recommended = coordinator.model.sampling if getattr(coordinator, "model", None) else {}
         try:
-            return SamplingParams(
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0,
-                repetition_penalty=repetition,
-                frequency_penalty=body.frequency_penalty or 0.0,
-                presence_penalty=body.presence_penalty or 0.0,
-                seed=body.seed,
-            ).with_seed()
+            # Left out: the model's recommendation, else OpenAI's defaults (temperature 1, no nucleus).
+            return with_defaults(given, recommended, OPENAI_SAMPLING).with_seed()
         except ValueError as exc:
             raise ApiError(422, str(exc), code="invalid_parameter") from exc
 

@@ -208,7 +208,6 @@ class ClusterClient:
         body: dict[str, Any] = {
             "model": self._model_id, "messages": messages, "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": params.max_tokens,
-            "temperature": params.temperature, "top_p": params.top_p,
         }
         if not body["model"]:
             try:
@@ -219,12 +218,9 @@ class ClusterClient:
                 yield ChatChunk(finish_reason="error", error=str(exc))
                 return
             body["model"] = self._model_id = models[0]["id"]
-        if params.top_k:
-            body["top_k"] = params.top_k
-        if params.repetition_penalty != 1.0:
-            body["repetition_penalty"] = params.repetition_penalty
-        if params.seed is not None:
-            body["seed"] = params.seed
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+            if getattr(params, name) is not None:  # left out: the coordinator uses the model's
+                body[name] = getattr(params, name)
         if params.stop:
             body["stop"] = list(params.stop)
         started = time.monotonic()

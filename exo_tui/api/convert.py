@@ -100,6 +100,7 @@ def snapshot_from_dict(d: dict[str, Any]) -> ClusterSnapshot:
         tok_per_s=float(d.get("tok_per_s") or 0.0),
         updated_at=float(d.get("updated_at") or 0.0),
         readonly=bool(d.get("readonly", False)),
+        sampling=dict(d.get("sampling") or {}),
     )
 
 

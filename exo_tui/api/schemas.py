@@ -56,7 +56,7 @@ Stop = str | list[str] | None
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1, description="a model id from GET /v1/models")
-    temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default: the model's recommendation, else 1")
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX, description="same seed, same answer")
     stop: Stop = Field(default=None, description="up to 4 strings; the answer ends before the first one")

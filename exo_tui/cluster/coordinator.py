@@ -47,7 +47,6 @@ from exo_tui.cluster.weights import load_from_path, stream_shard
 from exo_tui.config import GB, Config, load_config
 from exo_tui.inference.generate import GenerationError, generate
 from exo_tui.inference.request import Request
-from exo_tui.inference.sampling import SamplingParams
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
 from exo_tui.net.address import is_loopback
@@ -832,10 +831,7 @@ class Coordinator:
 
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
         assert self.model is not None
-        sampling = SamplingParams(
-            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            repetition_penalty=params.repetition_penalty, seed=params.seed,
-        ).with_seed()
+        sampling = params.sampling(self.model.sampling).with_seed()
         return Request(self.model.chat_prompt_ids(messages), sampling, params.max_tokens, tuple(params.stop))
 
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
@@ -1110,6 +1106,7 @@ class Coordinator:
             tok_per_s=self.tok_per_s(),
             updated_at=self._last_update,
             readonly=self.readonly,
+            sampling=dict(self.model.sampling) if self.model else {},
         )
 
 

@@ -8,11 +8,12 @@ so does the HTTP client used by ``exo-tui --attach URL``. Front ends never reach
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from exo_tui.cluster.events import EventBus
+from exo_tui.inference.sampling import SamplingParams, with_defaults
 
 # Node states, in the order the console sorts them.
 NODE_STATES = ("ready", "loading", "suspect", "draining", "drained", "failed", "foreign", "discovered")
@@ -93,6 +94,7 @@ class ClusterSnapshot:
     tok_per_s: float = 0.0
     updated_at: float = 0.0
     readonly: bool = False
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # the model's recommended sampling
 
     @property
     def ready_count(self) -> int:
@@ -134,17 +136,28 @@ _SETTING_RULES: dict[str, tuple[type, Any, str]] = {  # name: (type, check, what
 }
 
 
+_MODELS_OWN = ("temperature", "top_p", "top_k", "repetition_penalty")  # None: the model's recommendation
+
+
 @dataclass(frozen=True)
 class ChatParams:
+    """A chat's settings; a sampling setting left at ``None`` takes the model's recommendation
+    (see :meth:`sampling`)."""
+
     max_tokens: int = 512
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
     SETTINGS = tuple(_SETTING_RULES)
+
+    def sampling(self, recommended: Mapping[str, Any]) -> SamplingParams:
+        """The sampling these settings ask for, where left out the model's ``recommended``."""
+        given = {name: getattr(self, name) for name in (*_MODELS_OWN, "seed")}
+        return with_defaults(given, recommended)
 
     def with_setting(self, name: str, value: str) -> ChatParams:
         """A copy with one sampling setting changed from text (the console's ``:set NAME VALUE``);
@@ -155,6 +168,8 @@ class ChatParams:
             raise ValueError(f"no setting {name!r}: choose one of {', '.join(self.SETTINGS)}")
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)
+        if key in _MODELS_OWN and value.lower() in ("default", "model", ""):
+            return replace(self, **{key: None})
         kind, ok, allowed = _SETTING_RULES[key]
         try:
             x = kind(value)
@@ -164,10 +179,18 @@ class ChatParams:
             raise ValueError(f"{key} takes {allowed}, not {value}")
         return replace(self, **{key: x})
 
-    def describe(self) -> str:
+    def describe(self, recommended: Mapping[str, Any] | None = None) -> str:
+        """The settings in force, ``(model's)`` after those the model's recommendation sets."""
+        recommended = recommended or {}
+        s = self.sampling(recommended)
+
+        def show(name: str) -> str:
+            mark = " (model's)" if getattr(self, name) is None and name in recommended else ""
+            return f"{name} {getattr(s, name):g}{mark}"
+
         seed = "none" if self.seed is None else str(self.seed)
-        return (f"temperature {self.temperature:g} · top_p {self.top_p:g} · top_k {self.top_k} · "
-                f"max_tokens {self.max_tokens} · repetition_penalty {self.repetition_penalty:g} · seed {seed}")
+        return (f"{show('temperature')} · {show('top_p')} · {show('top_k')} · max_tokens {self.max_tokens} · "
+                f"{show('repetition_penalty')} · seed {seed}")
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-nodes", type=int, default=0, metavar="N", help="start N node agents on loopback, run, stop them")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    model_s = "default: the model's recommendation, else"
+    p.add_argument("--temperature", type=float, default=None, help=f"0 is greedy ({model_s} 0.7)")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling ({model_s} 1, off)")
+    p.add_argument("--top-k", type=int, default=None, help=f"({model_s} 0, off)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help=f"({model_s} 1, off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -58,7 +59,7 @@ async def _chat(args: argparse.Namespace) -> int:
     from backends import default_backend_name
     from exo_tui.inference.generate import generate
     from exo_tui.inference.request import Request
-    from exo_tui.inference.sampling import SamplingParams
+    from exo_tui.inference.sampling import with_defaults
     from exo_tui.models.model import Model
 
     model = Model(args.model)
@@ -68,12 +69,10 @@ async def _chat(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     request = Request(
         prompt_ids=prompt_ids,
-        sampling=SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            repetition_penalty=args.repetition_penalty,
-            seed=seed,
+        sampling=with_defaults(
+            {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+             "repetition_penalty": args.repetition_penalty, "seed": seed},
+            model.sampling,
         ),
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
@@ -116,6 +115,7 @@ async def _chat(args: argparse.Namespace) -> int:
                     "tok_per_s": round(request.decode_tok_per_s, 2),
                     "served_by": list(served_by),
                     "seed": seed,
+                    "sampling": request.sampling.to_dict(),
                 }
             )
         )

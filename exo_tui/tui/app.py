@@ -378,7 +378,7 @@ class ExoApp(App):
             except ValueError as exc:
                 self.notify(f"{exc}. Example: :set temperature 0", severity="error")
                 return
-        self.notify(chat.params.describe(), title="Chat settings")
+        self.notify(chat.params.describe(self.control.snapshot().sampling), title="Chat settings")
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         for name in keymap.command_names(readonly=self.readonly):

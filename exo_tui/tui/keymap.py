@@ -105,7 +105,7 @@ COMMANDS: dict[str, tuple[str, bool]] = {
     "events": ("Focus the events log", False),
     "model": ("Choose the model (:model NAME to set it)", True),
     "theme": ("Choose a theme (:theme NAME to set it)", True),
-    "set": ("Chat sampling: :set temperature 0, :set max_tokens 256 (:set alone shows them)", True),
+    "set": ("Chat sampling: :set temperature 0, :set top_p default (the model's); :set alone shows them", True),
     "rebalance": ("Preview a rebalance", False),
     "pause": ("Pause or resume the live refresh", False),
     "help": ("Show the keys", False),

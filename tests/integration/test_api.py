@@ -133,6 +133,20 @@ def test_max_tokens_stop_and_seed(client: openai.OpenAI, tokenizer) -> None:  # 
     assert c  # another seed still answers (it may or may not differ in 12 tokens)
 
 
+def test_sampling_left_out_is_the_models_recommendation(client: openai.OpenAI) -> None:
+    """No temperature or top_p in the request: the default model's card's 0.2 and 0.9, not OpenAI's
+    1 and 1 (with one seed the draws are the same as when they are given)."""
+    story = [{"role": "user", "content": "Write one sentence about a cat."}]
+
+    def answer(**sampling: float) -> str:
+        return client.chat.completions.create(model="smollm2-135m", messages=story, seed=11, max_tokens=24,
+                                              **sampling).choices[0].message.content
+
+    left_out = answer()
+    assert left_out == answer(temperature=0.2, top_p=0.9)
+    assert left_out != answer(temperature=1.0, top_p=1.0)
+
+
 def test_completions_endpoint(client: openai.OpenAI, tokenizer) -> None:  # noqa: ANN001
     prompt = "The capital of France is"
     r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=4, temperature=0)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.factory import write_tiny_llama
+
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
 
@@ -71,3 +73,22 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, args: list[str], message: 
     r = _chat(*args, QUESTION, home=tmp_path)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_settings_left_out_take_the_models_recommendation(tmp_path: Path) -> None:
+    """A GGUF that recommends greedy decoding and top-k 5 gets them unless the command says
+    otherwise; the default model gets its card's temperature 0.2 and top-p 0.9."""
+    model = write_tiny_llama(tmp_path / "greedy.gguf", sampling={
+        "general.sampling.temp": 0.0, "general.sampling.top_k": 5,
+    })
+    runs = {}
+    for name, flags in {"model's": [], "given": ["--temperature", "0.5"]}.items():
+        r = _chat("--model", str(model), "--backend", "onnx", "--max-tokens", "4", "--json", *flags, "hi", home=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = json.loads(r.stdout.strip().splitlines()[-1])["sampling"]
+    assert (runs["model's"]["temperature"], runs["model's"]["top_k"], runs["model's"]["top_p"]) == (0.0, 5, 1.0)
+    assert (runs["given"]["temperature"], runs["given"]["top_k"]) == (0.5, 5)
+    r = _chat("--backend", "onnx", "--max-tokens", "1", "--json", QUESTION, home=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sampling = json.loads(r.stdout.strip().splitlines()[-1])["sampling"]
+    assert (sampling["temperature"], sampling["top_p"]) == (0.2, 0.9)

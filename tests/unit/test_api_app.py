@@ -46,7 +46,8 @@ def _snapshot() -> ClusterSnapshot:
     other = NodeView(node_id="b", name="pi", address="10.0.0.3", port=52416, state="failed", eligible=False,
                      ineligible_reason="gone", heartbeat_age_s=None, score=None)
     return ClusterSnapshot(name="home", model="smollm2", nodes=(node, other), links=(LinkView("a", "b", 0.8),),
-                           plan=PLAN, hosts=(HostView("pi.local", source="mdns"),), tok_per_s=3.0, updated_at=5.0)
+                           plan=PLAN, hosts=(HostView("pi.local", source="mdns"),), tok_per_s=3.0, updated_at=5.0,
+                           sampling={"temperature": 0.2, "top_p": 0.9})
 
 
 def test_snapshot_round_trips_through_json() -> None:
