@@ -24,9 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _ours(
-    backend: str, model_path: Path, threads: int, spin: bool | int | None = None, pin: bool = False
+    backend: str, model_path: Path, threads: int, spin: bool | int | None = None, pin: bool = False,
+    kernel: bool = True,
 ) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
     os.environ["EXO_TUI_THREADS"] = str(threads)
+    os.environ["EXO_TUI_ONNX_KERNEL"] = "1" if kernel else "0"  # read when a shard is made
     from backends import get_backend
     from backends.onnx import ONNXBackend
     from exo_tui.models.gguf_file import GGUFModel
@@ -110,6 +112,8 @@ def main() -> None:
             engines["exo-tui onnx, never spinning"] = _ours(b, path, args.threads, spin=False)  # EXO_TUI_ONNX_SPIN=0
             engines["exo-tui onnx, spinning until each step ends"] = _ours(b, path, args.threads, spin=True)  # =1
             engines["exo-tui onnx, pinned"] = _ours(b, path, args.threads, pin=True)  # EXO_TUI_ONNX_PIN=1
+            # 4-bit matrices on MatMulNBits with a correction (before QLinear4; where it cannot be built)
+            engines["exo-tui onnx, MatMulNBits only"] = _ours(b, path, args.threads, kernel=False)
     ref = _llama_cpp(path, args.threads)
     if ref is not None:
         engines["llama.cpp"] = ref

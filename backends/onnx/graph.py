@@ -32,6 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
+from backends.onnx.kernels import BLOCK, DOMAIN, OP, pack, runs_on_kernel
 from backends.onnx.weights import (
     dense_linear,
     packed_zero_points,
@@ -65,9 +66,10 @@ def rotary_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Builder:
-    def __init__(self, config: ModelConfig, accuracy_level: int) -> None:
+    def __init__(self, config: ModelConfig, accuracy_level: int, kernel: bool = False) -> None:
         self.c = config
         self.accuracy_level = accuracy_level
+        self.kernel = kernel  # 4-bit matrices of GGUF's blocks through exo-tui's QLinear4
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
         self.small: list[onnx.TensorProto] = []
@@ -122,6 +124,10 @@ class _Builder:
         return self.node("Concat", outs, stem, axis=-1)[0]
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
+        if self.kernel and all(runs_on_kernel(w) for w in weights):
+            blocks = pack(weights)  # type: ignore[arg-type]
+            n, k = blocks.shape[0], blocks.shape[1] * BLOCK
+            return self.node(OP, [x, self.weight(f"{stem}_q4", blocks)], stem, domain=DOMAIN, K=k, N=n)[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
@@ -195,16 +201,20 @@ def _dense_bytes(w: Weight) -> int:
 
 
 def build_shard_graph(
-    config: ModelConfig, weights: ShardWeights, accuracy_level: int = 1, batch_head_rows: int = 0
+    config: ModelConfig, weights: ShardWeights, accuracy_level: int = 1, batch_head_rows: int = 0,
+    kernel: bool = False,
 ) -> ShardGraph:
     """The ONNX graph of ``weights``' layers; ``accuracy_level`` 1 is float32 math, 4 int8.
+
+    ``kernel``: 4-bit matrices in GGUF's blocks of 32 run on exo-tui's ``QLinear4``
+    (:mod:`backends.onnx.kernels`; the session must load its library), the rest on ``MatMulNBits``.
 
     ``batch_head_rows`` > 0: on the last shard, runs of at least that many rows (batched decode)
     take a dense float32 copy of a quantized output head (see :meth:`_Builder.batched_head`).
     ``weights.disposable``: each layer is dropped from ``weights`` once its arrays are made."""
     c = config
     is_last = weights.end == c.n_layers
-    b = _Builder(c, accuracy_level)
+    b = _Builder(c, accuracy_level, kernel)
     f32 = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("hidden_in", f32, ["batch", "seq", c.hidden_size]),
@@ -285,7 +295,9 @@ def build_shard_graph(
         b.nodes, f"llama_{weights.start}_{weights.end}", inputs, outputs, initializer=external + b.small
     )
     graph.model = helper.make_model(
-        g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="exo-tui"
+        g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)]
+        + ([helper.make_opsetid(DOMAIN, 1)] if kernel else []),
+        producer_name="exo-tui",
     )
     graph.model.ir_version = 10
     graph.initializers = b.arrays

@@ -36,6 +36,7 @@ from backends.base import (
     ShardWeights,
     validate_forward_input,
 )
+from backends.onnx import kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
@@ -109,7 +110,9 @@ class ONNXShard(Shard):
         self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
         self.accuracy_level = accuracy_level
         self._embed = weights.embed if self.is_first else None
-        graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH)
+        library = kernels.library()
+        self.kernel = library.isa if library is not None else ""  # which QLinear4 build runs, if any
+        graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library))
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -119,6 +122,8 @@ class ONNXShard(Shard):
         options.log_severity_level = 3
         for key, value in (session_config or {}).items():
             options.add_session_config_entry(key, value)
+        if library is not None:
+            options.register_custom_ops_library(library.path)
         # Weights reach the session as OrtValues over our NumPy arrays (see _release_weight_copies).
         self._weight_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in graph.initializers.items()}
         self._weight_arrays = graph.initializers
@@ -138,7 +143,9 @@ class ONNXShard(Shard):
         self.prefill_chunk = PREFILL_CHUNK
         if not weights.disposable:
             self._release_weight_copies(
-                lambda: build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH).initializers
+                lambda: build_shard_graph(
+                    config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library)
+                ).initializers
             )
         elif session_keeps_own_weights(threads, accuracy_level, session_config or {}):
             # The layers we were given are gone (nothing to make the values again from), so the
@@ -527,22 +534,27 @@ class ONNXShard(Shard):
 
 
 @functools.cache
-def _session_keeps_own_weights(threads: int, accuracy_level: int, session_config: tuple[tuple[str, str], ...]) -> bool:
+def _session_keeps_own_weights(
+    threads: int, accuracy_level: int, session_config: tuple[tuple[str, str], ...], kernel: str
+) -> bool:
     rng = np.random.default_rng(0)
     c = ModelConfig(n_layers=1, hidden_size=64, intermediate_size=128, n_heads=2, n_kv_heads=1, head_dim=32,
                     vocab_size=64, rms_eps=1e-5, rope_theta=10000.0, context_length=64)
 
-    def quantized(rows: int, cols: int, bits: int = 4) -> QuantizedWeight:
+    def quantized(rows: int, cols: int, bits: int = 4, half: bool = True) -> QuantizedWeight:
+        scales, biases = rng.random((2, rows, cols // 32), dtype=np.float32) * np.float32([[[0.1]], [[-0.5]]])
+        if half:  # as GGUF's blocks have them
+            scales, biases = scales.astype(np.float16).astype(np.float32), biases.astype(np.float16).astype(np.float32)
         return QuantizedWeight(q=rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8),
-                               scales=rng.random((rows, cols // 32), dtype=np.float32) * 0.1,
-                               biases=rng.random((rows, cols // 32), dtype=np.float32) * -0.5, bits=bits)
+                               scales=scales, biases=biases, bits=bits)
 
-    # 4-bit with a correction, a dense float32 matrix, an 8-bit tied head (two 4-bit passes and
-    # its dense copy for batches), norms and rotary tables: every kind of initializer a graph has.
+    # 4-bit in GGUF's blocks (QLinear4 where it runs) and with float32 scales (MatMulNBits with a
+    # correction), a dense float32 matrix, an 8-bit tied head (two 4-bit passes and its dense copy
+    # for batches), norms and rotary tables: every kind of initializer a graph has.
     h, i, qd, kvd = c.hidden_size, c.intermediate_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     dense_v = rng.standard_normal((kvd, h)).astype(np.float32)
-    layer = LayerWeights(np.ones(h, np.float32), quantized(qd, h), quantized(kvd, h), dense_v, quantized(h, qd),
-                         np.ones(h, np.float32), quantized(i, h), quantized(i, h), quantized(h, i))
+    layer = LayerWeights(np.ones(h, np.float32), quantized(qd, h), quantized(kvd, h, half=False), dense_v,
+                         quantized(h, qd), np.ones(h, np.float32), quantized(i, h), quantized(i, h), quantized(h, i))
     embed = quantized(c.vocab_size, h, bits=8)
     weights = ShardWeights(0, 1, [layer], embed=embed, norm=np.ones(h, np.float32), output=embed)
     shard = ONNXShard(c, weights, threads=threads, accuracy_level=accuracy_level, session_config=dict(session_config))
@@ -556,4 +568,7 @@ def session_keeps_own_weights(threads: int, accuracy_level: int, session_config:
     """Whether ONNX Runtime, with these settings, keeps its own copies of a shard's weights (so
     ours can go once the session is made): checked as ``_release_weight_copies`` does, on a
     one-layer shard with every kind of weight the graph has, once per process and settings."""
-    return _session_keeps_own_weights(threads, accuracy_level, tuple(sorted(session_config.items())))
+    library = kernels.library()
+    return _session_keeps_own_weights(
+        threads, accuracy_level, tuple(sorted(session_config.items())), library.path if library else ""
+    )

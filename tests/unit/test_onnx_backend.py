@@ -46,9 +46,15 @@ def decode_tokens(n: int, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(np.array([(31 * i + 3) % 250]), np.array([start + i])) for i in range(n)]
 
 
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["qlinear4", "matmulnbits"])
 @pytest.mark.parametrize("weight_type", [*WEIGHT_TYPES, "F32-untied"])
-def test_logits_match_reference(tiny_models, weight_type):
+def test_logits_match_reference(tiny_models, weight_type, kernel, monkeypatch):
+    """Both ways of running 4-bit matrices: exo-tui's kernel (the default where it builds) and
+    MatMulNBits with a correction (``EXO_TUI_ONNX_KERNEL=0``, and where it does not)."""
+    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", kernel)
     cfg, weights, shard = load(tiny_models[weight_type])
+    if weight_type.startswith("Q4"):
+        assert bool(shard.kernel) == (kernel == "1")
     ref = ReferenceShard(cfg, weights)
     pos = np.arange(len(PROMPT))
     close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
@@ -675,7 +681,7 @@ def test_weight_arrays_are_made_again_when_the_session_reads_them(tiny_models, m
     monkeypatch.setattr(ONNXShard, "_probe", probe_sees_zeroed_weights)
     cfg, weights, shard = load(tiny_models["Q4_1"])
     assert shard.weight_arrays_nbytes > 0
-    fresh = build_shard_graph(cfg, weights, 1, batch_head_rows=MIN_BATCH).initializers
+    fresh = build_shard_graph(cfg, weights, 1, batch_head_rows=MIN_BATCH, kernel=bool(shard.kernel)).initializers
     assert shard._weight_arrays.keys() == fresh.keys()
     assert all(np.array_equal(shard._weight_arrays[n], a) for n, a in fresh.items())
     ref = ReferenceShard(cfg, weights)

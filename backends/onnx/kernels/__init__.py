@@ -1,0 +1,222 @@
+"""exo-tui's own ONNX Runtime kernel, ``QLinear4`` (``qlinear.c``): a 4-bit matrix in GGUF's own
+blocks times float32 rows, with no float zero-point correction pass.
+
+``MatMulNBits`` has no float zero point on its fast path, so a Q4_1 matrix there costs a second,
+float32 matmul of the input's block sums (see :mod:`backends.onnx.weights`) and float32 scales:
+24 bytes per 32 weights read per step, against 20 here (float16 scale and bias beside the codes,
+as the file has them), and three ops fewer per matrix.
+
+The library is compiled for this machine (``-march=native``) by the C compiler on first use and
+kept in a cache folder keyed by its source, compiler and CPU. Before it is used it must agree
+with NumPy on random data, on its own and inside an ONNX Runtime session; if there is no compiler,
+or the build or that check fails, the backend keeps ``MatMulNBits`` and says why once.
+``EXO_TUI_ONNX_KERNEL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from backends.base import QuantizedWeight
+
+log = logging.getLogger("exo_tui.backends.onnx")
+
+SOURCE = Path(__file__).with_name("qlinear.c")
+DOMAIN = "exo.tui"
+OP = "QLinear4"
+BLOCK = 32
+BLOCK_BYTES = 20
+FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
+
+
+@dataclass(frozen=True)
+class Library:
+    path: str
+    isa: str  # the instruction set it was built for: avx512, avx2 or c
+
+
+def runs_on_kernel(w: object) -> bool:
+    """Whether ``w`` is a matrix ``QLinear4`` takes: 4-bit codes in blocks of 32 whose scale and
+    bias are exact in float16 (GGUF's Q4_0 and Q4_1 are)."""
+    if not isinstance(w, QuantizedWeight) or w.bits != 4 or w.group != BLOCK or w.q.shape[1] % BLOCK:
+        return False
+    return _exact_in_half(w.scales) and _exact_in_half(w.biases)
+
+
+def _exact_in_half(a: np.ndarray) -> bool:
+    a = np.asarray(a, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
+
+
+def pack(weights: list[QuantizedWeight]) -> np.ndarray:
+    """Matrices of one shape stacked along their rows, as ``QLinear4``'s W: ``(N, K / 32, 20)``."""
+    n = sum(w.q.shape[0] for w in weights)
+    k = weights[0].q.shape[1]
+    out = np.empty((n, k // BLOCK, BLOCK_BYTES), dtype=np.uint8)
+    row = 0
+    for w in weights:
+        rows = w.q.shape[0]
+        part = out[row : row + rows]
+        part[:, :, 0:2] = np.asarray(w.scales, np.float16).reshape(rows, -1, 1).view(np.uint8)
+        part[:, :, 2:4] = np.asarray(w.biases, np.float16).reshape(rows, -1, 1).view(np.uint8)
+        q = w.q.reshape(rows, k // BLOCK, BLOCK)
+        part[:, :, 4:] = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)
+        row += rows
+    return out
+
+
+def enabled() -> bool:
+    value = os.environ.get("EXO_TUI_ONNX_KERNEL", "").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    from backends.base import BackendError
+
+    raise BackendError(f"EXO_TUI_ONNX_KERNEL={value!r}: use 1 (on, the default) or 0 (MatMulNBits only)")
+
+
+def library() -> Library | None:
+    """The kernel built for this machine, or None (turned off, or it cannot be built or trusted:
+    then logged once, with the reason)."""
+    if not enabled():
+        return None
+    return _library()
+
+
+@functools.cache
+def _library() -> Library | None:
+    try:
+        path = _build()
+        isa = _check(path)
+    except KernelUnavailable as exc:
+        log.warning("the ONNX backend runs 4-bit matrices with MatMulNBits: %s", exc)
+        return None
+    return Library(str(path), isa)
+
+
+class KernelUnavailable(Exception):
+    pass
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("EXO_TUI_CACHE", "").strip()
+    if env:
+        return Path(env).expanduser() / "kernels"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("exo-tui")) / "kernels"
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC", "").strip() or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), "")
+    if not cc:
+        raise KernelUnavailable("no C compiler (cc, gcc or clang) found: install one (e.g. apt install gcc) to get the faster kernel")
+    return cc
+
+
+def _build() -> Path:
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"the C compiler {cc} does not run ({exc})") from exc
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_key().encode(), platform.machine().encode()]))
+    target = _cache_dir() / f"qlinear-{key.hexdigest()[:16]}{'.dylib' if platform.system() == 'Darwin' else '.so'}"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot create {target.parent} ({exc})") from exc
+    errors = []
+    for flags in FLAG_SETS:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
+        os.close(fd)
+        cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", "-o", tmp, str(SOURCE)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            r = None
+            errors.append(str(exc))
+        if r is not None and r.returncode == 0:
+            os.replace(tmp, target)  # atomic: nodes building at once each write their own file
+            return target
+        if r is not None:
+            errors.append(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+        Path(tmp).unlink(missing_ok=True)
+    raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {errors[-1] if errors else 'unknown error'}")
+
+
+def _check(path: Path) -> str:
+    """The kernel must match NumPy on random data, called directly and inside a session."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load {path} ({exc})") from exc
+    lib.exo_qlinear4_isa.restype = ctypes.c_char_p
+    isa = lib.exo_qlinear4_isa().decode()
+    rng = np.random.default_rng(0)
+    n, k = 72, 96
+    w = QuantizedWeight(q=rng.integers(0, 16, (n, k), dtype=np.uint8),
+                        scales=(rng.random((n, k // BLOCK)) * 0.1).astype(np.float16).astype(np.float32),
+                        biases=(-rng.random((n, k // BLOCK))).astype(np.float16).astype(np.float32), bits=4)
+    blob = pack([w])
+    want_w = w.dequantize().astype(np.float64)
+    for m in (1, 3, 11):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = x.astype(np.float64) @ want_w.T
+        y = np.empty((m, n), np.float32)
+        p = ctypes.c_void_p
+        lib.exo_qlinear4(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data),
+                         ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_int64(n))
+        if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
+            raise KernelUnavailable(f"the {isa} kernel built here disagrees with NumPy (off by {np.abs(y - want).max():.3g})")
+        got = _run_in_session(path, x, blob, k, n)
+        if not np.array_equal(got, y):
+            raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
+    return isa
+
+
+def _run_in_session(path: Path, x: np.ndarray, blob: np.ndarray, k: int, n: int) -> np.ndarray:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n)
+    graph = helper.make_graph(
+        [node], "check", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])], [numpy_helper.from_array(blob, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        options.register_custom_ops_library(str(path))
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x})[0]
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise KernelUnavailable(f"ONNX Runtime cannot use the kernel ({exc})") from exc
