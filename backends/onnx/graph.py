@@ -126,8 +126,9 @@ class _Builder:
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if self.kernel and all(runs_on_kernel(w) for w in weights):
             blocks = pack(weights)  # type: ignore[arg-type]
-            n, k = blocks.shape[0], blocks.shape[1] * BLOCK
-            return self.node(OP, [x, self.weight(f"{stem}_q4", blocks)], stem, domain=DOMAIN, K=k, N=n)[0]
+            n, k, bits = blocks.shape[0], blocks.shape[1] * BLOCK, weights[0].bits  # type: ignore[union-attr]
+            w = self.weight(f"{stem}_q{bits}", blocks)
+            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits)[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
@@ -270,7 +271,11 @@ def build_shard_graph(
         end = b.const("slice_end", np.array([np.iinfo(np.int64).max], dtype=np.int64))
         axis = b.const("slice_axis", np.array([1], dtype=np.int64))
         (tail,) = b.node("Slice", [normed, "logits_start", end, axis], "tail")
-        if batch_head_rows and runs_quantized(weights.output) and _dense_bytes(weights.output) <= DENSE_HEAD_MAX_BYTES:
+        # On the kernel a quantized head needs no dense copy: its rows batch well (SmolLM2's Q8_0
+        # head, steps of 2 / 4 / 8 / 16 rows: as fast or faster than with the copy, 113 MB less).
+        on_kernel = kernel and runs_on_kernel(weights.output)
+        if (batch_head_rows and runs_quantized(weights.output) and not on_kernel
+                and _dense_bytes(weights.output) <= DENSE_HEAD_MAX_BYTES):
             b.batched_head(tail, weights.output, batch_head_rows)
         else:
             logits = b.linear(tail, [weights.output], "head")

@@ -66,18 +66,20 @@ LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 @LINUX_ONLY
 @pytest.mark.skipif(_malloc_trim() is None, reason="this C library has no malloc_trim (not glibc)")
 def test_a_shard_load_gives_its_temporaries_back() -> None:
-    """Loading the whole default model on a node frees ~300 MB of temporaries (weights as
-    received, unpacked, repacked); glibc would keep them for reuse, the node hands them back."""
+    """Loading the whole default model on a node leaves temporaries (weights as received,
+    unpacked, repacked) that glibc would keep for reuse; the node hands them back. Measured, 92 MB
+    received: 63 MB left resident against 150 MB kept (QLinear); 190 against ~490 on MatMulNBits."""
     kept = load_in_a_node("keep", 0, 30)
     returned = load_in_a_node("return", 0, 30)
-    assert returned["after_mb"] < kept["after_mb"] - 100, (returned, kept)
+    assert returned["after_mb"] < kept["after_mb"] - 0.5 * kept["raw_mb"], (returned, kept)
 
 
 @LINUX_ONLY
 def test_a_load_does_not_hold_the_layers_twice() -> None:
     """Middle layers of the default model: at its peak the load holds the bytes received, the
     backend's arrays and ONNX Runtime's own copies, but not every layer unpacked beside them
-    (measured: 2.5x the received bytes, 5.0x before the layers were dropped as they were built)."""
+    (measured: 2.1x the received bytes with QLinear, 2.5x on MatMulNBits, 5.0x before the layers
+    were dropped as they were built)."""
     m = load_in_a_node("return", 5, 25)
     assert m["peak_mb"] < 3.5 * m["raw_mb"], m
 

@@ -1,5 +1,6 @@
-"""exo-tui's ONNX Runtime kernel QLinear4 (backends/onnx/kernels): built here, checked against
-NumPy, the same numbers for a row whatever the batch, and a clear fallback where it cannot be built."""
+"""exo-tui's ONNX Runtime kernel QLinear (backends/onnx/kernels): built here, checked against
+NumPy for each instruction set it has code for, the same numbers for a row whatever the batch,
+and a clear fallback where it cannot be built."""
 
 from __future__ import annotations
 
@@ -14,16 +15,6 @@ from tests.reference import ReferenceShard
 from tests.unit.test_onnx_backend import PROMPT, close, load
 
 
-def _matrix(rng: np.random.Generator, n: int, k: int) -> QuantizedWeight:
-    """Q4_1-like: float16 scales and minimums."""
-    return QuantizedWeight(
-        q=rng.integers(0, 16, (n, k), dtype=np.uint8),
-        scales=(rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32),
-        biases=(-rng.random((n, k // 32)) * 0.15).astype(np.float16).astype(np.float32),
-        bits=4,
-    )
-
-
 @pytest.fixture(scope="module")
 def library() -> kernels.Library:
     lib = kernels.library()
@@ -32,15 +23,16 @@ def library() -> kernels.Library:
     return lib
 
 
-def test_the_kernel_is_float32_math_on_the_dequantized_matrix(library: kernels.Library) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_is_float32_math_on_the_dequantized_matrix(library: kernels.Library, bits: int) -> None:
     rng = np.random.default_rng(1)
-    a, b = _matrix(rng, 40, 576), _matrix(rng, 3032, 576)  # two stacked, N not a multiple of 32
-    blob = kernels.pack([a, b])
-    assert blob.shape == (3072, 18, 20) and blob.dtype == np.uint8
+    a, b = kernels.random_matrix(rng, 40, 576, bits), kernels.random_matrix(rng, 3032, 576, bits)
+    blob = kernels.pack([a, b])  # two stacked, N not a multiple of 32
+    assert blob.shape == (3072, 18, 20 if bits == 4 else 36) and blob.dtype == np.uint8
     w = np.concatenate([a.dequantize(), b.dequantize()]).astype(np.float64)
     for m in (1, 2, 7, 8, 9, 33):
         x = rng.standard_normal((m, 576)).astype(np.float32)
-        y = kernels._run_in_session(kernels.Path(library.path), x, blob, 576, 3072)
+        y = kernels.run_in_session(library.path, x, blob, bits)
         want = x.astype(np.float64) @ w.T
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), m
 
@@ -49,21 +41,50 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> 
     """Each row is reduced in the same order whatever the number of rows: a request's logits are
     the same bits decoded alone or beside others."""
     rng = np.random.default_rng(2)
-    w = _matrix(rng, 300, 1536)
-    blob = kernels.pack([w])
+    blob = kernels.pack([kernels.random_matrix(rng, 300, 1536, 4)])
     x = rng.standard_normal((13, 1536)).astype(np.float32)
-    together = kernels._run_in_session(kernels.Path(library.path), x, blob, 1536, 300)
+    together = kernels.run_in_session(library.path, x, blob, 4)
     for i in (0, 7, 12):
-        alone = kernels._run_in_session(kernels.Path(library.path), x[i : i + 1], blob, 1536, 300)
-        assert np.array_equal(alone[0], together[i])
+        assert np.array_equal(kernels.run_in_session(library.path, x[i : i + 1], blob, 4)[0], together[i])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "c"])
+def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
+    """This machine builds one of the kernel's three code paths; the others are built here with
+    their flags and checked the same way (for the machines that run them)."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if isa == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is x86's")
+    flags = ["-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else []
+    out = tmp_path / f"q-{isa}.so"
+    subprocess.run([cc, "-O2", *flags, "-shared", "-fPIC", "-std=c11", "-o", str(out), str(kernels.SOURCE)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.exo_qlinear_isa.restype = ctypes.c_char_p
+    assert lib.exo_qlinear_isa().decode() == isa
+    rng = np.random.default_rng(4)
+    for bits in (4, 8):
+        w = kernels.random_matrix(rng, 70, 320, bits)
+        blob = kernels.pack([w])
+        x = rng.standard_normal((11, 320)).astype(np.float32)
+        want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+        for m in (1, 8, 11):
+            y = kernels.call(lib, x[:m], blob, bits)
+            assert np.abs(y - want[:m]).max() <= 1e-5 * np.abs(want).max(), (bits, m)
 
 
 def test_only_blocks_of_32_with_half_precision_scales_take_the_kernel() -> None:
     rng = np.random.default_rng(3)
-    w = _matrix(rng, 8, 64)
-    assert kernels.runs_on_kernel(w)
+    w = kernels.random_matrix(rng, 8, 64, 4)
+    assert kernels.runs_on_kernel(w) and kernels.runs_on_kernel(kernels.random_matrix(rng, 8, 64, 8))
     assert not kernels.runs_on_kernel(QuantizedWeight(w.q, w.scales * np.float32(1.0001), w.biases, bits=4))
-    assert not kernels.runs_on_kernel(QuantizedWeight(w.q, w.scales, w.biases, bits=8))
+    assert not kernels.runs_on_kernel(QuantizedWeight(w.q[:, :48], w.scales[:, :3], w.biases[:, :3], bits=4, group=16))
     assert not kernels.runs_on_kernel(np.zeros((8, 64), np.float32))
 
 

@@ -1,10 +1,11 @@
-"""exo-tui's own ONNX Runtime kernel, ``QLinear4`` (``qlinear.c``): a 4-bit matrix in GGUF's own
-blocks times float32 rows, with no float zero-point correction pass.
+"""exo-tui's own ONNX Runtime kernel, ``QLinear`` (``qlinear.c``): a 4- or 8-bit matrix in GGUF's
+own blocks times float32 rows.
 
 ``MatMulNBits`` has no float zero point on its fast path, so a Q4_1 matrix there costs a second,
 float32 matmul of the input's block sums (see :mod:`backends.onnx.weights`) and float32 scales:
 24 bytes per 32 weights read per step, against 20 here (float16 scale and bias beside the codes,
-as the file has them), and three ops fewer per matrix.
+as the file has them), and three ops fewer per matrix; its float 8-bit path is slow, so a Q8_0
+matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here).
 
 The library is compiled for this machine (``-march=native``) by the C compiler on first use and
 kept in a cache folder keyed by its source, compiler and CPU. Before it is used it must agree
@@ -35,9 +36,9 @@ log = logging.getLogger("exo_tui.backends.onnx")
 
 SOURCE = Path(__file__).with_name("qlinear.c")
 DOMAIN = "exo.tui"
-OP = "QLinear4"
+OP = "QLinear"
 BLOCK = 32
-BLOCK_BYTES = 20
+BLOCK_BYTES = {4: 20, 8: 36}  # float16 scale and bias, then the codes of 32 weights
 FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
 
 
@@ -48,9 +49,9 @@ class Library:
 
 
 def runs_on_kernel(w: object) -> bool:
-    """Whether ``w`` is a matrix ``QLinear4`` takes: 4-bit codes in blocks of 32 whose scale and
-    bias are exact in float16 (GGUF's Q4_0 and Q4_1 are)."""
-    if not isinstance(w, QuantizedWeight) or w.bits != 4 or w.group != BLOCK or w.q.shape[1] % BLOCK:
+    """Whether ``w`` is a matrix ``QLinear`` takes: 4- or 8-bit codes in blocks of 32 whose scale
+    and bias are exact in float16 (GGUF's Q4_0, Q4_1 and Q8_0 are)."""
+    if not isinstance(w, QuantizedWeight) or w.bits not in BLOCK_BYTES or w.group != BLOCK or w.q.shape[1] % BLOCK:
         return False
     return _exact_in_half(w.scales) and _exact_in_half(w.biases)
 
@@ -62,10 +63,10 @@ def _exact_in_half(a: np.ndarray) -> bool:
 
 
 def pack(weights: list[QuantizedWeight]) -> np.ndarray:
-    """Matrices of one shape stacked along their rows, as ``QLinear4``'s W: ``(N, K / 32, 20)``."""
-    n = sum(w.q.shape[0] for w in weights)
-    k = weights[0].q.shape[1]
-    out = np.empty((n, k // BLOCK, BLOCK_BYTES), dtype=np.uint8)
+    """Matrices of one kind stacked along their rows, as ``QLinear``'s W: ``(N, K / 32, 20)`` for
+    4 bits, ``(N, K / 32, 36)`` for 8."""
+    n, k, bits = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1], weights[0].bits
+    out = np.empty((n, k // BLOCK, BLOCK_BYTES[bits]), dtype=np.uint8)
     row = 0
     for w in weights:
         rows = w.q.shape[0]
@@ -73,7 +74,7 @@ def pack(weights: list[QuantizedWeight]) -> np.ndarray:
         part[:, :, 0:2] = np.asarray(w.scales, np.float16).reshape(rows, -1, 1).view(np.uint8)
         part[:, :, 2:4] = np.asarray(w.biases, np.float16).reshape(rows, -1, 1).view(np.uint8)
         q = w.q.reshape(rows, k // BLOCK, BLOCK)
-        part[:, :, 4:] = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4)
+        part[:, :, 4:] = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4) if bits == 4 else q
         row += rows
     return out
 
@@ -175,37 +176,57 @@ def _check(path: Path) -> str:
     """The kernel must match NumPy on random data, called directly and inside a session."""
     try:
         lib = ctypes.CDLL(str(path))
-    except OSError as exc:
+        lib.exo_qlinear_isa.restype = ctypes.c_char_p
+        isa = lib.exo_qlinear_isa().decode()
+        lib.exo_qlinear  # noqa: B018 - there
+    except (OSError, AttributeError) as exc:
         raise KernelUnavailable(f"cannot load {path} ({exc})") from exc
-    lib.exo_qlinear4_isa.restype = ctypes.c_char_p
-    isa = lib.exo_qlinear4_isa().decode()
     rng = np.random.default_rng(0)
     n, k = 72, 96
-    w = QuantizedWeight(q=rng.integers(0, 16, (n, k), dtype=np.uint8),
-                        scales=(rng.random((n, k // BLOCK)) * 0.1).astype(np.float16).astype(np.float32),
-                        biases=(-rng.random((n, k // BLOCK))).astype(np.float16).astype(np.float32), bits=4)
-    blob = pack([w])
-    want_w = w.dequantize().astype(np.float64)
-    for m in (1, 3, 11):
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        want = x.astype(np.float64) @ want_w.T
-        y = np.empty((m, n), np.float32)
-        p = ctypes.c_void_p
-        lib.exo_qlinear4(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data),
-                         ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_int64(n))
-        if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
-            raise KernelUnavailable(f"the {isa} kernel built here disagrees with NumPy (off by {np.abs(y - want).max():.3g})")
-        got = _run_in_session(path, x, blob, k, n)
-        if not np.array_equal(got, y):
-            raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
+    for bits in BLOCK_BYTES:
+        w = random_matrix(rng, n, k, bits)
+        blob = pack([w])
+        for m in (1, 3, 11):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+            y = call(lib, x, blob, bits)
+            if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
+                raise KernelUnavailable(
+                    f"the {isa} kernel built here disagrees with NumPy ({bits}-bit, off by {np.abs(y - want).max():.3g})"
+                )
+            if not np.array_equal(run_in_session(path, x, blob, bits), y):
+                raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
     return isa
 
 
-def _run_in_session(path: Path, x: np.ndarray, blob: np.ndarray, k: int, n: int) -> np.ndarray:
+def random_matrix(rng: np.random.Generator, n: int, k: int, bits: int) -> QuantizedWeight:
+    """Codes with float16 scales and (negative) biases, as GGUF's blocks have them."""
+    return QuantizedWeight(
+        q=rng.integers(0, 2**bits, (n, k), dtype=np.uint8),
+        scales=(rng.random((n, k // BLOCK)) * (0.1 if bits == 4 else 0.006)).astype(np.float16).astype(np.float32),
+        biases=(-rng.random((n, k // BLOCK))).astype(np.float16).astype(np.float32),
+        bits=bits,
+    )
+
+
+def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int) -> np.ndarray:
+    """The library's computation called directly (one thread, no ONNX Runtime)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = x.shape
+    n = blob.shape[0]
+    y = np.empty((m, n), np.float32)
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits))
+    return y
+
+
+def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int) -> np.ndarray:
+    """``QLinear`` in a one-node ONNX Runtime session."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n)
+    k, n = x.shape[-1], blob.shape[0]
+    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits)
     graph = helper.make_graph(
         [node], "check", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])], [numpy_helper.from_array(blob, "w")],

@@ -1,9 +1,12 @@
-/* exo-tui's ONNX Runtime custom op: y = x @ w.T for a 4-bit affine-quantized w, read as it is stored.
+/* exo-tui's ONNX Runtime custom op: y = x @ w.T for a 4- or 8-bit affine-quantized w, read as it is stored.
 
-   Op "QLinear4" in domain "exo.tui". Inputs: X float32 (..., K); W uint8 (N, K / 32, 20), one
-   20-byte block per 32 weights of a row: the scale s and the bias b as float16, then 16 bytes of
-   codes, the low nibble of byte j being code j and the high nibble code j + 16 (GGML's Q4_1 block).
-   Attributes K and N. Output Y float32 (..., N) with
+   Op "QLinear" in domain "exo.tui". Inputs: X float32 (..., K); W uint8 (N, K / 32, B), one
+   B-byte block per 32 weights of a row: the scale s and the bias b as float16, then the codes q.
+   Attributes K, N and bits:
+     bits 4, B = 20: 16 bytes, the low nibble of byte j being code j and the high nibble code j + 16
+                     (GGUF's Q4_1 block; Q4_0 is b = -8 s);
+     bits 8, B = 36: 32 bytes, one code each (GGUF's Q8_0 is q = its signed code + 128, b = -128 s).
+   Output Y float32 (..., N) with
 
        y[m, n] = sum over k of x[m, k] * (s * q[n, k] + b)      (float32, as the dequantized matrix)
 
@@ -122,9 +125,9 @@ typedef struct {
 /* ------------------------------------------------------------------ the kernel */
 
 #define BLOCK 32
-#define BLOCK_BYTES 20
-#define ROWS 8         /* rows of X per pass over a row of W */
+#define ROWS 8 /* rows of X per pass over a row of W */
 #define COLS_PER_TASK 32
+#define BLOCK_BYTES(bits) ((bits) == 4 ? 20 : 36)
 
 static inline float half_to_float(const uint8_t *p)
 {
@@ -154,24 +157,35 @@ static inline float half_to_float(const uint8_t *p)
 #endif
 }
 
-/* y[r * ldy] = x[r] . w for rows r < rows (rows <= ROWS), one row w of W (nb blocks). */
+/* y[r * ldy] = x[r] . w for rows r < rows (rows <= ROWS), one row w of W (nb blocks): each block
+   is dequantized once (s * q + b, float32) and multiplied into every row. */
 static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t k, const uint8_t *w,
-                                                            int64_t nb, float *y, int64_t ldy, const int rows)
+                                                            int64_t nb, float *y, int64_t ldy, const int rows,
+                                                            const int bits)
 {
+    const int step = BLOCK_BYTES(bits);
 #if defined(QL_AVX512)
     const __m512i low = _mm512_set1_epi32(0x0F);
     __m512 a0[ROWS], a1[ROWS];
     for (int r = 0; r < rows; r++)
         a0[r] = a1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, w += step) {
         const __m512 s = _mm512_set1_ps(half_to_float(w)), c = _mm512_set1_ps(half_to_float(w + 2));
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 4)));
-        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), s, c);
-        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, c);
+        __m512i q0, q1; /* codes of weights 0-15 and 16-31 */
+        if (bits == 4) {
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 4)));
+            q0 = _mm512_and_si512(q, low);
+            q1 = _mm512_srli_epi32(q, 4);
+        } else {
+            q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 4)));
+            q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 20)));
+        }
+        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s, c);
+        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s, c);
         const float *xb = x + b * BLOCK;
         for (int r = 0; r < rows; r++) {
-            a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + r * k), lo, a0[r]);
-            a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + r * k + 16), hi, a1[r]);
+            a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + r * k), w0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + r * k + 16), w1, a1[r]);
         }
     }
     for (int r = 0; r < rows; r++)
@@ -181,21 +195,30 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
     __m256 a[ROWS][2];
     for (int r = 0; r < rows; r++)
         a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, w += step) {
         const __m256 s = _mm256_set1_ps(half_to_float(w)), c = _mm256_set1_ps(half_to_float(w + 2));
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 4));
-        const __m256i q0 = _mm256_cvtepu8_epi32(bytes), q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-        const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), s, c);
-        const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, low)), s, c);
-        const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), s, c);
-        const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), s, c);
+        __m256i q[4]; /* codes of weights 0-7, 8-15, 16-23, 24-31 */
+        if (bits == 4) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 4));
+            const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+            q[0] = _mm256_and_si256(lo, low);
+            q[1] = _mm256_and_si256(hi, low);
+            q[2] = _mm256_srli_epi32(lo, 4);
+            q[3] = _mm256_srli_epi32(hi, 4);
+        } else {
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 4 + 8 * i)));
+        }
+        __m256 wv[4];
+        for (int i = 0; i < 4; i++)
+            wv[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), s, c);
         const float *xb = x + b * BLOCK;
         for (int r = 0; r < rows; r++) {
             const float *xr = xb + r * k;
-            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a[r][1]);
-            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a[r][1]);
+            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wv[0], a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wv[1], a[r][1]);
+            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), wv[2], a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), wv[3], a[r][1]);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -210,12 +233,12 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < BLOCK; j++)
             acc[r][j] = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += BLOCK_BYTES) {
+    for (int64_t b = 0; b < nb; b++, w += step) {
         const float s = half_to_float(w), c = half_to_float(w + 2);
         float wf[BLOCK];
-        for (int j = 0; j < 16; j++) {
-            wf[j] = (float)(w[4 + j] & 0x0F) * s + c;
-            wf[j + 16] = (float)(w[4 + j] >> 4) * s + c;
+        for (int j = 0; j < BLOCK; j++) {
+            const int q = bits == 4 ? (j < 16 ? w[4 + j] & 0x0F : w[4 + j - 16] >> 4) : w[4 + j];
+            wf[j] = (float)q * s + c;
         }
         const float *xb = x + b * BLOCK;
         for (int r = 0; r < rows; r++)
@@ -231,46 +254,52 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
 #endif
 }
 
-#define DOT_ROWS(R)                                                                                  \
-    static void dot_rows_##R(const float *x, int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy) \
-    {                                                                                                \
-        dot_rows(x, k, w, nb, y, ldy, R);                                                            \
-    }
-DOT_ROWS(1) DOT_ROWS(2) DOT_ROWS(3) DOT_ROWS(4) DOT_ROWS(5) DOT_ROWS(6) DOT_ROWS(7) DOT_ROWS(8)
 typedef void (*dot_fn)(const float *, int64_t, const uint8_t *, int64_t, float *, int64_t);
-static const dot_fn dots[ROWS + 1] = {NULL, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4,
-                                      dot_rows_5, dot_rows_6, dot_rows_7, dot_rows_8};
+#define DOT_ROWS(R, BITS)                                                                                  \
+    static void dot_##BITS##_##R(const float *x, int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy) \
+    {                                                                                                      \
+        dot_rows(x, k, w, nb, y, ldy, R, BITS);                                                            \
+    }
+#define DOTS(BITS)                                                                                           \
+    DOT_ROWS(1, BITS) DOT_ROWS(2, BITS) DOT_ROWS(3, BITS) DOT_ROWS(4, BITS) DOT_ROWS(5, BITS) DOT_ROWS(6, BITS) \
+    DOT_ROWS(7, BITS) DOT_ROWS(8, BITS)                                                                      \
+    static const dot_fn dots_##BITS[ROWS + 1] = {NULL,          dot_##BITS##_1, dot_##BITS##_2, dot_##BITS##_3, \
+                                                 dot_##BITS##_4, dot_##BITS##_5, dot_##BITS##_6, dot_##BITS##_7, \
+                                                 dot_##BITS##_8};
+DOTS(4)
+DOTS(8)
 
 typedef struct {
     const float *x;
     const uint8_t *w;
     float *y;
-    int64_t m, k, n;
+    int64_t m, k, n, bits;
 } Job;
 
 /* Columns [task * COLS_PER_TASK, ...) of Y, every row. */
 static void run_task(void *arg, size_t task)
 {
     const Job *job = (const Job *)arg;
-    const int64_t nb = job->k / BLOCK, n0 = (int64_t)task * COLS_PER_TASK;
+    const int64_t nb = job->k / BLOCK, n0 = (int64_t)task * COLS_PER_TASK, row_bytes = nb * BLOCK_BYTES(job->bits);
     const int64_t n1 = n0 + COLS_PER_TASK < job->n ? n0 + COLS_PER_TASK : job->n;
+    const dot_fn *dots = job->bits == 4 ? dots_4 : dots_8;
     for (int64_t m0 = 0; m0 < job->m; m0 += ROWS) {
         const int64_t rows = job->m - m0 < ROWS ? job->m - m0 : ROWS;
         const dot_fn dot = dots[rows];
         for (int64_t n = n0; n < n1; n++)
-            dot(job->x + m0 * job->k, job->k, job->w + n * nb * BLOCK_BYTES, nb, job->y + m0 * job->n + n, job->n);
+            dot(job->x + m0 * job->k, job->k, job->w + n * row_bytes, nb, job->y + m0 * job->n + n, job->n);
     }
 }
 
 /* For the tests: the same computation without ONNX Runtime, on one thread. */
-void exo_qlinear4(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n)
+void exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits)
 {
-    Job job = {x, w, y, m, k, n};
+    Job job = {x, w, y, m, k, n, bits};
     for (size_t t = 0; t < (size_t)((n + COLS_PER_TASK - 1) / COLS_PER_TASK); t++)
         run_task(&job, t);
 }
 
-const char *exo_qlinear4_isa(void)
+const char *exo_qlinear_isa(void)
 {
 #if defined(QL_AVX512)
     return "avx512";
@@ -284,7 +313,7 @@ const char *exo_qlinear4_isa(void)
 /* ------------------------------------------------------------------ the op */
 
 typedef struct {
-    int64_t k, n;
+    int64_t k, n, bits;
 } Kernel;
 
 static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKernelInfo *info, void **out)
@@ -293,12 +322,16 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
     (void)given;
     Kernel *kernel = (Kernel *)calloc(1, sizeof(Kernel));
     if (kernel == NULL)
-        return API(API_CreateStatus, CreateStatus_t)(ORT_FAIL, "QLinear4: out of memory");
+        return API(API_CreateStatus, CreateStatus_t)(ORT_FAIL, "QLinear: out of memory");
     OrtStatus *status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "K", &kernel->k);
     if (status == NULL)
         status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "N", &kernel->n);
+    if (status == NULL)
+        status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "bits", &kernel->bits);
     if (status == NULL && (kernel->k <= 0 || kernel->k % BLOCK != 0 || kernel->n <= 0))
-        status = fail("QLinear4: K must be a positive multiple of 32 and N positive");
+        status = fail("QLinear: K must be a positive multiple of 32 and N positive");
+    if (status == NULL && kernel->bits != 4 && kernel->bits != 8)
+        status = fail("QLinear: bits must be 4 or 8");
     if (status != NULL) {
         free(kernel);
         return status;
@@ -313,7 +346,7 @@ static OrtStatus *shape_of(const OrtValue *value, int64_t *dims, size_t *rank)
     CHECK(API(API_GetTensorTypeAndShape, GetTensorTypeAndShape_t)(value, &info));
     OrtStatus *status = API(API_GetDimensionsCount, GetDimensionsCount_t)(info, rank);
     if (status == NULL && (*rank < 1 || *rank > 8))
-        status = fail("QLinear4: X must have 1 to 8 dimensions");
+        status = fail("QLinear: X must have 1 to 8 dimensions");
     if (status == NULL)
         status = API(API_GetDimensions, GetDimensions_t)(info, dims, *rank);
     API(API_ReleaseTensorTypeAndShapeInfo, ReleaseTensorTypeAndShapeInfo_t)(info);
@@ -331,9 +364,9 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(shape_of(x_value, dims, &rank));
     CHECK(shape_of(w_value, w_dims, &w_rank));
     if (dims[rank - 1] != kernel->k)
-        return fail("QLinear4: the last dimension of X is not K");
-    if (w_rank != 3 || w_dims[0] != kernel->n || w_dims[1] != kernel->k / BLOCK || w_dims[2] != BLOCK_BYTES)
-        return fail("QLinear4: W must be (N, K / 32, 20)");
+        return fail("QLinear: the last dimension of X is not K");
+    if (w_rank != 3 || w_dims[0] != kernel->n || w_dims[1] != kernel->k / BLOCK || w_dims[2] != BLOCK_BYTES(kernel->bits))
+        return fail(kernel->bits == 4 ? "QLinear: W must be (N, K / 32, 20) for bits 4" : "QLinear: W must be (N, K / 32, 36) for bits 8");
     int64_t m = 1;
     for (size_t i = 0; i + 1 < rank; i++)
         m *= dims[i];
@@ -346,13 +379,13 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
     if (m == 0)
         return NULL;
-    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n};
+    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits};
     const size_t tasks = (size_t)((kernel->n + COLS_PER_TASK - 1) / COLS_PER_TASK);
     return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, run_task, tasks, 0, &job);
 }
 
 static void destroy(void *kernel) { free(kernel); }
-static const char *op_name(const void *op) { (void)op; return "QLinear4"; }
+static const char *op_name(const void *op) { (void)op; return "QLinear"; }
 static const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const void *op, size_t index) { (void)op; return index == 0 ? ELEM_FLOAT : ELEM_UINT8; }
 static size_t input_count(const void *op) { (void)op; return 2; }
@@ -362,7 +395,7 @@ static int required(const void *op, size_t index) { (void)op; (void)index; retur
 static int cpu_memory(const void *op, size_t index) { (void)op; (void)index; return 0; }
 static int since_version(const void *op) { (void)op; return 1; }
 
-static const CustomOp qlinear4 = {
+static const CustomOp qlinear = {
     .version = ORT_API_FOR_THIS,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
@@ -387,6 +420,6 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
         return NULL; /* cannot even make a status: ONNX Runtime older than 1.17 */
     OrtCustomOpDomain *domain;
     CHECK(API(API_CreateCustomOpDomain, CreateCustomOpDomain_t)("exo.tui", &domain));
-    CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &qlinear4));
+    CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &qlinear));
     return API(API_AddCustomOpDomain, AddCustomOpDomain_t)(options, domain);
 }
