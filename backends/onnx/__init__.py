@@ -1,6 +1,7 @@
 """The ONNX Runtime backend: each shard is one ONNX graph built with ``onnx.helper`` and run on
-ONNX Runtime's CPU execution provider, 4-bit and 8-bit GGUF blocks kept quantized
-(``com.microsoft`` ``MatMulNBits``), attention and the KV cache in ``GroupQueryAttention``."""
+ONNX Runtime's CPU execution provider, 4-bit and 8-bit GGUF blocks kept as they are (exo-tui's
+``QLinear`` kernel, :mod:`backends.onnx.kernels`; ``com.microsoft`` ``MatMulNBits`` where it cannot
+be built), attention and the KV cache in ``GroupQueryAttention``."""
 
 from __future__ import annotations
 

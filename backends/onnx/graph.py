@@ -4,7 +4,7 @@ shard), written with ``onnx.helper``, one ``session.run`` per step.
 Per layer::
 
     a      = RMSNorm(h)                                  SkipSimplifiedLayerNormalization
-    qkv    = a @ [Wq; Wk; Wv].T                          MatMulNBits (one, fused)
+    qkv    = a @ [Wq; Wk; Wv].T                          QLinear or MatMulNBits (one, fused)
     o, K, V = GroupQueryAttention(qkv, past K, past V)   rotary on adjacent pairs, in-place cache
     h      = h + o @ Wo.T
     m      = RMSNorm(h)

@@ -1,4 +1,5 @@
-"""Weights in the forms ONNX Runtime's CPU kernels run fast and exactly.
+"""Weights in the forms ONNX Runtime's own CPU kernels run fast and exactly (for matrices that
+exo-tui's ``QLinear`` kernel does not take, or where it cannot be built: :mod:`backends.onnx.kernels`).
 
 A :class:`~backends.base.QuantizedWeight` is ``w = s * q + b`` per block of ``group`` codes.
 ``com.microsoft`` ``MatMulNBits`` computes ``(q - zp) * s`` with 4-bit codes packed two per byte
