@@ -243,10 +243,18 @@ def _cache_key(backend: str) -> str:
             pass
     shape = f"{BENCH_CONFIG.hidden_size}x{BENCH_CONFIG.intermediate_size}x{BENCH_CONFIG.n_heads}"
     settings = ",".join(f"{name}={os.environ.get(name, '')}" for name in TIMING_SETTINGS)
-    return f"{backend}|{TIMING_METHOD}|{shape}|{_cpu_model()}|{settings}|{','.join(versions)}"
+    kernel = ""
+    if backend == "onnx":  # whether its QLinear kernel runs here (built and trusted), and which
+        from backends.onnx import kernels
+
+        library = kernels.library()
+        kernel = f"|qlinear={library.isa if library else 'none'}"
+    return f"{backend}|{TIMING_METHOD}|{shape}|{_cpu_model()}|{settings}|{','.join(versions)}{kernel}"
 
 
-TIMING_SETTINGS = ("EXO_TUI_THREADS", "EXO_TUI_ONNX_SPIN", "EXO_TUI_ONNX_PIN", "EXO_TUI_ONNX_PRECISION")
+TIMING_SETTINGS = (
+    "EXO_TUI_THREADS", "EXO_TUI_ONNX_SPIN", "EXO_TUI_ONNX_PIN", "EXO_TUI_ONNX_PRECISION", "EXO_TUI_ONNX_KERNEL",
+)
 """Environment settings that change how fast a backend runs: a timing measured under other
 values is measured again, not taken from the cache."""
 

@@ -70,6 +70,17 @@ def test_a_timing_taken_under_other_settings_is_measured_again(tmp_path: Path, m
     assert len(json.loads((tmp_path / "benchmark-cache.json").read_text())) == 3  # both kept, and bandwidth
 
 
+def test_a_timing_says_whether_the_onnx_kernel_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Figures taken on MatMulNBits (before the kernel, or with it off) are not those of a node
+    that runs QLinear: the cache key says which ran."""
+    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "0")
+    off = _cache_key("onnx")
+    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "1")
+    on = _cache_key("onnx")
+    assert off.endswith("|qlinear=none") and on != off and "|qlinear=" in on
+    assert "qlinear" not in _cache_key("mlx")
+
+
 _MEASURE = """
 import exo_tui.node.profile as p
 calls = []
