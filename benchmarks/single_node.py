@@ -112,7 +112,7 @@ def main() -> None:
             engines["exo-tui onnx, never spinning"] = _ours(b, path, args.threads, spin=False)  # EXO_TUI_ONNX_SPIN=0
             engines["exo-tui onnx, spinning until each step ends"] = _ours(b, path, args.threads, spin=True)  # =1
             engines["exo-tui onnx, pinned"] = _ours(b, path, args.threads, pin=True)  # EXO_TUI_ONNX_PIN=1
-            # 4-bit matrices on MatMulNBits with a correction (before QLinear4; where it cannot be built)
+            # 4-bit matrices on MatMulNBits with a correction (before QLinear; where it cannot be built)
             engines["exo-tui onnx, MatMulNBits only"] = _ours(b, path, args.threads, kernel=False)
     ref = _llama_cpp(path, args.threads)
     if ref is not None:

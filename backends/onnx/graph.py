@@ -69,7 +69,7 @@ class _Builder:
     def __init__(self, config: ModelConfig, accuracy_level: int, kernel: bool = False) -> None:
         self.c = config
         self.accuracy_level = accuracy_level
-        self.kernel = kernel  # 4-bit matrices of GGUF's blocks through exo-tui's QLinear4
+        self.kernel = kernel  # 4- and 8-bit matrices in GGUF's blocks through exo-tui's QLinear
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
         self.small: list[onnx.TensorProto] = []
@@ -207,7 +207,7 @@ def build_shard_graph(
 ) -> ShardGraph:
     """The ONNX graph of ``weights``' layers; ``accuracy_level`` 1 is float32 math, 4 int8.
 
-    ``kernel``: 4-bit matrices in GGUF's blocks of 32 run on exo-tui's ``QLinear4``
+    ``kernel``: 4- and 8-bit matrices in GGUF's blocks of 32 run on exo-tui's ``QLinear``
     (:mod:`backends.onnx.kernels`; the session must load its library), the rest on ``MatMulNBits``.
 
     ``batch_head_rows`` > 0: on the last shard, runs of at least that many rows (batched decode)

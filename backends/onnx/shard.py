@@ -49,6 +49,7 @@ MIN_BATCH = 2
 weight is read once for all of them. SmolLM2, 2 threads, the QLinear kernel: a decode step of
 1 / 2 / 4 / 8 rows takes 6.1 / 8.8 / 11.2 / 21.3 ms batched. (On MatMulNBits, whose multi-row path
 dequantizes the whole matrix, 2 / 3 / 4 rows took 28 / 30 / 32 ms against 15 ms for one.)"""
+FLOAT32_ACCURACY = 1  # MatMulNBits' accuracy_level for float32 math (backends.onnx.PRECISIONS)
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
 
@@ -109,8 +110,9 @@ class ONNXShard(Shard):
         self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
         self.accuracy_level = accuracy_level
         self._embed = weights.embed if self.is_first else None
-        library = kernels.library()
-        self.kernel = library.isa if library is not None else ""  # which QLinear4 build runs, if any
+        # QLinear is float32 math: the int8 precision asked for is MatMulNBits' (accuracy_level 4)
+        library = kernels.library() if accuracy_level == FLOAT32_ACCURACY else None
+        self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library))
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
         options = ort.SessionOptions()
@@ -547,7 +549,7 @@ def _session_keeps_own_weights(
         return QuantizedWeight(q=rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8),
                                scales=scales, biases=biases, bits=bits)
 
-    # 4-bit in GGUF's blocks (QLinear4 where it runs) and with float32 scales (MatMulNBits with a
+    # 4-bit in GGUF's blocks (QLinear where it runs) and with float32 scales (MatMulNBits with a
     # correction), a dense float32 matrix, an 8-bit tied head (two 4-bit passes and its dense copy
     # for batches), norms and rotary tables: every kind of initializer a graph has.
     h, i, qd, kvd = c.hidden_size, c.intermediate_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -567,7 +569,7 @@ def session_keeps_own_weights(threads: int, accuracy_level: int, session_config:
     """Whether ONNX Runtime, with these settings, keeps its own copies of a shard's weights (so
     ours can go once the session is made): checked as ``_release_weight_copies`` does, on a
     one-layer shard with every kind of weight the graph has, once per process and settings."""
-    library = kernels.library()
+    library = kernels.library() if accuracy_level == FLOAT32_ACCURACY else None
     return _session_keeps_own_weights(
         threads, accuracy_level, tuple(sorted(session_config.items())), library.path if library else ""
     )
