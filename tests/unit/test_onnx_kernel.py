@@ -97,12 +97,27 @@ def test_without_a_compiler_the_backend_says_so_and_uses_matmulnbits(
     try:
         with caplog.at_level(logging.WARNING):
             assert kernels.library() is None
-        assert "runs 4-bit matrices with MatMulNBits" in caplog.text and "no-such-cc" in caplog.text
+        assert "quantized matrices on MatMulNBits" in caplog.text and "no-such-cc" in caplog.text
         cfg, weights, shard = load(tiny_models["Q4_1"])
         assert shard.kernel == ""
         ref = ReferenceShard(cfg, weights)
         pos = np.arange(len(PROMPT))
         close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
+    finally:
+        kernels._library.cache_clear()
+
+
+def test_a_cache_folder_it_cannot_write_means_matmulnbits_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("EXO_TUI_CACHE", str(blocker))  # its "kernels" folder cannot be made
+    kernels._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert kernels.library() is None
+        assert f"cannot create {blocker / 'kernels'}" in caplog.text
     finally:
         kernels._library.cache_clear()
 

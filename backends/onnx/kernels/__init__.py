@@ -104,7 +104,7 @@ def _library() -> Library | None:
         path = _build()
         isa = _check(path)
     except KernelUnavailable as exc:
-        log.warning("the ONNX backend runs 4-bit matrices with MatMulNBits: %s", exc)
+        log.warning("the ONNX backend runs its quantized matrices on MatMulNBits (slower decoding): %s", exc)
         return None
     return Library(str(path), isa)
 
@@ -155,20 +155,22 @@ def _build() -> Path:
         raise KernelUnavailable(f"cannot create {target.parent} ({exc})") from exc
     errors = []
     for flags in FLAG_SETS:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
-        os.close(fd)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
+            os.close(fd)
+        except OSError as exc:  # a full disk, a read-only cache
+            raise KernelUnavailable(f"cannot write in {target.parent} ({exc})") from exc
         cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", "-o", tmp, str(SOURCE)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as exc:
-            r = None
-            errors.append(str(exc))
-        if r is not None and r.returncode == 0:
-            os.replace(tmp, target)  # atomic: nodes building at once each write their own file
-            return target
-        if r is not None:
+            if r.returncode == 0:
+                os.replace(tmp, target)  # atomic: nodes building at once each write their own file
+                return target
             errors.append(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
-        Path(tmp).unlink(missing_ok=True)
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {errors[-1] if errors else 'unknown error'}")
 
 
