@@ -211,7 +211,7 @@ def _tokens_of(live: Live, rid: str) -> int:
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnected_client_stops_its_generation(live: Live, stream: bool) -> None:
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a very long story."}],
-            "temperature": 0.7, "seed": 3, "max_tokens": 400, "stream": stream}
+            "temperature": 0.7, "seed": 3, "max_tokens": 2000, "stream": stream}
     before = {e.request_id for e in live.events() if e.kind == "request_done"}
     if stream:
         with httpx.stream("POST", f"{live.open.url}/v1/chat/completions", json=body, timeout=60) as r:
@@ -222,8 +222,8 @@ def test_disconnected_client_stops_its_generation(live: Live, stream: bool) -> N
                 next(lines)
         # leaving the block closes the connection mid-answer
     else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{live.open.url}/v1/chat/completions", json=body, timeout=2.0)
+        with pytest.raises(httpx.ReadTimeout):  # well before the story can end (~150 tokens/s here)
+            httpx.post(f"{live.open.url}/v1/chat/completions", json=body, timeout=0.5)
         deadline = time.monotonic() + 30
         rid = ""
         while not rid and time.monotonic() < deadline:
@@ -231,7 +231,7 @@ def test_disconnected_client_stops_its_generation(live: Live, stream: bool) -> N
             time.sleep(0.05)
     done = _done(live, rid)
     assert done.finish_reason == "cancelled"
-    assert done.completion_tokens < 400
+    assert done.completion_tokens < 2000
     made = _tokens_of(live, rid)
     time.sleep(1.5)  # a heartbeat or more: nodes report what they hold
     assert _tokens_of(live, rid) == made, "the cancelled request kept generating"
