@@ -277,3 +277,24 @@ def test_blockwise_draw_matches_a_plain_cumulative_sum(w: np.ndarray, u: float) 
     target = u * cdf[-1]
     lo = cdf[j - 1] if j else 0.0
     assert lo - 1e-9 * cdf[-1] <= target <= cdf[j] + 1e-9 * cdf[-1]
+
+
+@settings(max_examples=300)
+@given(logit_arrays, st.floats(0.05, 0.99), st.floats(0.1, 3))
+def test_the_nucleus_is_the_same_found_among_the_heavy_tokens_or_by_buckets(
+    logits: np.ndarray, top_p: float, temp: float
+) -> None:
+    """top-p looks among the heavy tokens first (fast) and falls back to buckets over the whole
+    vocabulary; where both apply they must keep the same tokens."""
+    from exo_tui.inference import sampling
+
+    logw = ((logits - logits.max()) * np.float32(1 / temp)).astype(np.float32)
+    w = np.exp(logw)
+    fast = np.sort(sampling._nucleus(logw, w, top_p))
+    saved = sampling._HEAVY_MAX
+    sampling._HEAVY_MAX = -1  # the bucket path only
+    try:
+        slow = np.sort(sampling._nucleus(logw, w, top_p))
+    finally:
+        sampling._HEAVY_MAX = saved
+    assert np.array_equal(fast, slow)
