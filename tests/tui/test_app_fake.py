@@ -58,6 +58,30 @@ async def test_cursor_survives_refresh_and_changes_are_marked(make_app, fake):
         assert ("n01", "layers") not in table(app)._changed  # the mark fades after two refreshes
 
 
+async def test_a_value_wider_than_its_column_widens_it_and_others_keep_the_layout(make_app, fake):
+    """Cells update in place every second; the columns are measured again (a layout of the whole
+    screen) only when a value outgrows its column."""
+    from textual.widgets.data_table import ColumnKey
+
+    app = make_app()
+    async with app.run_test(size=(160, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        t = table(app)
+        width = t.columns[ColumnKey("tok_s")].content_width
+        measured = []
+        real = t._update_column_widths
+        t._update_column_widths = lambda *a, **kw: measured.append(1) or real(*a, **kw)
+        fake.nodes["n00"] = dataclasses.replace(fake.nodes["n00"], cpu_percent=fake.nodes["n00"].cpu_percent + 1)
+        app.refresh_now()
+        await pilot.pause()
+        assert measured == []  # a value of the same width: no new measure
+        fake.nodes["n00"] = dataclasses.replace(fake.nodes["n00"], tok_per_s=123456.7)
+        app.refresh_now()
+        await pilot.pause()
+        text = t.get_cell("n00", "tok_s").plain
+        assert len(text) > width and t.columns[ColumnKey("tok_s")].content_width >= len(text)
+
+
 async def test_drain_opens_confirmation_defaulting_to_cancel(make_app, fake):
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:

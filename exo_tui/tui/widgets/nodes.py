@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey
 
 from exo_tui.cluster.view import ClusterSnapshot, NodeView
 from exo_tui.tui import keymap
@@ -149,9 +150,11 @@ class NodesTable(DataTable):
                     hot = (node_id, col) in self._changed
                     was_hot = (node_id, col) in self._shown_hot
                     if old.get(col) != new_values[node_id][col] or hot != was_hot:
-                        self.update_cell(
-                            node_id, col, self._cell_text(by_id[node_id], col, new_values[node_id][col]), update_width=True
-                        )
+                        text = self._cell_text(by_id[node_id], col, new_values[node_id][col])
+                        # Measuring every column again lays out the whole screen: only when a
+                        # value is wider than its column so far (metrics change every second).
+                        wider = text.cell_len > self.columns[ColumnKey(col)].content_width
+                        self.update_cell(node_id, col, text, update_width=wider)
         self._shown_hot = set(self._changed)
         self._values = new_values
         total = len(snapshot.nodes)
