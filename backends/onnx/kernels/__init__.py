@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.base import QuantizedWeight
+from backends.base import BackendError, QuantizedWeight
 
 log = logging.getLogger("exo_tui.backends.onnx")
 
@@ -85,8 +85,6 @@ def enabled() -> bool:
         return True
     if value in ("0", "off", "false", "no"):
         return False
-    from backends.base import BackendError
-
     raise BackendError(f"EXO_TUI_ONNX_KERNEL={value!r}: use 1 (on, the default) or 0 (MatMulNBits only)")
 
 
