@@ -193,7 +193,7 @@ class StateStore:
 
     def audit(self, action: str, target: str, result: str, detail: str = "") -> bool:
         return self._write("INSERT INTO audit (ts, action, target, result, detail) VALUES (?, ?, ?, ?, ?)",
-                    (time.time(), action, target, result, detail))
+                           (time.time(), action, target, result, detail))
 
     def audit_log(self, limit: int = 200) -> list[AuditEntry]:
         rows = self._read("SELECT ts, action, target, result, detail FROM audit ORDER BY id DESC LIMIT ?", (limit,))

@@ -23,8 +23,6 @@ _LOG_FLOOR = -80.0  # weights below e^-80 of the best share the lowest top-p buc
 _HEAVY_W = 1e-4  # top-p first looks among the tokens above this weight (the best is 1) ...
 _HEAVY_MAX = 4096  # ... when there are at most this many
 
-
-
 # A model's recommended sampling as llama.cpp writes it into a GGUF (``general.sampling.*``), and
 # the field of SamplingParams each key sets.
 GGUF_SAMPLING_KEYS: dict[str, tuple[str, type]] = {

@@ -42,11 +42,9 @@ class Model:
             if value is None:
                 continue
             try:
-                with_defaults({name: kind(value)})
+                out[name] = getattr(with_defaults({name: kind(value)}), name)
             except (TypeError, ValueError) as exc:
                 log.warning("%s: ignoring %s = %r (%s)", self.path.name, key, value, exc)
-                continue
-            out[name] = kind(value)
         return out
 
     @cached_property
