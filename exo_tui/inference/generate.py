@@ -86,6 +86,8 @@ async def generate(
         if not hit_stop_string:
             tail, _ = stops.feed(detok.flush())
             tail += stops.flush()
+            if stops.stopped:  # held back as maybe part of an earlier stop, it was one itself
+                finish = "stop"
             if tail:
                 yield Chunk(text=tail)
         request.finished_s = time.monotonic()

@@ -75,6 +75,23 @@ def test_stop_string_is_not_emitted(model: Model) -> None:
     assert chunks[-1].finish_reason == "stop"
 
 
+def test_a_stop_known_only_when_the_stream_ends_still_says_stop(model: Model) -> None:
+    """The answer's first two characters are a stop, and a longer stop starts the same way: the
+    text is held back (the longer one would win), the stream ends after two tokens, and the stop
+    still ends the text, with finish "stop"."""
+    probe = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 2)
+    chunks, pipeline = asyncio.run(_run(model, probe))
+    asyncio.run(pipeline.close())
+    two = "".join(c.text for c in chunks)
+    if len(two) < 2:
+        pytest.skip("the random model's first two tokens make under two characters")
+    request = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 2, stop=(two, two + "\x07"))
+    chunks, pipeline = asyncio.run(_run(model, request))
+    asyncio.run(pipeline.close())
+    assert "".join(c.text for c in chunks) == ""
+    assert chunks[-1].finish_reason == "stop"
+
+
 def test_closing_the_stream_releases_caches(model: Model) -> None:
     request = Request(model.tokenizer.encode("hello"), SamplingParams(temperature=0.0), 50)
     chunks, pipeline = asyncio.run(_run(model, request, stop_after=2))

@@ -70,6 +70,23 @@ def test_overlapping_partial_prefixes() -> None:
     assert "".join(outs) == "a" and stopped
 
 
+def test_a_complete_stop_waits_for_an_earlier_one_that_may_still_complete() -> None:
+    """Found by the property below: with stops "S" and "aSS", "aS" holds everything back (an "S"
+    would make "aSS", which starts first), and the next chunk decides."""
+    m = StopMatcher(["S", "aSS"])
+    assert m.feed("aS") == ("", False)
+    assert m.feed("S") == ("", True) and m.matched == "aSS"
+    m = StopMatcher(["S", "aSS"])
+    assert m.feed("aS") == ("", False)
+    assert m.feed("x") == ("a", True) and m.matched == "S"
+
+
+def test_a_stop_held_at_the_end_of_the_stream_still_ends_it() -> None:
+    m = StopMatcher(["S", "aSS"])
+    assert m.feed("baS") == ("b", False)
+    assert m.flush() == "a" and m.stopped and m.matched == "S"
+
+
 def test_empty_stop_is_an_error() -> None:
     with pytest.raises(ValueError, match="empty"):
         StopMatcher(["ok", ""])
@@ -97,4 +114,4 @@ def test_any_chunking_gives_the_text_up_to_the_first_stop(text: str, stops: list
     if not stopped:
         emitted += m.flush()
     assert emitted == expected
-    assert stopped == bool(hits)
+    assert m.stopped == bool(hits)  # a stop may be known only at the end (a longer one could have come)
