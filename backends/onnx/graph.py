@@ -126,7 +126,8 @@ class _Builder:
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if self.kernel and all(runs_on_kernel(w) for w in weights):
             blocks = pack(weights)  # type: ignore[arg-type]
-            n, k, bits = blocks.shape[0], blocks.shape[1] * BLOCK, weights[0].bits  # type: ignore[union-attr]
+            n = sum(w.q.shape[0] for w in weights)  # type: ignore[union-attr]
+            k, bits = blocks.shape[1] * BLOCK, weights[0].bits  # type: ignore[union-attr]
             w = self.weight(f"{stem}_q{bits}", blocks)
             return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits)[0]
         if not runs_quantized(weights[0]):

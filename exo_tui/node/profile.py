@@ -244,11 +244,11 @@ def _cache_key(backend: str) -> str:
     shape = f"{BENCH_CONFIG.hidden_size}x{BENCH_CONFIG.intermediate_size}x{BENCH_CONFIG.n_heads}"
     settings = ",".join(f"{name}={os.environ.get(name, '')}" for name in TIMING_SETTINGS)
     kernel = ""
-    if backend == "onnx":  # whether its QLinear kernel runs here (built and trusted), and which
+    if backend == "onnx":  # whether its QLinear kernel runs here (built and trusted), and which build
         from backends.onnx import kernels
 
         library = kernels.library()
-        kernel = f"|qlinear={library.isa if library else 'none'}"
+        kernel = f"|qlinear={library.isa + ':' + library.build if library else 'none'}"
     return f"{backend}|{TIMING_METHOD}|{shape}|{_cpu_model()}|{settings}|{','.join(versions)}{kernel}"
 
 

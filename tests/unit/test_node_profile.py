@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.onnx import kernels
 from exo_tui.node.profile import (
     NodeProfile,
     _cache_key,
@@ -78,6 +79,9 @@ def test_a_timing_says_whether_the_onnx_kernel_ran(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "1")
     on = _cache_key("onnx")
     assert off.endswith("|qlinear=none") and on != off and "|qlinear=" in on
+    library = kernels.library()
+    if library is not None:  # and which build: a changed kernel is timed again
+        assert on.endswith(f"|qlinear={library.isa}:{library.build}") and library.build.startswith("qlinear-")
     assert "qlinear" not in _cache_key("mlx")
 
 

@@ -28,11 +28,11 @@ def test_the_kernel_is_float32_math_on_the_dequantized_matrix(library: kernels.L
     rng = np.random.default_rng(1)
     a, b = kernels.random_matrix(rng, 40, 576, bits), kernels.random_matrix(rng, 3032, 576, bits)
     blob = kernels.pack([a, b])  # two stacked, N not a multiple of 32
-    assert blob.shape == (3072, 18, 20 if bits == 4 else 36) and blob.dtype == np.uint8
+    assert blob.shape == (96, 18, 640 if bits == 4 else 1152) and blob.dtype == np.uint8
     w = np.concatenate([a.dequantize(), b.dequantize()]).astype(np.float64)
     for m in (1, 2, 7, 8, 9, 33):
         x = rng.standard_normal((m, 576)).astype(np.float32)
-        y = kernels.run_in_session(library.path, x, blob, bits)
+        y = kernels.run_in_session(library.path, x, blob, bits, 3072)
         want = x.astype(np.float64) @ w.T
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), m
 
@@ -43,9 +43,9 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> 
     rng = np.random.default_rng(2)
     blob = kernels.pack([kernels.random_matrix(rng, 300, 1536, 4)])
     x = rng.standard_normal((13, 1536)).astype(np.float32)
-    together = kernels.run_in_session(library.path, x, blob, 4)
+    together = kernels.run_in_session(library.path, x, blob, 4, 300)
     for i in (0, 7, 12):
-        assert np.array_equal(kernels.run_in_session(library.path, x[i : i + 1], blob, 4)[0], together[i])
+        assert np.array_equal(kernels.run_in_session(library.path, x[i : i + 1], blob, 4, 300)[0], together[i])
 
 
 @pytest.mark.parametrize("isa", ["avx2", "c"])
@@ -75,7 +75,7 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         x = rng.standard_normal((11, 320)).astype(np.float32)
         want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
         for m in (1, 8, 11):
-            y = kernels.call(lib, x[:m], blob, bits)
+            y = kernels.call(lib, x[:m], blob, bits, 70)
             assert np.abs(y - want[:m]).max() <= 1e-5 * np.abs(want).max(), (bits, m)
 
 

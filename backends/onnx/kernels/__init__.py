@@ -5,7 +5,10 @@ own blocks times float32 rows.
 float32 matmul of the input's block sums (see :mod:`backends.onnx.weights`) and float32 scales:
 24 bytes per 32 weights read per step, against 20 here (float16 scale and bias beside the codes,
 as the file has them), and three ops fewer per matrix; its float 8-bit path is slow, so a Q8_0
-matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here).
+matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here). The blocks are
+regrouped at load in tiles of 32 output columns (:func:`pack`), so the kernel's vectors run along
+the columns: each product is one multiply-add into a column's sum, a tile's codes are widened
+once for up to 8 rows, and nothing is summed across vector lanes.
 
 The library is compiled for this machine (``-march=native``) by the C compiler on first use and
 kept in a cache folder keyed by its source, compiler and CPU. Before it is used it must agree
@@ -37,8 +40,9 @@ log = logging.getLogger("exo_tui.backends.onnx")
 SOURCE = Path(__file__).with_name("qlinear.c")
 DOMAIN = "exo.tui"
 OP = "QLinear"
-BLOCK = 32
-BLOCK_BYTES = {4: 20, 8: 36}  # float16 scale and bias, then the codes of 32 weights
+BLOCK = 32  # weights per scale and bias, along K
+TILE = 32  # output columns per tile
+TILE_BLOCK_BYTES = {4: 640, 8: 1152}  # a tile's 32 float16 scales and biases, then 32 x 32 codes
 FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
 
 
@@ -47,11 +51,17 @@ class Library:
     path: str
     isa: str  # the instruction set it was built for: avx512, avx2 or c
 
+    @property
+    def build(self) -> str:
+        """Which build (of which source, by which compiler, for which CPU): a new kernel is
+        another build, so timings taken on an older one are not reused."""
+        return Path(self.path).stem
+
 
 def runs_on_kernel(w: object) -> bool:
     """Whether ``w`` is a matrix ``QLinear`` takes: 4- or 8-bit codes in blocks of 32 whose scale
     and bias are exact in float16 (GGUF's Q4_0, Q4_1 and Q8_0 are)."""
-    if not isinstance(w, QuantizedWeight) or w.bits not in BLOCK_BYTES or w.group != BLOCK or w.q.shape[1] % BLOCK:
+    if not isinstance(w, QuantizedWeight) or w.bits not in TILE_BLOCK_BYTES or w.group != BLOCK or w.q.shape[1] % BLOCK:
         return False
     return _exact_in_half(w.scales) and _exact_in_half(w.biases)
 
@@ -63,19 +73,35 @@ def _exact_in_half(a: np.ndarray) -> bool:
 
 
 def pack(weights: list[QuantizedWeight]) -> np.ndarray:
-    """Matrices of one kind stacked along their rows, as ``QLinear``'s W: ``(N, K / 32, 20)`` for
-    4 bits, ``(N, K / 32, 36)`` for 8."""
+    """Matrices of one kind stacked along their rows (output columns), as ``QLinear``'s W: tiles
+    of 32 columns, ``(ceil(N / 32), K / 32, 640)`` for 4 bits and ``(…, 1152)`` for 8 (the layout
+    is in ``qlinear.c``); the last tile is padded with zero columns. Packed a few tiles at a
+    time, so a large matrix (a vocabulary's head) costs little memory beyond the result."""
     n, k, bits = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1], weights[0].bits
-    out = np.empty((n, k // BLOCK, BLOCK_BYTES[bits]), dtype=np.uint8)
-    row = 0
-    for w in weights:
-        rows = w.q.shape[0]
-        part = out[row : row + rows]
-        part[:, :, 0:2] = np.asarray(w.scales, np.float16).reshape(rows, -1, 1).view(np.uint8)
-        part[:, :, 2:4] = np.asarray(w.biases, np.float16).reshape(rows, -1, 1).view(np.uint8)
-        q = w.q.reshape(rows, k // BLOCK, BLOCK)
-        part[:, :, 4:] = (q[:, :, :16] & 0x0F) | ((q[:, :, 16:] & 0x0F) << 4) if bits == 4 else q
-        row += rows
+    tiles, nb = -(-n // TILE), k // BLOCK
+    out = np.empty((tiles, nb, TILE_BLOCK_BYTES[bits]), dtype=np.uint8)
+    starts = np.cumsum([0] + [w.q.shape[0] for w in weights])
+
+    def columns(lo: int, hi: int, field: str, dtype: type) -> np.ndarray:
+        """Rows ``lo:hi`` of the stacked matrices' ``field``, zeros past the last."""
+        part = np.zeros((hi - lo, k if field == "q" else nb), dtype)
+        for w, start in zip(weights, starts[:-1]):
+            a, b = max(lo, start), min(hi, start + w.q.shape[0])
+            if a < b:
+                part[a - lo : b - lo] = np.asarray(getattr(w, field)).reshape(w.q.shape[0], -1)[a - start : b - start]
+        return part
+
+    chunk = 64  # tiles
+    for t0 in range(0, tiles, chunk):
+        t1 = min(tiles, t0 + chunk)
+        lo, hi = t0 * TILE, t1 * TILE
+        for i, field in enumerate(("scales", "biases")):  # (tile, block, column)
+            half = columns(lo, hi, field, np.float16).reshape(t1 - t0, TILE, nb).transpose(0, 2, 1)
+            out[t0:t1, :, 64 * i : 64 * (i + 1)] = np.ascontiguousarray(half).view(np.uint8)
+        lines = columns(lo, hi, "q", np.uint8).reshape(t1 - t0, TILE, nb, BLOCK).transpose(0, 2, 3, 1)
+        if bits == 4:  # (tile, block, k, column): k and k + 16 share a byte
+            lines = (lines[:, :, :16] & 0x0F) | ((lines[:, :, 16:] & 0x0F) << 4)
+        out[t0:t1, :, 128:] = lines.reshape(t1 - t0, nb, -1)
     return out
 
 
@@ -183,18 +209,18 @@ def _check(path: Path) -> str:
         raise KernelUnavailable(f"cannot load {path} ({exc})") from exc
     rng = np.random.default_rng(0)
     n, k = 72, 96
-    for bits in BLOCK_BYTES:
+    for bits in TILE_BLOCK_BYTES:
         w = random_matrix(rng, n, k, bits)
         blob = pack([w])
         for m in (1, 3, 11):
             x = rng.standard_normal((m, k)).astype(np.float32)
             want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
-            y = call(lib, x, blob, bits)
+            y = call(lib, x, blob, bits, n)
             if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
                 raise KernelUnavailable(
                     f"the {isa} kernel built here disagrees with NumPy ({bits}-bit, off by {np.abs(y - want).max():.3g})"
                 )
-            if not np.array_equal(run_in_session(path, x, blob, bits), y):
+            if not np.array_equal(run_in_session(path, x, blob, bits, n), y):
                 raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
     return isa
 
@@ -209,23 +235,22 @@ def random_matrix(rng: np.random.Generator, n: int, k: int, bits: int) -> Quanti
     )
 
 
-def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int) -> np.ndarray:
-    """The library's computation called directly (one thread, no ONNX Runtime)."""
+def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """The library's computation called directly (one thread, no ONNX Runtime); ``n`` columns."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    n = blob.shape[0]
     y = np.empty((m, n), np.float32)
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits))
     return y
 
 
-def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int) -> np.ndarray:
-    """``QLinear`` in a one-node ONNX Runtime session."""
+def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """``QLinear`` in a one-node ONNX Runtime session; ``n`` columns."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    k, n = x.shape[-1], blob.shape[0]
+    k = x.shape[-1]
     node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits)
     graph = helper.make_graph(
         [node], "check", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],

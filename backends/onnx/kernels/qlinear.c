@@ -1,18 +1,21 @@
-/* exo-tui's ONNX Runtime custom op: y = x @ w.T for a 4- or 8-bit affine-quantized w, read as it is stored.
+/* exo-tui's ONNX Runtime custom op: y = x @ w.T for a 4- or 8-bit affine-quantized w in GGUF's blocks,
+   regrouped in tiles of 32 output columns.
 
-   Op "QLinear" in domain "exo.tui". Inputs: X float32 (..., K); W uint8 (N, K / 32, B), one
-   B-byte block per 32 weights of a row: the scale s and the bias b as float16, then the codes q.
-   Attributes K, N and bits:
-     bits 4, B = 20: 16 bytes, the low nibble of byte j being code j and the high nibble code j + 16
-                     (GGUF's Q4_1 block; Q4_0 is b = -8 s);
-     bits 8, B = 36: 32 bytes, one code each (GGUF's Q8_0 is q = its signed code + 128, b = -128 s).
-   Output Y float32 (..., N) with
+   Op "QLinear" in domain "exo.tui". Inputs: X float32 (..., K); W uint8 (ceil(N / 32), K / 32, B):
+   tiles of 32 output columns, each one B-byte tile block per 32 weights of its columns: the 32
+   scales s, the 32 biases b (float16), then the codes q, a line of 32 bytes (one per column) per k:
+     bits 4, B = 640: 16 lines, the low nibble of byte c of line j being the code of (k = j, c) and
+                      the high nibble that of (k = j + 16, c) (GGUF's Q4_1 blocks, transposed;
+                      Q4_0 is b = -8 s);
+     bits 8, B = 1152: 32 lines (GGUF's Q8_0 is q = its signed code + 128, b = -128 s).
+   Columns past N in the last tile are padding. Attributes K, N and bits. Output Y float32 (..., N):
 
        y[m, n] = sum over k of x[m, k] * (s * q[n, k] + b)      (float32, as the dequantized matrix)
 
    Each row of X is reduced in the same order whatever the number of rows, so a request's logits
-   do not depend on the batch it ran in. Work is split over output columns on the session's
-   intra-op thread pool.
+   do not depend on the batch it ran in. Tiles are the tasks of the session's intra-op thread
+   pool; a tile's codes are widened to float32 once for up to 8 rows, vectors running along its
+   columns, so every product is one multiply-add and there is nothing to reduce across lanes.
 
    It talks to ONNX Runtime through its C API, whose tables are append-only: the few entries used
    here are named by their index below (they hold for API version 17, ONNX Runtime 1.17, and
@@ -125,14 +128,12 @@ typedef struct {
 /* ------------------------------------------------------------------ the kernel */
 
 #define BLOCK 32
-#define ROWS 8 /* rows of X per pass over a row of W */
-#define COLS_PER_TASK 32
-#define BLOCK_BYTES(bits) ((bits) == 4 ? 20 : 36)
+#define TILE 32 /* output columns per tile: one task of the thread pool */
+#define ROWS 8  /* rows of X per pass over a tile */
+#define TILE_BLOCK_BYTES(bits) ((bits) == 4 ? 640 : 1152) /* 32 columns x 32 weights */
 
-static inline float half_to_float(const uint8_t *p)
+static inline float half_to_float(uint16_t h)
 {
-    uint16_t h;
-    memcpy(&h, p, 2);
 #if defined(QL_AVX512) || defined(QL_AVX2)
     return _cvtsh_ss(h);
 #else
@@ -157,117 +158,142 @@ static inline float half_to_float(const uint8_t *p)
 #endif
 }
 
-/* y[r * ldy] = x[r] . w for rows r < rows (rows <= ROWS), one row w of W (nb blocks): each block
-   is dequantized once (s * q + b, float32) and multiplied into every row. */
-static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t k, const uint8_t *w,
-                                                            int64_t nb, float *y, int64_t ldy, const int rows,
-                                                            const int bits)
+/* y[r * ldy + c] = x[r] . w[c] for rows r < rows (rows <= ROWS) and the tile's columns c < cols.
+   A tile block is 32 scales, 32 biases (float16), then the codes a line per k: for 4 bits 16 lines
+   of 32 bytes, the low nibble of byte c being the code of (k, c) and the high nibble that of
+   (k + 16, c); for 8 bits 32 lines of 32 bytes. Vectors run along the columns, so every product
+   of the block is one multiply-add into a column's sum, in the order k = 0, 16, 1, 17, ... for
+   4 bits and 0, 1, 2, ... for 8: the same order whatever the number of rows. */
+static inline __attribute__((always_inline)) void tile_rows(const float *x, int64_t k, const uint8_t *w, int64_t nb,
+                                                             float *y, int64_t ldy, int cols, const int rows,
+                                                             const int bits)
 {
-    const int step = BLOCK_BYTES(bits);
+    const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
 #if defined(QL_AVX512)
     const __m512i low = _mm512_set1_epi32(0x0F);
-    __m512 a0[ROWS], a1[ROWS];
+    __m512 a0[ROWS], a1[ROWS]; /* columns 0-15 and 16-31 */
     for (int r = 0; r < rows; r++)
         a0[r] = a1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += step) {
-        const __m512 s = _mm512_set1_ps(half_to_float(w)), c = _mm512_set1_ps(half_to_float(w + 2));
-        __m512i q0, q1; /* codes of weights 0-15 and 16-31 */
-        if (bits == 4) {
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 4)));
-            q0 = _mm512_and_si512(q, low);
-            q1 = _mm512_srli_epi32(q, 4);
-        } else {
-            q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 4)));
-            q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 20)));
-        }
-        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s, c);
-        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s, c);
+    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
+        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+        const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
+        const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
+        const uint8_t *q = w + 128;
         const float *xb = x + b * BLOCK;
-        for (int r = 0; r < rows; r++) {
-            a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + r * k), w0, a0[r]);
-            a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + r * k + 16), w1, a1[r]);
+        if (bits == 4) {
+            for (int j = 0; j < 16; j++, q += 32) {
+                const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q0, low)), s0, c0);
+                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q1, low)), s1, c1);
+                const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q0, 4)), s0, c0);
+                const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q1, 4)), s1, c1);
+                for (int r = 0; r < rows; r++) {
+                    const __m512 xu = _mm512_set1_ps(xb[r * k + j]), xv = _mm512_set1_ps(xb[r * k + j + 16]);
+                    a0[r] = _mm512_fmadd_ps(xv, v0, _mm512_fmadd_ps(xu, u0, a0[r]));
+                    a1[r] = _mm512_fmadd_ps(xv, v1, _mm512_fmadd_ps(xu, u1, a1[r]));
+                }
+            }
+        } else {
+            for (int j = 0; j < 32; j++, q += 32) {
+                const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, c0);
+                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, c1);
+                for (int r = 0; r < rows; r++) {
+                    const __m512 xu = _mm512_set1_ps(xb[r * k + j]);
+                    a0[r] = _mm512_fmadd_ps(xu, u0, a0[r]);
+                    a1[r] = _mm512_fmadd_ps(xu, u1, a1[r]);
+                }
+            }
         }
     }
-    for (int r = 0; r < rows; r++)
-        y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
-#elif defined(QL_AVX2)
-    const __m256i low = _mm256_set1_epi32(0x0F);
-    __m256 a[ROWS][2];
-    for (int r = 0; r < rows; r++)
-        a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += step) {
-        const __m256 s = _mm256_set1_ps(half_to_float(w)), c = _mm256_set1_ps(half_to_float(w + 2));
-        __m256i q[4]; /* codes of weights 0-7, 8-15, 16-23, 24-31 */
-        if (bits == 4) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 4));
-            const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-            q[0] = _mm256_and_si256(lo, low);
-            q[1] = _mm256_and_si256(hi, low);
-            q[2] = _mm256_srli_epi32(lo, 4);
-            q[3] = _mm256_srli_epi32(hi, 4);
-        } else {
-            for (int i = 0; i < 4; i++)
-                q[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 4 + 8 * i)));
-        }
-        __m256 wv[4];
-        for (int i = 0; i < 4; i++)
-            wv[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), s, c);
-        const float *xb = x + b * BLOCK;
-        for (int r = 0; r < rows; r++) {
-            const float *xr = xb + r * k;
-            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wv[0], a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wv[1], a[r][1]);
-            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), wv[2], a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), wv[3], a[r][1]);
-        }
-    }
+    const __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    const __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
     for (int r = 0; r < rows; r++) {
-        const __m256 v = _mm256_add_ps(a[r][0], a[r][1]);
-        __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        y[r * ldy] = _mm_cvtss_f32(t);
+        _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
+    }
+#elif defined(QL_AVX2)
+    /* 16 registers: the tile in four passes of 8 columns, each over every block */
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    for (int g = 0; g < TILE / 8 && g * 8 < cols; g++) {
+        __m256 a[ROWS];
+        for (int r = 0; r < rows; r++)
+            a[r] = _mm256_setzero_ps();
+        const uint8_t *wb = w;
+        for (int64_t b = 0; b < nb; b++, wb += block_bytes) {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 16 * g)));
+            const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 16 * g)));
+            const uint8_t *q = wb + 128 + 8 * g;
+            const float *xb = x + b * BLOCK;
+            for (int j = 0; j < (bits == 4 ? 16 : 32); j++, q += 32) {
+                const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+                if (bits == 4) {
+                    const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), s, c);
+                    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), s, c);
+                    for (int r = 0; r < rows; r++)
+                        a[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j + 16]), v,
+                                               _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r]));
+                } else {
+                    const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), s, c);
+                    for (int r = 0; r < rows; r++)
+                        a[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r]);
+                }
+            }
+        }
+        const int n = cols - g * 8 < 8 ? cols - g * 8 : 8;
+        for (int r = 0; r < rows; r++) {
+            float out[8];
+            _mm256_storeu_ps(out, a[r]);
+            memcpy(y + r * ldy + g * 8, out, (size_t)n * sizeof(float));
+        }
     }
 #else
-    float acc[ROWS][BLOCK];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < BLOCK; j++)
-            acc[r][j] = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += step) {
-        const float s = half_to_float(w), c = half_to_float(w + 2);
-        float wf[BLOCK];
-        for (int j = 0; j < BLOCK; j++) {
-            const int q = bits == 4 ? (j < 16 ? w[4 + j] & 0x0F : w[4 + j - 16] >> 4) : w[4 + j];
-            wf[j] = (float)q * s + c;
-        }
-        const float *xb = x + b * BLOCK;
-        for (int r = 0; r < rows; r++)
-            for (int j = 0; j < BLOCK; j++)
-                acc[r][j] += xb[r * k + j] * wf[j];
-    }
     for (int r = 0; r < rows; r++) {
-        float sum = 0.0f;
-        for (int j = 0; j < BLOCK; j++)
-            sum += acc[r][j];
-        y[r * ldy] = sum;
+        for (int col = 0; col < cols; col++) {
+            float sum = 0.0f;
+            const uint8_t *wb = w;
+            for (int64_t b = 0; b < nb; b++, wb += block_bytes) {
+                uint16_t hs, hc;
+                memcpy(&hs, wb + 2 * col, 2);
+                memcpy(&hc, wb + 64 + 2 * col, 2);
+                const float s = half_to_float(hs), c = half_to_float(hc);
+                const uint8_t *q = wb + 128 + col;
+                const float *xb = x + r * k + b * BLOCK;
+                if (bits == 4) {
+                    for (int j = 0; j < 16; j++) {
+                        const int code = q[32 * j];
+                        sum += xb[j] * ((float)(code & 0x0F) * s + c);
+                        sum += xb[j + 16] * ((float)(code >> 4) * s + c);
+                    }
+                } else {
+                    for (int j = 0; j < 32; j++)
+                        sum += xb[j] * ((float)q[32 * j] * s + c);
+                }
+            }
+            y[r * ldy + col] = sum;
+        }
     }
 #endif
 }
 
-typedef void (*dot_fn)(const float *, int64_t, const uint8_t *, int64_t, float *, int64_t);
-#define DOT_ROWS(R, BITS)                                                                                  \
-    static void dot_##BITS##_##R(const float *x, int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy) \
-    {                                                                                                      \
-        dot_rows(x, k, w, nb, y, ldy, R, BITS);                                                            \
+typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int64_t, float *, int64_t, int);
+#define TILE_ROWS(R, BITS)                                                                                     \
+    static void tile_##BITS##_##R(const float *x, int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy, \
+                                  int cols)                                                                    \
+    {                                                                                                          \
+        tile_rows(x, k, w, nb, y, ldy, cols, R, BITS);                                                         \
     }
-#define DOTS(BITS)                                                                                           \
-    DOT_ROWS(1, BITS) DOT_ROWS(2, BITS) DOT_ROWS(3, BITS) DOT_ROWS(4, BITS) DOT_ROWS(5, BITS) DOT_ROWS(6, BITS) \
-    DOT_ROWS(7, BITS) DOT_ROWS(8, BITS)                                                                      \
-    static const dot_fn dots_##BITS[ROWS + 1] = {NULL,          dot_##BITS##_1, dot_##BITS##_2, dot_##BITS##_3, \
-                                                 dot_##BITS##_4, dot_##BITS##_5, dot_##BITS##_6, dot_##BITS##_7, \
-                                                 dot_##BITS##_8};
-DOTS(4)
-DOTS(8)
+#define TILES(BITS)                                                                                             \
+    TILE_ROWS(1, BITS) TILE_ROWS(2, BITS) TILE_ROWS(3, BITS) TILE_ROWS(4, BITS) TILE_ROWS(5, BITS)             \
+    TILE_ROWS(6, BITS) TILE_ROWS(7, BITS) TILE_ROWS(8, BITS)                                                   \
+    static const tile_fn tiles_##BITS[ROWS + 1] = {NULL,            tile_##BITS##_1, tile_##BITS##_2,        \
+                                                   tile_##BITS##_3, tile_##BITS##_4, tile_##BITS##_5,        \
+                                                   tile_##BITS##_6, tile_##BITS##_7, tile_##BITS##_8};
+TILES(4)
+TILES(8)
 
 typedef struct {
     const float *x;
@@ -276,18 +302,18 @@ typedef struct {
     int64_t m, k, n, bits;
 } Job;
 
-/* Columns [task * COLS_PER_TASK, ...) of Y, every row. */
+/* Tile `task` of W (columns [task * TILE, ...) of Y), every row: the tile stays in the caches
+   while the rows pass over it, ROWS at a time. */
 static void run_task(void *arg, size_t task)
 {
     const Job *job = (const Job *)arg;
-    const int64_t nb = job->k / BLOCK, n0 = (int64_t)task * COLS_PER_TASK, row_bytes = nb * BLOCK_BYTES(job->bits);
-    const int64_t n1 = n0 + COLS_PER_TASK < job->n ? n0 + COLS_PER_TASK : job->n;
-    const dot_fn *dots = job->bits == 4 ? dots_4 : dots_8;
+    const int64_t nb = job->k / BLOCK, n0 = (int64_t)task * TILE;
+    const int cols = job->n - n0 < TILE ? (int)(job->n - n0) : TILE;
+    const uint8_t *w = job->w + (int64_t)task * nb * TILE_BLOCK_BYTES(job->bits);
+    const tile_fn *tiles = job->bits == 4 ? tiles_4 : tiles_8;
     for (int64_t m0 = 0; m0 < job->m; m0 += ROWS) {
         const int64_t rows = job->m - m0 < ROWS ? job->m - m0 : ROWS;
-        const dot_fn dot = dots[rows];
-        for (int64_t n = n0; n < n1; n++)
-            dot(job->x + m0 * job->k, job->k, job->w + n * row_bytes, nb, job->y + m0 * job->n + n, job->n);
+        tiles[rows](job->x + m0 * job->k, job->k, w, nb, job->y + m0 * job->n + n0, job->n, cols);
     }
 }
 
@@ -295,7 +321,7 @@ static void run_task(void *arg, size_t task)
 void exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits)
 {
     Job job = {x, w, y, m, k, n, bits};
-    for (size_t t = 0; t < (size_t)((n + COLS_PER_TASK - 1) / COLS_PER_TASK); t++)
+    for (size_t t = 0; t < (size_t)((n + TILE - 1) / TILE); t++)
         run_task(&job, t);
 }
 
@@ -365,8 +391,10 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(shape_of(w_value, w_dims, &w_rank));
     if (dims[rank - 1] != kernel->k)
         return fail("QLinear: the last dimension of X is not K");
-    if (w_rank != 3 || w_dims[0] != kernel->n || w_dims[1] != kernel->k / BLOCK || w_dims[2] != BLOCK_BYTES(kernel->bits))
-        return fail(kernel->bits == 4 ? "QLinear: W must be (N, K / 32, 20) for bits 4" : "QLinear: W must be (N, K / 32, 36) for bits 8");
+    if (w_rank != 3 || w_dims[0] != (kernel->n + TILE - 1) / TILE || w_dims[1] != kernel->k / BLOCK ||
+        w_dims[2] != TILE_BLOCK_BYTES(kernel->bits))
+        return fail(kernel->bits == 4 ? "QLinear: W must be (ceil(N / 32), K / 32, 640) for bits 4"
+                                      : "QLinear: W must be (ceil(N / 32), K / 32, 1152) for bits 8");
     int64_t m = 1;
     for (size_t i = 0; i + 1 < rank; i++)
         m *= dims[i];
@@ -380,7 +408,7 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     if (m == 0)
         return NULL;
     Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits};
-    const size_t tasks = (size_t)((kernel->n + COLS_PER_TASK - 1) / COLS_PER_TASK);
+    const size_t tasks = (size_t)((kernel->n + TILE - 1) / TILE);
     return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, run_task, tasks, 0, &job);
 }
 
