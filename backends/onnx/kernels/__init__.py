@@ -85,7 +85,7 @@ def pack(weights: list[QuantizedWeight]) -> np.ndarray:
     def columns(lo: int, hi: int, field: str, dtype: type) -> np.ndarray:
         """Rows ``lo:hi`` of the stacked matrices' ``field``, zeros past the last."""
         part = np.zeros((hi - lo, k if field == "q" else nb), dtype)
-        for w, start in zip(weights, starts[:-1]):
+        for w, start in zip(weights, starts[:-1], strict=True):
             a, b = max(lo, start), min(hi, start + w.q.shape[0])
             if a < b:
                 part[a - lo : b - lo] = np.asarray(getattr(w, field)).reshape(w.q.shape[0], -1)[a - start : b - start]
