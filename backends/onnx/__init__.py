@@ -38,7 +38,9 @@ SPIN_DURATION_MIN_ORT = (1, 26)
 
 PRECISIONS = {"float32": 1, "int8": 4}
 """``MatMulNBits`` ``accuracy_level`` per precision. ``float32`` (the default) matches float32 math
-on the dequantized weights; ``int8`` quantizes activations per block (faster, less exact)."""
+on the dequantized weights; ``int8`` rounds each block of 32 activations to int8 with one scale
+and multiplies integers (faster, less exact): on ``QLinear``'s AVX-512 VNNI products where its
+build has them (2.5x the prefill and 1.25x the decode of float32 here), else on ``MatMulNBits``'."""
 
 
 class ONNXBackend(Backend):

@@ -41,6 +41,8 @@ from backends.onnx.weights import (
     same_kind,
 )
 
+INT8_ACCURACY = 4  # MatMulNBits' accuracy_level for int8 products (backends.onnx.PRECISIONS)
+
 MS = "com.microsoft"
 OPSET = 21
 DENSE_HEAD_MAX_BYTES = 256 << 20  # a larger quantized head keeps one path (see _Builder.batched_head)
@@ -70,6 +72,7 @@ class _Builder:
         self.c = config
         self.accuracy_level = accuracy_level
         self.kernel = kernel  # 4- and 8-bit matrices in GGUF's blocks through exo-tui's QLinear
+        self.int8 = accuracy_level == INT8_ACCURACY  # QLinear's int8 products (else float32)
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
         self.small: list[onnx.TensorProto] = []
@@ -125,11 +128,11 @@ class _Builder:
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if self.kernel and all(runs_on_kernel(w) for w in weights):
-            blocks = pack(weights)  # type: ignore[arg-type]
+            blocks = pack(weights, int8=self.int8)  # type: ignore[arg-type]
             n = sum(w.q.shape[0] for w in weights)  # type: ignore[union-attr]
             k, bits = blocks.shape[1] * BLOCK, weights[0].bits  # type: ignore[union-attr]
             w = self.weight(f"{stem}_q{bits}", blocks)
-            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits)[0]
+            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits, int8=int(self.int8))[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]

@@ -38,7 +38,7 @@ from backends.base import (
 )
 from backends.onnx import kernels
 from backends.onnx.affinity import CorePlan
-from backends.onnx.graph import build_shard_graph
+from backends.onnx.graph import INT8_ACCURACY, build_shard_graph
 from backends.onnx.weights import embedding_rows
 
 CAPACITY_STEP = 256  # pools hold multiples of this many positions
@@ -534,9 +534,12 @@ class ONNXShard(Shard):
 
 
 def _kernel_for(accuracy_level: int) -> kernels.Library | None:
-    """The QLinear build a shard of this precision runs on, if any: QLinear is float32 math, so
-    the int8 precision (accuracy_level 4) stays on MatMulNBits' int8 products."""
-    return kernels.library() if accuracy_level == FLOAT32_ACCURACY else None
+    """The QLinear build a shard of this precision runs on, if any: float32 on any build, int8
+    (accuracy_level 4) on one with int8 products (else it stays on MatMulNBits' int8 products)."""
+    library = kernels.library()
+    if library is None or accuracy_level == FLOAT32_ACCURACY:
+        return library
+    return library if accuracy_level == INT8_ACCURACY and library.int8 else None
 
 
 @functools.cache

@@ -8,6 +8,7 @@ agree within ``RTOL = 1e-4`` of the largest logit's magnitude (observed: ~1e-6 o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from backends import available_backends, get_backend
 from backends.base import BackendError, KVCache, QuantizedWeight, dense
-from backends.onnx import SPIN_US, ONNXBackend, physical_cores
+from backends.onnx import SPIN_US, ONNXBackend, kernels, physical_cores
 from backends.onnx.affinity import CorePlan, core_plan
 from exo_tui.models.gguf_file import GGUFModel
 from tests.conftest import WEIGHT_TYPES
@@ -386,7 +387,23 @@ def test_int8_precision_is_opt_in_and_close(tiny_models):
     got = fast.forward("r", PROMPT, pos)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 1e-4 < err < 0.05  # activation quantization: near, not equal
-    assert fast.kernel == ""  # int8 products are MatMulNBits', not the float32 kernel's
+    library = kernels.library()
+    # int8 products are QLinear's where its build has them (AVX-512 VNNI), else MatMulNBits'
+    assert fast.kernel == (library.isa if library is not None and library.int8 else "")
+
+
+def test_int8_precision_on_matmulnbits_where_the_kernel_has_no_int8(tiny_models, monkeypatch):
+    """Machines without AVX-512 VNNI: the int8 precision runs on MatMulNBits' int8 products."""
+    library = kernels.library()
+    if library is None:
+        pytest.skip("no kernel here: the int8 precision is on MatMulNBits anyway (tested above)")
+    monkeypatch.setattr(kernels, "library", lambda: dataclasses.replace(library, int8=False))
+    cfg, weights, fast = load(tiny_models["Q4_1"], precision="int8")
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    want = ref.forward("r", PROMPT, pos)
+    err = np.abs(fast.forward("r", PROMPT, pos) - want).max() / np.abs(want).max()
+    assert 1e-4 < err < 0.05 and fast.kernel == ""
 
 
 @pytest.mark.slow

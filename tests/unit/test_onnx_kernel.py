@@ -48,6 +48,43 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> 
         assert np.array_equal(kernels.run_in_session(library.path, x[i : i + 1], blob, 4, 300)[0], together[i])
 
 
+@pytest.fixture(scope="module")
+def int8_library(library: kernels.Library) -> kernels.Library:
+    if not library.int8:
+        pytest.skip(f"this CPU's {library.isa} build has no int8 products (they need AVX-512 VNNI)")
+    return library
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_int8_precision_is_integer_products_of_int8_rows(int8_library: kernels.Library, bits: int) -> None:
+    """Each block of a row rounded to int8 with one scale, as llama.cpp's Q8_0: the kernel agrees
+    with that computed in float64, and is near (not equal to) the float32 result."""
+    rng = np.random.default_rng(5)
+    a, b = kernels.random_matrix(rng, 40, 576, bits), kernels.random_matrix(rng, 3032, 576, bits)
+    blob = kernels.pack([a, b], int8=True)
+    assert blob.shape == (96, 18, 640 if bits == 4 else 1152)
+    both = QuantizedWeight(np.concatenate([a.q, b.q]), np.concatenate([a.scales, b.scales]),
+                                   np.concatenate([a.biases, b.biases]), bits=bits)
+    for m in (1, 3, 4, 5, 17):
+        x = rng.standard_normal((m, 576)).astype(np.float32)
+        x[0, :32] = 0.0  # a block of zeros has scale 0
+        y = kernels.run_in_session(int8_library.path, x, blob, bits, 3072, int8=True)
+        want = kernels.int8_reference(x, both)
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), m
+        exact = kernels.float_reference(x, both)
+        assert 1e-4 < np.abs(y - exact).max() / np.abs(exact).max() < 0.05
+
+
+def test_int8_rows_do_not_depend_on_their_batch_either(int8_library: kernels.Library) -> None:
+    rng = np.random.default_rng(6)
+    blob = kernels.pack([kernels.random_matrix(rng, 300, 1536, 4)], int8=True)
+    x = rng.standard_normal((37, 1536)).astype(np.float32)  # 16 rows or more are quantized in parallel
+    together = kernels.run_in_session(int8_library.path, x, blob, 4, 300, int8=True)
+    for i in (0, 5, 36):
+        alone = kernels.run_in_session(int8_library.path, x[i : i + 1], blob, 4, 300, int8=True)[0]
+        assert np.array_equal(alone, together[i])
+
+
 @pytest.mark.parametrize("isa", ["avx2", "c"])
 def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     """This machine builds one of the kernel's three code paths; the others are built here with
@@ -68,6 +105,7 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     lib = ctypes.CDLL(str(out))
     lib.exo_qlinear_isa.restype = ctypes.c_char_p
     assert lib.exo_qlinear_isa().decode() == isa
+    assert lib.exo_qlinear_int8() == 0  # int8 products are AVX-512 VNNI's: these builds say they have none
     rng = np.random.default_rng(4)
     for bits in (4, 8):
         w = kernels.random_matrix(rng, 70, 320, bits)

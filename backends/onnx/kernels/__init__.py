@@ -50,6 +50,7 @@ FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
 class Library:
     path: str
     isa: str  # the instruction set it was built for: avx512, avx2 or c
+    int8: bool = False  # whether it has the int8 precision's products (AVX-512 VNNI)
 
     @property
     def build(self) -> str:
@@ -72,11 +73,12 @@ def _exact_in_half(a: np.ndarray) -> bool:
         return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
-def pack(weights: list[QuantizedWeight]) -> np.ndarray:
+def pack(weights: list[QuantizedWeight], int8: bool = False) -> np.ndarray:
     """Matrices of one kind stacked along their rows (output columns), as ``QLinear``'s W: tiles
-    of 32 columns, ``(ceil(N / 32), K / 32, 640)`` for 4 bits and ``(…, 1152)`` for 8 (the layout
-    is in ``qlinear.c``); the last tile is padded with zero columns. Packed a few tiles at a
-    time, so a large matrix (a vocabulary's head) costs little memory beyond the result."""
+    of 32 columns, ``(ceil(N / 32), K / 32, 640)`` for 4 bits and ``(…, 1152)`` for 8, the codes
+    laid out for float32 products or (``int8``) for the int8 precision's (both layouts are in
+    ``qlinear.c``); the last tile is padded with zero columns. Packed a few tiles at a time, so a
+    large matrix (a vocabulary's head) costs little memory beyond the result."""
     n, k, bits = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1], weights[0].bits
     tiles, nb = -(-n // TILE), k // BLOCK
     out = np.empty((tiles, nb, TILE_BLOCK_BYTES[bits]), dtype=np.uint8)
@@ -98,11 +100,29 @@ def pack(weights: list[QuantizedWeight]) -> np.ndarray:
         for i, field in enumerate(("scales", "biases")):  # (tile, block, column)
             half = columns(lo, hi, field, np.float16).reshape(t1 - t0, TILE, nb).transpose(0, 2, 1)
             out[t0:t1, :, 64 * i : 64 * (i + 1)] = np.ascontiguousarray(half).view(np.uint8)
-        lines = columns(lo, hi, "q", np.uint8).reshape(t1 - t0, TILE, nb, BLOCK).transpose(0, 2, 3, 1)
-        if bits == 4:  # (tile, block, k, column): k and k + 16 share a byte
-            lines = (lines[:, :, :16] & 0x0F) | ((lines[:, :, 16:] & 0x0F) << 4)
-        out[t0:t1, :, 128:] = lines.reshape(t1 - t0, nb, -1)
+        codes = columns(lo, hi, "q", np.uint8)
+        out[t0:t1, :, 128:] = (_int8_lines if int8 else _float_lines)(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits)
     return out
+
+
+def _float_lines(q: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``(tile, column, block, k)`` as the float32 products read them: a line of 32 columns
+    per k, k and k + 16 sharing a byte for 4 bits."""
+    lines = q.transpose(0, 2, 3, 1)  # (tile, block, k, column)
+    if bits == 4:
+        lines = (lines[:, :, :16] & 0x0F) | ((lines[:, :, 16:] & 0x0F) << 4)
+    return lines.reshape(q.shape[0], q.shape[2], -1)
+
+
+def _int8_lines(q: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``(tile, column, block, k)`` as the int8 products read them: per half of 16 columns,
+    lines of 4 consecutive k per column, k and k + 16 sharing a byte for 4 bits."""
+    tiles, _, nb, _ = q.shape
+    q = q.reshape(tiles, 2, 16, nb, BLOCK)  # (tile, half, column, block, k)
+    if bits == 4:
+        q = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+    lines = q.reshape(tiles, 2, 16, nb, -1, 4)  # (..., line, byte)
+    return lines.transpose(0, 3, 1, 4, 2, 5).reshape(tiles, nb, -1)  # (tile, block, half, line, column, byte)
 
 
 def enabled() -> bool:
@@ -125,12 +145,10 @@ def library() -> Library | None:
 @functools.cache
 def _library() -> Library | None:
     try:
-        path = _build()
-        isa = _check(path)
+        return _check(_build())
     except KernelUnavailable as exc:
         log.warning("the ONNX backend runs its quantized matrices on MatMulNBits (slower decoding): %s", exc)
         return None
-    return Library(str(path), isa)
 
 
 class KernelUnavailable(Exception):
@@ -198,12 +216,13 @@ def _build() -> Path:
     raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {errors[-1] if errors else 'unknown error'}")
 
 
-def _check(path: Path) -> str:
+def _check(path: Path) -> Library:
     """The kernel must match NumPy on random data, called directly and inside a session."""
     try:
         lib = ctypes.CDLL(str(path))
         lib.exo_qlinear_isa.restype = ctypes.c_char_p
         isa = lib.exo_qlinear_isa().decode()
+        int8 = bool(lib.exo_qlinear_int8())
         lib.exo_qlinear  # noqa: B018 - there
     except (OSError, AttributeError) as exc:
         raise KernelUnavailable(f"cannot load {path} ({exc})") from exc
@@ -211,18 +230,41 @@ def _check(path: Path) -> str:
     n, k = 72, 96
     for bits in TILE_BLOCK_BYTES:
         w = random_matrix(rng, n, k, bits)
-        blob = pack([w])
-        for m in (1, 3, 11):
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
-            y = call(lib, x, blob, bits, n)
-            if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
-                raise KernelUnavailable(
-                    f"the {isa} kernel built here disagrees with NumPy ({bits}-bit, off by {np.abs(y - want).max():.3g})"
-                )
-            if not np.array_equal(run_in_session(path, x, blob, bits, n), y):
-                raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
-    return isa
+        for precision in ("float32", "int8") if int8 else ("float32",):
+            blob = pack([w], int8=precision == "int8")
+            for m in (1, 3, 11):
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                want = (int8_reference if precision == "int8" else float_reference)(x, w)
+                y = call(lib, x, blob, bits, n, int8=precision == "int8")
+                if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
+                    raise KernelUnavailable(
+                        f"the {isa} kernel built here disagrees with NumPy ({bits}-bit, {precision}, "
+                        f"off by {np.abs(y - want).max():.3g})"
+                    )
+                if not np.array_equal(run_in_session(path, x, blob, bits, n, int8=precision == "int8"), y):
+                    raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
+    return Library(str(path), isa, int8)
+
+
+def float_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
+    """What ``QLinear`` computes in float32 (here in float64): x @ the dequantized matrix.T."""
+    return x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+
+
+def int8_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
+    """What ``QLinear`` computes at the int8 precision (in float64): each block of 32 values of a
+    row of ``x`` rounded to int8 codes with one scale (max |x| / 127), integer products with the
+    matrix's codes, then scaled, plus the matrix's bias times the block's float sum."""
+    m, k = x.shape
+    xb = x.reshape(m, k // BLOCK, BLOCK).astype(np.float32)
+    amax = np.abs(xb).max(-1)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    xq = np.rint(xb * inv[..., None]).astype(np.float64)
+    d = (amax / np.float32(127)).astype(np.float64)
+    n = w.q.shape[0]
+    dots = np.einsum("mbk,nbk->mnb", xq, w.q.reshape(n, k // BLOCK, BLOCK).astype(np.float64))
+    scales, biases = np.asarray(w.scales, np.float64), np.asarray(w.biases, np.float64)
+    return (dots * d[:, None, :] * scales[None]).sum(-1) + (xb.sum(-1, dtype=np.float64) @ biases.T)
 
 
 def random_matrix(rng: np.random.Generator, n: int, k: int, bits: int) -> QuantizedWeight:
@@ -235,23 +277,24 @@ def random_matrix(rng: np.random.Generator, n: int, k: int, bits: int) -> Quanti
     )
 
 
-def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int) -> np.ndarray:
+def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int, int8: bool = False) -> np.ndarray:
     """The library's computation called directly (one thread, no ONNX Runtime); ``n`` columns."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     y = np.empty((m, n), np.float32)
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits))
+    if lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits), i(int8)):
+        raise KernelUnavailable("the kernel cannot run this (no int8 products in this build, or out of memory)")
     return y
 
 
-def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int, n: int) -> np.ndarray:
+def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int, n: int, int8: bool = False) -> np.ndarray:
     """``QLinear`` in a one-node ONNX Runtime session; ``n`` columns."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     k = x.shape[-1]
-    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits)
+    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits, int8=int(int8))
     graph = helper.make_graph(
         [node], "check", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])], [numpy_helper.from_array(blob, "w")],

@@ -29,6 +29,9 @@
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX512 1
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QL_INT8 1 /* int8 products (VPDPBUSD) for the int8 precision */
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX2 1
@@ -295,11 +298,112 @@ typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int64_t, float 
 TILES(4)
 TILES(8)
 
+#if defined(QL_INT8)
+/* The int8 precision: each block of 32 values of a row of X is rounded to int8 codes with one
+   float scale d (|x| <= 127 d), as llama.cpp's Q8_0, and a block's products are integers:
+
+       y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
+
+   The tile layout differs: a line of the codes holds, for 16 columns, 4 bytes each (the codes of
+   4 consecutive k), as VPDPBUSD multiplies and adds four byte pairs into each 32-bit lane. After
+   the 128 bytes of scales and biases, half h (columns 16 h to 16 h + 15) of a tile block is:
+     bits 4: 4 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c) in the low
+             nibble, code (k = 16 + 4 j + i, column c) in the high nibble;
+     bits 8: 8 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c). */
+#define ROWS_INT8 4
+
+static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
+                                                                  int64_t k, const uint8_t *w, int64_t nb, float *y,
+                                                                  int64_t ldy, int cols, const int rows, const int bits)
+{
+    const int64_t block_bytes = TILE_BLOCK_BYTES(bits), half_bytes = (bits == 4 ? 256 : 512);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 f0[ROWS_INT8], f1[ROWS_INT8];
+    for (int r = 0; r < rows; r++)
+        f0[r] = f1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
+        __m512i i0[ROWS_INT8], i1[ROWS_INT8];
+        for (int r = 0; r < rows; r++)
+            i0[r] = i1[r] = _mm512_setzero_si512();
+        const uint8_t *q = w + 128;
+        for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
+            const __m512i v0 = _mm512_loadu_si512(q + 64 * j), v1 = _mm512_loadu_si512(q + half_bytes + 64 * j);
+            if (bits == 4) {
+                const __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                const __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xr = xq + r * k + b * BLOCK;
+                    int32_t lo4, hi4;
+                    memcpy(&lo4, xr + 4 * j, 4);
+                    memcpy(&hi4, xr + 16 + 4 * j, 4);
+                    const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+                    i0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0[r], l0, xl), h0, xh);
+                    i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], l1, xl), h1, xh);
+                }
+            } else {
+                for (int r = 0; r < rows; r++) {
+                    int32_t four;
+                    memcpy(&four, xq + r * k + b * BLOCK + 4 * j, 4);
+                    const __m512i xv = _mm512_set1_epi32(four);
+                    i0[r] = _mm512_dpbusd_epi32(i0[r], v0, xv);
+                    i1[r] = _mm512_dpbusd_epi32(i1[r], v1, xv);
+                }
+            }
+        }
+        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+        const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
+        const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
+        for (int r = 0; r < rows; r++) {
+            const __m512 d = _mm512_set1_ps(xd[r * nb + b]), sum = _mm512_set1_ps(xs[r * nb + b]);
+            f0[r] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]));
+            f1[r] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]));
+        }
+    }
+    const __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    const __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, f0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, f1[r]);
+    }
+}
+
+typedef void (*tile_int8_fn)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, float *,
+                             int64_t, int);
+#define TILE_ROWS_INT8(R, BITS)                                                                                \
+    static void tile_int8_##BITS##_##R(const int8_t *xq, const float *xd, const float *xs, int64_t k,            \
+                                       const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols)            \
+    {                                                                                                          \
+        tile_rows_int8(xq, xd, xs, k, w, nb, y, ldy, cols, R, BITS);                                           \
+    }
+TILE_ROWS_INT8(1, 4) TILE_ROWS_INT8(2, 4) TILE_ROWS_INT8(3, 4) TILE_ROWS_INT8(4, 4)
+TILE_ROWS_INT8(1, 8) TILE_ROWS_INT8(2, 8) TILE_ROWS_INT8(3, 8) TILE_ROWS_INT8(4, 8)
+static const tile_int8_fn tiles_int8_4[ROWS_INT8 + 1] = {NULL, tile_int8_4_1, tile_int8_4_2, tile_int8_4_3, tile_int8_4_4};
+static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, tile_int8_8_2, tile_int8_8_3, tile_int8_8_4};
+
+/* Row r of X to int8 codes, a scale and a float sum per block (rounding to nearest, ties to even). */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs)
+{
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        _mm_storeu_si128((__m128i *)(xq + b * BLOCK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
+        _mm_storeu_si128((__m128i *)(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
+        xd[b] = d;
+        xs[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+}
+#endif
+
 typedef struct {
     const float *x;
     const uint8_t *w;
     float *y;
     int64_t m, k, n, bits;
+    const int8_t *xq; /* the int8 precision: X as codes, a scale and a sum per block; else NULL */
+    const float *xd, *xs;
 } Job;
 
 /* Tile `task` of W (columns [task * TILE, ...) of Y), every row: the tile stays in the caches
@@ -310,6 +414,17 @@ static void run_task(void *arg, size_t task)
     const int64_t nb = job->k / BLOCK, n0 = (int64_t)task * TILE;
     const int cols = job->n - n0 < TILE ? (int)(job->n - n0) : TILE;
     const uint8_t *w = job->w + (int64_t)task * nb * TILE_BLOCK_BYTES(job->bits);
+#if defined(QL_INT8)
+    if (job->xq != NULL) {
+        const tile_int8_fn *tiles = job->bits == 4 ? tiles_int8_4 : tiles_int8_8;
+        for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT8) {
+            const int64_t rows = job->m - m0 < ROWS_INT8 ? job->m - m0 : ROWS_INT8;
+            tiles[rows](job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->k, w, nb,
+                        job->y + m0 * job->n + n0, job->n, cols);
+        }
+        return;
+    }
+#endif
     const tile_fn *tiles = job->bits == 4 ? tiles_4 : tiles_8;
     for (int64_t m0 = 0; m0 < job->m; m0 += ROWS) {
         const int64_t rows = job->m - m0 < ROWS ? job->m - m0 : ROWS;
@@ -317,12 +432,58 @@ static void run_task(void *arg, size_t task)
     }
 }
 
-/* For the tests: the same computation without ONNX Runtime, on one thread. */
-void exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits)
+#if defined(QL_INT8)
+/* The int8 precision's scratch for X (one allocation, freed with free()); NULL if out of memory. */
+static void *int8_scratch(Job *job)
 {
-    Job job = {x, w, y, m, k, n, bits};
+    const int64_t nb = job->k / BLOCK;
+    float *scratch = (float *)malloc((size_t)(2 * job->m * nb) * sizeof(float) + (size_t)(job->m * job->k));
+    if (scratch != NULL) {
+        job->xd = scratch;
+        job->xs = scratch + job->m * nb;
+        job->xq = (const int8_t *)(scratch + 2 * job->m * nb);
+    }
+    return scratch;
+}
+
+static void quantize_task(void *arg, size_t row)
+{
+    const Job *job = (const Job *)arg;
+    const int64_t nb = job->k / BLOCK;
+    quantize_row(job->x + row * job->k, job->k, (int8_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
+                 (float *)job->xs + row * nb);
+}
+#endif
+
+/* For the tests: the same computation without ONNX Runtime, on one thread; int8: the int8
+   precision (only where exo_qlinear_int8() says the build has it). Returns 0, or -1 if it cannot. */
+int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t int8)
+{
+    Job job = {x, w, y, m, k, n, bits, NULL, NULL, NULL};
+    void *scratch = NULL;
+    if (int8) {
+#if defined(QL_INT8)
+        if ((scratch = int8_scratch(&job)) == NULL)
+            return -1;
+        for (size_t r = 0; r < (size_t)m; r++)
+            quantize_task(&job, r);
+#else
+        return -1;
+#endif
+    }
     for (size_t t = 0; t < (size_t)((n + TILE - 1) / TILE); t++)
         run_task(&job, t);
+    free(scratch);
+    return 0;
+}
+
+int exo_qlinear_int8(void)
+{
+#if defined(QL_INT8)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 const char *exo_qlinear_isa(void)
@@ -339,7 +500,7 @@ const char *exo_qlinear_isa(void)
 /* ------------------------------------------------------------------ the op */
 
 typedef struct {
-    int64_t k, n, bits;
+    int64_t k, n, bits, int8;
 } Kernel;
 
 static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKernelInfo *info, void **out)
@@ -356,8 +517,14 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
         status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "bits", &kernel->bits);
     if (status == NULL && (kernel->k <= 0 || kernel->k % BLOCK != 0 || kernel->n <= 0))
         status = fail("QLinear: K must be a positive multiple of 32 and N positive");
+    if (status == NULL)
+        status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "int8", &kernel->int8);
     if (status == NULL && kernel->bits != 4 && kernel->bits != 8)
         status = fail("QLinear: bits must be 4 or 8");
+#if !defined(QL_INT8)
+    if (status == NULL && kernel->int8)
+        status = fail("QLinear: this build has no int8 products (it needs AVX-512 VNNI)");
+#endif
     if (status != NULL) {
         free(kernel);
         return status;
@@ -407,9 +574,28 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
     if (m == 0)
         return NULL;
-    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits};
+    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits, NULL, NULL, NULL};
     const size_t tasks = (size_t)((kernel->n + TILE - 1) / TILE);
-    return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, run_task, tasks, 0, &job);
+    if (!kernel->int8)
+        return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, run_task, tasks, 0, &job);
+#if defined(QL_INT8)
+    void *scratch = int8_scratch(&job);
+    if (scratch == NULL)
+        return API(API_CreateStatus, CreateStatus_t)(ORT_FAIL, "QLinear: out of memory");
+    OrtStatus *status = NULL;
+    if (m < 16) {
+        for (size_t r = 0; r < (size_t)m; r++)
+            quantize_task(&job, r);
+    } else {
+        status = API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, quantize_task, (size_t)m, 0, &job);
+    }
+    if (status == NULL)
+        status = API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, run_task, tasks, 0, &job);
+    free(scratch);
+    return status;
+#else
+    return fail("QLinear: this build has no int8 products");
+#endif
 }
 
 static void destroy(void *kernel) { free(kernel); }
