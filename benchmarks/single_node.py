@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def _ours(
     backend: str, model_path: Path, threads: int, spin: bool | int | None = None, pin: bool = False,
-    kernel: bool = True,
+    kernel: bool = True, precision: str | None = None,
 ) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
     os.environ["EXO_TUI_THREADS"] = str(threads)
     os.environ["EXO_TUI_ONNX_KERNEL"] = "1" if kernel else "0"  # read when a shard is made
@@ -34,7 +34,8 @@ def _ours(
     from exo_tui.models.gguf_file import GGUFModel
 
     model = GGUFModel(model_path)
-    engine = ONNXBackend(threads=threads, spin=spin, pin=pin) if spin is not None or pin else get_backend(backend)
+    custom = spin is not None or pin or precision is not None
+    engine = ONNXBackend(threads=threads, spin=spin, pin=pin, precision=precision) if custom else get_backend(backend)
     shard = engine.load_shard(model.config, model.shard_weights(0, model.config.n_layers))
     counter = [0]
 
@@ -114,6 +115,8 @@ def main() -> None:
             engines["exo-tui onnx, pinned"] = _ours(b, path, args.threads, pin=True)  # EXO_TUI_ONNX_PIN=1
             # 4-bit matrices on MatMulNBits with a correction (before QLinear; where it cannot be built)
             engines["exo-tui onnx, MatMulNBits only"] = _ours(b, path, args.threads, kernel=False)
+            # int8 activations, as llama.cpp multiplies (EXO_TUI_ONNX_PRECISION=int8)
+            engines["exo-tui onnx, int8 precision"] = _ours(b, path, args.threads, precision="int8")
     ref = _llama_cpp(path, args.threads)
     if ref is not None:
         engines["llama.cpp"] = ref
