@@ -278,6 +278,11 @@ class Backend(abc.ABC):
 
     name: str = ""
 
+    def describe(self) -> dict[str, str]:
+        """How this backend runs shards on this machine, for the operator (a node's profile
+        carries it: the console's node detail and ``exo-tui node --print-profile`` show it)."""
+        return {"threads": str(getattr(self, "threads", ""))} if getattr(self, "threads", None) else {}
+
     @abc.abstractmethod
     def available(self) -> bool:
         """Whether this backend can run on this machine (its runtime imports and works)."""

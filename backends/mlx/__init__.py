@@ -41,6 +41,12 @@ class MLXBackend(Backend):
         self.compile_decode = compile_decode
         self._available: bool | None = None
 
+    def describe(self) -> dict[str, str]:
+        import mlx.core as mx
+
+        return {"device": str(mx.default_device()), "threads": str(self.threads),
+                "decode steps": "compiled" if self.compile_decode else "eager"}
+
     def available(self) -> bool:
         if self._available is None:
             try:

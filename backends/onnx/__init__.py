@@ -105,6 +105,21 @@ class ONNXBackend(Backend):
                 self._available = False
         return self._available
 
+    def describe(self) -> dict[str, str]:
+        from backends.onnx.shard import kernel_for
+
+        library = kernel_for(PRECISIONS[self.precision])
+        if library is None:
+            matmul = "MatMulNBits (ONNX Runtime's)" + (
+                "" if self.precision == "float32" or kernel_for(PRECISIONS["float32"]) is None
+                else ": QLinear here has no int8 products (they need AVX-512 VNNI)"
+            )
+        else:
+            matmul = f"QLinear {library.isa}" + (" int8 products (VNNI)" if self.precision == "int8" else "")
+        spin = "never" if self.spin_us == 0 else "until a step ends" if self.spin_us is None else f"at most {self.spin_us} µs"
+        return {"precision": self.precision, "threads": str(self.threads), "matmul": matmul,
+                "idle threads spin": spin, "pinned": "yes" if self.pin else "no"}
+
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():
             raise BackendError("ONNX Runtime is not installed: pip install onnxruntime onnx")

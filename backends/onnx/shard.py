@@ -111,7 +111,7 @@ class ONNXShard(Shard):
         self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
         self.accuracy_level = accuracy_level
         self._embed = weights.embed if self.is_first else None
-        library = _kernel_for(accuracy_level)
+        library = kernel_for(accuracy_level)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library))
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
@@ -534,7 +534,7 @@ class ONNXShard(Shard):
             self._embed = None
 
 
-def _kernel_for(accuracy_level: int) -> kernels.Library | None:
+def kernel_for(accuracy_level: int) -> kernels.Library | None:
     """The QLinear build a shard of this precision runs on, if any: float32 on any build, int8
     (accuracy_level 4) on one with int8 products (else it stays on MatMulNBits' int8 products)."""
     library = kernels.library()
@@ -578,7 +578,7 @@ def session_keeps_own_weights(threads: int, accuracy_level: int, session_config:
     """Whether ONNX Runtime, with these settings, keeps its own copies of a shard's weights (so
     ours can go once the session is made): checked as ``_release_weight_copies`` does, on a
     one-layer shard with every kind of weight the graph has, once per process and settings."""
-    library = _kernel_for(accuracy_level)
+    library = kernel_for(accuracy_level)
     return _session_keeps_own_weights(
         threads, accuracy_level, tuple(sorted(session_config.items())), library.path if library else ""
     )

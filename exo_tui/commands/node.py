@@ -40,9 +40,13 @@ def run(args: argparse.Namespace) -> int:
     backend = default_backend_name() if args.backend == "auto" else args.backend
     limit = int(args.memory_limit * 1e9) if args.memory_limit else None
     if args.print_profile:
+        from backends import get_backend
         from exo_tui.node.profile import benchmark, device_profile
 
         profile = device_profile(name, limit)
+        if backend in profile.backends:
+            profile.backend = backend
+            profile.engine = get_backend(backend).describe()
         if not args.no_benchmark:
             profile = benchmark(profile)
         print(json.dumps(profile.to_dict(), indent=2))

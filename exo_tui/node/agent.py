@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import default_backend_name
+from backends import default_backend_name, get_backend
 from backends.base import BackendError, ModelConfig
 from exo_tui.inference.sampling import Sampler, SamplingParams
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
@@ -199,6 +199,7 @@ class NodeAgent:
                 f"backend {self.backend} is not available on this node (available: {', '.join(profile.backends) or 'none'})"
             )
         profile.backend = self.backend
+        profile.engine = await loop.run_in_executor(None, lambda: get_backend(self.backend).describe())
         if self.run_benchmark:
             profile = await loop.run_in_executor(None, lambda: benchmark(profile, backends=[self.backend]))
         self.profile = profile

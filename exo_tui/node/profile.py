@@ -15,7 +15,7 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +68,17 @@ class NodeProfile:
     layer_timing: dict[str, LayerTiming] = field(default_factory=dict)
     memory_bandwidth_bytes_per_s: float = 0.0
     backend: str = ""  # the backend this node agent runs its shards on (one of ``backends``)
+    engine: dict[str, str] = field(default_factory=dict)  # how that backend runs here (Backend.describe)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeProfile:
-        d = dict(d)
+        """A profile as a node sent it; fields this version does not know (a newer node's) are
+        left out, so nodes and coordinators of neighbouring versions still join one cluster."""
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
         d["layer_timing"] = {k: LayerTiming(**v) for k, v in d.get("layer_timing", {}).items()}
         return cls(**d)
 

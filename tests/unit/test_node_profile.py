@@ -56,6 +56,18 @@ def test_print_profile(tmp_path: Path) -> None:
     assert profile["name"] == "probe" and profile["node_id"].startswith("n-")
     assert profile["layer_timing"]["onnx"]["decode_layer_s"] > 0
     assert profile["memory_bandwidth_bytes_per_s"] > 0
+    # how the backend runs here: the operator sees a node on the slower fallback, or on int8
+    library = kernels.library()
+    assert profile["backend"] == "onnx" and profile["engine"]["precision"] == "float32"
+    assert profile["engine"]["matmul"] == (f"QLinear {library.isa}" if library else "MatMulNBits (ONNX Runtime's)")
+
+
+def test_a_profile_from_a_newer_node_still_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fields a newer node adds are left out, not an error: neighbouring versions share a cluster."""
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
+    p = device_profile("n2")
+    sent = {**p.to_dict(), "a_field_from_the_future": {"x": 1}}
+    assert NodeProfile.from_dict(sent) == p
 
 
 def test_a_timing_taken_under_other_settings_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
