@@ -5,7 +5,8 @@ Per layer::
 
     a      = RMSNorm(h)                                  SkipSimplifiedLayerNormalization
     qkv    = a @ [Wq; Wk; Wv].T                          QLinear or MatMulNBits (one, fused)
-    o, K, V = GroupQueryAttention(qkv, past K, past V)   rotary on adjacent pairs, in-place cache
+    o, K, V = Attention(qkv, past K, past V)             rotary on adjacent pairs, in-place cache
+                                                         (exo-tui's kernel, else GroupQueryAttention)
     h      = h + o @ Wo.T
     m      = RMSNorm(h)
     h      = h + (silu(m @ Wg.T) * (m @ Wu.T)) @ Wd.T    gate and up fused; QuickGelu(alpha=1)=silu
@@ -32,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
-from backends.onnx.kernels import BLOCK, DOMAIN, OP, pack, runs_on_kernel
+from backends.onnx.kernels import ATTENTION, BLOCK, DOMAIN, OP, pack, runs_on_kernel
 from backends.onnx.weights import (
     dense_linear,
     packed_zero_points,
@@ -211,8 +212,9 @@ def build_shard_graph(
 ) -> ShardGraph:
     """The ONNX graph of ``weights``' layers; ``accuracy_level`` 1 is float32 math, 4 int8.
 
-    ``kernel``: 4- and 8-bit matrices in GGUF's blocks of 32 run on exo-tui's ``QLinear``
-    (:mod:`backends.onnx.kernels`; the session must load its library), the rest on ``MatMulNBits``.
+    ``kernel``: exo-tui's kernels (:mod:`backends.onnx.kernels`; the session must load their
+    library): 4- and 8-bit matrices in GGUF's blocks of 32 on ``QLinear`` (the rest on
+    ``MatMulNBits``) and attention on ``Attention``; else ``MatMulNBits`` and ``GroupQueryAttention``.
 
     ``batch_head_rows`` > 0: on the last shard, runs of at least that many rows (batched decode)
     take a dense float32 copy of a quantized output head (see :meth:`_Builder.batched_head`).
@@ -242,20 +244,33 @@ def build_shard_graph(
         graph.kv_inputs.append((pk, pv))
         graph.kv_outputs.append((ok, ov))
         attn = b.name(f"l{i}_attn")
-        b.nodes.append(
-            helper.make_node(
-                "GroupQueryAttention",
-                [qkv, "", "", pk, pv, "seqlens_k", "total_seq_len", cos_name, sin_name],
-                [attn, ok, ov],
-                name=b.name("GroupQueryAttention"),
-                domain=MS,
-                num_heads=c.n_heads,
-                kv_num_heads=c.n_kv_heads,
-                scale=float(1.0 / np.sqrt(c.head_dim)),
-                do_rotary=1,
-                rotary_interleaved=1,
+        if kernel:  # exo-tui's own: the same math, a batch's rows at the cost of each alone
+            b.nodes.append(
+                helper.make_node(
+                    ATTENTION,
+                    [qkv, pk, pv, "seqlens_k", "total_seq_len", cos_name, sin_name],
+                    [attn, ok, ov],
+                    name=b.name(ATTENTION),
+                    domain=DOMAIN,
+                    num_heads=c.n_heads,
+                    kv_num_heads=c.n_kv_heads,
+                )
             )
-        )
+        else:
+            b.nodes.append(
+                helper.make_node(
+                    "GroupQueryAttention",
+                    [qkv, "", "", pk, pv, "seqlens_k", "total_seq_len", cos_name, sin_name],
+                    [attn, ok, ov],
+                    name=b.name("GroupQueryAttention"),
+                    domain=MS,
+                    num_heads=c.n_heads,
+                    kv_num_heads=c.n_kv_heads,
+                    scale=float(1.0 / np.sqrt(c.head_dim)),
+                    do_rotary=1,
+                    rotary_interleaved=1,
+                )
+            )
         o = b.linear(attn, [lw.wo], f"l{i}_o")
         m, h = b.rms_norm(h, lw.ffn_norm, o)
         gu = b.linear(m, [lw.w_gate, lw.w_up], f"l{i}_gateup")

@@ -93,7 +93,7 @@ def test_a_timing_says_whether_the_onnx_kernel_ran(monkeypatch: pytest.MonkeyPat
     assert off.endswith("|qlinear=none") and on != off and "|qlinear=" in on
     library = kernels.library()
     if library is not None:  # and which build: a changed kernel is timed again
-        assert on.endswith(f"|qlinear={library.isa}:{library.build}") and library.build.startswith("qlinear-")
+        assert on.endswith(f"|qlinear={library.isa}:{library.build}") and library.build.startswith("exo-kernels-")
     assert "qlinear" not in _cache_key("mlx")
 
 

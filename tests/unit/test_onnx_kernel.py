@@ -4,6 +4,7 @@ and a clear fallback where it cannot be built."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -85,6 +86,81 @@ def test_int8_rows_do_not_depend_on_their_batch_either(int8_library: kernels.Lib
         assert np.array_equal(alone, together[i])
 
 
+@pytest.mark.parametrize(("rows", "tokens"), [(1, 1), (5, 1), (1, 9), (2, 3)])
+def test_attention_is_rotary_causal_attention_over_the_cache(library: kernels.Library, rows: int, tokens: int) -> None:
+    """Rows at different positions, one token each (batched decode) or several (a prompt after a
+    cached part): the output and both caches as modelled in float64, in place or not."""
+    rng = np.random.default_rng(7 + rows * tokens)
+    case = kernels.AttentionCase.random(rng, rows, tokens, heads=9, kv_heads=3, head_dim=64, capacity=300)
+    want = case.reference()
+    for in_place in (True, False):
+        got = case.in_session(library.path, in_place=in_place)
+        for g, w in zip(got, want, strict=True):
+            assert np.allclose(g, w, rtol=1e-4, atol=1e-5), in_place
+
+
+def test_attention_agrees_with_group_query_attention(library: kernels.Library) -> None:
+    """The op it replaces: com.microsoft's GroupQueryAttention, rotary interleaved, in place."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(8)
+    case = kernels.AttentionCase.random(rng, 4, 1, heads=9, kv_heads=3, head_dim=64, capacity=128)
+    b, t, w = case.qkv.shape
+    cache = [b, 3, 128, 64]
+    f = TensorProto.FLOAT
+    node = helper.make_node("GroupQueryAttention", ["qkv", "", "", "pk", "pv", "seqlens_k", "total", "cos", "sin"],
+                            ["o", "ok", "ov"], domain="com.microsoft", num_heads=9, kv_num_heads=3,
+                            scale=float(1 / np.sqrt(64)), do_rotary=1, rotary_interleaved=1)
+    graph = helper.make_graph(
+        [node], "gqa",
+        [helper.make_tensor_value_info("qkv", f, [b, t, w]), helper.make_tensor_value_info("pk", f, cache),
+         helper.make_tensor_value_info("pv", f, cache), helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
+         helper.make_tensor_value_info("total", TensorProto.INT32, [])],
+        [helper.make_tensor_value_info("o", f, [b, t, 9 * 64]), helper.make_tensor_value_info("ok", f, cache),
+         helper.make_tensor_value_info("ov", f, cache)],
+        [numpy_helper.from_array(case.cos, "cos"), numpy_helper.from_array(case.sin, "sin")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    keys, values = case.keys.copy(), case.values.copy()
+    io = session.io_binding()
+    kv, vv = ort.OrtValue.ortvalue_from_numpy(keys), ort.OrtValue.ortvalue_from_numpy(values)
+    io.bind_cpu_input("qkv", case.qkv)
+    io.bind_cpu_input("seqlens_k", case.seqlens)
+    io.bind_cpu_input("total", np.array(int(case.seqlens.max()) + 1, np.int32))
+    io.bind_ortvalue_input("pk", kv)
+    io.bind_ortvalue_input("pv", vv)
+    io.bind_ortvalue_output("ok", kv)
+    io.bind_ortvalue_output("ov", vv)
+    io.bind_output("o", "cpu")
+    session.run_with_iobinding(io)
+    ours, our_keys, our_values = case.in_session(library.path)
+    assert np.abs(io.copy_outputs_to_cpu()[2] - ours).max() < 1e-5
+    for i, last in enumerate(case.seqlens):  # the positions written; GQA leaves the rest as they were
+        assert np.allclose(keys[i, :, : last + 1], our_keys[i, :, : last + 1], atol=1e-5)
+        assert np.array_equal(values[i, :, : last + 1], our_values[i, :, : last + 1])
+
+
+def test_an_attention_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> None:
+    rng = np.random.default_rng(9)
+    case = kernels.AttentionCase.random(rng, 6, 1, heads=9, kv_heads=3, head_dim=64, capacity=200)
+    together = case.in_session(library.path)[0]
+    for i in (0, 3, 5):
+        alone = dataclasses.replace(case, qkv=case.qkv[i : i + 1], keys=case.keys[i : i + 1],
+                                    values=case.values[i : i + 1], seqlens=case.seqlens[i : i + 1])
+        assert np.array_equal(alone.in_session(library.path)[0][0], together[i])
+
+
+def test_attention_refuses_positions_outside_the_cache(library: kernels.Library) -> None:
+    rng = np.random.default_rng(10)
+    case = kernels.AttentionCase.random(rng, 2, 1, heads=4, kv_heads=2, head_dim=16, capacity=8)
+    case.seqlens[1] = 8  # one past the last position
+    with pytest.raises(kernels.KernelUnavailable, match="row 1's positions 8..8 are outside the cache"):
+        case.in_session(library.path)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "c"])
 def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     """This machine builds one of the kernel's three code paths; the others are built here with
@@ -101,7 +177,8 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         pytest.skip("AVX2 is x86's")
     flags = ["-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else []
     out = tmp_path / f"q-{isa}.so"
-    subprocess.run([cc, "-O2", *flags, "-shared", "-fPIC", "-std=c11", "-o", str(out), str(kernels.SOURCE)], check=True)
+    subprocess.run([cc, "-O2", *flags, "-shared", "-fPIC", "-std=c11", "-o", str(out), *map(str, kernels.SOURCES), "-lm"],
+                   check=True)
     lib = ctypes.CDLL(str(out))
     lib.exo_qlinear_isa.restype = ctypes.c_char_p
     assert lib.exo_qlinear_isa().decode() == isa
@@ -115,6 +192,10 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         for m in (1, 8, 11):
             y = kernels.call(lib, x[:m], blob, bits, 70)
             assert np.abs(y - want[:m]).max() <= 1e-5 * np.abs(want).max(), (bits, m)
+    for rows, tokens in ((4, 1), (1, 6)):  # and the attention (its plain loops there)
+        case = kernels.AttentionCase.random(rng, rows, tokens, heads=6, kv_heads=2, head_dim=64, capacity=40)
+        for got, want in zip(case.call(lib), case.reference(), strict=True):
+            assert np.allclose(got, want, rtol=1e-4, atol=1e-5), (rows, tokens)
 
 
 def test_only_blocks_of_32_with_half_precision_scales_take_the_kernel() -> None:

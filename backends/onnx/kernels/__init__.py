@@ -37,9 +37,12 @@ from backends.base import BackendError, QuantizedWeight
 
 log = logging.getLogger("exo_tui.backends.onnx")
 
-SOURCE = Path(__file__).with_name("qlinear.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "register.c", HERE / "qlinear.c", HERE / "attention.c"]  # one library
+HEADERS = [HERE / "ort.h"]
 DOMAIN = "exo.tui"
 OP = "QLinear"
+ATTENTION = "Attention"  # the cached, rotary, causal attention (attention.c)
 BLOCK = 32  # weights per scale and bias, along K
 TILE = 32  # output columns per tile
 TILE_BLOCK_BYTES = {4: 640, 8: 1152}  # a tile's 32 float16 scales and biases, then 32 x 32 codes
@@ -186,9 +189,9 @@ def _build() -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc} does not run ({exc})") from exc
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_key().encode(), platform.machine().encode()]))
-    target = _cache_dir() / f"qlinear-{key.hexdigest()[:16]}{'.dylib' if platform.system() == 'Darwin' else '.so'}"
+    sources = [f.read_bytes() for f in SOURCES + HEADERS]
+    key = hashlib.sha256(b"\0".join([*sources, version.encode(), _cpu_key().encode(), platform.machine().encode()]))
+    target = _cache_dir() / f"exo-kernels-{key.hexdigest()[:16]}{'.dylib' if platform.system() == 'Darwin' else '.so'}"
     if target.is_file():
         return target
     try:
@@ -202,7 +205,7 @@ def _build() -> Path:
             os.close(fd)
         except OSError as exc:  # a full disk, a read-only cache
             raise KernelUnavailable(f"cannot write in {target.parent} ({exc})") from exc
-        cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", "-o", tmp, str(SOURCE)]
+        cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", "-o", tmp, *map(str, SOURCES), "-lm"]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if r.returncode == 0:
@@ -213,7 +216,7 @@ def _build() -> Path:
             errors.append(str(exc))
         finally:
             Path(tmp).unlink(missing_ok=True)
-    raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {errors[-1] if errors else 'unknown error'}")
+    raise KernelUnavailable(f"{cc} could not build {', '.join(f.name for f in SOURCES)}: {errors[-1] if errors else 'unknown error'}")
 
 
 def _check(path: Path) -> Library:
@@ -243,6 +246,14 @@ def _check(path: Path) -> Library:
                     )
                 if not np.array_equal(run_in_session(path, x, blob, bits, n, int8=precision == "int8"), y):
                     raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
+    for rows, tokens in ((3, 1), (1, 4)):
+        case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12)
+        want = case.reference()
+        got = case.call(lib)
+        if not all(np.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True)):
+            raise KernelUnavailable(f"the {isa} attention built here disagrees with NumPy ({rows} rows of {tokens} tokens)")
+        if not all(np.array_equal(g, s) for g, s in zip(case.in_session(path), got, strict=True)):
+            raise KernelUnavailable("the attention gives other results inside ONNX Runtime than called directly")
     return Library(str(path), isa, int8)
 
 
@@ -309,3 +320,124 @@ def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int,
         return session.run(None, {"x": x})[0]
     except Exception as exc:  # onnxruntime raises its own exception types
         raise KernelUnavailable(f"ONNX Runtime cannot use the kernel ({exc})") from exc
+
+
+@dataclass
+class AttentionCase:
+    """Inputs of the ``Attention`` op (see ``attention.c``), with a float64 model of what it computes."""
+
+    qkv: np.ndarray  # (B, T, (H + 2 G) D)
+    keys: np.ndarray  # (B, G, capacity, D)
+    values: np.ndarray
+    seqlens: np.ndarray  # (B,) int32: cached + T - 1
+    cos: np.ndarray  # (max_pos, D / 2)
+    sin: np.ndarray
+    heads: int
+    kv_heads: int
+
+    @classmethod
+    def random(cls, rng: np.random.Generator, rows: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
+               capacity: int) -> AttentionCase:
+        """Rows at different positions (each cached up to what leaves room for ``tokens``)."""
+        ang = np.arange(capacity + 4)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)[None, :]
+        cached = rng.integers(0, capacity - tokens + 1, rows)
+        return cls(
+            qkv=rng.standard_normal((rows, tokens, (heads + 2 * kv_heads) * head_dim)).astype(np.float32),
+            keys=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32),
+            values=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32),
+            seqlens=(cached + tokens - 1).astype(np.int32),
+            cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32), heads=heads, kv_heads=kv_heads,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv.shape[2] // (self.heads + 2 * self.kv_heads)
+
+    def reference(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(output, keys, values) in float64: rotary on adjacent pairs, the new keys and values at
+        their positions, causal softmax attention; past positions beyond a row's are untouched."""
+        b, t, _ = self.qkv.shape
+        h, g, d = self.heads, self.kv_heads, self.head_dim
+        keys, values = self.keys.astype(np.float64), self.values.astype(np.float64)
+        out = np.zeros((b, t, h * d))
+        qkv = self.qkv.astype(np.float64)
+
+        def rotate(x: np.ndarray, pos: int) -> np.ndarray:
+            c, s = self.cos[pos].astype(np.float64), self.sin[pos].astype(np.float64)
+            x0, x1 = x[0::2], x[1::2]
+            return np.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(-1)
+
+        for i in range(b):
+            first = int(self.seqlens[i]) - (t - 1)
+            for j in range(t):
+                for kv in range(g):
+                    keys[i, kv, first + j] = rotate(qkv[i, j, (h + kv) * d : (h + kv + 1) * d], first + j)
+                    values[i, kv, first + j] = qkv[i, j, (h + g + kv) * d : (h + g + kv + 1) * d]
+            for j in range(t):
+                pos = first + j
+                for head in range(h):
+                    kv = head // (h // g)
+                    q = rotate(qkv[i, j, head * d : (head + 1) * d], pos) / np.sqrt(d)
+                    scores = keys[i, kv, : pos + 1] @ q
+                    p = np.exp(scores - scores.max())
+                    out[i, j, head * d : (head + 1) * d] = (p / p.sum()) @ values[i, kv, : pos + 1]
+        return out, keys, values
+
+    def call(self, lib: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The library's computation called directly (one thread, no ONNX Runtime)."""
+        b, t, _ = self.qkv.shape
+        keys, values = self.keys.copy(), self.values.copy()
+        out = np.empty((b, t, self.heads * self.head_dim), np.float32)
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        arrays = (self.qkv, keys, values, self.seqlens, self.cos, self.sin, out)
+        lib.exo_attention(*(p(a.ctypes.data) for a in arrays), i(b), i(t), i(self.heads), i(self.kv_heads),
+                          i(self.head_dim), i(keys.shape[2]), i(self.cos.shape[0]))
+        return out, keys, values
+
+    def in_session(self, path: str | Path, in_place: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``Attention`` in a one-node ONNX Runtime session; ``in_place``: the present caches bound to
+        the past ones' buffers (as the shard binds them), else given back as new arrays."""
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+
+        b, t, w = self.qkv.shape
+        cache = [b, self.kv_heads, self.keys.shape[2], self.head_dim]
+        f = TensorProto.FLOAT
+        node = helper.make_node(ATTENTION, ["qkv", "pk", "pv", "seqlens_k", "total", "cos", "sin"], ["o", "ok", "ov"],
+                                domain=DOMAIN, num_heads=self.heads, kv_num_heads=self.kv_heads)
+        graph = helper.make_graph(
+            [node], "check",
+            [helper.make_tensor_value_info("qkv", f, [b, t, w]), helper.make_tensor_value_info("pk", f, cache),
+             helper.make_tensor_value_info("pv", f, cache), helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
+             helper.make_tensor_value_info("total", TensorProto.INT32, [])],
+            [helper.make_tensor_value_info("o", f, [b, t, self.heads * self.head_dim]),
+             helper.make_tensor_value_info("ok", f, cache), helper.make_tensor_value_info("ov", f, cache)],
+            [numpy_helper.from_array(self.cos, "cos"), numpy_helper.from_array(self.sin, "sin")],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+        model.ir_version = 10
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        total = np.array(int(self.seqlens.max()) + 1, np.int32)
+        try:
+            options.register_custom_ops_library(str(path))
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            if not in_place:
+                o, k, v = session.run(None, {"qkv": self.qkv, "pk": self.keys, "pv": self.values,
+                                             "seqlens_k": self.seqlens, "total": total})
+                return o, k, v
+            keys, values = self.keys.copy(), self.values.copy()
+            io = session.io_binding()
+            kv, vv = ort.OrtValue.ortvalue_from_numpy(keys), ort.OrtValue.ortvalue_from_numpy(values)
+            io.bind_cpu_input("qkv", self.qkv)
+            io.bind_cpu_input("seqlens_k", self.seqlens)
+            io.bind_cpu_input("total", total)
+            io.bind_ortvalue_input("pk", kv)
+            io.bind_ortvalue_input("pv", vv)
+            io.bind_ortvalue_output("ok", kv)
+            io.bind_ortvalue_output("ov", vv)
+            io.bind_output("o", "cpu")
+            session.run_with_iobinding(io)
+            return io.copy_outputs_to_cpu()[2], keys, values
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise KernelUnavailable(f"ONNX Runtime cannot use the attention kernel ({exc})") from exc

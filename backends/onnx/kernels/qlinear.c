@@ -17,14 +17,11 @@
    pool; a tile's codes are widened to float32 once for up to 8 rows, vectors running along its
    columns, so every product is one multiply-add and there is nothing to reduce across lanes.
 
-   It talks to ONNX Runtime through its C API, whose tables are append-only: the few entries used
-   here are named by their index below (they hold for API version 17, ONNX Runtime 1.17, and
-   later), so the library builds without ONNX Runtime's headers. */
+   It talks to ONNX Runtime through the part of its C API declared in ort.h. */
 
-#include <stddef.h>
-#include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+
+#include "ort.h"
 
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
@@ -36,97 +33,6 @@
 #include <immintrin.h>
 #define QL_AVX2 1
 #endif
-
-/* ------------------------------------------------------------------ ONNX Runtime's C API */
-
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtValue OrtValue;
-typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef void *const OrtApiTable; /* struct OrtApi: function pointers only */
-
-typedef struct {
-    OrtApiTable *(*GetApi)(uint32_t version);
-    const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-enum { ORT_API_FOR_THIS = 17 };
-enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2 }; /* ONNXTensorElementDataType */
-enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 }; /* OrtErrorCode */
-
-/* Indices into struct OrtApi. */
-enum {
-    API_CreateStatus = 0,
-    API_CreateCustomOpDomain = 26,
-    API_CustomOpDomain_Add = 27,
-    API_AddCustomOpDomain = 28,
-    API_GetTensorMutableData = 51,
-    API_GetDimensionsCount = 61,
-    API_GetDimensions = 62,
-    API_GetTensorTypeAndShape = 65,
-    API_KernelInfoGetAttribute_int64 = 86,
-    API_KernelContext_GetInput = 90,
-    API_KernelContext_GetOutput = 91,
-    API_ReleaseStatus = 93,
-    API_ReleaseTensorTypeAndShapeInfo = 99,
-    API_KernelContext_ParallelFor = 274,
-};
-
-static OrtApiTable *api;
-
-#define API(index, type) ((type)api[index])
-typedef OrtStatus *(*CreateStatus_t)(int, const char *);
-typedef OrtStatus *(*CreateCustomOpDomain_t)(const char *, OrtCustomOpDomain **);
-typedef OrtStatus *(*CustomOpDomain_Add_t)(OrtCustomOpDomain *, const void *);
-typedef OrtStatus *(*AddCustomOpDomain_t)(OrtSessionOptions *, OrtCustomOpDomain *);
-typedef OrtStatus *(*GetTensorMutableData_t)(OrtValue *, void **);
-typedef OrtStatus *(*GetDimensionsCount_t)(const OrtTensorTypeAndShapeInfo *, size_t *);
-typedef OrtStatus *(*GetDimensions_t)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t);
-typedef OrtStatus *(*GetTensorTypeAndShape_t)(const OrtValue *, OrtTensorTypeAndShapeInfo **);
-typedef OrtStatus *(*KernelInfoGetAttribute_int64_t)(const OrtKernelInfo *, const char *, int64_t *);
-typedef OrtStatus *(*KernelContext_GetInput_t)(const OrtKernelContext *, size_t, const OrtValue **);
-typedef OrtStatus *(*KernelContext_GetOutput_t)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
-typedef void (*ReleaseTensorTypeAndShapeInfo_t)(OrtTensorTypeAndShapeInfo *);
-typedef OrtStatus *(*KernelContext_ParallelFor_t)(const OrtKernelContext *, void (*)(void *, size_t), size_t,
-                                                  size_t, void *);
-
-#define CHECK(call)                      \
-    do {                                 \
-        OrtStatus *status_ = (call);     \
-        if (status_ != NULL)             \
-            return status_;              \
-    } while (0)
-
-static OrtStatus *fail(const char *message) { return API(API_CreateStatus, CreateStatus_t)(ORT_INVALID_ARGUMENT, message); }
-
-/* struct OrtCustomOp up to the fields of version 17 */
-typedef struct {
-    uint32_t version;
-    void *(*CreateKernel)(const void *op, OrtApiTable *api, const OrtKernelInfo *info);
-    const char *(*GetName)(const void *op);
-    const char *(*GetExecutionProviderType)(const void *op);
-    int (*GetInputType)(const void *op, size_t index);
-    size_t (*GetInputTypeCount)(const void *op);
-    int (*GetOutputType)(const void *op, size_t index);
-    size_t (*GetOutputTypeCount)(const void *op);
-    void (*KernelCompute)(void *kernel, OrtKernelContext *context);
-    void (*KernelDestroy)(void *kernel);
-    int (*GetInputCharacteristic)(const void *op, size_t index);
-    int (*GetOutputCharacteristic)(const void *op, size_t index);
-    int (*GetInputMemoryType)(const void *op, size_t index);
-    int (*GetVariadicInputMinArity)(const void *op);
-    int (*GetVariadicInputHomogeneity)(const void *op);
-    int (*GetVariadicOutputMinArity)(const void *op);
-    int (*GetVariadicOutputHomogeneity)(const void *op);
-    OrtStatus *(*CreateKernelV2)(const void *op, OrtApiTable *api, const OrtKernelInfo *info, void **kernel);
-    OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *context);
-    OrtStatus *(*InferOutputShapeFn)(const void *op, void *context);
-    int (*GetStartVersion)(const void *op);
-    int (*GetEndVersion)(const void *op);
-} CustomOp;
 
 /* ------------------------------------------------------------------ the kernel */
 
@@ -533,19 +439,6 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
     return NULL;
 }
 
-static OrtStatus *shape_of(const OrtValue *value, int64_t *dims, size_t *rank)
-{
-    OrtTensorTypeAndShapeInfo *info;
-    CHECK(API(API_GetTensorTypeAndShape, GetTensorTypeAndShape_t)(value, &info));
-    OrtStatus *status = API(API_GetDimensionsCount, GetDimensionsCount_t)(info, rank);
-    if (status == NULL && (*rank < 1 || *rank > 8))
-        status = fail("QLinear: X must have 1 to 8 dimensions");
-    if (status == NULL)
-        status = API(API_GetDimensions, GetDimensions_t)(info, dims, *rank);
-    API(API_ReleaseTensorTypeAndShapeInfo, ReleaseTensorTypeAndShapeInfo_t)(info);
-    return status;
-}
-
 static OrtStatus *compute(void *arg, OrtKernelContext *context)
 {
     const Kernel *kernel = (const Kernel *)arg;
@@ -598,18 +491,12 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
 #endif
 }
 
-static void destroy(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "QLinear"; }
-static const char *op_provider(const void *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const void *op, size_t index) { (void)op; return index == 0 ? ELEM_FLOAT : ELEM_UINT8; }
 static size_t input_count(const void *op) { (void)op; return 2; }
 static int output_type(const void *op, size_t index) { (void)op; (void)index; return ELEM_FLOAT; }
 static size_t output_count(const void *op) { (void)op; return 1; }
-static int required(const void *op, size_t index) { (void)op; (void)index; return 0; }
-static int cpu_memory(const void *op, size_t index) { (void)op; (void)index; return 0; }
-static int since_version(const void *op) { (void)op; return 1; }
-
-static const CustomOp qlinear = {
+const CustomOp exo_qlinear_op = {
     .version = ORT_API_FOR_THIS,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
@@ -617,23 +504,12 @@ static const CustomOp qlinear = {
     .GetInputTypeCount = input_count,
     .GetOutputType = output_type,
     .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy,
-    .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = cpu_memory,
+    .KernelDestroy = op_destroy,
+    .GetInputCharacteristic = op_required,
+    .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_cpu_memory,
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
-    .GetStartVersion = since_version,
+    .GetStartVersion = op_since_version,
     .GetEndVersion = NULL,
 };
-
-OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
-{
-    api = base->GetApi(ORT_API_FOR_THIS);
-    if (api == NULL)
-        return NULL; /* cannot even make a status: ONNX Runtime older than 1.17 */
-    OrtCustomOpDomain *domain;
-    CHECK(API(API_CreateCustomOpDomain, CreateCustomOpDomain_t)("exo.tui", &domain));
-    CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &qlinear));
-    return API(API_AddCustomOpDomain, AddCustomOpDomain_t)(options, domain);
-}

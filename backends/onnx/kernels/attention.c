@@ -1,0 +1,320 @@
+/* exo-tui's ONNX Runtime custom op "Attention" (domain "exo.tui"): rotary embedding, the in-place
+   KV cache and causal attention, as com.microsoft's GroupQueryAttention with do_rotary=1 and
+   rotary_interleaved=1 computes them for exo-tui's graphs, with the cost of a row of a batch that
+   of the row itself.
+
+   Inputs: qkv float32 (B, T, (H + 2 G) D), the rows' queries, keys and values side by side (H query
+   heads, G key/value heads, D per head); past_key, past_value float32 (B, G, cap, D); seqlens_k
+   int32 (B,): each row's cached positions + T - 1; total_seq_len int32 (a scalar, the largest
+   cached + T: checked); cos, sin float32 (max_pos, D / 2). Attributes num_heads (H) and
+   kv_num_heads (G). Outputs: float32 (B, T, H D), then present_key, present_value (the caches with
+   the T new positions written in: bound to the same buffers as the past ones, they are appended to
+   in place; otherwise the past is copied first).
+
+   Token t of row b sits at position p = seqlens_k[b] - (T - 1) + t. Its key is rotated by p's
+   angles, adjacent pairs (x[2i], x[2i + 1]) turning by (cos, sin)[p, i], and stored with its value
+   at p; its query, rotated alike and scaled by 1 / sqrt(D), attends over positions 0 to p of its
+   head's key/value head (query head h reads head h / (H / G)): scores, a softmax with the maximum
+   subtracted, the values weighted by it. GroupQueryAttention on CPU runs a small matrix product
+   per row and head (~12 us a row a layer for SmolLM2 at 64 positions); here a row's query is a few
+   dot products and multiply-adds. Rows, heads and tokens are the tasks of the intra-op pool, each
+   computed alone: a row's numbers do not depend on its batch. */
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ort.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define AT_AVX512 1
+#endif
+
+typedef struct {
+    const float *qkv;  /* (B, T, (H + 2 G) D) */
+    float *keys, *values; /* (B, G, cap, D): the caches, appended to in place */
+    const int32_t *seqlens; /* (B,): cached + T - 1 */
+    const float *cos, *sin; /* (max_pos, D / 2) */
+    float *out; /* (B, T, H D) */
+    int64_t b, t, h, g, d, cap, max_pos;
+    float scale;
+} Attn;
+
+#if defined(AT_AVX512)
+/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r in [-ln2/2, ln2/2], ~1 ulp */
+static inline __m512 exp_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+static inline int64_t position(const Attn *a, int64_t b, int64_t t) { return (int64_t)a->seqlens[b] - (a->t - 1) + t; }
+
+/* x (D) rotated in place by the angle of position pos, adjacent pairs (x[2i], x[2i + 1]). */
+static void rotate(float *x, const Attn *a, int64_t pos)
+{
+    const float *c = a->cos + pos * (a->d / 2), *s = a->sin + pos * (a->d / 2);
+    for (int64_t i = 0; i < a->d / 2; i++) {
+        const float x0 = x[2 * i], x1 = x[2 * i + 1];
+        x[2 * i] = x0 * c[i] - x1 * s[i];
+        x[2 * i + 1] = x0 * s[i] + x1 * c[i];
+    }
+}
+
+/* Phase 1, task (b, g): the T new keys (rotated) and values of kv head g into the caches. */
+static void append_task(void *arg, size_t task)
+{
+    const Attn *a = (const Attn *)arg;
+    const int64_t b = (int64_t)task / a->g, g = (int64_t)task % a->g, width = (a->h + 2 * a->g) * a->d;
+    for (int64_t t = 0; t < a->t; t++) {
+        const int64_t pos = position(a, b, t);
+        if (pos < 0 || pos >= a->cap || pos >= a->max_pos)
+            continue; /* checked before: cannot happen */
+        const float *row = a->qkv + (b * a->t + t) * width;
+        float *k = a->keys + ((b * a->g + g) * a->cap + pos) * a->d;
+        float *v = a->values + ((b * a->g + g) * a->cap + pos) * a->d;
+        memcpy(k, row + (a->h + g) * a->d, (size_t)a->d * sizeof(float));
+        memcpy(v, row + (a->h + a->g + g) * a->d, (size_t)a->d * sizeof(float));
+        rotate(k, a, pos);
+    }
+}
+
+#define MAX_D 256
+/* Phase 2, task (b, h, t): query t of row b, head h over keys 0..its position. */
+static void attend_task(void *arg, size_t task)
+{
+    const Attn *a = (const Attn *)arg;
+    const int64_t t = (int64_t)task % a->t, h = ((int64_t)task / a->t) % a->h, b = (int64_t)task / (a->t * a->h);
+    const int64_t d = a->d, g = h / (a->h / a->g), width = (a->h + 2 * a->g) * d, pos = position(a, b, t);
+    float *y = a->out + ((b * a->t + t) * a->h + h) * d;
+    if (pos < 0 || pos >= a->cap) {
+        memset(y, 0, (size_t)d * sizeof(float));
+        return;
+    }
+    float q[MAX_D];
+    memcpy(q, a->qkv + (b * a->t + t) * width + h * d, (size_t)d * sizeof(float));
+    rotate(q, a, pos);
+    for (int64_t i = 0; i < d; i++)
+        q[i] *= a->scale;
+    const float *keys = a->keys + (b * a->g + g) * a->cap * d, *values = a->values + (b * a->g + g) * a->cap * d;
+    const int64_t n = pos + 1;
+    float stack[1024], *s = n <= 1024 ? stack : (float *)malloc((size_t)n * sizeof(float));
+    if (s == NULL) {
+        memset(y, 0, (size_t)d * sizeof(float));
+        return;
+    }
+    float top = -INFINITY;
+#if defined(AT_AVX512)
+    if (d % 16 == 0) {
+        for (int64_t j = 0; j < n; j++) {
+            const float *k = keys + j * d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+            for (int64_t i = 16; i < d; i += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+            s[j] = _mm512_reduce_add_ps(acc);
+            top = s[j] > top ? s[j] : top;
+        }
+        __m512 total = _mm512_setzero_ps();
+        const __m512 m = _mm512_set1_ps(top);
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+            _mm512_storeu_ps(s + j, e);
+            total = _mm512_add_ps(total, e);
+        }
+        if (j < n) {
+            const __mmask16 mask = (__mmask16)((1u << (n - j)) - 1);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m));
+            _mm512_mask_storeu_ps(s + j, mask, e);
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(total);
+        __m512 o[MAX_D / 16];
+        for (int64_t i = 0; i < d / 16; i++)
+            o[i] = _mm512_setzero_ps();
+        for (j = 0; j < n; j++) {
+            const __m512 p = _mm512_set1_ps(s[j]);
+            const float *v = values + j * d;
+            for (int64_t i = 0; i < d / 16; i++)
+                o[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * i), o[i]);
+        }
+        for (int64_t i = 0; i < d / 16; i++)
+            _mm512_storeu_ps(y + 16 * i, _mm512_mul_ps(o[i], _mm512_set1_ps(inv)));
+        if (s != stack)
+            free(s);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = keys + j * d;
+        float dot = 0.0f;
+        for (int64_t i = 0; i < d; i++)
+            dot += q[i] * k[i];
+        s[j] = dot;
+        top = dot > top ? dot : top;
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = expf(s[j] - top);
+        total += s[j];
+    }
+    for (int64_t i = 0; i < d; i++)
+        y[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = values + j * d;
+        for (int64_t i = 0; i < d; i++)
+            y[i] += s[j] * v[i];
+    }
+    for (int64_t i = 0; i < d; i++)
+        y[i] /= total;
+    if (s != stack)
+        free(s);
+}
+
+/* For the tests: the same computation without ONNX Runtime, on one thread. */
+void exo_attention(const float *qkv, float *keys, float *values, const int32_t *seqlens, const float *cos,
+                   const float *sin, float *out, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d, int64_t cap,
+                   int64_t max_pos)
+{
+    Attn a = {qkv, keys, values, seqlens, cos, sin, out, b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d)};
+    for (size_t i = 0; i < (size_t)(b * g); i++)
+        append_task(&a, i);
+    for (size_t i = 0; i < (size_t)(b * h * t); i++)
+        attend_task(&a, i);
+}
+
+/* ------------------------------------------------------------------ the op */
+
+typedef struct {
+    int64_t heads, kv_heads;
+} Kernel;
+
+static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKernelInfo *info, void **out)
+{
+    (void)op;
+    (void)given;
+    Kernel *kernel = (Kernel *)calloc(1, sizeof(Kernel));
+    if (kernel == NULL)
+        return API(API_CreateStatus, CreateStatus_t)(ORT_FAIL, "Attention: out of memory");
+    OrtStatus *status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "num_heads", &kernel->heads);
+    if (status == NULL)
+        status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "kv_num_heads", &kernel->kv_heads);
+    if (status == NULL && (kernel->kv_heads <= 0 || kernel->heads <= 0 || kernel->heads % kernel->kv_heads != 0))
+        status = fail("Attention: num_heads must be a positive multiple of kv_num_heads");
+    if (status != NULL) {
+        free(kernel);
+        return status;
+    }
+    *out = kernel;
+    return NULL;
+}
+
+static OrtStatus *input(OrtKernelContext *context, size_t index, const OrtValue **value, void **data)
+{
+    CHECK(API(API_KernelContext_GetInput, KernelContext_GetInput_t)(context, index, value));
+    return API(API_GetTensorMutableData, GetTensorMutableData_t)((OrtValue *)*value, data);
+}
+
+static OrtStatus *compute(void *arg, OrtKernelContext *context)
+{
+    const Kernel *kernel = (const Kernel *)arg;
+    const OrtValue *qkv_value, *pk_value, *pv_value, *seq_value, *total_value, *cos_value, *sin_value;
+    void *qkv, *pk, *pv, *seq, *total, *cos, *sin;
+    CHECK(input(context, 0, &qkv_value, &qkv));
+    CHECK(input(context, 1, &pk_value, &pk));
+    CHECK(input(context, 2, &pv_value, &pv));
+    CHECK(input(context, 3, &seq_value, &seq));
+    CHECK(input(context, 4, &total_value, &total));
+    CHECK(input(context, 5, &cos_value, &cos));
+    CHECK(input(context, 6, &sin_value, &sin));
+    int64_t q_dims[8], k_dims[8], v_dims[8], s_dims[8], c_dims[8], n_dims[8];
+    size_t q_rank, k_rank, v_rank, s_rank, c_rank, n_rank;
+    CHECK(shape_of(qkv_value, q_dims, &q_rank));
+    CHECK(shape_of(pk_value, k_dims, &k_rank));
+    CHECK(shape_of(pv_value, v_dims, &v_rank));
+    CHECK(shape_of(seq_value, s_dims, &s_rank));
+    CHECK(shape_of(cos_value, c_dims, &c_rank));
+    CHECK(shape_of(sin_value, n_dims, &n_rank));
+    const int64_t h = kernel->heads, g = kernel->kv_heads, parts = h + 2 * g;
+    if (q_rank != 3 || q_dims[2] % parts != 0)
+        return fail("Attention: qkv must be (B, T, (num_heads + 2 kv_num_heads) * head_size)");
+    const int64_t b = q_dims[0], t = q_dims[1], d = q_dims[2] / parts;
+    if (d < 2 || d % 2 != 0 || d > MAX_D)
+        return fail("Attention: the head size must be even and at most 256");
+    if (k_rank != 4 || k_dims[0] != b || k_dims[1] != g || k_dims[3] != d || v_rank != 4 ||
+        memcmp(k_dims, v_dims, 4 * sizeof(int64_t)) != 0)
+        return fail("Attention: past_key and past_value must be (B, kv_num_heads, capacity, head_size)");
+    if (s_rank != 1 || s_dims[0] != b)
+        return fail("Attention: seqlens_k must be (B,)");
+    if (c_rank != 2 || c_dims[1] != d / 2 || n_rank != 2 || memcmp(c_dims, n_dims, 2 * sizeof(int64_t)) != 0)
+        return fail("Attention: cos and sin must be (max_position, head_size / 2)");
+    const int64_t cap = k_dims[2], max_pos = c_dims[0], limit = *(const int32_t *)total;
+    const int32_t *seqlens = (const int32_t *)seq;
+    for (int64_t i = 0; i < b; i++) {
+        const int64_t last = seqlens[i];
+        if (last - (t - 1) < 0 || last >= cap || last >= max_pos || last >= limit) {
+            char message[200];
+            snprintf(message, sizeof message,
+                     "Attention: row %lld's positions %lld..%lld are outside the cache (%lld), the rotary tables (%lld) "
+                     "or total_seq_len (%lld)", (long long)i, (long long)(last - (t - 1)), (long long)last,
+                     (long long)cap, (long long)max_pos, (long long)limit);
+            return fail(message);
+        }
+    }
+    OrtValue *y_value, *ok_value, *ov_value;
+    const int64_t y_dims[3] = {b, t, h * d};
+    CHECK(API(API_KernelContext_GetOutput, KernelContext_GetOutput_t)(context, 0, y_dims, 3, &y_value));
+    CHECK(API(API_KernelContext_GetOutput, KernelContext_GetOutput_t)(context, 1, k_dims, 4, &ok_value));
+    CHECK(API(API_KernelContext_GetOutput, KernelContext_GetOutput_t)(context, 2, k_dims, 4, &ov_value));
+    void *y, *ok, *ov;
+    CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
+    CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(ok_value, &ok));
+    CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(ov_value, &ov));
+    const size_t cache_bytes = (size_t)(b * g * cap * d) * sizeof(float);
+    if (ok != pk) /* not bound in place: the present starts as a copy of the past */
+        memcpy(ok, pk, cache_bytes);
+    if (ov != pv)
+        memcpy(ov, pv, cache_bytes);
+    if (b == 0 || t == 0)
+        return NULL;
+    Attn a = {(const float *)qkv, (float *)ok, (float *)ov, seqlens, (const float *)cos, (const float *)sin, (float *)y,
+              b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d)};
+    CHECK(API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, append_task, (size_t)(b * g), 0, &a));
+    return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, attend_task, (size_t)(b * h * t), 0, &a);
+}
+
+static const char *op_name(const void *op) { (void)op; return "Attention"; }
+static int input_type(const void *op, size_t index) { (void)op; return index == 3 || index == 4 ? ELEM_INT32 : ELEM_FLOAT; }
+static size_t input_count(const void *op) { (void)op; return 7; }
+static int output_type(const void *op, size_t index) { (void)op; (void)index; return ELEM_FLOAT; }
+static size_t output_count(const void *op) { (void)op; return 3; }
+
+const CustomOp exo_attention_op = {
+    .version = ORT_API_FOR_THIS,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = op_destroy,
+    .GetInputCharacteristic = op_required,
+    .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_cpu_memory,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+    .GetStartVersion = op_since_version,
+    .GetEndVersion = NULL,
+};
