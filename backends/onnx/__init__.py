@@ -1,7 +1,8 @@
 """The ONNX Runtime backend: each shard is one ONNX graph built with ``onnx.helper`` and run on
 ONNX Runtime's CPU execution provider, 4-bit and 8-bit GGUF blocks kept as they are (exo-tui's
 ``QLinear`` kernel, :mod:`backends.onnx.kernels`; ``com.microsoft`` ``MatMulNBits`` where it cannot
-be built), attention and the KV cache in ``GroupQueryAttention``."""
+be built), attention and the KV cache in exo-tui's ``Attention`` (``GroupQueryAttention`` without
+the kernel library)."""
 
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ class ONNXBackend(Backend):
             )
         else:
             matmul = f"QLinear {library.isa}" + (" int8 products (VNNI)" if self.precision == "int8" else "")
+        attention = "exo-tui Attention" if library is not None else "GroupQueryAttention (ONNX Runtime's)"
         spin = "never" if self.spin_us == 0 else "until a step ends" if self.spin_us is None else f"at most {self.spin_us} µs"
-        return {"precision": self.precision, "threads": str(self.threads), "matmul": matmul,
+        return {"precision": self.precision, "threads": str(self.threads), "matmul": matmul, "attention": attention,
                 "idle threads spin": spin, "pinned": "yes" if self.pin else "no"}
 
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:

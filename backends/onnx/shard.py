@@ -4,8 +4,9 @@ KV caches live in pools, one per capacity (256, 512, ... positions, up to the co
 float32 arrays ``(layers, slots, n_kv_heads, capacity, head_dim)`` for keys and for values, one
 slot per request. A run covers a contiguous range of slots of one pool: the per-layer slices of
 that range are bound (IOBinding, as ``OrtValue``s sharing the NumPy memory) both as the graph's
-``past_*`` inputs and as its ``present_*`` outputs, which is ``GroupQueryAttention``'s
-buffer-sharing mode: each step writes only its new positions, nothing is copied.
+``past_*`` inputs and as its ``present_*`` outputs, so attention (exo-tui's ``Attention``, or
+``GroupQueryAttention``'s buffer-sharing mode) writes only each step's new positions: nothing is
+copied.
 
 That layout is what lets several requests decode in one run (``forward_batch``): their slots are
 rows of one batch, each at its own position (``seqlens_k`` per row), and every weight matrix is

@@ -1,5 +1,6 @@
-"""exo-tui's own ONNX Runtime kernel, ``QLinear`` (``qlinear.c``): a 4- or 8-bit matrix in GGUF's
-own blocks times float32 rows.
+"""exo-tui's own ONNX Runtime kernels, one library in the custom-op domain ``exo.tui``:
+``QLinear`` (``qlinear.c``), a 4- or 8-bit matrix in GGUF's own blocks times float32 rows, and
+``Attention`` (``attention.c``), rotary causal attention over the in-place KV cache.
 
 ``MatMulNBits`` has no float zero point on its fast path, so a Q4_1 matrix there costs a second,
 float32 matmul of the input's block sums (see :mod:`backends.onnx.weights`) and float32 scales:
@@ -150,7 +151,8 @@ def _library() -> Library | None:
     try:
         return _check(_build())
     except KernelUnavailable as exc:
-        log.warning("the ONNX backend runs its quantized matrices on MatMulNBits (slower decoding): %s", exc)
+        log.warning("the ONNX backend runs its quantized matrices on MatMulNBits and attention on "
+                    "GroupQueryAttention (slower decoding): %s", exc)
         return None
 
 
