@@ -17,7 +17,11 @@ ends its answer). Columns:
 The HTTP clients run in this process's event loop, beside the server, so the HTTP column pays for
 both ends of the connection.
 
-    .venv/bin/python benchmarks/api.py [--tokens 32] [--model smollm2-135m] [--nodes 1,3]
+    .venv/bin/python benchmarks/api.py [--tokens 32] [--model smollm2-135m] [--nodes 1,3] [--rounds 3]
+
+Every stream count runs ``--rounds`` times, the counts alternating within each round, and each
+column is the median over the rounds (one 32-token stream is a short measurement: its rate
+varied by a third between runs).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -106,7 +111,8 @@ async def _http(http: httpx.AsyncClient, url: str, model: str, i: int, tokens: i
     return s
 
 
-async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None, backend: str) -> list[dict]:
+async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None, backend: str,
+                rounds: int = 1) -> list[dict]:
     home = Path(tempfile.mkdtemp(prefix="exo-bench-api-"))
     os.environ["EXO_TUI_HOME"] = str(home)
     config = Config()
@@ -123,17 +129,20 @@ async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None,
             async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
                 await _direct(c, 0, 4)  # warm up: sessions, caches, connections
                 await _http(http, server.url, model_id, 0, 4)
-                for n in counts:
-                    direct = await asyncio.gather(*(_direct(c, i, tokens) for i in range(n)))
-                    over_http = await asyncio.gather(*(_http(http, server.url, model_id, i, tokens) for i in range(n)))
-                    d_rate, d_wall = _rates(list(direct))
-                    h_rate, h_wall = _rates(list(over_http))
-                    rows.append({"nodes": n_nodes, "streams": n, "direct": d_rate, "direct_wall": d_wall,
-                                 "steady": _steady(list(direct)),
-                                 "http": h_rate, "http_wall": h_wall,
-                                 "tokens": sum(s.tokens for s in direct), "http_tokens": sum(s.tokens for s in over_http)})
-                    print(f"  {n_nodes} node(s), {n:2d} stream(s): direct {d_rate:7.1f} tok/s, http {h_rate:7.1f} tok/s",
-                          file=sys.stderr, flush=True)
+                runs: dict[int, list[dict]] = {n: [] for n in counts}
+                for _ in range(rounds):  # every count once per round: drift lands in all of them alike
+                    for n in counts:
+                        direct = await asyncio.gather(*(_direct(c, i, tokens) for i in range(n)))
+                        over_http = await asyncio.gather(*(_http(http, server.url, model_id, i, tokens) for i in range(n)))
+                        d_rate, d_wall = _rates(list(direct))
+                        h_rate, h_wall = _rates(list(over_http))
+                        runs[n].append({"direct": d_rate, "direct_wall": d_wall, "steady": _steady(list(direct)),
+                                        "http": h_rate, "http_wall": h_wall})
+                        print(f"  {n_nodes} node(s), {n:2d} stream(s): direct {d_rate:7.1f} tok/s, http {h_rate:7.1f} tok/s",
+                              file=sys.stderr, flush=True)
+                for n in counts:  # the median of each column over the rounds
+                    rows.append({"nodes": n_nodes, "streams": n,
+                                 **{k: statistics.median(r[k] for r in runs[n]) for k in runs[n][0]}})
         finally:
             await server.stop()
     finally:
@@ -148,14 +157,15 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,3")
     ap.add_argument("--streams", default="1,4,8,16")
     ap.add_argument("--backend", default="onnx", choices=["onnx", "mlx"], help="backend of the node agents")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every stream count, alternated; medians reported")
     args = ap.parse_args()
     counts = [int(x) for x in args.streams.split(",")]
     rows = []
     for n_nodes in (int(x) for x in args.nodes.split(",")):
-        rows += event_loop.run(bench(n_nodes, counts, args.tokens, args.model, args.backend))
+        rows += event_loop.run(bench(n_nodes, counts, args.tokens, args.model, args.backend, args.rounds))
 
     print(f"\nAggregate decode tokens/s, {args.tokens} tokens per stream, {args.backend} node agents on loopback "
-          f"({os.cpu_count()} CPUs)\n")
+          f"({os.cpu_count()} CPUs), medians of {args.rounds} rounds\n")
     head = f"{'nodes':>5} {'streams':>7} | {'direct tok/s':>12} {'× 1 stream':>10} {'wall tok/s':>10} " \
            f"{'steady tok/s':>12} {'× 1 stream':>10} | " \
            f"{'HTTP tok/s':>10} {'× 1 stream':>10} {'wall tok/s':>10} | {'HTTP cost':>9}"

@@ -48,8 +48,8 @@ MAX_PADDING = 2  # padding rows a batch accepts between two requests before it s
 MIN_BATCH = 2
 """Single-token steps of at least this many requests run as one batch (else one by one): every
 weight is read once for all of them. SmolLM2, 2 threads, the QLinear kernel: a decode step of
-1 / 2 / 4 / 8 / 16 rows takes 5.8 / 7.3 / 12.0 / 18.4 / 33.3 ms batched (int8 precision: 4.7 / 6.2 /
-8.1 / 12.2 / 20.3; ``benchmarks/onnx_kernels.py``). (On MatMulNBits, whose multi-row path
+1 / 2 / 4 / 8 / 16 rows takes 6.3 / 7.9 / 11.5 / 18.0 / 33.5 ms batched (int8 precision: 5.5 / 6.3 /
+7.7 / 11.7 / 17.7; ``benchmarks/onnx_kernels.py``). (On MatMulNBits, whose multi-row path
 dequantizes the whole matrix, 2 / 3 / 4 rows took 28 / 30 / 32 ms against 15 ms for one.)"""
 FLOAT32_ACCURACY = 1  # MatMulNBits' accuracy_level for float32 math (backends.onnx.PRECISIONS)
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
