@@ -42,6 +42,18 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def fmt_seconds(s: float) -> str:
+    """A duration with its unit, three significant digits: 182 µs, 1.45 ms, 2.10 s."""
+    a = abs(s)
+    if a == 0:
+        return "0 s"
+    if a < 1e-3:
+        return f"{s * 1e6:.3g} µs"
+    if a < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s"
+
+
 def fmt_mem(used: int, total: int) -> str:
     if not total:
         return "—"

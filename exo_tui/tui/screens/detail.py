@@ -13,7 +13,16 @@ from textual.widgets import Footer, Label, Sparkline, Static
 
 from exo_tui.cluster.view import ClusterSnapshot, NodeView
 from exo_tui.tui import keymap
-from exo_tui.tui.format import STATE_COLOR_VAR, STATE_GLYPH, fmt_age, fmt_bytes, fmt_layers, fmt_mem, fmt_rate
+from exo_tui.tui.format import (
+    STATE_COLOR_VAR,
+    STATE_GLYPH,
+    fmt_age,
+    fmt_bytes,
+    fmt_layers,
+    fmt_mem,
+    fmt_rate,
+    fmt_seconds,
+)
 from exo_tui.tui.widgets.style import theme_style
 
 
@@ -26,8 +35,12 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
             rows.extend(_flatten(value, name + "."))
         elif isinstance(value, (list, tuple)):
             rows.append((name, ", ".join(str(v) for v in value) or "—"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith("bytes_per_s"):
+            rows.append((name, f"{fmt_bytes(value)}/s"))
+        elif isinstance(value, float) and key.endswith("_s"):
+            rows.append((name, fmt_seconds(value)))
         elif isinstance(value, float):
-            rows.append((name, f"{value:,.3f}".rstrip("0").rstrip(".")))
+            rows.append((name, f"{value:,.4g}"))
         elif isinstance(value, int) and "bytes" in key:
             rows.append((name, fmt_bytes(value)))
         else:
