@@ -46,6 +46,16 @@ def test_layer_timing_is_measured() -> None:
     assert 0 < t.decode_layer_s < 1 and 0 < t.prefill_layer_token_s < 1
 
 
+def test_the_layers_timed_are_the_kind_a_node_runs() -> None:
+    """GGUF's blocks have float16 scales; the benchmark's do too, so on ONNX they run on the
+    node's kernel (with float32 scales they fell back to MatMulNBits and timed that)."""
+    from exo_tui.node.profile import BENCH_CONFIG, _bench_weights
+
+    layer = _bench_weights(BENCH_CONFIG).layers[0]
+    assert all(kernels.runs_on_kernel(w) for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up,
+                                                   layer.w_down))
+
+
 def test_print_profile(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "exo_tui.cli", "node", "--print-profile", "--name", "probe", "--backend", "onnx"],
