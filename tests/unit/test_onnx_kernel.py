@@ -189,9 +189,12 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         blob = kernels.pack([w])
         x = rng.standard_normal((11, 320)).astype(np.float32)
         want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
-        for m in (1, 8, 11):
+        for m in (1, 2, 3, 8, 11):
             y = kernels.call(lib, x[:m], blob, bits, 70)
             assert np.abs(y - want[:m]).max() <= 1e-5 * np.abs(want).max(), (bits, m)
+        together = kernels.call(lib, x, blob, bits, 70)  # and a row's bits whatever its batch
+        for i in (0, 5, 10):
+            assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70)[0], together[i]), (bits, i)
     for rows, tokens in ((4, 1), (1, 6)):  # and the attention (its plain loops there)
         case = kernels.AttentionCase.random(rng, rows, tokens, heads=6, kv_heads=2, head_dim=64, capacity=40)
         for got, want in zip(case.call(lib), case.reference(), strict=True):

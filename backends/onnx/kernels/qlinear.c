@@ -125,38 +125,49 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
         _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
     }
 #elif defined(QL_AVX2)
-    /* 16 registers: the tile in four passes of 8 columns, each over every block */
+    /* 16 registers: the tile in passes of gp groups of 8 columns, each pass over every block. A
+       column's sum is one chain of multiply-adds whatever the pass: few rows take several groups
+       at once, or their chains' latency (not the work) would set the pace. */
     const __m256i low = _mm256_set1_epi32(0x0F);
-    for (int g = 0; g < TILE / 8 && g * 8 < cols; g++) {
-        __m256 a[ROWS];
+    const int gp = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
+    for (int g0 = 0; g0 < TILE / 8 && g0 * 8 < cols; g0 += gp) {
+        __m256 a[ROWS][4];
         for (int r = 0; r < rows; r++)
-            a[r] = _mm256_setzero_ps();
+            for (int i = 0; i < gp; i++)
+                a[r][i] = _mm256_setzero_ps();
         const uint8_t *wb = w;
         for (int64_t b = 0; b < nb; b++, wb += block_bytes) {
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 16 * g)));
-            const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 16 * g)));
-            const uint8_t *q = wb + 128 + 8 * g;
+            __m256 sc[4][2];
+            for (int i = 0; i < gp; i++) {
+                sc[i][0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 16 * (g0 + i))));
+                sc[i][1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 16 * (g0 + i))));
+            }
+            const uint8_t *q = wb + 128 + 8 * g0;
             const float *xb = x + b * BLOCK;
             for (int j = 0; j < (bits == 4 ? 16 : 32); j++, q += 32) {
-                const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-                if (bits == 4) {
-                    const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), s, c);
-                    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), s, c);
-                    for (int r = 0; r < rows; r++)
-                        a[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j + 16]), v,
-                                               _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r]));
-                } else {
-                    const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), s, c);
-                    for (int r = 0; r < rows; r++)
-                        a[r] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r]);
+                for (int i = 0; i < gp; i++) {
+                    const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+                    if (bits == 4) {
+                        const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), sc[i][0], sc[i][1]);
+                        const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), sc[i][0], sc[i][1]);
+                        for (int r = 0; r < rows; r++)
+                            a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j + 16]), v,
+                                                      _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]));
+                    } else {
+                        const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), sc[i][0], sc[i][1]);
+                        for (int r = 0; r < rows; r++)
+                            a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]);
+                    }
                 }
             }
         }
-        const int n = cols - g * 8 < 8 ? cols - g * 8 : 8;
-        for (int r = 0; r < rows; r++) {
-            float out[8];
-            _mm256_storeu_ps(out, a[r]);
-            memcpy(y + r * ldy + g * 8, out, (size_t)n * sizeof(float));
+        for (int i = 0; i < gp; i++) {
+            const int g = g0 + i, n = cols - g * 8 < 8 ? cols - g * 8 : 8;
+            for (int r = 0; r < rows && n > 0; r++) {
+                float out[8];
+                _mm256_storeu_ps(out, a[r][i]);
+                memcpy(y + r * ldy + g * 8, out, (size_t)n * sizeof(float));
+            }
         }
     }
 #else
