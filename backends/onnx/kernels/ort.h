@@ -119,6 +119,16 @@ static inline int op_required(const void *op, size_t index) { (void)op; (void)in
 static inline int op_cpu_memory(const void *op, size_t index) { (void)op; (void)index; return 0; }
 static inline int op_since_version(const void *op) { (void)op; return 1; }
 
+/* An op's table: the callbacks it has of its own, the rest as above. */
+#define EXO_CUSTOM_OP(name_fn, input_type_fn, input_count_fn, output_type_fn, output_count_fn, create_fn, compute_fn) \
+    {                                                                                                              \
+        .version = ORT_API_FOR_THIS, .GetName = name_fn, .GetExecutionProviderType = op_provider,                  \
+        .GetInputType = input_type_fn, .GetInputTypeCount = input_count_fn, .GetOutputType = output_type_fn,       \
+        .GetOutputTypeCount = output_count_fn, .KernelDestroy = op_destroy, .GetInputCharacteristic = op_required,  \
+        .GetOutputCharacteristic = op_required, .GetInputMemoryType = op_cpu_memory, .CreateKernelV2 = create_fn,   \
+        .KernelComputeV2 = compute_fn, .GetStartVersion = op_since_version, .GetEndVersion = NULL,                  \
+    }
+
 extern const CustomOp exo_qlinear_op, exo_attention_op;
 
 #endif

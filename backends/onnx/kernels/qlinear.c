@@ -507,20 +507,6 @@ static int input_type(const void *op, size_t index) { (void)op; return index == 
 static size_t input_count(const void *op) { (void)op; return 2; }
 static int output_type(const void *op, size_t index) { (void)op; (void)index; return ELEM_FLOAT; }
 static size_t output_count(const void *op) { (void)op; return 1; }
-const CustomOp exo_qlinear_op = {
-    .version = ORT_API_FOR_THIS,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count,
-    .KernelDestroy = op_destroy,
-    .GetInputCharacteristic = op_required,
-    .GetOutputCharacteristic = op_required,
-    .GetInputMemoryType = op_cpu_memory,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-    .GetStartVersion = op_since_version,
-    .GetEndVersion = NULL,
-};
+
+const CustomOp exo_qlinear_op =
+    EXO_CUSTOM_OP(op_name, input_type, input_count, output_type, output_count, create_kernel, compute);
