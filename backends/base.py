@@ -97,6 +97,19 @@ class QuantizedWeight:
         rows, cols = self.q.shape
         return rows * cols * self.bits // 8 + self.scales.nbytes // 2 + self.biases.nbytes // 2
 
+    @classmethod
+    def random(cls, rng: np.random.Generator, rows: int, cols: int, bits: int = 4, half: bool = True) -> QuantizedWeight:
+        """Random codes in blocks of 32 with positive scales and negative biases, for probes,
+        benchmarks and tests. ``half``: scales and biases exact in float16, as GGUF's blocks have
+        them, so a backend runs the matrix the way it runs a model's (ONNX's kernel takes only
+        such blocks: a float32-scaled benchmark once timed its slower fallback instead)."""
+        q = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
+        scales = rng.random((rows, cols // 32)) * (0.1 if bits == 4 else 0.006)
+        biases = -rng.random((rows, cols // 32))
+        if half:
+            scales, biases = scales.astype(np.float16), biases.astype(np.float16)
+        return cls(q=q, scales=scales.astype(np.float32), biases=biases.astype(np.float32), bits=bits)
+
     def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Float32 rows ``[start, stop)`` (all by default), made in place: one array of the
         result's size, not three (a 49152 x 576 head is 113 MB each)."""
@@ -281,7 +294,7 @@ class Backend(abc.ABC):
     def describe(self) -> dict[str, str]:
         """How this backend runs shards on this machine, for the operator (a node's profile
         carries it: the console's node detail and ``exo-tui node --print-profile`` show it)."""
-        return {"threads": str(getattr(self, "threads", ""))} if getattr(self, "threads", None) else {}
+        return {}
 
     @abc.abstractmethod
     def available(self) -> bool:

@@ -37,9 +37,9 @@ from backends.base import (
     ShardWeights,
     validate_forward_input,
 )
-from backends.onnx import kernels
+from backends.onnx import PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
-from backends.onnx.graph import INT8_ACCURACY, build_shard_graph
+from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
 
 CAPACITY_STEP = 256  # pools hold multiples of this many positions
@@ -51,7 +51,6 @@ weight is read once for all of them. SmolLM2, 2 threads, the QLinear kernel: a d
 1 / 2 / 4 / 8 / 16 rows takes 6.3 / 7.9 / 11.5 / 18.0 / 33.5 ms batched (int8 precision: 5.5 / 6.3 /
 7.7 / 11.7 / 17.7; ``benchmarks/onnx_kernels.py``). (On MatMulNBits, whose multi-row path
 dequantizes the whole matrix, 2 / 3 / 4 rows took 28 / 30 / 32 ms against 15 ms for one.)"""
-FLOAT32_ACCURACY = 1  # MatMulNBits' accuracy_level for float32 math (backends.onnx.PRECISIONS)
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
 
@@ -539,9 +538,9 @@ def kernel_for(accuracy_level: int) -> kernels.Library | None:
     """The QLinear build a shard of this precision runs on, if any: float32 on any build, int8
     (accuracy_level 4) on one with int8 products (else it stays on MatMulNBits' int8 products)."""
     library = kernels.library()
-    if library is None or accuracy_level == FLOAT32_ACCURACY:
+    if library is None or accuracy_level == PRECISIONS["float32"]:
         return library
-    return library if accuracy_level == INT8_ACCURACY and library.int8 else None
+    return library if accuracy_level == PRECISIONS["int8"] and library.int8 else None
 
 
 @functools.cache
@@ -552,18 +551,12 @@ def _session_keeps_own_weights(
     c = ModelConfig(n_layers=1, hidden_size=64, intermediate_size=128, n_heads=2, n_kv_heads=1, head_dim=32,
                     vocab_size=64, rms_eps=1e-5, rope_theta=10000.0, context_length=64)
 
-    def quantized(rows: int, cols: int, bits: int = 4, half: bool = True) -> QuantizedWeight:
-        scales, biases = rng.random((2, rows, cols // 32), dtype=np.float32) * np.float32([[[0.1]], [[-0.5]]])
-        if half:  # as GGUF's blocks have them
-            scales, biases = scales.astype(np.float16).astype(np.float32), biases.astype(np.float16).astype(np.float32)
-        return QuantizedWeight(q=rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8),
-                               scales=scales, biases=biases, bits=bits)
-
     # 4-bit in GGUF's blocks (QLinear where it runs) and with float32 scales (MatMulNBits with a
     # correction), a dense float32 matrix, an 8-bit tied head (two 4-bit passes and its dense copy
     # for batches), norms and rotary tables: every kind of initializer a graph has.
     h, i, qd, kvd = c.hidden_size, c.intermediate_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     dense_v = rng.standard_normal((kvd, h)).astype(np.float32)
+    quantized = functools.partial(QuantizedWeight.random, rng)
     layer = LayerWeights(np.ones(h, np.float32), quantized(qd, h), quantized(kvd, h, half=False), dense_v,
                          quantized(h, qd), np.ones(h, np.float32), quantized(i, h), quantized(i, h), quantized(h, i))
     embed = quantized(c.vocab_size, h, bits=8)

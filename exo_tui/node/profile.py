@@ -160,33 +160,20 @@ def device_profile(name: str, memory_limit_bytes: int | None = None, backends: l
     )
 
 
-def _random_quantized(rng: np.random.Generator, rows: int, cols: int) -> QuantizedWeight:
-    """A Q4_1 matrix as a GGUF file holds it: scales and biases exact in float16, so a backend runs
-    it the way it runs a model's (the ONNX kernel takes only such blocks; float32 scales timed the
-    MatMulNBits fallback, ~3x slower, and the planner predicted a third of the real speed)."""
-    return QuantizedWeight(
-        q=rng.integers(0, 16, size=(rows, cols), dtype=np.uint8),
-        scales=(rng.random((rows, cols // 32), dtype=np.float32) * 0.01).astype(np.float16).astype(np.float32),
-        biases=(rng.random((rows, cols // 32), dtype=np.float32) * -0.05).astype(np.float16).astype(np.float32),
-        bits=4,
-        source_type="Q4_1",
-    )
-
-
 def _bench_weights(cfg: ModelConfig) -> ShardWeights:
     rng = np.random.default_rng(0)
     h, i, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     layers = [
         LayerWeights(
             attn_norm=np.ones(h, np.float32),
-            wq=_random_quantized(rng, qd, h),
-            wk=_random_quantized(rng, kvd, h),
-            wv=_random_quantized(rng, kvd, h),
-            wo=_random_quantized(rng, h, qd),
+            wq=QuantizedWeight.random(rng, qd, h),
+            wk=QuantizedWeight.random(rng, kvd, h),
+            wv=QuantizedWeight.random(rng, kvd, h),
+            wo=QuantizedWeight.random(rng, h, qd),
             ffn_norm=np.ones(h, np.float32),
-            w_gate=_random_quantized(rng, i, h),
-            w_up=_random_quantized(rng, i, h),
-            w_down=_random_quantized(rng, h, i),
+            w_gate=QuantizedWeight.random(rng, i, h),
+            w_up=QuantizedWeight.random(rng, i, h),
+            w_down=QuantizedWeight.random(rng, h, i),
         )
         for _ in range(cfg.n_layers)
     ]

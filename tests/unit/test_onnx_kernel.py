@@ -27,7 +27,7 @@ def library() -> kernels.Library:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernel_is_float32_math_on_the_dequantized_matrix(library: kernels.Library, bits: int) -> None:
     rng = np.random.default_rng(1)
-    a, b = kernels.random_matrix(rng, 40, 576, bits), kernels.random_matrix(rng, 3032, 576, bits)
+    a, b = QuantizedWeight.random(rng, 40, 576, bits), QuantizedWeight.random(rng, 3032, 576, bits)
     blob = kernels.pack([a, b])  # two stacked, N not a multiple of 32
     assert blob.shape == (96, 18, 640 if bits == 4 else 1152) and blob.dtype == np.uint8
     w = np.concatenate([a.dequantize(), b.dequantize()]).astype(np.float64)
@@ -42,7 +42,7 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> 
     """Each row is reduced in the same order whatever the number of rows: a request's logits are
     the same bits decoded alone or beside others."""
     rng = np.random.default_rng(2)
-    blob = kernels.pack([kernels.random_matrix(rng, 300, 1536, 4)])
+    blob = kernels.pack([QuantizedWeight.random(rng, 300, 1536, 4)])
     x = rng.standard_normal((13, 1536)).astype(np.float32)
     together = kernels.run_in_session(library.path, x, blob, 4, 300)
     for i in (0, 7, 12):
@@ -61,7 +61,7 @@ def test_the_int8_precision_is_integer_products_of_int8_rows(int8_library: kerne
     """Each block of a row rounded to int8 with one scale, as llama.cpp's Q8_0: the kernel agrees
     with that computed in float64, and is near (not equal to) the float32 result."""
     rng = np.random.default_rng(5)
-    a, b = kernels.random_matrix(rng, 40, 576, bits), kernels.random_matrix(rng, 3032, 576, bits)
+    a, b = QuantizedWeight.random(rng, 40, 576, bits), QuantizedWeight.random(rng, 3032, 576, bits)
     blob = kernels.pack([a, b], int8=True)
     assert blob.shape == (96, 18, 640 if bits == 4 else 1152)
     both = QuantizedWeight(np.concatenate([a.q, b.q]), np.concatenate([a.scales, b.scales]),
@@ -78,7 +78,7 @@ def test_the_int8_precision_is_integer_products_of_int8_rows(int8_library: kerne
 
 def test_int8_rows_do_not_depend_on_their_batch_either(int8_library: kernels.Library) -> None:
     rng = np.random.default_rng(6)
-    blob = kernels.pack([kernels.random_matrix(rng, 300, 1536, 4)], int8=True)
+    blob = kernels.pack([QuantizedWeight.random(rng, 300, 1536, 4)], int8=True)
     x = rng.standard_normal((37, 1536)).astype(np.float32)  # 16 rows or more are quantized in parallel
     together = kernels.run_in_session(int8_library.path, x, blob, 4, 300, int8=True)
     for i in (0, 5, 36):
@@ -101,43 +101,11 @@ def test_attention_is_rotary_causal_attention_over_the_cache(library: kernels.Li
 
 def test_attention_agrees_with_group_query_attention(library: kernels.Library) -> None:
     """The op it replaces: com.microsoft's GroupQueryAttention, rotary interleaved, in place."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
     rng = np.random.default_rng(8)
     case = kernels.AttentionCase.random(rng, 4, 1, heads=9, kv_heads=3, head_dim=64, capacity=128)
-    b, t, w = case.qkv.shape
-    cache = [b, 3, 128, 64]
-    f = TensorProto.FLOAT
-    node = helper.make_node("GroupQueryAttention", ["qkv", "", "", "pk", "pv", "seqlens_k", "total", "cos", "sin"],
-                            ["o", "ok", "ov"], domain="com.microsoft", num_heads=9, kv_num_heads=3,
-                            scale=float(1 / np.sqrt(64)), do_rotary=1, rotary_interleaved=1)
-    graph = helper.make_graph(
-        [node], "gqa",
-        [helper.make_tensor_value_info("qkv", f, [b, t, w]), helper.make_tensor_value_info("pk", f, cache),
-         helper.make_tensor_value_info("pv", f, cache), helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
-         helper.make_tensor_value_info("total", TensorProto.INT32, [])],
-        [helper.make_tensor_value_info("o", f, [b, t, 9 * 64]), helper.make_tensor_value_info("ok", f, cache),
-         helper.make_tensor_value_info("ov", f, cache)],
-        [numpy_helper.from_array(case.cos, "cos"), numpy_helper.from_array(case.sin, "sin")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    keys, values = case.keys.copy(), case.values.copy()
-    io = session.io_binding()
-    kv, vv = ort.OrtValue.ortvalue_from_numpy(keys), ort.OrtValue.ortvalue_from_numpy(values)
-    io.bind_cpu_input("qkv", case.qkv)
-    io.bind_cpu_input("seqlens_k", case.seqlens)
-    io.bind_cpu_input("total", np.array(int(case.seqlens.max()) + 1, np.int32))
-    io.bind_ortvalue_input("pk", kv)
-    io.bind_ortvalue_input("pv", vv)
-    io.bind_ortvalue_output("ok", kv)
-    io.bind_ortvalue_output("ov", vv)
-    io.bind_output("o", "cpu")
-    session.run_with_iobinding(io)
+    out, keys, values = case.in_session(None)
     ours, our_keys, our_values = case.in_session(library.path)
-    assert np.abs(io.copy_outputs_to_cpu()[2] - ours).max() < 1e-5
+    assert np.abs(out - ours).max() < 1e-5
     for i, last in enumerate(case.seqlens):  # the positions written; GQA leaves the rest as they were
         assert np.allclose(keys[i, :, : last + 1], our_keys[i, :, : last + 1], atol=1e-5)
         assert np.array_equal(values[i, :, : last + 1], our_values[i, :, : last + 1])
@@ -185,7 +153,7 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     assert lib.exo_qlinear_int8() == 0  # int8 products are AVX-512 VNNI's: these builds say they have none
     rng = np.random.default_rng(4)
     for bits in (4, 8):
-        w = kernels.random_matrix(rng, 70, 320, bits)
+        w = QuantizedWeight.random(rng, 70, 320, bits)
         blob = kernels.pack([w])
         x = rng.standard_normal((11, 320)).astype(np.float32)
         want = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
@@ -203,8 +171,8 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
 
 def test_only_blocks_of_32_with_half_precision_scales_take_the_kernel() -> None:
     rng = np.random.default_rng(3)
-    w = kernels.random_matrix(rng, 8, 64, 4)
-    assert kernels.runs_on_kernel(w) and kernels.runs_on_kernel(kernels.random_matrix(rng, 8, 64, 8))
+    w = QuantizedWeight.random(rng, 8, 64, 4)
+    assert kernels.runs_on_kernel(w) and kernels.runs_on_kernel(QuantizedWeight.random(rng, 8, 64, 8))
     assert not kernels.runs_on_kernel(QuantizedWeight(w.q, w.scales * np.float32(1.0001), w.biases, bits=4))
     assert not kernels.runs_on_kernel(QuantizedWeight(w.q[:, :48], w.scales[:, :3], w.biases[:, :3], bits=4, group=16))
     assert not kernels.runs_on_kernel(np.zeros((8, 64), np.float32))

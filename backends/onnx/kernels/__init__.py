@@ -234,7 +234,7 @@ def _check(path: Path) -> Library:
     rng = np.random.default_rng(0)
     n, k = 72, 96
     for bits in TILE_BLOCK_BYTES:
-        w = random_matrix(rng, n, k, bits)
+        w = QuantizedWeight.random(rng, n, k, bits)
         for precision in ("float32", "int8") if int8 else ("float32",):
             blob = pack([w], int8=precision == "int8")
             for m in (1, 3, 11):
@@ -278,16 +278,6 @@ def int8_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
     dots = np.einsum("mbk,nbk->mnb", xq, w.q.reshape(n, k // BLOCK, BLOCK).astype(np.float64))
     scales, biases = np.asarray(w.scales, np.float64), np.asarray(w.biases, np.float64)
     return (dots * d[:, None, :] * scales[None]).sum(-1) + (xb.sum(-1, dtype=np.float64) @ biases.T)
-
-
-def random_matrix(rng: np.random.Generator, n: int, k: int, bits: int) -> QuantizedWeight:
-    """Codes with float16 scales and (negative) biases, as GGUF's blocks have them."""
-    return QuantizedWeight(
-        q=rng.integers(0, 2**bits, (n, k), dtype=np.uint8),
-        scales=(rng.random((n, k // BLOCK)) * (0.1 if bits == 4 else 0.006)).astype(np.float16).astype(np.float32),
-        biases=(-rng.random((n, k // BLOCK))).astype(np.float16).astype(np.float32),
-        bits=bits,
-    )
 
 
 def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int, int8: bool = False) -> np.ndarray:
@@ -396,17 +386,27 @@ class AttentionCase:
                           i(self.head_dim), i(keys.shape[2]), i(self.cos.shape[0]))
         return out, keys, values
 
-    def in_session(self, path: str | Path, in_place: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``Attention`` in a one-node ONNX Runtime session; ``in_place``: the present caches bound to
-        the past ones' buffers (as the shard binds them), else given back as new arrays."""
+    def in_session(self, path: str | Path | None, in_place: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``Attention`` from the library at ``path`` in a one-node ONNX Runtime session (``None``:
+        ONNX Runtime's own ``GroupQueryAttention``, the op it replaces, rotary interleaved);
+        ``in_place``: the present caches bound to the past ones' buffers (as the shard binds them),
+        else given back as new arrays."""
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
 
         b, t, w = self.qkv.shape
         cache = [b, self.kv_heads, self.keys.shape[2], self.head_dim]
         f = TensorProto.FLOAT
-        node = helper.make_node(ATTENTION, ["qkv", "pk", "pv", "seqlens_k", "total", "cos", "sin"], ["o", "ok", "ov"],
-                                domain=DOMAIN, num_heads=self.heads, kv_num_heads=self.kv_heads)
+        rest = ["seqlens_k", "total", "cos", "sin"]
+        if path is not None:
+            domain, node = DOMAIN, helper.make_node(ATTENTION, ["qkv", "pk", "pv", *rest], ["o", "ok", "ov"],
+                                                    domain=DOMAIN, num_heads=self.heads, kv_num_heads=self.kv_heads)
+        else:
+            domain, node = "com.microsoft", helper.make_node(
+                "GroupQueryAttention", ["qkv", "", "", "pk", "pv", *rest], ["o", "ok", "ov"], domain="com.microsoft",
+                num_heads=self.heads, kv_num_heads=self.kv_heads, scale=float(1 / np.sqrt(self.head_dim)),
+                do_rotary=1, rotary_interleaved=1,
+            )
         graph = helper.make_graph(
             [node], "check",
             [helper.make_tensor_value_info("qkv", f, [b, t, w]), helper.make_tensor_value_info("pk", f, cache),
@@ -416,13 +416,14 @@ class AttentionCase:
              helper.make_tensor_value_info("ok", f, cache), helper.make_tensor_value_info("ov", f, cache)],
             [numpy_helper.from_array(self.cos, "cos"), numpy_helper.from_array(self.sin, "sin")],
         )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
         model.ir_version = 10
         options = ort.SessionOptions()
         options.log_severity_level = 3
         total = np.array(int(self.seqlens.max()) + 1, np.int32)
         try:
-            options.register_custom_ops_library(str(path))
+            if path is not None:
+                options.register_custom_ops_library(str(path))
             session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
             if not in_place:
                 o, k, v = session.run(None, {"qkv": self.qkv, "pk": self.keys, "pv": self.values,
