@@ -107,16 +107,16 @@ class ONNXBackend(Backend):
         return self._available
 
     def describe(self) -> dict[str, str]:
+        from backends.onnx import kernels
         from backends.onnx.shard import kernel_for
 
         library = kernel_for(PRECISIONS[self.precision])
-        if library is None:
-            matmul = "MatMulNBits (ONNX Runtime's)" + (
-                "" if self.precision == "float32" or kernel_for(PRECISIONS["float32"]) is None
-                else ": QLinear here has no int8 products (they need AVX-512 VNNI)"
-            )
-        else:
+        if library is not None:
             matmul = f"QLinear {library.isa}" + (" int8 products (VNNI)" if self.precision == "int8" else "")
+        elif kernels.library() is not None:  # built, but int8 was asked of a build without it
+            matmul = "MatMulNBits (ONNX Runtime's): QLinear here has no int8 products (they need AVX-512 VNNI)"
+        else:
+            matmul = "MatMulNBits (ONNX Runtime's)"
         attention = "exo-tui Attention" if library is not None else "GroupQueryAttention (ONNX Runtime's)"
         spin = "never" if self.spin_us == 0 else "until a step ends" if self.spin_us is None else f"at most {self.spin_us} µs"
         return {"precision": self.precision, "threads": str(self.threads), "matmul": matmul, "attention": attention,

@@ -33,6 +33,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
+from backends.onnx import PRECISIONS
 from backends.onnx.kernels import ATTENTION, BLOCK, DOMAIN, OP, pack, runs_on_kernel
 from backends.onnx.weights import (
     dense_linear,
@@ -41,8 +42,6 @@ from backends.onnx.weights import (
     runs_quantized,
     same_kind,
 )
-
-INT8_ACCURACY = 4  # MatMulNBits' accuracy_level for int8 products (backends.onnx.PRECISIONS)
 
 MS = "com.microsoft"
 OPSET = 21
@@ -73,7 +72,7 @@ class _Builder:
         self.c = config
         self.accuracy_level = accuracy_level
         self.kernel = kernel  # 4- and 8-bit matrices in GGUF's blocks through exo-tui's QLinear
-        self.int8 = accuracy_level == INT8_ACCURACY  # QLinear's int8 products (else float32)
+        self.int8 = accuracy_level == PRECISIONS["int8"]  # QLinear's int8 products (else float32)
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
         self.small: list[onnx.TensorProto] = []
@@ -244,33 +243,14 @@ def build_shard_graph(
         graph.kv_inputs.append((pk, pv))
         graph.kv_outputs.append((ok, ov))
         attn = b.name(f"l{i}_attn")
+        rest = ["seqlens_k", "total_seq_len", cos_name, sin_name]
         if kernel:  # exo-tui's own: the same math, a batch's rows at the cost of each alone
-            b.nodes.append(
-                helper.make_node(
-                    ATTENTION,
-                    [qkv, pk, pv, "seqlens_k", "total_seq_len", cos_name, sin_name],
-                    [attn, ok, ov],
-                    name=b.name(ATTENTION),
-                    domain=DOMAIN,
-                    num_heads=c.n_heads,
-                    kv_num_heads=c.n_kv_heads,
-                )
-            )
+            op, domain, ins, extra = ATTENTION, DOMAIN, [qkv, pk, pv, *rest], {}
         else:
-            b.nodes.append(
-                helper.make_node(
-                    "GroupQueryAttention",
-                    [qkv, "", "", pk, pv, "seqlens_k", "total_seq_len", cos_name, sin_name],
-                    [attn, ok, ov],
-                    name=b.name("GroupQueryAttention"),
-                    domain=MS,
-                    num_heads=c.n_heads,
-                    kv_num_heads=c.n_kv_heads,
-                    scale=float(1.0 / np.sqrt(c.head_dim)),
-                    do_rotary=1,
-                    rotary_interleaved=1,
-                )
-            )
+            op, domain, ins = "GroupQueryAttention", MS, [qkv, "", "", pk, pv, *rest]
+            extra = {"scale": float(1.0 / np.sqrt(c.head_dim)), "do_rotary": 1, "rotary_interleaved": 1}
+        b.nodes.append(helper.make_node(op, ins, [attn, ok, ov], name=b.name(op), domain=domain,
+                                        num_heads=c.n_heads, kv_num_heads=c.n_kv_heads, **extra))
         o = b.linear(attn, [lw.wo], f"l{i}_o")
         m, h = b.rms_norm(h, lw.ffn_norm, o)
         gu = b.linear(m, [lw.w_gate, lw.w_up], f"l{i}_gateup")
