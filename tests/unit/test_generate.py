@@ -28,6 +28,13 @@ async def _run(model: Model, request: Request, backends: list[str] | None = None
     return chunks, pipeline
 
 
+def _answer(model: Model, request: Request, backends: list[str] | None = None) -> list[Chunk]:
+    """The whole answer, its pipeline closed after it."""
+    chunks, pipeline = asyncio.run(_run(model, request, backends))
+    asyncio.run(pipeline.close())
+    return chunks
+
+
 @pytest.fixture(scope="module")
 def model(tiny_models: dict[str, Path]) -> Model:
     return Model(tiny_models["Q8_0"])
@@ -47,29 +54,25 @@ def test_max_tokens_and_text(model: Model) -> None:
 def test_same_seed_same_tokens_and_split_does_not_matter(model: Model) -> None:
     def once(backends: list[str]) -> list[int]:
         request = Request(model.tokenizer.encode("the cat"), SamplingParams(temperature=50.0, seed=11), 12)
-        _, pipeline = asyncio.run(_run(model, request, backends))
-        asyncio.run(pipeline.close())
+        _answer(model, request, backends)
         return request.generated
 
     a, b, c = once(["onnx"]), once(["onnx"]), once(["onnx", "mlx"])
     assert a == b == c
     request = Request(model.tokenizer.encode("the cat"), SamplingParams(temperature=50.0, seed=12), 12)
-    _, pipeline = asyncio.run(_run(model, request))
-    asyncio.run(pipeline.close())
+    _answer(model, request)
     assert request.generated != a  # another seed, another draw
 
 
 def test_stop_string_is_not_emitted(model: Model) -> None:
     probe = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 20)
-    chunks, pipeline = asyncio.run(_run(model, probe))
-    asyncio.run(pipeline.close())
+    chunks = _answer(model, probe)
     full = "".join(c.text for c in chunks)
     if len(full) < 4:
         pytest.skip("the random model ended too early to cut")
     stop = full[2:4]
     request = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 20, stop=(stop,))
-    chunks, pipeline = asyncio.run(_run(model, request))
-    asyncio.run(pipeline.close())
+    chunks = _answer(model, request)
     text = "".join(c.text for c in chunks)
     assert text == full[: full.index(stop)]
     assert chunks[-1].finish_reason == "stop"
@@ -80,14 +83,12 @@ def test_a_stop_known_only_when_the_stream_ends_still_says_stop(model: Model) ->
     text is held back (the longer one would win), the stream ends after two tokens, and the stop
     still ends the text, with finish "stop"."""
     probe = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 2)
-    chunks, pipeline = asyncio.run(_run(model, probe))
-    asyncio.run(pipeline.close())
+    chunks = _answer(model, probe)
     two = "".join(c.text for c in chunks)
     if len(two) < 2:
         pytest.skip("the random model's first two tokens make under two characters")
     request = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 2, stop=(two, two + "\x07"))
-    chunks, pipeline = asyncio.run(_run(model, request))
-    asyncio.run(pipeline.close())
+    chunks = _answer(model, request)
     assert "".join(c.text for c in chunks) == ""
     assert chunks[-1].finish_reason == "stop"
 
