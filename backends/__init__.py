@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import platform
 
 from backends.base import Backend, BackendError
@@ -27,6 +28,26 @@ def get_backend(name: str) -> Backend:
     backend = _instances[name]
     if not backend.available():
         raise BackendError(f"backend {name} is not available on this machine")
+    return backend
+
+
+def configure_backend(name: str, **options: object) -> Backend:
+    """Make ``name`` the backend built with ``options`` (ONNX: ``threads``, ``precision``, ``spin``,
+    ``pin``) for the rest of this process: every later :func:`get_backend` returns it. A node
+    calls this once at start, from its command line; options left out keep their defaults
+    (environment variables included)."""
+    if name not in _CLASSES:
+        raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}")
+    module, cls = _CLASSES[name]
+    try:
+        backend_cls = getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise BackendError(f"backend {name} cannot be imported ({exc}): install it with pip") from exc
+    unknown = sorted(set(options) - set(inspect.signature(backend_cls).parameters))
+    if unknown:
+        raise BackendError(f"backend {name} has no setting {', '.join(unknown)}: leave it out for {name} nodes")
+    backend = backend_cls(**options)
+    _instances[name] = backend
     return backend
 
 

@@ -28,6 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="node name (default: the host's hostname)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default=None)
     p.add_argument("--memory-limit", type=float, metavar="GB", help="cap the memory the node offers")
+    p.add_argument("--precision", choices=["float32", "int8"], default=None,
+                   help="the node's ONNX precision (exo-tui node --precision; default float32)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="threads a step runs on there")
     p.add_argument("--known-hosts", type=Path, metavar="FILE", help="known_hosts file (default ~/.ssh/known_hosts)")
     p.add_argument("-i", "--identity", action="append", metavar="FILE", help="private key to log in with (repeatable)")
     p.add_argument("--no-advertise", action="store_true", help="the node does not advertise over mDNS")
@@ -54,6 +57,14 @@ def _confirm_on_tty(err) -> bool:  # noqa: ANN001
     except EOFError:
         return False
     return answer.strip().lower() in ("yes", "y")
+
+
+def node_settings(args: argparse.Namespace) -> list[str]:
+    """The ``exo-tui node`` flags for how the remote node runs (its environment is not ours)."""
+    argv = ["--precision", args.precision] if args.precision else []
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         advertise=not args.no_advertise,
         connect_timeout_s=connect_timeout or 10.0,
         install=not args.no_install,
+        node_args=node_settings(args),
     )
     if not args.accept_new_host_key:
 

@@ -20,6 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="node name (default: the host name)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="cap the memory this node offers")
+    p.add_argument("--precision", choices=["float32", "int8"], default=None,
+                   help="ONNX: float32 (exact, the default) or int8 activations (faster, answers near float32's)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="threads a step runs on (default: the physical cores)")
     p.add_argument("--key-file", default=None, help="node bundle (cluster key and certificates) from the coordinator")
     p.add_argument("--join", default=None, metavar="TOKEN", help="fetch the cluster key with a join token first")
     p.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
@@ -39,6 +43,15 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or socket.gethostname()
     backend = default_backend_name() if args.backend == "auto" else args.backend
     limit = int(args.memory_limit * 1e9) if args.memory_limit else None
+    settings = {k: v for k, v in (("precision", args.precision), ("threads", args.threads)) if v is not None}
+    if settings:
+        from backends import configure_backend
+
+        try:
+            configure_backend(backend, **settings)
+        except BackendError as exc:
+            print(f"exo-tui node: {exc}", file=sys.stderr)
+            return 2
     if args.print_profile:
         from backends import get_backend
         from exo_tui.node.profile import benchmark, device_profile

@@ -2,8 +2,8 @@
 
 The performance figure the scheduler uses is measured, not looked up: at start the node times a
 few decode steps and a short prefill of layers shaped like the default model's on each backend it
-has, and its memory bandwidth. Results are cached per machine (keyed by backend, versions and
-shape) so restarts are quick.
+has, and its memory bandwidth. Results are cached per machine (keyed by backend, how it is set
+up to run, versions and shape) so restarts are quick.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 
 from backends import available_backends, get_backend, is_apple_silicon
-from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights
+from backends.base import BackendError, LayerWeights, ModelConfig, QuantizedWeight, ShardWeights
 from exo_tui import __version__
 from exo_tui.paths import exo_home, file_lock
 
@@ -236,7 +236,11 @@ def _cache_key(backend: str) -> str:
         except md.PackageNotFoundError:
             pass
     shape = f"{BENCH_CONFIG.hidden_size}x{BENCH_CONFIG.intermediate_size}x{BENCH_CONFIG.n_heads}"
-    settings = ",".join(f"{name}={os.environ.get(name, '')}" for name in TIMING_SETTINGS)
+    try:  # how the backend runs here (precision, threads, kernels, spin): other settings, other figures
+        engine = get_backend(backend).describe()
+    except BackendError:
+        engine = {}
+    settings = ",".join(f"{name}={value}" for name, value in sorted(engine.items()))
     kernel = ""
     if backend == "onnx":  # whether its QLinear kernel runs here (built and trusted), and which build
         from backends.onnx import kernels
@@ -244,13 +248,6 @@ def _cache_key(backend: str) -> str:
         library = kernels.library()
         kernel = f"|qlinear={library.isa + ':' + library.build if library else 'none'}"
     return f"{backend}|{TIMING_METHOD}|{shape}|{_cpu_model()}|{settings}|{','.join(versions)}{kernel}"
-
-
-TIMING_SETTINGS = (
-    "EXO_TUI_THREADS", "EXO_TUI_ONNX_SPIN", "EXO_TUI_ONNX_PIN", "EXO_TUI_ONNX_PRECISION", "EXO_TUI_ONNX_KERNEL",
-)
-"""Environment settings that change how fast a backend runs: a timing measured under other
-values is measured again, not taken from the cache."""
 
 
 def benchmark(profile: NodeProfile, *, use_cache: bool = True, backends: list[str] | None = None) -> NodeProfile:

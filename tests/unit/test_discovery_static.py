@@ -222,3 +222,12 @@ def test_node_command_and_systemd_unit_quote_their_arguments() -> None:
     exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     assert shlex.split(exec_line[len("ExecStart="):]) == argv
     assert "Restart=on-failure" in unit and "WantedBy=default.target" in unit
+
+
+def test_bootstrap_passes_precision_and_threads_to_the_node() -> None:
+    from exo_tui import cli
+    from exo_tui.commands.bootstrap import node_settings
+
+    args = cli.build_parser().parse_args(["bootstrap", "pi@10.0.0.7", "--precision", "int8", "--threads", "3"])
+    assert node_settings(args) == ["--precision", "int8", "--threads", "3"]
+    assert node_settings(cli.build_parser().parse_args(["bootstrap", "pi@10.0.0.7"])) == []

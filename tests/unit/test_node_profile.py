@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import backends
+from backends import configure_backend
 from backends.onnx import kernels
 from exo_tui.node.profile import (
     NodeProfile,
@@ -72,6 +74,21 @@ def test_print_profile(tmp_path: Path) -> None:
     assert profile["engine"]["matmul"] == (f"QLinear {library.isa}" if library else "MatMulNBits (ONNX Runtime's)")
 
 
+def test_node_precision_and_threads_flags(tmp_path: Path) -> None:
+    """What bootstrap passes to a node on another host, where no environment of ours reaches."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_TUI_ONNX") and k != "EXO_TUI_THREADS"}
+    env["EXO_TUI_HOME"] = str(tmp_path)
+    base = [sys.executable, "-m", "exo_tui.cli", "node", "--print-profile", "--no-benchmark", "--name", "probe"]
+    out = subprocess.run([*base, "--backend", "onnx", "--precision", "int8", "--threads", "1"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    engine = json.loads(out.stdout)["engine"]
+    assert engine["precision"] == "int8" and engine["threads"] == "1"
+    out = subprocess.run([*base, "--backend", "mlx", "--precision", "int8"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2 and "backend mlx has no setting precision" in out.stderr and not out.stdout
+
+
 def test_a_profile_from_a_newer_node_still_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fields a newer node adds are left out, not an error: neighbouring versions share a cluster."""
     monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
@@ -82,15 +99,28 @@ def test_a_profile_from_a_newer_node_still_reads(tmp_path: Path, monkeypatch: py
 
 def test_a_timing_taken_under_other_settings_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
-    monkeypatch.delenv("EXO_TUI_ONNX_SPIN", raising=False)
+    monkeypatch.setattr(backends, "_instances", {})
+    configure_backend("onnx", spin=True)
     cached = {_cache_key("onnx"): {"decode_layer_s": 5.0, "prefill_layer_token_s": 5.0}, "bandwidth": 1.0}
     (tmp_path / "benchmark-cache.json").write_text(json.dumps(cached))
     p = benchmark(device_profile("n1"), backends=["onnx"])
     assert p.layer_timing["onnx"].decode_layer_s == 5.0  # this machine's figure, from the cache
-    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "0")  # threads that never spin run slower: not that figure
+    configure_backend("onnx", spin=False)  # threads that never spin run slower: not that figure
     p = benchmark(device_profile("n1"), backends=["onnx"])
     assert 0 < p.layer_timing["onnx"].decode_layer_s < 1
     assert len(json.loads((tmp_path / "benchmark-cache.json").read_text())) == 3  # both kept, and bandwidth
+
+
+def test_a_timing_is_keyed_by_how_the_node_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``exo-tui node --precision``/``--threads`` set the backend up in the process: the cache
+    key follows the backend as set up, not the environment it was started from."""
+    monkeypatch.setattr(backends, "_instances", {})
+    monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
+    default = _cache_key("onnx")
+    configure_backend("onnx", precision="int8")
+    assert "precision=int8" in _cache_key("onnx") and "precision=float32" in default
+    configure_backend("onnx", threads=1)
+    assert "threads=1" in _cache_key("onnx") and _cache_key("onnx") != default
 
 
 def test_a_timing_says_whether_the_onnx_kernel_ran(monkeypatch: pytest.MonkeyPatch) -> None:
