@@ -99,6 +99,17 @@ def test_attention_is_rotary_causal_attention_over_the_cache(library: kernels.Li
             assert np.allclose(g, w, rtol=1e-4, atol=1e-5), in_place
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 4, 128), (6, 2, 48)])
+def test_attention_for_other_head_shapes(library: kernels.Library, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Seven query heads to a key/value head (taken four and three at a time), head size 128, and
+    a size of neither kind (each head alone), over a cache long enough to need heap scratch."""
+    rng = np.random.default_rng(heads + head_dim)
+    case = kernels.AttentionCase.random(rng, 3, 2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, capacity=1500)
+    case.seqlens[0] = 1400  # a long row beside short ones
+    for got, want in zip(case.in_session(library.path), case.reference(), strict=True):
+        assert np.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_attention_agrees_with_group_query_attention(library: kernels.Library) -> None:
     """The op it replaces: com.microsoft's GroupQueryAttention, rotary interleaved, in place."""
     rng = np.random.default_rng(8)
