@@ -174,10 +174,12 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         together = kernels.call(lib, x, blob, bits, 70)  # and a row's bits whatever its batch
         for i in (0, 5, 10):
             assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70)[0], together[i]), (bits, i)
-    for rows, tokens in ((4, 1), (1, 6)):  # and the attention (its plain loops there)
-        case = kernels.AttentionCase.random(rng, rows, tokens, heads=6, kv_heads=2, head_dim=64, capacity=40)
+    # and the attention (AVX2's 8-wide loops, or the plain ones), head sizes of 8 wide chunks even and odd
+    for rows, tokens, heads, kv_heads, head_dim in ((4, 1, 6, 2, 64), (1, 6, 6, 2, 64), (2, 1, 8, 4, 128), (3, 2, 4, 2, 40)):
+        case = kernels.AttentionCase.random(rng, rows, tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                            capacity=45)
         for got, want in zip(case.call(lib), case.reference(), strict=True):
-            assert np.allclose(got, want, rtol=1e-4, atol=1e-5), (rows, tokens)
+            assert np.allclose(got, want, rtol=1e-4, atol=1e-5), (rows, tokens, head_dim)
 
 
 def test_only_blocks_of_32_with_half_precision_scales_take_the_kernel() -> None:
