@@ -185,7 +185,8 @@ async def test_bootstrap_installs_starts_upgrades_and_stops_a_node(
     kh = ssh_host.known_hosts(tmp_path / "known_hosts")
     port = free_port()
     opts = ssh_host.options(
-        kh, wheelhouse=wheelhouse, node_port=port, node_host="127.0.0.1", node_args=["--no-benchmark"],
+        kh, wheelhouse=wheelhouse, node_port=port, node_host="127.0.0.1",
+        node_args=["--no-benchmark", "--precision", "int8", "--threads", "1"],  # what `bootstrap --precision` passes
         advertise=False, handshake_timeout_s=90,
     )
     bus = EventBus()
@@ -225,6 +226,8 @@ async def test_bootstrap_installs_starts_upgrades_and_stops_a_node(
     conn = await net_connect("127.0.0.1", port, security=ensure_cluster(exo_home).security(), timeout=5)
     reply = await conn.call("profile", timeout=5)
     assert reply.body["profile"]["node_id"] == result.node_id
+    engine = reply.body["profile"]["engine"]  # the node runs as told on its command line
+    assert engine["precision"] == "int8" and engine["threads"] == "1"
     await conn.aclose()
 
     # Again: upgrade and restart (a new process, same node id).
