@@ -40,8 +40,9 @@ SPIN_DURATION_MIN_ORT = (1, 26)
 PRECISIONS = {"float32": 1, "int8": 4}
 """``MatMulNBits`` ``accuracy_level`` per precision. ``float32`` (the default) matches float32 math
 on the dequantized weights; ``int8`` rounds each block of 32 activations to int8 with one scale
-and multiplies integers (faster, less exact): on ``QLinear``'s AVX-512 VNNI products where its
-build has them (2.5x the prefill and 1.25x the decode of float32 here), else on ``MatMulNBits``'."""
+and multiplies integers (faster, less exact): on ``QLinear``'s integer products where its build
+has them (AVX-512 VNNI, or AVX2's pair sums, the same numbers; 2.5x the prefill and 1.25x the
+decode of float32 here), else on ``MatMulNBits``'."""
 
 
 class ONNXBackend(Backend):
@@ -112,9 +113,10 @@ class ONNXBackend(Backend):
 
         library = kernel_for(PRECISIONS[self.precision])
         if library is not None:
-            matmul = f"QLinear {library.isa}" + (" int8 products (VNNI)" if self.precision == "int8" else "")
+            products = " int8 products (VNNI)" if library.isa == "avx512" else " int8 products"
+            matmul = f"QLinear {library.isa}" + (products if self.precision == "int8" else "")
         elif kernels.library() is not None:  # built, but int8 was asked of a build without it
-            matmul = "MatMulNBits (ONNX Runtime's): QLinear here has no int8 products (they need AVX-512 VNNI)"
+            matmul = "MatMulNBits (ONNX Runtime's): QLinear here has no int8 products (they need AVX2 or AVX-512 VNNI)"
         else:
             matmul = "MatMulNBits (ONNX Runtime's)"
         attention = "exo-tui Attention" if library is not None else "GroupQueryAttention (ONNX Runtime's)"

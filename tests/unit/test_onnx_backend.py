@@ -388,12 +388,12 @@ def test_int8_precision_is_opt_in_and_close(tiny_models):
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 1e-4 < err < 0.05  # activation quantization: near, not equal
     library = kernels.library()
-    # int8 products are QLinear's where its build has them (AVX-512 VNNI), else MatMulNBits'
+    # int8 products are QLinear's where its build has them (AVX-512 VNNI or AVX2), else MatMulNBits'
     assert fast.kernel == (library.isa if library is not None and library.int8 else "")
 
 
 def test_int8_precision_on_matmulnbits_where_the_kernel_has_no_int8(tiny_models, monkeypatch):
-    """Machines without AVX-512 VNNI: the int8 precision runs on MatMulNBits' int8 products."""
+    """Builds without int8 products (plain C): the int8 precision runs on MatMulNBits' int8 products."""
     library = kernels.library()
     if library is None:
         pytest.skip("no kernel here: the int8 precision is on MatMulNBits anyway (tested above)")

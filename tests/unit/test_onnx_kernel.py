@@ -52,7 +52,7 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> 
 @pytest.fixture(scope="module")
 def int8_library(library: kernels.Library) -> kernels.Library:
     if not library.int8:
-        pytest.skip(f"this CPU's {library.isa} build has no int8 products (they need AVX-512 VNNI)")
+        pytest.skip(f"this CPU's {library.isa} build has no int8 products (they need AVX2 or AVX-512 VNNI)")
     return library
 
 
@@ -161,7 +161,7 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     lib = ctypes.CDLL(str(out))
     lib.exo_qlinear_isa.restype = ctypes.c_char_p
     assert lib.exo_qlinear_isa().decode() == isa
-    assert lib.exo_qlinear_int8() == 0  # int8 products are AVX-512 VNNI's: these builds say they have none
+    assert lib.exo_qlinear_int8() == (isa == "avx2")  # AVX2's pair sums (or AVX-512 VNNI); plain C has none
     rng = np.random.default_rng(4)
     for bits in (4, 8):
         w = QuantizedWeight.random(rng, 70, 320, bits)
@@ -174,6 +174,21 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         together = kernels.call(lib, x, blob, bits, 70)  # and a row's bits whatever its batch
         for i in (0, 5, 10):
             assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70)[0], together[i]), (bits, i)
+    if isa == "avx2":  # the int8 precision: its float64 model, and the VNNI build's numbers bit for bit
+        native = kernels.library()
+        vnni = ctypes.CDLL(native.path) if native is not None and native.int8 and native.isa == "avx512" else None
+        for bits in (4, 8):
+            w = QuantizedWeight.random(rng, 70, 320, bits)
+            blob = kernels.pack([w], int8=True)
+            x = rng.standard_normal((11, 320)).astype(np.float32)
+            x[3, :32] = 0.0  # a block of zeros has scale 0
+            want = kernels.int8_reference(x, w)
+            got = kernels.call(lib, x, blob, bits, 70, int8=True)
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), bits
+            for i in (0, 3, 10):
+                assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70, int8=True)[0], got[i])
+            if vnni is not None:
+                assert np.array_equal(kernels.call(vnni, x, blob, bits, 70, int8=True), got), bits
     # and the attention (AVX2's 8-wide loops, or the plain ones), head sizes of 8 wide chunks even and odd
     for rows, tokens, heads, kv_heads, head_dim in ((4, 1, 6, 2, 64), (1, 6, 6, 2, 64), (2, 1, 8, 4, 128), (3, 2, 4, 2, 40)):
         case = kernels.AttentionCase.random(rng, rows, tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

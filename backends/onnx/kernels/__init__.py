@@ -54,7 +54,7 @@ FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
 class Library:
     path: str
     isa: str  # the instruction set it was built for: avx512, avx2 or c
-    int8: bool = False  # whether it has the int8 precision's products (AVX-512 VNNI)
+    int8: bool = False  # whether it has the int8 precision's products (AVX-512 VNNI or AVX2)
 
     @property
     def build(self) -> str:

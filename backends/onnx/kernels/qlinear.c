@@ -27,11 +27,14 @@
 #include <immintrin.h>
 #define QL_AVX512 1
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define QL_INT8 1 /* int8 products (VPDPBUSD) for the int8 precision */
+#define QL_INT8 1 /* int8 products for the int8 precision: VPDPBUSD */
+#define QL_INT8_VNNI 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX2 1
+#define QL_INT8 1 /* int8 products for the int8 precision: VPMADDUBSW and VPMADDWD, VPDPBUSD's sums exactly */
+#define QL_INT8_AVX2 1
 #endif
 
 /* ------------------------------------------------------------------ the kernel */
@@ -229,10 +232,31 @@ TILES(8)
      bits 8: 8 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c). */
 #define ROWS_INT8 4
 
-static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
-                                                                  int64_t k, const uint8_t *w, int64_t nb, float *y,
-                                                                  int64_t ldy, int cols, const int rows, const int bits)
+/* A block's float sum, in one fixed order (halves of 16, of 8, of 4, then pairs) whatever the
+   build: the AVX-512 and AVX2 builds give the same int8 results bit for bit. */
+#if defined(QL_INT8_VNNI)
+static inline float block_sum(__m512 v0, __m512 v1)
 {
+    const __m512 v = _mm512_add_ps(v0, v1);
+    const __m256 h = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_castps512_ps256(v));
+#else
+static inline float block_sum(__m256 a_lo, __m256 a_hi, __m256 b_lo, __m256 b_hi)
+{
+    const __m256 h = _mm256_add_ps(_mm256_add_ps(a_hi, b_hi), _mm256_add_ps(a_lo, b_lo));
+#endif
+    __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtss_f32(q);
+}
+
+#if defined(QL_INT8_VNNI)
+static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
+                                                                  const int32_t *xi, int64_t k, const uint8_t *w,
+                                                                  int64_t nb, float *y, int64_t ldy, int cols,
+                                                                  const int rows, const int bits)
+{
+    (void)xi; /* VPDPBUSD takes the stored codes as they are */
     const int64_t block_bytes = TILE_BLOCK_BYTES(bits), half_bytes = (bits == 4 ? 256 : 512);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f0[ROWS_INT8], f1[ROWS_INT8];
@@ -285,33 +309,147 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
     }
 }
 
-typedef void (*tile_int8_fn)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, float *,
-                             int64_t, int);
-#define TILE_ROWS_INT8(R, BITS)                                                                                \
-    static void tile_int8_##BITS##_##R(const int8_t *xq, const float *xd, const float *xs, int64_t k,            \
-                                       const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols)            \
-    {                                                                                                          \
-        tile_rows_int8(xq, xd, xs, k, w, nb, y, ldy, cols, R, BITS);                                           \
-    }
-TILE_ROWS_INT8(1, 4) TILE_ROWS_INT8(2, 4) TILE_ROWS_INT8(3, 4) TILE_ROWS_INT8(4, 4)
-TILE_ROWS_INT8(1, 8) TILE_ROWS_INT8(2, 8) TILE_ROWS_INT8(3, 8) TILE_ROWS_INT8(4, 8)
-static const tile_int8_fn tiles_int8_4[ROWS_INT8 + 1] = {NULL, tile_int8_4_1, tile_int8_4_2, tile_int8_4_3, tile_int8_4_4};
-static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, tile_int8_8_2, tile_int8_8_3, tile_int8_8_4};
 
 /* Row r of X to int8 codes, a scale and a float sum per block (rounding to nearest, ties to even). */
-static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs)
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi)
 {
     for (int64_t b = 0; b < k / BLOCK; b++) {
         const __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         const __m512 iv = _mm512_set1_ps(inv);
-        _mm_storeu_si128((__m128i *)(xq + b * BLOCK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
-        _mm_storeu_si128((__m128i *)(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
+        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+        _mm_storeu_si128((__m128i *)(xq + b * BLOCK), _mm512_cvtsepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(c1));
+        xi[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)); /* |codes| <= 127: nothing saturated */
         xd[b] = d;
-        xs[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        xs[b] = block_sum(v0, v1);
     }
 }
+#else /* QL_INT8_AVX2 */
+/* VPDPBUSD's sum of four byte products per 32-bit lane, from AVX2's 16-bit pair sums: codes of 4
+   bits times int8 values stay within 16 bits (2 x 15 x 127); a code of 8 bits (stored + 128) is
+   taken signed, its size times the value's sign, then 128 times the block's value sum added back
+   (dot8), all in exact integers, so the result is VPDPBUSD's. */
+static inline __m256i dot4(__m256i lo, __m256i xl, __m256i hi, __m256i xh)
+{
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+static inline __m256i dot8(__m256i codes, __m256i x)
+{
+    const __m256i w = _mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80)); /* the signed code */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+
+/* The AVX-512 tile function's math 8 columns to a vector: per half of 16 columns two vectors a
+   line (bytes 0-31 columns 0-7, bytes 32-63 columns 8-15). */
+static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
+                                                                  const int32_t *xi, int64_t k, const uint8_t *w,
+                                                                  int64_t nb, float *y, int64_t ldy, int cols,
+                                                                  const int rows, const int bits)
+{
+    const int64_t block_bytes = TILE_BLOCK_BYTES(bits), half_bytes = (bits == 4 ? 256 : 512);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 f[ROWS_INT8][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++)
+            f[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
+        __m256i acc[ROWS_INT8][4];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = _mm256_setzero_si256();
+        const uint8_t *q = w + 128;
+        for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
+            __m256i v[4];
+            for (int c = 0; c < 4; c++) /* columns 8c to 8c + 7 */
+                v[c] = _mm256_loadu_si256((const __m256i *)(q + (c / 2) * half_bytes + 64 * j + 32 * (c % 2)));
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + b * BLOCK;
+                int32_t lo4, hi4;
+                memcpy(&lo4, xr + 4 * j, 4);
+                if (bits == 4) {
+                    memcpy(&hi4, xr + 16 + 4 * j, 4);
+                    const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+                    for (int c = 0; c < 4; c++)
+                        acc[r][c] = _mm256_add_epi32(acc[r][c], dot4(_mm256_and_si256(v[c], low), xl,
+                                                                     _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low), xh));
+                } else {
+                    const __m256i xv = _mm256_set1_epi32(lo4);
+                    for (int c = 0; c < 4; c++)
+                        acc[r][c] = _mm256_add_epi32(acc[r][c], dot8(v[c], xv));
+                }
+            }
+        }
+        __m256 sc[4], bc[4];
+        for (int c = 0; c < 4; c++) {
+            sc[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16 * c)));
+            bc[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 64 + 16 * c)));
+        }
+        for (int r = 0; r < rows; r++) {
+            if (bits == 8) { /* the codes were taken signed: 128 times the block's value sum back */
+                const __m256i back = _mm256_set1_epi32(128 * xi[r * nb + b]);
+                for (int c = 0; c < 4; c++)
+                    acc[r][c] = _mm256_add_epi32(acc[r][c], back);
+            }
+            const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
+            for (int c = 0; c < 4; c++)
+                f[r][c] = _mm256_fmadd_ps(bc[c], sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_mul_ps(sc[c], d), f[r][c]));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float out[TILE];
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(out + 8 * c, f[r][c]);
+        memcpy(y + r * ldy, out, (size_t)cols * sizeof(float));
+    }
+}
+
+/* quantize_row's AVX-512 math 8 wide: the same codes, scale and sum. */
+static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        __m256i c[4];
+        for (int i = 0; i < 4; i++)
+            c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * BLOCK), _mm256_permutevar8x32_epi32(bytes, order));
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        xi[b] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+        xd[b] = d;
+        xs[b] = block_sum(v[0], v[1], v[2], v[3]);
+    }
+}
+#endif
+
+typedef void (*tile_int8_fn)(const int8_t *, const float *, const float *, const int32_t *, int64_t, const uint8_t *,
+                             int64_t, float *, int64_t, int);
+#define TILE_ROWS_INT8(R, BITS)                                                                                \
+    static void tile_int8_##BITS##_##R(const int8_t *xq, const float *xd, const float *xs, const int32_t *xi,    \
+                                       int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols) \
+    {                                                                                                          \
+        tile_rows_int8(xq, xd, xs, xi, k, w, nb, y, ldy, cols, R, BITS);                                       \
+    }
+TILE_ROWS_INT8(1, 4) TILE_ROWS_INT8(2, 4) TILE_ROWS_INT8(3, 4) TILE_ROWS_INT8(4, 4)
+TILE_ROWS_INT8(1, 8) TILE_ROWS_INT8(2, 8) TILE_ROWS_INT8(3, 8) TILE_ROWS_INT8(4, 8)
+static const tile_int8_fn tiles_int8_4[ROWS_INT8 + 1] = {NULL, tile_int8_4_1, tile_int8_4_2, tile_int8_4_3, tile_int8_4_4};
+static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, tile_int8_8_2, tile_int8_8_3, tile_int8_8_4};
 #endif
 
 typedef struct {
@@ -319,8 +457,9 @@ typedef struct {
     const uint8_t *w;
     float *y;
     int64_t m, k, n, bits;
-    const int8_t *xq; /* the int8 precision: X as codes, a scale and a sum per block; else NULL */
+    const int8_t *xq; /* the int8 precision: X as codes, a scale, a float sum and a code sum per block; else NULL */
     const float *xd, *xs;
+    const int32_t *xi;
 } Job;
 
 /* Tile `task` of W (columns [task * TILE, ...) of Y), every row: the tile stays in the caches
@@ -336,7 +475,7 @@ static void run_task(void *arg, size_t task)
         const tile_int8_fn *tiles = job->bits == 4 ? tiles_int8_4 : tiles_int8_8;
         for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT8) {
             const int64_t rows = job->m - m0 < ROWS_INT8 ? job->m - m0 : ROWS_INT8;
-            tiles[rows](job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->k, w, nb,
+            tiles[rows](job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->xi + m0 * nb, job->k, w, nb,
                         job->y + m0 * job->n + n0, job->n, cols);
         }
         return;
@@ -354,11 +493,12 @@ static void run_task(void *arg, size_t task)
 static void *int8_scratch(Job *job)
 {
     const int64_t nb = job->k / BLOCK;
-    float *scratch = (float *)malloc((size_t)(2 * job->m * nb) * sizeof(float) + (size_t)(job->m * job->k));
+    float *scratch = (float *)malloc((size_t)(3 * job->m * nb) * sizeof(float) + (size_t)(job->m * job->k));
     if (scratch != NULL) {
         job->xd = scratch;
         job->xs = scratch + job->m * nb;
-        job->xq = (const int8_t *)(scratch + 2 * job->m * nb);
+        job->xi = (const int32_t *)(scratch + 2 * job->m * nb);
+        job->xq = (const int8_t *)(scratch + 3 * job->m * nb);
     }
     return scratch;
 }
@@ -368,7 +508,7 @@ static void quantize_task(void *arg, size_t row)
     const Job *job = (const Job *)arg;
     const int64_t nb = job->k / BLOCK;
     quantize_row(job->x + row * job->k, job->k, (int8_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
-                 (float *)job->xs + row * nb);
+                 (float *)job->xs + row * nb, (int32_t *)job->xi + row * nb);
 }
 #endif
 
@@ -376,7 +516,7 @@ static void quantize_task(void *arg, size_t row)
    precision (only where exo_qlinear_int8() says the build has it). Returns 0, or -1 if it cannot. */
 int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t int8)
 {
-    Job job = {x, w, y, m, k, n, bits, NULL, NULL, NULL};
+    Job job = {x, w, y, m, k, n, bits, NULL, NULL, NULL, NULL};
     void *scratch = NULL;
     if (int8) {
 #if defined(QL_INT8)
@@ -440,7 +580,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
         status = fail("QLinear: bits must be 4 or 8");
 #if !defined(QL_INT8)
     if (status == NULL && kernel->int8)
-        status = fail("QLinear: this build has no int8 products (it needs AVX-512 VNNI)");
+        status = fail("QLinear: this build has no int8 products (they need AVX2 or AVX-512 VNNI)");
 #endif
     if (status != NULL) {
         free(kernel);
@@ -478,7 +618,7 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
     if (m == 0)
         return NULL;
-    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits, NULL, NULL, NULL};
+    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits, NULL, NULL, NULL, NULL};
     const size_t tasks = (size_t)((kernel->n + TILE - 1) / TILE);
     if (!kernel->int8)
         return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, run_task, tasks, 0, &job);
