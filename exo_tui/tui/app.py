@@ -182,7 +182,10 @@ class ExoApp(App):
         sub = self.control.events.subscribe(replay=True)
         try:
             while True:
-                self.post_message(ClusterEventReceived(await sub.get()))
+                event = await sub.get()
+                if isinstance(event, ev.TokenStreamed):
+                    continue  # the chat has its tokens from its own stream: a message each cost ~3 % of a core
+                self.post_message(ClusterEventReceived(event))
         finally:
             sub.close()
 
