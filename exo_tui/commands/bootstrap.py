@@ -8,6 +8,8 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from exo_tui.commands.node import threads_arg
+
     p = sub.add_parser(
         "bootstrap",
         help="install exo-tui on a host over SSH and start its node agent",
@@ -30,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit", type=float, metavar="GB", help="cap the memory the node offers")
     p.add_argument("--precision", choices=["float32", "int8"], default=None,
                    help="the node's ONNX precision (exo-tui node --precision; default float32)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="threads a step runs on there")
+    p.add_argument("--threads", type=threads_arg, default=None, metavar="N", help="threads a step runs on there")
     p.add_argument("--known-hosts", type=Path, metavar="FILE", help="known_hosts file (default ~/.ssh/known_hosts)")
     p.add_argument("-i", "--identity", action="append", metavar="FILE", help="private key to log in with (repeatable)")
     p.add_argument("--no-advertise", action="store_true", help="the node does not advertise over mDNS")

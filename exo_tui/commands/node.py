@@ -9,6 +9,17 @@ import socket
 import sys
 
 
+def threads_arg(text: str) -> int:
+    """``--threads``: a whole number of at least 1 (said at once, not by a node started later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of threads") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a step needs at least 1 thread, got {value}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "node",
@@ -22,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="cap the memory this node offers")
     p.add_argument("--precision", choices=["float32", "int8"], default=None,
                    help="ONNX: float32 (exact, the default) or int8 activations (faster, answers near float32's)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", type=threads_arg, default=None, metavar="N",
                    help="threads a step runs on (default: the physical cores)")
     p.add_argument("--key-file", default=None, help="node bundle (cluster key and certificates) from the coordinator")
     p.add_argument("--join", default=None, metavar="TOKEN", help="fetch the cluster key with a join token first")

@@ -231,3 +231,5 @@ def test_bootstrap_passes_precision_and_threads_to_the_node() -> None:
     args = cli.build_parser().parse_args(["bootstrap", "pi@10.0.0.7", "--precision", "int8", "--threads", "3"])
     assert node_settings(args) == ["--precision", "int8", "--threads", "3"]
     assert node_settings(cli.build_parser().parse_args(["bootstrap", "pi@10.0.0.7"])) == []
+    with pytest.raises(SystemExit):  # refused here, not by the node started over there
+        cli.build_parser().parse_args(["bootstrap", "pi@10.0.0.7", "--threads", "0"])
