@@ -238,7 +238,8 @@ TILES(8)
 static inline float block_sum(__m512 v0, __m512 v1)
 {
     const __m512 v = _mm512_add_ps(v0, v1);
-    const __m256 h = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_castps512_ps256(v));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); /* AVX512F, not DQ */
+    const __m256 h = _mm256_add_ps(hi, _mm512_castps512_ps256(v));
 #else
 static inline float block_sum(__m256 a_lo, __m256 a_hi, __m256 b_lo, __m256 b_hi)
 {
