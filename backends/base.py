@@ -278,6 +278,16 @@ class Shard(abc.ABC):
         )
         self.import_kv(request_id, cache)
 
+    def rename_kv(self, old: str, new: str) -> None:
+        """The cache of request ``old`` becomes request ``new``'s (a finished request's cache
+        taken over by the next turn of its conversation). ``new`` must hold no cache."""
+        if self.kv_length(new):
+            raise BackendError(f"request {new} already has a cache here")
+        if not self.kv_length(old):
+            raise BackendError(f"request {old} has no cache here to hand over")
+        self.import_kv(new, self.export_kv(old))
+        self.drop(old)
+
     def requests(self) -> list[str]:
         """Requests that hold a cache here."""
         return []

@@ -284,6 +284,15 @@ class MLXShard(Shard):
         with self._lock:
             self._caches.pop(request_id, None)
 
+    def rename_kv(self, old: str, new: str) -> None:
+        with self._lock:
+            if new in self._caches:
+                raise BackendError(f"request {new} already has a cache here")
+            cache = self._caches.pop(old, None)
+            if cache is None:
+                raise BackendError(f"request {old} has no cache here to hand over")
+            self._caches[new] = cache
+
     def requests(self) -> list[str]:
         with self._lock:
             return list(self._caches)

@@ -516,6 +516,16 @@ class ONNXShard(Shard):
         with self._lock:
             self._release(request_id)
 
+    def rename_kv(self, old: str, new: str) -> None:
+        with self._lock:  # the slot changes owner: nothing is copied
+            if new in self._caches:
+                raise BackendError(f"request {new} already has a cache here")
+            entry = self._caches.pop(old, None)
+            if entry is None:
+                raise BackendError(f"request {old} has no cache here to hand over")
+            entry.pool.owners[entry.slot] = new
+            self._caches[new] = entry
+
     def requests(self) -> list[str]:
         # Without the lock: callers such as heartbeats must not wait for a long step to end.
         while True:

@@ -285,6 +285,8 @@ class Coordinator:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        with contextlib.suppress(Exception):  # nodes that outlive this coordinator keep no finished caches
+            await asyncio.wait_for(self.pipeline.forget_kept(), 5.0)
         for handle in self.nodes.values():
             if handle.conn is not None:
                 with contextlib.suppress(Exception):

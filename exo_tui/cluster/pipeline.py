@@ -9,6 +9,13 @@ tokens they hold. When the plan in force is a newer one — a drain, a rebalance
 the caches were not moved to it, the step re-runs the request's whole token history (its
 checkpoint) on the new ring, which rebuilds the caches there. A failed step is retried on the
 plan the coordinator makes over the survivors, up to ``retry_limit`` times.
+
+A request that runs to its end (not cancelled, not failed) leaves its caches on its nodes for a
+while (the last ``KEEP_FINISHED``): a chat's next turn sends the whole conversation again, and when its tokens
+begin with an earlier request's prompt and part of that request's answer, its first step takes
+those caches over (``adopt`` in the frame) and runs only what follows. A new request sharing no
+more than the earlier one's prompt is run from scratch, so asking the same question twice runs
+the same steps twice.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -30,6 +38,8 @@ from exo_tui.node.host import RingPlan
 log = logging.getLogger("exo_tui.cluster")
 
 STEP_TIMEOUT_S = 600.0  # last resort; failures are normally detected by heartbeats and sockets
+KEEP_FINISHED = 2  # finished requests whose caches stay on their nodes for a next turn
+MIN_ADOPTED = 16  # fewer shared tokens than this are run again rather than taken over
 
 
 class StepFailure(Exception):
@@ -73,6 +83,21 @@ class _Cached:
     length: int
 
 
+@dataclass
+class _Kept:
+    """A finished request's caches, left on the nodes of ``plan`` for a next turn."""
+
+    tokens: tuple[int, ...]  # the positions they hold
+    prompt: int  # how many of them were its prompt
+    plan: RingPlan
+
+
+def _shared_prefix(a: list[int], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if len(diff) else n
+
+
 class RemotePipeline:
     """A :class:`~exo_tui.inference.generate.StepRunner` over node agents."""
 
@@ -82,6 +107,7 @@ class RemotePipeline:
         self._cached: dict[str, _Cached] = {}
         self._served: dict[str, tuple[str, ...]] = {}
         self._active_plans: dict[str, RingPlan] = {}
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
 
     # ------------------------------------------------------------------ frames from nodes
 
@@ -132,12 +158,18 @@ class RemotePipeline:
                         asyncio.create_task(self._drop_on(replace(old, ring=tuple(gone)), request.id))
                 cached = None
             pos = cached.length if cached is not None else 0
+            adopted = self._take_kept(request, plan) if cached is None and start == 0 else None
+            if adopted is not None:
+                pos = request.cached_tokens = adopted[1]
             try:
                 try:
-                    token, logprob = await self._run(plan, request, pos)
+                    token, logprob = await self._run(plan, request, pos, adopted[0] if adopted else None)
                 finally:
                     self.host.step_done()
             except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
+                if adopted is not None:  # whatever was not taken over yet goes; the retry runs it all
+                    request.cached_tokens = 0
+                    asyncio.create_task(self._drop_on(plan, adopted[0], final=True))
                 attempts += 1
                 failure = exc if isinstance(exc, StepFailure) else StepFailure(str(exc) or type(exc).__name__)
                 log.warning("request %s: step failed on plan %d (%s); attempt %d", request.id, plan.version, failure, attempts)
@@ -151,7 +183,29 @@ class RemotePipeline:
             self._cached[request.id] = _Cached(plan.version, len(request.tokens))
             return token, logprob
 
-    async def _run(self, plan: RingPlan, request: Request, pos: int) -> tuple[int, float]:
+    def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
+        """The kept request whose caches this one's first step can take over, and how many of its
+        positions: at least MIN_ADOPTED tokens shared, more than that request's prompt, and at
+        least one token of this request left to run. Kept caches of an older plan go."""
+        best: tuple[str, int] | None = None
+        for rid, kept in list(self._kept.items()):
+            if kept.plan.version != plan.version:
+                del self._kept[rid]
+                asyncio.create_task(self._drop_on(kept.plan, rid, final=True))
+                continue
+            n = _shared_prefix(request.tokens, kept.tokens)
+            if n > kept.prompt and MIN_ADOPTED <= n < len(request.tokens) and (best is None or n > best[1]):
+                best = (rid, n)
+        if best is not None:
+            del self._kept[best[0]]
+        return best
+
+    async def forget_kept(self) -> None:
+        """Drop every finished request's caches left on the nodes (the coordinator is stopping)."""
+        kept, self._kept = self._kept, OrderedDict()
+        await asyncio.gather(*(self._drop_on(k.plan, rid, final=True) for rid, k in kept.items()))
+
+    async def _run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None) -> tuple[int, float]:
         tokens = request.tokens
         step = len(request.generated)
         key = (request.id, step, plan.version)
@@ -169,6 +223,8 @@ class RemotePipeline:
         }
         if request.sampling.uses_history:
             body["history"] = tokens
+        if adopt is not None:
+            body["adopt"] = adopt
         try:
             first = plan.ring[0].node_id
             try:
@@ -191,15 +247,28 @@ class RemotePipeline:
         await asyncio.gather(*(drop(e.node_id) for e in plan.ring))
 
     async def release(self, request: Request) -> None:
-        """The request has ended (or was cancelled, maybe mid-step): drop its caches for good,
-        everywhere; a step of it still on its way is discarded by the nodes."""
-        self._cached.pop(request.id, None)
+        """The request has ended (or was cancelled, maybe mid-step). When it ran to its end, with
+        its caches whole on the plan in force, they stay for a next turn (the oldest kept ones
+        go); otherwise (cancelled, failed) they are dropped for good, everywhere, and a step of it
+        still on its way is discarded by the nodes."""
+        cached = self._cached.pop(request.id, None)
+        in_flight = False
         for key, fut in list(self._pending.items()):
             if key[0] == request.id and not fut.done():
                 fut.cancel()
+                in_flight = True
         plan = self._active_plans.pop(request.id, None)
-        if plan is not None:
-            await asyncio.shield(self._drop_on(plan, request.id, final=True))
+        if plan is None:
+            return
+        ended = request.finish_reason in ("stop", "length")
+        if ended and not in_flight and cached is not None and cached.version == plan.version \
+                and cached.length > len(request.prompt_ids):
+            self._kept[request.id] = _Kept(tuple(request.tokens[: cached.length]), len(request.prompt_ids), plan)
+            while len(self._kept) > KEEP_FINISHED:
+                rid, old = self._kept.popitem(last=False)
+                await asyncio.shield(self._drop_on(old.plan, rid, final=True))
+            return
+        await asyncio.shield(self._drop_on(plan, request.id, final=True))
 
     def served_by(self) -> tuple[str, ...]:
         """Names of the nodes of the most recent request's ring."""

@@ -91,6 +91,7 @@ async def generate(
             if tail:
                 yield Chunk(text=tail)
         request.finished_s = time.monotonic()
+        request.finish_reason = finish
         yield Chunk(finish_reason=finish)
     finally:
         if request.finished_s is None:

@@ -31,6 +31,8 @@ class Request:
     created_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finished_s: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose caches an earlier turn of the conversation left
+    finish_reason: str | None = None  # "stop" or "length" once it has run to its end; else None
 
     @property
     def tokens(self) -> list[int]:

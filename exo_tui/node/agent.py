@@ -14,7 +14,8 @@ Operations (frame ``type`` → what the node does):
 ``plan``        a ring plan this node takes part in (frames name the plan version they are for)
 ``forward``     one step of one request through this node's layers; the hidden state goes
                 straight to the next hop, or the last hop samples and sends ``token`` to the
-                coordinator. A step for a plan this node does not hold is refused
+                coordinator. A step for a plan this node does not hold is refused. ``adopt``:
+                a finished request whose caches this one takes over (its conversation's prefix)
 ``kv_export``   a request's KV cache for some layers, as one tensor
 ``kv_import``   install a request's KV cache (from another node, maybe another backend)
 ``drop``        forget a request's caches
@@ -354,6 +355,12 @@ class NodeAgent:
         if frame.body.get("rid") in self._finished:
             return None  # the request ended while this step was on its way
         plan, _, _ = self.host.hop(frame.plan, hop)  # refuse early: unknown plan, wrong node, shard missing
+        adopt = frame.body.get("adopt")
+        if type(adopt) is str:  # the finished request whose caches this one takes over: its own state goes
+            self._samplers.pop(adopt, None)
+            self._stats.pop(adopt, None)
+            for key in [k for k in self._visits if k[0] == adopt]:
+                del self._visits[key]
         step = _Step(conn, frame, hop)
         key = step.key
         self._arrived(key, step.received_s)
@@ -624,6 +631,9 @@ class NodeAgent:
             for i in idxs:
                 f = batch[i].frame
                 rid, start = f.body["rid"], int(f.body["pos"])
+                adopt = f.body.get("adopt")
+                if type(adopt) is str and adopt != rid and not shard.kv_length(rid) and shard.kv_length(adopt):
+                    shard.rename_kv(adopt, rid)  # the next turn of a conversation: its prefix is cached
                 if shard.kv_length(rid) > start:
                     # The coordinator rebuilds this request from an earlier position (a plan
                     # change or a failure): what is cached past it is stale.

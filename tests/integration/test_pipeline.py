@@ -262,3 +262,58 @@ def test_fuzz_operations_at_a_live_node(nodes, home: Path) -> None:
     finally:
         loop.run_until_complete(conn.aclose())
         loop.close()
+
+
+async def _turn(c, messages: list[dict[str, str]], params: ChatParams):  # noqa: ANN001, ANN202
+    request = c.new_request(messages, params)
+    ids, text = [], ""
+    async for chunk in c.generate(request):
+        if chunk.token_id is not None:
+            ids.append(chunk.token_id)
+        text += chunk.text
+    return request, ids, text
+
+
+async def _cached_on(node, rid: str, shard) -> int:  # noqa: ANN001
+    """How many positions of ``rid`` a node holds for ``shard``'s layers (0: none)."""
+    conn = await connect("127.0.0.1", node.port, security=ensure_cluster().security(), timeout=5)
+    try:
+        reply = await conn.call("kv_export", {"rid": rid, "start": shard.start, "end": shard.end}, timeout=10)
+        return int(reply.body["length"])
+    finally:
+        await conn.aclose()
+
+
+def test_next_turn_takes_over_the_conversations_caches(nodes) -> None:
+    """(Last in the module: its two-node ring leaves shards loaded that the streaming test must
+    find missing.) A chat's next turn sends the whole conversation again. Its first step takes over the caches
+    the previous answer left on the ring (MLX and ONNX) and runs only what follows, and the answer
+    is the one a coordinator without those caches gives. Asking the same question again takes
+    nothing over; only the last two finished requests are kept, and a stopping coordinator drops
+    them."""
+    params = ChatParams(temperature=0.0, max_tokens=32, seed=1)
+    first = [{"role": "user", "content": "Write a short story about a dragon."}]
+
+    async def run() -> None:
+        async with coordinator(nodes, peers=nodes.peers[:2]) as c:
+            r1, _, a1 = await _turn(c, first, params)
+            second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": "Give the dragon a name."}]
+            r2, ids2, _ = await _turn(c, second, params)
+            assert len(r1.prompt_ids) < r2.cached_tokens < len(r2.prompt_ids), (len(r1.prompt_ids), r2.cached_tokens)
+            again, _, _ = await _turn(c, first, params)
+            assert again.cached_tokens == 0  # the same question is run again from its first token
+            shards = list(c.plan.shards)
+            holders = [(n, s) for s in shards for n in nodes.nodes if f"127.0.0.1:{n.port}" == c.nodes[s.node_id].address]
+            assert len(holders) == 2
+            assert all([await _cached_on(n, r2.id, s) > 0 for n, s in holders])  # kept for a third turn
+            await _turn(c, [{"role": "user", "content": "Name a colour."}], params)
+            assert all([await _cached_on(n, again.id, s) > 0 for n, s in holders])
+            assert not any([await _cached_on(n, r2.id, s) for n, s in holders])  # the oldest kept one went
+        for n, s in holders:
+            assert await _cached_on(n, again.id, s) == 0
+        async with coordinator(nodes, peers=nodes.peers[:2]) as fresh:
+            r2b, ids2b, _ = await _turn(fresh, second, params)
+            assert r2b.cached_tokens == 0
+        assert ids2[:16] == ids2b[:16]
+
+    asyncio.run(run())
