@@ -11,11 +11,11 @@ checkpoint) on the new ring, which rebuilds the caches there. A failed step is r
 plan the coordinator makes over the survivors, up to ``retry_limit`` times.
 
 A request that runs to its end (not cancelled, not failed) leaves its caches on its nodes for a
-while (the last ``KEEP_FINISHED``): a chat's next turn sends the whole conversation again, and when its tokens
-begin with an earlier request's prompt and part of that request's answer, its first step takes
-those caches over (``adopt`` in the frame) and runs only what follows. A new request sharing no
-more than the earlier one's prompt is run from scratch, so asking the same question twice runs
-the same steps twice.
+while (the last ``KEEP_FINISHED``). A chat's next turn sends the whole conversation again; when
+its tokens begin with an earlier request's prompt and part of that request's answer, its first
+step takes those caches over (``adopt`` in the frame) and runs only what follows. A new request
+sharing no more than the earlier one's prompt is run from scratch, so asking the same question
+twice runs the same steps twice.
 """
 
 from __future__ import annotations
