@@ -251,9 +251,10 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         except GenerationError as exc:  # the cluster lost the ability to serve mid-answer
             raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
 
-    def usage(request: GenRequest) -> dict[str, int]:
+    def usage(request: GenRequest) -> dict[str, Any]:
         p, c = len(request.prompt_ids), len(request.generated)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
 
     # ------------------------------------------------------------------ models
 

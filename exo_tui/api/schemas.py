@@ -82,10 +82,15 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(default=0, description="prompt tokens not run again: an earlier turn of the conversation left their caches")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class AssistantMessage(BaseModel):

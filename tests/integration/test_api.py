@@ -133,6 +133,18 @@ def test_max_tokens_stop_and_seed(client: openai.OpenAI, tokenizer) -> None:  # 
     assert c  # another seed still answers (it may or may not differ in 12 tokens)
 
 
+def test_a_next_turn_reports_its_cached_prompt_tokens(client: openai.OpenAI) -> None:
+    """The second turn of a conversation takes over the caches its first answer left; usage says
+    how many of its prompt tokens were not run again (OpenAI's ``prompt_tokens_details``)."""
+    first = [{"role": "user", "content": "Write a short story about a dragon."}]
+    r1 = client.chat.completions.create(model="smollm2-135m", messages=first, temperature=0, max_tokens=40)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    second = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+              {"role": "user", "content": "Give the dragon a name."}]
+    r2 = client.chat.completions.create(model="smollm2-135m", messages=second, temperature=0, max_tokens=8)
+    assert r1.usage.prompt_tokens < r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
+
+
 def test_sampling_left_out_is_the_models_recommendation(client: openai.OpenAI) -> None:
     """No temperature or top_p in the request: the default model's card's 0.2 and 0.9, not OpenAI's
     1 and 1 (with one seed the draws are the same as when they are given)."""
