@@ -14,17 +14,20 @@ _CLASSES = {"mlx": ("backends.mlx", "MLXBackend"), "onnx": ("backends.onnx", "ON
 _instances: dict[str, Backend] = {}
 
 
-def get_backend(name: str) -> Backend:
-    """The backend called ``name`` ("mlx" or "onnx"), checked to be available here."""
+def _backend_class(name: str) -> type[Backend]:
     if name not in _CLASSES:
         raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}")
+    module, cls = _CLASSES[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise BackendError(f"backend {name} cannot be imported ({exc}): install it with pip") from exc
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name`` ("mlx" or "onnx"), checked to be available here."""
     if name not in _instances:
-        module, cls = _CLASSES[name]
-        try:
-            backend = getattr(importlib.import_module(module), cls)()
-        except ImportError as exc:
-            raise BackendError(f"backend {name} cannot be imported ({exc}): install it with pip") from exc
-        _instances[name] = backend
+        _instances[name] = _backend_class(name)()
     backend = _instances[name]
     if not backend.available():
         raise BackendError(f"backend {name} is not available on this machine")
@@ -36,13 +39,7 @@ def configure_backend(name: str, **options: object) -> Backend:
     ``pin``) for the rest of this process: every later :func:`get_backend` returns it. A node
     calls this once at start, from its command line; options left out keep their defaults
     (environment variables included)."""
-    if name not in _CLASSES:
-        raise BackendError(f"unknown backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}")
-    module, cls = _CLASSES[name]
-    try:
-        backend_cls = getattr(importlib.import_module(module), cls)
-    except ImportError as exc:
-        raise BackendError(f"backend {name} cannot be imported ({exc}): install it with pip") from exc
+    backend_cls = _backend_class(name)
     unknown = sorted(set(options) - set(inspect.signature(backend_cls).parameters))
     if unknown:
         raise BackendError(f"backend {name} has no setting {', '.join(unknown)}: leave it out for {name} nodes")

@@ -197,6 +197,62 @@ static inline __attribute__((always_inline)) void attend8(const float *q, const 
         _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(o[i], inv));
 }
 #endif
+
+#if defined(AT_AVX512)
+/* Up to 4 query heads of one key/value head at once, D (a multiple of 16, at most MAX_D) floats a
+   head: each key and value row is loaded once for all of them. A head's numbers are the same
+   whether it goes alone (R = 1) or grouped: a key's products summed across the head, then across
+   the vector; the values weighted key by key. q: the R queries, rotated and scaled; s: R * n
+   floats of scratch; y: the R heads' outputs, side by side. */
+static inline __attribute__((always_inline)) void attend_heads(const float *q, const float *keys, const float *values,
+                                                               int64_t n, float *s, float *y, const int64_t R,
+                                                               const int64_t D)
+{
+    const int64_t C = D / 16;
+    __m512 qv[4][MAX_D / 16];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < C; i++)
+            qv[r][i] = _mm512_loadu_ps(q + r * D + 16 * i);
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = keys + j * D;
+        __m512 kv[MAX_D / 16];
+        for (int64_t i = 0; i < C; i++)
+            kv[i] = _mm512_loadu_ps(k + 16 * i);
+        for (int64_t r = 0; r < R; r++) {
+            __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
+            for (int64_t i = 1; i < C; i++)
+                acc = _mm512_fmadd_ps(qv[r][i], kv[i], acc);
+            s[r * n + j] = _mm512_reduce_add_ps(acc);
+        }
+    }
+    float inv[4];
+    for (int64_t r = 0; r < R; r++) {
+        float *sr = s + r * n, top = -INFINITY;
+        for (int64_t j = 0; j < n; j++)
+            top = sr[j] > top ? sr[j] : top;
+        inv[r] = 1.0f / softmax_numerators(sr, n, top);
+    }
+    __m512 o[4][MAX_D / 16];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < C; i++)
+            o[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = values + j * D;
+        __m512 vv[MAX_D / 16];
+        for (int64_t i = 0; i < C; i++)
+            vv[i] = _mm512_loadu_ps(v + 16 * i);
+        for (int64_t r = 0; r < R; r++) {
+            const __m512 p = _mm512_set1_ps(s[r * n + j]);
+            for (int64_t i = 0; i < C; i++)
+                o[r][i] = _mm512_fmadd_ps(p, vv[i], o[r][i]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < C; i++)
+            _mm512_storeu_ps(y + r * D + 16 * i, _mm512_mul_ps(o[r][i], _mm512_set1_ps(inv[r])));
+}
+#endif
+
 /* Phase 2, task (b, h, t): query t of row b, head h over keys 0..its position. */
 static void attend_task(void *arg, size_t task)
 {
@@ -222,27 +278,8 @@ static void attend_task(void *arg, size_t task)
     }
     float top = -INFINITY;
 #if defined(AT_AVX512)
-    if (d % 16 == 0) {
-        for (int64_t j = 0; j < n; j++) {
-            const float *k = keys + j * d;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-            for (int64_t i = 16; i < d; i += 16)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
-            s[j] = _mm512_reduce_add_ps(acc);
-            top = s[j] > top ? s[j] : top;
-        }
-        const float inv = 1.0f / softmax_numerators(s, n, top);
-        __m512 o[MAX_D / 16];
-        for (int64_t i = 0; i < d / 16; i++)
-            o[i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            const __m512 p = _mm512_set1_ps(s[j]);
-            const float *v = values + j * d;
-            for (int64_t i = 0; i < d / 16; i++)
-                o[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * i), o[i]);
-        }
-        for (int64_t i = 0; i < d / 16; i++)
-            _mm512_storeu_ps(y + 16 * i, _mm512_mul_ps(o[i], _mm512_set1_ps(inv)));
+    if (d % 16 == 0) { /* a head size other than 64 and 128 (those are grouped: attend_group_task) */
+        attend_heads(q, keys, values, n, s, y, 1, d);
         if (s != stack)
             free(s);
         return;
@@ -285,59 +322,6 @@ static void attend_task(void *arg, size_t task)
 }
 
 #if defined(AT_AVX512)
-/* Up to 4 query heads of one key/value head at once, D (a multiple of 16, at most 128) floats a
-   head: each key and value row is loaded once for all of them. The numbers are attend_task's, in
-   the same order (a key's products summed across the head, then across the vector; the values
-   weighted key by key): only the loads are shared. q: the R queries, rotated and scaled; s: R * n
-   floats of scratch; y: the R heads' outputs, side by side. */
-static inline __attribute__((always_inline)) void attend_heads(const float *q, const float *keys, const float *values,
-                                                               int64_t n, float *s, float *y, const int64_t R,
-                                                               const int64_t D)
-{
-    const int64_t C = D / 16;
-    __m512 qv[4][8];
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t i = 0; i < C; i++)
-            qv[r][i] = _mm512_loadu_ps(q + r * D + 16 * i);
-    for (int64_t j = 0; j < n; j++) {
-        const float *k = keys + j * D;
-        __m512 kv[8];
-        for (int64_t i = 0; i < C; i++)
-            kv[i] = _mm512_loadu_ps(k + 16 * i);
-        for (int64_t r = 0; r < R; r++) {
-            __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
-            for (int64_t i = 1; i < C; i++)
-                acc = _mm512_fmadd_ps(qv[r][i], kv[i], acc);
-            s[r * n + j] = _mm512_reduce_add_ps(acc);
-        }
-    }
-    float inv[4];
-    for (int64_t r = 0; r < R; r++) {
-        float *sr = s + r * n, top = -INFINITY;
-        for (int64_t j = 0; j < n; j++)
-            top = sr[j] > top ? sr[j] : top;
-        inv[r] = 1.0f / softmax_numerators(sr, n, top);
-    }
-    __m512 o[4][8];
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t i = 0; i < C; i++)
-            o[r][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        const float *v = values + j * D;
-        __m512 vv[8];
-        for (int64_t i = 0; i < C; i++)
-            vv[i] = _mm512_loadu_ps(v + 16 * i);
-        for (int64_t r = 0; r < R; r++) {
-            const __m512 p = _mm512_set1_ps(s[r * n + j]);
-            for (int64_t i = 0; i < C; i++)
-                o[r][i] = _mm512_fmadd_ps(p, vv[i], o[r][i]);
-        }
-    }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t i = 0; i < C; i++)
-            _mm512_storeu_ps(y + r * D + 16 * i, _mm512_mul_ps(o[r][i], _mm512_set1_ps(inv[r])));
-}
-
 /* Phase 2 where the heads share loads, task (b, g, t): the query heads of key/value head g. */
 static void attend_group_task(void *arg, size_t task)
 {
@@ -426,9 +410,9 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
     Kernel *kernel = (Kernel *)calloc(1, sizeof(Kernel));
     if (kernel == NULL)
         return API(API_CreateStatus, CreateStatus_t)(ORT_FAIL, "Attention: out of memory");
-    OrtStatus *status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "num_heads", &kernel->heads);
+    OrtStatus *status = int_attribute(info, "num_heads", &kernel->heads);
     if (status == NULL)
-        status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "kv_num_heads", &kernel->kv_heads);
+        status = int_attribute(info, "kv_num_heads", &kernel->kv_heads);
     if (status == NULL && (kernel->kv_heads <= 0 || kernel->heads <= 0 || kernel->heads % kernel->kv_heads != 0))
         status = fail("Attention: num_heads must be a positive multiple of kv_num_heads");
     if (status != NULL) {

@@ -72,6 +72,12 @@ typedef OrtStatus *(*KernelContext_ParallelFor_t)(const OrtKernelContext *, void
 
 static inline OrtStatus *fail(const char *message) { return API(API_CreateStatus, CreateStatus_t)(ORT_INVALID_ARGUMENT, message); }
 
+/* The op's integer attribute called name. */
+static inline OrtStatus *int_attribute(const OrtKernelInfo *info, const char *name, int64_t *out)
+{
+    return API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, name, out);
+}
+
 /* struct OrtCustomOp up to the fields of version 17 */
 typedef struct {
     uint32_t version;

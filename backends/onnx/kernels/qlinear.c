@@ -568,15 +568,15 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
     Kernel *kernel = (Kernel *)calloc(1, sizeof(Kernel));
     if (kernel == NULL)
         return API(API_CreateStatus, CreateStatus_t)(ORT_FAIL, "QLinear: out of memory");
-    OrtStatus *status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "K", &kernel->k);
+    OrtStatus *status = int_attribute(info, "K", &kernel->k);
     if (status == NULL)
-        status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "N", &kernel->n);
+        status = int_attribute(info, "N", &kernel->n);
     if (status == NULL)
-        status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "bits", &kernel->bits);
+        status = int_attribute(info, "bits", &kernel->bits);
     if (status == NULL && (kernel->k <= 0 || kernel->k % BLOCK != 0 || kernel->n <= 0))
         status = fail("QLinear: K must be a positive multiple of 32 and N positive");
     if (status == NULL)
-        status = API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, "int8", &kernel->int8);
+        status = int_attribute(info, "int8", &kernel->int8);
     if (status == NULL && kernel->bits != 4 && kernel->bits != 8)
         status = fail("QLinear: bits must be 4 or 8");
 #if !defined(QL_INT8)
