@@ -33,7 +33,6 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
-from backends.onnx import PRECISIONS
 from backends.onnx.kernels import ATTENTION, BLOCK, DOMAIN, OP, pack, runs_on_kernel
 from backends.onnx.weights import (
     dense_linear,
@@ -68,11 +67,11 @@ def rotary_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Builder:
-    def __init__(self, config: ModelConfig, accuracy_level: int, kernel: bool = False) -> None:
+    def __init__(self, config: ModelConfig, accuracy_level: int, kernel: bool = False, xbits: int = 0) -> None:
         self.c = config
         self.accuracy_level = accuracy_level
         self.kernel = kernel  # 4- and 8-bit matrices in GGUF's blocks through exo-tui's QLinear
-        self.int8 = accuracy_level == PRECISIONS["int8"]  # QLinear's int8 products (else float32)
+        self.xbits = xbits  # QLinear's activations as int16 or int8 codes (0: float32 products)
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
         self.small: list[onnx.TensorProto] = []
@@ -128,11 +127,11 @@ class _Builder:
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if self.kernel and all(runs_on_kernel(w) for w in weights):
-            blocks = pack(weights, int8=self.int8)  # type: ignore[arg-type]
+            blocks = pack(weights, self.xbits)  # type: ignore[arg-type]
             n = sum(w.q.shape[0] for w in weights)  # type: ignore[union-attr]
             k, bits = blocks.shape[1] * BLOCK, weights[0].bits  # type: ignore[union-attr]
             w = self.weight(f"{stem}_q{bits}", blocks)
-            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits, int8=int(self.int8))[0]
+            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits, xbits=self.xbits)[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
@@ -207,20 +206,22 @@ def _dense_bytes(w: Weight) -> int:
 
 def build_shard_graph(
     config: ModelConfig, weights: ShardWeights, accuracy_level: int = 1, batch_head_rows: int = 0,
-    kernel: bool = False,
+    kernel: bool = False, xbits: int = 0,
 ) -> ShardGraph:
-    """The ONNX graph of ``weights``' layers; ``accuracy_level`` 1 is float32 math, 4 int8.
+    """The ONNX graph of ``weights``' layers; ``accuracy_level`` (``MatMulNBits``') 1 is float32
+    math, 4 int8.
 
     ``kernel``: exo-tui's kernels (:mod:`backends.onnx.kernels`; the session must load their
     library): 4- and 8-bit matrices in GGUF's blocks of 32 on ``QLinear`` (the rest on
     ``MatMulNBits``) and attention on ``Attention``; else ``MatMulNBits`` and ``GroupQueryAttention``.
+    ``xbits`` 16 or 8: ``QLinear`` rounds its activations to int16 or int8 codes (0: float32).
 
     ``batch_head_rows`` > 0: on the last shard, runs of at least that many rows (batched decode)
     take a dense float32 copy of a quantized output head (see :meth:`_Builder.batched_head`).
     ``weights.disposable``: each layer is dropped from ``weights`` once its arrays are made."""
     c = config
     is_last = weights.end == c.n_layers
-    b = _Builder(c, accuracy_level, kernel)
+    b = _Builder(c, accuracy_level, kernel, xbits)
     f32 = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("hidden_in", f32, ["batch", "seq", c.hidden_size]),

@@ -37,7 +37,7 @@ from backends.base import (
     ShardWeights,
     validate_forward_input,
 )
-from backends.onnx import PRECISIONS, kernels
+from backends.onnx import ACCURACY_LEVEL, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
@@ -48,9 +48,10 @@ MAX_PADDING = 2  # padding rows a batch accepts between two requests before it s
 MIN_BATCH = 2
 """Single-token steps of at least this many requests run as one batch (else one by one): every
 weight is read once for all of them. SmolLM2, 2 threads, the QLinear kernel: a decode step of
-1 / 2 / 4 / 8 / 16 rows takes 6.3 / 7.9 / 11.5 / 18.0 / 33.5 ms batched (int8 precision: 5.5 / 6.3 /
-7.7 / 11.7 / 17.7; ``benchmarks/onnx_kernels.py``). (On MatMulNBits, whose multi-row path
-dequantizes the whole matrix, 2 / 3 / 4 rows took 28 / 30 / 32 ms against 15 ms for one.)"""
+1 / 4 / 8 / 16 rows takes 3.9 / 6.3 / 11.3 / 19.9 ms batched at the int16 precision, 5.5 / 10.5 /
+16.2 / 32.3 in float32 and 5.2 / 6.1 / 9.2 / 15.4 in int8 (``benchmarks/onnx_kernels.py``, one
+run). (On MatMulNBits, whose multi-row path dequantizes the whole matrix, 2 / 3 / 4 rows took 28 /
+30 / 32 ms against 15 ms for one.)"""
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
 
@@ -102,18 +103,21 @@ class ONNXShard(Shard):
         weights: ShardWeights,
         *,
         threads: int,
-        accuracy_level: int = 1,
+        precision: str = "float32",
         session_config: dict[str, str] | None = None,
         cores: CorePlan | None = None,
     ) -> None:
         super().__init__(config, weights.start, weights.end)
         self.threads = threads
         self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
-        self.accuracy_level = accuracy_level
+        self.precision = precision
         self._embed = weights.embed if self.is_first else None
-        library = kernel_for(accuracy_level)
+        library = kernel_for(precision)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
-        graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library))
+        self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
+        accuracy_level = ACCURACY_LEVEL[precision]
+        graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library),
+                                  xbits=self.xbits)
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -145,10 +149,10 @@ class ONNXShard(Shard):
         if not weights.disposable:
             self._release_weight_copies(
                 lambda: build_shard_graph(
-                    config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library)
+                    config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library), xbits=self.xbits
                 ).initializers
             )
-        elif session_keeps_own_weights(threads, accuracy_level, session_config or {}):
+        elif session_keeps_own_weights(threads, precision, session_config or {}):
             # The layers we were given are gone (nothing to make the values again from), so the
             # check ran on a small shard of the same graph instead, once for this process.
             self._weight_arrays = {}
@@ -544,18 +548,24 @@ class ONNXShard(Shard):
             self._embed = None
 
 
-def kernel_for(accuracy_level: int) -> kernels.Library | None:
-    """The QLinear build a shard of this precision runs on, if any: float32 on any build, int8
-    (accuracy_level 4) on one with int8 products (else it stays on MatMulNBits' int8 products)."""
+def kernel_for(precision: str) -> kernels.Library | None:
+    """The QLinear build a shard of this precision runs on, if any: float32 and int16 on any build
+    (int16 on float32 products where the build has no integer products: as exact, not as fast),
+    int8 on one with integer products (else it stays on MatMulNBits' int8 products)."""
     library = kernels.library()
-    if library is None or accuracy_level == PRECISIONS["float32"]:
+    if library is None or precision != "int8":
         return library
-    return library if accuracy_level == PRECISIONS["int8"] and library.int8 else None
+    return library if library.integer else None
+
+
+def integer_codes(precision: str, library: kernels.Library | None) -> int:
+    """The bits of the integer codes QLinear rounds a shard's activations to (0: float32 products)."""
+    return PRECISIONS[precision] if library is not None and library.integer else 0
 
 
 @functools.cache
 def _session_keeps_own_weights(
-    threads: int, accuracy_level: int, session_config: tuple[tuple[str, str], ...], kernel: str
+    threads: int, precision: str, session_config: tuple[tuple[str, str], ...], kernel: str
 ) -> bool:
     rng = np.random.default_rng(0)
     c = ModelConfig(n_layers=1, hidden_size=64, intermediate_size=128, n_heads=2, n_kv_heads=1, head_dim=32,
@@ -571,18 +581,18 @@ def _session_keeps_own_weights(
                          quantized(h, qd), np.ones(h, np.float32), quantized(i, h), quantized(i, h), quantized(h, i))
     embed = quantized(c.vocab_size, h, bits=8)
     weights = ShardWeights(0, 1, [layer], embed=embed, norm=np.ones(h, np.float32), output=embed)
-    shard = ONNXShard(c, weights, threads=threads, accuracy_level=accuracy_level, session_config=dict(session_config))
+    shard = ONNXShard(c, weights, threads=threads, precision=precision, session_config=dict(session_config))
     try:
         return shard.weight_arrays_nbytes == 0
     finally:
         shard.close()
 
 
-def session_keeps_own_weights(threads: int, accuracy_level: int, session_config: dict[str, str]) -> bool:
+def session_keeps_own_weights(threads: int, precision: str, session_config: dict[str, str]) -> bool:
     """Whether ONNX Runtime, with these settings, keeps its own copies of a shard's weights (so
     ours can go once the session is made): checked as ``_release_weight_copies`` does, on a
     one-layer shard with every kind of weight the graph has, once per process and settings."""
-    library = kernel_for(accuracy_level)
+    library = kernel_for(precision)
     return _session_keeps_own_weights(
-        threads, accuracy_level, tuple(sorted(session_config.items())), library.path if library else ""
+        threads, precision, tuple(sorted(session_config.items())), library.path if library else ""
     )

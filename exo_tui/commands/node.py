@@ -31,8 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="node name (default: the host name)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="cap the memory this node offers")
-    p.add_argument("--precision", choices=["float32", "int8"], default=None,
-                   help="ONNX: float32 (exact, the default) or int8 activations (faster, answers near float32's)")
+    p.add_argument("--precision", choices=["float32", "int16", "int8"], default=None,
+                   help="ONNX: int16 activations (the default: fast, answers as float32's but for near ties), "
+                        "float32 (exact) or int8 (fastest batches, answers near float32's)")
     p.add_argument("--threads", type=threads_arg, default=None, metavar="N",
                    help="threads a step runs on (default: the physical cores)")
     p.add_argument("--key-file", default=None, help="node bundle (cluster key and certificates) from the coordinator")

@@ -68,10 +68,16 @@ def test_print_profile(tmp_path: Path) -> None:
     assert profile["name"] == "probe" and profile["node_id"].startswith("n-")
     assert profile["layer_timing"]["onnx"]["decode_layer_s"] > 0
     assert profile["memory_bandwidth_bytes_per_s"] > 0
-    # how the backend runs here: the operator sees a node on the slower fallback, or on int8
+    # how the backend runs here: the operator sees a node on the slower fallback, or on float32 products
     library = kernels.library()
-    assert profile["backend"] == "onnx" and profile["engine"]["precision"] == "float32"
-    assert profile["engine"]["matmul"] == (f"QLinear {library.isa}" if library else "MatMulNBits (ONNX Runtime's)")
+    assert profile["backend"] == "onnx" and profile["engine"]["precision"] == "int16"
+    if library is None:
+        assert profile["engine"]["matmul"] == "MatMulNBits (ONNX Runtime's)"
+    elif library.integer:
+        vnni = " (VNNI)" if library.isa == "avx512" else ""
+        assert profile["engine"]["matmul"] == f"QLinear {library.isa} int16 products{vnni}"
+    else:
+        assert profile["engine"]["matmul"].startswith(f"QLinear {library.isa} float32 products (no integer products")
 
 
 def test_node_precision_and_threads_flags(tmp_path: Path) -> None:
@@ -118,7 +124,7 @@ def test_a_timing_is_keyed_by_how_the_node_runs(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
     default = _cache_key("onnx")
     configure_backend("onnx", precision="int8")
-    assert "precision=int8" in _cache_key("onnx") and "precision=float32" in default
+    assert "precision=int8" in _cache_key("onnx") and "precision=int16" in default
     configure_backend("onnx", threads=1)
     assert "threads=1" in _cache_key("onnx") and _cache_key("onnx") != default
 

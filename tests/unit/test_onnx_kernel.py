@@ -50,40 +50,47 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> 
 
 
 @pytest.fixture(scope="module")
-def int8_library(library: kernels.Library) -> kernels.Library:
-    if not library.int8:
-        pytest.skip(f"this CPU's {library.isa} build has no int8 products (they need AVX2 or AVX-512 VNNI)")
+def integer_library(library: kernels.Library) -> kernels.Library:
+    if not library.integer:
+        pytest.skip(f"this CPU's {library.isa} build has no integer products (they need AVX2 or AVX-512 VNNI)")
     return library
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_int8_precision_is_integer_products_of_int8_rows(int8_library: kernels.Library, bits: int) -> None:
-    """Each block of a row rounded to int8 with one scale, as llama.cpp's Q8_0: the kernel agrees
-    with that computed in float64, and is near (not equal to) the float32 result."""
+@pytest.mark.parametrize(("xbits", "near"), [(16, (1e-7, 1e-3)), (8, (1e-4, 0.05))])
+def test_the_integer_precisions_are_integer_products_of_rounded_rows(
+    integer_library: kernels.Library, bits: int, xbits: int, near: tuple[float, float]
+) -> None:
+    """Each block of a row rounded to int16 or int8 (as llama.cpp's Q8_0) with one scale: the
+    kernel agrees with that computed in float64, and is near (not equal to) the float32 result,
+    int16 about 256 times nearer than int8."""
     rng = np.random.default_rng(5)
     a, b = QuantizedWeight.random(rng, 40, 576, bits), QuantizedWeight.random(rng, 3032, 576, bits)
-    blob = kernels.pack([a, b], int8=True)
+    blob = kernels.pack([a, b], xbits)
     assert blob.shape == (96, 18, 640 if bits == 4 else 1152)
     both = QuantizedWeight(np.concatenate([a.q, b.q]), np.concatenate([a.scales, b.scales]),
                                    np.concatenate([a.biases, b.biases]), bits=bits)
     for m in (1, 3, 4, 5, 17):
         x = rng.standard_normal((m, 576)).astype(np.float32)
         x[0, :32] = 0.0  # a block of zeros has scale 0
-        y = kernels.run_in_session(int8_library.path, x, blob, bits, 3072, int8=True)
-        want = kernels.int8_reference(x, both)
+        x[-1, 32:64] *= 1e4  # and a block's largest value takes the largest code
+        y = kernels.run_in_session(integer_library.path, x, blob, bits, 3072, xbits)
+        want = kernels.integer_reference(x, both, xbits)
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), m
         exact = kernels.float_reference(x, both)
-        assert 1e-4 < np.abs(y - exact).max() / np.abs(exact).max() < 0.05
+        assert near[0] < np.abs(y - exact).max() / np.abs(exact).max() < near[1], m
 
 
-def test_int8_rows_do_not_depend_on_their_batch_either(int8_library: kernels.Library) -> None:
+@pytest.mark.parametrize("xbits", [16, 8])
+def test_integer_rows_do_not_depend_on_their_batch_either(integer_library: kernels.Library, xbits: int) -> None:
     rng = np.random.default_rng(6)
-    blob = kernels.pack([QuantizedWeight.random(rng, 300, 1536, 4)], int8=True)
-    x = rng.standard_normal((37, 1536)).astype(np.float32)  # 16 rows or more are quantized in parallel
-    together = kernels.run_in_session(int8_library.path, x, blob, 4, 300, int8=True)
-    for i in (0, 5, 36):
-        alone = kernels.run_in_session(int8_library.path, x[i : i + 1], blob, 4, 300, int8=True)[0]
-        assert np.array_equal(alone, together[i])
+    for bits in (4, 8):
+        blob = kernels.pack([QuantizedWeight.random(rng, 300, 1536, bits)], xbits)
+        x = rng.standard_normal((37, 1536)).astype(np.float32)  # 16 rows or more are quantized in parallel
+        together = kernels.run_in_session(integer_library.path, x, blob, bits, 300, xbits)
+        for i in (0, 5, 36):
+            alone = kernels.run_in_session(integer_library.path, x[i : i + 1], blob, bits, 300, xbits)[0]
+            assert np.array_equal(alone, together[i]), (bits, i)
 
 
 @pytest.mark.parametrize(("rows", "tokens"), [(1, 1), (5, 1), (1, 9), (2, 3)])
@@ -161,7 +168,7 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     lib = ctypes.CDLL(str(out))
     lib.exo_qlinear_isa.restype = ctypes.c_char_p
     assert lib.exo_qlinear_isa().decode() == isa
-    assert lib.exo_qlinear_int8() == (isa == "avx2")  # AVX2's pair sums (or AVX-512 VNNI); plain C has none
+    assert lib.exo_qlinear_integer() == (isa == "avx2")  # AVX2's pair sums (or AVX-512 VNNI); plain C has none
     rng = np.random.default_rng(4)
     for bits in (4, 8):
         w = QuantizedWeight.random(rng, 70, 320, bits)
@@ -174,21 +181,21 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         together = kernels.call(lib, x, blob, bits, 70)  # and a row's bits whatever its batch
         for i in (0, 5, 10):
             assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70)[0], together[i]), (bits, i)
-    if isa == "avx2":  # the int8 precision: its float64 model, and the VNNI build's numbers bit for bit
+    if isa == "avx2":  # the integer precisions: their float64 model, and the VNNI build's numbers bit for bit
         native = kernels.library()
-        vnni = ctypes.CDLL(native.path) if native is not None and native.int8 and native.isa == "avx512" else None
-        for bits in (4, 8):
+        vnni = ctypes.CDLL(native.path) if native is not None and native.integer and native.isa == "avx512" else None
+        for bits, xbits in ((4, 16), (8, 16), (4, 8), (8, 8)):
             w = QuantizedWeight.random(rng, 70, 320, bits)
-            blob = kernels.pack([w], int8=True)
+            blob = kernels.pack([w], xbits)
             x = rng.standard_normal((11, 320)).astype(np.float32)
             x[3, :32] = 0.0  # a block of zeros has scale 0
-            want = kernels.int8_reference(x, w)
-            got = kernels.call(lib, x, blob, bits, 70, int8=True)
-            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), bits
+            want = kernels.integer_reference(x, w, xbits)
+            got = kernels.call(lib, x, blob, bits, 70, xbits)
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (bits, xbits)
             for i in (0, 3, 10):
-                assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70, int8=True)[0], got[i])
+                assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70, xbits)[0], got[i])
             if vnni is not None:
-                assert np.array_equal(kernels.call(vnni, x, blob, bits, 70, int8=True), got), bits
+                assert np.array_equal(kernels.call(vnni, x, blob, bits, 70, xbits), got), (bits, xbits)
     # and the attention (AVX2's 8-wide loops, or the plain ones), head sizes of 8 wide chunks even and odd
     for rows, tokens, heads, kv_heads, head_dim in ((4, 1, 6, 2, 64), (1, 6, 6, 2, 64), (2, 1, 8, 4, 128), (3, 2, 4, 2, 40)):
         case = kernels.AttentionCase.random(rng, rows, tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

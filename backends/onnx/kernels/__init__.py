@@ -54,7 +54,7 @@ FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
 class Library:
     path: str
     isa: str  # the instruction set it was built for: avx512, avx2 or c
-    int8: bool = False  # whether it has the int8 precision's products (AVX-512 VNNI or AVX2)
+    integer: bool = False  # whether it has the int16 and int8 precisions' integer products (AVX-512 VNNI or AVX2)
 
     @property
     def build(self) -> str:
@@ -77,11 +77,11 @@ def _exact_in_half(a: np.ndarray) -> bool:
         return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
-def pack(weights: list[QuantizedWeight], int8: bool = False) -> np.ndarray:
+def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
     """Matrices of one kind stacked along their rows (output columns), as ``QLinear``'s W: tiles
     of 32 columns, ``(ceil(N / 32), K / 32, 640)`` for 4 bits and ``(…, 1152)`` for 8, the codes
-    laid out for float32 products or (``int8``) for the int8 precision's (both layouts are in
-    ``qlinear.c``); the last tile is padded with zero columns. Packed a few tiles at a time, so a
+    laid out for float32 products or (``xbits`` 16 or 8) for the int16 or int8 precision's (the
+    layouts are in ``qlinear.c``); the last tile is padded with zero columns. Packed a few tiles at a time, so a
     large matrix (a vocabulary's head) costs little memory beyond the result."""
     n, k, bits = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1], weights[0].bits
     tiles, nb = -(-n // TILE), k // BLOCK
@@ -105,7 +105,8 @@ def pack(weights: list[QuantizedWeight], int8: bool = False) -> np.ndarray:
             half = columns(lo, hi, field, np.float16).reshape(t1 - t0, TILE, nb).transpose(0, 2, 1)
             out[t0:t1, :, 64 * i : 64 * (i + 1)] = np.ascontiguousarray(half).view(np.uint8)
         codes = columns(lo, hi, "q", np.uint8)
-        out[t0:t1, :, 128:] = (_int8_lines if int8 else _float_lines)(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits)
+        lines = {0: _float_lines, 16: _int16_lines, 8: _int8_lines}[xbits]
+        out[t0:t1, :, 128:] = lines(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits)
     return out
 
 
@@ -116,6 +117,16 @@ def _float_lines(q: np.ndarray, bits: int) -> np.ndarray:
     if bits == 4:
         lines = (lines[:, :, :16] & 0x0F) | ((lines[:, :, 16:] & 0x0F) << 4)
     return lines.reshape(q.shape[0], q.shape[2], -1)
+
+
+def _int16_lines(q: np.ndarray, bits: int) -> np.ndarray:
+    """Codes ``(tile, column, block, k)`` as the int16 products read them: lines of 2 consecutive k
+    per column, k and k + 16 sharing a byte for 4 bits."""
+    tiles, _, nb, _ = q.shape
+    if bits == 4:
+        q = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+    lines = q.reshape(tiles, TILE, nb, -1, 2)  # (tile, column, block, line, byte)
+    return lines.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, -1)  # (tile, block, line, column, byte)
 
 
 def _int8_lines(q: np.ndarray, bits: int) -> np.ndarray:
@@ -227,7 +238,7 @@ def _check(path: Path) -> Library:
         lib = ctypes.CDLL(str(path))
         lib.exo_qlinear_isa.restype = ctypes.c_char_p
         isa = lib.exo_qlinear_isa().decode()
-        int8 = bool(lib.exo_qlinear_int8())
+        integer = bool(lib.exo_qlinear_integer())
         lib.exo_qlinear  # noqa: B018 - there
     except (OSError, AttributeError) as exc:
         raise KernelUnavailable(f"cannot load {path} ({exc})") from exc
@@ -235,18 +246,18 @@ def _check(path: Path) -> Library:
     n, k = 72, 96
     for bits in TILE_BLOCK_BYTES:
         w = QuantizedWeight.random(rng, n, k, bits)
-        for precision in ("float32", "int8") if int8 else ("float32",):
-            blob = pack([w], int8=precision == "int8")
+        for xbits in (0, 16, 8) if integer else (0,):
+            blob = pack([w], xbits)
             for m in (1, 3, 11):
                 x = rng.standard_normal((m, k)).astype(np.float32)
-                want = (int8_reference if precision == "int8" else float_reference)(x, w)
-                y = call(lib, x, blob, bits, n, int8=precision == "int8")
+                want = integer_reference(x, w, xbits) if xbits else float_reference(x, w)
+                y = call(lib, x, blob, bits, n, xbits)
                 if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
                     raise KernelUnavailable(
-                        f"the {isa} kernel built here disagrees with NumPy ({bits}-bit, {precision}, "
-                        f"off by {np.abs(y - want).max():.3g})"
+                        f"the {isa} kernel built here disagrees with NumPy ({bits}-bit, "
+                        f"{f'int{xbits}' if xbits else 'float32'}, off by {np.abs(y - want).max():.3g})"
                     )
-                if not np.array_equal(run_in_session(path, x, blob, bits, n, int8=precision == "int8"), y):
+                if not np.array_equal(run_in_session(path, x, blob, bits, n, xbits), y):
                     raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
     for rows, tokens in ((3, 1), (1, 4)):
         case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12)
@@ -256,7 +267,7 @@ def _check(path: Path) -> Library:
             raise KernelUnavailable(f"the {isa} attention built here disagrees with NumPy ({rows} rows of {tokens} tokens)")
         if not all(np.array_equal(g, s) for g, s in zip(case.in_session(path), got, strict=True)):
             raise KernelUnavailable("the attention gives other results inside ONNX Runtime than called directly")
-    return Library(str(path), isa, int8)
+    return Library(str(path), isa, integer)
 
 
 def float_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
@@ -264,40 +275,43 @@ def float_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
     return x.astype(np.float64) @ w.dequantize().astype(np.float64).T
 
 
-def int8_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
-    """What ``QLinear`` computes at the int8 precision (in float64): each block of 32 values of a
-    row of ``x`` rounded to int8 codes with one scale (max |x| / 127), integer products with the
-    matrix's codes, then scaled, plus the matrix's bias times the block's float sum."""
+def integer_reference(x: np.ndarray, w: QuantizedWeight, xbits: int) -> np.ndarray:
+    """What ``QLinear`` computes at the int16 or int8 precision (``xbits``, in float64): each block
+    of 32 values of a row of ``x`` rounded to integer codes with one scale (max |x| / 32767 or
+    / 127), integer products with the matrix's codes, then scaled, plus the matrix's bias times the
+    block's float sum."""
     m, k = x.shape
+    top = np.float32(2 ** (xbits - 1) - 1)
     xb = x.reshape(m, k // BLOCK, BLOCK).astype(np.float32)
     amax = np.abs(xb).max(-1)
-    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
-    xq = np.rint(xb * inv[..., None]).astype(np.float64)
-    d = (amax / np.float32(127)).astype(np.float64)
+    inv = np.divide(top, amax, out=np.zeros_like(amax), where=amax > 0)
+    xq = np.clip(np.rint(xb * inv[..., None]), -top, top).astype(np.float64)
+    d = (amax / top).astype(np.float64)
     n = w.q.shape[0]
     dots = np.einsum("mbk,nbk->mnb", xq, w.q.reshape(n, k // BLOCK, BLOCK).astype(np.float64))
     scales, biases = np.asarray(w.scales, np.float64), np.asarray(w.biases, np.float64)
     return (dots * d[:, None, :] * scales[None]).sum(-1) + (xb.sum(-1, dtype=np.float64) @ biases.T)
 
 
-def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int, int8: bool = False) -> np.ndarray:
-    """The library's computation called directly (one thread, no ONNX Runtime); ``n`` columns."""
+def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int, xbits: int = 0) -> np.ndarray:
+    """The library's computation called directly (one thread, no ONNX Runtime); ``n`` columns;
+    ``xbits`` 16 or 8: the int16 or int8 precision."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     y = np.empty((m, n), np.float32)
     p, i = ctypes.c_void_p, ctypes.c_int64
-    if lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits), i(int8)):
-        raise KernelUnavailable("the kernel cannot run this (no int8 products in this build, or out of memory)")
+    if lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits), i(xbits)):
+        raise KernelUnavailable("the kernel cannot run this (no integer products in this build, or out of memory)")
     return y
 
 
-def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int, n: int, int8: bool = False) -> np.ndarray:
+def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int, n: int, xbits: int = 0) -> np.ndarray:
     """``QLinear`` in a one-node ONNX Runtime session; ``n`` columns."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     k = x.shape[-1]
-    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits, int8=int(int8))
+    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits, xbits=xbits)
     graph = helper.make_graph(
         [node], "check", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])], [numpy_helper.from_array(blob, "w")],

@@ -8,7 +8,9 @@
                       the high nibble that of (k = j + 16, c) (GGUF's Q4_1 blocks, transposed;
                       Q4_0 is b = -8 s);
      bits 8, B = 1152: 32 lines (GGUF's Q8_0 is q = its signed code + 128, b = -128 s).
-   Columns past N in the last tile are padding. Attributes K, N and bits. Output Y float32 (..., N):
+   Columns past N in the last tile are padding. Attributes K, N, bits and xbits (0: X as it is, the
+   float32 precision; 16 or 8: X rounded to integer codes, the int16 and int8 precisions, on builds
+   with integer products, W's codes in their own layouts, below). Output Y float32 (..., N):
 
        y[m, n] = sum over k of x[m, k] * (s * q[n, k] + b)      (float32, as the dequantized matrix)
 
@@ -27,14 +29,14 @@
 #include <immintrin.h>
 #define QL_AVX512 1
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define QL_INT8 1 /* int8 products for the int8 precision: VPDPBUSD */
-#define QL_INT8_VNNI 1
+#define QL_INT 1 /* integer products for the int16 and int8 precisions: VPDPWSSD and VPDPBUSD */
+#define QL_INT_VNNI 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX2 1
-#define QL_INT8 1 /* int8 products for the int8 precision: VPMADDUBSW and VPMADDWD, VPDPBUSD's sums exactly */
-#define QL_INT8_AVX2 1
+#define QL_INT 1 /* integer products: VPMADDWD, and VPMADDUBSW for int8 (VPDPBUSD's sums exactly) */
+#define QL_INT_AVX2 1
 #endif
 
 /* ------------------------------------------------------------------ the kernel */
@@ -218,7 +220,7 @@ typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int64_t, float 
 TILES(4)
 TILES(8)
 
-#if defined(QL_INT8)
+#if defined(QL_INT)
 /* The int8 precision: each block of 32 values of a row of X is rounded to int8 codes with one
    float scale d (|x| <= 127 d), as llama.cpp's Q8_0, and a block's products are integers:
 
@@ -234,7 +236,7 @@ TILES(8)
 
 /* A block's float sum, in one fixed order (halves of 16, of 8, of 4, then pairs) whatever the
    build: the AVX-512 and AVX2 builds give the same int8 results bit for bit. */
-#if defined(QL_INT8_VNNI)
+#if defined(QL_INT_VNNI)
 static inline float block_sum(__m512 v0, __m512 v1)
 {
     const __m512 v = _mm512_add_ps(v0, v1);
@@ -251,7 +253,7 @@ static inline float block_sum(__m256 a_lo, __m256 a_hi, __m256 b_lo, __m256 b_hi
     return _mm_cvtss_f32(q);
 }
 
-#if defined(QL_INT8_VNNI)
+#if defined(QL_INT_VNNI)
 static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
                                                                   const int32_t *xi, int64_t k, const uint8_t *w,
                                                                   int64_t nb, float *y, int64_t ldy, int cols,
@@ -327,7 +329,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float
         xs[b] = block_sum(v0, v1);
     }
 }
-#else /* QL_INT8_AVX2 */
+#else /* QL_INT_AVX2 */
 /* VPDPBUSD's sum of four byte products per 32-bit lane, from AVX2's 16-bit pair sums: codes of 4
    bits times int8 values stay within 16 bits (2 x 15 x 127); a code of 8 bits (stored + 128) is
    taken signed, its size times the value's sign, then 128 times the block's value sum added back
@@ -408,20 +410,26 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
     }
 }
 
+/* The largest |x| of a block of 32 (in 4 vectors). */
+static inline float block_amax(const __m256 v[4])
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
 /* quantize_row's AVX-512 math 8 wide: the same codes, scale and sum. */
 static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi)
 {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < k / BLOCK; b++) {
         __m256 v[4];
         for (int i = 0; i < 4; i++)
             v[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float amax = block_amax(v);
         const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         const __m256 iv = _mm256_set1_ps(inv);
         __m256i c[4];
@@ -451,6 +459,189 @@ TILE_ROWS_INT8(1, 4) TILE_ROWS_INT8(2, 4) TILE_ROWS_INT8(3, 4) TILE_ROWS_INT8(4,
 TILE_ROWS_INT8(1, 8) TILE_ROWS_INT8(2, 8) TILE_ROWS_INT8(3, 8) TILE_ROWS_INT8(4, 8)
 static const tile_int8_fn tiles_int8_4[ROWS_INT8 + 1] = {NULL, tile_int8_4_1, tile_int8_4_2, tile_int8_4_3, tile_int8_4_4};
 static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, tile_int8_8_2, tile_int8_8_3, tile_int8_8_4};
+
+/* The int16 precision: each block of 32 values of a row of X is rounded to int16 codes with one
+   float scale d (|x| <= 32767 d), and a block's products are integers, as for int8:
+
+       y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
+
+   with 15 bits of each block's largest value where int8 keeps 7 (its logits stay within ~1e-2 of
+   float32's on the default model, int8's move by ~1). Its tile layout pairs k: after the 128
+   bytes of scales and biases, a tile block is
+     bits 4: 8 lines of 64 bytes; byte 2 c + i of line j: code (k = 2 j + i, column c) in the low
+             nibble, code (k = 16 + 2 j + i, column c) in the high nibble;
+     bits 8: 16 lines of 64 bytes; byte 2 c + i of line j: code (k = 2 j + i, column c).
+   Widened to 16 bits, a 32-bit lane holds a column's pair, which VPDPWSSD (VPMADDWD) multiplies
+   by the pair of X and adds. Every sum of a block is exact (|xq . q| < 32 x 32767 x 255 < 2^31),
+   so the builds agree bit for bit. */
+#define ROWS_INT16 4
+
+#if defined(QL_INT_VNNI)
+static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
+                                                                   int64_t k, const uint8_t *w, int64_t nb, float *y,
+                                                                   int64_t ldy, int cols, const int rows, const int bits)
+{
+    const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 f0[ROWS_INT16], f1[ROWS_INT16]; /* columns 0-15 and 16-31 */
+    for (int r = 0; r < rows; r++)
+        f0[r] = f1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
+        __m512i i0[ROWS_INT16], i1[ROWS_INT16];
+        for (int r = 0; r < rows; r++)
+            i0[r] = i1[r] = _mm512_setzero_si512();
+        const uint8_t *q = w + 128;
+        for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
+            const __m512i v = _mm512_loadu_si512(q + 64 * j);
+            if (bits == 4) {
+                const __m512i l = _mm512_and_si512(v, low), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                const __m512i l0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(l));
+                const __m512i l1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(l, 1));
+                const __m512i u0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u));
+                const __m512i u1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, 1));
+                for (int r = 0; r < rows; r++) {
+                    const int16_t *xr = xq + r * k + b * BLOCK;
+                    int32_t lo2, hi2;
+                    memcpy(&lo2, xr + 2 * j, 4);
+                    memcpy(&hi2, xr + 16 + 2 * j, 4);
+                    const __m512i xl = _mm512_set1_epi32(lo2), xh = _mm512_set1_epi32(hi2);
+                    i0[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[r], l0, xl), u0, xh);
+                    i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], l1, xl), u1, xh);
+                }
+            } else {
+                const __m512i c0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v));
+                const __m512i c1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1));
+                for (int r = 0; r < rows; r++) {
+                    int32_t two;
+                    memcpy(&two, xq + r * k + b * BLOCK + 2 * j, 4);
+                    const __m512i xv = _mm512_set1_epi32(two);
+                    i0[r] = _mm512_dpwssd_epi32(i0[r], c0, xv);
+                    i1[r] = _mm512_dpwssd_epi32(i1[r], c1, xv);
+                }
+            }
+        }
+        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+        const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
+        const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
+        for (int r = 0; r < rows; r++) {
+            const __m512 d = _mm512_set1_ps(xd[r * nb + b]), sum = _mm512_set1_ps(xs[r * nb + b]);
+            f0[r] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]));
+            f1[r] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]));
+        }
+    }
+    const __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    const __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, f0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, f1[r]);
+    }
+}
+
+/* Row r of X to int16 codes, a scale and a float sum per block (rounding to nearest, ties to even). */
+static void quantize_row16(const float *x, int64_t k, int16_t *xq, float *xd, float *xs)
+{
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        _mm256_storeu_si256((__m256i *)(xq + b * BLOCK), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
+        _mm256_storeu_si256((__m256i *)(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
+        xd[b] = d;
+        xs[b] = block_sum(v0, v1);
+    }
+}
+#else /* QL_INT_AVX2 */
+/* The same sums 8 columns at a time: a pass over every block per group of 8 columns (16 bytes of
+   each line). */
+static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
+                                                                   int64_t k, const uint8_t *w, int64_t nb, float *y,
+                                                                   int64_t ldy, int cols, const int rows, const int bits)
+{
+    const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int g = 0; g < TILE / 8 && g * 8 < cols; g++) {
+        __m256 f[ROWS_INT16];
+        for (int r = 0; r < rows; r++)
+            f[r] = _mm256_setzero_ps();
+        const uint8_t *wb = w;
+        for (int64_t b = 0; b < nb; b++, wb += block_bytes) {
+            __m256i acc[ROWS_INT16];
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm256_setzero_si256();
+            const uint8_t *q = wb + 128 + 16 * g;
+            for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(q + 64 * j));
+                if (bits == 4) {
+                    const __m256i l = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
+                    const __m256i u = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+                    for (int r = 0; r < rows; r++) {
+                        const int16_t *xr = xq + r * k + b * BLOCK;
+                        int32_t lo2, hi2;
+                        memcpy(&lo2, xr + 2 * j, 4);
+                        memcpy(&hi2, xr + 16 + 2 * j, 4);
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(l, _mm256_set1_epi32(lo2)),
+                                                                           _mm256_madd_epi16(u, _mm256_set1_epi32(hi2))));
+                    }
+                } else {
+                    const __m256i c = _mm256_cvtepu8_epi16(v);
+                    for (int r = 0; r < rows; r++) {
+                        int32_t two;
+                        memcpy(&two, xq + r * k + b * BLOCK + 2 * j, 4);
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
+                    }
+                }
+            }
+            const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 16 * g)));
+            const __m256 bc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 16 * g)));
+            for (int r = 0; r < rows; r++) {
+                const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
+                f[r] = _mm256_fmadd_ps(bc, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(sc, d), f[r]));
+            }
+        }
+        const int n = cols - g * 8 < 8 ? cols - g * 8 : 8;
+        for (int r = 0; r < rows; r++) {
+            float out[8];
+            _mm256_storeu_ps(out, f[r]);
+            memcpy(y + r * ldy + g * 8, out, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+/* quantize_row16's AVX-512 math 8 wide: the same codes, scale and sum. */
+static void quantize_row16(const float *x, int64_t k, int16_t *xq, float *xd, float *xs)
+{
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
+        const float amax = block_amax(v);
+        const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (int i = 0; i < 4; i += 2) {
+            const __m256i c = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv)),
+                                                 _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], iv)));
+            _mm256_storeu_si256((__m256i *)(xq + b * BLOCK + 8 * i), _mm256_permute4x64_epi64(c, _MM_SHUFFLE(3, 1, 2, 0)));
+        }
+        xd[b] = d;
+        xs[b] = block_sum(v[0], v[1], v[2], v[3]);
+    }
+}
+#endif
+
+typedef void (*tile_int16_fn)(const int16_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, float *,
+                              int64_t, int);
+#define TILE_ROWS_INT16(R, BITS)                                                                                    \
+    static void tile_int16_##BITS##_##R(const int16_t *xq, const float *xd, const float *xs, int64_t k,              \
+                                        const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols)               \
+    {                                                                                                               \
+        tile_rows_int16(xq, xd, xs, k, w, nb, y, ldy, cols, R, BITS);                                               \
+    }
+TILE_ROWS_INT16(1, 4) TILE_ROWS_INT16(2, 4) TILE_ROWS_INT16(3, 4) TILE_ROWS_INT16(4, 4)
+TILE_ROWS_INT16(1, 8) TILE_ROWS_INT16(2, 8) TILE_ROWS_INT16(3, 8) TILE_ROWS_INT16(4, 8)
+static const tile_int16_fn tiles_int16_4[ROWS_INT16 + 1] = {NULL, tile_int16_4_1, tile_int16_4_2, tile_int16_4_3, tile_int16_4_4};
+static const tile_int16_fn tiles_int16_8[ROWS_INT16 + 1] = {NULL, tile_int16_8_1, tile_int16_8_2, tile_int16_8_3, tile_int16_8_4};
 #endif
 
 typedef struct {
@@ -458,26 +649,36 @@ typedef struct {
     const uint8_t *w;
     float *y;
     int64_t m, k, n, bits;
-    const int8_t *xq; /* the int8 precision: X as codes, a scale, a float sum and a code sum per block; else NULL */
-    const float *xd, *xs;
-    const int32_t *xi;
+    int64_t xbits;   /* 0: X as it is; 16 or 8: X as integer codes, in xq */
+    const void *xq;  /* int16_t or int8_t codes, m * k */
+    const float *xd, *xs; /* per block: the codes' scale, and the float sum of X */
+    const int32_t *xi;    /* per block, int8: the codes' sum */
 } Job;
 
 /* Tile `task` of W (columns [task * TILE, ...) of Y), every row: the tile stays in the caches
-   while the rows pass over it, ROWS at a time. */
+   while the rows pass over it, a few rows at a time. */
 static void run_task(void *arg, size_t task)
 {
     const Job *job = (const Job *)arg;
     const int64_t nb = job->k / BLOCK, n0 = (int64_t)task * TILE;
     const int cols = job->n - n0 < TILE ? (int)(job->n - n0) : TILE;
     const uint8_t *w = job->w + (int64_t)task * nb * TILE_BLOCK_BYTES(job->bits);
-#if defined(QL_INT8)
-    if (job->xq != NULL) {
+#if defined(QL_INT)
+    if (job->xbits == 16) {
+        const tile_int16_fn *tiles = job->bits == 4 ? tiles_int16_4 : tiles_int16_8;
+        for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT16) {
+            const int64_t rows = job->m - m0 < ROWS_INT16 ? job->m - m0 : ROWS_INT16;
+            tiles[rows]((const int16_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->k, w, nb,
+                        job->y + m0 * job->n + n0, job->n, cols);
+        }
+        return;
+    }
+    if (job->xbits == 8) {
         const tile_int8_fn *tiles = job->bits == 4 ? tiles_int8_4 : tiles_int8_8;
         for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT8) {
             const int64_t rows = job->m - m0 < ROWS_INT8 ? job->m - m0 : ROWS_INT8;
-            tiles[rows](job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->xi + m0 * nb, job->k, w, nb,
-                        job->y + m0 * job->n + n0, job->n, cols);
+            tiles[rows]((const int8_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->xi + m0 * nb,
+                        job->k, w, nb, job->y + m0 * job->n + n0, job->n, cols);
         }
         return;
     }
@@ -489,17 +690,17 @@ static void run_task(void *arg, size_t task)
     }
 }
 
-#if defined(QL_INT8)
-/* The int8 precision's scratch for X (one allocation, freed with free()); NULL if out of memory. */
-static void *int8_scratch(Job *job)
+#if defined(QL_INT)
+/* The integer precisions' scratch for X (one allocation, freed with free()); NULL if out of memory. */
+static void *integer_scratch(Job *job)
 {
     const int64_t nb = job->k / BLOCK;
-    float *scratch = (float *)malloc((size_t)(3 * job->m * nb) * sizeof(float) + (size_t)(job->m * job->k));
+    float *scratch = (float *)malloc((size_t)(3 * job->m * nb) * sizeof(float) + (size_t)(job->m * job->k * (job->xbits / 8)));
     if (scratch != NULL) {
         job->xd = scratch;
         job->xs = scratch + job->m * nb;
         job->xi = (const int32_t *)(scratch + 2 * job->m * nb);
-        job->xq = (const int8_t *)(scratch + 3 * job->m * nb);
+        job->xq = scratch + 3 * job->m * nb;
     }
     return scratch;
 }
@@ -508,20 +709,25 @@ static void quantize_task(void *arg, size_t row)
 {
     const Job *job = (const Job *)arg;
     const int64_t nb = job->k / BLOCK;
-    quantize_row(job->x + row * job->k, job->k, (int8_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
-                 (float *)job->xs + row * nb, (int32_t *)job->xi + row * nb);
+    if (job->xbits == 16)
+        quantize_row16(job->x + row * job->k, job->k, (int16_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
+                       (float *)job->xs + row * nb);
+    else
+        quantize_row(job->x + row * job->k, job->k, (int8_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
+                     (float *)job->xs + row * nb, (int32_t *)job->xi + row * nb);
 }
 #endif
 
-/* For the tests: the same computation without ONNX Runtime, on one thread; int8: the int8
-   precision (only where exo_qlinear_int8() says the build has it). Returns 0, or -1 if it cannot. */
-int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t int8)
+/* For the tests: the same computation without ONNX Runtime, on one thread; xbits 16 or 8: the
+   int16 or int8 precision (only where exo_qlinear_integer() says the build has them). Returns 0,
+   or -1 if it cannot. */
+int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t xbits)
 {
-    Job job = {x, w, y, m, k, n, bits, NULL, NULL, NULL, NULL};
+    Job job = {x, w, y, m, k, n, bits, xbits, NULL, NULL, NULL, NULL};
     void *scratch = NULL;
-    if (int8) {
-#if defined(QL_INT8)
-        if ((scratch = int8_scratch(&job)) == NULL)
+    if (xbits) {
+#if defined(QL_INT)
+        if ((xbits != 8 && xbits != 16) || (scratch = integer_scratch(&job)) == NULL)
             return -1;
         for (size_t r = 0; r < (size_t)m; r++)
             quantize_task(&job, r);
@@ -535,9 +741,9 @@ int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k
     return 0;
 }
 
-int exo_qlinear_int8(void)
+int exo_qlinear_integer(void)
 {
-#if defined(QL_INT8)
+#if defined(QL_INT)
     return 1;
 #else
     return 0;
@@ -558,7 +764,7 @@ const char *exo_qlinear_isa(void)
 /* ------------------------------------------------------------------ the op */
 
 typedef struct {
-    int64_t k, n, bits, int8;
+    int64_t k, n, bits, xbits;
 } Kernel;
 
 static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKernelInfo *info, void **out)
@@ -576,12 +782,14 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
     if (status == NULL && (kernel->k <= 0 || kernel->k % BLOCK != 0 || kernel->n <= 0))
         status = fail("QLinear: K must be a positive multiple of 32 and N positive");
     if (status == NULL)
-        status = int_attribute(info, "int8", &kernel->int8);
+        status = int_attribute(info, "xbits", &kernel->xbits);
     if (status == NULL && kernel->bits != 4 && kernel->bits != 8)
         status = fail("QLinear: bits must be 4 or 8");
-#if !defined(QL_INT8)
-    if (status == NULL && kernel->int8)
-        status = fail("QLinear: this build has no int8 products (they need AVX2 or AVX-512 VNNI)");
+    if (status == NULL && kernel->xbits != 0 && kernel->xbits != 8 && kernel->xbits != 16)
+        status = fail("QLinear: xbits must be 0 (float32), 8 or 16");
+#if !defined(QL_INT)
+    if (status == NULL && kernel->xbits)
+        status = fail("QLinear: this build has no integer products (they need AVX2 or AVX-512 VNNI)");
 #endif
     if (status != NULL) {
         free(kernel);
@@ -619,12 +827,13 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
     if (m == 0)
         return NULL;
-    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits, NULL, NULL, NULL, NULL};
+    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits, kernel->xbits,
+               NULL, NULL, NULL, NULL};
     const size_t tasks = (size_t)((kernel->n + TILE - 1) / TILE);
-    if (!kernel->int8)
+    if (!kernel->xbits)
         return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, run_task, tasks, 0, &job);
-#if defined(QL_INT8)
-    void *scratch = int8_scratch(&job);
+#if defined(QL_INT)
+    void *scratch = integer_scratch(&job);
     if (scratch == NULL)
         return API(API_CreateStatus, CreateStatus_t)(ORT_FAIL, "QLinear: out of memory");
     OrtStatus *status = NULL;
@@ -639,7 +848,7 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     free(scratch);
     return status;
 #else
-    return fail("QLinear: this build has no int8 products");
+    return fail("QLinear: this build has no integer products");
 #endif
 }
 
