@@ -115,6 +115,8 @@ def main() -> None:
             engines["exo-tui onnx, pinned"] = _ours(b, path, args.threads, pin=True)  # EXO_TUI_ONNX_PIN=1
             # 4-bit matrices on MatMulNBits with a correction (before QLinear; where it cannot be built)
             engines["exo-tui onnx, MatMulNBits only"] = _ours(b, path, args.threads, kernel=False)
+            # float32 math on the dequantized weights (EXO_TUI_ONNX_PRECISION=float32; the default is int16)
+            engines["exo-tui onnx, float32 precision"] = _ours(b, path, args.threads, precision="float32")
             # int8 activations, as llama.cpp multiplies (EXO_TUI_ONNX_PRECISION=int8)
             engines["exo-tui onnx, int8 precision"] = _ours(b, path, args.threads, precision="int8")
     ref = _llama_cpp(path, args.threads)
