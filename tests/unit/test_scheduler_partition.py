@@ -4,6 +4,7 @@ infeasible requests, predictions and ring order."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -124,11 +125,13 @@ def test_single_node_plan_has_no_hops_and_equal_single_and_saturated() -> None:
 
 def test_predictions_add_compute_hops_head_and_prefill() -> None:
     spec = ModelSpec("m", 4, 100 * MB, 50 * MB, 200 * MB, 1000, 1000, 100)
+    fast = 1e12  # memory: the measured times are above the time to stream the layers
     a = DeviceProfile("a", ram_total_bytes=10 * GB, ram_available_bytes=10 * GB,
                       decode_s_per_layer={"onnx": 0.010}, prefill_s_per_layer_token={"onnx": 0.001},
-                      links={"b": Link(0.002, 1e6)})
+                      memory_bandwidth_bytes_per_s=fast, links={"b": Link(0.002, 1e6)})
     b = DeviceProfile("b", ram_total_bytes=10 * GB, ram_available_bytes=10 * GB,
-                      decode_s_per_layer={"onnx": 0.020}, links={"a": Link(0.003, 1e6)})
+                      decode_s_per_layer={"onnx": 0.020}, memory_bandwidth_bytes_per_s=fast,
+                      links={"a": Link(0.003, 1e6)})
     pr = predict([("a", 0, 1), ("b", 1, 4)], {"a": a, "b": b}, spec, prompt_tokens=10)
     hop_ab = 0.002 + 4000 / 1e6  # hidden 1000 x 4 bytes
     hop_ba = 0.003 + 8 / 1e6  # the token id back
@@ -153,9 +156,23 @@ def test_load_slows_a_node() -> None:
 
 def test_measured_compute_scales_with_layer_size() -> None:
     d = DeviceProfile("x", decode_s_per_layer={"mlx": 0.004, "onnx": 0.006}, compute_ref_layer_bytes=int(0.5 * GB),
-                      backends=("mlx", "onnx"))
+                      backends=("mlx", "onnx"), memory_bandwidth_bytes_per_s=1e12)
     assert d.best_backend() == "mlx"
     assert d.layer_s(SPEC) == pytest.approx(0.008)  # 1 GiB layers: twice the reference
+
+
+def test_a_cpu_decodes_no_faster_than_its_weights_stream() -> None:
+    """A node measures a few layers, which fit in its caches; a whole shard's decode step streams
+    every layer from memory, so on a CPU the step is at least bytes / (bandwidth x efficiency).
+    A GPU's or Apple chip's own memory is not what the node's CPU copy measured."""
+    measured = {"onnx": 0.001}
+    cpu = DeviceProfile("x", decode_s_per_layer=measured, compute_ref_layer_bytes=SPEC.mean_layer_bytes,
+                        memory_bandwidth_bytes_per_s=20e9)
+    streamed = SPEC.mean_layer_bytes / (20e9 * 0.6)
+    assert streamed > 0.001 and cpu.layer_s(SPEC) == pytest.approx(streamed)
+    assert replace(cpu, memory_bandwidth_bytes_per_s=1e15).layer_s(SPEC) == pytest.approx(0.001)
+    for device in ("apple", "cuda"):
+        assert replace(cpu, device_type=device).layer_s(SPEC) == pytest.approx(0.001)
 
 
 # ------------------------------------------------------------------ constraints
