@@ -37,7 +37,7 @@ from backends.base import (
     ShardWeights,
     validate_forward_input,
 )
-from backends.onnx import ACCURACY_LEVEL, PRECISIONS, kernels
+from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
@@ -103,7 +103,7 @@ class ONNXShard(Shard):
         weights: ShardWeights,
         *,
         threads: int,
-        precision: str = "float32",
+        precision: str = DEFAULT_PRECISION,
         session_config: dict[str, str] | None = None,
         cores: CorePlan | None = None,
     ) -> None:
