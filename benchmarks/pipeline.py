@@ -10,12 +10,14 @@ other, that drift lands in the ratios. The per-hop time is what each extra node 
 step: ``(step(N) - step(1)) / (N - 1)``.
 
     python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 5] [--nodes 1,2,3,4]
-                                  [--loops uvloop,asyncio] [--variants default,nospin,spin,pin]
+                                  [--loops uvloop,asyncio] [--variants default,nospin,spin,pin,1thread]
 
 ``--variants`` runs every cluster in each of these ONNX settings, side by side: ``default``
 (intra-op threads spin up to ``SPIN_US`` between the ops of a step), ``nospin`` (they never spin,
-``EXO_TUI_ONNX_SPIN=0``), ``spin`` (they spin until each step ends, ``EXO_TUI_ONNX_SPIN=1``) and
-``pin`` (core pinning, ``EXO_TUI_ONNX_PIN=1``, see ``backends/onnx/affinity.py``).
+``EXO_TUI_ONNX_SPIN=0``), ``spin`` (they spin until each step ends, ``EXO_TUI_ONNX_SPIN=1``),
+``pin`` (core pinning, ``EXO_TUI_ONNX_PIN=1``, see ``backends/onnx/affinity.py``) and ``1thread``
+(one intra-op thread a node, ``EXO_TUI_THREADS=1``: nodes sharing a machine then do not share
+cores within a step).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from typing import TYPE_CHECKING
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {  # name -> the environment the node processes start with (see backends/onnx/__init__.py)
-    "default": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": ""},
-    "nospin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "0"},
-    "spin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "1"},
-    "pin": {"EXO_TUI_ONNX_PIN": "1", "EXO_TUI_ONNX_SPIN": ""},
+    "default": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
+    "nospin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "0", "EXO_TUI_THREADS": ""},
+    "spin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "1", "EXO_TUI_THREADS": ""},
+    "pin": {"EXO_TUI_ONNX_PIN": "1", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
+    "1thread": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": "1"},
 }
 
 if TYPE_CHECKING:
