@@ -157,11 +157,20 @@ def library() -> Library | None:
     return _library()
 
 
+def unavailable() -> KernelUnavailable | None:
+    """Why :func:`library` is None in this process (None if it is not, or was not asked yet)."""
+    return _why[0] if _why else None
+
+
+_why: list[KernelUnavailable] = []
+
+
 @functools.cache
 def _library() -> Library | None:
     try:
         return _check(_build())
     except KernelUnavailable as exc:
+        _why[:] = [exc]
         log.warning("the ONNX backend runs its quantized matrices on MatMulNBits and attention on "
                     "GroupQueryAttention (slower decoding): %s", exc)
         return None
@@ -169,6 +178,10 @@ def _library() -> Library | None:
 
 class KernelUnavailable(Exception):
     pass
+
+
+class NoCompiler(KernelUnavailable):
+    """There is no C compiler to build the kernel with (the one reason tests may skip it for)."""
 
 
 def _cache_dir() -> Path:
@@ -192,7 +205,7 @@ def _cpu_key() -> str:
 def _compiler() -> str:
     cc = os.environ.get("CC", "").strip() or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), "")
     if not cc:
-        raise KernelUnavailable("no C compiler (cc, gcc or clang) found: install one (e.g. apt install gcc) to get the faster kernel")
+        raise NoCompiler("no C compiler (cc, gcc or clang) found: install one (e.g. apt install gcc) to get the faster kernel")
     return cc
 
 
