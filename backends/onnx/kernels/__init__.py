@@ -152,28 +152,24 @@ def enabled() -> bool:
 def library() -> Library | None:
     """The kernel built for this machine, or None (turned off, or it cannot be built or trusted:
     then logged once, with the reason)."""
-    if not enabled():
-        return None
-    return _library()
+    found = _library() if enabled() else None
+    return found if isinstance(found, Library) else None
 
 
 def unavailable() -> KernelUnavailable | None:
-    """Why :func:`library` is None in this process (None if it is not, or was not asked yet)."""
-    return _why[0] if _why else None
-
-
-_why: list[KernelUnavailable] = []
+    """Why :func:`library` is None (None when it is not, or when the kernel is turned off)."""
+    found = _library() if enabled() else None
+    return found if isinstance(found, KernelUnavailable) else None
 
 
 @functools.cache
-def _library() -> Library | None:
+def _library() -> Library | KernelUnavailable:
     try:
         return _check(_build())
     except KernelUnavailable as exc:
-        _why[:] = [exc]
         log.warning("the ONNX backend runs its quantized matrices on MatMulNBits and attention on "
                     "GroupQueryAttention (slower decoding): %s", exc)
-        return None
+        return exc
 
 
 class KernelUnavailable(Exception):

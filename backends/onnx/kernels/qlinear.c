@@ -72,6 +72,21 @@ static inline float half_to_float(uint16_t h)
 #endif
 }
 
+#if defined(QL_AVX512)
+/* Each row's sums of a tile's 32 columns (a0: columns 0-15, a1: 16-31) to its row of Y, the
+   columns below cols only. */
+static inline __attribute__((always_inline)) void store_tile(float *y, int64_t ldy, int cols, const int rows,
+                                                              const __m512 *a0, const __m512 *a1)
+{
+    const __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    const __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+    for (int r = 0; r < rows; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
+    }
+}
+#endif
+
 /* y[r * ldy + c] = x[r] . w[c] for rows r < rows (rows <= ROWS) and the tile's columns c < cols.
    A tile block is 32 scales, 32 biases (float16), then the codes a line per k: for 4 bits 16 lines
    of 32 bytes, the low nibble of byte c being the code of (k, c) and the high nibble that of
@@ -123,12 +138,7 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
             }
         }
     }
-    const __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-    const __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
-    for (int r = 0; r < rows; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
-    }
+    store_tile(y, ldy, cols, rows, a0, a1);
 #elif defined(QL_AVX2)
     /* 16 registers: the tile in passes of gp groups of 8 columns, each pass over every block. A
        column's sum is one chain of multiply-adds whatever the pass: few rows take several groups
@@ -254,6 +264,24 @@ static inline float block_sum(__m256 a_lo, __m256 a_hi, __m256 b_lo, __m256 b_hi
 }
 
 #if defined(QL_INT_VNNI)
+/* A tile block's integer sums of each row (i0: columns 0-15, i1: 16-31) into its float sums f0,
+   f1: times the columns' scales and the row's scale (xd[r * nb]), plus the columns' biases times
+   the row's float sum (xs[r * nb]). The int8 and int16 precisions' last step of a block. */
+static inline __attribute__((always_inline)) void add_block(const uint8_t *w, const float *xd, const float *xs,
+                                                             int64_t nb, const int rows, const __m512i *i0,
+                                                             const __m512i *i1, __m512 *f0, __m512 *f1)
+{
+    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+    const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
+    const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
+    for (int r = 0; r < rows; r++) {
+        const __m512 d = _mm512_set1_ps(xd[r * nb]), sum = _mm512_set1_ps(xs[r * nb]);
+        f0[r] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]));
+        f1[r] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]));
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
                                                                   const int32_t *xi, int64_t k, const uint8_t *w,
                                                                   int64_t nb, float *y, int64_t ldy, int cols,
@@ -294,22 +322,9 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
                 }
             }
         }
-        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
-        const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
-        const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
-        for (int r = 0; r < rows; r++) {
-            const __m512 d = _mm512_set1_ps(xd[r * nb + b]), sum = _mm512_set1_ps(xs[r * nb + b]);
-            f0[r] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]));
-            f1[r] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]));
-        }
+        add_block(w, xd + b, xs + b, nb, rows, i0, i1, f0, f1);
     }
-    const __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-    const __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
-    for (int r = 0; r < rows; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, m0, f0[r]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, f1[r]);
-    }
+    store_tile(y, ldy, cols, rows, f0, f1);
 }
 
 
@@ -520,22 +535,9 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                 }
             }
         }
-        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
-        const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
-        const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
-        for (int r = 0; r < rows; r++) {
-            const __m512 d = _mm512_set1_ps(xd[r * nb + b]), sum = _mm512_set1_ps(xs[r * nb + b]);
-            f0[r] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]));
-            f1[r] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]));
-        }
+        add_block(w, xd + b, xs + b, nb, rows, i0, i1, f0, f1);
     }
-    const __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-    const __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
-    for (int r = 0; r < rows; r++) {
-        _mm512_mask_storeu_ps(y + r * ldy, m0, f0[r]);
-        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, f1[r]);
-    }
+    store_tile(y, ldy, cols, rows, f0, f1);
 }
 
 /* Row r of X to int16 codes, a scale and a float sum per block (rounding to nearest, ties to even). */
