@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -87,7 +87,9 @@ class SamplingParams:
         return replace(self, seed=int.from_bytes(os.urandom(8), "little") >> 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Every field is a number (or None): a plain comprehension, not asdict's recursive deep
+        # copy, which cost ~30 us of the coordinator's time on every decode step it sends.
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
@@ -110,6 +112,9 @@ class SamplingParams:
                     raise ValueError(f"sampling parameter {name} must be a number, not {value!r}")
                 values[name] = float(value)
         return cls(**values)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
 
 
 class Sampler:
