@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any
 
 from textual import work
-from textual.app import App, SystemCommand
+from textual.app import App, ScreenStackError, SystemCommand
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Input
@@ -163,7 +163,11 @@ class ExoApp(App):
     def _render_screens(self, snapshot: ClusterSnapshot) -> None:
         now = self.clock()
         seen: set[int] = set()
-        for screen in (self.main_screen, self.screen):
+        try:
+            top: Screen[object] | None = self.screen
+        except ScreenStackError:  # the app is exiting: a refresh timer fired after its screens went
+            top = None
+        for screen in (self.main_screen, top):
             if screen is None or id(screen) in seen or not hasattr(screen, "render_snapshot"):
                 continue
             seen.add(id(screen))

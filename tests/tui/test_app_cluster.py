@@ -136,8 +136,11 @@ async def test_chat_answers_while_a_drain_happens(default_model_path: Path, tmp_
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_until(pilot, lambda: table(app).row_count == 2, timeout=20)
             chat = app.main_screen.query_one(ChatPane)
-            chat.params = type(chat.params)(max_tokens=160, temperature=0.0)
-            await chat.send("List the capital cities of ten European countries, one per line, starting with France.")
+            # Long enough to outlast opening the drain's confirmation (~1 s) on a fast machine: at
+            # 160 tokens of ten capitals, a 270 tok/s node had finished before the dialog was up.
+            chat.params = type(chat.params)(max_tokens=480, temperature=0.0)
+            await chat.send("List the capital cities of all European countries, one per line, each with a sentence "
+                            "about it, starting with France.")
             await wait_until(pilot, lambda: bool(chat.query(Answer)) and len(chat.query_one(Answer).text) > 0, timeout=60)
             victim = next(iter(layers_of(cluster)))
             await select(pilot, app, victim)

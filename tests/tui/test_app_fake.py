@@ -197,6 +197,27 @@ async def test_chat_streams_markdown_with_status(make_app, fake):
         assert chat.prompt_input.value == "capital?"
 
 
+async def test_a_long_answer_streams_as_one_text_and_ends_as_markdown(make_app, fake):
+    """Streaming mounts nothing per line (a Markdown stream mounted a widget per list item and laid
+    the log out again each time, slowing a 512-token answer, and the coordinator beside it, to
+    15 tok/s); the finished answer is Markdown, every item of it."""
+    fake.reply = "Capitals:\n\n" + "".join(f"{i}. City {i}, Country {i}\n" for i in range(1, 121))
+    fake.chat_delay_s = 0.002
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.main_screen.query_one(ChatPane)
+        await chat.send("list them")
+        await wait_until(pilot, lambda: chat.query(Answer) and "City 60," in plain(chat.query_one(Answer).live))
+        answer = chat.query_one(Answer)
+        assert chat.streaming, "the fake answer ended too soon to look at it mid-stream"
+        assert not answer.markdown.display and not answer.markdown.children
+        assert plain(answer.live).startswith("Capitals:") and answer.text.startswith(plain(answer.live))
+        await wait_until(pilot, lambda: not chat.streaming)
+        assert answer.markdown.display and not answer.live.display
+        assert answer.markdown.source == answer.text == fake.reply
+        assert len(answer.markdown.query("MarkdownOrderedList MarkdownBullet")) == 120
+
+
 async def test_escape_stops_and_keeps_partial_answer_and_keys_work_meanwhile(make_app, fake):
     fake.chat_delay_s = 0.2
     app = make_app()

@@ -1,7 +1,12 @@
-"""The chat pane: streams answers as Markdown, keeps a prompt history, and never blocks the UI.
+"""The chat pane: streams answers, shows them as Markdown, keeps a prompt history, and never
+blocks the UI.
 
-An answer streams through ``Markdown.get_stream()`` and gets one final ``update`` with the whole
-text. ``esc`` stops generation and keeps what came so far. The log is anchored to the bottom only
+While an answer streams it is plain text in one ``Static``, updated at most every ``FLUSH_S``;
+when it ends, the whole text becomes Markdown in one ``update``. (Streamed as Markdown, every list
+item or paragraph was a widget mounted as it came and the log laid out again around it: a
+512-token list of capitals took the console's event loop, and with it the coordinator the console
+embeds, down to 15 tok/s where the same cluster serves 260.) ``esc`` stops generation and keeps
+what came so far. The log is anchored to the bottom only
 until the user scrolls up to read. Errors become notifications and the prompt comes back into the
 input.
 """
@@ -71,17 +76,31 @@ class UserMessage(Static):
 
 
 class Answer(Vertical):
-    """One assistant answer: its Markdown and, once finished, its status line."""
+    """One assistant answer: its text as it streams, its Markdown once finished, and its status
+    line."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.live = Static("", classes="answer-live", markup=False)
         self.markdown = Markdown("")
+        self.markdown.display = False
         self.status = Static("…", classes="answer-status")
         self.text = ""
 
     def compose(self):
+        yield self.live
         yield self.markdown
         yield self.status
+
+    def show_streamed(self) -> None:
+        """The text so far, plain (cheap to redraw however long it grows)."""
+        self.live.update(Text(self.text))
+
+    async def finish(self) -> None:
+        """The whole text as Markdown, in place of the plain one."""
+        await self.markdown.update(self.text)
+        self.markdown.display = True
+        self.live.display = False
 
 
 class ChatPane(Vertical):
@@ -151,7 +170,6 @@ class ChatPane(Vertical):
         app = self.app
         control = app.control  # type: ignore[attr-defined]
         messages = [*self.messages, {"role": "user", "content": prompt}]
-        stream = None  # started with the first text
         final: ChatChunk | None = None
         error = ""
         cancelled = False
@@ -159,7 +177,6 @@ class ChatPane(Vertical):
         first_token_s: float | None = None
         completion = 0
         agen = control.chat(messages, self.params)
-        pending: list[str] = []
         last_flush = 0.0
         try:
             async for chunk in agen:
@@ -168,13 +185,9 @@ class ChatPane(Vertical):
                     if first_token_s is None:
                         first_token_s = now - started
                     answer.text += chunk.text
-                    pending.append(chunk.text)
                     # at most FLUSH_S between screen updates, however fast the tokens come
                     if now - last_flush >= FLUSH_S:
-                        if stream is None:
-                            stream = Markdown.get_stream(answer.markdown)
-                        await stream.write("".join(pending))
-                        pending.clear()
+                        answer.show_streamed()
                         last_flush = now
                 completion += len(chunk.token_ids)
                 if chunk.finish_reason:
@@ -191,13 +204,8 @@ class ChatPane(Vertical):
                 await agen.aclose()
             except Exception:
                 pass
-        if stream is not None:
-            try:
-                await stream.stop()
-            except (Exception, asyncio.CancelledError):  # a stream task that never ran
-                pass
         try:
-            await answer.markdown.update(answer.text)
+            await answer.finish()
         except Exception:
             return
         if error:
