@@ -185,3 +185,47 @@ def test_preview_of_a_pin() -> None:
     sh = pv.new_plan.shard_of("c")
     assert (sh.start, sh.end, sh.pinned) == (30, 40, True)
     assert any(m.dst == "c" for m in pv.diff.moves)
+
+
+SMALL = ModelSpec("small", 10, 100 * MB, 30 * MB, 40 * MB, 0, 64, 16)
+
+
+def test_a_rebalance_between_equal_nodes_moves_nothing() -> None:
+    """Two equal nodes: the plan serving from either is as good as the other, so a rebalance
+    keeps it rather than moving every layer across for a tie."""
+    nodes = [node("a", 400e9), node("b", 400e9)]
+    fresh = make_plan(nodes, SMALL, "latency", now=0.0)
+    other = "b" if fresh.node_ids == ("a",) else "a"
+    assert fresh.node_ids != (other,)  # left to itself the scheduler picks the other node
+    current = make_plan([n for n in nodes if n.node_id == other], SMALL, "latency", now=0.0, version=4)
+    pv = preview_change(current, nodes, SMALL, now=0.0, strategy="latency")
+    assert pv.diff.moves == () and pv.new_plan.version == 4 and "does not change" in pv.notes[0]
+    assert pv.tok_per_s_after == pv.tok_per_s_before > 0
+
+
+def test_a_throughput_rebalance_keeps_an_equally_fast_ring_order() -> None:
+    nodes = [node("a", 400e9, free_gb=0.7), node("b", 400e9, free_gb=0.7)]
+    fresh = make_plan(nodes, SMALL, "throughput", now=0.0)
+    assert len(fresh.shards) == 2
+    flipped = Plan("small", 10, tuple(PlanShard(s.node_id, SMALL.n_layers - s.end, SMALL.n_layers - s.start, s.backend)
+                                      for s in reversed(fresh.shards)), "throughput", 1)
+    assert flipped.shards != fresh.shards
+    pv = preview_change(flipped, nodes, SMALL, now=0.0, strategy="throughput")
+    assert pv.diff.moves == () and pv.new_plan.shards == flipped.shards
+
+
+def test_a_clearly_faster_plan_still_replaces_the_serving_one() -> None:
+    nodes = [node("a", 400e9), node("c", 100e9)]
+    current = plan(("c", 0, 10))
+    pv = preview_change(current, nodes, SMALL, now=0.0, strategy="latency")
+    assert pv.new_plan.node_ids == ("a",) and pv.diff.moves
+    assert pv.tok_per_s_after > 1.5 * pv.tok_per_s_before
+
+
+def test_a_serving_plan_that_breaks_a_constraint_is_not_kept() -> None:
+    nodes = [node("a", 400e9), node("b", 400e9)]
+    current = plan(("a", 0, 10))
+    drained = preview_change(current, nodes, SMALL, Constraints(drained=frozenset({"a"})), now=0.0, strategy="latency")
+    assert drained.new_plan.node_ids == ("b",)
+    pinned = preview_change(current, nodes, SMALL, Constraints(pins=(Pin("b", 0, 5),)), now=0.0, strategy="latency")
+    assert pinned.new_plan.shard_of("b").pinned and pinned.diff.moves
