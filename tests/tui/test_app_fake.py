@@ -188,7 +188,7 @@ async def test_chat_streams_markdown_with_status(make_app, fake):
         await wait_until(pilot, lambda: chat.query(Answer) and not chat.streaming)
         answer = chat.query_one(Answer)
         assert "**Paris**" in answer.text
-        assert "Paris" in answer.markdown.source
+        assert answer.finished and answer.body.content.markup == answer.text
         status = plain(answer.status)
         assert "completion" in status and "31.5 tok/s" in status and "mac-studio" in status
         assert chat.messages[-1] == {"role": "assistant", "content": answer.text}
@@ -198,24 +198,27 @@ async def test_chat_streams_markdown_with_status(make_app, fake):
 
 
 async def test_a_long_answer_streams_as_one_text_and_ends_as_markdown(make_app, fake):
-    """Streaming mounts nothing per line (a Markdown stream mounted a widget per list item and laid
-    the log out again each time, slowing a 512-token answer, and the coordinator beside it, to
-    15 tok/s); the finished answer is Markdown, every item of it."""
+    """An answer is one widget, however long: nothing is mounted per line while it streams or
+    after (Textual's Markdown made a widget of every list item, and laying them all out again as
+    answers grew slowed a 512-token answer, and the coordinator beside it, to 15 tok/s)."""
     fake.reply = "Capitals:\n\n" + "".join(f"{i}. City {i}, Country {i}\n" for i in range(1, 121))
     fake.chat_delay_s = 0.002
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         chat = app.main_screen.query_one(ChatPane)
         await chat.send("list them")
-        await wait_until(pilot, lambda: chat.query(Answer) and "City 60," in plain(chat.query_one(Answer).live))
+        await wait_until(pilot, lambda: chat.query(Answer) and "City 60," in plain(chat.query_one(Answer).body))
         answer = chat.query_one(Answer)
         assert chat.streaming, "the fake answer ended too soon to look at it mid-stream"
-        assert not answer.markdown.display and not answer.markdown.children
-        assert plain(answer.live).startswith("Capitals:") and answer.text.startswith(plain(answer.live))
+        widgets = len(list(answer.walk_children()))
+        assert not answer.finished
+        assert plain(answer.body).startswith("Capitals:") and answer.text.startswith(plain(answer.body))
         await wait_until(pilot, lambda: not chat.streaming)
-        assert answer.markdown.display and not answer.live.display
-        assert answer.markdown.source == answer.text == fake.reply
-        assert len(answer.markdown.query("MarkdownOrderedList MarkdownBullet")) == 120
+        assert answer.finished and answer.body.content.markup == answer.text == fake.reply
+        assert len(list(answer.walk_children())) == widgets == 2  # its body and its status line
+        await pilot.pause()
+        shown = "\n".join(line.text for line in answer.body.render_lines(answer.body.region.reset_offset))
+        assert "City 120, Country 120" in shown and answer.body.region.height >= 122
 
 
 async def test_escape_stops_and_keeps_partial_answer_and_keys_work_meanwhile(make_app, fake):

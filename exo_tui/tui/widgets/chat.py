@@ -1,14 +1,14 @@
 """The chat pane: streams answers, shows them as Markdown, keeps a prompt history, and never
 blocks the UI.
 
-While an answer streams it is plain text in one ``Static``, updated at most every ``FLUSH_S``;
-when it ends, the whole text becomes Markdown in one ``update``. (Streamed as Markdown, every list
-item or paragraph was a widget mounted as it came and the log laid out again around it: a
-512-token list of capitals took the console's event loop, and with it the coordinator the console
-embeds, down to 15 tok/s where the same cluster serves 260.) ``esc`` stops generation and keeps
-what came so far. The log is anchored to the bottom only
-until the user scrolls up to read. Errors become notifications and the prompt comes back into the
-input.
+An answer is one widget, whatever its length: plain text while it streams (redrawn at most every
+``FLUSH_S``), then Rich's Markdown of the whole text when it ends. Textual's ``Markdown`` widget
+makes a widget of every paragraph and list item, and the console lays all of them out again
+whenever the answer below them grows: streamed that way, a 512-token list of capitals came at
+15 tok/s where ``exo-tui chat`` gives 260 (the console's event loop also runs the coordinator it
+embeds), and with those widgets kept for finished answers the fifth such answer came at 28 tok/s.
+``esc`` stops generation and keeps what came so far. The log is anchored to the bottom only until
+the user scrolls up to read. Errors become notifications and the prompt comes back into the input.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from rich.markdown import Markdown as RichMarkdown
 from rich.text import Text
 from textual import on
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Input, Markdown, Static
+from textual.widgets import Input, Static
 from textual.worker import Worker
 
 from exo_tui.cluster.view import ChatChunk, ChatParams
@@ -76,31 +77,30 @@ class UserMessage(Static):
 
 
 class Answer(Vertical):
-    """One assistant answer: its text as it streams, its Markdown once finished, and its status
-    line."""
+    """One assistant answer: its body (the text as it streams, its Markdown once finished) and
+    its status line."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live = Static("", classes="answer-live", markup=False)
-        self.markdown = Markdown("")
-        self.markdown.display = False
+        self.body = Static("", classes="answer-body", markup=False)
         self.status = Static("…", classes="answer-status")
         self.text = ""
 
     def compose(self):
-        yield self.live
-        yield self.markdown
+        yield self.body
         yield self.status
+
+    @property
+    def finished(self) -> bool:
+        return isinstance(self.body.content, RichMarkdown)
 
     def show_streamed(self) -> None:
         """The text so far, plain (cheap to redraw however long it grows)."""
-        self.live.update(Text(self.text))
+        self.body.update(Text(self.text))
 
-    async def finish(self) -> None:
+    def finish(self, dark: bool = True) -> None:
         """The whole text as Markdown, in place of the plain one."""
-        await self.markdown.update(self.text)
-        self.markdown.display = True
-        self.live.display = False
+        self.body.update(RichMarkdown(self.text, code_theme="monokai" if dark else "friendly"))
 
 
 class ChatPane(Vertical):
@@ -205,7 +205,7 @@ class ChatPane(Vertical):
             except Exception:
                 pass
         try:
-            await answer.finish()
+            answer.finish(dark=app.current_theme.dark)
         except Exception:
             return
         if error:
