@@ -136,21 +136,26 @@ async def test_chat_answers_while_a_drain_happens(default_model_path: Path, tmp_
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_until(pilot, lambda: table(app).row_count == 2, timeout=20)
             chat = app.main_screen.query_one(ChatPane)
-            # Long enough to outlast opening the drain's confirmation (~1 s) on a fast machine: at
-            # 160 tokens of ten capitals, a 270 tok/s node had finished before the dialog was up.
-            chat.params = type(chat.params)(max_tokens=480, temperature=0.0)
+            # An answer far longer than the drain (a list that repeats to the token limit): the
+            # test stops it once the drain is done and the answer has gone on past it, so no
+            # machine is fast enough to finish it before the confirmation opens.
+            chat.params = type(chat.params)(max_tokens=4000, temperature=0.0)
             await chat.send("List the capital cities of all European countries, one per line, each with a sentence "
                             "about it, starting with France.")
             await wait_until(pilot, lambda: bool(chat.query(Answer)) and len(chat.query_one(Answer).text) > 0, timeout=60)
+            answer = chat.query_one(Answer)
             victim = next(iter(layers_of(cluster)))
             await select(pilot, app, victim)
             await pilot.press("D")
             await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange), timeout=30)
-            assert chat.streaming, "the answer ended before the drain: make it longer"
+            assert chat.streaming, "the answer ended before the drain"
             assert app.screen.preview.note  # it says what happens to the streaming answer
             await confirm(pilot, app, "y")
-            await wait_until(pilot, lambda: not chat.streaming, timeout=120)
-            answer = chat.query_one(Answer)
-            assert "Paris" in answer.text, answer.text
-            assert "✗" not in plain(answer.status)
             await wait_until(pilot, lambda: victim not in layers_of(cluster), timeout=60)
+            after_drain = len(answer.text)
+            await wait_until(pilot, lambda: len(answer.text) > after_drain + 40 or not chat.streaming, timeout=60)
+            assert chat.streaming, "the answer ended at the drain instead of going on"
+            chat.action_stop()
+            await wait_until(pilot, lambda: not chat.streaming, timeout=30)
+            assert "Paris" in answer.text, answer.text
+            assert "✗" not in plain(answer.status) and "stopped" in plain(answer.status)
