@@ -221,8 +221,7 @@ def preview_change(
             notes.append(f"the current plan has lost {', '.join(lost)}: it serves nothing until the change")
     version = (current.version + 1) if current is not None else 1
     try:
-        plan = make_plan(ps.values(), spec, strategy, constraints, config, now=now, version=version,
-                         current=current.shards if current is not None else None)
+        plan = make_plan(ps.values(), spec, strategy, constraints, config, now=now, version=version, current=current)
     except InfeasiblePlan as exc:
         return ChangePreview(None, None, (), before, 0.0, sat_before, 0.0, str(exc), exc.constraint, tuple(notes))
     if current is not None and plan.shards == current.shards:

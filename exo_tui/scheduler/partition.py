@@ -693,14 +693,14 @@ def make_plan(
     version: int = 1,
     scores: Mapping[str, NodeScore] | None = None,
     check_memory: bool = True,
-    current: Sequence[PlanShard] | None = None,
+    current: Plan | None = None,
 ) -> Plan:
     """The plan for ``spec`` on these nodes, or :class:`InfeasiblePlan` saying why none exists.
 
     ``now`` is the caller's clock (the same as the profiles' ``last_heartbeat``): nodes without a
     heartbeat for longer than ``heartbeat_timeout`` score 0. ``check_memory=False`` lets
     ``exo-ring`` return a plan that does not fit (for comparisons); the others always fit.
-    ``current``: the shards serving now. The latency and throughput strategies keep them while
+    ``current``: the plan serving now. The latency and throughput strategies keep them while
     they still honour every constraint and no plan is predicted more than ``KEEP_GAIN`` better:
     a switch moves weights and caches, which two equal nodes trading places would pay for nothing.
     """
@@ -787,8 +787,8 @@ def make_plan(
             return (round(1.0 / pr.tok_per_s_saturated, 12), pr.decode_s_per_token)
 
     best_shards = min(candidates, key=key)
-    kept = _keepable(ctx, current, elig) if current else None
-    if kept is not None and kept != list(best_shards) and _objective(key(kept)) <= _objective(key(best_shards)) * (1 + KEEP_GAIN):
+    kept = _keepable(ctx, current, elig) if current is not None else None
+    if kept is not None and _objective(key(kept)) <= _objective(key(best_shards)) * (1 + KEEP_GAIN):
         best_shards = kept
     return _finish(ctx, best_shards, strategy, version, elig, excluded, config)
 
@@ -802,25 +802,20 @@ def _objective(key: float | tuple[float, float]) -> float:
     return key[0] if isinstance(key, tuple) else key
 
 
-def _keepable(ctx: _Ctx, current: Sequence[PlanShard], elig: Sequence[str]) -> list[tuple[str, int, int]] | None:
-    """The serving shards, if a plan could still be made of them: every node eligible, every
-    pin where it asks, the layers covered in order, each shard at least ``min_layers`` (pinned
-    ones as pinned) and everything within memory. Else None."""
-    shards = [(s.node_id, s.start, s.end) for s in current]
-    ok = set(elig)
-    if any(n not in ok for n, _, _ in shards) or len({n for n, _, _ in shards}) != len(shards):
+def _keepable(ctx: _Ctx, current: Plan, elig: Sequence[str]) -> list[tuple[str, int, int]] | None:
+    """The serving plan's shards, if a plan could still be made of them: the same model (a
+    :class:`Plan` covers its layers in order), every node eligible and in it once, every pin where
+    it asks, each unpinned shard at least ``min_layers`` and everything within memory. Else None."""
+    if current.n_layers != ctx.spec.n_layers:
         return None
-    if any((p.node_id, p.start, p.end) not in shards for p in ctx.pins):
-        return None
+    shards = [(s.node_id, s.start, s.end) for s in current.shards]
     pinned = {(p.node_id, p.start, p.end) for p in ctx.pins}
-    at = 0
-    for n, s, e in shards:
-        if s != at or (e - s < ctx.min_layers and (n, s, e) not in pinned):
-            return None
-        at = e
-    if at != ctx.spec.n_layers or not _predict_cached(ctx, shards).fits_memory:
+    ok = set(elig)
+    if not pinned <= set(shards) or not set(current.node_ids) <= ok or len(set(current.node_ids)) != len(shards):
         return None
-    return shards
+    if any(e - s < ctx.min_layers and (n, s, e) not in pinned for n, s, e in shards):
+        return None
+    return shards if _predict_cached(ctx, shards).fits_memory else None
 
 
 LOCAL_SEARCH_MAX_NODES = 12  # clusters this small also get the local search below
