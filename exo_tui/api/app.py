@@ -360,7 +360,8 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
                 yield ": exo-tui events\n\n"
                 while True:
                     try:
-                        event = await asyncio.wait_for(sub.get(), KEEPALIVE_S)
+                        async with asyncio.timeout(KEEPALIVE_S):
+                            event = await sub.get()
                     except TimeoutError:
                         yield ": keep-alive\n\n"
                         continue

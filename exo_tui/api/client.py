@@ -127,8 +127,9 @@ class ClusterClient:
 
     async def _poll_snapshot(self) -> None:
         while True:
-            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-                await asyncio.wait_for(self._refresh.wait(), SNAPSHOT_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SNAPSHOT_INTERVAL_S):
+                    await self._refresh.wait()
             self._refresh.clear()
             try:
                 await self.refresh()

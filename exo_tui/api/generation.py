@@ -95,7 +95,8 @@ class Generation:
         self._stop.set()
         if not self._task.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self._task), grace_s)
+                async with asyncio.timeout(grace_s):
+                    await asyncio.shield(self._task)
             except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
                 self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -84,7 +84,8 @@ class ApiServer:
             return
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), (self._config.timeout_graceful_shutdown or 3.0) + 2.0)
+            async with asyncio.timeout((self._config.timeout_graceful_shutdown or 3.0) + 2.0):
+                await asyncio.shield(self._task)
         except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
             self._server.force_exit = True
             self._task.cancel()

@@ -217,7 +217,8 @@ async def connect(
             opts["config"] = [str(p) for p in ssh_config]  # type: ignore[union-attr]
         where = str(t)
         try:
-            conn = await asyncio.wait_for(asyncssh.connect(t.host, **opts), connect_timeout_s + 1)
+            async with asyncio.timeout(connect_timeout_s + 1):
+                conn = await asyncssh.connect(t.host, **opts)
         except asyncssh.HostKeyNotVerifiable:
             key = check.presented
             if key is None:
@@ -275,7 +276,8 @@ async def run(
     import shlex
 
     cmd = "sh -c " + shlex.quote(script)
-    return await asyncio.wait_for(conn.run(cmd, check=False, input=input), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await conn.run(cmd, check=False, input=input)
 
 
 def local_user() -> str:

@@ -286,7 +286,8 @@ class Coordinator:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         with contextlib.suppress(Exception):  # nodes that outlive this coordinator keep no finished caches
-            await asyncio.wait_for(self.pipeline.forget_kept(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self.pipeline.forget_kept()
         for handle in self.nodes.values():
             if handle.conn is not None:
                 with contextlib.suppress(Exception):

@@ -235,7 +235,10 @@ class RemotePipeline:
                 await conn.send("forward", body, tensor=np.asarray(tokens[pos:], dtype=np.int64), plan=plan.version)
             except (ConnectionError, OSError) as exc:
                 raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
-            return await asyncio.wait_for(fut, STEP_TIMEOUT_S)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result and drops
+            # a cancel that lands when the token has just come, so a stopped answer went on
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                return await fut
         finally:
             self._pending.pop(key, None)
 

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         server = await serve_join("0.0.0.0", port, on_join=lambda name: done.set())
         print(f"serving the join endpoint on port {server.port}; waiting for the node…", file=sys.stderr)
         try:
-            await asyncio.wait_for(done.wait(), max(1.0, token.expires - time.time()))
+            async with asyncio.timeout(max(1.0, token.expires - time.time())):
+                await done.wait()
         except TimeoutError:
             print("the token expired unused", file=sys.stderr)
             return 1

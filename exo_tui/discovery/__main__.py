@@ -34,7 +34,8 @@ async def _main(args: argparse.Namespace) -> int:
         end = loop.time() + args.seconds
         while (left := end - loop.time()) > 0:
             try:
-                ev = await asyncio.wait_for(sub.get(), left)
+                async with asyncio.timeout(left):
+                    ev = await sub.get()
             except TimeoutError:
                 break
             print(json.dumps(ev.to_dict(), default=list), flush=True)

@@ -250,7 +250,8 @@ class JoinServer:
         self._handlers.add(task)
         try:
             try:
-                reply = await asyncio.wait_for(self._answer(reader), 10)
+                async with asyncio.timeout(10):
+                    reply = await self._answer(reader)
             except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError,
                     asyncio.LimitOverrunError):
                 reply = {"ok": False, "error": "bad join request"}

@@ -66,7 +66,8 @@ async def tcp_probe(peer: Peer, timeout_s: float) -> NodeAdvertisement | None:
     connects and learns who it is. The coordinator passes a better probe (the net layer's hello).
     """
     try:
-        _reader, writer = await asyncio.wait_for(asyncio.open_connection(peer.host, peer.port), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            _reader, writer = await asyncio.open_connection(peer.host, peer.port)
     except (OSError, TimeoutError):
         return None
     writer.close()

@@ -261,7 +261,8 @@ async def tailscale_hosts(*, command: str = "tailscale", timeout_s: float = 5.0)
     except OSError:
         return []
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            out, _ = await proc.communicate()
     except TimeoutError:
         proc.kill()
         await proc.wait()

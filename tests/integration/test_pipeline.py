@@ -97,6 +97,43 @@ def test_weights_streamed_to_nodes(nodes, reference_tokens: list[int]) -> None:
     asyncio.run(run())
 
 
+def test_a_stop_that_lands_with_a_token_stops_the_answer(nodes) -> None:
+    """Stopping an answer cancels the task consuming it. When the cancel lands in the same turn of
+    the event loop as a token's frame (the token's step is then done, its task not yet resumed),
+    the answer stops there: it did not with ``asyncio.wait_for`` on Python 3.11, which returned
+    the token and dropped the cancel, so the answer ran on to ``max_tokens``."""
+    params = ChatParams(temperature=0.0, max_tokens=64, seed=1, stop=())
+
+    async def run() -> None:
+        async with coordinator(nodes, peers=nodes.peers[:2]) as c:
+            seen: list[int] = []
+            chunks: list = []
+
+            async def consume() -> None:
+                async for chunk in c.chat([{"role": "user", "content": "Count from one to one hundred."}], params):
+                    chunks.append(chunk)
+
+            task = asyncio.create_task(consume())
+            on_token = c.pipeline.on_token
+
+            def token_then_stop(*args) -> None:  # noqa: ANN002
+                on_token(*args)  # resolves the step's future...
+                seen.append(args[3])
+                if len(seen) == 4:
+                    task.cancel()  # ...and the operator's stop lands before the task runs again
+
+            c.pipeline.on_token = token_then_stop
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(seen) == 4, f"the answer went on for {len(seen)} tokens after the stop"
+            assert not c.pipeline.in_flight()
+            del c.pipeline.on_token
+            ids, text, _ = await _answer(c)  # and the cluster serves the next request
+            assert "Paris" in text
+
+    asyncio.run(run())
+
+
 def test_corrupted_chunk_is_detected_and_resent(nodes, tiny_model: Path, home: Path) -> None:
     security = ensure_cluster(home).security()
     model = GGUFModel(tiny_model)
