@@ -31,6 +31,7 @@ PROMPTS = [
 ]
 LONG = 200
 SHORT = 60
+HELD_BACK = 5  # tokens a stream keeps for after the change (see _disturbed)
 
 
 def _messages(prompt: str) -> list[dict[str, str]]:
@@ -55,7 +56,11 @@ def references(default_model_path: Path) -> dict[tuple[str, int], list[int]]:
 
 async def _disturbed(c: Coordinator, prompts: list[str], n: int, action: Callable[[], Awaitable[None]],
                      after_tokens: int = 15) -> list[list[int]]:
-    """Run ``prompts`` concurrently; call ``action`` once the first has ``after_tokens`` tokens."""
+    """Run ``prompts`` concurrently; call ``action`` once the first has ``after_tokens`` tokens.
+
+    A stream that reaches its last ``HELD_BACK`` tokens while the action runs waits for it there
+    (at a token boundary, its caches on the nodes), however long the action takes on a loaded
+    machine: every request is still mid-answer when the change lands and ends on the new plan."""
     counts = [0] * len(prompts)
     triggered = asyncio.Event()
     results: list[list[int]] = [[] for _ in prompts]
@@ -69,6 +74,8 @@ async def _disturbed(c: Coordinator, prompts: list[str], n: int, action: Callabl
                 results[i].append(-1)  # marks a normal end
             if i == 0 and counts[0] >= after_tokens:
                 triggered.set()
+            if triggered.is_set() and counts[i] >= n - HELD_BACK and not chunk.finish_reason:
+                await asyncio.wait({actor})
 
     async def act() -> None:
         await triggered.wait()
