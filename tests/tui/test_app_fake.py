@@ -10,7 +10,7 @@ from exo_tui.cluster import events as ev
 from exo_tui.tui.screens.detail import NodeDetailScreen
 from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen, Prompt, Question
 from exo_tui.tui.screens.hosts import HostsScreen
-from exo_tui.tui.widgets.chat import Answer, ChatPane
+from exo_tui.tui.widgets.chat import Answer, ChatPane, keep_line_breaks
 from exo_tui.tui.widgets.cluster import PartitionBar
 from exo_tui.tui.widgets.events import EventsLog
 from exo_tui.tui.widgets.nodes import NodesTable
@@ -188,7 +188,7 @@ async def test_chat_streams_markdown_with_status(make_app, fake):
         await wait_until(pilot, lambda: chat.query(Answer) and not chat.streaming)
         answer = chat.query_one(Answer)
         assert "**Paris**" in answer.text
-        assert answer.finished and answer.body.content.markup == answer.text
+        assert answer.finished and answer.body.content.markup == keep_line_breaks(answer.text)
         status = plain(answer.status)
         assert "completion" in status and "31.5 tok/s" in status and "mac-studio" in status
         assert chat.messages[-1] == {"role": "assistant", "content": answer.text}
@@ -214,11 +214,32 @@ async def test_a_long_answer_streams_as_one_text_and_ends_as_markdown(make_app, 
         assert not answer.finished
         assert plain(answer.body).startswith("Capitals:") and answer.text.startswith(plain(answer.body))
         await wait_until(pilot, lambda: not chat.streaming)
-        assert answer.finished and answer.body.content.markup == answer.text == fake.reply
+        assert answer.text == fake.reply
+        assert answer.finished and answer.body.content.markup == keep_line_breaks(answer.text)
         assert len(list(answer.walk_children())) == widgets == 2  # its body and its status line
         await pilot.pause()
         shown = "\n".join(line.text for line in answer.body.render_lines(answer.body.region.reset_offset))
         assert "City 120, Country 120" in shown and answer.body.region.height >= 122
+
+
+async def test_a_finished_answer_keeps_its_line_breaks(make_app, fake):
+    """Markdown joins a paragraph's lines; a model's lines (a poem, an address) are meant as
+    lines: they stay lines once the answer is rendered as Markdown, and code stays as it came."""
+    fake.reply = ("A haiku:\nwaves fold into foam\nthe shore keeps what the sea says\nsalt on the cold wind\n\n"
+                  "```\nx = 1\ny = 2\n```\n- one\n- two")
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.main_screen.query_one(ChatPane)
+        await chat.send("a haiku")
+        await wait_until(pilot, lambda: chat.query(Answer) and not chat.streaming)
+        answer = chat.query_one(Answer)
+        assert answer.finished and answer.text == fake.reply
+        await pilot.pause()
+        shown = [line.text.strip() for line in answer.body.render_lines(answer.body.region.reset_offset)]
+        for line in ("A haiku:", "waves fold into foam", "the shore keeps what the sea says", "salt on the cold wind",
+                     "x = 1", "y = 2"):
+            assert line in shown, (line, shown)
+        assert "• one" in shown and "• two" in shown
 
 
 async def test_escape_stops_and_keeps_partial_answer_and_keys_work_meanwhile(make_app, fake):

@@ -14,6 +14,7 @@ the user scrolls up to read. Errors become notifications and the prompt comes ba
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from rich.markdown import Markdown as RichMarkdown
@@ -29,6 +30,26 @@ from exo_tui.tui.widgets.style import theme_style
 
 _CHAT_KEYS = {k.id: k for k in keymap.specs("chat")}
 FLUSH_S = 0.1  # the answer on screen trails the tokens by at most this (10 screen updates a second)
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def keep_line_breaks(text: str) -> str:
+    """``text`` with each line break inside a paragraph made a hard break (two trailing spaces).
+
+    Markdown joins the lines of a paragraph into one, which a model does not mean: a poem, an
+    address or a step-by-step answer lost its lines when it ended (and the plain text it streamed
+    as had shown them). Fenced code is left as it is; a blank line still ends a paragraph."""
+    lines = text.split("\n")
+    fence = ""
+    for i, line in enumerate(lines[:-1]):
+        opened = _FENCE.match(line)
+        if not fence and opened:
+            fence = opened.group(1)
+        elif fence and opened and opened.group(1)[0] == fence[0] and len(opened.group(1)) >= len(fence):
+            fence = ""
+        elif not fence and line.strip() and lines[i + 1].strip() and not line.endswith(("  ", "\\")):
+            lines[i] = line + "  "
+    return "\n".join(lines)
 
 
 class ChatInput(Input):
@@ -99,8 +120,8 @@ class Answer(Vertical):
         self.body.update(Text(self.text))
 
     def finish(self, dark: bool = True) -> None:
-        """The whole text as Markdown, in place of the plain one."""
-        self.body.update(RichMarkdown(self.text, code_theme="monokai" if dark else "friendly"))
+        """The whole text as Markdown, in place of the plain one (its line breaks kept)."""
+        self.body.update(RichMarkdown(keep_line_breaks(self.text), code_theme="monokai" if dark else "friendly"))
 
 
 class ChatPane(Vertical):
