@@ -88,6 +88,7 @@ class ExoApp(App):
         self._paused_events: list[ev.Event] = []
         self._refresh_pending = False
         self.bootstrap_steps: dict[str, dict[str, tuple[str, str, float]]] = {}
+        self._joined_names: dict[str, str] = {}  # node id -> name, from node_joined events
         self.main_screen: MainScreen | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,6 +201,8 @@ class ExoApp(App):
         self._take_event(message.event)
 
     def _take_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.NodeJoined):  # its next events come before a snapshot names it
+            self._joined_names[event.node_id] = event.name
         if isinstance(event, ev.BootstrapProgress):
             self.bootstrap_steps.setdefault(event.host, {})[event.step] = (event.status, event.message, event.ts)
             if isinstance(self.screen, HostsScreen):
@@ -217,7 +220,10 @@ class ExoApp(App):
     # ------------------------------------------------------------------ names
 
     def node_names(self) -> dict[str, str]:
-        return {n.node_id: n.name for n in self.snapshot.nodes} if self.snapshot else {}
+        names = dict(self._joined_names)
+        if self.snapshot:
+            names.update((n.node_id, n.name) for n in self.snapshot.nodes)
+        return names
 
     def node_name(self, node_id: str) -> str:
         return self.node_names().get(node_id, node_id)

@@ -402,6 +402,20 @@ async def test_pause_freezes_the_view(make_app, fake):
         assert any("while paused" in e.message for e, _ in app.main_screen.query_one(EventsLog)._logged if isinstance(e, ev.Notice))
 
 
+async def test_events_name_a_node_that_just_joined(make_app, fake):
+    """A node's first events (loading its shard) come before a snapshot lists it: the log names it
+    from its join event, not by its id."""
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        fake.events.publish(ev.NodeJoined(node_id="n-7f3a", name="new-box", address="10.0.0.9", port=52416))
+        fake.events.publish(ev.NodeStateChanged(node_id="n-7f3a", state="loading", reason="layers 0-9"))
+        log_view = app.main_screen.query_one(EventsLog)
+        await wait_until(pilot, lambda: any(isinstance(e, ev.NodeStateChanged) for e, _ in log_view._logged))
+        text = "\n".join(line.text for line in log_view.lines)
+        assert "new-box is loading: layers 0-9" in text and "n-7f3a" not in text
+
+
 async def test_filter_narrows_the_table(make_app):
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
