@@ -57,6 +57,7 @@ async def hosts_bootstrap(pilot) -> None:  # noqa: ANN001
     app.control.known_keys.add("10.0.0.20")  # the key question has its own test; here: the steps
     await pilot.press("b")
     await wait_until(pilot, lambda: "install" in app.bootstrap_steps.get("10.0.0.20", {}))
+    app.refresh_now()  # the host's row says "bootstrapping" now, not at the next refresh tick (a loaded machine)
     await pilot.pause(0.1)
     app.clear_notifications()
     no_blink(app)
