@@ -198,25 +198,36 @@ async def test_chat_streams_markdown_with_status(make_app, fake):
 
 
 async def test_a_long_answer_streams_as_one_text_and_ends_as_markdown(make_app, fake):
-    """An answer is one widget, however long: nothing is mounted per line while it streams or
-    after (Textual's Markdown made a widget of every list item, and laying them all out again as
-    answers grew slowed a 512-token answer, and the coordinator beside it, to 15 tok/s)."""
+    """An answer is one widget, however long: nothing is mounted per line while it streams (a part
+    per ``PART_LINES`` lines, so a redraw wraps no more than that) nor after (Textual's Markdown
+    made a widget of every list item, and laying them all out again as answers grew slowed a
+    512-token answer, and the coordinator beside it, to 15 tok/s)."""
     fake.reply = "Capitals:\n\n" + "".join(f"{i}. City {i}, Country {i}\n" for i in range(1, 121))
     fake.chat_delay_s = 0.002
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         chat = app.main_screen.query_one(ChatPane)
         await chat.send("list them")
-        await wait_until(pilot, lambda: chat.query(Answer) and "City 60," in plain(chat.query_one(Answer).body))
+
+        def streamed(answer: Answer) -> str:
+            return "\n".join([*(plain(w) for w in answer.query(".answer-part")), plain(answer.body)])
+
+        await wait_until(pilot, lambda: chat.query(Answer) and "City 60," in streamed(chat.query_one(Answer)))
         answer = chat.query_one(Answer)
         assert chat.streaming, "the fake answer ended too soon to look at it mid-stream"
-        widgets = len(list(answer.walk_children()))
         assert not answer.finished
-        assert plain(answer.body).startswith("Capitals:") and answer.text.startswith(plain(answer.body))
+        parts = [plain(w) for w in answer.query(".answer-part")]
+        page = answer.body.styles.min_height.value
+        assert 2 <= page <= Answer.PART_LINES + 1 and page + 2 <= chat.log_view.size.height  # on screen
+        assert 1 <= len(parts) <= 60 // (page - 1)  # 60 and some lines have come
+        assert all(p.count("\n") >= page - 1 for p in parts)
+        assert plain(answer.body).count("\n") < page  # a redraw wraps no more than a page
+        shown = streamed(answer)
+        assert shown.startswith("Capitals:") and answer.text.startswith(shown)
         await wait_until(pilot, lambda: not chat.streaming)
         assert answer.text == fake.reply
         assert answer.finished and answer.body.content.markup == keep_line_breaks(answer.text)
-        assert len(list(answer.walk_children())) == widgets == 2  # its body and its status line
+        assert len(list(answer.walk_children())) == 2  # its body and its status line
         await pilot.pause()
         shown = "\n".join(line.text for line in answer.body.render_lines(answer.body.region.reset_offset))
         assert "City 120, Country 120" in shown and answer.body.region.height >= 122
