@@ -48,24 +48,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     if args.attach:
-        try:
-            from exo_tui.api.client import ClusterClient  # type: ignore[import-not-found]
-        except ImportError:
-            print(
-                "exo-tui: --attach needs the HTTP cluster client (exo_tui.api.client), which this build lacks; "
-                "run the console without --attach to embed the coordinator",
-                file=sys.stderr,
-            )
-            return 2
+        from exo_tui.api.client import ClusterClient
+
         control = ClusterClient(args.attach)
-        on_start = getattr(control, "start", None)
-        on_stop = getattr(control, "stop", None)
+        on_start, on_stop = control.start, control.stop
     else:
-        try:
-            from exo_tui.cluster.coordinator import Coordinator
-        except ImportError as exc:
-            print(f"exo-tui: the coordinator is not available in this build ({exc})", file=sys.stderr)
-            return 2
+        from exo_tui.cluster.coordinator import Coordinator
+
         try:
             control = Coordinator(
                 model=args.model,
