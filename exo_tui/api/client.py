@@ -137,18 +137,25 @@ class ClusterClient:
                 log.debug("snapshot refresh failed: %s", exc)
 
     async def _follow_events(self) -> None:
-        """Relay the coordinator's events into the local bus; reconnect when the stream breaks."""
+        """Relay the coordinator's events into the local bus; reconnect when the stream breaks.
+
+        The stream starts with the coordinator's recent events (``replay``), so an attached
+        console shows what happened before it came, as an embedded one does; after a reconnect,
+        those it has already seen are skipped."""
         warned = False
+        last_ts = float("-inf")
         while True:
             try:
-                async with self._http.stream("GET", "/v1/cluster/events", timeout=httpx.Timeout(None, connect=5.0)) as r:
+                async with self._http.stream("GET", "/v1/cluster/events", params={"replay": "true"},
+                                             timeout=httpx.Timeout(None, connect=5.0)) as r:
                     raise_for_error(r)
                     warned = False
                     async for line in r.aiter_lines():
                         if not line.startswith("data:"):
                             continue
                         event = event_from_dict(json.loads(line[5:]))
-                        if event is not None:
+                        if event is not None and event.ts > last_ts:
+                            last_ts = event.ts
                             self.events.publish(event)
                             if event.kind not in ("token", "node_metrics"):
                                 self._refresh.set()

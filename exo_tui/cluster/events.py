@@ -203,7 +203,14 @@ class EventBus:
 
     ``publish`` never blocks the publisher: a subscriber that falls more than ``maxsize`` events
     behind loses its oldest events and is told how many by ``dropped``.
+
+    ``history`` (what a subscriber asking for ``replay`` gets first: a console opening or
+    attaching) is the cluster's recent story, the last ``history`` events but for the ones that
+    come by the hundred a second or every second per node (``UNKEPT``): a 500-token answer had
+    pushed every node joining and every plan out of it.
     """
+
+    UNKEPT: ClassVar[tuple[type[Event], ...]] = (TokenStreamed, NodeMetrics)
 
     def __init__(self, maxsize: int = 10_000, history: int = 500) -> None:
         self._subscribers: list[_Subscription] = []
@@ -212,9 +219,10 @@ class EventBus:
         self._history_len = history
 
     def publish(self, event: Event) -> None:
-        self.history.append(event)
-        if len(self.history) > self._history_len:
-            del self.history[: len(self.history) - self._history_len]
+        if not isinstance(event, self.UNKEPT):
+            self.history.append(event)
+            if len(self.history) > self._history_len:
+                del self.history[: len(self.history) - self._history_len]
         for sub in list(self._subscribers):
             sub.put(event)
 

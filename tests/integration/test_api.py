@@ -39,11 +39,19 @@ class Live:
         self.coordinator = Coordinator(peers=peers, config=cluster_config(), home=home, strategy="even")
         self.open = ApiServer(self.coordinator, port=free_port())
         self.keyed = ApiServer(self.coordinator, port=free_port(), api_key=KEY)
+        self.seen: list[Any] = []  # every event, tokens included (the bus's history keeps none)
+        self._recorder: asyncio.Task[None] | None = None
 
     def call(self, coro: Any, timeout: float = 300) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    async def _record(self) -> None:
+        with self.coordinator.events.subscribe(replay=True) as sub:
+            while True:
+                self.seen.append(await sub.get())
+
     async def start(self) -> None:
+        self._recorder = asyncio.create_task(self._record())
         await self.coordinator.start()
         await self.open.start()
         await self.keyed.start()
@@ -52,9 +60,11 @@ class Live:
         await self.open.stop()
         await self.keyed.stop()
         await self.coordinator.stop()
+        if self._recorder is not None:
+            self._recorder.cancel()
 
     def events(self) -> list[Any]:
-        return list(self.coordinator.events.history)
+        return list(self.seen)
 
 
 @pytest.fixture(scope="module")

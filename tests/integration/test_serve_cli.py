@@ -200,6 +200,11 @@ def test_attach_client_follows_and_drives_the_cluster(served: Served) -> None:
         assert isinstance(client, ClusterControl)
         await client.start()
         try:
+            # the events from before it attached come first (the nodes joining, the plan)
+            deadline = time.monotonic() + 20
+            while not {"node_joined", "plan_changed"} <= {e.kind for e in client.events.history}:
+                assert time.monotonic() < deadline, [e.kind for e in client.events.history]
+                await asyncio.sleep(0.05)
             snap = client.snapshot()
             assert len(snap.nodes) == 3 and snap.plan is not None and snap.model == "tiny-llama"
             holder = next(n for n in snap.nodes if n.layers)
