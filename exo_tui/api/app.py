@@ -122,6 +122,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         dependencies=[Depends(check_key)],
     )
     app.state.coordinator = coordinator
+    app.state.closing = asyncio.Event()  # set by the server as it stops: event streams end at once
     build_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -354,19 +355,29 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
              description="server-sent events: one JSON event per `data:` line (see exo_tui/cluster/events.py)")
     async def cluster_events(replay: bool = False) -> StreamingResponse:
         sub = coordinator.events.subscribe(replay=replay)
+        closing: asyncio.Event = app.state.closing
 
         async def stream() -> AsyncIterator[str]:
+            # The stream never ends by itself: it ends when the server stops (else the server
+            # waited out its graceful shutdown for every attached console, then cancelled them
+            # with a traceback in its log).
+            closed = asyncio.ensure_future(closing.wait())
             try:
                 yield ": exo-tui events\n\n"
-                while True:
-                    try:
-                        async with asyncio.timeout(KEEPALIVE_S):
-                            event = await sub.get()
-                    except TimeoutError:
-                        yield ": keep-alive\n\n"
-                        continue
+                while not closed.done():
+                    if (event := sub.get_nowait()) is None:
+                        getter = asyncio.ensure_future(sub.get())
+                        await asyncio.wait((getter, closed), timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED)
+                        if not getter.done():
+                            getter.cancel()
+                            if closed.done():
+                                return
+                            yield ": keep-alive\n\n"
+                            continue
+                        event = getter.result()
                     yield f"data: {json.dumps(event_to_dict(event))}\n\n"
             finally:
+                closed.cancel()
                 sub.close()
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)

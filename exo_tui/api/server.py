@@ -82,6 +82,7 @@ class ApiServer:
     async def stop(self) -> None:
         if self._task is None:
             return
+        self.app.state.closing.set()
         self._server.should_exit = True
         try:
             async with asyncio.timeout((self._config.timeout_graceful_shutdown or 3.0) + 2.0):

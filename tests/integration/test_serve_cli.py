@@ -232,10 +232,19 @@ def test_attach_client_follows_and_drives_the_cluster(served: Served) -> None:
 
 
 def test_sigterm_stops_serve_and_its_nodes(served: Served) -> None:
+    """SIGTERM stops serve, its nodes, and the event streams of attached consoles (open ones had
+    kept the server waiting out its graceful shutdown, then cancelled with a traceback)."""
     assert len([p for p in served.children if "node" in " ".join(p.cmdline())]) == 3
-    served.proc.send_signal(signal.SIGTERM)
-    code = served.proc.wait(30)
-    assert code in (0, 128 + signal.SIGTERM), served.stderr.read_text()[-2000:]
+    with httpx.stream("GET", f"{served.url}/v1/cluster/events", params={"replay": "true"}, timeout=30) as events:
+        lines = events.iter_lines()
+        assert next(lines).startswith(": exo-tui events")
+        served.proc.send_signal(signal.SIGTERM)
+        code = served.proc.wait(30)
+        assert code in (0, 128 + signal.SIGTERM), served.stderr.read_text()[-2000:]
+        rest = list(lines)  # the stream ended (the replayed events, then the end)
+        assert any(line.startswith("data: ") for line in rest)
+    log = served.stderr.read_text()
+    assert "graceful shutdown exceeded" not in log and "Exception in ASGI application" not in log, log[-3000:]
     gone, alive = psutil.wait_procs(served.children, timeout=15)
     assert not alive, f"left running: {[p.pid for p in alive]}"
     assert "Traceback" not in served.stderr.read_text()
