@@ -217,11 +217,13 @@ async def test_a_long_answer_streams_as_one_text_and_ends_as_markdown(make_app, 
         assert chat.streaming, "the fake answer ended too soon to look at it mid-stream"
         assert not answer.finished
         parts = [plain(w) for w in answer.query(".answer-part")]
-        page = answer.body.styles.min_height.value
-        assert 2 <= page <= Answer.PART_LINES + 1 and page + 2 <= chat.log_view.size.height  # on screen
-        assert 1 <= len(parts) <= 60 // (page - 1)  # 60 and some lines have come
-        assert all(p.count("\n") >= page - 1 for p in parts)
-        assert plain(answer.body).count("\n") < page  # a redraw wraps no more than a page
+        page = min(Answer.PART_LINES, chat.log_view.size.height - 3)  # the page and the status line fit
+        assert 1 <= len(parts) <= 60 // page  # 60 and some lines have come
+        assert all(p.count("\n") >= page for p in parts)
+        assert plain(answer.body).count("\n") <= page  # a redraw wraps no more than a page
+        room = answer.body.styles.min_height.value  # the body grows a few lines at a time
+        assert plain(answer.body).count("\n") < room <= page + 1
+        assert room == page + 1 or room % Answer.STEP_LINES == 0
         shown = streamed(answer)
         assert shown.startswith("Capitals:") and answer.text.startswith(shown)
         await wait_until(pilot, lambda: not chat.streaming)
