@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exo_tui import __version__
 from exo_tui.api import schemas as s
-from exo_tui.api.convert import event_to_dict, snapshot_to_dict, to_jsonable
+from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
 from exo_tui.cluster.view import HostKeyUnknown
 from exo_tui.inference.generate import GenerationError
@@ -352,8 +352,14 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         return snapshot_to_dict(coordinator.snapshot())
 
     @app.get("/v1/cluster/events", tags=["cluster"], responses={200: _SSE_200, **_errors(401)},
-             description="server-sent events: one JSON event per `data:` line (see exo_tui/cluster/events.py)")
-    async def cluster_events(replay: bool = False) -> StreamingResponse:
+             description="server-sent events: one JSON event per `data:` line (see exo_tui/cluster/events.py); "
+                         "`replay`: the recent events first; `exclude`: event types not to send, comma-separated "
+                         "(e.g. `token,node_metrics`)")
+    async def cluster_events(replay: bool = False, exclude: str = "") -> StreamingResponse:
+        skipped = {k.strip() for k in exclude.split(",") if k.strip()}
+        if unknown := skipped - EVENT_KINDS:
+            raise ApiError(422, f"exclude: unknown event type(s) {', '.join(sorted(unknown))}; the types are "
+                                f"{', '.join(sorted(EVENT_KINDS))}", param="exclude")
         sub = coordinator.events.subscribe(replay=replay)
         closing: asyncio.Event = app.state.closing
 
@@ -375,7 +381,8 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
                             yield ": keep-alive\n\n"
                             continue
                         event = getter.result()
-                    yield f"data: {json.dumps(event_to_dict(event))}\n\n"
+                    if event.kind not in skipped:
+                        yield f"data: {json.dumps(event_to_dict(event))}\n\n"
             finally:
                 closed.cancel()
                 sub.close()

@@ -28,6 +28,7 @@ log = logging.getLogger("exo_tui.api.client")
 
 DEFAULT_URL = "http://127.0.0.1:52415"
 SNAPSHOT_INTERVAL_S = 1.0
+EVENTS_QUERY = {"replay": "true", "exclude": "token"}  # the recent story first; no streamed tokens
 
 
 class ApiClientError(RuntimeError):
@@ -141,12 +142,13 @@ class ClusterClient:
 
         The stream starts with the coordinator's recent events (``replay``), so an attached
         console shows what happened before it came, as an embedded one does; after a reconnect,
-        those it has already seen are skipped."""
+        those it has already seen are skipped. Streamed tokens are not sent (a chat has them from
+        its own stream): every token of every answer would cross the network to be dropped."""
         warned = False
         last_ts = float("-inf")
         while True:
             try:
-                async with self._http.stream("GET", "/v1/cluster/events", params={"replay": "true"},
+                async with self._http.stream("GET", "/v1/cluster/events", params=EVENTS_QUERY,
                                              timeout=httpx.Timeout(None, connect=5.0)) as r:
                     raise_for_error(r)
                     warned = False

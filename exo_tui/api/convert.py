@@ -130,6 +130,7 @@ def _event_classes() -> dict[str, type[ev.Event]]:
 
 
 _EVENTS = _event_classes()
+EVENT_KINDS = frozenset(_EVENTS)
 
 
 def event_from_dict(d: dict[str, Any]) -> ev.Event | None:

@@ -224,11 +224,40 @@ def test_attach_client_follows_and_drives_the_cluster(served: Served) -> None:
             while "request_done" not in kinds and time.monotonic() < deadline:
                 event = await asyncio.wait_for(sub.get(), deadline - time.monotonic())
                 kinds.add(event.kind)
-            assert "request_done" in kinds and "token" in kinds
+            assert "request_done" in kinds and "token" not in kinds  # a chat has its tokens from its own stream
         finally:
             await client.stop()
 
     asyncio.run(run())
+
+
+def test_event_stream_leaves_out_the_types_asked(served: Served) -> None:
+    """``exclude`` leaves event types out of ``/v1/cluster/events``; an unknown type is a 422 that
+    lists the known ones."""
+    with httpx.stream("GET", f"{served.url}/v1/cluster/events", params={"exclude": "token,tokens"}, timeout=30) as bad:
+        assert bad.status_code == 422  # (a stream that started would never end: its body is read only now)
+        message = json.loads(bad.read())["error"]["message"]
+    assert "unknown event type(s) tokens" in message and "node_joined" in message
+
+    def kinds(exclude: str) -> set[str]:
+        seen: set[str] = set()
+        with httpx.stream("GET", f"{served.url}/v1/cluster/events", params={"replay": "true", "exclude": exclude},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            answer = httpx.post(f"{served.url}/v1/chat/completions", timeout=60, json={
+                "model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+            rid = answer.json()["id"].removeprefix("chatcmpl-")
+            for line in lines:  # the replayed events, then this request's, to its end
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    seen.add(event["type"])
+                    if event["type"] == "request_done" and event["request_id"] == rid:
+                        return seen
+        return seen
+
+    assert {"token", "plan_changed", "request_done"} <= kinds("")
+    left = kinds("token,plan_changed")
+    assert "request_done" in left and not {"token", "plan_changed"} & left
 
 
 def test_sigterm_stops_serve_and_its_nodes(served: Served) -> None:
