@@ -389,7 +389,11 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    def resolve_node(node: str) -> str:
+    def resolve_node(node: str, *, pinned: bool = False) -> str:
+        """The id of the node ``node`` names. ``pinned``: a pinned node's id counts though the node
+        is not in the cluster (its pin can be taken off)."""
+        if pinned and node in coordinator.pins:
+            return node
         snap = coordinator.snapshot()
         for n in snap.nodes:
             if n.node_id == node:
@@ -441,7 +445,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
     @app.delete("/v1/cluster/pins/{node}", tags=["cluster"], responses=_errors(401, 403, 404, 409, 422),
                 description="unpin a node")
     async def unpin(node: str, dry_run: bool = False) -> s.JsonObject:
-        return await act("unpin", (resolve_node(node),), dry_run)
+        return await act("unpin", (resolve_node(node, pinned=True),), dry_run)
 
     @app.post("/v1/cluster/rebalance", tags=["cluster"], responses=_errors(401, 403, 409, 422),
               description=f"make the best plan for the cluster as it is; {action_doc}")

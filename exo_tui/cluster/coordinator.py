@@ -163,6 +163,8 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
         if self.nodes:
             await self._probe_links()
+            if broken := self.broken_pins():
+                self._notice("warning", f"the pin of {', '.join(broken)} cannot hold until the node joins")
             if not await self._adopt_saved_plan():
                 await self.replan("initial plan")
 
@@ -365,9 +367,12 @@ class Coordinator:
         return self._replan_task
 
     def broken_pins(self) -> list[str]:
+        """The pins that cannot hold now: their node failed, or is not in the cluster (a pin is
+        saved with the cluster's state, and its machine may be off when the coordinator starts)."""
         return [
-            f"{self.nodes[n].name} layers {p.start}-{p.end - 1}"
-            for n, p in self.pins.items() if n in self.nodes and self.nodes[n].state == "failed"
+            f"{self.nodes[n].name} layers {p.start}-{p.end - 1}" if n in self.nodes
+            else f"{n} layers {p.start}-{p.end - 1} (not in the cluster)"
+            for n, p in self.pins.items() if n not in self.nodes or self.nodes[n].state == "failed"
         ]
 
     async def _replan_after_failure(self, reason: str) -> None:
@@ -561,12 +566,13 @@ class Coordinator:
         return h.profile.backend or (h.profile.backends or ["onnx"])[0]
 
     def constraints(self, *, drained: set[str] | None = None, pins: dict[str, Pin] | None = None) -> Constraints:
-        """Pins, drains and failures for the scheduler. A pin on a failed node cannot hold: it is
-        left out (and kept, to apply again when the node returns); see :meth:`broken_pins`."""
+        """Pins, drains and failures for the scheduler. A pin on a failed node, or on one not in
+        the cluster, cannot hold: it is left out (and kept, to apply again when the node returns);
+        see :meth:`broken_pins`."""
         failed = frozenset(n for n, h in self.nodes.items() if h.state == "failed")
         pins = pins if pins is not None else self.pins
         return Constraints(
-            pins=tuple(p for n, p in pins.items() if n not in failed),
+            pins=tuple(p for n, p in pins.items() if n in self.nodes and n not in failed),
             drained=frozenset(drained if drained is not None else self.drained),
             failed=failed,
         )
@@ -868,8 +874,10 @@ class Coordinator:
 
     # ================================================================== operator actions
 
-    def _resolve(self, target: str) -> str:
-        if target in self.nodes:
+    def _resolve(self, target: str, *, pinned: bool = False) -> str:
+        """The node id ``target`` (an id or a name) names. ``pinned``: an id of a pinned node not
+        in the cluster counts too (its pin can be taken off)."""
+        if target in self.nodes or (pinned and target in self.pins):
             return target
         matches = [h.node_id for h in self.nodes.values() if h.name == target]
         if len(matches) == 1:
@@ -933,7 +941,7 @@ class Coordinator:
         """What ``action`` would do now: the operator's view of it (targets resolved to node ids,
         or the error), the scheduler's change, and the drains and pins it would leave."""
         try:
-            ids = tuple(self._resolve(t) for t in targets)
+            ids = tuple(self._resolve(t, pinned=action == "unpin") for t in targets)
             drained, pins = self._proposed(action, ids, layers)
         except (KeyError, ValueError) as exc:
             return PlanPreview(action, tuple(targets), error=str(exc.args[0]), layers=layers), None, set(), {}
@@ -962,7 +970,7 @@ class Coordinator:
                     self.nodes[nid].state = "draining"
                     self.events.publish(ev.NodeStateChanged(node_id=nid, state="draining"))
             try:
-                await self._switch(change.new_plan, f"{action} {' '.join(self.nodes[i].name for i in ids)}".strip())
+                await self._switch(change.new_plan, f"{action} {' '.join(self._name(i) for i in ids)}".strip())
                 if action == "remove":
                     for nid in ids:
                         await self._forget(nid)
@@ -971,13 +979,16 @@ class Coordinator:
                 result = replace(result, error=str(exc))
         elif not result.error:
             result = replace(result, error="no plan")
-        names = " ".join(self.nodes[i].name if i in self.nodes else i for i in ids)
+        names = " ".join(self._name(i) for i in ids)
         if layers is not None:
             names = f"{names} layers {layers[0]}-{layers[1] - 1}"
         self._audit(action, names, "ok" if not result.error else f"error: {result.error}",
                     f"{len(result.moves)} moves, {result.bytes_moved / 1e6:.1f} MB, "
                     f"{result.tok_per_s_before:.1f} → {result.tok_per_s_after:.1f} tok/s")
         return result
+
+    def _name(self, node_id: str) -> str:
+        return self.nodes[node_id].name if node_id in self.nodes else node_id
 
     def _audit(self, action: str, target: str, result: str, detail: str = "") -> None:
         """An operator action: on the event stream and in the persisted audit log."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from exo_tui.cluster.coordinator import Coordinator
+from exo_tui.cluster.local_nodes import stop_node
 from exo_tui.cluster.view import ChatParams
 from tests.integration.cluster_helpers import cluster_config, coordinator, node_processes, reference_answer
 
@@ -331,13 +332,13 @@ def test_restarted_coordinator_restores_state(home: Path, references) -> None:
     state_home.mkdir()
     with node_processes(state_home, ["onnx", "onnx", "onnx"]) as ns:
 
-        async def first() -> tuple[str, str, int]:
+        async def first() -> tuple[str, str, int, int]:
             async with coordinator(ns, persist=True) as c:
                 drained = c.plan.shards[2].node_id
                 pinned = c.plan.shards[0].node_id
                 assert not (await c.apply(await c.preview("drain", (drained,)))).error
                 assert not (await c.apply(await c.preview("pin", (pinned,)))).error
-                return drained, pinned, c.plan.version
+                return drained, pinned, c.plan.version, c.nodes[pinned].port
 
         async def second(drained: str, pinned: str, version: int) -> None:
             async with coordinator(ns, persist=True, peers=[]) as c:
@@ -351,5 +352,28 @@ def test_restarted_coordinator_restores_state(home: Path, references) -> None:
                 log = c.store.audit_log()
                 assert [(e.action, e.result) for e in log][-2:] == [("drain", "ok"), ("pin", "ok")]
 
-        drained, pinned, version = asyncio.run(first())
+        async def third(drained: str, pinned: str) -> None:
+            """The pinned node's machine is off when the coordinator starts: the cluster serves
+            without the pin (it says so), and keeps the pin for when the node joins again (it
+            had refused to serve: 'pin ... names a node that is not in the cluster')."""
+            async with coordinator(ns, persist=True, peers=[], strategy="latency") as c:
+                assert pinned not in c.nodes and c.pins[pinned]
+                assert c.plan is not None and pinned not in c.plan.node_ids
+                assert any(e.kind == "notice" and "cannot hold until the node joins" in e.message
+                           for e in c.events.history)
+                [tokens] = await _disturbed(c, [PROMPTS[3]], SHORT, _nothing)
+                assert tokens == _expected(references, PROMPTS[3], SHORT)
+                undrained = await c.apply(await c.preview("undrain", (drained,)))
+                assert not undrained.error, undrained.error
+                assert pinned in c.pins  # an operator action on another node leaves it as it was
+            async with coordinator(ns, persist=True, peers=[], strategy="latency") as c:
+                assert pinned in c.pins
+                unpinned = await c.apply(await c.preview("unpin", (pinned,)))  # by id: its name is not known
+                assert not unpinned.error and pinned not in c.pins, unpinned.error
+                refused = await c.preview("drain", (pinned,))
+                assert "no node" in refused.error  # only a pin can be taken off a node not in the cluster
+
+        drained, pinned, version, port = asyncio.run(first())
         asyncio.run(second(drained, pinned, version))
+        stop_node(next(n for n in ns.nodes if n.port == port))
+        asyncio.run(third(drained, pinned))
