@@ -368,6 +368,12 @@ class ExoApp(App):
             self._set_chat_param(arg)
         elif name == "rebalance":
             self.action_rebalance()
+        elif name == "unpin":
+            if arg:
+                self.request_change("unpin", (arg,))
+            else:
+                self.notify("Which node? :unpin NAME or :unpin ID (p on a selected node pins or unpins it)",
+                            severity="warning")
         elif name == "pause":
             self.action_toggle_pause()
         elif name == "help":

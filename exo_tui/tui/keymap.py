@@ -107,11 +107,12 @@ COMMANDS: dict[str, tuple[str, bool]] = {
     "theme": ("Choose a theme (:theme NAME to set it)", True),
     "set": ("Chat sampling: :set temperature 0, :set top_p default (the model's); :set alone shows them", True),
     "rebalance": ("Preview a rebalance", False),
+    "unpin": ("Take a pin off: :unpin NODE (a name, or the id of a node not in the cluster)", True),
     "pause": ("Pause or resume the live refresh", False),
     "help": ("Show the keys", False),
     "quit": ("Quit exo-tui", False),
 }
-DANGEROUS_COMMANDS = frozenset({"model", "rebalance"})
+DANGEROUS_COMMANDS = frozenset({"model", "rebalance", "unpin"})
 
 
 def specs(scope: str) -> tuple[KeySpec, ...]:

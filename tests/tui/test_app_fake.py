@@ -109,6 +109,22 @@ async def test_drain_opens_confirmation_defaulting_to_cancel(make_app, fake):
         assert "plan v2" in bar
 
 
+async def test_unpin_command_takes_off_a_pin_by_id(make_app, fake):
+    """:unpin ID reaches a pinned node the table cannot show (not in the cluster now: its pin is
+    kept with the cluster's state); :unpin alone asks which node."""
+    fake.pins["n-gone"] = (0, 10)
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("colon", *"unpin", "enter")
+        await pilot.pause()
+        assert any("Which node?" in n.message for n in app._notifications)
+        await pilot.press("colon", *"unpin n-gone", "enter")  # moves nothing: no confirmation, as with p
+        await wait_until(pilot, lambda: bool(fake.applied))
+        assert [(a.action, a.targets) for a in fake.applied] == [("unpin", ("n-gone",))]
+        assert "n-gone" not in fake.pins
+
+
 async def test_marked_nodes_are_the_targets(make_app, fake):
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
