@@ -970,7 +970,7 @@ class Coordinator:
                     self.nodes[nid].state = "draining"
                     self.events.publish(ev.NodeStateChanged(node_id=nid, state="draining"))
             try:
-                await self._switch(change.new_plan, f"{action} {' '.join(self._name(i) for i in ids)}".strip())
+                await self._switch(change.new_plan, f"{action} {' '.join(self.node_name(i) for i in ids)}".strip())
                 if action == "remove":
                     for nid in ids:
                         await self._forget(nid)
@@ -979,16 +979,13 @@ class Coordinator:
                 result = replace(result, error=str(exc))
         elif not result.error:
             result = replace(result, error="no plan")
-        names = " ".join(self._name(i) for i in ids)
+        names = " ".join(self.node_name(i) for i in ids)
         if layers is not None:
             names = f"{names} layers {layers[0]}-{layers[1] - 1}"
         self._audit(action, names, "ok" if not result.error else f"error: {result.error}",
                     f"{len(result.moves)} moves, {result.bytes_moved / 1e6:.1f} MB, "
                     f"{result.tok_per_s_before:.1f} → {result.tok_per_s_after:.1f} tok/s")
         return result
-
-    def _name(self, node_id: str) -> str:
-        return self.nodes[node_id].name if node_id in self.nodes else node_id
 
     def _audit(self, action: str, target: str, result: str, detail: str = "") -> None:
         """An operator action: on the event stream and in the persisted audit log."""

@@ -5,9 +5,9 @@ An answer is one widget, whatever its length: plain text while it streams (redra
 ``FLUSH_S``, a page at a time: see :class:`Answer`), then Rich's Markdown of the whole text when
 it ends. Textual's ``Markdown`` widget makes a widget of every paragraph and list item, and the
 console lays all of them out again whenever the answer below them grows: streamed that way, a
-512-token list of capitals came at
-15 tok/s where ``exo-tui chat`` gives 260 (the console's event loop also runs the coordinator it
-embeds), and with those widgets kept for finished answers the fifth such answer came at 28 tok/s.
+512-token list of capitals came at 15 tok/s where ``exo-tui chat`` gives 260 (the console's event
+loop also runs the coordinator it embeds), and with those widgets kept for finished answers the
+fifth such answer came at 28 tok/s.
 ``esc`` stops generation and keeps what came so far. The log is anchored to the bottom only until
 the user scrolls up to read. Errors become notifications and the prompt comes back into the input.
 """
