@@ -47,10 +47,9 @@ FIRST_SLOTS = 4  # slots of a new pool; it doubles when full
 MAX_PADDING = 2  # padding rows a batch accepts between two requests before it splits into two runs
 MIN_BATCH = 2
 """Single-token steps of at least this many requests run as one batch (else one by one): every
-weight is read once for all of them. SmolLM2, 2 threads, the QLinear kernel: a decode step of
-1 / 4 / 8 / 16 rows takes 3.9 / 6.3 / 11.3 / 19.9 ms batched at the int16 precision, 5.5 / 10.5 /
-16.2 / 32.3 in float32 and 5.2 / 6.1 / 9.2 / 15.4 in int8 (``benchmarks/onnx_kernels.py``, one
-run). (On MatMulNBits, whose multi-row path dequantizes the whole matrix, 2 / 3 / 4 rows took 28 /
+weight is read once for all of them. SmolLM2, 2 threads (Zen 5), the QLinear kernel: a decode step
+of 1 / 4 / 8 / 16 rows takes 2.8 / 4.1 / 5.9 / 10.8 ms batched at the int16 precision, 3.6 / 4.9 /
+9.7 / 17.3 in float32 and 2.9 / 3.9 / 5.8 / 9.3 in int8 (``benchmarks/onnx_kernels.py``, one run). (On MatMulNBits, whose multi-row path dequantizes the whole matrix, 2 / 3 / 4 rows took 28 /
 30 / 32 ms against 15 ms for one.)"""
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)

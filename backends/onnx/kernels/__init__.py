@@ -120,13 +120,14 @@ def _float_lines(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _int16_lines(q: np.ndarray, bits: int) -> np.ndarray:
-    """Codes ``(tile, column, block, k)`` as the int16 products read them: lines of 2 consecutive k
-    per column, k and k + 16 sharing a byte for 4 bits."""
+    """Codes ``(tile, column, block, k)`` as the int16 products read them: lines of 2 consecutive k,
+    4 bytes per column c of the first half: (k, c), (k, c + 16), (k + 1, c), (k + 1, c + 16); k
+    and k + 16 sharing a byte for 4 bits."""
     tiles, _, nb, _ = q.shape
     if bits == 4:
         q = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
-    lines = q.reshape(tiles, TILE, nb, -1, 2)  # (tile, column, block, line, byte)
-    return lines.transpose(0, 2, 3, 1, 4).reshape(tiles, nb, -1)  # (tile, block, line, column, byte)
+    lines = q.reshape(tiles, 2, 16, nb, -1, 2)  # (tile, half, column, block, line, k of the pair)
+    return lines.transpose(0, 3, 4, 2, 5, 1).reshape(tiles, nb, -1)  # (tile, block, line, column, k, half)
 
 
 def _int8_lines(q: np.ndarray, bits: int) -> np.ndarray:

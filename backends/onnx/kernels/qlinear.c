@@ -481,89 +481,115 @@ static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, ti
        y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
 
    with 15 bits of each block's largest value where int8 keeps 7 (its logits stay within ~1e-2 of
-   float32's on the default model, int8's move by ~1). Its tile layout pairs k: after the 128
-   bytes of scales and biases, a tile block is
-     bits 4: 8 lines of 64 bytes; byte 2 c + i of line j: code (k = 2 j + i, column c) in the low
-             nibble, code (k = 16 + 2 j + i, column c) in the high nibble;
-     bits 8: 16 lines of 64 bytes; byte 2 c + i of line j: code (k = 2 j + i, column c).
-   Widened to 16 bits, a 32-bit lane holds a column's pair, which VPDPWSSD (VPMADDWD) multiplies
-   by the pair of X and adds. Every sum of a block is exact (|xq . q| < 32 x 32767 x 255 < 2^31),
-   so the builds agree bit for bit. */
-#define ROWS_INT16 4
+   float32's on the default model, int8's move by ~1). Its tile layout pairs k and interleaves the
+   tile's two halves of 16 columns, so that a 16-bit lane's code is one AND or shift away: after
+   the 128 bytes of scales and biases, a tile block is lines of 64 bytes, 4 bytes per column c of
+   the first half (c < 16):
+     bits 8: 16 lines; line j, bytes 4 c to 4 c + 3: the codes of (k = 2 j, column c),
+             (2 j, c + 16), (2 j + 1, c), (2 j + 1, c + 16);
+     bits 4: 8 lines, the same with the code of k in the low nibble and that of k + 16 in the high.
+   So the line's 32-bit lane c holds, in the low byte (nibble) of each 16-bit half, column c's pair
+   of codes, and column c + 16's one byte (nibble) up: VPDPWSSD (VPMADDWD) multiplies a pair by
+   X's and adds. Every sum of a block is exact (|xq . q| < 32 x 32767 x 255 < 2^31), whatever the
+   order of its products, so the builds agree bit for bit. */
 
 #if defined(QL_INT_VNNI)
+#define ROWS_INT16 8
+
+/* Line j of a block for rows rows of X (xr, rows k apart): i0 (columns 0-15) and i1 (16-31) of
+   each row plus its products. */
+static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, const uint8_t *q, int j, const int rows,
+                                                              const int bits, __m512i *i0, __m512i *i1)
+{
+    const __m512i v = _mm512_loadu_si512(q + 64 * j);
+    if (bits == 4) {
+        const __m512i nibble = _mm512_set1_epi16(0x000F);
+        const __m512i a = _mm512_and_si512(v, nibble), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        const __m512i c = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), d = _mm512_srli_epi16(v, 12);
+        for (int r = 0; r < rows; r++) {
+            int32_t lo2, hi2;
+            memcpy(&lo2, xb + r * BLOCK + 2 * j, 4);
+            memcpy(&hi2, xb + r * BLOCK + 16 + 2 * j, 4);
+            const __m512i xl = _mm512_set1_epi32(lo2), xh = _mm512_set1_epi32(hi2);
+            i0[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[r], a, xl), b, xh);
+            i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], c, xl), d, xh);
+        }
+    } else {
+        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)), hi = _mm512_srli_epi16(v, 8);
+        for (int r = 0; r < rows; r++) {
+            int32_t two;
+            memcpy(&two, xb + r * BLOCK + 2 * j, 4);
+            const __m512i xv = _mm512_set1_epi32(two);
+            i0[r] = _mm512_dpwssd_epi32(i0[r], lo, xv);
+            i1[r] = _mm512_dpwssd_epi32(i1[r], hi, xv);
+        }
+    }
+}
+
+/* A tile for up to 8 rows. Few rows take the lines of a block in several sets of sums (line j
+   into set j mod sets), added at the block's end: enough chains of VPDPWSSD in flight that their
+   latency does not set the pace. */
 static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
-                                                                   int64_t k, const uint8_t *w, int64_t nb, float *y,
-                                                                   int64_t ldy, int cols, const int rows, const int bits)
+                                                                   const uint8_t *w, int64_t nb, float *y, int64_t ldy,
+                                                                   int cols, const int rows, const int bits)
 {
     const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int lines = bits == 4 ? 8 : 16, sets = rows == 1 ? 4 : rows == 2 ? 2 : 1;
     __m512 f0[ROWS_INT16], f1[ROWS_INT16]; /* columns 0-15 and 16-31 */
     for (int r = 0; r < rows; r++)
         f0[r] = f1[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        __m512i i0[ROWS_INT16], i1[ROWS_INT16];
-        for (int r = 0; r < rows; r++)
-            i0[r] = i1[r] = _mm512_setzero_si512();
-        const uint8_t *q = w + 128;
-        for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
-            const __m512i v = _mm512_loadu_si512(q + 64 * j);
-            if (bits == 4) {
-                const __m512i l = _mm512_and_si512(v, low), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                const __m512i l0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(l));
-                const __m512i l1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(l, 1));
-                const __m512i u0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(u));
-                const __m512i u1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, 1));
-                for (int r = 0; r < rows; r++) {
-                    const int16_t *xr = xq + r * k + b * BLOCK;
-                    int32_t lo2, hi2;
-                    memcpy(&lo2, xr + 2 * j, 4);
-                    memcpy(&hi2, xr + 16 + 2 * j, 4);
-                    const __m512i xl = _mm512_set1_epi32(lo2), xh = _mm512_set1_epi32(hi2);
-                    i0[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[r], l0, xl), u0, xh);
-                    i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], l1, xl), u1, xh);
-                }
-            } else {
-                const __m512i c0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(v));
-                const __m512i c1 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1));
-                for (int r = 0; r < rows; r++) {
-                    int32_t two;
-                    memcpy(&two, xq + r * k + b * BLOCK + 2 * j, 4);
-                    const __m512i xv = _mm512_set1_epi32(two);
-                    i0[r] = _mm512_dpwssd_epi32(i0[r], c0, xv);
-                    i1[r] = _mm512_dpwssd_epi32(i1[r], c1, xv);
-                }
+        __m512i i0[4][ROWS_INT16], i1[4][ROWS_INT16];
+        for (int s = 0; s < sets; s++)
+            for (int r = 0; r < rows; r++)
+                i0[s][r] = i1[s][r] = _mm512_setzero_si512();
+        const int16_t *xb = xq + b * ROWS_INT16 * BLOCK;
+#pragma GCC unroll 16
+        for (int j = 0; j < lines; j += sets)
+            for (int s = 0; s < sets; s++)
+                line_int16(xb, w + 128, j + s, rows, bits, i0[s], i1[s]);
+        for (int s = 1; s < sets; s++)
+            for (int r = 0; r < rows; r++) {
+                i0[0][r] = _mm512_add_epi32(i0[0][r], i0[s][r]);
+                i1[0][r] = _mm512_add_epi32(i1[0][r], i1[s][r]);
             }
-        }
-        add_block(w, xd + b, xs + b, nb, rows, i0, i1, f0, f1);
+        add_block(w, xd + b, xs + b, nb, rows, i0[0], i1[0], f0, f1);
     }
     store_tile(y, ldy, cols, rows, f0, f1);
 }
 
-/* Row r of X to int16 codes, a scale and a float sum per block (rounding to nearest, ties to even). */
-static void quantize_row16(const float *x, int64_t k, int16_t *xq, float *xd, float *xs)
+/* Row r of X to int16 codes, a scale and a float sum per block (rounding to nearest, ties to even);
+   block b's codes at xq + b * stride (the rows of a tile's pass are interleaved by block: see
+   quantize_task). */
+static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t stride, float *xd, float *xs)
 {
     for (int64_t b = 0; b < k / BLOCK; b++) {
         const __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
         const __m512 iv = _mm512_set1_ps(inv);
-        _mm256_storeu_si256((__m256i *)(xq + b * BLOCK), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
-        _mm256_storeu_si256((__m256i *)(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
+        _mm256_storeu_si256((__m256i *)(xq + b * stride), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
+        _mm256_storeu_si256((__m256i *)(xq + b * stride + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
         xd[b] = d;
         xs[b] = block_sum(v0, v1);
     }
 }
 #else /* QL_INT_AVX2 */
-/* The same sums 8 columns at a time: a pass over every block per group of 8 columns (16 bytes of
-   each line). */
+#define ROWS_INT16 4
+
+/* The same sums 8 columns at a time: a pass over every block per group of 8 columns, c0 to
+   c0 + 7 = 16 h + 8 s: half s of each line (bytes 32 s to 32 s + 31) holds them in the low
+   (h = 0) or the high (h = 1) byte of each 16-bit lane's, as the VNNI build reads it. */
 static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
-                                                                   int64_t k, const uint8_t *w, int64_t nb, float *y,
-                                                                   int64_t ldy, int cols, const int rows, const int bits)
+                                                                   const uint8_t *w, int64_t nb, float *y, int64_t ldy,
+                                                                   int cols, const int rows, const int bits)
 {
     const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int g = 0; g < TILE / 8 && g * 8 < cols; g++) {
+    const __m256i nibble = _mm256_set1_epi16(0x000F), byte = _mm256_set1_epi16(0x00FF);
+    for (int g = 0; g < TILE / 8; g++) {
+        const int s = g & 1, h = g >> 1, c0 = 16 * h + 8 * s;
+        if (c0 >= cols)
+            continue;
         __m256 f[ROWS_INT16];
         for (int r = 0; r < rows; r++)
             f[r] = _mm256_setzero_ps();
@@ -572,14 +598,14 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
             __m256i acc[ROWS_INT16];
             for (int r = 0; r < rows; r++)
                 acc[r] = _mm256_setzero_si256();
-            const uint8_t *q = wb + 128 + 16 * g;
+            const uint8_t *q = wb + 128 + 32 * s;
             for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(q + 64 * j));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
                 if (bits == 4) {
-                    const __m256i l = _mm256_cvtepu8_epi16(_mm_and_si128(v, low));
-                    const __m256i u = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low));
+                    const __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
                     for (int r = 0; r < rows; r++) {
-                        const int16_t *xr = xq + r * k + b * BLOCK;
+                        const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
                         int32_t lo2, hi2;
                         memcpy(&lo2, xr + 2 * j, 4);
                         memcpy(&hi2, xr + 16 + 2 * j, 4);
@@ -587,32 +613,32 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                                                                            _mm256_madd_epi16(u, _mm256_set1_epi32(hi2))));
                     }
                 } else {
-                    const __m256i c = _mm256_cvtepu8_epi16(v);
+                    const __m256i c = _mm256_and_si256(half, byte);
                     for (int r = 0; r < rows; r++) {
                         int32_t two;
-                        memcpy(&two, xq + r * k + b * BLOCK + 2 * j, 4);
+                        memcpy(&two, xq + (b * ROWS_INT16 + r) * BLOCK + 2 * j, 4);
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
                     }
                 }
             }
-            const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 16 * g)));
-            const __m256 bc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 16 * g)));
+            const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 2 * c0)));
+            const __m256 bc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 2 * c0)));
             for (int r = 0; r < rows; r++) {
                 const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
                 f[r] = _mm256_fmadd_ps(bc, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(sc, d), f[r]));
             }
         }
-        const int n = cols - g * 8 < 8 ? cols - g * 8 : 8;
+        const int n = cols - c0 < 8 ? cols - c0 : 8;
         for (int r = 0; r < rows; r++) {
             float out[8];
             _mm256_storeu_ps(out, f[r]);
-            memcpy(y + r * ldy + g * 8, out, (size_t)n * sizeof(float));
+            memcpy(y + r * ldy + c0, out, (size_t)n * sizeof(float));
         }
     }
 }
 
 /* quantize_row16's AVX-512 math 8 wide: the same codes, scale and sum. */
-static void quantize_row16(const float *x, int64_t k, int16_t *xq, float *xd, float *xs)
+static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t stride, float *xd, float *xs)
 {
     for (int64_t b = 0; b < k / BLOCK; b++) {
         __m256 v[4];
@@ -624,7 +650,7 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, float *xd, fl
         for (int i = 0; i < 4; i += 2) {
             const __m256i c = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv)),
                                                  _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], iv)));
-            _mm256_storeu_si256((__m256i *)(xq + b * BLOCK + 8 * i), _mm256_permute4x64_epi64(c, _MM_SHUFFLE(3, 1, 2, 0)));
+            _mm256_storeu_si256((__m256i *)(xq + b * stride + 8 * i), _mm256_permute4x64_epi64(c, _MM_SHUFFLE(3, 1, 2, 0)));
         }
         xd[b] = d;
         xs[b] = block_sum(v[0], v[1], v[2], v[3]);
@@ -632,18 +658,29 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, float *xd, fl
 }
 #endif
 
-typedef void (*tile_int16_fn)(const int16_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, float *,
-                              int64_t, int);
+typedef void (*tile_int16_fn)(const int16_t *, const float *, const float *, const uint8_t *, int64_t, float *, int64_t,
+                              int);
 #define TILE_ROWS_INT16(R, BITS)                                                                                    \
-    static void tile_int16_##BITS##_##R(const int16_t *xq, const float *xd, const float *xs, int64_t k,              \
-                                        const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols)               \
+    static void tile_int16_##BITS##_##R(const int16_t *xq, const float *xd, const float *xs, const uint8_t *w,       \
+                                        int64_t nb, float *y, int64_t ldy, int cols)                                 \
     {                                                                                                               \
-        tile_rows_int16(xq, xd, xs, k, w, nb, y, ldy, cols, R, BITS);                                               \
+        tile_rows_int16(xq, xd, xs, w, nb, y, ldy, cols, R, BITS);                                                  \
     }
 TILE_ROWS_INT16(1, 4) TILE_ROWS_INT16(2, 4) TILE_ROWS_INT16(3, 4) TILE_ROWS_INT16(4, 4)
 TILE_ROWS_INT16(1, 8) TILE_ROWS_INT16(2, 8) TILE_ROWS_INT16(3, 8) TILE_ROWS_INT16(4, 8)
+#if ROWS_INT16 == 8
+TILE_ROWS_INT16(5, 4) TILE_ROWS_INT16(6, 4) TILE_ROWS_INT16(7, 4) TILE_ROWS_INT16(8, 4)
+TILE_ROWS_INT16(5, 8) TILE_ROWS_INT16(6, 8) TILE_ROWS_INT16(7, 8) TILE_ROWS_INT16(8, 8)
+static const tile_int16_fn tiles_int16_4[ROWS_INT16 + 1] = {NULL, tile_int16_4_1, tile_int16_4_2, tile_int16_4_3,
+                                                            tile_int16_4_4, tile_int16_4_5, tile_int16_4_6,
+                                                            tile_int16_4_7, tile_int16_4_8};
+static const tile_int16_fn tiles_int16_8[ROWS_INT16 + 1] = {NULL, tile_int16_8_1, tile_int16_8_2, tile_int16_8_3,
+                                                            tile_int16_8_4, tile_int16_8_5, tile_int16_8_6,
+                                                            tile_int16_8_7, tile_int16_8_8};
+#else
 static const tile_int16_fn tiles_int16_4[ROWS_INT16 + 1] = {NULL, tile_int16_4_1, tile_int16_4_2, tile_int16_4_3, tile_int16_4_4};
 static const tile_int16_fn tiles_int16_8[ROWS_INT16 + 1] = {NULL, tile_int16_8_1, tile_int16_8_2, tile_int16_8_3, tile_int16_8_4};
+#endif
 #endif
 
 typedef struct {
@@ -670,7 +707,7 @@ static void run_task(void *arg, size_t task)
         const tile_int16_fn *tiles = job->bits == 4 ? tiles_int16_4 : tiles_int16_8;
         for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT16) {
             const int64_t rows = job->m - m0 < ROWS_INT16 ? job->m - m0 : ROWS_INT16;
-            tiles[rows]((const int16_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->k, w, nb,
+            tiles[rows]((const int16_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, w, nb,
                         job->y + m0 * job->n + n0, job->n, cols);
         }
         return;
@@ -693,11 +730,13 @@ static void run_task(void *arg, size_t task)
 }
 
 #if defined(QL_INT)
-/* The integer precisions' scratch for X (one allocation, freed with free()); NULL if out of memory. */
+/* The integer precisions' scratch for X (one allocation, freed with free()); NULL if out of memory.
+   The int16 codes take whole passes of ROWS_INT16 rows (see quantize_task). */
 static void *integer_scratch(Job *job)
 {
     const int64_t nb = job->k / BLOCK;
-    float *scratch = (float *)malloc((size_t)(3 * job->m * nb) * sizeof(float) + (size_t)(job->m * job->k * (job->xbits / 8)));
+    const int64_t rows = job->xbits == 16 ? (job->m + ROWS_INT16 - 1) / ROWS_INT16 * ROWS_INT16 : job->m;
+    float *scratch = (float *)malloc((size_t)(3 * job->m * nb) * sizeof(float) + (size_t)(rows * job->k * (job->xbits / 8)));
     if (scratch != NULL) {
         job->xd = scratch;
         job->xs = scratch + job->m * nb;
@@ -707,13 +746,16 @@ static void *integer_scratch(Job *job)
     return scratch;
 }
 
+/* Row `row` of X to integer codes. The int16 codes of a tile's pass of ROWS_INT16 rows are
+   interleaved by block: block b of the pass's row r at (b * ROWS_INT16 + r) * BLOCK from the
+   pass's start, so the tile finds every row's codes of a block at fixed offsets. */
 static void quantize_task(void *arg, size_t row)
 {
     const Job *job = (const Job *)arg;
-    const int64_t nb = job->k / BLOCK;
+    const int64_t nb = job->k / BLOCK, r = (int64_t)row % ROWS_INT16;
     if (job->xbits == 16)
-        quantize_row16(job->x + row * job->k, job->k, (int16_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
-                       (float *)job->xs + row * nb);
+        quantize_row16(job->x + row * job->k, job->k, (int16_t *)job->xq + ((int64_t)row - r) * job->k + r * BLOCK,
+                       ROWS_INT16 * BLOCK, (float *)job->xd + row * nb, (float *)job->xs + row * nb);
     else
         quantize_row(job->x + row * job->k, job->k, (int8_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
                      (float *)job->xs + row * nb, (int32_t *)job->xi + row * nb);
