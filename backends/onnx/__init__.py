@@ -47,7 +47,8 @@ quantized matrix product (0: none).
   within 1e-4 of MLX's) and 12 prompts x 96 greedy tokens were MLX's token for token; here 1.7x
   float32's prefill, 1.4x its decode and 1.4x its 8-row batched step. Where the build has no
   integer products it runs float32 products instead (as exact as float32, not faster).
-* ``float32``: float32 math on the dequantized weights, for answers bit-faithful to it.
+* ``float32``: float32 math on the dequantized weights, for answers bit-faithful to it (the
+  KV caches float32 too, where the integer precisions keep them in float16).
 * ``int8``: the same with int8 codes, as llama.cpp's Q8_0 (7 bits: logits move by ~1, greedy
   answers part from float32's within a few tokens; 2.5x the prefill and 1.25x the decode of
   float32 here): on ``QLinear``'s integer products where its build has them (AVX-512 VNNI, or

@@ -33,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
-from backends.onnx.kernels import ATTENTION, BLOCK, DOMAIN, OP, pack, runs_on_kernel
+from backends.onnx.kernels import ATTENTION, ATTENTION_F16, BLOCK, DOMAIN, OP, pack, runs_on_kernel
 from backends.onnx.weights import (
     dense_linear,
     packed_zero_points,
@@ -206,7 +206,7 @@ def _dense_bytes(w: Weight) -> int:
 
 def build_shard_graph(
     config: ModelConfig, weights: ShardWeights, accuracy_level: int = 1, batch_head_rows: int = 0,
-    kernel: bool = False, xbits: int = 0,
+    kernel: bool = False, xbits: int = 0, half_kv: bool = False,
 ) -> ShardGraph:
     """The ONNX graph of ``weights``' layers; ``accuracy_level`` (``MatMulNBits``') 1 is float32
     math, 4 int8.
@@ -215,6 +215,7 @@ def build_shard_graph(
     library): 4- and 8-bit matrices in GGUF's blocks of 32 on ``QLinear`` (the rest on
     ``MatMulNBits``) and attention on ``Attention``; else ``MatMulNBits`` and ``GroupQueryAttention``.
     ``xbits`` 16 or 8: ``QLinear`` rounds its activations to int16 or int8 codes (0: float32).
+    ``half_kv`` (with ``kernel``): the KV caches are float16, on ``AttentionF16``.
 
     ``batch_head_rows`` > 0: on the last shard, runs of at least that many rows (batched decode)
     take a dense float32 copy of a quantized output head (see :meth:`_Builder.batched_head`).
@@ -233,20 +234,22 @@ def build_shard_graph(
     cos, sin = rotary_tables(c)
     cos_name, sin_name = b.weight("rope_cos", cos), b.weight("rope_sin", sin)
     kv_shape = ["batch", c.n_kv_heads, "capacity", c.head_dim]
+    half_kv = kernel and half_kv
+    kv_type = TensorProto.FLOAT16 if half_kv else f32
 
     h, skip = "hidden_in", None
     for i, lw in enumerate(weights.layers):
         a, h = b.rms_norm(h, lw.attn_norm, skip)
         qkv = b.linear(a, [lw.wq, lw.wk, lw.wv], f"l{i}_qkv")
         pk, pv, ok, ov = f"past_key_{i}", f"past_value_{i}", f"present_key_{i}", f"present_value_{i}"
-        inputs += [helper.make_tensor_value_info(n, f32, kv_shape) for n in (pk, pv)]
-        outputs += [helper.make_tensor_value_info(n, f32, kv_shape) for n in (ok, ov)]
+        inputs += [helper.make_tensor_value_info(n, kv_type, kv_shape) for n in (pk, pv)]
+        outputs += [helper.make_tensor_value_info(n, kv_type, kv_shape) for n in (ok, ov)]
         graph.kv_inputs.append((pk, pv))
         graph.kv_outputs.append((ok, ov))
         attn = b.name(f"l{i}_attn")
         rest = ["seqlens_k", "total_seq_len", cos_name, sin_name]
         if kernel:  # exo-tui's own: the same math, a batch's rows at the cost of each alone
-            op, domain, ins, extra = ATTENTION, DOMAIN, [qkv, pk, pv, *rest], {}
+            op, domain, ins, extra = ATTENTION_F16 if half_kv else ATTENTION, DOMAIN, [qkv, pk, pv, *rest], {}
         else:
             op, domain, ins = "GroupQueryAttention", MS, [qkv, "", "", pk, pv, *rest]
             extra = {"scale": float(1.0 / np.sqrt(c.head_dim)), "do_rotary": 1, "rotary_interleaved": 1}

@@ -1,8 +1,10 @@
 """A shard on ONNX Runtime: one session per shard, one ``run`` per step, KV caches in place.
 
 KV caches live in pools, one per capacity (256, 512, ... positions, up to the context length):
-float32 arrays ``(layers, slots, n_kv_heads, capacity, head_dim)`` for keys and for values, one
-slot per request. A run covers a contiguous range of slots of one pool: the per-layer slices of
+arrays ``(layers, slots, n_kv_heads, capacity, head_dim)`` for keys and for values, one slot per
+request: float16 where exo-tui's kernels run integer products (the int16 and int8 precisions,
+on ``AttentionF16``: half the bytes a decode step reads, which at long contexts is most of
+them), float32 with float32 products and on ``GroupQueryAttention``; exported as float32. A run covers a contiguous range of slots of one pool: the per-layer slices of
 that range are bound (IOBinding, as ``OrtValue``s sharing the NumPy memory) both as the graph's
 ``past_*`` inputs and as its ``present_*`` outputs, so attention (exo-tui's ``Attention``, or
 ``GroupQueryAttention``'s buffer-sharing mode) writes only each step's new positions: nothing is
@@ -114,9 +116,11 @@ class ONNXShard(Shard):
         library = kernel_for(precision)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
+        half_kv = library is not None and self.xbits != 0  # float32 math (products) keeps float32 caches
+        self.kv_dtype = np.dtype(np.float16 if half_kv else np.float32)
         accuracy_level = ACCURACY_LEVEL[precision]
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library),
-                                  xbits=self.xbits)
+                                  xbits=self.xbits, half_kv=half_kv)
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -148,7 +152,8 @@ class ONNXShard(Shard):
         if not weights.disposable:
             self._release_weight_copies(
                 lambda: build_shard_graph(
-                    config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library), xbits=self.xbits
+                    config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library), xbits=self.xbits,
+                    half_kv=half_kv,
                 ).initializers
             )
         elif session_keeps_own_weights(threads, precision, session_config or {}):
@@ -219,7 +224,7 @@ class ONNXShard(Shard):
     def _kv_arrays(self, slots: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
         shape = (self.n_layers, slots, c.n_kv_heads, capacity, c.head_dim)
-        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # pages come on first write
+        return np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)  # pages come on first write
 
     def _take_slot(self, pool: _Pool, request_id: str) -> int:
         """The lowest free slot of ``pool`` (so live requests stay packed), doubling it when full."""
@@ -477,8 +482,8 @@ class ONNXShard(Shard):
                 return KVCache(self.start, self.end, 0, [empty.copy() for _ in range(self.n_layers)],
                                [empty.copy() for _ in range(self.n_layers)])
             n, s, pool = entry.length, entry.slot, entry.pool
-            keys = [pool.keys[i, s, :, :n].copy() for i in range(self.n_layers)]
-            values = [pool.values[i, s, :, :n].copy() for i in range(self.n_layers)]
+            keys = [pool.keys[i, s, :, :n].astype(np.float32) for i in range(self.n_layers)]
+            values = [pool.values[i, s, :, :n].astype(np.float32) for i in range(self.n_layers)]
             return KVCache(self.start, self.end, n, keys, values)
 
     def import_kv(self, request_id: str, cache: KVCache) -> None:

@@ -401,6 +401,32 @@ def test_integer_precisions_are_opt_in_and_close(tiny_models, precision, near):
         assert 1e-4 < err < 0.05 and fast.kernel == ""
 
 
+def test_integer_precisions_keep_float16_caches_and_hand_them_over_as_float32(tiny_models):
+    """The int16 precision's KV caches are float16 (half the bytes a step reads at a long
+    context), exported as float32 and imported by a float32 shard; the float32 precision keeps
+    float32 caches. A cache handed from one to the other decodes on as the reference does."""
+    library = kernels.library()
+    if library is None or not library.integer:
+        pytest.skip("float16 caches come with the kernel's integer products (no integer products here)")
+    cfg, weights, fast = load(tiny_models["Q4_1"], precision="int16")
+    _, _, exact = load(tiny_models["Q4_1"])
+    assert fast.kv_dtype == np.float16 and exact.kv_dtype == np.float32
+    ref = ReferenceShard(cfg, weights)
+    pos = np.arange(len(PROMPT))
+    fast.forward("r", PROMPT, pos)
+    ref.forward("r", PROMPT, pos)
+    cache = fast.export_kv("r")
+    assert cache.length == len(PROMPT) and all(k.dtype == v.dtype == np.float32 for k, v in zip(cache.keys, cache.values, strict=True))
+    assert all(np.array_equal(k, k.astype(np.float16)) for k in cache.keys)  # float16 values, exactly
+    pool = fast._caches["r"].pool
+    assert pool.keys.dtype == pool.values.dtype == np.float16
+    exact.import_kv("r", cache)
+    for tok, p in decode_tokens(4, len(PROMPT)):
+        close(exact.forward("r", tok, p), ref.forward("r", tok, p), rtol=2e-2)  # int16's caches, then float32 math
+    fast.import_kv("r2", exact.export_kv("r"))  # and back: rounded to float16 on the way in
+    assert fast.kv_length("r2") == len(PROMPT) + 4
+
+
 def test_int16_precision_on_float32_products_where_the_kernel_has_no_integer_products(tiny_models, monkeypatch):
     """Builds without integer products (plain C): the int16 precision runs QLinear's float32
     products, as exact as float32, and says so."""

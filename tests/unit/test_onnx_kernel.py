@@ -100,45 +100,70 @@ def test_integer_rows_do_not_depend_on_their_batch_either(integer_library: kerne
             assert np.array_equal(alone, together[i]), (bits, i)
 
 
+def close_enough(half: bool) -> dict[str, float]:
+    """How near ``Attention``'s results are to the float64 model: float32 caches as float32 math;
+    on float16 caches a new key may round to the neighbouring float16."""
+    return {"rtol": kernels.HALF_RTOL, "atol": 1e-4} if half else {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.mark.parametrize("half", [True, False], ids=["float16-caches", "float32-caches"])
 @pytest.mark.parametrize(("rows", "tokens"), [(1, 1), (5, 1), (1, 9), (2, 3)])
-def test_attention_is_rotary_causal_attention_over_the_cache(library: kernels.Library, rows: int, tokens: int) -> None:
+def test_attention_is_rotary_causal_attention_over_the_cache(library: kernels.Library, rows: int, tokens: int,
+                                                             half: bool) -> None:
     """Rows at different positions, one token each (batched decode) or several (a prompt after a
     cached part): the output and both caches as modelled in float64, in place or not."""
     rng = np.random.default_rng(7 + rows * tokens)
-    case = kernels.AttentionCase.random(rng, rows, tokens, heads=9, kv_heads=3, head_dim=64, capacity=300)
+    case = kernels.AttentionCase.random(rng, rows, tokens, heads=9, kv_heads=3, head_dim=64, capacity=300, half=half)
     want = case.reference()
     for in_place in (True, False):
-        got = case.in_session(library.path, in_place=in_place)
-        for g, w in zip(got, want, strict=True):
-            assert np.allclose(g, w, rtol=1e-4, atol=1e-5), in_place
+        out, keys, values = case.in_session(library.path, in_place=in_place)
+        assert keys.dtype == values.dtype == (np.float16 if half else np.float32)
+        assert np.allclose(out, want[0], **close_enough(half)), in_place
+        assert np.allclose(keys, want[1], **close_enough(half)), in_place
+        if half:
+            assert np.allclose(keys, want[1], rtol=kernels.HALF_RTOL, atol=0), in_place  # a float16 apart at most
+            assert np.array_equal(values, want[2]), in_place  # the values, rounded to float16
+        else:
+            assert np.allclose(values, want[2], rtol=1e-6, atol=0), in_place
 
 
+@pytest.mark.parametrize("half", [True, False], ids=["float16-caches", "float32-caches"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 4, 128), (6, 2, 48)])
-def test_attention_for_other_head_shapes(library: kernels.Library, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_attention_for_other_head_shapes(library: kernels.Library, heads: int, kv_heads: int, head_dim: int,
+                                         half: bool) -> None:
     """Seven query heads to a key/value head (taken four and three at a time), head size 128, and
     a size of neither kind (each head alone), over a cache long enough to need heap scratch."""
     rng = np.random.default_rng(heads + head_dim)
-    case = kernels.AttentionCase.random(rng, 3, 2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, capacity=1500)
+    case = kernels.AttentionCase.random(rng, 3, 2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, capacity=1500,
+                                        half=half)
     case.seqlens[0] = 1400  # a long row beside short ones
     for got, want in zip(case.in_session(library.path), case.reference(), strict=True):
-        assert np.allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert np.allclose(got, want, **close_enough(half))
 
 
-def test_attention_agrees_with_group_query_attention(library: kernels.Library) -> None:
-    """The op it replaces: com.microsoft's GroupQueryAttention, rotary interleaved, in place."""
+@pytest.mark.parametrize("half", [True, False], ids=["float16-caches", "float32-caches"])
+def test_attention_agrees_with_group_query_attention(library: kernels.Library, half: bool) -> None:
+    """The op it replaces: com.microsoft's GroupQueryAttention, rotary interleaved, in place (on
+    float32 caches: where ours are float16, the same keys and values rounded, and the output as
+    near as the new position's rounding allows)."""
     rng = np.random.default_rng(8)
-    case = kernels.AttentionCase.random(rng, 4, 1, heads=9, kv_heads=3, head_dim=64, capacity=128)
+    case = kernels.AttentionCase.random(rng, 4, 1, heads=9, kv_heads=3, head_dim=64, capacity=128, half=half)
     out, keys, values = case.in_session(None)
     ours, our_keys, our_values = case.in_session(library.path)
-    assert np.abs(out - ours).max() < 1e-5
+    assert np.abs(out - ours).max() < (2e-3 if half else 1e-5)
     for i, last in enumerate(case.seqlens):  # the positions written; GQA leaves the rest as they were
-        assert np.allclose(keys[i, :, : last + 1], our_keys[i, :, : last + 1], atol=1e-5)
-        assert np.array_equal(values[i, :, : last + 1], our_values[i, :, : last + 1])
+        if half:
+            assert np.allclose(keys[i, :, : last + 1], our_keys[i, :, : last + 1], rtol=kernels.HALF_RTOL, atol=1e-7)
+            assert np.array_equal(values[i, :, : last + 1].astype(np.float16), our_values[i, :, : last + 1])
+        else:
+            assert np.allclose(keys[i, :, : last + 1], our_keys[i, :, : last + 1], atol=1e-5)
+            assert np.array_equal(values[i, :, : last + 1], our_values[i, :, : last + 1])
 
 
-def test_an_attention_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> None:
+@pytest.mark.parametrize("half", [True, False], ids=["float16-caches", "float32-caches"])
+def test_an_attention_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library, half: bool) -> None:
     rng = np.random.default_rng(9)
-    case = kernels.AttentionCase.random(rng, 6, 1, heads=9, kv_heads=3, head_dim=64, capacity=200)
+    case = kernels.AttentionCase.random(rng, 6, 1, heads=9, kv_heads=3, head_dim=64, capacity=200, half=half)
     together = case.in_session(library.path)[0]
     for i in (0, 3, 5):
         alone = dataclasses.replace(case, qkv=case.qkv[i : i + 1], keys=case.keys[i : i + 1],
@@ -205,10 +230,21 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
                 assert np.array_equal(kernels.call(vnni, x, blob, bits, 70, xbits), got), (bits, xbits)
     # and the attention (AVX2's 8-wide loops, or the plain ones), head sizes of 8 wide chunks even and odd
     for rows, tokens, heads, kv_heads, head_dim in ((4, 1, 6, 2, 64), (1, 6, 6, 2, 64), (2, 1, 8, 4, 128), (3, 2, 4, 2, 40)):
-        case = kernels.AttentionCase.random(rng, rows, tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                            capacity=45)
-        for got, want in zip(case.call(lib), case.reference(), strict=True):
-            assert np.allclose(got, want, rtol=1e-4, atol=1e-5), (rows, tokens, head_dim)
+        for half in (True, False):
+            case = kernels.AttentionCase.random(rng, rows, tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                                capacity=45, half=half)
+            for got, want in zip(case.call(lib), case.reference(), strict=True):
+                assert np.allclose(got, want, **close_enough(half)), (rows, tokens, head_dim, half)
+    # the caches' float16: NumPy's rounding (to nearest, ties to even) bit for bit, whatever the build
+    x = np.concatenate([
+        rng.standard_normal(1000).astype(np.float32) * 10.0 ** rng.integers(-9, 6, 1000),  # subnormal to overflow
+        np.array([0.0, -0.0, 65504.0, 65519.0, 65520.0, -70000.0, np.inf, -np.inf, 2.0**-24, 2.0**-25,
+                  3 * 2.0**-26, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 2.0**-14 - 2.0**-25], np.float32),
+    ]).astype(np.float32)
+    halves = np.empty(x.size, np.uint16)
+    lib.exo_to_half(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(halves.ctypes.data), ctypes.c_int64(x.size))
+    with np.errstate(over="ignore"):
+        assert np.array_equal(halves, x.astype(np.float16).view(np.uint16)), isa
 
 
 def test_only_blocks_of_32_with_half_precision_scales_take_the_kernel() -> None:

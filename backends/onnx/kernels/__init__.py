@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -40,10 +41,11 @@ log = logging.getLogger("exo_tui.backends.onnx")
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "register.c", HERE / "qlinear.c", HERE / "attention.c"]  # one library
-HEADERS = [HERE / "ort.h"]
+HEADERS = [HERE / "ort.h", HERE / "half.h"]
 DOMAIN = "exo.tui"
 OP = "QLinear"
-ATTENTION = "Attention"  # the cached, rotary, causal attention (attention.c)
+ATTENTION = "Attention"  # the cached, rotary, causal attention (attention.c), float32 caches
+ATTENTION_F16 = "AttentionF16"  # the same on float16 caches
 BLOCK = 32  # weights per scale and bias, along K
 TILE = 32  # output columns per tile
 TILE_BLOCK_BYTES = {4: 640, 8: 1152}  # a tile's 32 float16 scales and biases, then 32 x 32 codes
@@ -269,12 +271,14 @@ def _check(path: Path) -> Library:
                     )
                 if not np.array_equal(run_in_session(path, x, blob, bits, n, xbits), y):
                     raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
-    for rows, tokens in ((3, 1), (1, 4)):
-        case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12)
+    for (rows, tokens), half in itertools.product(((3, 1), (1, 4)), (False, True)):
+        case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12, half=half)
         want = case.reference()
         got = case.call(lib)
-        if not all(np.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True)):
-            raise KernelUnavailable(f"the {isa} attention built here disagrees with NumPy ({rows} rows of {tokens} tokens)")
+        rtol, atol = (HALF_RTOL, 1e-4) if half else (1e-4, 1e-5)
+        if not all(np.allclose(g, w, rtol=rtol, atol=atol) for g, w in zip(got, want, strict=True)):
+            raise KernelUnavailable(f"the {isa} attention built here disagrees with NumPy ({rows} rows of {tokens} "
+                                    f"tokens, {'float16' if half else 'float32'} caches)")
         if not all(np.array_equal(g, s) for g, s in zip(case.in_session(path), got, strict=True)):
             raise KernelUnavailable("the attention gives other results inside ONNX Runtime than called directly")
     return Library(str(path), isa, integer)
@@ -338,31 +342,40 @@ def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int,
         raise KernelUnavailable(f"ONNX Runtime cannot use the kernel ({exc})") from exc
 
 
+HALF_RTOL = 2e-3
+"""How far ``Attention``'s results may be from :meth:`AttentionCase.reference`'s: a new key (rotated
+in float32 here, in float64 there) may round to the neighbouring float16 (2^-11 relative apart)."""
+
+
 @dataclass
 class AttentionCase:
-    """Inputs of the ``Attention`` op (see ``attention.c``), with a float64 model of what it computes."""
+    """Inputs of the ``Attention`` op (see ``attention.c``), with a float64 model of what it computes.
+    Its caches hold float16 values (as float32 here, the type ``GroupQueryAttention`` takes); the
+    op gets them as float16."""
 
     qkv: np.ndarray  # (B, T, (H + 2 G) D)
-    keys: np.ndarray  # (B, G, capacity, D)
+    keys: np.ndarray  # (B, G, capacity, D), float32 of float16 values
     values: np.ndarray
     seqlens: np.ndarray  # (B,) int32: cached + T - 1
     cos: np.ndarray  # (max_pos, D / 2)
     sin: np.ndarray
     heads: int
     kv_heads: int
+    half: bool = True  # the op's caches are float16 (AttentionF16), else float32 (Attention)
 
     @classmethod
     def random(cls, rng: np.random.Generator, rows: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
-               capacity: int) -> AttentionCase:
+               capacity: int, half: bool = True) -> AttentionCase:
         """Rows at different positions (each cached up to what leaves room for ``tokens``)."""
         ang = np.arange(capacity + 4)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)[None, :]
         cached = rng.integers(0, capacity - tokens + 1, rows)
         return cls(
             qkv=rng.standard_normal((rows, tokens, (heads + 2 * kv_heads) * head_dim)).astype(np.float32),
-            keys=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32),
-            values=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float32),
+            keys=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float16).astype(np.float32),
+            values=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float16).astype(np.float32),
             seqlens=(cached + tokens - 1).astype(np.int32),
             cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32), heads=heads, kv_heads=kv_heads,
+            half=half,
         )
 
     @property
@@ -371,7 +384,9 @@ class AttentionCase:
 
     def reference(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(output, keys, values) in float64: rotary on adjacent pairs, the new keys and values at
-        their positions, causal softmax attention; past positions beyond a row's are untouched."""
+        their positions (rounded to float16 on float16 caches), causal softmax attention; past
+        positions beyond a row's are untouched."""
+        half = self.half
         b, t, _ = self.qkv.shape
         h, g, d = self.heads, self.kv_heads, self.head_dim
         keys, values = self.keys.astype(np.float64), self.values.astype(np.float64)
@@ -389,6 +404,9 @@ class AttentionCase:
                 for kv in range(g):
                     keys[i, kv, first + j] = rotate(qkv[i, j, (h + kv) * d : (h + kv + 1) * d], first + j)
                     values[i, kv, first + j] = qkv[i, j, (h + g + kv) * d : (h + g + kv + 1) * d]
+                    if half:
+                        keys[i, kv, first + j] = keys[i, kv, first + j].astype(np.float16)
+                        values[i, kv, first + j] = values[i, kv, first + j].astype(np.float16)
             for j in range(t):
                 pos = first + j
                 for head in range(h):
@@ -402,12 +420,13 @@ class AttentionCase:
     def call(self, lib: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The library's computation called directly (one thread, no ONNX Runtime)."""
         b, t, _ = self.qkv.shape
-        keys, values = self.keys.copy(), self.values.copy()
+        dtype = np.float16 if self.half else np.float32
+        keys, values = self.keys.astype(dtype), self.values.astype(dtype)
         out = np.empty((b, t, self.heads * self.head_dim), np.float32)
         p, i = ctypes.c_void_p, ctypes.c_int64
         arrays = (self.qkv, keys, values, self.seqlens, self.cos, self.sin, out)
         lib.exo_attention(*(p(a.ctypes.data) for a in arrays), i(b), i(t), i(self.heads), i(self.kv_heads),
-                          i(self.head_dim), i(keys.shape[2]), i(self.cos.shape[0]))
+                          i(self.head_dim), i(keys.shape[2]), i(self.cos.shape[0]), i(int(self.half)))
         return out, keys, values
 
     def in_session(self, path: str | Path | None, in_place: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -421,9 +440,11 @@ class AttentionCase:
         b, t, w = self.qkv.shape
         cache = [b, self.kv_heads, self.keys.shape[2], self.head_dim]
         f = TensorProto.FLOAT
+        half = path is not None and self.half
+        kv_type, kv_dtype = (TensorProto.FLOAT16, np.float16) if half else (f, np.float32)
         rest = ["seqlens_k", "total", "cos", "sin"]
         if path is not None:
-            domain, node = DOMAIN, helper.make_node(ATTENTION, ["qkv", "pk", "pv", *rest], ["o", "ok", "ov"],
+            domain, node = DOMAIN, helper.make_node(ATTENTION_F16 if half else ATTENTION, ["qkv", "pk", "pv", *rest], ["o", "ok", "ov"],
                                                     domain=DOMAIN, num_heads=self.heads, kv_num_heads=self.kv_heads)
         else:
             domain, node = "com.microsoft", helper.make_node(
@@ -433,11 +454,11 @@ class AttentionCase:
             )
         graph = helper.make_graph(
             [node], "check",
-            [helper.make_tensor_value_info("qkv", f, [b, t, w]), helper.make_tensor_value_info("pk", f, cache),
-             helper.make_tensor_value_info("pv", f, cache), helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
+            [helper.make_tensor_value_info("qkv", f, [b, t, w]), helper.make_tensor_value_info("pk", kv_type, cache),
+             helper.make_tensor_value_info("pv", kv_type, cache), helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
              helper.make_tensor_value_info("total", TensorProto.INT32, [])],
             [helper.make_tensor_value_info("o", f, [b, t, self.heads * self.head_dim]),
-             helper.make_tensor_value_info("ok", f, cache), helper.make_tensor_value_info("ov", f, cache)],
+             helper.make_tensor_value_info("ok", kv_type, cache), helper.make_tensor_value_info("ov", kv_type, cache)],
             [numpy_helper.from_array(self.cos, "cos"), numpy_helper.from_array(self.sin, "sin")],
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
@@ -449,11 +470,11 @@ class AttentionCase:
             if path is not None:
                 options.register_custom_ops_library(str(path))
             session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            keys, values = self.keys.astype(kv_dtype), self.values.astype(kv_dtype)
             if not in_place:
-                o, k, v = session.run(None, {"qkv": self.qkv, "pk": self.keys, "pv": self.values,
+                o, k, v = session.run(None, {"qkv": self.qkv, "pk": keys, "pv": values,
                                              "seqlens_k": self.seqlens, "total": total})
                 return o, k, v
-            keys, values = self.keys.copy(), self.values.copy()
             io = session.io_binding()
             kv, vv = ort.OrtValue.ortvalue_from_numpy(keys), ort.OrtValue.ortvalue_from_numpy(values)
             io.bind_cpu_input("qkv", self.qkv)

@@ -4,12 +4,15 @@
    of the row itself.
 
    Inputs: qkv float32 (B, T, (H + 2 G) D), the rows' queries, keys and values side by side (H query
-   heads, G key/value heads, D per head); past_key, past_value float32 (B, G, cap, D); seqlens_k
-   int32 (B,): each row's cached positions + T - 1; total_seq_len int32 (a scalar, the largest
-   cached + T: checked); cos, sin float32 (max_pos, D / 2). Attributes num_heads (H) and
-   kv_num_heads (G). Outputs: float32 (B, T, H D), then present_key, present_value (the caches with
-   the T new positions written in: bound to the same buffers as the past ones, they are appended to
-   in place; otherwise the past is copied first).
+   heads, G key/value heads, D per head); past_key, past_value (B, G, cap, D), float32, or float16
+   for the op "AttentionF16" (the same kernel: keys and values rounded to float16 as they are
+   stored and widened as they are read, half the bytes, which at long contexts are most of what a
+   decode step reads; the math stays float32); seqlens_k int32 (B,): each row's cached positions +
+   T - 1; total_seq_len int32 (a scalar, the largest cached + T: checked); cos, sin float32
+   (max_pos, D / 2). Attributes num_heads (H) and kv_num_heads (G). Outputs: float32 (B, T, H D),
+   then present_key, present_value (the caches, of the past's type, with the T new positions
+   written in: bound to the same buffers as the past ones, they are appended to in place;
+   otherwise the past is copied first).
 
    Token t of row b sits at position p = seqlens_k[b] - (T - 1) + t. Its key is rotated by p's
    angles, adjacent pairs (x[2i], x[2i + 1]) turning by (cos, sin)[p, i], and stored with its value
@@ -26,24 +29,26 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "half.h"
 #include "ort.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define AT_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define AT_AVX2 1
 #endif
 
 typedef struct {
     const float *qkv;  /* (B, T, (H + 2 G) D) */
-    float *keys, *values; /* (B, G, cap, D): the caches, appended to in place */
+    void *keys, *values; /* (B, G, cap, D), float32 or (half) float16: the caches, appended to in place */
     const int32_t *seqlens; /* (B,): cached + T - 1 */
     const float *cos, *sin; /* (max_pos, D / 2) */
     float *out; /* (B, T, H D) */
     int64_t b, t, h, g, d, cap, max_pos;
     float scale;
+    int half; /* the caches hold float16 (AttentionF16), else float32 */
 } Attn;
 
 #if defined(AT_AVX512)
@@ -64,6 +69,43 @@ static inline __m512 exp_ps(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 #endif
+
+#define MAX_D 256
+
+/* dst[i] = x[i] rounded to float16, i < n. */
+static void to_half(uint16_t *dst, const float *x, int64_t n)
+{
+    int64_t i = 0;
+#if defined(AT_AVX512)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(AT_AVX2)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++)
+        dst[i] = float_to_half(x[i]);
+}
+
+/* Element `index` of a cache of float32 or (half) float16 values, and the float at i from it. */
+static inline const void *kv_row(const void *cache, int64_t index, const int half)
+{
+    return (const char *)cache + index * (half ? 2 : 4);
+}
+
+static inline float kv_at(const void *row, int64_t i, const int half)
+{
+    return half ? half_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* x (n floats) into a cache at element `index`, rounded to float16 where half. */
+static void kv_store(void *cache, int64_t index, const float *x, int64_t n, const int half)
+{
+    if (half)
+        to_half((uint16_t *)cache + index, x, n);
+    else
+        memcpy((float *)cache + index, x, (size_t)n * sizeof(float));
+}
 
 static inline int64_t position(const Attn *a, int64_t b, int64_t t) { return (int64_t)a->seqlens[b] - (a->t - 1) + t; }
 
@@ -88,11 +130,12 @@ static void append_task(void *arg, size_t task)
         if (pos < 0 || pos >= a->cap || pos >= a->max_pos)
             continue; /* checked before: cannot happen */
         const float *row = a->qkv + (b * a->t + t) * width;
-        float *k = a->keys + ((b * a->g + g) * a->cap + pos) * a->d;
-        float *v = a->values + ((b * a->g + g) * a->cap + pos) * a->d;
+        float k[MAX_D];
         memcpy(k, row + (a->h + g) * a->d, (size_t)a->d * sizeof(float));
-        memcpy(v, row + (a->h + a->g + g) * a->d, (size_t)a->d * sizeof(float));
         rotate(k, a, pos);
+        const int64_t at = ((b * a->g + g) * a->cap + pos) * a->d;
+        kv_store(a->keys, at, k, a->d, a->half);
+        kv_store(a->values, at, row + (a->h + a->g + g) * a->d, a->d, a->half);
     }
 }
 
@@ -118,7 +161,6 @@ static float softmax_numerators(float *s, int64_t n, float top)
 }
 #endif
 
-#define MAX_D 256
 
 #if defined(AT_AVX2)
 /* exp_ps's 8-wide twin (AVX2 has no scalef: 2^n is built in the exponent bits; x >= -87 keeps n + 127 >= 1) */
@@ -139,6 +181,12 @@ static inline __m256 exp8_ps(__m256 x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+static inline __m256 kv_load8(const void *row, int64_t i, const int half)
+{
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
+                : _mm256_loadu_ps((const float *)row + i);
+}
+
 static inline float hsum8(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -149,8 +197,8 @@ static inline float hsum8(__m256 v)
 /* One head on AVX2, D (a multiple of 8) floats: attend_task's AVX-512 loop 8 wide. Without it the
    plain loops run, whose dot products the compiler cannot vectorize (a float sum may not be
    reordered): ~42 ns a position and head, against ~6 here (one thread, 1000 positions). */
-static inline __attribute__((always_inline)) void attend8(const float *q, const float *keys, const float *values,
-                                                          int64_t n, float *s, float *y, const int64_t D)
+static inline __attribute__((always_inline)) void attend8(const float *q, const void *keys, const void *values,
+                                                          int64_t n, float *s, float *y, const int64_t D, const int half)
 {
     const int64_t C = D / 8;
     __m256 qv[MAX_D / 8];
@@ -158,15 +206,15 @@ static inline __attribute__((always_inline)) void attend8(const float *q, const 
         qv[i] = _mm256_loadu_ps(q + 8 * i);
     float top = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        const float *k = keys + j * D;
-        __m256 even = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), odd = _mm256_setzero_ps();
+        const void *k = kv_row(keys, j * D, half);
+        __m256 even = _mm256_mul_ps(qv[0], kv_load8(k, 0, half)), odd = _mm256_setzero_ps();
         int64_t i = 1;
         for (; i + 1 < C; i += 2) { /* two chains of multiply-adds, not one eight long */
-            odd = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), odd);
-            even = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k + 8 * (i + 1)), even);
+            odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
+            even = _mm256_fmadd_ps(qv[i + 1], kv_load8(k, 8 * (i + 1), half), even);
         }
         if (i < C)
-            odd = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), odd);
+            odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
         s[j] = hsum8(_mm256_add_ps(even, odd));
         top = s[j] > top ? s[j] : top;
     }
@@ -189,9 +237,9 @@ static inline __attribute__((always_inline)) void attend8(const float *q, const 
         o[i] = _mm256_setzero_ps();
     for (j = 0; j < n; j++) {
         const __m256 p = _mm256_set1_ps(s[j]);
-        const float *v = values + j * D;
+        const void *v = kv_row(values, j * D, half);
         for (int64_t i = 0; i < C; i++)
-            o[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), o[i]);
+            o[i] = _mm256_fmadd_ps(p, kv_load8(v, 8 * i, half), o[i]);
     }
     for (int64_t i = 0; i < C; i++)
         _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(o[i], inv));
@@ -204,9 +252,15 @@ static inline __attribute__((always_inline)) void attend8(const float *q, const 
    whether it goes alone (R = 1) or grouped: a key's products summed across the head, then across
    the vector; the values weighted key by key. q: the R queries, rotated and scaled; s: R * n
    floats of scratch; y: the R heads' outputs, side by side. */
-static inline __attribute__((always_inline)) void attend_heads(const float *q, const float *keys, const float *values,
+static inline __m512 kv_load16(const void *row, int64_t i, const int half)
+{
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)))
+                : _mm512_loadu_ps((const float *)row + i);
+}
+
+static inline __attribute__((always_inline)) void attend_heads(const float *q, const void *keys, const void *values,
                                                                int64_t n, float *s, float *y, const int64_t R,
-                                                               const int64_t D)
+                                                               const int64_t D, const int half)
 {
     const int64_t C = D / 16;
     __m512 qv[4][MAX_D / 16];
@@ -214,13 +268,13 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
         for (int64_t i = 0; i < C; i++)
             qv[r][i] = _mm512_loadu_ps(q + r * D + 16 * i);
     for (int64_t j = 0; j < n; j++) {
-        const float *k = keys + j * D;
+        const void *k = kv_row(keys, j * D, half);
         __m512 kv[MAX_D / 16];
         for (int64_t i = 0; i < C; i++)
-            kv[i] = _mm512_loadu_ps(k + 16 * i);
+            kv[i] = kv_load16(k, 16 * i, half);
         for (int64_t r = 0; r < R; r++) {
-            __m512 acc = _mm512_mul_ps(qv[r][0], kv[0]);
-            for (int64_t i = 1; i < C; i++)
+            __m512 acc = _mm512_setzero_ps(); /* + 0: the product itself */
+            for (int64_t i = 0; i < C; i++)
                 acc = _mm512_fmadd_ps(qv[r][i], kv[i], acc);
             s[r * n + j] = _mm512_reduce_add_ps(acc);
         }
@@ -237,10 +291,10 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
         for (int64_t i = 0; i < C; i++)
             o[r][i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        const float *v = values + j * D;
+        const void *v = kv_row(values, j * D, half);
         __m512 vv[MAX_D / 16];
         for (int64_t i = 0; i < C; i++)
-            vv[i] = _mm512_loadu_ps(v + 16 * i);
+            vv[i] = kv_load16(v, 16 * i, half);
         for (int64_t r = 0; r < R; r++) {
             const __m512 p = _mm512_set1_ps(s[r * n + j]);
             for (int64_t i = 0; i < C; i++)
@@ -254,7 +308,7 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
 #endif
 
 /* Phase 2, task (b, h, t): query t of row b, head h over keys 0..its position. */
-static void attend_task(void *arg, size_t task)
+static inline __attribute__((always_inline)) void attend_one(void *arg, size_t task, const int half)
 {
     const Attn *a = (const Attn *)arg;
     const int64_t t = (int64_t)task % a->t, h = ((int64_t)task / a->t) % a->h, b = (int64_t)task / (a->t * a->h);
@@ -269,7 +323,8 @@ static void attend_task(void *arg, size_t task)
     rotate(q, a, pos);
     for (int64_t i = 0; i < d; i++)
         q[i] *= a->scale;
-    const float *keys = a->keys + (b * a->g + g) * a->cap * d, *values = a->values + (b * a->g + g) * a->cap * d;
+    const void *keys = kv_row(a->keys, (b * a->g + g) * a->cap * d, half);
+    const void *values = kv_row(a->values, (b * a->g + g) * a->cap * d, half);
     const int64_t n = pos + 1;
     float stack[1024], *s = n <= 1024 ? stack : (float *)malloc((size_t)n * sizeof(float));
     if (s == NULL) {
@@ -279,7 +334,7 @@ static void attend_task(void *arg, size_t task)
     float top = -INFINITY;
 #if defined(AT_AVX512)
     if (d % 16 == 0) { /* a head size other than 64 and 128 (those are grouped: attend_group_task) */
-        attend_heads(q, keys, values, n, s, y, 1, d);
+        attend_heads(q, keys, values, n, s, y, 1, d, half);
         if (s != stack)
             free(s);
         return;
@@ -287,19 +342,19 @@ static void attend_task(void *arg, size_t task)
 #elif defined(AT_AVX2)
     if (d % 8 == 0) {
         if (d == 64) /* the constant lets the compiler keep the query and the sums in registers */
-            attend8(q, keys, values, n, s, y, 64);
+            attend8(q, keys, values, n, s, y, 64, half);
         else
-            attend8(q, keys, values, n, s, y, d);
+            attend8(q, keys, values, n, s, y, d, half);
         if (s != stack)
             free(s);
         return;
     }
 #endif
     for (int64_t j = 0; j < n; j++) {
-        const float *k = keys + j * d;
+        const void *k = kv_row(keys, j * d, half);
         float dot = 0.0f;
         for (int64_t i = 0; i < d; i++)
-            dot += q[i] * k[i];
+            dot += q[i] * kv_at(k, i, half);
         s[j] = dot;
         top = dot > top ? dot : top;
     }
@@ -311,9 +366,9 @@ static void attend_task(void *arg, size_t task)
     for (int64_t i = 0; i < d; i++)
         y[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        const float *v = values + j * d;
+        const void *v = kv_row(values, j * d, half);
         for (int64_t i = 0; i < d; i++)
-            y[i] += s[j] * v[i];
+            y[i] += s[j] * kv_at(v, i, half);
     }
     for (int64_t i = 0; i < d; i++)
         y[i] /= total;
@@ -321,9 +376,12 @@ static void attend_task(void *arg, size_t task)
         free(s);
 }
 
+static void attend_task(void *arg, size_t task) { attend_one(arg, task, 0); }
+static void attend_task_half(void *arg, size_t task) { attend_one(arg, task, 1); }
+
 #if defined(AT_AVX512)
 /* Phase 2 where the heads share loads, task (b, g, t): the query heads of key/value head g. */
-static void attend_group_task(void *arg, size_t task)
+static inline __attribute__((always_inline)) void attend_group(void *arg, size_t task, const int half)
 {
     const Attn *a = (const Attn *)arg;
     const int64_t t = (int64_t)task % a->t, g = ((int64_t)task / a->t) % a->g, b = (int64_t)task / (a->t * a->g);
@@ -337,7 +395,8 @@ static void attend_group_task(void *arg, size_t task)
         return;
     }
     float q[4 * 128];
-    const float *keys = a->keys + (b * a->g + g) * a->cap * d, *values = a->values + (b * a->g + g) * a->cap * d;
+    const void *keys = kv_row(a->keys, (b * a->g + g) * a->cap * d, half);
+    const void *values = kv_row(a->values, (b * a->g + g) * a->cap * d, half);
     for (int64_t h0 = 0; h0 < per; h0 += chunk) {
         const int64_t r = per - h0 < chunk ? per - h0 : chunk;
         for (int64_t i = 0; i < r; i++) {
@@ -350,22 +409,25 @@ static void attend_group_task(void *arg, size_t task)
         float *yh = y + h0 * d;
         if (d == 64) { /* constants: the compiler keeps queries and sums in registers */
             if (r == 4)
-                attend_heads(q, keys, values, n, s, yh, 4, 64);
+                attend_heads(q, keys, values, n, s, yh, 4, 64, half);
             else if (r == 3)
-                attend_heads(q, keys, values, n, s, yh, 3, 64);
+                attend_heads(q, keys, values, n, s, yh, 3, 64, half);
             else if (r == 2)
-                attend_heads(q, keys, values, n, s, yh, 2, 64);
+                attend_heads(q, keys, values, n, s, yh, 2, 64, half);
             else
-                attend_heads(q, keys, values, n, s, yh, 1, 64);
+                attend_heads(q, keys, values, n, s, yh, 1, 64, half);
         } else if (r == 2) {
-            attend_heads(q, keys, values, n, s, yh, 2, 128);
+            attend_heads(q, keys, values, n, s, yh, 2, 128, half);
         } else {
-            attend_heads(q, keys, values, n, s, yh, 1, 128);
+            attend_heads(q, keys, values, n, s, yh, 1, 128, half);
         }
     }
     if (s != stack)
         free(s);
 }
+
+static void attend_group_task(void *arg, size_t task) { attend_group(arg, task, 0); }
+static void attend_group_task_half(void *arg, size_t task) { attend_group(arg, task, 1); }
 #endif
 
 typedef struct {
@@ -379,17 +441,21 @@ static Phase attend_phase(const Attn *a)
 {
 #if defined(AT_AVX512)
     if (a->d == 64 || a->d == 128)
-        return (Phase){attend_group_task, (size_t)(a->b * a->g * a->t)};
+        return (Phase){a->half ? attend_group_task_half : attend_group_task, (size_t)(a->b * a->g * a->t)};
 #endif
-    return (Phase){attend_task, (size_t)(a->b * a->h * a->t)};
+    return (Phase){a->half ? attend_task_half : attend_task, (size_t)(a->b * a->h * a->t)};
 }
 
-/* For the tests: the same computation without ONNX Runtime, on one thread. */
-void exo_attention(const float *qkv, float *keys, float *values, const int32_t *seqlens, const float *cos,
+/* For the tests: the caches' rounding to float16 (to_half) of n floats. */
+void exo_to_half(const float *x, uint16_t *out, int64_t n) { to_half(out, x, n); }
+
+/* For the tests: the same computation without ONNX Runtime, on one thread; half: the caches are
+   float16 (else float32). */
+void exo_attention(const float *qkv, void *keys, void *values, const int32_t *seqlens, const float *cos,
                    const float *sin, float *out, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d, int64_t cap,
-                   int64_t max_pos)
+                   int64_t max_pos, int64_t half)
 {
-    Attn a = {qkv, keys, values, seqlens, cos, sin, out, b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d)};
+    Attn a = {qkv, keys, values, seqlens, cos, sin, out, b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d), half != 0};
     for (size_t i = 0; i < (size_t)(b * g); i++)
         append_task(&a, i);
     const Phase phase = attend_phase(&a);
@@ -401,11 +467,11 @@ void exo_attention(const float *qkv, float *keys, float *values, const int32_t *
 
 typedef struct {
     int64_t heads, kv_heads;
+    int half; /* AttentionF16: float16 caches */
 } Kernel;
 
 static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKernelInfo *info, void **out)
 {
-    (void)op;
     (void)given;
     Kernel *kernel = (Kernel *)calloc(1, sizeof(Kernel));
     if (kernel == NULL)
@@ -419,6 +485,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
         free(kernel);
         return status;
     }
+    kernel->half = op == (const void *)&exo_attention_f16_op;
     *out = kernel;
     return NULL;
 }
@@ -484,25 +551,32 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(ok_value, &ok));
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(ov_value, &ov));
-    const size_t cache_bytes = (size_t)(b * g * cap * d) * sizeof(float);
+    const size_t cache_bytes = (size_t)(b * g * cap * d) * (kernel->half ? sizeof(uint16_t) : sizeof(float));
     if (ok != pk) /* not bound in place: the present starts as a copy of the past */
         memcpy(ok, pk, cache_bytes);
     if (ov != pv)
         memcpy(ov, pv, cache_bytes);
     if (b == 0 || t == 0)
         return NULL;
-    Attn a = {(const float *)qkv, (float *)ok, (float *)ov, seqlens, (const float *)cos, (const float *)sin, (float *)y,
-              b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d)};
+    Attn a = {(const float *)qkv, ok, ov, seqlens, (const float *)cos, (const float *)sin, (float *)y,
+              b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d), kernel->half};
     CHECK(API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, append_task, (size_t)(b * g), 0, &a));
     const Phase phase = attend_phase(&a);
     return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, phase.run, phase.tasks, 0, &a);
 }
 
-static const char *op_name(const void *op) { (void)op; return "Attention"; }
-static int input_type(const void *op, size_t index) { (void)op; return index == 3 || index == 4 ? ELEM_INT32 : ELEM_FLOAT; }
+/* Two ops, one kernel: Attention on float32 caches, AttentionF16 on float16 ones. */
+static const char *op_name(const void *op) { return op == (const void *)&exo_attention_f16_op ? "AttentionF16" : "Attention"; }
+static int kv_type(const void *op) { return op == (const void *)&exo_attention_f16_op ? ELEM_FLOAT16 : ELEM_FLOAT; }
+static int input_type(const void *op, size_t index)
+{
+    return index == 3 || index == 4 ? ELEM_INT32 : index == 1 || index == 2 ? kv_type(op) : ELEM_FLOAT;
+}
 static size_t input_count(const void *op) { (void)op; return 7; }
-static int output_type(const void *op, size_t index) { (void)op; (void)index; return ELEM_FLOAT; }
+static int output_type(const void *op, size_t index) { return index == 0 ? ELEM_FLOAT : kv_type(op); }
 static size_t output_count(const void *op) { (void)op; return 3; }
 
 const CustomOp exo_attention_op =
+    EXO_CUSTOM_OP(op_name, input_type, input_count, output_type, output_count, create_kernel, compute);
+const CustomOp exo_attention_f16_op =
     EXO_CUSTOM_OP(op_name, input_type, input_count, output_type, output_count, create_kernel, compute);

@@ -24,7 +24,7 @@ typedef struct {
 } OrtApiBase;
 
 enum { ORT_API_FOR_THIS = 17 };
-enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT32 = 6 }; /* ONNXTensorElementDataType */
+enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT32 = 6, ELEM_FLOAT16 = 10 }; /* ONNXTensorElementDataType */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 }; /* OrtErrorCode */
 
 /* Indices into struct OrtApi. */
@@ -135,6 +135,6 @@ static inline int op_since_version(const void *op) { (void)op; return 1; }
         .KernelComputeV2 = compute_fn, .GetStartVersion = op_since_version, .GetEndVersion = NULL,                  \
     }
 
-extern const CustomOp exo_qlinear_op, exo_attention_op;
+extern const CustomOp exo_qlinear_op, exo_attention_op, exo_attention_f16_op;
 
 #endif

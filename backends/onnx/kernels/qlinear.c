@@ -23,6 +23,7 @@
 
 #include <string.h>
 
+#include "half.h"
 #include "ort.h"
 
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -45,32 +46,6 @@
 #define TILE 32 /* output columns per tile: one task of the thread pool */
 #define ROWS 8  /* rows of X per pass over a tile */
 #define TILE_BLOCK_BYTES(bits) ((bits) == 4 ? 640 : 1152) /* 32 columns x 32 weights */
-
-static inline float half_to_float(uint16_t h)
-{
-#if defined(QL_AVX512) || defined(QL_AVX2)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000 | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 #if defined(QL_AVX512)
 /* Each row's sums of a tile's 32 columns (a0: columns 0-15, a1: 16-31) to its row of Y, the

@@ -1,5 +1,5 @@
 /* The entry point ONNX Runtime calls when a session registers this library: the domain "exo.tui"
-   with its ops, QLinear (qlinear.c) and Attention (attention.c). */
+   with its ops, QLinear (qlinear.c), Attention and AttentionF16 (attention.c). */
 
 #include "ort.h"
 
@@ -14,5 +14,6 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     CHECK(API(API_CreateCustomOpDomain, CreateCustomOpDomain_t)("exo.tui", &domain));
     CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &exo_qlinear_op));
     CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &exo_attention_op));
+    CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &exo_attention_f16_op));
     return API(API_AddCustomOpDomain, AddCustomOpDomain_t)(options, domain);
 }
