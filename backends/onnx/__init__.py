@@ -44,8 +44,9 @@ quantized matrix product (0: none).
 * ``int16`` (the default): each block of 32 activations rounded to int16 with one scale, integer
   products on ``QLinear`` (VPDPWSSD, or AVX2's VPMADDWD: the same numbers). 15 bits of a block's
   largest value: on the default model logits stay within 2e-2 of float32's (float32's own are
-  within 1e-4 of MLX's) and 12 prompts x 96 greedy tokens were MLX's token for token; here 1.7x
-  float32's prefill, 1.4x its decode and 1.4x its 8-row batched step. Where the build has no
+  within 1e-4 of MLX's) and 12 prompts x 96 greedy tokens were MLX's token for token (again with
+  the float16 KV caches the integer precisions keep); here 1.7x float32's prefill, 1.4x its
+  decode and 1.4x its 8-row batched step. Where the build has no
   integer products it runs float32 products instead (as exact as float32, not faster).
 * ``float32``: float32 math on the dequantized weights, for answers bit-faithful to it (the
   KV caches float32 too, where the integer precisions keep them in float16).
