@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights, Weight
+from exo_tui.models.gguf_header import GGUFHeader, type_name
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Block formats kept quantized (affine blocks of 32); other types are dequantized at load.
@@ -61,16 +62,15 @@ class GGUFModel:
                 f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'): "
                 "convert the model to GGUF (llama.cpp's convert_hf_to_gguf.py) or pick another file"
             )
-        import gguf
-
         try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as exc:  # gguf raises ValueError/IndexError/struct.error on bad files
+            self._header = GGUFHeader(self.path)
+        except Exception as exc:  # GGUFFormatError, or the OS's on a file it cannot map
             raise ModelFileError(
                 f"{self.path} is truncated or corrupt ({type(exc).__name__}: {exc}): "
                 "download or copy the file again"
             ) from exc
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._fields = self._header.fields
+        self._tensors = self._header.tensors
         self.architecture = str(self.field("general.architecture", ""))
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelFileError(
@@ -82,30 +82,26 @@ class GGUFModel:
     # ---------------------------------------------------------------- metadata
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self._reader.fields.get(key)
-        if f is None:
+        """A metadata value: a number, bool or string, or a list of them for an array."""
+        value = self._fields.get(key)
+        if value is None:
             return default
-        try:
-            return f.contents()
-        except Exception as exc:
-            raise ModelFileError(f"{self.path}: metadata field {key} is corrupt ({exc})") from exc
+        return value.tolist() if isinstance(value, np.ndarray) else value
 
     def field_item(self, key: str, index: int) -> Any:
-        """One element of an array field (e.g. one token's text) without reading the whole array."""
-        f = self._reader.fields.get(key)
-        if f is None or not 0 <= index < len(f.data):
+        """One element of an array field (e.g. one token's text)."""
+        value = self._fields.get(key)
+        if not isinstance(value, (list, np.ndarray)) or not 0 <= index < len(value):
             return None
-        try:
-            return f.contents(index)
-        except Exception as exc:
-            raise ModelFileError(f"{self.path}: metadata field {key} is corrupt ({exc})") from exc
+        item = value[index]
+        return item.item() if isinstance(item, np.generic) else item
 
     def field_array(self, key: str) -> np.ndarray | None:
-        """A numeric array field as one NumPy array (fast path for token scores/types)."""
-        f = self._reader.fields.get(key)
-        if f is None:
+        """A numeric array field as one NumPy array (token scores and types)."""
+        value = self._fields.get(key)
+        if value is None:
             return None
-        return np.concatenate([f.parts[i] for i in f.data]) if f.data else np.zeros(0)
+        return value if isinstance(value, np.ndarray) else np.asarray(value)
 
     def _required(self, key: str) -> Any:
         value = self.field(key)
@@ -148,8 +144,7 @@ class GGUFModel:
         t = self._tensors.get(name)
         if t is None:
             raise ModelFileError(f"{self.path} lacks tensor {name}: the file is incomplete or not a llama model")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return TensorInfo(name, t.tensor_type.name, shape, int(t.n_bytes))
+        return TensorInfo(name, type_name(t.type_id), tuple(reversed(t.dims)), t.n_bytes)
 
     def _check_complete(self) -> None:
         cfg = self.config
@@ -161,8 +156,8 @@ class GGUFModel:
                 f"{self.path} lacks {len(missing)} tensors (first: {missing[0]}): the file is incomplete"
             )
         size = self.path.stat().st_size
-        for t in self._reader.tensors:
-            if int(t.data_offset) + int(t.n_bytes) > size:
+        for t in self._tensors.values():
+            if t.offset + t.n_bytes > size:
                 raise ModelFileError(
                     f"{self.path} is truncated: tensor {t.name} ends past the end of the file "
                     f"({size} bytes); download or copy the file again"
@@ -196,7 +191,7 @@ class GGUFModel:
     def raw_tensor(self, name: str) -> tuple[TensorInfo, np.ndarray]:
         """A tensor's bytes exactly as stored in the file (quantized blocks stay blocks)."""
         info = self.tensor_info(name)
-        return info, np.asarray(self._tensors[name].data).reshape(-1).view(np.uint8)
+        return info, self._header.tensor_bytes(self._tensors[name])
 
     def tensor(self, name: str) -> Weight:
         """A tensor as a float32 vector/matrix or a :class:`QuantizedWeight`."""

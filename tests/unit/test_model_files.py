@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -10,6 +11,7 @@ import pytest
 
 from backends.base import QuantizedWeight, dense
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, tensor_from_raw
+from exo_tui.models.gguf_header import GGUFFormatError, GGUFHeader
 from exo_tui.models.registry import resolve_model
 from tests.factory import write_tiny_llama
 
@@ -32,9 +34,59 @@ def test_loads_only_the_requested_layers(tiny_models: dict[str, Path]) -> None:
 def test_weights_equal_gguf_dequantization(tiny_models: dict[str, Path], wt: str) -> None:
     """Quantized blocks unpack to exactly what gguf's own dequantizer gives."""
     model = GGUFModel(tiny_models[wt])
-    t = model._tensors["blk.2.ffn_down.weight"]
+    t = next(t for t in gguf.GGUFReader(tiny_models[wt]).tensors if t.name == "blk.2.ffn_down.weight")
     expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(model.tensor_info(t.name).shape)
     assert np.array_equal(dense(model.tensor(t.name)), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("wt", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_the_header_reads_as_ggufs_own_reader_does(tiny_models: dict[str, Path], wt: str) -> None:
+    """Every metadata value and every tensor's place, type and bytes, as gguf's GGUFReader has them."""
+    header = GGUFHeader(tiny_models[wt])
+    theirs = gguf.GGUFReader(tiny_models[wt])
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # its own: version and counts
+    assert keys == list(header.fields)
+    for k in keys:
+        ours = header.fields[k]
+        assert (ours.tolist() if isinstance(ours, np.ndarray) else ours) == pytest.approx(theirs.fields[k].contents()), k
+    assert [t.name for t in theirs.tensors] == list(header.tensors)
+    for t in theirs.tensors:
+        e = header.tensors[t.name]
+        assert (e.dims, e.type_id, e.offset, e.n_bytes) == (tuple(int(d) for d in t.shape), int(t.tensor_type),
+                                                            int(t.data_offset), int(t.n_bytes))
+        assert np.array_equal(header.tensor_bytes(e), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+def _header(*parts: bytes) -> bytes:
+    return b"GGUF" + b"".join(parts)
+
+
+def _s(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (_header(struct.pack("<I", 1)), "version 1; exo-tui reads versions 2 and 3"),
+    (_header(struct.pack(">I", 3)), "big-endian GGUF: convert it again"),
+    (_header(struct.pack("<IQQ", 3, 0, 1 << 40)), "counts of fields and tensors exceed the file"),
+    (_header(struct.pack("<IQQ", 3, 0, 1), _s("k"), struct.pack("<I", 99), b"\0" * 16), "unknown value type 99"),
+    (_header(struct.pack("<IQQ", 3, 0, 1), _s("k"), struct.pack("<I", 8), _s(b"\xff\xfe")), "is not UTF-8"),
+    (_header(struct.pack("<IQQ", 3, 0, 1), _s("k"), struct.pack("<IIQ", 9, 6, 1 << 50)), "array of .* exceeds the file"),
+    (_header(struct.pack("<IQQ", 3, 0, 1), _s("k"), struct.pack("<IIQ", 9, 8, 1 << 40)), "array of .* exceeds the file"),
+    (_header(struct.pack("<IQQ", 3, 0, 1), _s("k" * 20)[:15]), "ends inside its header"),
+    (_header(struct.pack("<IQQ", 3, 1, 0), _s("t"), struct.pack("<IQIQ", 1, 33, 2, 0)), "33 elements, not whole blocks of 32"),
+    (_header(struct.pack("<IQQ", 3, 1, 0), _s("t"), struct.pack("<IQIQ", 1, 4, 250, 0)), "unknown type 250"),
+    (_header(struct.pack("<IQQ", 3, 0, 1), _s("general.alignment"), struct.pack("<II", 4, 24), b"\0" * 16),
+     "alignment 24 is not a power of two"),
+])
+def test_a_bad_header_says_what_is_wrong(tmp_path: Path, data: bytes, why: str) -> None:
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(data)
+    with pytest.raises(GGUFFormatError, match=why):
+        GGUFHeader(p)
+    with pytest.raises(ModelFileError, match=f"{p} is truncated or corrupt .*{why}.*copy the file again"):
+        GGUFModel(p)
 
 
 def test_raw_bytes_round_trip(tiny_models: dict[str, Path]) -> None:
