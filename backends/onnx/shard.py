@@ -22,6 +22,7 @@ to the next one (a copy of its positions).
 from __future__ import annotations
 
 import functools
+import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,15 @@ of 1 / 4 / 8 / 16 rows takes 2.8 / 4.1 / 5.9 / 10.8 ms batched at the int16 prec
 30 / 32 ms against 15 ms for one.)"""
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
+
+
+def _zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros in an anonymous memory map: its pages come on first write, 4 KB at a time. (NumPy
+    asks for huge pages for arrays this large, and a request's first positions in a new pool then
+    fault in a 2 MB page per layer and head, zeroed, after the kernel compacts memory for it:
+    moving a request to a larger pool stalled its stream 0.2-0.6 s, where this takes ~6 ms.)"""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype, int(np.prod(shape))).reshape(shape)
 
 
 @dataclass
@@ -224,7 +234,7 @@ class ONNXShard(Shard):
     def _kv_arrays(self, slots: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
         shape = (self.n_layers, slots, c.n_kv_heads, capacity, c.head_dim)
-        return np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)  # pages come on first write
+        return _zeroed(shape, self.kv_dtype), _zeroed(shape, self.kv_dtype)
 
     def _take_slot(self, pool: _Pool, request_id: str) -> int:
         """The lowest free slot of ``pool`` (so live requests stay packed), doubling it when full."""
