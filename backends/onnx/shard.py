@@ -244,7 +244,10 @@ class ONNXShard(Shard):
                 return slot
         slot = pool.slots
         keys, values = self._kv_arrays(2 * slot, pool.capacity)
-        keys[:, :slot], values[:, :slot] = pool.keys, pool.values
+        for entry in self._caches.values():  # the positions in use: the rest of the new pages stay untouched
+            if entry.pool is pool:
+                s, n = entry.slot, entry.length
+                keys[:, s, :, :n], values[:, s, :, :n] = pool.keys[:, s, :, :n], pool.values[:, s, :, :n]
         pool.keys, pool.values = keys, values
         pool.owners += [None] * slot
         pool.bindings.clear()  # they point at the old arrays
