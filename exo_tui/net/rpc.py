@@ -21,6 +21,10 @@ Ordering and concurrency (the choice made here):
   token). Nothing else is read from that connection until such a handler returns, so give only
   handlers that return quickly and never await a call on the same connection.
 * **Responses** are delivered to the waiting caller right in the read loop.
+* **Writes coalesce**: small frames sent in one turn of the event loop leave in one write at the
+  end of that turn (one TLS record, one system call, one wake-up of the peer). A node that ran
+  eight requests' steps together sends their eight results as one write, and the coordinator its
+  eight next steps; a lone frame waits only for the rest of the turn it was sent in.
 
 A handler's returned frame is sent back as the response of a call (its ``id`` and ``response``
 flag are set for you); ``None`` answers an empty ``ok`` frame. An exception answers an ``error``
@@ -104,7 +108,8 @@ MAX_CONCURRENT_CALLS = 256
 MAX_LANES = 64
 LANE_QUEUE = 64
 CLOSE_TIMEOUT_S = 5.0
-SMALL_FRAME = 64 << 10
+SMALL_FRAME = 64 << 10  # a frame this small is copied into one write with its header ...
+OUTBOX_BYTES = 64 << 10  # ... and frames sent in one loop turn are held up to this many bytes
 MAX_HANDSHAKES = 128  # unauthenticated connections in progress at once; more are dropped
 
 
@@ -232,6 +237,8 @@ class Connection:
         self._frame_since: float | None = None
         self._frame_timed_out = False
         self._watchdog: asyncio.TimerHandle | None = None
+        self._outbox: list[bytes] = []  # encoded frames to write at the end of this loop turn
+        self._outbox_bytes = 0
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else "open"
@@ -375,17 +382,36 @@ class Connection:
         if self._closing:
             raise self._closed_error()
         w = self._writer
-        if raw is None:
-            w.write(head)
-        elif len(raw) <= SMALL_FRAME:
-            w.write(head + raw)  # one write: one TLS record for a hidden state, not two
+        if raw is None or len(raw) <= SMALL_FRAME:
+            self._hold(head if raw is None else head + raw)  # one TLS record for a hidden state
         else:
+            self._flush()  # what was sent before goes first
             w.writelines((head, raw))  # no copy of a large payload here
         try:
             await w.drain()
         except (ConnectionError, OSError) as e:
             self._shutdown(ConnectionClosed(f"connection to {self.peer} lost: {e}"))
             raise self._closed_error() from None
+
+    def _hold(self, data: bytes) -> None:
+        """Queue ``data`` for the write at the end of this loop turn (at once past OUTBOX_BYTES,
+        so a sender that never yields cannot grow the queue without bound)."""
+        if not self._outbox:
+            self._loop.call_soon(self._flush)
+        self._outbox.append(data)
+        self._outbox_bytes += len(data)
+        if self._outbox_bytes >= OUTBOX_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        box = self._outbox
+        if not box:
+            return
+        self._outbox, self._outbox_bytes = [], 0
+        try:
+            self._writer.write(box[0] if len(box) == 1 else b"".join(box))
+        except (ConnectionError, OSError, RuntimeError) as e:  # the read loop sees the loss too
+            log.debug("write to %s failed: %s", self.peer, e)
 
     async def _read_exactly(self, n: int, what: str) -> bytes:
         try:
@@ -423,7 +449,7 @@ class Connection:
             log.warning("closing connection with %s: bad frame: %s", self.peer, e)
             with contextlib.suppress(Exception):
                 head, _ = encode_frame(error_frame(str(e), e.code))
-                self._writer.write(head)
+                self._hold(head)
             reason = e
         except asyncio.CancelledError:
             raise
@@ -542,6 +568,7 @@ class Connection:
             if t is not None and t is not current:
                 t.cancel()
         with contextlib.suppress(Exception):
+            self._flush()  # frames sent before the close still go
             self._writer.close()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for cb in callbacks:

@@ -346,6 +346,44 @@ async def test_inline_types_run_in_the_read_loop_in_order(coord: Security, node:
         assert not where[-1].startswith("exo-tui read")  # it ran in the lane's task
 
 
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+async def test_frames_sent_in_one_loop_turn_leave_in_one_write(coord: Security, node: Security, tls: bool):
+    """A node that ran eight requests' steps together sends their eight results in one write (one
+    TLS record, one wake-up of the peer); order holds around a large frame, and a close still
+    sends what was held."""
+    coord, node = coord.replace(enable_tls=tls), node.replace(enable_tls=tls)
+    app = App()
+    # inline: the last frame is handled before the close that comes right behind it
+    async with running(node, app.d, inline_types=("record",)) as server:
+        conn = await connect(HOST, server.port, security=coord)
+        writes: list[int] = []
+        write = conn._writer.write
+
+        def counted(data: bytes) -> None:
+            writes.append(len(data))
+            write(data)
+
+        conn._writer.write = counted  # type: ignore[method-assign]
+        try:
+            await asyncio.gather(*(conn.send("record", {"i": i}) for i in range(8)))
+            await until(lambda: len(app.seen) == 8)
+            assert app.seen == [("record", i) for i in range(8)]
+            assert len(writes) == 1, writes
+            await conn.send("record", {"i": 8})  # a lone frame leaves at the end of its turn
+            await until(lambda: len(app.seen) == 9)
+            assert len(writes) == 2
+            big = np.arange(40_000, dtype=np.float32)  # 160 kB: written on its own, not copied
+            await asyncio.gather(conn.send("record", {"i": 9}), conn.send("record", {"i": 10}, tensor=big),
+                                 conn.send("record", {"i": 11}))
+            await until(lambda: len(app.seen) == 12)
+            assert [i for _, i in app.seen[9:]] == [9, 10, 11]
+            await conn.send("record", {"i": 12})
+        finally:
+            await conn.aclose()  # the held frame goes before the close
+        await until(lambda: len(app.seen) == 13)
+        assert app.seen[-1] == ("record", 12)
+
+
 async def test_both_sides_can_call(coord: Security, node: Security):
     client = Dispatcher()
 
