@@ -258,6 +258,22 @@ static inline __m512 kv_load16(const void *row, int64_t i, const int half)
                 : _mm512_loadu_ps((const float *)row + i);
 }
 
+/* The sums of the 16 lanes of a, b, c and d, added in _mm512_reduce_add_ps's order (so a key's
+   score is the same bits whichever keys share its call): lane i with i + 8, then with i + 4, then
+   lanes 0 + 2 and 1 + 3, then those two. Thirteen shuffles and adds for four sums, not 32. */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1))); /* a, b, c, d: 4 lanes each */
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), x));
+}
+
 static inline __attribute__((always_inline)) void attend_heads(const float *q, const void *keys, const void *values,
                                                                int64_t n, float *s, float *y, const int64_t R,
                                                                const int64_t D, const int half)
@@ -267,16 +283,25 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < C; i++)
             qv[r][i] = _mm512_loadu_ps(q + r * D + 16 * i);
-    for (int64_t j = 0; j < n; j++) {
-        const void *k = kv_row(keys, j * D, half);
-        __m512 kv[MAX_D / 16];
-        for (int64_t i = 0; i < C; i++)
-            kv[i] = kv_load16(k, 16 * i, half);
-        for (int64_t r = 0; r < R; r++) {
-            __m512 acc = _mm512_setzero_ps(); /* + 0: the product itself */
+    for (int64_t j = 0; j < n; j += 4) { /* four keys at a time: their sums share the shuffles (sum4) */
+        __m512 acc[4][4];
+        for (int64_t e = 0; e < 4; e++) {
+            const void *k = kv_row(keys, (j + e < n ? j + e : n - 1) * D, half); /* past the end: the last again */
+            __m512 kv[MAX_D / 16];
             for (int64_t i = 0; i < C; i++)
-                acc = _mm512_fmadd_ps(qv[r][i], kv[i], acc);
-            s[r * n + j] = _mm512_reduce_add_ps(acc);
+                kv[i] = kv_load16(k, 16 * i, half);
+            for (int64_t r = 0; r < R; r++) {
+                __m512 a = _mm512_setzero_ps(); /* + 0: the product itself */
+                for (int64_t i = 0; i < C; i++)
+                    a = _mm512_fmadd_ps(qv[r][i], kv[i], a);
+                acc[r][e] = a;
+            }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            float four[4];
+            _mm_storeu_ps(four, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+            for (int64_t e = 0; e < 4 && j + e < n; e++)
+                s[r * n + j + e] = four[e];
         }
     }
     float inv[4];
