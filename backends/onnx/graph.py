@@ -15,7 +15,9 @@ The residual add of each block is fused into the next norm. Inputs: ``hidden_in`
 (B requests' next T tokens: B > 1 batches decode steps of several requests, so every weight is
 read once for all of them), ``seqlens_k`` ``(B,)`` int32 (each row's cached + T - 1: rows may sit
 at different positions), ``total_seq_len`` scalar int32 (the largest cached + T),
-``past_key_i`` / ``past_value_i`` ``(B, n_kv_heads, capacity, head_dim)``; on the last shard also
+``past_key_i`` / ``past_value_i`` ``(B, n_kv_heads, capacity, head_dim)`` (on exo-tui's kernel
+``(S, n_kv_heads, capacity, head_dim)``, a whole pool of S cache slots, with ``slots`` ``(B,)``
+int32 naming each row's: a batch is any set of the pool's requests); on the last shard also
 ``logits_start`` ``(1,)`` int64 (the first position whose logits are wanted). Outputs:
 ``hidden_out`` or ``logits``, and ``present_key_i`` / ``present_value_i``, which the shard binds to
 the same buffers as the past ones so attention appends to the cache in place.
@@ -233,7 +235,9 @@ def build_shard_graph(
     graph = ShardGraph(helper.make_model(helper.make_graph([], "empty", [], [])))
     cos, sin = rotary_tables(c)
     cos_name, sin_name = b.weight("rope_cos", cos), b.weight("rope_sin", sin)
-    kv_shape = ["batch", c.n_kv_heads, "capacity", c.head_dim]
+    kv_shape = ["slots" if kernel else "batch", c.n_kv_heads, "capacity", c.head_dim]
+    if kernel:
+        inputs.append(helper.make_tensor_value_info("slots", TensorProto.INT32, ["batch"]))
     half_kv = kernel and half_kv
     kv_type = TensorProto.FLOAT16 if half_kv else f32
 
@@ -249,7 +253,7 @@ def build_shard_graph(
         attn = b.name(f"l{i}_attn")
         rest = ["seqlens_k", "total_seq_len", cos_name, sin_name]
         if kernel:  # exo-tui's own: the same math, a batch's rows at the cost of each alone
-            op, domain, ins, extra = ATTENTION_F16 if half_kv else ATTENTION, DOMAIN, [qkv, pk, pv, *rest], {}
+            op, domain, ins, extra = ATTENTION_F16 if half_kv else ATTENTION, DOMAIN, [qkv, pk, pv, *rest, "slots"], {}
         else:
             op, domain, ins = "GroupQueryAttention", MS, [qkv, "", "", pk, pv, *rest]
             extra = {"scale": float(1.0 / np.sqrt(c.head_dim)), "do_rotary": 1, "rotary_interleaved": 1}

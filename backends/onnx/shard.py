@@ -4,19 +4,22 @@ KV caches live in pools, one per capacity (256, 512, ... positions, up to the co
 arrays ``(layers, slots, n_kv_heads, capacity, head_dim)`` for keys and for values, one slot per
 request: float16 where exo-tui's kernels run integer products (the int16 and int8 precisions,
 on ``AttentionF16``: half the bytes a decode step reads, which at long contexts is most of
-them), float32 with float32 products and on ``GroupQueryAttention``; exported as float32. A run covers a contiguous range of slots of one pool: the per-layer slices of
-that range are bound (IOBinding, as ``OrtValue``s sharing the NumPy memory) both as the graph's
-``past_*`` inputs and as its ``present_*`` outputs, so attention (exo-tui's ``Attention``, or
-``GroupQueryAttention``'s buffer-sharing mode) writes only each step's new positions: nothing is
-copied.
+them), float32 with float32 products and on ``GroupQueryAttention``; exported as float32. The
+per-layer arrays are bound (IOBinding, as ``OrtValue``s sharing the NumPy memory) both as the
+graph's ``past_*`` inputs and as its ``present_*`` outputs, so attention writes only each step's
+new positions: nothing is copied.
 
-That layout is what lets several requests decode in one run (``forward_batch``): their slots are
-rows of one batch, each at its own position (``seqlens_k`` per row), and every weight matrix is
-read once for all of them. A slot inside the range whose request is not in the batch rides along
-as a padding row: it writes one junk position just past its cache's end, which its next real step
-overwrites. So a slot always keeps one free position (``_capacity_for``), except at the model's
-full context, where such a slot splits the range instead. A request that outgrows its pool moves
-to the next one (a copy of its positions).
+That layout is what lets several requests decode in one run (``forward_batch``): each is a row of
+one batch, at its own position (``seqlens_k`` per row), and every weight matrix is read once for
+all of them. On exo-tui's ``Attention`` the whole pool is bound and a ``slots`` input names each
+row's slot, so a batch is any set of a pool's requests: requests that ended (or whose caches are
+kept for a next turn) leave holes between the live ones, and those cost nothing. On
+``GroupQueryAttention`` (row b is slot b) a run covers a contiguous range of slots instead, and a
+slot inside it whose request is not in the batch rides along as a padding row: it writes one junk
+position just past its cache's end, which its next real step overwrites. So a slot always keeps
+one free position (``_capacity_for``), except at the model's full context, where such a slot
+splits the range instead. A request that outgrows its pool moves to the next one (a copy of its
+positions).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from backends.onnx.weights import embedding_rows
 
 CAPACITY_STEP = 256  # pools hold multiples of this many positions
 FIRST_SLOTS = 4  # slots of a new pool; it doubles when full
-MAX_PADDING = 2  # padding rows a batch accepts between two requests before it splits into two runs
+MAX_PADDING = 2  # GroupQueryAttention: padding rows a batch accepts between two requests before it splits
 MIN_BATCH = 2
 """Single-token steps of at least this many requests run as one batch (else one by one): every
 weight is read once for all of them. SmolLM2, 2 threads (Zen 5), the QLinear kernel: a decode step
@@ -127,6 +130,7 @@ class ONNXShard(Shard):
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
         half_kv = library is not None and self.xbits != 0  # float32 math (products) keeps float32 caches
+        self._slot_map = library is not None  # Attention takes each row's slot; GroupQueryAttention row b = slot b
         self.kv_dtype = np.dtype(np.float16 if half_kv else np.float32)
         accuracy_level = ACCURACY_LEVEL[precision]
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library),
@@ -382,7 +386,7 @@ class ONNXShard(Shard):
                 by_pool.setdefault(step.entry.capacity, []).append(step)
             for group in by_pool.values():
                 group.sort(key=lambda step: step.entry.slot)
-                for run in self._runs(group):
+                for run in [group] if self._slot_map else self._runs(group):
                     for i, out in self._run_rows(run) if len(run) >= MIN_BATCH else self._run_each(run):
                         results[i] = out
             return results  # type: ignore[return-value]
@@ -409,20 +413,29 @@ class ONNXShard(Shard):
         return [(step.index, self._run(step.rid, step.hidden, step.entry.length, False)) for step in run]
 
     def _run_rows(self, run: list[_Step]) -> list[tuple[int, np.ndarray]]:
-        """One ``session.run`` of single-token steps in neighbouring slots of one pool; slots of
-        the range not in ``run`` are padding rows (their one junk position is overwritten later)."""
+        """One ``session.run`` of single-token steps of one pool: any of its requests on
+        ``Attention``; on ``GroupQueryAttention`` neighbouring slots, where slots of the range not
+        in ``run`` are padding rows (their one junk position is overwritten later)."""
         c = self.config
         pool = run[0].entry.pool
-        a, b = run[0].entry.slot, run[-1].entry.slot + 1
-        hidden = np.zeros((b - a, 1, c.hidden_size), np.float32)
-        seqlens = np.zeros(b - a, np.int32)
-        for s in range(a, b):
-            owner = pool.owners[s]
-            seqlens[s - a] = self._caches[owner].length if owner is not None else 0
+        if self._slot_map:
+            a, b = 0, pool.slots
+            row = {step.entry.slot: i for i, step in enumerate(run)}
+            slots = np.array([step.entry.slot for step in run], np.int32)
+            seqlens = np.array([step.entry.length for step in run], np.int32)
+        else:
+            a, b = run[0].entry.slot, run[-1].entry.slot + 1
+            row = {s: s - a for s in range(a, b)}
+            slots = None
+            seqlens = np.zeros(b - a, np.int32)
+            for s in range(a, b):
+                owner = pool.owners[s]
+                seqlens[s - a] = self._caches[owner].length if owner is not None else 0
+        hidden = np.zeros((len(seqlens), 1, c.hidden_size), np.float32)
         for step in run:
-            hidden[step.entry.slot - a, 0] = step.hidden[0]
+            hidden[row[step.entry.slot], 0] = step.hidden[0]
         try:
-            out = self._session_run(pool, a, b, hidden, seqlens, rows=1)
+            out = self._session_run(pool, a, b, hidden, seqlens, rows=1, slots=slots)
         except Exception as exc:
             for step in run:
                 if step.entry.length == 0:
@@ -432,17 +445,21 @@ class ONNXShard(Shard):
             ) from exc
         for step in run:
             step.entry.length += 1
-        return [(step.index, out[step.entry.slot - a]) for step in run]
+        return [(step.index, out[row[step.entry.slot]]) for step in run]
 
     def _session_run(
-        self, pool: _Pool, a: int, b: int, hidden: np.ndarray, seqlens: np.ndarray, rows: int
+        self, pool: _Pool, a: int, b: int, hidden: np.ndarray, seqlens: np.ndarray, rows: int,
+        slots: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Runs ``hidden`` ``(B, T, hidden)`` over slots ``[a, b)`` whose caches hold ``seqlens``
-        positions; returns ``(B, T, hidden)``, or on the last shard the logits of each row's last
-        ``rows`` tokens ``(B, rows, vocab)``."""
+        """Runs ``hidden`` ``(B, T, hidden)`` with caches of ``seqlens`` positions: on
+        ``Attention`` row i in slot ``slots[i]`` of the pool (bound whole: ``[a, b)`` is all of
+        it), on ``GroupQueryAttention`` over slots ``[a, b)``. Returns ``(B, T, hidden)``, or on
+        the last shard the logits of each row's last ``rows`` tokens ``(B, rows, vocab)``."""
         c = self.config
         n, t = hidden.shape[0], hidden.shape[1]
         io = self._binding(pool, a, b)
+        if slots is not None:
+            io.bind_cpu_input("slots", slots)
         io.bind_cpu_input("hidden_in", hidden)
         io.bind_cpu_input("seqlens_k", (seqlens + (t - 1)).astype(np.int32))
         io.bind_cpu_input("total_seq_len", np.array(int(seqlens.max()) + t, dtype=np.int32))
@@ -468,9 +485,13 @@ class ONNXShard(Shard):
         new_request = request_id not in self._caches
         entry = self._cache_with_room(request_id, cached + t)
         try:
+            if self._slot_map:
+                a, b, slots = 0, entry.pool.slots, np.array([entry.slot], np.int32)
+            else:
+                a, b, slots = entry.slot, entry.slot + 1, None
             out = self._session_run(
-                entry.pool, entry.slot, entry.slot + 1, hidden.reshape(1, t, -1),
-                np.array([cached], np.int32), rows=t if all_logits else 1,
+                entry.pool, a, b, hidden.reshape(1, t, -1), np.array([cached], np.int32),
+                rows=t if all_logits else 1, slots=slots,
             )
         except Exception as exc:
             if new_request:

@@ -679,6 +679,35 @@ def test_requests_left_out_of_a_batch_keep_their_caches(tiny_models):
     _decode_batch(shard, ref, ["r0", "r1", "r2", "late", "r4", "r5"], 60)
 
 
+def test_a_batch_of_scattered_slots_runs_its_rows_and_no_others(tiny_models, monkeypatch):
+    """On exo-tui's Attention a batch names each row's cache slot: requests with ended ones and
+    others left out between them (caches kept for a next turn) decode as one run of exactly their
+    rows, where a contiguous range would carry padding rows or split in two."""
+    cfg, weights, shard = load(tiny_models["Q4_1"])
+    if not shard.kernel:
+        pytest.skip(f"exo-tui's kernels are not built here: {kernels.unavailable()}")
+    ref = ReferenceShard(cfg, weights)
+    rids = [f"r{i}" for i in range(8)]
+    _prefill_both(shard, ref, {rid: 4 + i for i, rid in enumerate(rids)})
+    for rid in ("r1", "r4", "r5"):
+        shard.drop(rid)
+    rows: list[int] = []
+    run = shard._session_run
+
+    def counted(pool, a, b, hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        rows.append(hidden.shape[0])
+        return run(pool, a, b, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(shard, "_session_run", counted)
+    for step in range(3):  # r6 is left out: kept, between r3 and r7
+        _decode_batch(shard, ref, ["r7", "r0", "r3", "r2"], 7 * step)
+    assert rows == [4, 4, 4]
+    _prefill_both(shard, ref, {"late": 3})  # takes the lowest free slot, between live ones
+    rows.clear()
+    _decode_batch(shard, ref, ["r0", "late", "r2", "r3", "r6", "r7"], 50)
+    assert rows[-1] == 6
+
+
 def test_batched_decode_crosses_a_pool_boundary(tmp_path):
     from backends.onnx.shard import CAPACITY_STEP
 

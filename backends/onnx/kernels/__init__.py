@@ -271,8 +271,9 @@ def _check(path: Path) -> Library:
                     )
                 if not np.array_equal(run_in_session(path, x, blob, bits, n, xbits), y):
                     raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
-    for (rows, tokens), half in itertools.product(((3, 1), (1, 4)), (False, True)):
-        case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12, half=half)
+    for (rows, tokens, slots), half in itertools.product(((3, 1, 5), (1, 4, 1)), (False, True)):
+        case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12, half=half,
+                                    slots=slots)
         want = case.reference()
         got = case.call(lib)
         rtol, atol = (HALF_RTOL, 1e-4) if half else (1e-4, 1e-5)
@@ -354,7 +355,7 @@ class AttentionCase:
     op gets them as float16."""
 
     qkv: np.ndarray  # (B, T, (H + 2 G) D)
-    keys: np.ndarray  # (B, G, capacity, D), float32 of float16 values
+    keys: np.ndarray  # (S, G, capacity, D), float32 of float16 values: S >= B slots
     values: np.ndarray
     seqlens: np.ndarray  # (B,) int32: cached + T - 1
     cos: np.ndarray  # (max_pos, D / 2)
@@ -362,21 +363,29 @@ class AttentionCase:
     heads: int
     kv_heads: int
     half: bool = True  # the op's caches are float16 (AttentionF16), else float32 (Attention)
+    slots: np.ndarray | None = None  # (B,) int32: each row's slot of the caches; None: row b in slot b
 
     @classmethod
     def random(cls, rng: np.random.Generator, rows: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
-               capacity: int, half: bool = True) -> AttentionCase:
-        """Rows at different positions (each cached up to what leaves room for ``tokens``)."""
+               capacity: int, half: bool = True, slots: int | None = None) -> AttentionCase:
+        """Rows at different positions (each cached up to what leaves room for ``tokens``);
+        ``slots``: caches of that many slots, the rows in distinct ones in a random order (None:
+        as many as rows, row b in slot b)."""
         ang = np.arange(capacity + 4)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)[None, :]
         cached = rng.integers(0, capacity - tokens + 1, rows)
+        n = rows if slots is None else slots
         return cls(
             qkv=rng.standard_normal((rows, tokens, (heads + 2 * kv_heads) * head_dim)).astype(np.float32),
-            keys=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float16).astype(np.float32),
-            values=rng.standard_normal((rows, kv_heads, capacity, head_dim)).astype(np.float16).astype(np.float32),
+            keys=rng.standard_normal((n, kv_heads, capacity, head_dim)).astype(np.float16).astype(np.float32),
+            values=rng.standard_normal((n, kv_heads, capacity, head_dim)).astype(np.float16).astype(np.float32),
             seqlens=(cached + tokens - 1).astype(np.int32),
             cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32), heads=heads, kv_heads=kv_heads,
-            half=half,
+            half=half, slots=None if slots is None else rng.permutation(slots)[:rows].astype(np.int32),
         )
+
+    @property
+    def slot_ids(self) -> np.ndarray:
+        return np.arange(self.qkv.shape[0], dtype=np.int32) if self.slots is None else self.slots
 
     @property
     def head_dim(self) -> int:
@@ -398,23 +407,23 @@ class AttentionCase:
             x0, x1 = x[0::2], x[1::2]
             return np.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(-1)
 
-        for i in range(b):
+        for i, slot in enumerate(self.slot_ids):
             first = int(self.seqlens[i]) - (t - 1)
             for j in range(t):
                 for kv in range(g):
-                    keys[i, kv, first + j] = rotate(qkv[i, j, (h + kv) * d : (h + kv + 1) * d], first + j)
-                    values[i, kv, first + j] = qkv[i, j, (h + g + kv) * d : (h + g + kv + 1) * d]
+                    keys[slot, kv, first + j] = rotate(qkv[i, j, (h + kv) * d : (h + kv + 1) * d], first + j)
+                    values[slot, kv, first + j] = qkv[i, j, (h + g + kv) * d : (h + g + kv + 1) * d]
                     if half:
-                        keys[i, kv, first + j] = keys[i, kv, first + j].astype(np.float16)
-                        values[i, kv, first + j] = values[i, kv, first + j].astype(np.float16)
+                        keys[slot, kv, first + j] = keys[slot, kv, first + j].astype(np.float16)
+                        values[slot, kv, first + j] = values[slot, kv, first + j].astype(np.float16)
             for j in range(t):
                 pos = first + j
                 for head in range(h):
                     kv = head // (h // g)
                     q = rotate(qkv[i, j, head * d : (head + 1) * d], pos) / np.sqrt(d)
-                    scores = keys[i, kv, : pos + 1] @ q
+                    scores = keys[slot, kv, : pos + 1] @ q
                     p = np.exp(scores - scores.max())
-                    out[i, j, head * d : (head + 1) * d] = (p / p.sum()) @ values[i, kv, : pos + 1]
+                    out[i, j, head * d : (head + 1) * d] = (p / p.sum()) @ values[slot, kv, : pos + 1]
         return out, keys, values
 
     def call(self, lib: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -424,7 +433,7 @@ class AttentionCase:
         keys, values = self.keys.astype(dtype), self.values.astype(dtype)
         out = np.empty((b, t, self.heads * self.head_dim), np.float32)
         p, i = ctypes.c_void_p, ctypes.c_int64
-        arrays = (self.qkv, keys, values, self.seqlens, self.cos, self.sin, out)
+        arrays = (self.qkv, keys, values, self.seqlens, np.ascontiguousarray(self.slot_ids), self.cos, self.sin, out)
         lib.exo_attention(*(p(a.ctypes.data) for a in arrays), i(b), i(t), i(self.heads), i(self.kv_heads),
                           i(self.head_dim), i(keys.shape[2]), i(self.cos.shape[0]), i(int(self.half)))
         return out, keys, values
@@ -438,15 +447,19 @@ class AttentionCase:
         from onnx import TensorProto, helper, numpy_helper
 
         b, t, w = self.qkv.shape
-        cache = [b, self.kv_heads, self.keys.shape[2], self.head_dim]
+        cache = list(self.keys.shape)
         f = TensorProto.FLOAT
         half = path is not None and self.half
         kv_type, kv_dtype = (TensorProto.FLOAT16, np.float16) if half else (f, np.float32)
         rest = ["seqlens_k", "total", "cos", "sin"]
+        slots = [helper.make_tensor_value_info("slots", TensorProto.INT32, [b])] if path is not None else []
         if path is not None:
-            domain, node = DOMAIN, helper.make_node(ATTENTION_F16 if half else ATTENTION, ["qkv", "pk", "pv", *rest], ["o", "ok", "ov"],
-                                                    domain=DOMAIN, num_heads=self.heads, kv_num_heads=self.kv_heads)
+            domain, node = DOMAIN, helper.make_node(ATTENTION_F16 if half else ATTENTION, ["qkv", "pk", "pv", *rest, "slots"],
+                                                    ["o", "ok", "ov"], domain=DOMAIN, num_heads=self.heads,
+                                                    kv_num_heads=self.kv_heads)
         else:
+            if cache[0] != b or not np.array_equal(self.slot_ids, np.arange(b)):
+                raise ValueError("GroupQueryAttention takes row b's cache in slot b: no slot map")
             domain, node = "com.microsoft", helper.make_node(
                 "GroupQueryAttention", ["qkv", "", "", "pk", "pv", *rest], ["o", "ok", "ov"], domain="com.microsoft",
                 num_heads=self.heads, kv_num_heads=self.kv_heads, scale=float(1 / np.sqrt(self.head_dim)),
@@ -456,7 +469,7 @@ class AttentionCase:
             [node], "check",
             [helper.make_tensor_value_info("qkv", f, [b, t, w]), helper.make_tensor_value_info("pk", kv_type, cache),
              helper.make_tensor_value_info("pv", kv_type, cache), helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
-             helper.make_tensor_value_info("total", TensorProto.INT32, [])],
+             helper.make_tensor_value_info("total", TensorProto.INT32, []), *slots],
             [helper.make_tensor_value_info("o", f, [b, t, self.heads * self.head_dim]),
              helper.make_tensor_value_info("ok", kv_type, cache), helper.make_tensor_value_info("ov", kv_type, cache)],
             [numpy_helper.from_array(self.cos, "cos"), numpy_helper.from_array(self.sin, "sin")],
@@ -471,15 +484,18 @@ class AttentionCase:
                 options.register_custom_ops_library(str(path))
             session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
             keys, values = self.keys.astype(kv_dtype), self.values.astype(kv_dtype)
+            feeds = {"slots": self.slot_ids} if path is not None else {}
             if not in_place:
                 o, k, v = session.run(None, {"qkv": self.qkv, "pk": keys, "pv": values,
-                                             "seqlens_k": self.seqlens, "total": total})
+                                             "seqlens_k": self.seqlens, "total": total, **feeds})
                 return o, k, v
             io = session.io_binding()
             kv, vv = ort.OrtValue.ortvalue_from_numpy(keys), ort.OrtValue.ortvalue_from_numpy(values)
             io.bind_cpu_input("qkv", self.qkv)
             io.bind_cpu_input("seqlens_k", self.seqlens)
             io.bind_cpu_input("total", total)
+            for name, array in feeds.items():
+                io.bind_cpu_input(name, array)
             io.bind_ortvalue_input("pk", kv)
             io.bind_ortvalue_input("pv", vv)
             io.bind_ortvalue_output("ok", kv)

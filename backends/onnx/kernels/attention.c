@@ -9,7 +9,10 @@
    stored and widened as they are read, half the bytes, which at long contexts are most of what a
    decode step reads; the math stays float32); seqlens_k int32 (B,): each row's cached positions +
    T - 1; total_seq_len int32 (a scalar, the largest cached + T: checked); cos, sin float32
-   (max_pos, D / 2). Attributes num_heads (H) and kv_num_heads (G). Outputs: float32 (B, T, H D),
+   (max_pos, D / 2); slots int32 (B,): the cache slot of each row. The caches hold S >= B slots,
+   (S, G, cap, D): row b reads and appends to slot slots[b], so a batch is any set of requests of a
+   pool of caches, with no padding rows for the slots between them (each slot at most once).
+   Attributes num_heads (H) and kv_num_heads (G). Outputs: float32 (B, T, H D),
    then present_key, present_value (the caches, of the past's type, with the T new positions
    written in: bound to the same buffers as the past ones, they are appended to in place;
    otherwise the past is copied first).
@@ -42,8 +45,9 @@
 
 typedef struct {
     const float *qkv;  /* (B, T, (H + 2 G) D) */
-    void *keys, *values; /* (B, G, cap, D), float32 or (half) float16: the caches, appended to in place */
+    void *keys, *values; /* (S, G, cap, D), float32 or (half) float16: the caches, appended to in place */
     const int32_t *seqlens; /* (B,): cached + T - 1 */
+    const int32_t *slots; /* (B,): each row's slot of the caches */
     const float *cos, *sin; /* (max_pos, D / 2) */
     float *out; /* (B, T, H D) */
     int64_t b, t, h, g, d, cap, max_pos;
@@ -109,6 +113,9 @@ static void kv_store(void *cache, int64_t index, const float *x, int64_t n, cons
 
 static inline int64_t position(const Attn *a, int64_t b, int64_t t) { return (int64_t)a->seqlens[b] - (a->t - 1) + t; }
 
+/* Where row b's key/value head g starts in the caches, in elements. */
+static inline int64_t cache_at(const Attn *a, int64_t b, int64_t g) { return ((int64_t)a->slots[b] * a->g + g) * a->cap * a->d; }
+
 /* x (D) rotated in place by the angle of position pos, adjacent pairs (x[2i], x[2i + 1]). */
 static void rotate(float *x, const Attn *a, int64_t pos)
 {
@@ -133,7 +140,7 @@ static void append_task(void *arg, size_t task)
         float k[MAX_D];
         memcpy(k, row + (a->h + g) * a->d, (size_t)a->d * sizeof(float));
         rotate(k, a, pos);
-        const int64_t at = ((b * a->g + g) * a->cap + pos) * a->d;
+        const int64_t at = cache_at(a, b, g) + pos * a->d;
         kv_store(a->keys, at, k, a->d, a->half);
         kv_store(a->values, at, row + (a->h + a->g + g) * a->d, a->d, a->half);
     }
@@ -348,8 +355,8 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     rotate(q, a, pos);
     for (int64_t i = 0; i < d; i++)
         q[i] *= a->scale;
-    const void *keys = kv_row(a->keys, (b * a->g + g) * a->cap * d, half);
-    const void *values = kv_row(a->values, (b * a->g + g) * a->cap * d, half);
+    const void *keys = kv_row(a->keys, cache_at(a, b, g), half);
+    const void *values = kv_row(a->values, cache_at(a, b, g), half);
     const int64_t n = pos + 1;
     float stack[1024], *s = n <= 1024 ? stack : (float *)malloc((size_t)n * sizeof(float));
     if (s == NULL) {
@@ -420,8 +427,8 @@ static inline __attribute__((always_inline)) void attend_group(void *arg, size_t
         return;
     }
     float q[4 * 128];
-    const void *keys = kv_row(a->keys, (b * a->g + g) * a->cap * d, half);
-    const void *values = kv_row(a->values, (b * a->g + g) * a->cap * d, half);
+    const void *keys = kv_row(a->keys, cache_at(a, b, g), half);
+    const void *values = kv_row(a->values, cache_at(a, b, g), half);
     for (int64_t h0 = 0; h0 < per; h0 += chunk) {
         const int64_t r = per - h0 < chunk ? per - h0 : chunk;
         for (int64_t i = 0; i < r; i++) {
@@ -475,12 +482,13 @@ static Phase attend_phase(const Attn *a)
 void exo_to_half(const float *x, uint16_t *out, int64_t n) { to_half(out, x, n); }
 
 /* For the tests: the same computation without ONNX Runtime, on one thread; half: the caches are
-   float16 (else float32). */
-void exo_attention(const float *qkv, void *keys, void *values, const int32_t *seqlens, const float *cos,
-                   const float *sin, float *out, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d, int64_t cap,
-                   int64_t max_pos, int64_t half)
+   float16 (else float32); slots: each row's slot of the caches (the checks of compute() are the
+   caller's). */
+void exo_attention(const float *qkv, void *keys, void *values, const int32_t *seqlens, const int32_t *slots,
+                   const float *cos, const float *sin, float *out, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
+                   int64_t cap, int64_t max_pos, int64_t half)
 {
-    Attn a = {qkv, keys, values, seqlens, cos, sin, out, b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d), half != 0};
+    Attn a = {qkv, keys, values, seqlens, slots, cos, sin, out, b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d), half != 0};
     for (size_t i = 0; i < (size_t)(b * g); i++)
         append_task(&a, i);
     const Phase phase = attend_phase(&a);
@@ -524,8 +532,8 @@ static OrtStatus *input(OrtKernelContext *context, size_t index, const OrtValue 
 static OrtStatus *compute(void *arg, OrtKernelContext *context)
 {
     const Kernel *kernel = (const Kernel *)arg;
-    const OrtValue *qkv_value, *pk_value, *pv_value, *seq_value, *total_value, *cos_value, *sin_value;
-    void *qkv, *pk, *pv, *seq, *total, *cos, *sin;
+    const OrtValue *qkv_value, *pk_value, *pv_value, *seq_value, *total_value, *cos_value, *sin_value, *slot_value;
+    void *qkv, *pk, *pv, *seq, *total, *cos, *sin, *slot;
     CHECK(input(context, 0, &qkv_value, &qkv));
     CHECK(input(context, 1, &pk_value, &pk));
     CHECK(input(context, 2, &pv_value, &pv));
@@ -533,25 +541,40 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(input(context, 4, &total_value, &total));
     CHECK(input(context, 5, &cos_value, &cos));
     CHECK(input(context, 6, &sin_value, &sin));
-    int64_t q_dims[8], k_dims[8], v_dims[8], s_dims[8], c_dims[8], n_dims[8];
-    size_t q_rank, k_rank, v_rank, s_rank, c_rank, n_rank;
+    CHECK(input(context, 7, &slot_value, &slot));
+    int64_t q_dims[8], k_dims[8], v_dims[8], s_dims[8], c_dims[8], n_dims[8], l_dims[8];
+    size_t q_rank, k_rank, v_rank, s_rank, c_rank, n_rank, l_rank;
     CHECK(shape_of(qkv_value, q_dims, &q_rank));
     CHECK(shape_of(pk_value, k_dims, &k_rank));
     CHECK(shape_of(pv_value, v_dims, &v_rank));
     CHECK(shape_of(seq_value, s_dims, &s_rank));
     CHECK(shape_of(cos_value, c_dims, &c_rank));
     CHECK(shape_of(sin_value, n_dims, &n_rank));
+    CHECK(shape_of(slot_value, l_dims, &l_rank));
     const int64_t h = kernel->heads, g = kernel->kv_heads, parts = h + 2 * g;
     if (q_rank != 3 || q_dims[2] % parts != 0)
         return fail("Attention: qkv must be (B, T, (num_heads + 2 kv_num_heads) * head_size)");
     const int64_t b = q_dims[0], t = q_dims[1], d = q_dims[2] / parts;
     if (d < 2 || d % 2 != 0 || d > MAX_D)
         return fail("Attention: the head size must be even and at most 256");
-    if (k_rank != 4 || k_dims[0] != b || k_dims[1] != g || k_dims[3] != d || v_rank != 4 ||
-        memcmp(k_dims, v_dims, 4 * sizeof(int64_t)) != 0)
-        return fail("Attention: past_key and past_value must be (B, kv_num_heads, capacity, head_size)");
+    if (k_rank != 4 || k_dims[1] != g || k_dims[3] != d || v_rank != 4 || memcmp(k_dims, v_dims, 4 * sizeof(int64_t)) != 0)
+        return fail("Attention: past_key and past_value must be (slots, kv_num_heads, capacity, head_size)");
     if (s_rank != 1 || s_dims[0] != b)
         return fail("Attention: seqlens_k must be (B,)");
+    if (l_rank != 1 || l_dims[0] != b)
+        return fail("Attention: slots must be (B,)");
+    const int32_t *slots = (const int32_t *)slot;
+    for (int64_t i = 0; i < b; i++) {
+        int taken = slots[i] < 0 || slots[i] >= k_dims[0];
+        for (int64_t j = 0; j < i && !taken; j++)
+            taken = slots[j] == slots[i];
+        if (taken) {
+            char message[160];
+            snprintf(message, sizeof message, "Attention: row %lld's slot %lld is outside the caches' %lld or another row's",
+                     (long long)i, (long long)slots[i], (long long)k_dims[0]);
+            return fail(message);
+        }
+    }
     if (c_rank != 2 || c_dims[1] != d / 2 || n_rank != 2 || memcmp(c_dims, n_dims, 2 * sizeof(int64_t)) != 0)
         return fail("Attention: cos and sin must be (max_position, head_size / 2)");
     const int64_t cap = k_dims[2], max_pos = c_dims[0], limit = *(const int32_t *)total;
@@ -576,14 +599,14 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(ok_value, &ok));
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(ov_value, &ov));
-    const size_t cache_bytes = (size_t)(b * g * cap * d) * (kernel->half ? sizeof(uint16_t) : sizeof(float));
+    const size_t cache_bytes = (size_t)(k_dims[0] * g * cap * d) * (kernel->half ? sizeof(uint16_t) : sizeof(float));
     if (ok != pk) /* not bound in place: the present starts as a copy of the past */
         memcpy(ok, pk, cache_bytes);
     if (ov != pv)
         memcpy(ov, pv, cache_bytes);
     if (b == 0 || t == 0)
         return NULL;
-    Attn a = {(const float *)qkv, ok, ov, seqlens, (const float *)cos, (const float *)sin, (float *)y,
+    Attn a = {(const float *)qkv, ok, ov, seqlens, slots, (const float *)cos, (const float *)sin, (float *)y,
               b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d), kernel->half};
     CHECK(API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, append_task, (size_t)(b * g), 0, &a));
     const Phase phase = attend_phase(&a);
@@ -595,9 +618,9 @@ static const char *op_name(const void *op) { return op == (const void *)&exo_att
 static int kv_type(const void *op) { return op == (const void *)&exo_attention_f16_op ? ELEM_FLOAT16 : ELEM_FLOAT; }
 static int input_type(const void *op, size_t index)
 {
-    return index == 3 || index == 4 ? ELEM_INT32 : index == 1 || index == 2 ? kv_type(op) : ELEM_FLOAT;
+    return index == 3 || index == 4 || index == 7 ? ELEM_INT32 : index == 1 || index == 2 ? kv_type(op) : ELEM_FLOAT;
 }
-static size_t input_count(const void *op) { (void)op; return 7; }
+static size_t input_count(const void *op) { (void)op; return 8; }
 static int output_type(const void *op, size_t index) { return index == 0 ? ELEM_FLOAT : kv_type(op); }
 static size_t output_count(const void *op) { (void)op; return 3; }
 
