@@ -14,10 +14,14 @@ ends its answer). Columns:
   batched decode rate with no prompt being prefilled beside it;
 * ``HTTP cost``: how much lower the HTTP path's decode rate is than the direct one.
 
-The HTTP clients run in this process's event loop, beside the server, so the HTTP column pays for
-both ends of the connection.
+The HTTP clients run in a process of their own (``--http-clients process``, the default), as an
+application's would: the HTTP column pays for the server's end of the connection, and the clients
+take their share of the same CPUs. ``--http-clients loop`` runs them in this process's event loop,
+beside the server and the coordinator, where every event they parse holds up the cluster's own
+work: the HTTP column then pays for both ends.
 
     .venv/bin/python benchmarks/api.py [--tokens 32] [--model smollm2-135m] [--nodes 1,3] [--rounds 3]
+                                       [--http-clients process|loop]
 
 Every stream count runs ``--rounds`` times, the counts alternating within each round, and each
 column is the median over the rounds (one 32-token stream is a short measurement: its rate
@@ -111,8 +115,34 @@ async def _http(http: httpx.AsyncClient, url: str, model: str, i: int, tokens: i
     return s
 
 
+async def _http_in_process(url: str, model: str, n: int, tokens: int) -> list[Stream]:
+    """``n`` concurrent ``_http`` streams run by a client process (this file with ``--client``)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--client", url, model, str(n), str(tokens), stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"the HTTP client process failed (exit {proc.returncode})")
+    streams = []
+    for d in json.loads(out):
+        s = Stream()
+        s.start, s.first, s.end, s.tokens = d["start"], d["first"], d["end"], d["tokens"]
+        streams.append(s)
+    return streams
+
+
+def client_main(url: str, model: str, n: int, tokens: int) -> None:
+    """The client process: ``n`` streams at once; prints each stream's times (CLOCK_MONOTONIC,
+    the same clock in every process) and tokens as JSON."""
+    async def run() -> list[Stream]:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
+            return list(await asyncio.gather(*(_http(http, url, model, i, tokens) for i in range(n))))
+
+    streams = asyncio.run(run())
+    print(json.dumps([{"start": s.start, "first": s.first, "end": s.end, "tokens": s.tokens} for s in streams]))
+
+
 async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None, backend: str,
-                rounds: int = 1) -> list[dict]:
+                rounds: int = 1, clients: str = "process") -> list[dict]:
     home = Path(tempfile.mkdtemp(prefix="exo-bench-api-"))
     os.environ["EXO_TUI_HOME"] = str(home)
     config = Config()
@@ -133,7 +163,10 @@ async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None,
                 for _ in range(rounds):  # every count once per round: drift lands in all of them alike
                     for n in counts:
                         direct = await asyncio.gather(*(_direct(c, i, tokens) for i in range(n)))
-                        over_http = await asyncio.gather(*(_http(http, server.url, model_id, i, tokens) for i in range(n)))
+                        if clients == "process":
+                            over_http = await _http_in_process(server.url, model_id, n, tokens)
+                        else:
+                            over_http = await asyncio.gather(*(_http(http, server.url, model_id, i, tokens) for i in range(n)))
                         d_rate, d_wall = _rates(list(direct))
                         h_rate, h_wall = _rates(list(over_http))
                         runs[n].append({"direct": d_rate, "direct_wall": d_wall, "steady": _steady(list(direct)),
@@ -151,6 +184,10 @@ async def bench(n_nodes: int, counts: list[int], tokens: int, model: str | None,
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--client"]:
+        url, model, n, tokens = sys.argv[2:6]
+        client_main(url, model, int(n), int(tokens))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--model", default=None)
@@ -158,14 +195,18 @@ def main() -> None:
     ap.add_argument("--streams", default="1,4,8,16")
     ap.add_argument("--backend", default="onnx", choices=["onnx", "mlx"], help="backend of the node agents")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every stream count, alternated; medians reported")
+    ap.add_argument("--http-clients", choices=["process", "loop"], default="process",
+                    help="where the HTTP clients run: a process of their own, or this process's event loop")
     args = ap.parse_args()
     counts = [int(x) for x in args.streams.split(",")]
     rows = []
     for n_nodes in (int(x) for x in args.nodes.split(",")):
-        rows += event_loop.run(bench(n_nodes, counts, args.tokens, args.model, args.backend, args.rounds))
+        rows += event_loop.run(bench(n_nodes, counts, args.tokens, args.model, args.backend, args.rounds,
+                                     args.http_clients))
 
     print(f"\nAggregate decode tokens/s, {args.tokens} tokens per stream, {args.backend} node agents on loopback "
-          f"({os.cpu_count()} CPUs), medians of {args.rounds} rounds\n")
+          f"({os.cpu_count()} CPUs), medians of {args.rounds} rounds, HTTP clients in "
+          f"{'a process of their own' if args.http_clients == 'process' else 'the server process'}\n")
     head = f"{'nodes':>5} {'streams':>7} | {'direct tok/s':>12} {'× 1 stream':>10} {'wall tok/s':>10} " \
            f"{'steady tok/s':>12} {'× 1 stream':>10} | " \
            f"{'HTTP tok/s':>10} {'× 1 stream':>10} {'wall tok/s':>10} | {'HTTP cost':>9}"
