@@ -1,10 +1,11 @@
 """One stream decoding a long answer on one ONNX shard of the default model: the step time at
-each move of its KV cache to a larger pool (256, 768, 1792, ... positions: see
-``backends/onnx/shard.py``) against the median step around it, so a stall in a long answer shows.
+each growth of the KV pool it is in (256, 768, 1792, ... positions: its cache copied into larger
+arrays, see ``backends/onnx/shard.py``) against the median step around it, so a stall in a long
+answer shows.
 
     .venv/bin/python benchmarks/kv_growth.py [--positions 4200] [--precision int16]
 
-Prints one row per move: the position, the new capacity, that step's time and the median of the
+Prints one row per growth: the position, the new capacity, that step's time and the median of the
 32 steps before it.
 """
 
@@ -43,14 +44,14 @@ def main() -> None:
     token = int(shard.forward("r", prompt, np.arange(len(prompt)))[-1].argmax())
     capacity, recent = capacity_of(shard), []
     print(f"{model.name}, {args.precision} ({shard.kv_dtype} caches), {args.threads} threads")
-    print(f"{'position':>9} {'capacity':>9} {'move step ms':>13} {'median step ms':>15}")
+    print(f"{'position':>9} {'capacity':>9} {'growth step ms':>15} {'median step ms':>15}")
     for pos in range(len(prompt), min(args.positions, cfg.context_length - 1)):
         t0 = time.perf_counter()
         token = int(shard.forward("r", np.array([token]), np.array([pos]))[-1].argmax())
         dt = time.perf_counter() - t0
         if capacity_of(shard) != capacity:
             capacity = capacity_of(shard)
-            print(f"{pos:>9} {capacity:>9} {dt * 1e3:>13.1f} {statistics.median(recent) * 1e3:>15.2f}")
+            print(f"{pos:>9} {capacity:>9} {dt * 1e3:>15.1f} {statistics.median(recent) * 1e3:>15.2f}")
         recent = (recent + [dt])[-32:]
     shard.close()
 

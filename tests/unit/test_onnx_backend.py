@@ -708,16 +708,29 @@ def test_a_batch_of_scattered_slots_runs_its_rows_and_no_others(tiny_models, mon
     assert rows[-1] == 6
 
 
-def test_batched_decode_crosses_a_pool_boundary(tmp_path):
+def test_batched_decode_goes_on_in_one_run_as_the_pool_grows(tmp_path, monkeypatch):
+    """A request outgrowing the pool's capacity grows the pool for everyone (caches copied, slots
+    kept): requests far apart in length still decode as one run, and all of them correctly."""
     from backends.onnx.shard import CAPACITY_STEP
 
     path = write_tiny_llama(tmp_path / "long.gguf", weight_type="Q4_0", context_length=700, seed=4)
     cfg, weights, shard = load(path)
     ref = ReferenceShard(cfg, weights)
     _prefill_both(shard, ref, {"long": CAPACITY_STEP - 3, "a": 5, "b": 9, "c": 2, "d": 7})
-    for step in range(5):  # "long" moves to the 512-position pool on the way
+    rows: list[int] = []
+    run = shard._session_run
+
+    def counted(pool, a, b, hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        rows.append(hidden.shape[0])
+        return run(pool, a, b, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(shard, "_session_run", counted)
+    for step in range(5):  # "long" outgrows the first capacity on the way
         _decode_batch(shard, ref, ["a", "long", "b", "c", "d"], 3 * step)
     assert shard.kv_length("long") == CAPACITY_STEP + 2
+    assert shard._kv_pool.capacity > CAPACITY_STEP
+    if shard.kernel:  # on GroupQueryAttention a contiguous range: the same five rows here
+        assert rows == [5] * 5
 
 
 def test_a_full_cache_between_batched_requests_is_never_padded(tmp_path):
@@ -749,7 +762,7 @@ def test_batched_decode_after_kv_import(tiny_models):
     assert sorted(shard.requests()) == ["a", "b", "c", "d"]
     for rid in ("a", "b", "c", "d"):
         shard.drop(rid)
-    assert shard.requests() == [] and shard._pools == {}  # an empty pool gives its memory back
+    assert shard.requests() == [] and shard._kv_pool is None  # an empty pool gives its memory back
 
 
 def test_requests_and_kv_length_do_not_wait_for_a_running_step(tiny_models):
