@@ -679,6 +679,19 @@ def test_requests_left_out_of_a_batch_keep_their_caches(tiny_models):
     _decode_batch(shard, ref, ["r0", "r1", "r2", "late", "r4", "r5"], 60)
 
 
+def _rows_per_run(shard, monkeypatch) -> list[int]:
+    """The number of rows of each ``session.run`` the shard makes from now on."""
+    rows: list[int] = []
+    run = shard._session_run
+
+    def counted(pool, a, b, hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        rows.append(hidden.shape[0])
+        return run(pool, a, b, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(shard, "_session_run", counted)
+    return rows
+
+
 def test_a_batch_of_scattered_slots_runs_its_rows_and_no_others(tiny_models, monkeypatch):
     """On exo-tui's Attention a batch names each row's cache slot: requests with ended ones and
     others left out between them (caches kept for a next turn) decode as one run of exactly their
@@ -691,14 +704,7 @@ def test_a_batch_of_scattered_slots_runs_its_rows_and_no_others(tiny_models, mon
     _prefill_both(shard, ref, {rid: 4 + i for i, rid in enumerate(rids)})
     for rid in ("r1", "r4", "r5"):
         shard.drop(rid)
-    rows: list[int] = []
-    run = shard._session_run
-
-    def counted(pool, a, b, hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        rows.append(hidden.shape[0])
-        return run(pool, a, b, hidden, *args, **kwargs)
-
-    monkeypatch.setattr(shard, "_session_run", counted)
+    rows = _rows_per_run(shard, monkeypatch)
     for step in range(3):  # r6 is left out: kept, between r3 and r7
         _decode_batch(shard, ref, ["r7", "r0", "r3", "r2"], 7 * step)
     assert rows == [4, 4, 4]
@@ -717,14 +723,7 @@ def test_batched_decode_goes_on_in_one_run_as_the_pool_grows(tmp_path, monkeypat
     cfg, weights, shard = load(path)
     ref = ReferenceShard(cfg, weights)
     _prefill_both(shard, ref, {"long": CAPACITY_STEP - 3, "a": 5, "b": 9, "c": 2, "d": 7})
-    rows: list[int] = []
-    run = shard._session_run
-
-    def counted(pool, a, b, hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        rows.append(hidden.shape[0])
-        return run(pool, a, b, hidden, *args, **kwargs)
-
-    monkeypatch.setattr(shard, "_session_run", counted)
+    rows = _rows_per_run(shard, monkeypatch)
     for step in range(5):  # "long" outgrows the first capacity on the way
         _decode_batch(shard, ref, ["a", "long", "b", "c", "d"], 3 * step)
     assert shard.kv_length("long") == CAPACITY_STEP + 2
