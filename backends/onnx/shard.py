@@ -252,10 +252,9 @@ class ONNXShard(Shard):
         """New arrays for ``pool``, of ``slots`` slots of ``capacity`` positions; each request's
         positions in use are copied (the rest of the new pages stay untouched)."""
         keys, values = self._kv_arrays(slots, capacity)
-        for entry in self._caches.values():
-            if entry.pool is pool:
-                s, n = entry.slot, entry.length
-                keys[:, s, :, :n], values[:, s, :, :n] = pool.keys[:, s, :, :n], pool.values[:, s, :, :n]
+        for entry in self._caches.values():  # every cache is in the one pool
+            s, n = entry.slot, entry.length
+            keys[:, s, :, :n], values[:, s, :, :n] = pool.keys[:, s, :, :n], pool.values[:, s, :, :n]
         pool.keys, pool.values, pool.capacity = keys, values, capacity
         pool.owners += [None] * (slots - pool.slots)
         pool.bindings.clear()  # they point at the old arrays
@@ -384,7 +383,8 @@ class ONNXShard(Shard):
                     raise
                 steps.append(_Step(i, rid, entry, self._hidden(x)))
             steps.sort(key=lambda step: step.entry.slot)  # all in the one pool
-            for run in ([steps] if self._slot_map else self._runs(steps)) if steps else []:
+            runs = [steps] if self._slot_map else self._runs(steps)
+            for run in filter(None, runs):
                 for i, out in self._run_rows(run) if len(run) >= MIN_BATCH else self._run_each(run):
                     results[i] = out
             return results  # type: ignore[return-value]
@@ -417,23 +417,16 @@ class ONNXShard(Shard):
         c = self.config
         pool = run[0].entry.pool
         if self._slot_map:
-            a, b = 0, pool.slots
-            row = {step.entry.slot: i for i, step in enumerate(run)}
             slots = np.array([step.entry.slot for step in run], np.int32)
-            seqlens = np.array([step.entry.length for step in run], np.int32)
         else:
-            a, b = run[0].entry.slot, run[-1].entry.slot + 1
-            row = {s: s - a for s in range(a, b)}
-            slots = None
-            seqlens = np.zeros(b - a, np.int32)
-            for s in range(a, b):
-                owner = pool.owners[s]
-                seqlens[s - a] = self._caches[owner].length if owner is not None else 0
-        hidden = np.zeros((len(seqlens), 1, c.hidden_size), np.float32)
+            slots = np.arange(run[0].entry.slot, run[-1].entry.slot + 1, dtype=np.int32)
+        row = {int(s): i for i, s in enumerate(slots)}
+        seqlens = np.array([self._caches[o].length if (o := pool.owners[s]) is not None else 0 for s in slots], np.int32)
+        hidden = np.zeros((len(slots), 1, c.hidden_size), np.float32)
         for step in run:
             hidden[row[step.entry.slot], 0] = step.hidden[0]
         try:
-            out = self._session_run(pool, a, b, hidden, seqlens, rows=1, slots=slots)
+            out = self._session_run(pool, slots, hidden, seqlens, rows=1)
         except Exception as exc:
             for step in run:
                 if step.entry.length == 0:
@@ -446,18 +439,20 @@ class ONNXShard(Shard):
         return [(step.index, out[row[step.entry.slot]]) for step in run]
 
     def _session_run(
-        self, pool: _Pool, a: int, b: int, hidden: np.ndarray, seqlens: np.ndarray, rows: int,
-        slots: np.ndarray | None = None,
+        self, pool: _Pool, slots: np.ndarray, hidden: np.ndarray, seqlens: np.ndarray, rows: int
     ) -> np.ndarray:
-        """Runs ``hidden`` ``(B, T, hidden)`` with caches of ``seqlens`` positions: on
-        ``Attention`` row i in slot ``slots[i]`` of the pool (bound whole: ``[a, b)`` is all of
-        it), on ``GroupQueryAttention`` over slots ``[a, b)``. Returns ``(B, T, hidden)``, or on
-        the last shard the logits of each row's last ``rows`` tokens ``(B, rows, vocab)``."""
+        """Runs ``hidden`` ``(B, T, hidden)``, row i in slot ``slots[i]`` of the pool, whose cache
+        holds ``seqlens[i]`` positions: on ``Attention`` the pool is bound whole and ``slots`` given
+        to it; on ``GroupQueryAttention`` the slots must be neighbours and their range is bound.
+        Returns ``(B, T, hidden)``, or on the last shard the logits of each row's last ``rows``
+        tokens ``(B, rows, vocab)``."""
         c = self.config
         n, t = hidden.shape[0], hidden.shape[1]
-        io = self._binding(pool, a, b)
-        if slots is not None:
+        if self._slot_map:
+            io = self._binding(pool, 0, pool.slots)
             io.bind_cpu_input("slots", slots)
+        else:
+            io = self._binding(pool, int(slots[0]), int(slots[-1]) + 1)
         io.bind_cpu_input("hidden_in", hidden)
         io.bind_cpu_input("seqlens_k", (seqlens + (t - 1)).astype(np.int32))
         io.bind_cpu_input("total_seq_len", np.array(int(seqlens.max()) + t, dtype=np.int32))
@@ -483,13 +478,9 @@ class ONNXShard(Shard):
         new_request = request_id not in self._caches
         entry = self._cache_with_room(request_id, cached + t)
         try:
-            if self._slot_map:
-                a, b, slots = 0, entry.pool.slots, np.array([entry.slot], np.int32)
-            else:
-                a, b, slots = entry.slot, entry.slot + 1, None
             out = self._session_run(
-                entry.pool, a, b, hidden.reshape(1, t, -1), np.array([cached], np.int32),
-                rows=t if all_logits else 1, slots=slots,
+                entry.pool, np.array([entry.slot], np.int32), hidden.reshape(1, t, -1),
+                np.array([cached], np.int32), rows=t if all_logits else 1,
             )
         except Exception as exc:
             if new_request:

@@ -684,9 +684,9 @@ def _rows_per_run(shard, monkeypatch) -> list[int]:
     rows: list[int] = []
     run = shard._session_run
 
-    def counted(pool, a, b, hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def counted(pool, slots, hidden, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         rows.append(hidden.shape[0])
-        return run(pool, a, b, hidden, *args, **kwargs)
+        return run(pool, slots, hidden, *args, **kwargs)
 
     monkeypatch.setattr(shard, "_session_run", counted)
     return rows
