@@ -31,8 +31,9 @@ from exo_tui import __version__
 from exo_tui.api import schemas as s
 from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
+from exo_tui.api.logprobs import chat_logprobs, completion_logprobs
 from exo_tui.cluster.view import HostKeyUnknown
-from exo_tui.inference.generate import GenerationError
+from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import SamplingParams, with_defaults
 
@@ -219,7 +220,8 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
                            code="invalid_parameter")
         return tuple(x for x in items if x)
 
-    def new_request(prompt_ids: list[int], body: s._Sampling, max_tokens: int | None) -> GenRequest:
+    def new_request(prompt_ids: list[int], body: s._Sampling, max_tokens: int | None,
+                    top_logprobs: int | None = None) -> GenRequest:
         context = coordinator.model.config.context_length
         if len(prompt_ids) >= context:
             raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
@@ -230,7 +232,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
                                 f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more: ask for at most "
                                 f"{context - len(prompt_ids)}", param="max_tokens", code="context_length_exceeded")
-        return GenRequest(prompt_ids, sampling(body), max_tokens, stops(body.stop))
+        return GenRequest(prompt_ids, sampling(body), max_tokens, stops(body.stop), top_logprobs=top_logprobs)
 
     async def start(http: Request, request: GenRequest) -> Generation:
         """Start generating; wait for the first chunk so a cluster that cannot serve is a 503."""
@@ -246,7 +248,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             raise
         return gen
 
-    async def collect(http: Request, gen: Generation) -> str:
+    async def collect(http: Request, gen: Generation) -> tuple[str, list[Listed]]:
         try:
             return await _until_done_or_disconnect(http, gen, _collect(gen))
         except GenerationError as exc:  # the cluster lost the ability to serve mid-answer
@@ -282,17 +284,22 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - the chat template refused these messages
             raise ApiError(400, f"the model's chat template cannot render these messages: {exc}",
                            param="messages", code="invalid_messages") from exc
-        request = new_request(prompt_ids, body, body.max_completion_tokens or body.max_tokens)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_parameter")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        request = new_request(prompt_ids, body, body.max_completion_tokens or body.max_tokens, top)
         gen = await start(http, request)
         cid = f"chatcmpl-{request.id}"  # the id in the events (RequestDone...)
+        tokenizer = coordinator.model.tokenizer
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(gen, cid, mid, include_usage, usage), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        text = await collect(http, gen)
+            return StreamingResponse(_chat_stream(gen, cid, mid, include_usage, usage, tokenizer),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        text, listed = await collect(http, gen)
         return {
             "id": cid, "object": "chat.completion", "created": gen.created, "model": mid,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": chat_logprobs(tokenizer, listed) if top is not None else None,
                          "finish_reason": gen.finish_reason}],
             "usage": usage(request), "system_fingerprint": f"exo-tui-{__version__}",
         }
@@ -323,18 +330,22 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             prompt_text = tokenizer.decode(ids)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty: give at least one token", param="prompt", code="invalid_prompt")
-        request = new_request(prompt_ids, body, body.max_tokens)
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "logprobs of an echoed prompt are not computed here: ask for the answer's logprobs "
+                                "without echo, or echo without logprobs", param="logprobs", code="invalid_parameter")
+        request = new_request(prompt_ids, body, body.max_tokens, body.logprobs)
         gen = await start(http, request)
         cid = f"cmpl-{request.id}"
         prefix = prompt_text if body.echo else ""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_text_stream(gen, cid, mid, include_usage, usage, prefix),
+            return StreamingResponse(_text_stream(gen, cid, mid, include_usage, usage, prefix, tokenizer),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        text = await collect(http, gen)
+        text, listed = await collect(http, gen)
+        logprobs = completion_logprobs(tokenizer, listed, len(prefix)) if body.logprobs is not None else None
         return {
             "id": cid, "object": "text_completion", "created": gen.created, "model": mid,
-            "choices": [{"index": 0, "text": prefix + text, "logprobs": None, "finish_reason": gen.finish_reason}],
+            "choices": [{"index": 0, "text": prefix + text, "logprobs": logprobs, "finish_reason": gen.finish_reason}],
             "usage": usage(request), "system_fingerprint": f"exo-tui-{__version__}",
         }
 
@@ -522,11 +533,13 @@ async def _disconnected(http: Request) -> None:
             return
 
 
-async def _collect(gen: Generation) -> str:
-    pieces = []
+async def _collect(gen: Generation) -> tuple[str, list[Listed]]:
+    pieces: list[str] = []
+    listed: list[Listed] = []
     while (chunk := await gen.next()) is not None:
         pieces.append(chunk.text)
-    return "".join(pieces)
+        listed.extend(chunk.logprobs)
+    return "".join(pieces), listed
 
 
 def _sse(obj: Any) -> str:
@@ -538,19 +551,23 @@ def _stream_error(exc: BaseException) -> str:
     return _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
 
 
-async def _chat_stream(gen: Generation, cid: str, mid: str, include_usage: bool, usage: Any) -> AsyncIterator[str]:
+async def _chat_stream(gen: Generation, cid: str, mid: str, include_usage: bool, usage: Any,
+                       tokenizer: Any) -> AsyncIterator[str]:
     base = {"id": cid, "object": "chat.completion.chunk", "created": gen.created, "model": mid,
             "system_fingerprint": f"exo-tui-{__version__}"}
     extra = {"usage": None} if include_usage else {}
+    asked = gen.request.top_logprobs is not None
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+    def chunk(delta: dict[str, Any], finish: str | None = None, listed: tuple[Listed, ...] = ()) -> str:
+        logprobs = chat_logprobs(tokenizer, listed) if asked and listed else None
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                     **extra})
 
     try:
         yield chunk({"role": "assistant", "content": ""})
         while (c := await gen.next()) is not None:
-            if c.text:
-                yield chunk({"content": c.text})
+            if c.text or c.logprobs:
+                yield chunk({"content": c.text}, listed=c.logprobs)
         yield chunk({}, gen.finish_reason)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(gen.request)})
@@ -562,20 +579,23 @@ async def _chat_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
 
 
 async def _text_stream(gen: Generation, cid: str, mid: str, include_usage: bool, usage: Any,
-                       prefix: str) -> AsyncIterator[str]:
+                       prefix: str, tokenizer: Any) -> AsyncIterator[str]:
     base = {"id": cid, "object": "text_completion", "created": gen.created, "model": mid,
             "system_fingerprint": f"exo-tui-{__version__}"}
     extra = {"usage": None} if include_usage else {}
+    asked = gen.request.top_logprobs is not None
 
-    def chunk(text: str, finish: str | None = None) -> str:
-        return _sse({**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+    def chunk(text: str, finish: str | None = None, listed: tuple[Listed, ...] = ()) -> str:
+        logprobs = completion_logprobs(tokenizer, listed, len(prefix)) if asked and listed else None
+        return _sse({**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                     **extra})
 
     try:
         if prefix:
             yield chunk(prefix)
         while (c := await gen.next()) is not None:
-            if c.text:
-                yield chunk(c.text)
+            if c.text or c.logprobs:
+                yield chunk(c.text, listed=c.logprobs)
         yield chunk("", gen.finish_reason)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(gen.request)})

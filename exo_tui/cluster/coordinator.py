@@ -47,6 +47,7 @@ from exo_tui.cluster.weights import load_from_path, stream_shard
 from exo_tui.config import GB, Config, load_config
 from exo_tui.inference.generate import GenerationError, generate
 from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
 from exo_tui.net.address import is_loopback
@@ -411,7 +412,12 @@ class Coordinator:
         if handle is not None and handle.conn is conn:
             handle.last_heartbeat_s = time.monotonic()  # any frame is a sign of life
         if frame.type == "token":
-            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), float(b["logprob"]))
+            try:
+                logprobs = None if b.get("logprobs") is None else TokenLogprobs.from_wire(b["logprobs"])
+            except ValueError as exc:  # the step fails (and is retried); the connection stays
+                self.pipeline.on_step_failed(b["rid"], b.get("step"), frame.plan, f"node {node_id}: {exc}", node_id)
+                return None
+            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs)
         elif frame.type == "heartbeat":
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(b.get("metrics", {}))

@@ -31,6 +31,7 @@ import numpy as np
 
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.net.errors import ConnectionClosed, RemoteError
 from exo_tui.net.rpc import Connection
 from exo_tui.node.host import RingPlan
@@ -103,7 +104,7 @@ class RemotePipeline:
 
     def __init__(self, host: PipelineHost) -> None:
         self.host = host
-        self._pending: dict[tuple[str, int, int], asyncio.Future[tuple[int, float]]] = {}
+        self._pending: dict[tuple[str, int, int], asyncio.Future[tuple[int, TokenLogprobs | None]]] = {}
         self._cached: dict[str, _Cached] = {}
         self._served: dict[str, tuple[str, ...]] = {}
         self._active_plans: dict[str, RingPlan] = {}
@@ -111,10 +112,10 @@ class RemotePipeline:
 
     # ------------------------------------------------------------------ frames from nodes
 
-    def on_token(self, rid: str, step: int, plan_version: int, token: int, logprob: float) -> None:
+    def on_token(self, rid: str, step: int, plan_version: int, token: int, logprobs: TokenLogprobs | None) -> None:
         fut = self._pending.get((rid, step, plan_version))
         if fut is not None and not fut.done():
-            fut.set_result((token, logprob))
+            fut.set_result((token, logprobs))
 
     def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None) -> None:
         for key, fut in list(self._pending.items()):
@@ -141,7 +142,7 @@ class RemotePipeline:
     def in_flight(self) -> list[str]:
         return list(self._cached)
 
-    async def step(self, request: Request, start: int) -> tuple[int, float]:
+    async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
         attempts = 0
         while True:
             plan = await self.host.plan_ready()
@@ -163,7 +164,7 @@ class RemotePipeline:
                 pos = request.cached_tokens = adopted[1]
             try:
                 try:
-                    token, logprob = await self._run(plan, request, pos, adopted[0] if adopted else None)
+                    token, logprobs = await self._run(plan, request, pos, adopted[0] if adopted else None)
                 finally:
                     self.host.step_done()
             except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
@@ -181,7 +182,7 @@ class RemotePipeline:
                 await self.host.step_failed(failure, plan)
                 continue
             self._cached[request.id] = _Cached(plan.version, len(request.tokens))
-            return token, logprob
+            return token, logprobs
 
     def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
         """The kept request whose caches this one's first step can take over, and how many of its
@@ -205,11 +206,12 @@ class RemotePipeline:
         kept, self._kept = self._kept, OrderedDict()
         await asyncio.gather(*(self._drop_on(k.plan, rid, final=True) for rid, k in kept.items()))
 
-    async def _run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None) -> tuple[int, float]:
+    async def _run(self, plan: RingPlan, request: Request, pos: int,
+                   adopt: str | None = None) -> tuple[int, TokenLogprobs | None]:
         tokens = request.tokens
         step = len(request.generated)
         key = (request.id, step, plan.version)
-        fut: asyncio.Future[tuple[int, float]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[int, TokenLogprobs | None]] = asyncio.get_running_loop().create_future()
         self._pending[key] = fut
         self._active_plans[request.id] = plan
         self._served[request.id] = tuple(e.node_id for e in plan.ring)
@@ -225,6 +227,8 @@ class RemotePipeline:
             body["history"] = tokens
         if adopt is not None:
             body["adopt"] = adopt
+        if request.top_logprobs is not None:
+            body["logprobs"] = request.top_logprobs
         try:
             first = plan.ring[0].node_id
             try:

@@ -10,20 +10,23 @@ runner may rebuild caches anywhere (after a node fails or the plan changes) and 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.inference.stops import StopMatcher
 from exo_tui.models.detokenizer import StreamingDetokenizer
 from exo_tui.models.tokenizer import Tokenizer
 
 
 class StepRunner(Protocol):
-    async def step(self, request: Request, start: int) -> tuple[int, float]:
+    async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
         """Run ``request.tokens[start:]`` (at positions ``start..``) through the pipeline and
-        return the next token sampled with ``request.sampling`` and its log-probability."""
+        return the next token sampled with ``request.sampling``, with its logprobs when
+        ``request.top_logprobs`` asks for them (else None)."""
         ...
 
     async def release(self, request: Request) -> None:
@@ -35,11 +38,19 @@ class StepRunner(Protocol):
         ...
 
 
+# A token listed with a chunk: where its text begins in the answer (characters) and its logprobs.
+Listed = tuple[int, TokenLogprobs]
+
+
 @dataclass(frozen=True)
 class Chunk:
     text: str = ""
     token_id: int | None = None
-    logprob: float = 0.0
+    # When the request asked for logprobs: the tokens whose text begins in this chunk's text (a
+    # token holding part of a character is listed with the one that completes it). The last
+    # chunk lists what is left when the answer ran to its end; tokens a stop string cut off
+    # entirely, and the end-of-sequence token, are not listed.
+    logprobs: tuple[Listed, ...] = ()
     finish_reason: str | None = None  # stop | length | cancelled | error
     error: str = ""
 
@@ -62,24 +73,38 @@ async def generate(
     start = 0
     finish = "length"
     hit_stop_string = False
+    listing: deque[Listed] = deque()  # tokens asked about whose text is not out yet
+    produced = emitted = 0  # characters the detokenizer gave, and that were handed out
+
+    def listed() -> tuple[Listed, ...]:
+        out = []
+        while listing and listing[0][0] < emitted:
+            out.append(listing.popleft())
+        return tuple(out)
     try:
         if not request.prompt_ids:
             raise GenerationError("the prompt is empty: give at least one token")
         while len(request.generated) < request.max_tokens:
             if len(request.tokens) >= context_length:
                 break
-            token, logprob = await runner.step(request, start)
+            token, logprobs = await runner.step(request, start)
             start = len(request.tokens)
             request.generated.append(token)
-            request.logprobs.append(logprob)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
             if request.first_token_s is None:
                 request.first_token_s = time.monotonic()
             if token in eos:
                 finish = "stop"
                 break
-            text, stopped = stops.feed(detok.add(token))
+            if logprobs is not None:
+                listing.append((produced, logprobs))
+            piece = detok.add(token)
+            produced += len(piece)
+            text, stopped = stops.feed(piece)
             if text:
-                yield Chunk(text=text, token_id=token, logprob=logprob)
+                emitted += len(text)
+                yield Chunk(text=text, token_id=token, logprobs=listed())
             if stopped:
                 finish, hit_stop_string = "stop", True
                 break
@@ -88,8 +113,10 @@ async def generate(
             tail += stops.flush()
             if stops.stopped:  # held back as maybe part of an earlier stop, it was one itself
                 finish = "stop"
-            if tail:
-                yield Chunk(text=tail)
+            emitted += len(tail)
+            rest = listed() if stops.stopped else (*listing,)
+            if tail or rest:
+                yield Chunk(text=tail, logprobs=rest)
         request.finished_s = time.monotonic()
         request.finish_reason = finish
         yield Chunk(finish_reason=finish)

@@ -11,7 +11,7 @@ import numpy as np
 from backends import get_backend
 from backends.base import Shard
 from exo_tui.inference.request import Request
-from exo_tui.inference.sampling import Sampler
+from exo_tui.inference.sampling import Sampler, TokenLogprobs, token_logprobs
 from exo_tui.models.gguf_file import GGUFModel
 
 
@@ -70,11 +70,14 @@ class LocalPipeline:
         self.shards = await self._call(load_shards, model, stages)
         self.names = tuple(f"{s.backend}[{s.start}:{s.end})" for s in stages)
 
-    async def step(self, request: Request, start: int) -> tuple[int, float]:
+    async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
         sampler = self._samplers.setdefault(request.id, Sampler(request.sampling))
         tokens = request.tokens
         logits = await self._call(run_shards, self.shards, request.id, tokens[start:], start)
-        return sampler.sample(logits, tokens)
+        token, _ = sampler.sample(logits, tokens)
+        if request.top_logprobs is None:
+            return token, None
+        return token, token_logprobs(logits, token, request.top_logprobs)
 
     async def release(self, request: Request) -> None:
         self._samplers.pop(request.id, None)

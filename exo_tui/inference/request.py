@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from exo_tui.inference.sampling import SamplingParams
+from exo_tui.inference.sampling import SamplingParams, TokenLogprobs
 
 _counter = itertools.count()
 
@@ -26,8 +26,9 @@ class Request:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     id: str = field(default_factory=new_request_id)
+    top_logprobs: int | None = None  # None: no logprobs; k: each token's and its k likeliest alternatives'
     generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # a token's each, when asked for
     created_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finished_s: float | None = None

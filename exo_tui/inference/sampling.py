@@ -131,8 +131,9 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> tuple[int, float]:
         """The next token id after ``history`` (prompt and tokens generated so far) and its
-        log-probability under the distribution it was drawn from (for greedy: the log-softmax
-        of the raw logits)."""
+        log-probability under the distribution it was drawn from (greedy draws with certainty:
+        0.0). What the model itself gives the token is :func:`token_logprobs`, paid for only when
+        a request asks: over a 49k vocabulary it costs ~40 us a token, ~5 % of a batched step."""
         p = self.params
         raw = np.asarray(logits, dtype=np.float32).reshape(-1)
         if raw.size == 0:
@@ -143,8 +144,7 @@ class Sampler:
             token = int(np.argmax(x))
             if not math.isfinite(float(x[token])):
                 raise ValueError(_bad_logits(raw))
-            # without penalties the token is the raw logits' maximum: no second pass to find it
-            return token, float(_log_softmax_at(raw, token, top=float(raw[token]) if x is raw else None))
+            return token, 0.0
 
         top = float(np.max(x))
         if not math.isfinite(top):
@@ -267,14 +267,54 @@ def _draw(w: np.ndarray, u: float) -> tuple[int, float]:
     return start + int(nz[j]), total
 
 
-def _log_softmax_at(x: np.ndarray, i: int, top: float | None = None) -> float:
-    """log softmax(x)[i]; ``top``: max(x), if known. One temporary (exponentiated in place), summed
-    pairwise in float32 (relative error ~1e-7 over a vocabulary): ~40 µs for 49152 logits, half
-    of what a float64 sum over a fresh exp took, paid for every token a node samples."""
-    m = np.float32(np.max(x) if top is None else top)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on the alternatives listed for a token
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability under the model, and the ``top`` likeliest tokens' (best
+    first). The model's distribution is the softmax of its raw logits: before penalties,
+    temperature and truncation, as OpenAI and vLLM report logprobs, so the same text scores the
+    same whatever the sampling parameters were."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_wire(self) -> list[Any]:
+        return [self.token, self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, data: Any) -> TokenLogprobs:
+        """From :meth:`to_wire`'s list; ``ValueError`` for anything else."""
+        try:
+            token, logprob, top = data
+            out = cls(int(token), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad token logprobs {data!r:.200}: expected [token, logprob, [[token, logprob], ...]]") from exc
+        if len(out.top) > MAX_TOP_LOGPROBS:
+            raise ValueError(f"bad token logprobs: {len(out.top)} alternatives, at most {MAX_TOP_LOGPROBS}")
+        return out
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprobs:
+    """``token``'s log-softmax over ``logits`` and the ``top`` (0..MAX_TOP_LOGPROBS) likeliest
+    tokens' (best first). One temporary, exponentiated in place and summed pairwise in
+    float32 (relative error ~1e-7): ~40 us for 49,152 logits; the top list adds ~0.1 ms."""
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {top}")
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    m = np.float32(np.max(x))
     e = np.subtract(x, m)
     np.exp(e, out=e)
-    return float(x[i]) - float(m) - math.log(float(e.sum()))
+    norm = float(m) + math.log(float(e.sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        k = min(top, x.size)
+        ids = np.argpartition(-x, k - 1)[:k] if k < x.size else np.arange(x.size)
+        ids = ids[np.lexsort((ids, -x[ids]))]
+        best = tuple((int(i), float(x[i]) - norm) for i in ids)
+    return TokenLogprobs(int(token), float(x[token]) - norm, best)
 
 
 def _bad_logits(raw: np.ndarray) -> str:

@@ -42,7 +42,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Version of the wire protocol (frames and handshake). Both ends must speak the same one."""
 
 MIB = 1 << 20

@@ -44,7 +44,7 @@ import numpy as np
 
 from backends import default_backend_name, get_backend
 from backends.base import BackendError, ModelConfig
-from exo_tui.inference.sampling import Sampler, SamplingParams
+from exo_tui.inference.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
@@ -665,7 +665,7 @@ class NodeAgent:
                             results[i] = exc
         return results
 
-    def _sample(self, frame: Frame, logits: np.ndarray) -> tuple[int, float]:
+    def _sample(self, frame: Frame, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
         b = frame.body
         rid = b["rid"]
         sampler = self._samplers.get(rid)
@@ -675,7 +675,13 @@ class NodeAgent:
         n_tokens = int(b["n_tokens"])
         if history is None:
             history = _Length(n_tokens)
-        return sampler.sample(logits[-1], history)
+        token, _ = sampler.sample(logits[-1], history)
+        top = b.get("logprobs")
+        if top is None:
+            return token, None
+        if type(top) is not int:
+            raise ValueError(f"logprobs must be a count of alternatives, not {top!r:.50}")
+        return token, token_logprobs(logits[-1], token, top)
 
     async def _deliver(self, step: _Step, result: Any, more: int = 0) -> None:
         """Send a step's result on. ``more``: how many more hidden states of the same run go to
@@ -694,13 +700,14 @@ class NodeAgent:
             await self._fail_step(step, f"plan {f.plan} was dropped during the step")
             return
         if isinstance(result, tuple):  # the last hop: a sampled token
-            token, logprob = result
+            token, logprobs = result
             stats = self._stats.setdefault(rid, _RequestStats())
             stats.tokens += 1
             stats.last_s = time.monotonic()
-            await self._to_coordinator(
-                Frame("token", body={"rid": rid, "step": f.body.get("step"), "token": int(token), "logprob": float(logprob)}, plan=f.plan)
-            )
+            body = {"rid": rid, "step": f.body.get("step"), "token": int(token)}
+            if logprobs is not None:
+                body["logprobs"] = logprobs.to_wire()
+            await self._to_coordinator(Frame("token", body=body, plan=f.plan))
             return
         nxt = plan.ring[step.hop + 1]
         body = dict(f.body)

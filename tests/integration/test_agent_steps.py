@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import exo_tui.node.agent as agent_module
+from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.net import Cluster, Dispatcher, Frame, Security, connect, ensure_cluster
 from exo_tui.node.agent import NodeAgent
 
@@ -40,6 +41,7 @@ class Ring:
         self.conns = []
         self.tokens: dict[tuple[str, int], asyncio.Future[int]] = {}
         self.failures: list[dict] = []
+        self.bodies: dict[tuple[str, int], dict] = {}  # each token frame's body
         self.version = 1
 
     async def start(self, splits: list[tuple[int, int]]) -> None:
@@ -47,6 +49,7 @@ class Ring:
 
         @handler.route("token")
         async def token(conn, f: Frame) -> None:
+            self.bodies[f.body["rid"], f.body["step"]] = f.body
             self._future(f.body["rid"], f.body["step"]).set_result(int(f.body["token"]))
 
         @handler.route("step_failed")
@@ -86,9 +89,9 @@ class Ring:
             self.tokens[key] = asyncio.get_running_loop().create_future()
         return self.tokens[key]
 
-    async def send(self, rid: str, tokens: list[int], pos: int) -> None:
+    async def send(self, rid: str, tokens: list[int], pos: int, **extra: object) -> None:
         step = len(tokens) - len(PROMPT)
-        body = {"rid": rid, "hop": 0, "pos": pos, "step": step, "n_tokens": len(tokens), "sampling": GREEDY}
+        body = {"rid": rid, "hop": 0, "pos": pos, "step": step, "n_tokens": len(tokens), "sampling": GREEDY, **extra}
         self._future(rid, step)
         await self.conns[0].send("forward", body, tensor=np.asarray(tokens[pos:], dtype=np.int64), plan=self.version)
 
@@ -261,3 +264,25 @@ async def test_new_prompts_let_the_decode_steps_of_running_streams_go_first(
         runs = {k: v - before.get(k, 0) for k, v in node.batch_sizes.items() if v - before.get(k, 0)}
         assert runs == {2: 1, 3: 1}, runs  # not one run of five
         assert not r.failures
+
+
+async def test_logprobs_come_back_only_for_the_requests_of_a_batch_that_ask(cluster: Cluster, tiny_model: Path):
+    """In one batch: a request asking for 2 alternatives gets its token's logprobs, one that does
+    not ask gets none, and one asking for what cannot be (21) fails alone, with the reason."""
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        histories = await r.prefill(["asks", "plain", "bad"])
+        asks = {"asks": {"logprobs": 2}, "plain": {}, "bad": {"logprobs": 21}}
+        for rid, tokens in histories.items():
+            await r.send(rid, tokens, len(tokens) - 1, **asks[rid])
+        step = len(histories["asks"]) - len(PROMPT)
+        token = await r.token("asks", step)
+        await r.token("plain", step)
+        assert r.agents[1].batch_sizes[3] == 1, dict(r.agents[1].batch_sizes)
+        lp = TokenLogprobs.from_wire(r.bodies["asks", step]["logprobs"])
+        assert lp.token == token and len(lp.top) == 2 and lp.top[0] == (token, lp.logprob) and lp.logprob <= 0
+        assert "logprobs" not in r.bodies["plain", step]
+        async with asyncio.timeout(10):
+            while not r.failures:
+                await asyncio.sleep(0.01)
+        assert [f["rid"] for f in r.failures] == ["bad"]
+        assert "top logprobs must be in [0, 20], not 21" in r.failures[0]["error"]

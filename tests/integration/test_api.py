@@ -8,6 +8,7 @@ like any client and read the coordinator's events to see what happened on the cl
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,9 @@ import pytest
 from exo_tui.api.server import ApiServer
 from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.local_nodes import free_port
+from exo_tui.inference.local import LocalPipeline, even_split
+from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import SamplingParams
 from tests.integration.cluster_helpers import cluster_config, node_processes
 
 pytestmark = pytest.mark.slow
@@ -179,6 +183,70 @@ def test_completions_endpoint(client: openai.OpenAI, tokenizer) -> None:  # noqa
     assert streamed == r.choices[0].text
     ids = client.completions.create(model="smollm2-135m", prompt=tokenizer.encode(prompt), max_tokens=4, temperature=0)
     assert ids.choices[0].text == r.choices[0].text
+
+
+def _model_logprobs(live: Live, prompt_ids: list[int], top: int) -> Any:
+    """The first answer token's logprobs from the default model run in this process (the reference)."""
+    model = live.coordinator.model
+
+    async def first() -> Any:
+        pipeline = LocalPipeline()
+        await pipeline.load(model.gguf, even_split(model.config.n_layers, ["onnx"]))
+        try:
+            return (await pipeline.step(Request(prompt_ids, SamplingParams(temperature=0), 1, top_logprobs=top), 0))[1]
+        finally:
+            await pipeline.close()
+
+    return asyncio.run(first())
+
+
+def test_chat_logprobs_are_the_models_own(client: openai.OpenAI, live: Live, tokenizer) -> None:  # noqa: ANN001
+    asked = {"model": "smollm2-135m", "messages": QUESTION, "temperature": 0, "max_tokens": 12, "logprobs": True,
+             "top_logprobs": 2}
+    r = client.chat.completions.create(**asked)
+    content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert b"".join(bytes(t.bytes) for t in content).decode() == text
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # not the end of turn
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token  # greedy: the likeliest
+        assert t.top_logprobs[0].logprob == t.logprob >= t.top_logprobs[1].logprob
+        assert math.exp(t.logprob) + math.exp(t.top_logprobs[1].logprob) <= 1 + 1e-6
+    ref = _model_logprobs(live, live.coordinator.model.chat_prompt_ids(QUESTION), 2)
+    assert tokenizer.token_bytes(ref.token) == bytes(content[0].bytes)
+    assert content[0].logprob == pytest.approx(ref.logprob, abs=2e-3)
+    assert [bytes(a.bytes) for a in content[0].top_logprobs] == [tokenizer.token_bytes(t) for t, _ in ref.top]
+    streamed = [t for c in client.chat.completions.create(**asked, stream=True) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    plain = client.chat.completions.create(model="smollm2-135m", messages=QUESTION, temperature=0, max_tokens=12)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+
+
+def test_completion_logprobs_in_the_legacy_shape(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    r = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert "".join(lp.tokens) == text and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == value <= 0 and len(top) <= 3 and max(top.values()) == value  # greedy
+    streamed = list(client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=6, temperature=0,
+                                              logprobs=0, stream=True))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_logprobs_asked_wrongly_are_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2-135m", prompt="Hi", echo=True, logprobs=1)
+    assert e.value.body["param"] == "logprobs"
 
 
 def test_errors_have_openai_shape_and_status(client: openai.OpenAI, live: Live) -> None:

@@ -44,10 +44,11 @@ from exo_tui.net import (
     serve,
     write_node_bundle,
 )
-from exo_tui.net.frame import DTYPES, FrameError, IncompleteFrame, decode_frame, frame_bytes
+from exo_tui.net.frame import DTYPES, PROTOCOL_VERSION, FrameError, IncompleteFrame, decode_frame, frame_bytes
 from exo_tui.net.rpc import _peer_identity, open_authenticated
 
 NET = "exo_tui.net"
+V = PROTOCOL_VERSION
 HOST = "127.0.0.1"
 
 
@@ -625,16 +626,16 @@ async def test_other_protocol_version_is_refused_with_a_clear_error(coord, node,
     async with running(node) as server:
         reader, writer = await asyncio.open_connection(HOST, server.port, ssl=coord.client_context(), server_hostname="")
         try:
-            with pytest.raises(ProtocolMismatch, match="node 127.0.0.1 speaks exo-tui protocol 1, this coordinator speaks 2: upgrade") as e:
+            with pytest.raises(ProtocolMismatch, match=f"node 127.0.0.1 speaks exo-tui protocol {V}, this coordinator speaks {V + 1}: upgrade") as e:
                 await auth.client_handshake(
                     reader, writer, coord.cluster_key, fp_server=_peer_identity(writer)[0],
-                    fp_client=coord.fingerprint, peer="node 127.0.0.1", version=2, local="this coordinator",
+                    fp_client=coord.fingerprint, peer="node 127.0.0.1", version=V + 1, local="this coordinator",
                 )
-            assert e.value.peer_version == 1
+            assert e.value.peer_version == V
         finally:
             writer.transport.abort()
         await until(lambda: refusals(caplog))
-        assert "the peer speaks exo-tui protocol 2, this node (node-a) speaks 1: upgrade" in refusals(caplog)[0]
+        assert f"the peer speaks exo-tui protocol {V + 1}, this node (node-a) speaks {V}: upgrade" in refusals(caplog)[0]
 
 
 # ------------------------------------------------------------------ bad input after authentication
@@ -642,19 +643,19 @@ async def test_other_protocol_version_is_refused_with_a_clear_error(coord, node,
 BAD_INPUT = {
     "garbage": (b"\xde\xad\xbe\xef" * 16, "bad_frame", "exceeds the limit"),
     "not msgpack": (struct.pack(">I", 8) + b"\xc1" * 8, "bad_frame", "not valid msgpack"),
-    "wrong version": (raw_frame({"v": 2, "type": "echo", "id": 1}), "protocol_version", "protocol 2"),
+    "wrong version": (raw_frame({"v": V + 1, "type": "echo", "id": 1}), "protocol_version", f"protocol {V + 1}"),
     "100 GB payload": (
-        raw_frame({"v": 1, "type": "forward", "dtype": "float32", "shape": [25_000_000_000], "nbytes": 100_000_000_000}),
+        raw_frame({"v": V, "type": "forward", "dtype": "float32", "shape": [25_000_000_000], "nbytes": 100_000_000_000}),
         "bad_frame",
         "100000000000 bytes exceeds the limit",
     ),
     "tensor bytes mismatch": (
-        raw_frame({"v": 1, "type": "echo", "id": 1, "dtype": "float32", "shape": [2, 5], "nbytes": 39}, b"\0" * 39),
+        raw_frame({"v": V, "type": "echo", "id": 1, "dtype": "float32", "shape": [2, 5], "nbytes": 39}, b"\0" * 39),
         "bad_frame",
         "needs 40 bytes but the frame carries 39",
     ),
     "ext type": (
-        raw_frame({"v": 1, "type": "echo", "id": 1, "body": {"x": msgpack.ExtType(1, b"x")}}),
+        raw_frame({"v": V, "type": "echo", "id": 1, "body": {"x": msgpack.ExtType(1, b"x")}}),
         "bad_frame",
         "extension type 1",
     ),

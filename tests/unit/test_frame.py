@@ -25,6 +25,8 @@ from exo_tui.net.frame import (
     parse_header,
 )
 
+V = PROTOCOL_VERSION
+
 
 def raw_frame(header: dict, payload: bytes = b"") -> bytes:
     h = msgpack.packb(header, use_bin_type=True)
@@ -106,7 +108,7 @@ def test_encode_refuses_what_the_wire_cannot_carry():
 
 
 def test_unknown_header_fields_are_ignored():
-    data = raw_frame({"v": PROTOCOL_VERSION, "type": "ping", "id": 7, "future_field": [1, 2], "body": {"a": 1}})
+    data = raw_frame({"v": V, "type": "ping", "id": 7, "future_field": [1, 2], "body": {"a": 1}})
     f, _ = decode_frame(data)
     assert (f.type, f.id, f.body) == ("ping", 7, {"a": 1})
 
@@ -130,12 +132,12 @@ def test_header_limit_is_checked_from_the_prefix():
 
 
 def test_a_header_claiming_100_gb_is_refused_from_the_header_alone():
-    header = {"v": 1, "type": "forward", "dtype": "float32", "shape": [25_000_000_000], "nbytes": 100_000_000_000}
+    header = {"v": V, "type": "forward", "dtype": "float32", "shape": [25_000_000_000], "nbytes": 100_000_000_000}
     data = raw_frame(header)  # no payload follows: nothing may wait for or allocate it
     with pytest.raises(FrameError, match="100000000000 bytes exceeds the limit of 268435456"):
         decode_frame(data)
     with pytest.raises(FrameError, match="exceeds the limit"):
-        decode_frame(raw_frame({"v": 1, "type": "chunk", "nbytes": 100_000_000_000}))
+        decode_frame(raw_frame({"v": V, "type": "chunk", "nbytes": 100_000_000_000}))
 
 
 def test_payload_limit_is_configurable():
@@ -150,7 +152,7 @@ def test_payload_limit_is_configurable():
     [([10], 39), ([10], 41), ([2, 3], 0), ([], 8), ([0], 4)],
 )
 def test_tensor_bytes_must_match_dtype_and_shape(shape, nbytes):
-    data = raw_frame({"v": 1, "type": "forward", "dtype": "float32", "shape": shape, "nbytes": nbytes}, b"\0" * nbytes)
+    data = raw_frame({"v": V, "type": "forward", "dtype": "float32", "shape": shape, "nbytes": nbytes}, b"\0" * nbytes)
     with pytest.raises(FrameError, match="needs .* bytes but the frame carries"):
         decode_frame(data)
 
@@ -161,25 +163,25 @@ def test_tensor_bytes_must_match_dtype_and_shape(shape, nbytes):
 @pytest.mark.parametrize(
     ("header", "match"),
     [
-        ({"v": 2, "type": "ping"}, "protocol 2, this process speaks 1: upgrade"),
+        ({"v": V + 1, "type": "ping"}, f"protocol {V + 1}, this process speaks {V}: upgrade"),
         ({"type": "ping"}, "protocol None"),
         ({"v": "1", "type": "ping"}, "protocol '1'"),
-        ({"v": 1}, "'type' must be a string"),
-        ({"v": 1, "type": ""}, "'type' must be a string"),
-        ({"v": 1, "type": "x" * 65}, "'type' must be a string"),
-        ({"v": 1, "type": "t", "id": -1}, "'id' must be an integer"),
-        ({"v": 1, "type": "t", "id": 2**63}, "'id' must be an integer"),
-        ({"v": 1, "type": "t", "id": 1.5}, "'id' must be an integer"),
-        ({"v": 1, "type": "t", "re": 1}, "'re' must be a boolean"),
-        ({"v": 1, "type": "t", "plan": "p"}, "'plan' must be an integer"),
-        ({"v": 1, "type": "t", "body": [1]}, "'body' must be a map"),
-        ({"v": 1, "type": "t", "lane": 3}, "'lane' must be a string"),
-        ({"v": 1, "type": "t", "dtype": "object", "shape": [1], "nbytes": 8}, "dtype 'object' is not supported"),
-        ({"v": 1, "type": "t", "dtype": "float32", "shape": [-1], "nbytes": 4}, "shape must be a list"),
-        ({"v": 1, "type": "t", "dtype": "float32", "shape": "4", "nbytes": 4}, "shape must be a list"),
-        ({"v": 1, "type": "t", "dtype": "float32", "shape": [1] * 17, "nbytes": 4}, "shape must be a list"),
-        ({"v": 1, "type": "t", "shape": [1], "nbytes": 4}, "shape but no dtype"),
-        ({"v": 1, "type": "t", "nbytes": -5}, "'nbytes' must be an integer"),
+        ({"v": V}, "'type' must be a string"),
+        ({"v": V, "type": ""}, "'type' must be a string"),
+        ({"v": V, "type": "x" * 65}, "'type' must be a string"),
+        ({"v": V, "type": "t", "id": -1}, "'id' must be an integer"),
+        ({"v": V, "type": "t", "id": 2**63}, "'id' must be an integer"),
+        ({"v": V, "type": "t", "id": 1.5}, "'id' must be an integer"),
+        ({"v": V, "type": "t", "re": 1}, "'re' must be a boolean"),
+        ({"v": V, "type": "t", "plan": "p"}, "'plan' must be an integer"),
+        ({"v": V, "type": "t", "body": [1]}, "'body' must be a map"),
+        ({"v": V, "type": "t", "lane": 3}, "'lane' must be a string"),
+        ({"v": V, "type": "t", "dtype": "object", "shape": [1], "nbytes": 8}, "dtype 'object' is not supported"),
+        ({"v": V, "type": "t", "dtype": "float32", "shape": [-1], "nbytes": 4}, "shape must be a list"),
+        ({"v": V, "type": "t", "dtype": "float32", "shape": "4", "nbytes": 4}, "shape must be a list"),
+        ({"v": V, "type": "t", "dtype": "float32", "shape": [1] * 17, "nbytes": 4}, "shape must be a list"),
+        ({"v": V, "type": "t", "shape": [1], "nbytes": 4}, "shape but no dtype"),
+        ({"v": V, "type": "t", "nbytes": -5}, "'nbytes' must be an integer"),
     ],
 )
 def test_bad_headers_are_refused(header, match):
@@ -189,34 +191,34 @@ def test_bad_headers_are_refused(header, match):
 
 def test_protocol_version_error_says_what_to_do():
     with pytest.raises(ProtocolVersionError) as e:
-        parse_header(msgpack.packb({"v": 2, "type": "ping"}))
-    assert e.value.peer_version == 2 and e.value.code == "protocol_version"
+        parse_header(msgpack.packb({"v": V + 1, "type": "ping"}))
+    assert e.value.peer_version == V + 1 and e.value.code == "protocol_version"
 
 
 def test_header_must_be_a_string_keyed_map_of_plain_values():
     with pytest.raises(FrameError, match="must be a map"):
         parse_header(msgpack.packb([1, "ping"]))
     with pytest.raises(FrameError, match="not valid msgpack"):
-        parse_header(msgpack.packb({1: "x", "v": 1, "type": "t"}))  # strict_map_key
+        parse_header(msgpack.packb({1: "x", "v": V, "type": "t"}))  # strict_map_key
     with pytest.raises(FrameError, match="map keys must be strings"):
-        parse_header(msgpack.packb({"v": 1, "type": "t", "body": {b"k": 1}}, use_bin_type=True))
+        parse_header(msgpack.packb({"v": V, "type": "t", "body": {b"k": 1}}, use_bin_type=True))
     with pytest.raises(FrameError, match="not valid msgpack"):
         parse_header(b"\xc1garbage")
     with pytest.raises(FrameError, match="not valid msgpack"):
-        parse_header(msgpack.packb({"v": 1, "type": "t"}) + b"\x00")  # trailing bytes
+        parse_header(msgpack.packb({"v": V, "type": "t"}) + b"\x00")  # trailing bytes
 
 
 def test_no_extension_types_and_no_pickle():
     import pickle
 
-    ext = msgpack.packb({"v": 1, "type": "t", "body": {"x": msgpack.ExtType(42, b"\x80\x04N.")}})
+    ext = msgpack.packb({"v": V, "type": "t", "body": {"x": msgpack.ExtType(42, b"\x80\x04N.")}})
     with pytest.raises(FrameError, match="extension type 42"):
         parse_header(ext)
-    ts = msgpack.packb({"v": 1, "type": "t", "body": {"x": msgpack.Timestamp(1, 0)}})
+    ts = msgpack.packb({"v": V, "type": "t", "body": {"x": msgpack.Timestamp(1, 0)}})
     with pytest.raises(FrameError, match="Timestamp"):
         parse_header(ts)
     with pytest.raises(FrameError):
-        parse_header(pickle.dumps({"v": 1, "type": "t"}))
+        parse_header(pickle.dumps({"v": V, "type": "t"}))
 
 
 def test_truncated_frames_are_incomplete():

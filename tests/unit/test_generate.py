@@ -4,6 +4,7 @@ cancellation."""
 from __future__ import annotations
 
 import asyncio
+import string
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,58 @@ def test_closing_the_stream_releases_caches(model: Model) -> None:
 def test_empty_prompt_is_an_error(model: Model) -> None:
     with pytest.raises(GenerationError, match="prompt is empty"):
         asyncio.run(_run(model, Request([], SamplingParams(temperature=0.0), 5)))
+
+
+# Stops that never match but hold each character back until the next token's text comes.
+HOLDING = tuple(f"{c}\x07" for c in string.printable)
+
+
+@pytest.mark.parametrize("stop", [(), HOLDING], ids=["no-stops", "held-back"])
+def test_logprobs_list_each_answer_token_with_the_chunk_where_its_text_begins(model: Model, stop: tuple[str, ...]) -> None:
+    request = Request(model.tokenizer.encode("hello there"), SamplingParams(temperature=0.0), 24, stop=stop, top_logprobs=3)
+    chunks = _answer(model, request)
+    text = "".join(c.text for c in chunks)
+    answer = [t for t in request.generated if t not in model.tokenizer.eos_ids]
+    listed = [x for c in chunks for x in c.logprobs]
+    assert [lp.token for _, lp in listed] == answer
+    assert [lp for _, lp in listed] == request.logprobs[: len(answer)]
+    seen = 0
+    for c in chunks:  # a chunk lists the tokens whose text begins inside it (the last: what is left)
+        end = seen + len(c.text) if c is not chunks[-1] else len(text) + 1
+        assert all(seen <= at < end for at, _ in c.logprobs)
+        seen += len(c.text)
+    offsets = [at for at, _ in listed]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    whole = 0
+    for at, lp in listed:
+        piece = model.tokenizer.token_bytes(lp.token)
+        if at and piece and piece.isascii() and not model.tokenizer.is_special(lp.token):
+            assert text[at:].startswith(piece.decode())  # a whole-character token: its text is there
+            whole += 1
+        assert lp.logprob <= 0 and len(lp.top) == 3
+        assert lp.top[0] == (lp.token, lp.logprob)  # greedy: the likeliest token was chosen
+    assert whole
+
+
+def test_tokens_a_stop_string_cut_off_are_not_listed(model: Model) -> None:
+    sampling = SamplingParams(temperature=1.5, seed=7)  # a varied answer (greedy repeats one token)
+    probe = Request(model.tokenizer.encode("abc"), sampling, 20, top_logprobs=0)
+    chunks = _answer(model, probe)
+    full = "".join(c.text for c in chunks)
+    if len(full) < 6:
+        pytest.skip("the random model ended too early to cut")
+    everything = [x for c in chunks for x in c.logprobs]
+    # a stop that begins where a token's text begins: that token is cut off whole
+    stop = next((full[at : at + 2] for at, _ in everything[2:] if full.find(full[at : at + 2]) == at > 0), full[4:6])
+    request = Request(model.tokenizer.encode("abc"), sampling, 20, stop=(stop,), top_logprobs=0)
+    chunks = _answer(model, request)
+    cut = full.index(stop)
+    assert "".join(c.text for c in chunks) == full[:cut]
+    listed = [x for c in chunks for x in c.logprobs]
+    assert listed == [x for x in everything if x[0] < cut] and len(listed) < len(everything)
+
+
+def test_no_logprobs_unless_asked(model: Model) -> None:
+    request = Request(model.tokenizer.encode("hello there"), SamplingParams(temperature=0.7, seed=3), 8)
+    chunks = _answer(model, request)
+    assert request.logprobs == [] and all(c.logprobs == () for c in chunks)

@@ -12,7 +12,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from exo_tui.inference.sampling import Sampler, SamplingParams, _draw
+from exo_tui.inference.sampling import (
+    MAX_TOP_LOGPROBS,
+    Sampler,
+    SamplingParams,
+    TokenLogprobs,
+    _draw,
+    token_logprobs,
+)
 
 logit_arrays = arrays(
     np.float32,
@@ -86,10 +93,38 @@ def test_with_seed_fixes_a_seed_once() -> None:
 
 
 @given(logit_arrays, histories)
-def test_greedy_is_argmax_with_raw_log_softmax(logits: np.ndarray, history: list[int]) -> None:
-    token, logprob = Sampler(SamplingParams(temperature=0, seed=1)).sample(logits, history)
-    assert token == int(np.argmax(logits))
-    assert logprob == pytest.approx(math.log(softmax(logits)[token]), abs=1e-5)
+def test_greedy_is_argmax_drawn_with_certainty(logits: np.ndarray, history: list[int]) -> None:
+    assert Sampler(SamplingParams(temperature=0, seed=1)).sample(logits, history) == (int(np.argmax(logits)), 0.0)
+
+
+@given(logit_arrays, st.integers(0, MAX_TOP_LOGPROBS), st.data())
+def test_token_logprobs_are_the_models_log_softmax_and_its_likeliest_tokens(
+    logits: np.ndarray, top: int, data: st.DataObject
+) -> None:
+    token = data.draw(st.integers(0, logits.size - 1))
+    got = token_logprobs(logits, token, top)
+    exact = np.log(softmax(logits))
+    assert got.token == token
+    assert got.logprob == pytest.approx(exact[token], abs=1e-4)
+    assert len(got.top) == min(top, logits.size)
+    ids = [t for t, _ in got.top]
+    assert len(set(ids)) == len(ids)
+    for t, lp in got.top:
+        assert lp == pytest.approx(exact[t], abs=1e-4)
+    if got.top:  # the best first, and nothing left out is likelier than the last listed
+        assert [lp for _, lp in got.top] == sorted((lp for _, lp in got.top), reverse=True)
+        assert ids[0] == int(np.argmax(logits)) or logits[ids[0]] == logits.max()
+        outside = np.delete(logits, ids)
+        assert outside.size == 0 or outside.max() <= logits[ids[-1]]
+    assert TokenLogprobs.from_wire(msgpack.unpackb(msgpack.packb(got.to_wire()))) == got
+
+
+def test_token_logprobs_refuse_what_they_cannot_be() -> None:
+    with pytest.raises(ValueError, match=r"top logprobs must be in \[0, 20\]"):
+        token_logprobs(np.zeros(4, np.float32), 0, 21)
+    for bad in ([1, 0.5], [1, "x", []], [1, 0.5, [[1]]], {"token": 1}, [1, 0.5, [[i, 0.0] for i in range(21)]]):
+        with pytest.raises(ValueError, match="bad token logprobs"):
+            TokenLogprobs.from_wire(bad)
 
 
 @given(logit_arrays, st.integers(0, 1000))
@@ -163,7 +198,9 @@ def test_frequency_and_presence_penalties() -> None:
     logits = np.array([5.0, 4.0, 3.5, 0.0], np.float32)
     freq = Sampler(SamplingParams(temperature=0, frequency_penalty=0.6))
     assert freq.sample(logits, [])[0] == 0
-    assert freq.sample(logits, [0, 0]) == (1, pytest.approx(math.log(softmax(logits)[1]), abs=1e-6))  # 3.8 < 4
+    assert freq.sample(logits, [0, 0]) == (1, 0.0)  # 3.8 < 4
+    # what the model gives the token is reported as it is, before any penalty
+    assert token_logprobs(logits, 1).logprob == pytest.approx(math.log(softmax(logits)[1]), abs=1e-6)
     assert freq.sample(logits, [0, 0, 0, 1])[0] == 2  # 3.2 and 3.4 against 3.5
     pres = Sampler(SamplingParams(temperature=0, presence_penalty=1.6))
     assert pres.sample(logits, [0, 0, 0])[0] == 1  # once, however often: 3.4 < 4

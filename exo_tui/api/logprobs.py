@@ -1,0 +1,56 @@
+"""Token logprobs in OpenAI's two shapes: chat's ``logprobs.content`` and the legacy completions'
+``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``.
+
+A token's text is its bytes decoded on their own (a token holding part of a character shows
+U+FFFD there; ``bytes`` has the exact bytes, as OpenAI's does for the same reason).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from exo_tui.inference.generate import Listed
+from exo_tui.models.tokenizer import Tokenizer
+
+FLOOR = -9999.0  # JSON has no -Infinity: a token the model rules out (a -inf logit) gets OpenAI's floor
+
+
+def _value(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else FLOOR
+
+
+def _text(tokenizer: Tokenizer, token: int) -> str:
+    return tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
+def _entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": _value(logprob), "bytes": list(raw)}
+
+
+def chat_logprobs(tokenizer: Tokenizer, listed: Sequence[Listed]) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a chat completion (or of one streamed chunk)."""
+    content = []
+    for _, lp in listed:
+        entry = _entry(tokenizer, lp.token, lp.logprob)
+        entry["top_logprobs"] = [_entry(tokenizer, t, v) for t, v in lp.top]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer: Tokenizer, listed: Sequence[Listed], offset: int = 0) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a completion (or of one streamed chunk); ``offset``: where the
+    answer begins in the choice's text (the echoed prompt's length). Each ``top_logprobs`` map
+    holds the likeliest tokens and the chosen one: up to ``logprobs`` + 1, as OpenAI's."""
+    tokens, values, tops, offsets = [], [], [], []
+    for at, lp in listed:
+        text = _text(tokenizer, lp.token)
+        tokens.append(text)
+        values.append(_value(lp.logprob))
+        top = {_text(tokenizer, t): _value(v) for t, v in lp.top}
+        top.setdefault(text, _value(lp.logprob))
+        tops.append(top)
+        offsets.append(offset + at)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
