@@ -17,7 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -546,6 +546,13 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _sse_template(obj: Any) -> Callable[[str], str]:
+    """``_sse`` of ``obj`` whose one ``"\0"`` string is each call's argument: the event of a
+    streamed token is one JSON string formatted into text made once, not a dict encoded whole."""
+    before, after = _sse(obj).split('"\\u0000"')
+    return lambda text: before + json.dumps(text) + after
+
+
 def _stream_error(exc: BaseException) -> str:
     code = "cluster_unavailable" if isinstance(exc, GenerationError) else "internal_error"
     return _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
@@ -563,11 +570,15 @@ async def _chat_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
         return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                      **extra})
 
+    content = _sse_template({**base, "choices": [{"index": 0, "delta": {"content": "\0"}, "logprobs": None,
+                                                  "finish_reason": None}], **extra})
     try:
         yield chunk({"role": "assistant", "content": ""})
         while (c := await gen.next()) is not None:
-            if c.text or c.logprobs:
+            if c.logprobs:
                 yield chunk({"content": c.text}, listed=c.logprobs)
+            elif c.text:
+                yield content(c.text)
         yield chunk({}, gen.finish_reason)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(gen.request)})
@@ -590,12 +601,16 @@ async def _text_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
         return _sse({**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                      **extra})
 
+    content = _sse_template({**base, "choices": [{"index": 0, "text": "\0", "logprobs": None, "finish_reason": None}],
+                             **extra})
     try:
         if prefix:
-            yield chunk(prefix)
+            yield content(prefix)
         while (c := await gen.next()) is not None:
-            if c.text or c.logprobs:
+            if c.logprobs:
                 yield chunk(c.text, listed=c.logprobs)
+            elif c.text:
+                yield content(c.text)
         yield chunk("", gen.finish_reason)
         if include_usage:
             yield _sse({**base, "choices": [], "usage": usage(gen.request)})

@@ -25,7 +25,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -97,6 +97,11 @@ def _shared_prefix(a: list[int], b: tuple[int, ...]) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
     return int(diff[0]) if len(diff) else n
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(f"no token within {STEP_TIMEOUT_S:.0f} s"))
 
 
 class RemotePipeline:
@@ -181,7 +186,7 @@ class RemotePipeline:
                     ) from exc
                 await self.host.step_failed(failure, plan)
                 continue
-            self._cached[request.id] = _Cached(plan.version, len(request.tokens))
+            self._cached[request.id] = _Cached(plan.version, request.n_tokens)
             return token, logprobs
 
     def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
@@ -208,10 +213,10 @@ class RemotePipeline:
 
     async def _run(self, plan: RingPlan, request: Request, pos: int,
                    adopt: str | None = None) -> tuple[int, TokenLogprobs | None]:
-        tokens = request.tokens
         step = len(request.generated)
         key = (request.id, step, plan.version)
-        fut: asyncio.Future[tuple[int, TokenLogprobs | None]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[int, TokenLogprobs | None]] = loop.create_future()
         self._pending[key] = fut
         self._active_plans[request.id] = plan
         self._served[request.id] = tuple(e.node_id for e in plan.ring)
@@ -220,11 +225,11 @@ class RemotePipeline:
             "hop": 0,
             "pos": pos,
             "step": step,
-            "n_tokens": len(tokens),
+            "n_tokens": request.n_tokens,
             "sampling": request.sampling.to_dict(),
         }
         if request.sampling.uses_history:
-            body["history"] = tokens
+            body["history"] = request.tokens
         if adopt is not None:
             body["adopt"] = adopt
         if request.top_logprobs is not None:
@@ -236,13 +241,19 @@ class RemotePipeline:
             except KeyError as exc:
                 raise StepFailure(f"node {first} is not connected", first) from exc
             try:
-                await conn.send("forward", body, tensor=np.asarray(tokens[pos:], dtype=np.int64), plan=plan.version)
+                await conn.send("forward", body, tensor=np.asarray(request.tokens_from(pos), dtype=np.int64),
+                                plan=plan.version)
             except (ConnectionError, OSError) as exc:
                 raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
-            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result and drops
-            # a cancel that lands when the token has just come, so a stopped answer went on
-            async with asyncio.timeout(STEP_TIMEOUT_S):
+            # A timer that fails the future, not asyncio.timeout (a tenth of the coordinator's time
+            # a token went to its task bookkeeping) nor wait_for (Python 3.11's drops a cancel that
+            # lands when the token has just come, so a stopped answer went on). A cancel of this
+            # task cancels ``fut`` and comes out of the await as it is.
+            timer = loop.call_later(STEP_TIMEOUT_S, _expire, fut)
+            try:
                 return await fut
+            finally:
+                timer.cancel()
         finally:
             self._pending.pop(key, None)
 

@@ -85,10 +85,10 @@ async def generate(
         if not request.prompt_ids:
             raise GenerationError("the prompt is empty: give at least one token")
         while len(request.generated) < request.max_tokens:
-            if len(request.tokens) >= context_length:
+            if request.n_tokens >= context_length:
                 break
             token, logprobs = await runner.step(request, start)
-            start = len(request.tokens)
+            start = request.n_tokens
             request.generated.append(token)
             if logprobs is not None:
                 request.logprobs.append(logprobs)

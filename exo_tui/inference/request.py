@@ -40,6 +40,16 @@ class Request:
         return self.prompt_ids + self.generated
 
     @property
+    def n_tokens(self) -> int:
+        """``len(self.tokens)``, without building the list."""
+        return len(self.prompt_ids) + len(self.generated)
+
+    def tokens_from(self, start: int) -> list[int]:
+        """``self.tokens[start:]``, without copying the prompt when ``start`` is past it."""
+        n = len(self.prompt_ids)
+        return self.generated[start - n :] if start >= n else self.prompt_ids[start:] + self.generated
+
+    @property
     def ttft_s(self) -> float:
         return (self.first_token_s - self.created_s) if self.first_token_s is not None else 0.0
 
