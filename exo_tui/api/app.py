@@ -31,7 +31,7 @@ from exo_tui import __version__
 from exo_tui.api import schemas as s
 from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
-from exo_tui.api.logprobs import chat_logprobs, completion_logprobs
+from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
 from exo_tui.cluster.view import HostKeyUnknown
 from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
@@ -221,7 +221,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         return tuple(x for x in items if x)
 
     def new_request(prompt_ids: list[int], body: s._Sampling, max_tokens: int | None,
-                    top_logprobs: int | None = None) -> GenRequest:
+                    top_logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenRequest:
         context = coordinator.model.config.context_length
         if len(prompt_ids) >= context:
             raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
@@ -232,7 +232,8 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
                                 f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more: ask for at most "
                                 f"{context - len(prompt_ids)}", param="max_tokens", code="context_length_exceeded")
-        return GenRequest(prompt_ids, sampling(body), max_tokens, stops(body.stop), top_logprobs=top_logprobs)
+        return GenRequest(prompt_ids, sampling(body), max_tokens, stops(body.stop), top_logprobs=top_logprobs,
+                          prompt_logprobs=prompt_logprobs)
 
     async def start(http: Request, request: GenRequest) -> Generation:
         """Start generating; wait for the first chunk so a cluster that cannot serve is a 503."""
@@ -330,19 +331,22 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             prompt_text = tokenizer.decode(ids)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty: give at least one token", param="prompt", code="invalid_prompt")
-        if body.echo and body.logprobs is not None:
-            raise ApiError(400, "logprobs of an echoed prompt are not computed here: ask for the answer's logprobs "
-                                "without echo, or echo without logprobs", param="logprobs", code="invalid_parameter")
-        request = new_request(prompt_ids, body, body.max_tokens, body.logprobs)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 asks for nothing: give at least 1, or 0 with echo (and logprobs) "
+                                "to score the prompt", param="max_tokens", code="invalid_parameter")
+        scored = body.echo and body.logprobs is not None
+        request = new_request(prompt_ids, body, body.max_tokens, body.logprobs, body.logprobs if scored else None)
         gen = await start(http, request)
         cid = f"cmpl-{request.id}"
         prefix = prompt_text if body.echo else ""
+        echoed: list[Listed] = prompt_listed(tokenizer, prompt_ids, request.prompt_scores) if scored else []
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_text_stream(gen, cid, mid, include_usage, usage, prefix, tokenizer),
+            return StreamingResponse(_text_stream(gen, cid, mid, include_usage, usage, prefix, tokenizer, echoed),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         text, listed = await collect(http, gen)
-        logprobs = completion_logprobs(tokenizer, listed, len(prefix)) if body.logprobs is not None else None
+        logprobs = completion_logprobs(tokenizer, [*echoed, *((at + len(prefix), lp) for at, lp in listed)]) \
+            if body.logprobs is not None else None
         return {
             "id": cid, "object": "text_completion", "created": gen.created, "model": mid,
             "choices": [{"index": 0, "text": prefix + text, "logprobs": logprobs, "finish_reason": gen.finish_reason}],
@@ -590,7 +594,7 @@ async def _chat_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
 
 
 async def _text_stream(gen: Generation, cid: str, mid: str, include_usage: bool, usage: Any,
-                       prefix: str, tokenizer: Any) -> AsyncIterator[str]:
+                       prefix: str, tokenizer: Any, echoed: list[Listed]) -> AsyncIterator[str]:
     base = {"id": cid, "object": "text_completion", "created": gen.created, "model": mid,
             "system_fingerprint": f"exo-tui-{__version__}"}
     extra = {"usage": None} if include_usage else {}
@@ -604,7 +608,10 @@ async def _text_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
     content = _sse_template({**base, "choices": [{"index": 0, "text": "\0", "logprobs": None, "finish_reason": None}],
                              **extra})
     try:
-        if prefix:
+        if echoed:  # the prompt with its tokens' logprobs
+            yield _sse({**base, "choices": [{"index": 0, "text": prefix, "finish_reason": None,
+                                             "logprobs": completion_logprobs(tokenizer, echoed)}], **extra})
+        elif prefix:
             yield content(prefix)
         while (c := await gen.next()) is not None:
             if c.logprobs:

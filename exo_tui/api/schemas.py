@@ -80,9 +80,9 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(description="a string, a one-string list, or token ids")
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5, description="each answer token's log-probability and this many likeliest tokens'")
+    max_tokens: int | None = Field(default=16, ge=0, description="0 only with echo: the prompt scored, nothing generated")
+    echo: bool = Field(default=False, description="the prompt before the answer (and, with logprobs, its tokens' logprobs)")
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="each token's log-probability and this many likeliest tokens'")
 
 
 class PromptTokensDetails(BaseModel):
@@ -135,8 +135,8 @@ class ChatCompletion(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -414,10 +414,15 @@ class Coordinator:
         if frame.type == "token":
             try:
                 logprobs = None if b.get("logprobs") is None else TokenLogprobs.from_wire(b["logprobs"])
+                scores = b.get("scores")
+                if scores is not None:
+                    if type(scores) is not list:
+                        raise ValueError(f"scores must be a list, not {type(scores).__name__}")
+                    scores = [TokenLogprobs.from_wire(x) for x in scores]
             except ValueError as exc:  # the step fails (and is retried); the connection stays
                 self.pipeline.on_step_failed(b["rid"], b.get("step"), frame.plan, f"node {node_id}: {exc}", node_id)
                 return None
-            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs)
+            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs, scores)
         elif frame.type == "heartbeat":
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(b.get("metrics", {}))

@@ -99,6 +99,11 @@ def _shared_prefix(a: list[int], b: tuple[int, ...]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+# What a step gives back: the token, its logprobs (when asked) and the prompt's scores (when asked
+# and the step ran the prompt from its start).
+_Result = tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]
+
+
 def _expire(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError(f"no token within {STEP_TIMEOUT_S:.0f} s"))
@@ -109,7 +114,7 @@ class RemotePipeline:
 
     def __init__(self, host: PipelineHost) -> None:
         self.host = host
-        self._pending: dict[tuple[str, int, int], asyncio.Future[tuple[int, TokenLogprobs | None]]] = {}
+        self._pending: dict[tuple[str, int, int], asyncio.Future[_Result]] = {}
         self._cached: dict[str, _Cached] = {}
         self._served: dict[str, tuple[str, ...]] = {}
         self._active_plans: dict[str, RingPlan] = {}
@@ -117,10 +122,11 @@ class RemotePipeline:
 
     # ------------------------------------------------------------------ frames from nodes
 
-    def on_token(self, rid: str, step: int, plan_version: int, token: int, logprobs: TokenLogprobs | None) -> None:
+    def on_token(self, rid: str, step: int, plan_version: int, token: int, logprobs: TokenLogprobs | None,
+                 scores: list[TokenLogprobs] | None = None) -> None:
         fut = self._pending.get((rid, step, plan_version))
         if fut is not None and not fut.done():
-            fut.set_result((token, logprobs))
+            fut.set_result((token, logprobs, scores))
 
     def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None) -> None:
         for key, fut in list(self._pending.items()):
@@ -164,12 +170,14 @@ class RemotePipeline:
                         asyncio.create_task(self._drop_on(replace(old, ring=tuple(gone)), request.id))
                 cached = None
             pos = cached.length if cached is not None else 0
-            adopted = self._take_kept(request, plan) if cached is None and start == 0 else None
+            # a prompt to score runs whole: a kept cache would leave its first positions unscored
+            may_adopt = cached is None and start == 0 and not request.wants_prompt_scores
+            adopted = self._take_kept(request, plan) if may_adopt else None
             if adopted is not None:
                 pos = request.cached_tokens = adopted[1]
             try:
                 try:
-                    token, logprobs = await self._run(plan, request, pos, adopted[0] if adopted else None)
+                    token, logprobs, scores = await self._run(plan, request, pos, adopted[0] if adopted else None)
                 finally:
                     self.host.step_done()
             except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
@@ -187,6 +195,8 @@ class RemotePipeline:
                 await self.host.step_failed(failure, plan)
                 continue
             self._cached[request.id] = _Cached(plan.version, request.n_tokens)
+            if scores is not None:
+                request.prompt_scores = scores
             return token, logprobs
 
     def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
@@ -212,11 +222,11 @@ class RemotePipeline:
         await asyncio.gather(*(self._drop_on(k.plan, rid, final=True) for rid, k in kept.items()))
 
     async def _run(self, plan: RingPlan, request: Request, pos: int,
-                   adopt: str | None = None) -> tuple[int, TokenLogprobs | None]:
+                   adopt: str | None = None) -> _Result:
         step = len(request.generated)
         key = (request.id, step, plan.version)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[tuple[int, TokenLogprobs | None]] = loop.create_future()
+        fut: asyncio.Future[_Result] = loop.create_future()
         self._pending[key] = fut
         self._active_plans[request.id] = plan
         self._served[request.id] = tuple(e.node_id for e in plan.ring)
@@ -234,6 +244,8 @@ class RemotePipeline:
             body["adopt"] = adopt
         if request.top_logprobs is not None:
             body["logprobs"] = request.top_logprobs
+        if pos == 0 and request.wants_prompt_scores:
+            body["score"] = {"top": request.prompt_logprobs, "targets": request.prompt_ids[1:]}
         try:
             first = plan.ring[0].node_id
             try:

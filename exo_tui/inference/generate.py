@@ -84,6 +84,8 @@ async def generate(
     try:
         if not request.prompt_ids:
             raise GenerationError("the prompt is empty: give at least one token")
+        if request.max_tokens == 0 and request.wants_prompt_scores:
+            await runner.step(request, 0)  # the prompt scored; the token it samples is no part of any answer
         while len(request.generated) < request.max_tokens:
             if request.n_tokens >= context_length:
                 break

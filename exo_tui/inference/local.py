@@ -12,6 +12,7 @@ from backends import get_backend
 from backends.base import Shard
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import Sampler, TokenLogprobs, token_logprobs
+from exo_tui.inference.scoring import forward_scored
 from exo_tui.models.gguf_file import GGUFModel
 
 
@@ -40,13 +41,25 @@ def load_shards(model: GGUFModel, stages: list[Stage]) -> list[Shard]:
     return shards
 
 
-def run_shards(shards: list[Shard], request_id: str, tokens: list[int], start: int) -> np.ndarray:
-    """Forward ``tokens`` (positions ``start..``) through the shards; the last row's logits."""
+def run_shards(shards: list[Shard], request_id: str, tokens: list[int], start: int,
+               all_logits: bool = False) -> np.ndarray:
+    """Forward ``tokens`` (positions ``start..``) through the shards; the last row's logits (every
+    row's with ``all_logits``)."""
     x: np.ndarray = np.asarray(tokens, dtype=np.int64)
     positions = np.arange(start, start + len(tokens), dtype=np.int64)
     for shard in shards:
-        x = shard.forward(request_id, x, positions)
-    return x[-1]
+        x = shard.forward(request_id, x, positions, all_logits=all_logits and shard is shards[-1])
+    return x if all_logits else x[-1]
+
+
+def _scored(shards: list[Shard], request: Request) -> tuple[np.ndarray, list[TokenLogprobs]]:
+    """A request's first step, its prompt scored: the last row's logits and the scores."""
+    x = run_shards(shards[:-1], request.id, request.tokens, 0, all_logits=True) if len(shards) > 1 \
+        else np.asarray(request.tokens, dtype=np.int64)
+    positions = np.arange(len(x), dtype=np.int64)
+    logits, scores = forward_scored(shards[-1], request.id, x, positions, request.prompt_ids[1:],
+                                    request.prompt_logprobs or 0)
+    return logits[-1], scores
 
 
 class LocalPipeline:
@@ -73,7 +86,10 @@ class LocalPipeline:
     async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
         sampler = self._samplers.setdefault(request.id, Sampler(request.sampling))
         tokens = request.tokens
-        logits = await self._call(run_shards, self.shards, request.id, tokens[start:], start)
+        if start == 0 and request.wants_prompt_scores:
+            logits, request.prompt_scores = await self._call(_scored, self.shards, request)
+        else:
+            logits = await self._call(run_shards, self.shards, request.id, tokens[start:], start)
         token, _ = sampler.sample(logits, tokens)
         if request.top_logprobs is None:
             return token, None

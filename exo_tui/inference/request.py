@@ -27,8 +27,11 @@ class Request:
     stop: tuple[str, ...] = ()
     id: str = field(default_factory=new_request_id)
     top_logprobs: int | None = None  # None: no logprobs; k: each token's and its k likeliest alternatives'
+    prompt_logprobs: int | None = None  # None: the prompt is not scored; k: as top_logprobs, for its tokens
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # a token's each, when asked for
+    # When prompt_logprobs asks: the prompt's tokens after its first, each scored given those before
+    prompt_scores: list[TokenLogprobs] = field(default_factory=list)
     created_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -38,6 +41,11 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.generated
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        """The prompt is to be scored and is not yet."""
+        return self.prompt_logprobs is not None and not self.prompt_scores and len(self.prompt_ids) > 1
 
     @property
     def n_tokens(self) -> int:

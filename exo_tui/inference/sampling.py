@@ -317,6 +317,20 @@ def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob
     return TokenLogprobs(int(token), float(x[token]) - norm, best)
 
 
+MAX_SCORED_TOP = 5  # alternatives a scored prompt position may list (OpenAI's completions limit)
+
+
+def score_tokens(logits: np.ndarray, targets: Sequence[int], top: int = 0) -> list[TokenLogprobs]:
+    """The logprobs of a text the model read: row ``i`` of ``logits`` (the distribution after
+    ``i + 1`` tokens) scores ``targets[i]``, the token that came next."""
+    rows = np.asarray(logits)
+    if rows.ndim != 2 or rows.shape[0] < len(targets):
+        raise ValueError(f"{len(targets)} tokens to score need as many rows of logits, got shape {rows.shape}")
+    if not 0 <= top <= MAX_SCORED_TOP:
+        raise ValueError(f"a scored prompt lists at most {MAX_SCORED_TOP} alternatives a position, not {top}")
+    return [token_logprobs(rows[i], int(t), top) for i, t in enumerate(targets)]
+
+
 def _bad_logits(raw: np.ndarray) -> str:
     n_nan = int(np.isnan(raw).sum())
     return (

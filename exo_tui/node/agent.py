@@ -44,7 +44,8 @@ import numpy as np
 
 from backends import default_backend_name, get_backend
 from backends.base import BackendError, ModelConfig
-from exo_tui.inference.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
+from exo_tui.inference.sampling import MAX_SCORED_TOP, Sampler, SamplingParams, TokenLogprobs, token_logprobs
+from exo_tui.inference.scoring import forward_scored
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
@@ -627,6 +628,14 @@ class NodeAgent:
             groups.setdefault(hosted.key, []).append(i)
         for key, idxs in groups.items():
             shard = self.host.shards[key].shard
+            asks: dict[int, dict[str, Any]] = {}  # a prompt to score needs every row's logits
+            if shard.is_last:
+                for i in [i for i in idxs if "score" in batch[i].frame.body]:
+                    try:
+                        asks[i] = _score_ask(batch[i].frame)
+                    except ValueError as exc:  # a bad ask fails its own request, not the batch
+                        results[i] = exc
+                        idxs.remove(i)
             items = []
             for i in idxs:
                 f = batch[i].frame
@@ -643,12 +652,17 @@ class NodeAgent:
                         shard.truncate_kv(rid, start)
                 x = np.asarray(f.tensor)
                 items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
-            outs: list[Any]
+            plain = [j for j, i in enumerate(idxs) if i not in asks]
+            outs: list[Any] = [None] * len(items)
             try:
-                if len(items) == 1:
-                    outs = [shard.forward(*items[0])]
-                else:
-                    outs = shard.forward_batch(items)
+                if len(plain) == 1:
+                    outs[plain[0]] = shard.forward(*items[plain[0]])
+                elif plain:
+                    for j, out in zip(plain, shard.forward_batch([items[j] for j in plain]), strict=True):
+                        outs[j] = out
+                for j, i in enumerate(idxs):
+                    if i in asks:  # on its own, in pieces: (the last row's logits, the scores)
+                        outs[j] = forward_scored(shard, *items[j], asks[i]["targets"], asks[i]["top"])
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which rebuilds
                 log.warning("forward of layers [%d, %d) failed: %s", shard.start, shard.end, exc, exc_info=True)
                 for rid, _, _ in items:
@@ -660,12 +674,17 @@ class NodeAgent:
                 for i in idxs:
                     if not isinstance(results[i], Exception):
                         try:
-                            results[i] = self._sample(batch[i].frame, results[i])
+                            out = results[i]
+                            results[i] = self._sample(batch[i].frame, *out) if isinstance(out, tuple) \
+                                else self._sample(batch[i].frame, out)
                         except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
                             results[i] = exc
         return results
 
-    def _sample(self, frame: Frame, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+    def _sample(self, frame: Frame, logits: np.ndarray,
+                scores: list[TokenLogprobs] | None = None) -> tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]:
+        """The next token from the last row of ``logits``, its logprobs when the step asks, and the
+        prompt's ``scores`` (from :func:`forward_scored`, when the step asked to score it)."""
         b = frame.body
         rid = b["rid"]
         sampler = self._samplers.get(rid)
@@ -677,11 +696,10 @@ class NodeAgent:
             history = _Length(n_tokens)
         token, _ = sampler.sample(logits[-1], history)
         top = b.get("logprobs")
-        if top is None:
-            return token, None
-        if type(top) is not int:
+        if top is not None and type(top) is not int:
             raise ValueError(f"logprobs must be a count of alternatives, not {top!r:.50}")
-        return token, token_logprobs(logits[-1], token, top)
+        logprobs = None if top is None else token_logprobs(logits[-1], token, top)
+        return token, logprobs, scores
 
     async def _deliver(self, step: _Step, result: Any, more: int = 0) -> None:
         """Send a step's result on. ``more``: how many more hidden states of the same run go to
@@ -700,13 +718,15 @@ class NodeAgent:
             await self._fail_step(step, f"plan {f.plan} was dropped during the step")
             return
         if isinstance(result, tuple):  # the last hop: a sampled token
-            token, logprobs = result
+            token, logprobs, scores = result
             stats = self._stats.setdefault(rid, _RequestStats())
             stats.tokens += 1
             stats.last_s = time.monotonic()
             body = {"rid": rid, "step": f.body.get("step"), "token": int(token)}
             if logprobs is not None:
                 body["logprobs"] = logprobs.to_wire()
+            if scores is not None:
+                body["scores"] = [x.to_wire() for x in scores]
             await self._to_coordinator(Frame("token", body=body, plan=f.plan))
             return
         nxt = plan.ring[step.hop + 1]
@@ -788,6 +808,22 @@ class NodeAgent:
             }
             metrics["shards"] = self.host.describe() if self.host else []
             await self._to_coordinator(Frame("heartbeat", body={"metrics": metrics, "t": time.time()}))
+
+
+def _score_ask(frame: Frame) -> dict[str, Any]:
+    """A step's ``score``: ``{"top": k, "targets": [token, ...]}``, the prompt after its first token,
+    scored by the step that runs it from its start (so fewer targets than the step's tokens)."""
+    score = frame.body["score"]
+    if type(score) is not dict or type(score.get("top")) is not int or type(score.get("targets")) is not list \
+            or any(type(t) is not int for t in score["targets"]):
+        raise ValueError(f"score must be {{'top': int, 'targets': [int, ...]}}, not {score!r:.80}")
+    if not 0 <= score["top"] <= MAX_SCORED_TOP:
+        raise ValueError(f"a scored prompt lists at most {MAX_SCORED_TOP} alternatives a position, not {score['top']}")
+    rows = len(frame.tensor) if frame.tensor is not None and np.ndim(frame.tensor) else 0
+    if len(score["targets"]) >= rows:
+        raise ValueError(f"{len(score['targets'])} tokens to score, but the step runs {rows}: a prompt is scored "
+                         "by the step that runs it from its start")
+    return score
 
 
 class _Length:

@@ -286,3 +286,22 @@ async def test_logprobs_come_back_only_for_the_requests_of_a_batch_that_ask(clus
                 await asyncio.sleep(0.01)
         assert [f["rid"] for f in r.failures] == ["bad"]
         assert "top logprobs must be in [0, 20], not 21" in r.failures[0]["error"]
+
+
+async def test_a_prompt_is_scored_at_the_last_node_and_a_bad_ask_fails_alone(cluster: Cluster, tiny_model: Path):
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        histories = await r.prefill(["plain"])
+        targets = [int(t) for t in PROMPT[1:]]
+        await r.send("scored", [int(t) for t in PROMPT], 0, score={"top": 1, "targets": targets})
+        await r.send("bad", [int(t) for t in PROMPT], 0, score={"top": 1, "targets": [int(t) for t in PROMPT]})
+        await r.decode_round(histories)
+        await r.token("scored", 0)
+        scores = [TokenLogprobs.from_wire(x) for x in r.bodies["scored", 0]["scores"]]
+        assert [s.token for s in scores] == targets
+        assert all(s.logprob <= 0 and len(s.top) == 1 and s.top[0][1] >= s.logprob for s in scores)
+        assert "scores" not in r.bodies["plain", 1]
+        async with asyncio.timeout(10):
+            while not r.failures:
+                await asyncio.sleep(0.01)
+        assert [f["rid"] for f in r.failures] == ["bad"]
+        assert "12 tokens to score, but the step runs 12" in r.failures[0]["error"]

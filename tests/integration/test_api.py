@@ -238,6 +238,29 @@ def test_completion_logprobs_in_the_legacy_shape(client: openai.OpenAI) -> None:
     assert tokens == lp.tokens and offsets == lp.text_offset
 
 
+def test_an_echoed_prompt_is_scored_token_by_token(client: openai.OpenAI, tokenizer) -> None:  # noqa: ANN001
+    """``echo`` with ``logprobs`` and ``max_tokens`` 0 scores a text (as evaluation harnesses do): each
+    token's logprob given those before it, the same the model gave it when it generated it."""
+    ids = tokenizer.encode("The capital of France is")
+    made = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=2, temperature=0, logprobs=1)
+    text = made.choices[0].text
+    r = client.completions.create(model="smollm2-135m", prompt=ids + tokenizer.encode(text, add_special=False),
+                                  max_tokens=0, echo=True, logprobs=1)
+    lp, choice = r.choices[0].logprobs, r.choices[0]
+    assert choice.text == tokenizer.decode(ids) + text and r.usage.completion_tokens == 0
+    assert lp.tokens == [tokenizer.token_bytes(t).decode() for t in ids] + made.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # the answer's tokens scored as a prompt: what they were given when they were generated
+    assert lp.token_logprobs[-2:] == pytest.approx(made.choices[0].logprobs.token_logprobs, abs=1e-4)
+    streamed = [c.choices[0] for c in client.completions.create(
+        model="smollm2-135m", prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True) if c.choices]
+    assert streamed[0].text == tokenizer.decode(ids) and streamed[0].logprobs.tokens == lp.tokens[: len(ids)]
+    assert streamed[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(ids)], abs=1e-4)
+    assert "".join(c.text for c in streamed) == choice.text
+
+
 def test_logprobs_asked_wrongly_are_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2-135m", messages=QUESTION, top_logprobs=2)
@@ -245,8 +268,10 @@ def test_logprobs_asked_wrongly_are_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError):
         client.chat.completions.create(model="smollm2-135m", messages=QUESTION, logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="smollm2-135m", prompt="Hi", echo=True, logprobs=1)
-    assert e.value.body["param"] == "logprobs"
+        client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model="smollm2-135m", prompt="Hi", echo=True, logprobs=6)
 
 
 def test_errors_have_openai_shape_and_status(client: openai.OpenAI, live: Live) -> None:

@@ -7,12 +7,14 @@ import asyncio
 import string
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from exo_tui.inference import scoring
 from exo_tui.inference.generate import Chunk, GenerationError, generate
-from exo_tui.inference.local import LocalPipeline, even_split
+from exo_tui.inference.local import LocalPipeline, even_split, run_shards
 from exo_tui.inference.request import Request
-from exo_tui.inference.sampling import SamplingParams
+from exo_tui.inference.sampling import SamplingParams, token_logprobs
 from exo_tui.models.model import Model
 
 
@@ -159,3 +161,32 @@ def test_no_logprobs_unless_asked(model: Model) -> None:
     request = Request(model.tokenizer.encode("hello there"), SamplingParams(temperature=0.7, seed=3), 8)
     chunks = _answer(model, request)
     assert request.logprobs == [] and all(c.logprobs == () for c in chunks)
+
+
+@pytest.mark.parametrize(("max_tokens", "backends"), [(0, ["onnx"]), (3, ["onnx", "mlx"])])
+def test_a_scored_prompt_gets_each_tokens_logprob_given_those_before(
+    model: Model, monkeypatch: pytest.MonkeyPatch, max_tokens: int, backends: list[str]
+) -> None:
+    monkeypatch.setattr(scoring, "SCORE_ROWS", 3)  # the prompt's rows run in pieces
+    ids = model.tokenizer.encode("hello there, my old friend from far away")
+    request = Request(ids, SamplingParams(temperature=0.0), max_tokens, prompt_logprobs=2)
+    chunks = _answer(model, request, backends)
+    assert len(request.generated) == max_tokens and chunks[-1].finish_reason == "length"
+    assert [s.token for s in request.prompt_scores] == ids[1:] and len(ids) > 2 * scoring.SCORE_ROWS
+
+    async def whole() -> np.ndarray:  # every row's logits from one forward
+        pipeline = LocalPipeline()
+        await pipeline.load(model.gguf, even_split(model.config.n_layers, backends))
+        try:
+            return run_shards(pipeline.shards, "whole", ids, 0, all_logits=True)
+        finally:
+            await pipeline.close()
+
+    logits = asyncio.run(whole())
+    for i, s in enumerate(request.prompt_scores):
+        want = token_logprobs(logits[i], ids[i + 1], 2)
+        assert s.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in s.top] == [t for t, _ in want.top]
+    unscored = Request(ids, SamplingParams(temperature=0.0), max_tokens)
+    _answer(model, unscored, backends)
+    assert unscored.prompt_scores == [] and unscored.generated == request.generated
