@@ -26,7 +26,9 @@ class StepRunner(Protocol):
     async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
         """Run ``request.tokens[start:]`` (at positions ``start..``) through the pipeline and
         return the next token sampled with ``request.sampling``, with its logprobs when
-        ``request.top_logprobs`` asks for them (else None)."""
+        ``request.top_logprobs`` asks for them (else None). A step from ``start`` 0 of a request
+        that wants its prompt scored (``request.wants_prompt_scores``) also sets
+        ``request.prompt_scores``."""
         ...
 
     async def release(self, request: Request) -> None:

@@ -15,7 +15,10 @@ Operations (frame ``type`` → what the node does):
 ``forward``     one step of one request through this node's layers; the hidden state goes
                 straight to the next hop, or the last hop samples and sends ``token`` to the
                 coordinator. A step for a plan this node does not hold is refused. ``adopt``:
-                a finished request whose caches this one takes over (its conversation's prefix)
+                a finished request whose caches this one takes over (its conversation's prefix);
+                ``logprobs`` (k): the token's logprobs and its k likeliest alternatives' come
+                with it; ``score`` (``top``, ``targets``): the last hop scores the prompt, each
+                of ``targets`` given the tokens before it, and sends the ``scores`` too
 ``kv_export``   a request's KV cache for some layers, as one tensor
 ``kv_import``   install a request's KV cache (from another node, maybe another backend)
 ``drop``        forget a request's caches
