@@ -178,6 +178,10 @@ class RemotePipeline:
             try:
                 try:
                     token, logprobs, scores = await self._run(plan, request, pos, adopted[0] if adopted else None)
+                    if scores is not None and [x.token for x in scores] != request.prompt_ids[1:]:
+                        last = plan.ring[-1].node_id
+                        raise StepFailure(f"node {last} scored {len(scores)} tokens that are not the prompt's "
+                                          f"{len(request.prompt_ids) - 1} after its first", last)
                 finally:
                     self.host.step_done()
             except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
