@@ -9,12 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from exo_tui.inference import scoring
 from exo_tui.inference.generate import Chunk, GenerationError, generate
 from exo_tui.inference.local import LocalPipeline, even_split, run_shards
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams, token_logprobs
+from exo_tui.models.detokenizer import StreamingDetokenizer
 from exo_tui.models.model import Model
 
 
@@ -90,10 +93,12 @@ def test_a_stop_known_only_when_the_stream_ends_still_says_stop(model: Model) ->
     two = "".join(c.text for c in chunks)
     if len(two) < 2:
         pytest.skip("the random model's first two tokens make under two characters")
-    request = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 2, stop=(two, two + "\x07"))
+    request = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 2, stop=(two, two + "\x07"),
+                      top_logprobs=0)
     chunks = _answer(model, request)
     assert "".join(c.text for c in chunks) == ""
     assert chunks[-1].finish_reason == "stop"
+    assert len(request.logprobs) == 2 and all(c.logprobs == () for c in chunks)  # both tokens cut off whole
 
 
 def test_closing_the_stream_releases_caches(model: Model) -> None:
@@ -190,3 +195,46 @@ def test_a_scored_prompt_gets_each_tokens_logprob_given_those_before(
     unscored = Request(ids, SamplingParams(temperature=0.0), max_tokens)
     _answer(model, unscored, backends)
     assert unscored.prompt_scores == [] and unscored.generated == request.generated
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 2**32 - 1), st.data())
+def test_listed_tokens_are_those_whose_text_begins_before_the_answer_ends(model: Model, seed: int,
+                                                                         data: st.DataObject) -> None:
+    """Whatever the stops: the tokens listed are, in order, those whose text begins inside the
+    answer the client gets (all of them when no stop string ended it), each with the chunk where
+    its text begins."""
+    sampling = SamplingParams(temperature=50.0, seed=seed)  # the tiny random model's answers vary only when hot
+    probe = Request(model.tokenizer.encode("abc"), sampling, 16, top_logprobs=0)
+    full = "".join(c.text for c in _answer(model, probe))
+    everything = list(zip(_offsets(model, probe.generated), probe.logprobs, strict=False))
+    pieces = st.integers(0, max(len(full) - 1, 0)).flatmap(lambda a: st.just(full[a : a + 3]))  # they match
+    holding = st.sampled_from(full or "x").map(lambda c: c + "\x07")  # never match, but hold c back
+    stops = data.draw(st.lists(pieces | holding | st.text(min_size=1, max_size=3), max_size=4)
+                      .map(lambda x: tuple(s for s in x if s)))
+    request = Request(model.tokenizer.encode("abc"), sampling, 16, stop=stops, top_logprobs=0)
+    chunks = _answer(model, request)
+    text = "".join(c.text for c in chunks)
+    listed = [x for c in chunks for x in c.logprobs]
+    if chunks[-1].finish_reason == "stop" and request.generated[-1] not in model.tokenizer.eos_ids:
+        assert listed == [x for x in everything if x[0] < len(text)]
+    else:
+        assert listed == everything[: len(listed)] and len(listed) == len(everything)
+    seen = 0
+    for c in chunks:
+        assert all(seen <= at for at, _ in c.logprobs)
+        if c is not chunks[-1]:
+            assert all(at < seen + len(c.text) for at, _ in c.logprobs)
+        seen += len(c.text)
+
+
+def _offsets(model: Model, tokens: list[int]) -> list[int]:
+    """Where each token's text begins in the detokenized answer (the end-of-sequence token ends it)."""
+    detok = StreamingDetokenizer(model.tokenizer)
+    out, at = [], 0
+    for t in tokens:
+        if t in model.tokenizer.eos_ids:
+            break
+        out.append(at)
+        at += len(detok.add(t))
+    return out
