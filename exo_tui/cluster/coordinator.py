@@ -47,7 +47,7 @@ from exo_tui.cluster.weights import load_from_path, stream_shard
 from exo_tui.config import GB, Config, load_config
 from exo_tui.inference.generate import GenerationError, generate
 from exo_tui.inference.request import Request
-from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
 from exo_tui.net.address import is_loopback
@@ -414,11 +414,11 @@ class Coordinator:
         if frame.type == "token":
             try:
                 logprobs = None if b.get("logprobs") is None else TokenLogprobs.from_wire(b["logprobs"])
-                scores = b.get("scores")
-                if scores is not None:
-                    if type(scores) is not list:
-                        raise ValueError(f"scores must be a list, not {type(scores).__name__}")
-                    scores = [TokenLogprobs.from_wire(x) for x in scores]
+                scores = None
+                if b.get("scored"):
+                    if frame.tensor is None:
+                        raise ValueError("a scored token frame came without its scores")
+                    scores = scores_from_array(frame.tensor)
             except ValueError as exc:  # the step fails (and is retried); the connection stays
                 self.pipeline.on_step_failed(b["rid"], b.get("step"), frame.plan, f"node {node_id}: {exc}", node_id)
                 return None

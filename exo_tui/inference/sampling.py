@@ -320,6 +320,34 @@ def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> TokenLogprob
 MAX_SCORED_TOP = 5  # alternatives a scored prompt position may list (OpenAI's completions limit)
 
 
+def scores_to_array(scores: Sequence[TokenLogprobs]) -> np.ndarray:
+    """A prompt's scores as one float64 array ``(n, 2 + 2k)``: each row the token, its logprob,
+    then its ``k`` alternatives' (token, logprob) pairs. A long prompt's scores are megabytes: they
+    travel as a frame's tensor, not in its header (whose size is capped)."""
+    k = len(scores[0].top) if scores else 0
+    out = np.empty((len(scores), 2 + 2 * k), dtype=np.float64)
+    for i, x in enumerate(scores):
+        if len(x.top) != k:
+            raise ValueError(f"every scored position lists the same number of alternatives ({k}), not {len(x.top)}")
+        out[i, 0], out[i, 1] = x.token, x.logprob
+        if k:
+            out[i, 2:] = np.asarray(x.top, dtype=np.float64).reshape(-1)
+    return out
+
+
+def scores_from_array(array: np.ndarray) -> list[TokenLogprobs]:
+    """:func:`scores_to_array`'s scores back; ``ValueError`` for an array that is not one."""
+    a = np.asarray(array)
+    if a.ndim != 2 or a.shape[1] < 2 or a.shape[1] % 2 or a.shape[1] > 2 + 2 * MAX_TOP_LOGPROBS or a.dtype != np.float64:
+        raise ValueError(f"scores must be a float64 array (n, 2 + 2k) with k <= {MAX_TOP_LOGPROBS}, "
+                         f"not {a.dtype} {a.shape}")
+    ids = a[:, 0::2]
+    if not (np.isfinite(ids).all() and (ids >= 0).all() and (ids == np.floor(ids)).all() and (ids < 2**31).all()):
+        raise ValueError("scores' token ids must be whole numbers in [0, 2**31)")
+    tokens, values = ids.astype(np.int64).tolist(), a[:, 1::2].tolist()
+    return [TokenLogprobs(t[0], v[0], tuple(zip(t[1:], v[1:], strict=True))) for t, v in zip(tokens, values, strict=True)]
+
+
 def score_tokens(logits: np.ndarray, targets: Sequence[int], top: int = 0) -> list[TokenLogprobs]:
     """The logprobs of a text the model read: row ``i`` of ``logits`` (the distribution after
     ``i + 1`` tokens) scores ``targets[i]``, the token that came next."""

@@ -18,7 +18,8 @@ Operations (frame ``type`` → what the node does):
                 a finished request whose caches this one takes over (its conversation's prefix);
                 ``logprobs`` (k): the token's logprobs and its k likeliest alternatives' come
                 with it; ``score`` (``top``, ``targets``): the last hop scores the prompt, each
-                of ``targets`` given the tokens before it, and sends the ``scores`` too
+                of ``targets`` given the tokens before it, and the ``token`` frame carries the
+                scores as its tensor
 ``kv_export``   a request's KV cache for some layers, as one tensor
 ``kv_import``   install a request's KV cache (from another node, maybe another backend)
 ``drop``        forget a request's caches
@@ -47,7 +48,14 @@ import numpy as np
 
 from backends import default_backend_name, get_backend
 from backends.base import BackendError, ModelConfig
-from exo_tui.inference.sampling import MAX_SCORED_TOP, Sampler, SamplingParams, TokenLogprobs, token_logprobs
+from exo_tui.inference.sampling import (
+    MAX_SCORED_TOP,
+    Sampler,
+    SamplingParams,
+    TokenLogprobs,
+    scores_to_array,
+    token_logprobs,
+)
 from exo_tui.inference.scoring import forward_scored
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.errors import RemoteError
@@ -728,9 +736,11 @@ class NodeAgent:
             body = {"rid": rid, "step": f.body.get("step"), "token": int(token)}
             if logprobs is not None:
                 body["logprobs"] = logprobs.to_wire()
-            if scores is not None:
-                body["scores"] = [x.to_wire() for x in scores]
-            await self._to_coordinator(Frame("token", body=body, plan=f.plan))
+            tensor = None
+            if scores is not None:  # the prompt's scores, as the frame's tensor
+                body["scored"] = True
+                tensor = scores_to_array(scores)
+            await self._to_coordinator(Frame("token", body=body, tensor=tensor, plan=f.plan))
             return
         nxt = plan.ring[step.hop + 1]
         body = dict(f.body)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import exo_tui.node.agent as agent_module
-from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.net import Cluster, Dispatcher, Frame, Security, connect, ensure_cluster
 from exo_tui.node.agent import NodeAgent
 
@@ -42,6 +42,7 @@ class Ring:
         self.tokens: dict[tuple[str, int], asyncio.Future[int]] = {}
         self.failures: list[dict] = []
         self.bodies: dict[tuple[str, int], dict] = {}  # each token frame's body
+        self.tensors: dict[tuple[str, int], np.ndarray | None] = {}  # and its tensor
         self.version = 1
 
     async def start(self, splits: list[tuple[int, int]]) -> None:
@@ -50,6 +51,7 @@ class Ring:
         @handler.route("token")
         async def token(conn, f: Frame) -> None:
             self.bodies[f.body["rid"], f.body["step"]] = f.body
+            self.tensors[f.body["rid"], f.body["step"]] = f.tensor
             self._future(f.body["rid"], f.body["step"]).set_result(int(f.body["token"]))
 
         @handler.route("step_failed")
@@ -296,10 +298,11 @@ async def test_a_prompt_is_scored_at_the_last_node_and_a_bad_ask_fails_alone(clu
         await r.send("bad", [int(t) for t in PROMPT], 0, score={"top": 1, "targets": [int(t) for t in PROMPT]})
         await r.decode_round(histories)
         await r.token("scored", 0)
-        scores = [TokenLogprobs.from_wire(x) for x in r.bodies["scored", 0]["scores"]]
+        assert r.bodies["scored", 0]["scored"] is True
+        scores = scores_from_array(r.tensors["scored", 0])
         assert [s.token for s in scores] == targets
         assert all(s.logprob <= 0 and len(s.top) == 1 and s.top[0][1] >= s.logprob for s in scores)
-        assert "scores" not in r.bodies["plain", 1]
+        assert "scored" not in r.bodies["plain", 1] and r.tensors["plain", 1] is None
         async with asyncio.timeout(10):
             while not r.failures:
                 await asyncio.sleep(0.01)

@@ -261,6 +261,17 @@ def test_an_echoed_prompt_is_scored_token_by_token(client: openai.OpenAI, tokeni
     assert "".join(c.text for c in streamed) == choice.text
 
 
+def test_a_long_prompt_is_scored_in_pieces_as_its_beginning_alone(client: openai.OpenAI, tokenizer) -> None:  # noqa: ANN001
+    """A prompt four times the rows the last node scores at once: every token scored, and the
+    first ones as they are when their prefix is all there is (the model reads left to right)."""
+    ids = (tokenizer.encode("One two three four five six seven eight nine ten. ") * 100)[:1000]
+    whole, head = (client.completions.create(model="smollm2-135m", prompt=p, max_tokens=0, echo=True, logprobs=5)
+                   .choices[0].logprobs for p in (ids, ids[:100]))
+    assert len(whole.token_logprobs) == 1000 and all(len(t) <= 6 for t in whole.top_logprobs[1:])
+    assert whole.token_logprobs[1:100] == pytest.approx(head.token_logprobs[1:], abs=1e-3)
+    assert sum(whole.token_logprobs[500:]) / 500 > sum(whole.token_logprobs[1:100]) / 99  # the pattern, learnt
+
+
 def test_logprobs_asked_wrongly_are_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2-135m", messages=QUESTION, top_logprobs=2)

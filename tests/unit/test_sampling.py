@@ -18,6 +18,8 @@ from exo_tui.inference.sampling import (
     SamplingParams,
     TokenLogprobs,
     _draw,
+    scores_from_array,
+    scores_to_array,
     token_logprobs,
 )
 
@@ -117,6 +119,26 @@ def test_token_logprobs_are_the_models_log_softmax_and_its_likeliest_tokens(
         outside = np.delete(logits, ids)
         assert outside.size == 0 or outside.max() <= logits[ids[-1]]
     assert TokenLogprobs.from_wire(msgpack.unpackb(msgpack.packb(got.to_wire()))) == got
+
+
+@given(st.integers(0, 5), st.integers(0, 40), st.data())
+def test_scores_travel_as_one_array_and_back(k: int, n: int, data: st.DataObject) -> None:
+    ids, values = st.integers(0, 2**31 - 1), st.floats(-1e4, 0, allow_nan=False)
+    scores = [TokenLogprobs(data.draw(ids), data.draw(values), tuple((data.draw(ids), data.draw(values)) for _ in range(k)))
+              for _ in range(n)]
+    array = scores_to_array(scores)
+    assert array.shape == ((n, 2 + 2 * k) if n else (0, 2))  # no rows: nothing says how many alternatives
+    assert scores_from_array(array) == scores
+
+
+def test_scores_from_what_is_not_an_array_of_them_are_refused() -> None:
+    good = scores_to_array([TokenLogprobs(3, -0.5, ((3, -0.5), (7, -1.0)))])
+    for bad in (good.astype(np.float32), good[:, :3], good.reshape(-1), np.full((1, 44), -1.0),
+                np.array([[1.5, -0.5]]), np.array([[-1.0, -0.5]]), np.array([[np.nan, -0.5]])):
+        with pytest.raises(ValueError, match="scores"):
+            scores_from_array(bad)
+    with pytest.raises(ValueError, match="same number of alternatives"):
+        scores_to_array([TokenLogprobs(1, -1.0, ((1, -1.0),)), TokenLogprobs(2, -1.0)])
 
 
 def test_token_logprobs_refuse_what_they_cannot_be() -> None:
