@@ -306,6 +306,11 @@ class Backend(abc.ABC):
         carries it: the console's node detail and ``exo-tui node --print-profile`` show it)."""
         return {}
 
+    def kv_value_bytes(self) -> int:
+        """Bytes each cached K or V value takes in this backend's shards (4: float32), which the
+        scheduler counts when it places layers within a node's memory."""
+        return 4
+
     @abc.abstractmethod
     def available(self) -> bool:
         """Whether this backend can run on this machine (its runtime imports and works)."""

@@ -143,6 +143,12 @@ class ONNXBackend(Backend):
         return {"precision": self.precision, "threads": str(self.threads), "matmul": matmul, "attention": attention,
                 "idle threads spin": spin, "pinned": "yes" if self.pin else "no"}
 
+    def kv_value_bytes(self) -> int:
+        from backends.onnx.shard import caches_half, integer_codes, kernel_for
+
+        library = kernel_for(self.precision)
+        return 2 if caches_half(library, integer_codes(self.precision, library)) else 4
+
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():
             raise BackendError("ONNX Runtime is not installed: pip install onnxruntime onnx")

@@ -133,7 +133,7 @@ class ONNXShard(Shard):
         library = kernel_for(precision)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
-        half_kv = library is not None and self.xbits != 0  # float32 math (products) keeps float32 caches
+        half_kv = caches_half(library, self.xbits)
         self._slot_map = library is not None  # Attention takes each row's slot; GroupQueryAttention row b = slot b
         self.kv_dtype = np.dtype(np.float16 if half_kv else np.float32)
         accuracy_level = ACCURACY_LEVEL[precision]
@@ -583,6 +583,12 @@ def kernel_for(precision: str) -> kernels.Library | None:
     if library is None or precision != "int8":
         return library
     return library if library.integer else None
+
+
+def caches_half(library: object, xbits: int) -> bool:
+    """Whether a shard keeps float16 KV caches: with the kernels' integer products it does (they
+    read them as float16); float32 math (products) keeps float32 caches."""
+    return library is not None and xbits != 0
 
 
 def integer_codes(precision: str, library: kernels.Library | None) -> int:

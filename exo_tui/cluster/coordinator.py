@@ -561,6 +561,7 @@ class Coordinator:
                     decode_s_per_layer={backend: timing.decode_layer_s} if timing else {},
                     prefill_s_per_layer_token={backend: timing.prefill_layer_token_s} if timing else {},
                     compute_ref_layer_bytes=BENCH_LAYER_BYTES,
+                    kv_value_bytes={backend: p.kv_value_bytes},
                     memory_bandwidth_bytes_per_s=p.memory_bandwidth_bytes_per_s or 10e9,
                     load_factor=0.0,
                     benchmark_score=1.0 / timing.decode_layer_s if timing and timing.decode_layer_s > 0 else 1.0,

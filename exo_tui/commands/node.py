@@ -65,13 +65,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"exo-tui node: {exc}", file=sys.stderr)
             return 2
     if args.print_profile:
-        from backends import get_backend
-        from exo_tui.node.profile import benchmark, device_profile
+        from exo_tui.node.profile import benchmark, device_profile, runs_on
 
         profile = device_profile(name, limit)
         if backend in profile.backends:
-            profile.backend = backend
-            profile.engine = get_backend(backend).describe()
+            runs_on(profile, backend)
         if not args.no_benchmark:
             profile = benchmark(profile)
         print(json.dumps(profile.to_dict(), indent=2))

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import default_backend_name, get_backend
+from backends import default_backend_name
 from backends.base import BackendError, ModelConfig
 from exo_tui.inference.sampling import (
     MAX_SCORED_TOP,
@@ -63,7 +63,7 @@ from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
 from exo_tui.net.rpc import Connection, connect, serve
 from exo_tui.node.host import HostError, RingPlan, ShardHost, kv_from_array, kv_to_array
-from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics
+from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")
 
@@ -211,8 +211,7 @@ class NodeAgent:
             raise BackendError(
                 f"backend {self.backend} is not available on this node (available: {', '.join(profile.backends) or 'none'})"
             )
-        profile.backend = self.backend
-        profile.engine = await loop.run_in_executor(None, lambda: get_backend(self.backend).describe())
+        await loop.run_in_executor(None, runs_on, profile, self.backend)
         if self.run_benchmark:
             profile = await loop.run_in_executor(None, lambda: benchmark(profile, backends=[self.backend]))
         self.profile = profile

@@ -69,6 +69,7 @@ class NodeProfile:
     memory_bandwidth_bytes_per_s: float = 0.0
     backend: str = ""  # the backend this node agent runs its shards on (one of ``backends``)
     engine: dict[str, str] = field(default_factory=dict)  # how that backend runs here (Backend.describe)
+    kv_value_bytes: int = 4  # bytes a cached K or V value takes on that backend (ONNX's int16/int8: 2)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +87,15 @@ class NodeProfile:
         """Memory this node offers for shards: available RAM, capped by ``--memory-limit``."""
         avail = self.ram_available_bytes
         return min(avail, self.memory_limit_bytes) if self.memory_limit_bytes else avail
+
+
+def runs_on(profile: NodeProfile, backend: str) -> None:
+    """Record in ``profile`` that the node runs its shards on ``backend``: how that backend runs
+    here (precision, threads, kernels) and the precision of the KV caches it keeps."""
+    engine = get_backend(backend)
+    profile.backend = backend
+    profile.engine = engine.describe()
+    profile.kv_value_bytes = engine.kv_value_bytes()
 
 
 def stable_node_id(name: str) -> str:

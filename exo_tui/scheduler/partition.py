@@ -78,12 +78,22 @@ class _Ctx:
     t: dict[str, float]  # decode s per mean layer
     head_t: dict[str, float]  # decode s of the output head
     backend: dict[str, str]
+    kv: dict[str, float]  # bytes of one layer's KV cache on each node (its backend's cache precision)
     pins: tuple[Pin, ...]
     min_layers: int
     prompt_tokens: int
     act_bytes: int
     orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
     predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
+
+    def need(self, nid: str, start: int, end: int) -> float:
+        """Memory node ``nid`` needs for layers ``[start, end)``: weights, its KV caches at its
+        backend's precision, the embedding or head at the ends."""
+        return self.spec.range_bytes(start, end) + (self.kv[nid] - self.spec.kv_bytes_per_layer) * (end - start)
+
+    def per_layer(self, nid: str) -> float:
+        """An average layer with its KV cache on node ``nid``."""
+        return self.spec.mean_layer_bytes + self.kv[nid]
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:
@@ -113,15 +123,16 @@ def _make_ctx(
     profiles: Mapping[str, DeviceProfile], spec: ModelSpec, config: SchedulerConfig, constraints: Constraints
 ) -> _Ctx:
     rr = config.resource_reservation
-    usable, t, head_t, backend = {}, {}, {}, {}
+    usable, t, head_t, backend, kv = {}, {}, {}, {}, {}
     head_layers = spec.head_bytes / spec.mean_layer_bytes
     for nid, p in profiles.items():
         usable[nid] = p.usable_bytes(rr.system_reserved_ram * 1024**3, rr.system_reserved_vram * 1024**3, rr.emergency_reserve)
         backend[nid] = p.best_backend()
+        kv[nid] = p.kv_bytes_per_layer(spec, backend[nid])
         t[nid] = p.layer_s(spec, backend[nid])
         head_t[nid] = t[nid] * head_layers
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
-    return _Ctx(spec, dict(profiles), usable, t, head_t, backend, tuple(sorted(constraints.pins, key=lambda p: p.start)),
+    return _Ctx(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
                 m, constraints.prompt_tokens, spec.activation_bytes_per_token)
 
 
@@ -164,7 +175,7 @@ def _predict(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
         prefill_hop = ctx.hop(nid, shards[i + 1][0], ctx.act_bytes * P) if i < n - 1 else 0.0
         decode += compute + hop
         ttft += prefill + prefill_hop
-        nodes.append(NodePrediction(nid, spec.range_bytes(s, e), ctx.usable[nid], compute, hop, compute + hop))
+        nodes.append(NodePrediction(nid, int(ctx.need(nid, s, e)), ctx.usable[nid], compute, hop, compute + hop))
     stages = np.array([x.stage_s for x in nodes]) if nodes else np.zeros(1)
     mean = float(stages.mean())
     coeff = float(stages.std() / mean) if mean > 0 and len(nodes) > 1 else 0.0
@@ -203,7 +214,8 @@ class _Mats:
 
     S: np.ndarray  # start e - n (clipped at 0), int
     Wd: np.ndarray  # layer-weight of the range, inf where the range is not allowed
-    M: np.ndarray  # memory bytes of the range (embedding/head at the ends), inf where not allowed
+    M: np.ndarray  # weight bytes of the range (embedding/head at the ends), inf where not allowed; a
+    # node adds its own KV bytes per layer (N of them)
     N: np.ndarray  # n, float
     gt0: np.ndarray  # 1.0 where the range starts after layer 0
     min_layer_bytes: float
@@ -225,7 +237,7 @@ def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int) -> _Mats:
     valid = (start >= 0) & (n >= max(1, min_layers)) & ~crosses
     B = np.concatenate([[0.0], np.cumsum(np.array(spec.layers, dtype=np.float64))])
     nf = np.broadcast_to(n, (L + 1, L + 1)).astype(np.float64)
-    mem = B[e] - B[S] + spec.kv_bytes_per_layer * nf
+    mem = B[e] - B[S]
     mem = mem + np.where(start == 0, float(spec.embed_bytes), 0.0)
     mem[L, :] += spec.head_bytes
     if spec.tied_embeddings:
@@ -236,7 +248,7 @@ def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int) -> _Mats:
         M=np.where(valid, mem, np.inf),
         N=nf,
         gt0=(start > 0).astype(np.float64),
-        min_layer_bytes=float(min(spec.layers)) + spec.kv_bytes_per_layer,
+        min_layer_bytes=float(min(spec.layers)),
     )
 
 
@@ -299,7 +311,8 @@ def _dp(
     nseq = len(seq)
     for i, nid in enumerate(seq):
         room = ctx.usable[nid]
-        k = min(L, int(room // mats.min_layer_bytes)) if mats.min_layer_bytes > 0 else L
+        smallest = mats.min_layer_bytes + ctx.kv[nid]
+        k = min(L, int(room // smallest)) if smallest > 0 else L
         if k < max(1, ctx.min_layers):
             if not skip:
                 return None
@@ -310,7 +323,7 @@ def _dp(
             continue
         cols = slice(0, k + 1)
         prior = cur[mats.S[:, cols]]
-        feasible = mats.M[:, cols] <= room
+        feasible = mats.M[:, cols] + ctx.kv[nid] * mats.N[:, cols] <= room
         if mode == "dev":
             target = (targets or {}).get(nid, 0.0)
             cost = (mats.N[:, cols] - target) ** 2 + prior
@@ -383,9 +396,9 @@ def _fill_fastest(ctx: _Ctx, seq: Sequence[str]) -> list[tuple[str, int, int]] |
     L, m = spec.n_layers, len(seq)
     if m == 0 or m * ctx.min_layers > L:
         return None
-    per = spec.layers[0] + spec.kv_bytes_per_layer
     caps = []
     for i, nid in enumerate(seq):
+        per = spec.layers[0] + ctx.kv[nid]
         extra = (spec.embed_bytes if i == 0 else 0) + (spec.head_bytes if i == m - 1 else 0)
         if m == 1 and spec.tied_embeddings:
             extra -= min(spec.embed_bytes, spec.head_bytes)
@@ -544,9 +557,8 @@ def _memory_targets(ctx: _Ctx, cands: Sequence[str]) -> dict[str, float]:
     spec = ctx.spec
     pinned = sum(p.end - p.start for p in ctx.pins)
     free_layers = spec.n_layers - pinned
-    per_layer = spec.mean_layer_bytes + spec.kv_bytes_per_layer
     weight = {n: float(ctx.usable[n]) for n in cands}
-    cap = {n: int(ctx.usable[n] // per_layer) for n in cands}
+    cap = {n: int(ctx.usable[n] // ctx.per_layer(n)) for n in cands}
     while True:
         alloc = _proportional(free_layers, weight, cap)
         small = [n for n in cands if 0 < alloc[n] < ctx.min_layers]
@@ -578,7 +590,7 @@ def _check_pins(ctx: _Ctx, eligible: set[str], excluded: Mapping[str, str]) -> N
             raise InfeasiblePlan(
                 f"pin {p.node_id}:{p.start}-{p.end} holds {p.end - p.start} layers, fewer than "
                 f"min_layers_per_shard {ctx.min_layers}: widen the pin or lower the minimum", "min_layers_per_shard")
-        need = ctx.spec.range_bytes(p.start, p.end)
+        need = int(ctx.need(p.node_id, p.start, p.end))
         have = ctx.usable[p.node_id]
         if need > have:
             raise InfeasiblePlan(
@@ -620,11 +632,13 @@ def _reserve_text(config: SchedulerConfig) -> str:
 def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) -> InfeasiblePlan:
     spec = ctx.spec
     free = _free_ranges(ctx)
-    need = sum(spec.range_bytes(a, b) for a, b in free)
+    # at the smallest KV cache any candidate keeps: if even that does not fit, nothing does
+    kv_layer = min((ctx.kv[n] for n in cands), default=float(spec.kv_bytes_per_layer))
+    need = int(sum(spec.range_bytes(a, b) + (kv_layer - spec.kv_bytes_per_layer) * (b - a) for a, b in free))
     have = sum(ctx.usable[n] for n in cands)
     largest = max(cands, key=lambda n: (ctx.usable[n], n)) if cands else None
     largest_text = f"; largest free is {largest} with {gb(ctx.usable[largest])}" if largest else ""
-    kv = spec.kv_bytes_per_layer * spec.n_layers
+    kv = kv_layer * spec.n_layers
     if need > have:
         what = "the model" if not ctx.pins else "the unpinned layers"
         return InfeasiblePlan(
@@ -632,8 +646,8 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
             f"eligible nodes have {gb(have)} free {_reserve_text(config)}: needs {gb(need - have)} more{largest_text}. "
             "Add a node, free memory, or lower the context length.", "memory", need - have)
     # Enough bytes in total, but not in whole layers per node (or in the minimum shard size).
-    per_layer = spec.mean_layer_bytes + spec.kv_bytes_per_layer
-    room = sum(int(ctx.usable[n] // per_layer) for n in cands)
+    per_layer = spec.mean_layer_bytes + kv_layer
+    room = sum(int(ctx.usable[n] // ctx.per_layer(n)) for n in cands)
     layers = sum(b - a for a, b in free)
     if room < layers:
         short = int((layers - room) * per_layer)
@@ -765,7 +779,7 @@ def make_plan(
             if second is not None:
                 candidates.append(second)
         if not ctx.pins:  # the fastest node that holds the whole model alone: no hops at all
-            alone = [n for n in cands if spec.range_bytes(0, spec.n_layers) <= ctx.usable[n]]
+            alone = [n for n in cands if ctx.need(n, 0, spec.n_layers) <= ctx.usable[n]]
             if alone and spec.n_layers >= ctx.min_layers:
                 candidates.append([(min(alone, key=lambda n: (ctx.t[n], n)), 0, spec.n_layers)])
         key = lambda sh: _predict_cached(ctx, sh).decode_s_per_token  # noqa: E731
@@ -893,13 +907,12 @@ def _latency_shortlist(ctx: _Ctx, seq: Sequence[str]) -> list[str]:
     :data:`SHORTLIST_MIN`), and the four roomiest; in ``seq``'s order."""
     if len(seq) <= SHORTLIST_MIN:
         return list(seq)
-    per = ctx.spec.mean_layer_bytes + ctx.spec.kv_bytes_per_layer
     keep: set[str] = set()
     room = 0.0
     for n in sorted(seq, key=lambda n: (ctx.t[n], n)):
         if room >= 1.5 * ctx.spec.n_layers and len(keep) >= SHORTLIST_MIN:
             break
-        layers = ctx.usable[n] // per
+        layers = ctx.usable[n] // ctx.per_layer(n)
         if layers >= ctx.min_layers:
             keep.add(n)
             room += layers
@@ -950,7 +963,7 @@ def _memory_shards(ctx: _Ctx, cands: Sequence[str]) -> list[tuple[str, int, int]
             if k > 0:
                 out.append((n, pos, pos + k))
                 pos += k
-        if pos == ctx.spec.n_layers and all(ctx.spec.range_bytes(s, e) <= ctx.usable[n] for n, s, e in out):
+        if pos == ctx.spec.n_layers and all(ctx.need(n, s, e) <= ctx.usable[n] for n, s, e in out):
             return out
     return _dp_any(ctx, seq, "dev", targets)
 
@@ -1001,12 +1014,11 @@ def _reasons(
     node_reasons = []
     unused = [n for n in elig if n not in used]
     slowest_used = max(used, key=lambda n: ctx.t[n])
-    per_layer = spec.mean_layer_bytes + spec.kv_bytes_per_layer
     unused = sorted(unused, key=lambda n: (ctx.t[n], n))
     for n in unused[:MAX_NODE_REASONS]:
-        if ctx.usable[n] < per_layer * ctx.min_layers:
+        if ctx.usable[n] < ctx.per_layer(n) * ctx.min_layers:
             node_reasons.append(f"{n} left unused: its {gb(ctx.usable[n])} free cannot hold {ctx.min_layers} layer(s) "
-                                f"({gb(per_layer * ctx.min_layers)})")
+                                f"({gb(ctx.per_layer(n) * ctx.min_layers)})")
             continue
         m = ctx.min_layers
         d_compute = m * (ctx.t[n] - ctx.t[slowest_used])

@@ -66,6 +66,9 @@ class DeviceProfile:
     decode_s_per_layer: dict[str, float] = field(default_factory=dict)
     prefill_s_per_layer_token: dict[str, float] = field(default_factory=dict)
     compute_ref_layer_bytes: int = 0
+    # Bytes a backend keeps per cached K or V value (float32: 4; ONNX's integer precisions keep
+    # float16 caches: 2). A backend not listed counts 4: never less memory than it will take.
+    kv_value_bytes: dict[str, int] = field(default_factory=dict)
     memory_bandwidth_bytes_per_s: float = 10e9
     load_factor: float = 0.0  # 0 idle .. 1 saturated by other work
     benchmark_score: float = 1.0  # higher is faster; compared with the work's min_performance
@@ -112,6 +115,11 @@ class DeviceProfile:
         return max(0, int(free))
 
     # ------------------------------------------------------------------ compute
+
+    def kv_bytes_per_layer(self, spec: ModelSpec, backend: str | None = None) -> float:
+        """One layer's KV cache for ``spec``'s context on this node (``spec`` counts float32)."""
+        value = self.kv_value_bytes.get(backend or self.best_backend(), 4)
+        return spec.kv_bytes_per_layer * max(int(value), 1) / 4
 
     def best_backend(self) -> str:
         if self.decode_s_per_layer:
@@ -165,6 +173,7 @@ class DeviceProfile:
         d["links"] = {k: (v if isinstance(v, Link) else Link(**v)) for k, v in (d.get("links") or {}).items()}
         d["decode_s_per_layer"] = {k: float(v) for k, v in (d.get("decode_s_per_layer") or {}).items()}
         d["prefill_s_per_layer_token"] = {k: float(v) for k, v in (d.get("prefill_s_per_layer_token") or {}).items()}
+        d["kv_value_bytes"] = {k: int(v) for k, v in (d.get("kv_value_bytes") or {}).items()}
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 

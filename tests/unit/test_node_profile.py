@@ -71,6 +71,7 @@ def test_print_profile(tmp_path: Path) -> None:
     # how the backend runs here: the operator sees a node on the slower fallback, or on float32 products
     library = kernels.library()
     assert profile["backend"] == "onnx" and profile["engine"]["precision"] == "int16"
+    assert profile["kv_value_bytes"] == (2 if library is not None and library.integer else 4)  # float16 caches
     if library is None:
         assert profile["engine"]["matmul"] == "MatMulNBits (ONNX Runtime's)"
     elif library.integer:

@@ -800,3 +800,14 @@ def test_weight_arrays_are_made_again_when_the_session_reads_them(tiny_models, m
     ref = ReferenceShard(cfg, weights)
     pos = np.arange(len(PROMPT))
     close(shard.forward("r", PROMPT, pos, all_logits=True), ref.forward("r", PROMPT, pos, all_logits=True))
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["qlinear", "matmulnbits"])
+@pytest.mark.parametrize("precision", ["int16", "float32"])
+def test_the_backend_tells_the_scheduler_the_cache_precision_its_shards_keep(tiny_models, precision, kernel, monkeypatch):
+    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", kernel)
+    _, _, shard = load(tiny_models["Q4_1"], precision=precision)
+    assert ONNXBackend(precision=precision).kv_value_bytes() == shard.kv_dtype.itemsize
+    library = kernels.library()
+    integer = kernel == "1" and library is not None and library.integer  # the kernel's integer products run here
+    assert shard.kv_dtype.itemsize == (2 if precision == "int16" and integer else 4)

@@ -353,3 +353,28 @@ def test_latency_keeps_well_linked_nodes_adjacent() -> None:
     assert len(ids) == 4
     crossings = sum(1 for i in range(4) if (ids[i] in "ab") != (ids[(i + 1) % 4] in "ab"))
     assert crossings == 2  # one trip to the far site and one back, not four
+
+
+def test_a_node_that_keeps_half_precision_caches_holds_more_layers() -> None:
+    """KV caches at 100 MB a layer in float32: a node whose backend keeps them in float16 (ONNX at
+    its integer precisions) holds the model where one counting float32 cannot, and the plan says
+    what it will take there."""
+    spec = ModelSpec("m", 8, 100 * MB, 50 * MB, 50 * MB, 25600, 64, 4096)  # 8 x (100 + 100) + 100 MB
+    total = 10 * GB
+    usable = int(1.4 * GB)  # the weights (900 MB) and 8 float16 caches (400 MB), not float32 ones (800 MB)
+    half = DeviceProfile("half", ram_total_bytes=total, ram_available_bytes=usable + 2 * GB + total // 10,
+                         kv_value_bytes={"onnx": 2})
+    plan = make_plan([half], spec, "latency", now=0.0)
+    assert plan.predictions.nodes[0].memory_bytes == 900 * MB + 400 * MB
+    with pytest.raises(InfeasiblePlan) as e:
+        make_plan([replace(half, node_id="full", kv_value_bytes={})], spec, "latency", now=0.0)
+    assert e.value.constraint == "memory" and "a KV cache of 0.8 GB for 4096 tokens" in str(e.value)
+    # beside a float32 node with room for 2 layers, the float16 one holds the other 6 (4 at float32)
+    room = {"half": int(1.0 * GB), "full": int(0.5 * GB)}
+    pair = [replace(half, ram_available_bytes=room["half"] + 2 * GB + total // 10),
+            replace(half, node_id="full", kv_value_bytes={}, ram_available_bytes=room["full"] + 2 * GB + total // 10)]
+    plan = make_plan(pair, spec, "latency", now=0.0)
+    assert {s.node_id: s.n_layers for s in plan.shards} == {"half": 6, "full": 2}
+    with pytest.raises(InfeasiblePlan):
+        make_plan([replace(pair[0], kv_value_bytes={}), pair[1]], spec, "latency", now=0.0)
+    assert DeviceProfile.from_dict(half.to_dict()) == half
