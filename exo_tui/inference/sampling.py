@@ -354,9 +354,13 @@ def score_tokens(logits: np.ndarray, targets: Sequence[int], top: int = 0) -> li
     rows = np.asarray(logits)
     if rows.ndim != 2 or rows.shape[0] < len(targets):
         raise ValueError(f"{len(targets)} tokens to score need as many rows of logits, got shape {rows.shape}")
+    check_scored_top(top)
+    return [token_logprobs(rows[i], int(t), top) for i, t in enumerate(targets)]
+
+
+def check_scored_top(top: int) -> None:
     if not 0 <= top <= MAX_SCORED_TOP:
         raise ValueError(f"a scored prompt lists at most {MAX_SCORED_TOP} alternatives a position, not {top}")
-    return [token_logprobs(rows[i], int(t), top) for i, t in enumerate(targets)]
 
 
 def _bad_logits(raw: np.ndarray) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from backends.base import Shard
-from exo_tui.inference.sampling import TokenLogprobs, score_tokens
+from exo_tui.inference.sampling import TokenLogprobs, check_scored_top, score_tokens
 
 SCORE_ROWS = 256  # rows of logits held at once (256 x 49,152 floats: 50 MB)
 
@@ -23,6 +23,7 @@ def forward_scored(shard: Shard, request_id: str, x: np.ndarray, positions: np.n
     if len(targets) >= len(positions):
         raise ValueError(f"{len(targets)} tokens to score, but the step runs {len(positions)}: a prompt is "
                          "scored by the step that runs it from its start")
+    check_scored_top(top)  # before any row runs
     scores: list[TokenLogprobs] = []
     last = np.empty(0)
     for a in range(0, len(positions), SCORE_ROWS):

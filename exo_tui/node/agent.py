@@ -49,7 +49,6 @@ import numpy as np
 from backends import default_backend_name
 from backends.base import BackendError, ModelConfig
 from exo_tui.inference.sampling import (
-    MAX_SCORED_TOP,
     Sampler,
     SamplingParams,
     TokenLogprobs,
@@ -638,14 +637,6 @@ class NodeAgent:
             groups.setdefault(hosted.key, []).append(i)
         for key, idxs in groups.items():
             shard = self.host.shards[key].shard
-            asks: dict[int, dict[str, Any]] = {}  # a prompt to score needs every row's logits
-            if shard.is_last:
-                for i in [i for i in idxs if "score" in batch[i].frame.body]:
-                    try:
-                        asks[i] = _score_ask(batch[i].frame)
-                    except ValueError as exc:  # a bad ask fails its own request, not the batch
-                        results[i] = exc
-                        idxs.remove(i)
             items = []
             for i in idxs:
                 f = batch[i].frame
@@ -662,31 +653,32 @@ class NodeAgent:
                         shard.truncate_kv(rid, start)
                 x = np.asarray(f.tensor)
                 items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
-            plain = [j for j, i in enumerate(idxs) if i not in asks]
+            # a prompt to score needs every row's logits: it runs on its own
+            scored = [j for j, i in enumerate(idxs) if shard.is_last and "score" in batch[i].frame.body]
+            plain = [j for j in range(len(items)) if j not in scored]
             outs: list[Any] = [None] * len(items)
+            scores: dict[int, list[TokenLogprobs]] = {}
             try:
                 if len(plain) == 1:
                     outs[plain[0]] = shard.forward(*items[plain[0]])
                 elif plain:
                     for j, out in zip(plain, shard.forward_batch([items[j] for j in plain]), strict=True):
                         outs[j] = out
-                for j, i in enumerate(idxs):
-                    if i in asks:  # on its own, in pieces: (the last row's logits, the scores)
-                        outs[j] = forward_scored(shard, *items[j], asks[i]["targets"], asks[i]["top"])
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which rebuilds
-                log.warning("forward of layers [%d, %d) failed: %s", shard.start, shard.end, exc, exc_info=True)
-                for rid, _, _ in items:
-                    shard.drop(rid)  # the step may have half-updated the caches
-                outs = [exc] * len(items)
+                _failed(shard, items, outs, plain, exc)
+            for j in scored:  # each in pieces; its failure (a bad ask included) fails it alone
+                try:
+                    ask = _score_ask(batch[idxs[j]].frame.body["score"])
+                    outs[j], scores[idxs[j]] = forward_scored(shard, *items[j], ask["targets"], ask["top"])
+                except Exception as exc:  # noqa: BLE001
+                    _failed(shard, items, outs, [j], exc)
             for i, out in zip(idxs, outs, strict=True):
                 results[i] = out
             if shard.is_last:
                 for i in idxs:
                     if not isinstance(results[i], Exception):
                         try:
-                            out = results[i]
-                            results[i] = self._sample(batch[i].frame, *out) if isinstance(out, tuple) \
-                                else self._sample(batch[i].frame, out)
+                            results[i] = self._sample(batch[i].frame, results[i], scores.get(i))
                         except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
                             results[i] = exc
         return results
@@ -822,19 +814,22 @@ class NodeAgent:
             await self._to_coordinator(Frame("heartbeat", body={"metrics": metrics, "t": time.time()}))
 
 
-def _score_ask(frame: Frame) -> dict[str, Any]:
-    """A step's ``score``: ``{"top": k, "targets": [token, ...]}``, the prompt after its first token,
-    scored by the step that runs it from its start (so fewer targets than the step's tokens)."""
-    score = frame.body["score"]
+def _failed(shard: Any, items: list[tuple[str, np.ndarray, np.ndarray]], outs: list[Any], rows: list[int],
+            exc: Exception) -> None:
+    """Rows ``rows`` of a run failed with ``exc``: their caches go (the step may have half-updated
+    them) and the error is their result, reported to the coordinator, which rebuilds."""
+    log.warning("forward of layers [%d, %d) failed: %s", shard.start, shard.end, exc, exc_info=True)
+    for j in rows:
+        shard.drop(items[j][0])
+        outs[j] = exc
+
+
+def _score_ask(score: Any) -> dict[str, Any]:
+    """A step's ``score``: ``{"top": k, "targets": [token, ...]}``, the prompt after its first token
+    (:func:`forward_scored` checks the values)."""
     if type(score) is not dict or type(score.get("top")) is not int or type(score.get("targets")) is not list \
             or any(type(t) is not int for t in score["targets"]):
         raise ValueError(f"score must be {{'top': int, 'targets': [int, ...]}}, not {score!r:.80}")
-    if not 0 <= score["top"] <= MAX_SCORED_TOP:
-        raise ValueError(f"a scored prompt lists at most {MAX_SCORED_TOP} alternatives a position, not {score['top']}")
-    rows = len(frame.tensor) if frame.tensor is not None and np.ndim(frame.tensor) else 0
-    if len(score["targets"]) >= rows:
-        raise ValueError(f"{len(score['targets'])} tokens to score, but the step runs {rows}: a prompt is scored "
-                         "by the step that runs it from its start")
     return score
 
 

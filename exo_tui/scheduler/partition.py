@@ -86,10 +86,10 @@ class _Ctx:
     orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
     predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
 
-    def need(self, nid: str, start: int, end: int) -> float:
+    def need(self, nid: str, start: int, end: int) -> int:
         """Memory node ``nid`` needs for layers ``[start, end)``: weights, its KV caches at its
         backend's precision, the embedding or head at the ends."""
-        return self.spec.range_bytes(start, end) + (self.kv[nid] - self.spec.kv_bytes_per_layer) * (end - start)
+        return self.spec.range_bytes(start, end, self.kv[nid])
 
     def per_layer(self, nid: str) -> float:
         """An average layer with its KV cache on node ``nid``."""
@@ -175,7 +175,7 @@ def _predict(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
         prefill_hop = ctx.hop(nid, shards[i + 1][0], ctx.act_bytes * P) if i < n - 1 else 0.0
         decode += compute + hop
         ttft += prefill + prefill_hop
-        nodes.append(NodePrediction(nid, int(ctx.need(nid, s, e)), ctx.usable[nid], compute, hop, compute + hop))
+        nodes.append(NodePrediction(nid, ctx.need(nid, s, e), ctx.usable[nid], compute, hop, compute + hop))
     stages = np.array([x.stage_s for x in nodes]) if nodes else np.zeros(1)
     mean = float(stages.mean())
     coeff = float(stages.std() / mean) if mean > 0 and len(nodes) > 1 else 0.0
@@ -590,7 +590,7 @@ def _check_pins(ctx: _Ctx, eligible: set[str], excluded: Mapping[str, str]) -> N
             raise InfeasiblePlan(
                 f"pin {p.node_id}:{p.start}-{p.end} holds {p.end - p.start} layers, fewer than "
                 f"min_layers_per_shard {ctx.min_layers}: widen the pin or lower the minimum", "min_layers_per_shard")
-        need = int(ctx.need(p.node_id, p.start, p.end))
+        need = ctx.need(p.node_id, p.start, p.end)
         have = ctx.usable[p.node_id]
         if need > have:
             raise InfeasiblePlan(
@@ -634,7 +634,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
     free = _free_ranges(ctx)
     # at the smallest KV cache any candidate keeps: if even that does not fit, nothing does
     kv_layer = min((ctx.kv[n] for n in cands), default=float(spec.kv_bytes_per_layer))
-    need = int(sum(spec.range_bytes(a, b) + (kv_layer - spec.kv_bytes_per_layer) * (b - a) for a, b in free))
+    need = sum(spec.range_bytes(a, b, kv_layer) for a, b in free)
     have = sum(ctx.usable[n] for n in cands)
     largest = max(cands, key=lambda n: (ctx.usable[n], n)) if cands else None
     largest_text = f"; largest free is {largest} with {gb(ctx.usable[largest])}" if largest else ""

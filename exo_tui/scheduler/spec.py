@@ -80,9 +80,11 @@ class ModelSpec:
         """Weights plus the KV cache of every layer at the full context."""
         return self.weight_bytes + self.kv_bytes_per_layer * self.n_layers
 
-    def range_bytes(self, start: int, end: int) -> int:
-        """Memory a shard ``[start, end)`` needs: weights, KV cache, embedding/head at the ends."""
-        b = sum(self.layers[start:end]) + self.kv_bytes_per_layer * (end - start)
+    def range_bytes(self, start: int, end: int, kv_bytes_per_layer: float | None = None) -> int:
+        """Memory a shard ``[start, end)`` needs: weights, KV cache (``kv_bytes_per_layer`` a layer,
+        default float32's), embedding/head at the ends."""
+        kv = self.kv_bytes_per_layer if kv_bytes_per_layer is None else kv_bytes_per_layer
+        b = sum(self.layers[start:end]) + int(kv * (end - start))
         if start == 0:
             b += self.embed_bytes
         if end == self.n_layers:
