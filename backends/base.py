@@ -1,21 +1,29 @@
 """The backend contract: what exo_tui hands a backend and what it gets back.
 
-A backend turns plain NumPy weights of a layer range of a llama-architecture model into a
-:class:`Shard` that runs those layers. Everything crossing this boundary is plain data
-(dataclasses of NumPy arrays), so a shard on one backend can hand its hidden state or its KV
-cache to a shard on another.
+A backend turns plain NumPy weights of a layer range of a decoder-only transformer, described by a
+:class:`ModelConfig`, into a :class:`Shard` that runs those layers. Everything crossing this
+boundary is plain data (dataclasses of NumPy arrays), so a shard on one backend can hand its hidden
+state or its KV cache to a shard on another.
 
-Conventions (all backends follow them exactly):
+Conventions (all backends follow them exactly; ``tests/reference.py`` is them in NumPy):
 
-* Matrices are stored ``(out_features, in_features)`` as in GGUF/PyTorch: ``y = x @ W.T``.
+* Matrices are stored ``(out_features, in_features)`` as in GGUF/PyTorch: ``y = x @ W.T (+ b)``.
 * Rotary embedding rotates *adjacent* pairs ``(x[2i], x[2i+1])`` of each head (GGUF's llama
   layout: llama.cpp's converter permutes Q and K for this; mlx calls it ``traditional=True``).
-  ``theta_i = position * rope_theta ** (-2i / head_dim)``.
-* RMSNorm: ``x / sqrt(mean(x**2) + rms_eps) * weight``, in float32.
+  Families whose files rotate the two halves of a head (NeoX style: qwen2, qwen3, gemma3, phi3)
+  reach a backend already permuted into this layout by the model reader (the rows of Wq, Wk,
+  their biases and the Q/K norm weights), which changes no score. The angles of each layer come
+  from :func:`backends.rope.rope_tables` (base, scaling, frequency factors, magnitude).
+* RMSNorm: ``x / sqrt(mean(x**2) + rms_eps) * weight``, in float32; with ``qk_norm`` each head of
+  q and of k is normed so (over ``head_dim``) before its rotation.
 * Attention is causal over the request's cache plus the new tokens; grouped-query attention
   repeats each KV head ``n_heads // n_kv_heads`` times (query head ``h`` uses KV head
-  ``h // (n_heads // n_kv_heads)``); scores scaled by ``1 / sqrt(head_dim)``.
-* MLP: ``down(silu(gate(x)) * up(x))``. Residual adds around attention and MLP.
+  ``h // (n_heads // n_kv_heads)``); scores scaled by ``config.query_scale``; a windowed layer's
+  query at position ``p`` sees keys at positions ``> p - sliding_window`` only.
+* Block: ``h += post_norm(attn(norm(h)))``, ``h += post_norm(mlp(norm(h)))`` (the post norms only
+  with ``post_norms``). MLP: ``down(act(gate(x)) * up(x))``, ``act`` silu or tanh-approximated GELU.
+* The first shard multiplies embedding rows by ``embed_scale``; the last applies the final norm,
+  the head and, with ``logit_softcap`` c, ``c * tanh(logits / c)``.
 * Hidden states and logits are float32 NumPy arrays of shape ``(T, hidden)`` / ``(T, vocab)``.
 """
 
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import abc
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -43,9 +51,18 @@ class BackendError(RuntimeError):
     """A backend cannot do what was asked (not installed, unsupported weights, bad input)."""
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("none", "linear", "yarn")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a llama-architecture model."""
+    """The shape of a decoder-only transformer and the features that tell its families apart.
+
+    The defaults are a plain llama; every other family is the same decoder with some of these
+    switched (``exo_tui.models.families`` reads them from a GGUF file). A backend builds its graph
+    from this description and refuses (:func:`unsupported_features`) what it cannot run.
+    """
 
     n_layers: int
     hidden_size: int
@@ -58,11 +75,71 @@ class ModelConfig:
     rope_theta: float = 10000.0
     context_length: int = 2048
     arch: str = "llama"
+    # --- attention
+    qkv_bias: bool = False  # biases on q, k and v (qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and of k, before rope (qwen3, gemma3)
+    attn_scale: float = 0.0  # the queries' scale; 0: 1 / sqrt(head_dim)
+    sliding_window: int = 0  # a windowed layer's query sees this many positions, itself included
+    window_layers: tuple[bool, ...] = ()  # per layer: True where the layer is windowed; () none is
+    # --- rotary embedding (angles: see backends/rope.py)
+    rope_theta_local: float = 0.0  # windowed layers' base (gemma3); 0: rope_theta
+    rope_scaling: str = "none"  # none | linear | yarn (windowed layers of gemma3 are never scaled)
+    rope_factor: float = 1.0  # linear: positions / factor; yarn: the context's extension factor
+    rope_original_context: int = 0  # yarn: the context the model was trained at before scaling
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_attn_factor: float = 1.0  # cos and sin multiplied by this (yarn's and longrope's magnitude)
+    rope_freq_factors: tuple[float, ...] = ()  # per rotary pair: its frequency divided by it (llama3, longrope)
+    # --- blocks
+    post_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs before each residual add (gemma3)
+    activation: str = "silu"  # the MLP's gate: silu | gelu_tanh
+    # --- ends
+    embed_scale: float = 1.0  # token embeddings multiplied by it (gemma: sqrt(hidden))
+    logit_softcap: float = 0.0  # logits become c * tanh(logits / c); 0: none
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
         """float32 K and V for one token in one layer."""
         return 2 * self.n_kv_heads * self.head_dim * 4
+
+    @property
+    def query_scale(self) -> float:
+        return self.attn_scale or 1.0 / float(np.sqrt(self.head_dim))
+
+    def windowed(self, layer: int) -> bool:
+        """Whether ``layer`` attends over a sliding window (else over all its positions)."""
+        return bool(self.sliding_window) and bool(self.window_layers) and self.window_layers[layer]
+
+    def window(self, layer: int) -> int:
+        """Positions a query of ``layer`` sees, itself included (0: all of them)."""
+        return self.sliding_window if self.windowed(layer) else 0
+
+    def to_wire(self) -> dict:
+        """Plain values (msgpack and JSON carry them; :meth:`from_wire` makes the config again)."""
+        return {f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def from_wire(cls, values: dict) -> ModelConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise BackendError(f"model config has unknown fields {unknown}: the sender runs a newer exo-tui")
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()})
+
+
+def unsupported_features(config: ModelConfig) -> list[str]:
+    """What in ``config`` no backend here implements, one phrase each (empty: all of it runs)."""
+    problems = []
+    if config.activation not in ACTIVATIONS:
+        problems.append(f"activation {config.activation!r} (runs: {', '.join(ACTIVATIONS)})")
+    if config.rope_scaling not in ROPE_SCALINGS:
+        problems.append(f"rope scaling {config.rope_scaling!r} (runs: {', '.join(ROPE_SCALINGS)})")
+    if config.window_layers and len(config.window_layers) != config.n_layers:
+        problems.append(f"a sliding-window pattern of {len(config.window_layers)} layers for {config.n_layers}")
+    if config.rope_freq_factors and len(config.rope_freq_factors) != config.head_dim // 2:
+        problems.append(f"{len(config.rope_freq_factors)} rope frequency factors for {config.head_dim // 2} pairs")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -138,7 +215,9 @@ def weight_nbytes(w: Weight) -> int:
 
 @dataclass
 class LayerWeights:
-    """One transformer block. Norm weights are float32 vectors; the rest are matrices."""
+    """One transformer block. Norm weights and biases are float32 vectors; the rest are matrices.
+    The optional parts are there exactly when the model's config asks for them (``qkv_bias``,
+    ``qk_norm``, ``post_norms``)."""
 
     attn_norm: np.ndarray
     wq: Weight  # (n_heads * head_dim, hidden)
@@ -149,10 +228,17 @@ class LayerWeights:
     w_gate: Weight  # (intermediate, hidden)
     w_up: Weight  # (intermediate, hidden)
     w_down: Weight  # (hidden, intermediate)
+    bq: np.ndarray | None = None  # (n_heads * head_dim,)
+    bk: np.ndarray | None = None  # (n_kv_heads * head_dim,)
+    bv: np.ndarray | None = None  # (n_kv_heads * head_dim,)
+    q_norm: np.ndarray | None = None  # (head_dim,), shared by the heads
+    k_norm: np.ndarray | None = None  # (head_dim,)
+    attn_post_norm: np.ndarray | None = None  # (hidden,)
+    ffn_post_norm: np.ndarray | None = None  # (hidden,)
 
     @property
     def nbytes(self) -> int:
-        return sum(weight_nbytes(getattr(self, f)) for f in self.__dataclass_fields__)
+        return sum(weight_nbytes(w) for f in self.__dataclass_fields__ if (w := getattr(self, f)) is not None)
 
 
 @dataclass
@@ -208,6 +294,30 @@ class KVCache:
             raise BackendError(f"layers [{start}, {end}) are not in cache [{self.start}, {self.end})")
         a, b = start - self.start, end - self.start
         return KVCache(start, end, self.length, self.keys[a:b], self.values[a:b])
+
+
+def check_layer_weights(config: ModelConfig, layer: int, lw: LayerWeights) -> None:
+    """Errors for a layer's vectors (norms, biases) that do not fit ``config``: each optional one
+    is there exactly when the config asks for it, with its shape."""
+    c = config
+    h, qd, kvd = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    wanted = {"attn_norm": (h,), "ffn_norm": (h,)}
+    if c.qkv_bias:
+        wanted |= {"bq": (qd,), "bk": (kvd,), "bv": (kvd,)}
+    if c.qk_norm:
+        wanted |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
+    if c.post_norms:
+        wanted |= {"attn_post_norm": (h,), "ffn_post_norm": (h,)}
+    for name in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm"):
+        value = getattr(lw, name)
+        if name not in wanted:
+            if value is not None:
+                raise BackendError(f"layer {layer} has {name}, which the model's config does not use")
+            continue
+        if value is None:
+            raise BackendError(f"layer {layer} lacks {name}, which the model's config needs")
+        if tuple(np.shape(value)) != wanted[name]:
+            raise BackendError(f"layer {layer} {name} has shape {tuple(np.shape(value))}, expected {wanted[name]}")
 
 
 class Shard(abc.ABC):

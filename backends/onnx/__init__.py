@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import os
 
-from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights, physical_cores
+from backends.base import (
+    Backend,
+    BackendError,
+    ModelConfig,
+    Shard,
+    ShardWeights,
+    check_layer_weights,
+    physical_cores,
+    unsupported_features,
+)
 from backends.onnx.affinity import core_plan
 
 SPIN_US = 15
@@ -217,6 +226,9 @@ def _env_flag(name: str, *, default: bool | int, hint: str = "use 1 or 0") -> bo
 def check_shard(config: ModelConfig, weights: ShardWeights) -> None:
     """Errors for weights that do not fit the config, before any graph is built."""
     c = config
+    problems = unsupported_features(c)
+    if problems:
+        raise BackendError(f"this {c.arch} model uses {problems[0]}, which this backend does not run")
     if not 0 <= weights.start < weights.end <= c.n_layers:
         raise BackendError(f"layer range [{weights.start}, {weights.end}) is not within [0, {c.n_layers})")
     if c.n_heads % c.n_kv_heads or c.head_dim % 2:
@@ -237,9 +249,7 @@ def check_shard(config: ModelConfig, weights: ShardWeights) -> None:
             got = tuple(getattr(lw, name).shape)
             if got != shape:
                 raise BackendError(f"layer {weights.start + i} {name} has shape {got}, expected {shape}")
-        for name in ("attn_norm", "ffn_norm"):
-            if tuple(getattr(lw, name).shape) != (h,):
-                raise BackendError(f"layer {weights.start + i} {name} has shape {getattr(lw, name).shape}, expected ({h},)")
+        check_layer_weights(c, weights.start + i, lw)
     for name in ("embed", "output"):
         w = getattr(weights, name)
         if w is not None and tuple(w.shape) != (c.vocab_size, h):

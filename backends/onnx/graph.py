@@ -4,14 +4,19 @@ shard), written with ``onnx.helper``, one ``session.run`` per step.
 Per layer::
 
     a      = RMSNorm(h)                                  SkipSimplifiedLayerNormalization
-    qkv    = a @ [Wq; Wk; Wv].T                          QLinear or MatMulNBits (one, fused)
-    o, K, V = Attention(qkv, past K, past V)             rotary on adjacent pairs, in-place cache
+    qkv    = a @ [Wq; Wk; Wv].T (+ [bq; bk; bv])         QLinear or MatMulNBits (one, fused)
+    (q, k  = RMSNorm per head)                           qk_norm: SimplifiedLayerNormalization
+    o, K, V = Attention(qkv, past K, past V)             rotary on adjacent pairs, in-place cache,
+                                                         the layer's tables, scale and window
                                                          (exo-tui's kernel, else GroupQueryAttention)
-    h      = h + o @ Wo.T
+    h      = h + (RMSNorm)(o @ Wo.T)                     post_norms: the attention's output normed
     m      = RMSNorm(h)
-    h      = h + (silu(m @ Wg.T) * (m @ Wu.T)) @ Wd.T    gate and up fused; QuickGelu(alpha=1)=silu
+    h      = h + (RMSNorm)((act(m @ Wg.T) * (m @ Wu.T)) @ Wd.T)
+                                                         gate and up fused; silu is QuickGelu(alpha=1),
+                                                         tanh-GELU is FastGelu
 
-The residual add of each block is fused into the next norm. Inputs: ``hidden_in`` ``(B, T, H)``
+The residual add of each block is fused into the next norm. Layers whose rotary angles agree (see
+``backends/rope.py``) share one pair of cos/sin tables. Inputs: ``hidden_in`` ``(B, T, H)``
 (B requests' next T tokens: B > 1 batches decode steps of several requests, so every weight is
 read once for all of them), ``seqlens_k`` ``(B,)`` int32 (each row's cached + T - 1: rows may sit
 at different positions), ``total_seq_len`` scalar int32 (the largest cached + T),
@@ -35,7 +40,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
-from backends.onnx.kernels import ATTENTION, ATTENTION_F16, BLOCK, DOMAIN, OP, pack, runs_on_kernel
+from backends.onnx.kernels import ATTENTION, ATTENTION_F16, BLOCK, DOMAIN, OP, gqa_window, pack, runs_on_kernel
+from backends.rope import rope_tables, table_key
 from backends.onnx.weights import (
     dense_linear,
     packed_zero_points,
@@ -60,12 +66,9 @@ class ShardGraph:
     output: str = "hidden_out"
 
 
-def rotary_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of ``position * theta ** (-2i / head_dim)``, ``(context_length, head_dim / 2)``."""
-    d = config.head_dim
-    inv = config.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = np.arange(config.context_length, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+def rotary_tables(config: ModelConfig, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of layer ``layer``'s angles, ``(context_length, head_dim / 2)``."""
+    return rope_tables(config, layer)
 
 
 class _Builder:
@@ -113,6 +116,25 @@ class _Builder:
             "SkipSimplifiedLayerNormalization", [x, skip, w], "normed", domain=MS, n_out=4, epsilon=self.c.rms_eps
         )
         return y, s
+
+    def norm(self, x: str, weight: np.ndarray) -> str:
+        """RMSNorm of ``x`` over its last axis."""
+        w = self.weight("norm_w", np.array(weight, dtype=np.float32, copy=True))
+        return self.node("SimplifiedLayerNormalization", [x, w], "normed", axis=-1, epsilon=self.c.rms_eps)[0]
+
+    def head_norms(self, qkv: str, q_norm: np.ndarray, k_norm: np.ndarray, stem: str) -> str:
+        """``qkv`` ``(B, T, (H + 2G) D)`` with each q and k head RMS-normed over its ``D``."""
+        c = self.c
+        qd, kd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        split = self.const("qkv_split", np.array([qd, kd, kd], dtype=np.int64))
+        q, k, v = self.node("Split", [qkv, split], f"{stem}_split", n_out=3, axis=-1)
+        heads = self.const("by_head", np.array([0, 0, -1, c.head_dim], dtype=np.int64))
+        flat = self.const("by_row", np.array([0, 0, -1], dtype=np.int64))
+        parts = []
+        for x, w in ((q, q_norm), (k, k_norm)):
+            (x4,) = self.node("Reshape", [x, heads], f"{stem}_heads")
+            parts.append(self.node("Reshape", [self.norm(x4, w), flat], f"{stem}_rows")[0])
+        return self.node("Concat", [*parts, v], f"{stem}_normed", axis=-1)[0]
 
     def linear(self, x: str, weights: list[Weight], stem: str) -> str:
         """``x @ concat(weights).T``; matrices of one kind run as one fused op."""
@@ -233,8 +255,7 @@ def build_shard_graph(
     ]
     outputs = []
     graph = ShardGraph(helper.make_model(helper.make_graph([], "empty", [], [])))
-    cos, sin = rotary_tables(c)
-    cos_name, sin_name = b.weight("rope_cos", cos), b.weight("rope_sin", sin)
+    tables: dict[tuple[float, bool], tuple[str, str]] = {}
     kv_shape = ["slots" if kernel else "batch", c.n_kv_heads, "capacity", c.head_dim]
     if kernel:
         inputs.append(helper.make_tensor_value_info("slots", TensorProto.INT32, ["batch"]))
@@ -243,8 +264,19 @@ def build_shard_graph(
 
     h, skip = "hidden_in", None
     for i, lw in enumerate(weights.layers):
+        layer = weights.start + i
+        key = table_key(c, layer)
+        if key not in tables:
+            cos, sin = rotary_tables(c, layer)
+            tables[key] = (b.weight("rope_cos", cos), b.weight("rope_sin", sin))
+        cos_name, sin_name = tables[key]
         a, h = b.rms_norm(h, lw.attn_norm, skip)
         qkv = b.linear(a, [lw.wq, lw.wk, lw.wv], f"l{i}_qkv")
+        if lw.bq is not None:
+            bias = b.weight(f"l{i}_qkv_bias", np.concatenate([lw.bq, lw.bk, lw.bv]).astype(np.float32))
+            (qkv,) = b.node("Add", [qkv, bias], f"l{i}_qkv_b")
+        if lw.q_norm is not None:
+            qkv = b.head_norms(qkv, lw.q_norm, lw.k_norm, f"l{i}_qk")
         pk, pv, ok, ov = f"past_key_{i}", f"past_value_{i}", f"present_key_{i}", f"present_value_{i}"
         inputs += [helper.make_tensor_value_info(n, kv_type, kv_shape) for n in (pk, pv)]
         outputs += [helper.make_tensor_value_info(n, kv_type, kv_shape) for n in (ok, ov)]
@@ -253,20 +285,29 @@ def build_shard_graph(
         attn = b.name(f"l{i}_attn")
         rest = ["seqlens_k", "total_seq_len", cos_name, sin_name]
         if kernel:  # exo-tui's own: the same math, a batch's rows at the cost of each alone
-            op, domain, ins, extra = ATTENTION_F16 if half_kv else ATTENTION, DOMAIN, [qkv, pk, pv, *rest, "slots"], {}
+            op, domain, ins = ATTENTION_F16 if half_kv else ATTENTION, DOMAIN, [qkv, pk, pv, *rest, "slots"]
+            extra = {"scale": float(c.query_scale), "window": c.window(layer)}
         else:
             op, domain, ins = "GroupQueryAttention", MS, [qkv, "", "", pk, pv, *rest]
-            extra = {"scale": float(1.0 / np.sqrt(c.head_dim)), "do_rotary": 1, "rotary_interleaved": 1}
+            extra = {"scale": float(c.query_scale), "do_rotary": 1, "rotary_interleaved": 1,
+                     "local_window_size": gqa_window(c.window(layer))}
         b.nodes.append(helper.make_node(op, ins, [attn, ok, ov], name=b.name(op), domain=domain,
                                         num_heads=c.n_heads, kv_num_heads=c.n_kv_heads, **extra))
         o = b.linear(attn, [lw.wo], f"l{i}_o")
+        if lw.attn_post_norm is not None:
+            o = b.norm(o, lw.attn_post_norm)
         m, h = b.rms_norm(h, lw.ffn_norm, o)
         gu = b.linear(m, [lw.w_gate, lw.w_up], f"l{i}_gateup")
         split = b.const("split", np.array([c.intermediate_size, c.intermediate_size], dtype=np.int64))
         g, u = b.node("Split", [gu, split], f"l{i}_gu", n_out=2, axis=-1)
-        (act,) = b.node("QuickGelu", [g], f"l{i}_silu", domain=MS, alpha=1.0)
+        if c.activation == "gelu_tanh":
+            (act,) = b.node("FastGelu", [g], f"l{i}_gelu", domain=MS)
+        else:
+            (act,) = b.node("QuickGelu", [g], f"l{i}_silu", domain=MS, alpha=1.0)
         (act,) = b.node("Mul", [act, u], f"l{i}_act")
         skip = b.linear(act, [lw.w_down], f"l{i}_down")
+        if lw.ffn_post_norm is not None:
+            skip = b.norm(skip, lw.ffn_post_norm)
         if weights.disposable:
             weights.layers[i] = None  # type: ignore[call-overload]  # its arrays are built; see ShardWeights
 
@@ -287,6 +328,12 @@ def build_shard_graph(
         else:
             logits = b.linear(tail, [weights.output], "head")
             b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits_out"))
+        if c.logit_softcap:  # logits = cap * tanh(logits / cap)
+            b.nodes[-1].output[0] = "raw_logits"
+            cap = b.const("softcap", np.array(c.logit_softcap, dtype=np.float32))
+            (scaled,) = b.node("Div", ["raw_logits", cap], "capped")
+            (bent,) = b.node("Tanh", [scaled], "capped")
+            b.nodes.append(helper.make_node("Mul", [bent, cap], ["logits"], name="softcap_out"))
         outputs.insert(0, helper.make_tensor_value_info("logits", f32, ["batch", "tail", c.vocab_size]))
         graph.output = "logits"
     else:

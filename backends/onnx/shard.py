@@ -312,7 +312,10 @@ class ONNXShard(Shard):
         if self.is_first:
             if self._embed is None:
                 raise BackendError("the first shard was loaded without the token embedding")
-            return embedding_rows(self._embed, x.astype(np.int64))
+            rows = embedding_rows(self._embed, x.astype(np.int64))
+            if self.config.embed_scale != 1.0:
+                rows *= np.float32(self.config.embed_scale)
+            return rows
         return np.ascontiguousarray(x, dtype=np.float32)
 
     def _check_open(self) -> None:

@@ -7,7 +7,6 @@ is then sent again (up to ``CHUNK_RETRIES`` times) before the load fails with a 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
@@ -56,7 +55,7 @@ async def stream_shard(
         "load_begin",
         {
             "transfer_id": transfer_id,
-            "config": dataclasses.asdict(model.config),
+            "config": model.config.to_wire(),
             "start": start,
             "end": end,
             "backend": backend,

@@ -1,5 +1,6 @@
-"""Reading llama-architecture GGUF files: the model config, the tokenizer fields, and the
-weights of any layer range (only those tensors are read; the file is memory-mapped)."""
+"""Reading GGUF files of the families in :mod:`exo_tui.models.families`: the model config, the
+tokenizer fields, and the weights of any layer range (only those tensors are read; the file is
+memory-mapped)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,23 @@ from typing import Any
 import numpy as np
 
 from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights, Weight
+from exo_tui.models.families import (
+    CONFIG_TENSORS,
+    END_TENSORS,
+    FAMILIES,
+    SUPPORTED_ARCHITECTURES,
+    FamilyError,
+    family_of,
+    permute_heads,
+    read_config,
+    split_rows,
+)
 from exo_tui.models.gguf_header import GGUFHeader, type_name
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "assemble_shard", "tensor_from_raw"]
 # Block formats kept quantized (affine blocks of 32); other types are dequantized at load.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
-_LAYER_TENSORS = {
-    "attn_norm": "attn_norm",
-    "wq": "attn_q",
-    "wk": "attn_k",
-    "wv": "attn_v",
-    "wo": "attn_output",
-    "ffn_norm": "ffn_norm",
-    "w_gate": "ffn_gate",
-    "w_up": "ffn_up",
-    "w_down": "ffn_down",
-}
 
 
 class ModelFileError(Exception):
@@ -72,11 +73,11 @@ class GGUFModel:
         self._fields = self._header.fields
         self._tensors = self._header.tensors
         self.architecture = str(self.field("general.architecture", ""))
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelFileError(
-                f"{self.path} has architecture {self.architecture or 'unknown'!r}; exo-tui runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} models: choose a llama-architecture GGUF"
-            )
+        try:
+            self.family = family_of(self.architecture, str(self.path))
+            self.config  # noqa: B018 - read now: a feature no backend runs refuses the file before anything loads
+        except FamilyError as exc:
+            raise ModelFileError(str(exc)) from exc
         self._check_complete()
 
     # ---------------------------------------------------------------- metadata
@@ -106,31 +107,20 @@ class GGUFModel:
     def _required(self, key: str) -> Any:
         value = self.field(key)
         if value is None:
-            raise ModelFileError(f"{self.path} lacks metadata {key}: the file is incomplete or not a llama model")
+            raise ModelFileError(f"{self.path} lacks metadata {key}: the file is incomplete or not a model of a family exo-tui runs")
         return value
 
     @cached_property
     def config(self) -> ModelConfig:
-        a = self.architecture
-        hidden = int(self._required(f"{a}.embedding_length"))
-        n_heads = int(self._required(f"{a}.attention.head_count"))
-        head_dim = int(self.field(f"{a}.attention.key_length", hidden // n_heads))
-        vocab = self.field(f"{a}.vocab_size")
-        if vocab is None:
-            vocab = self.tensor_info("token_embd.weight").shape[0]
-        return ModelConfig(
-            n_layers=int(self._required(f"{a}.block_count")),
-            hidden_size=hidden,
-            intermediate_size=int(self._required(f"{a}.feed_forward_length")),
-            n_heads=n_heads,
-            n_kv_heads=int(self.field(f"{a}.attention.head_count_kv", n_heads)),
-            head_dim=head_dim,
-            vocab_size=int(vocab),
-            rms_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            context_length=int(self.field(f"{a}.context_length", 2048)),
-            arch=a,
-        )
+        def shape(name: str) -> tuple[int, ...] | None:
+            t = self._tensors.get(name)
+            return None if t is None else tuple(reversed(t.dims))
+
+        def values(name: str) -> np.ndarray:
+            w = self.tensor(name)
+            return np.asarray(w.dequantize() if isinstance(w, QuantizedWeight) else w, dtype=np.float32)
+
+        return read_config(self.architecture, self.field, shape, values, str(self.path))
 
     @property
     def name(self) -> str:
@@ -143,17 +133,28 @@ class GGUFModel:
     def tensor_info(self, name: str) -> TensorInfo:
         t = self._tensors.get(name)
         if t is None:
-            raise ModelFileError(f"{self.path} lacks tensor {name}: the file is incomplete or not a llama model")
+            raise ModelFileError(f"{self.path} lacks tensor {name}: the file is incomplete or not a model of a family exo-tui runs")
         return TensorInfo(name, type_name(t.type_id), tuple(reversed(t.dims)), t.n_bytes)
+
+    def _layer_names(self, layer: int) -> list[str]:
+        return [f"blk.{layer}.{n}" for n in self.family.layer_tensors().values()]
 
     def _check_complete(self) -> None:
         cfg = self.config
         names = ["token_embd.weight", "output_norm.weight"]
-        names += [f"blk.{i}.{n}.weight" for i in range(cfg.n_layers) for n in _LAYER_TENSORS.values()]
+        names += [n for i in range(cfg.n_layers) for n in self._layer_names(i)]
         missing = [n for n in names if n not in self._tensors]
         if missing:
             raise ModelFileError(
                 f"{self.path} lacks {len(missing)} tensors (first: {missing[0]}): the file is incomplete"
+            )
+        known = set(names) | set(END_TENSORS) | set(CONFIG_TENSORS)
+        unknown = sorted(n for n in self._tensors if n not in known and not n.endswith(".attn_rot_embd"))
+        if unknown:
+            raise ModelFileError(
+                f"{self.path} ({self.architecture}) holds tensor {unknown[0]} (and {len(unknown) - 1} more) that "
+                f"exo-tui does not know how to run, so it is refused rather than run without it; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         size = self.path.stat().st_size
         for t in self._tensors.values():
@@ -166,7 +167,7 @@ class GGUFModel:
     # ---------------------------------------------------------------- sizes
 
     def layer_nbytes(self, layer: int) -> int:
-        return sum(self.tensor_info(f"blk.{layer}.{n}.weight").nbytes for n in _LAYER_TENSORS.values())
+        return sum(self.tensor_info(n).nbytes for n in self._layer_names(layer))
 
     @property
     def embed_nbytes(self) -> int:
@@ -206,7 +207,7 @@ class GGUFModel:
     def shard_tensor_names(self, start: int, end: int) -> list[str]:
         """The names of the tensors a shard of layers ``[start, end)`` needs."""
         names = ["token_embd.weight"] if start == 0 else []
-        names += [f"blk.{i}.{n}.weight" for i in range(start, end) for n in _LAYER_TENSORS.values()]
+        names += [n for i in range(start, end) for n in self._layer_names(i)]
         if end == self.config.n_layers:
             names.append("output_norm.weight")
             if not self.tied_embeddings:
@@ -225,18 +226,37 @@ class GGUFModel:
 
 
 def assemble_shard(config: ModelConfig, start: int, end: int, tensors: dict[str, Weight]) -> ShardWeights:
-    """Shard weights from tensors by GGUF name (read from a file or streamed over the wire)."""
+    """Shard weights from tensors by GGUF name (read from a file or streamed over the wire), in the
+    backends' layout: fused matrices split, NeoX heads permuted to adjacent pairs."""
+    family = FAMILIES.get(config.arch)
+    if family is None:
+        raise ModelFileError(f"a shard of architecture {config.arch!r}: exo-tui runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def get(name: str) -> Weight:
         if name not in tensors:
             raise ModelFileError(f"shard [{start}, {end}) is missing tensor {name}")
         return tensors[name]
 
+    c = config
     layers = []
     for i in range(start, end):
-        ws = {f: get(f"blk.{i}.{n}.weight") for f, n in _LAYER_TENSORS.items()}
-        for norm in ("attn_norm", "ffn_norm"):
-            ws[norm] = _dense_vector(ws[norm])
+        ws = {f: get(f"blk.{i}.{n}") for f, n in family.layer_tensors().items()}
+        try:
+            if "wqkv" in ws:
+                qd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+                ws["wq"], ws["wk"], ws["wv"] = split_rows(ws.pop("wqkv"), [qd, kvd, kvd])
+            if "w_gate_up" in ws:
+                ws["w_gate"], ws["w_up"] = split_rows(ws.pop("w_gate_up"), [c.intermediate_size] * 2)
+        except FamilyError as exc:
+            raise ModelFileError(f"layer {i}: {exc}") from exc
+        for f in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm"):
+            if f in ws:
+                ws[f] = _dense_vector(ws[f])
+        if family.neox:
+            ws["wq"], ws["wk"] = permute_heads(ws["wq"], c.n_heads, c.head_dim), permute_heads(ws["wk"], c.n_kv_heads, c.head_dim)
+            for f, heads in (("bq", c.n_heads), ("bk", c.n_kv_heads), ("q_norm", 1), ("k_norm", 1)):
+                if f in ws:
+                    ws[f] = permute_heads(ws[f], heads, c.head_dim)
         layers.append(LayerWeights(**ws))
     embed = get("token_embd.weight") if start == 0 else None
     norm = output = None

@@ -330,7 +330,7 @@ class NodeAgent:
     async def _op_load_begin(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
         tensors = [TensorInfo(t["name"], t["type"], tuple(t["shape"]), int(t["nbytes"])) for t in b["tensors"]]
-        config = ModelConfig(**b["config"])
+        config = ModelConfig.from_wire(b["config"])
         self.host.begin_transfer(b["transfer_id"], config, int(b["start"]), int(b["end"]), b.get("backend"), tensors)
         return Frame("ok")
 

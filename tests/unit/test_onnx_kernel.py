@@ -128,6 +128,38 @@ def test_attention_is_rotary_causal_attention_over_the_cache(library: kernels.Li
 
 
 @pytest.mark.parametrize("half", [True, False], ids=["float16-caches", "float32-caches"])
+@pytest.mark.parametrize(("head_dim", "window"), [(64, 7), (128, 20), (48, 1), (256, 9)])
+def test_attention_with_a_sliding_window_and_a_query_scale(library: kernels.Library, head_dim: int, window: int,
+                                                            half: bool) -> None:
+    """Gemma 3's layers: a query sees only the last ``window`` positions, itself included, with its
+    own scale; grouped heads (64, 128), single heads (48) and Gemma's 256, prompts and decode."""
+    rng = np.random.default_rng(head_dim + window)
+    for rows, tokens in ((3, 1), (1, 12)):
+        case = kernels.AttentionCase.random(rng, rows, tokens, heads=8, kv_heads=2, head_dim=head_dim, capacity=60,
+                                            half=half, scale=0.37, window=window)
+        want = case.reference()
+        out, keys, _ = case.in_session(library.path)
+        assert np.allclose(out, want[0], **close_enough(half)), (rows, tokens)
+        assert np.allclose(keys, want[1], **close_enough(half))
+        unwindowed = kernels.AttentionCase(**{**case.__dict__, "window": 0}).reference()[0]
+        assert not np.allclose(out, unwindowed, atol=1e-3)  # the window mattered
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_group_query_attention_window_matches_the_model(window: int) -> None:
+    """ONNX Runtime's own op (the fallback) with ``local_window_size`` as :func:`kernels.gqa_window`
+    sets it sees the same keys as the model."""
+    rng = np.random.default_rng(window)
+    for rows, tokens, seqlens in ((1, 9, [30]), (2, 1, [3, 30])):  # its batches: one prompt, or one token a row
+        case = kernels.AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=32, capacity=40,
+                                            half=False, scale=0.2, window=window)
+        case = kernels.AttentionCase(**{**case.__dict__, "seqlens": np.array(seqlens, np.int32)})
+        want = case.reference()
+        out, _, _ = case.in_session(None)
+        assert np.allclose(out, want[0], rtol=1e-4, atol=1e-4), (rows, tokens)
+
+
+@pytest.mark.parametrize("half", [True, False], ids=["float16-caches", "float32-caches"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 4, 128), (6, 2, 48)])
 def test_attention_for_other_head_shapes(library: kernels.Library, heads: int, kv_heads: int, head_dim: int,
                                          half: bool) -> None:

@@ -271,9 +271,10 @@ def _check(path: Path) -> Library:
                     )
                 if not np.array_equal(run_in_session(path, x, blob, bits, n, xbits), y):
                     raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
-    for (rows, tokens, slots), half in itertools.product(((3, 1, 5), (1, 4, 1)), (False, True)):
+    shapes = ((3, 1, 5, 0.0, 0), (1, 4, 1, 0.0, 0), (2, 3, 3, 0.3, 5))  # the last: a scale and a sliding window
+    for (rows, tokens, slots, scale, window), half in itertools.product(shapes, (False, True)):
         case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12, half=half,
-                                    slots=slots)
+                                    slots=slots, scale=scale, window=window)
         want = case.reference()
         got = case.call(lib)
         rtol, atol = (HALF_RTOL, 1e-4) if half else (1e-4, 1e-5)
@@ -343,6 +344,12 @@ def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int,
         raise KernelUnavailable(f"ONNX Runtime cannot use the kernel ({exc})") from exc
 
 
+def gqa_window(window: int) -> int:
+    """``GroupQueryAttention``'s ``local_window_size`` for a window of ``window`` positions, the
+    query's own included (as measured on ONNX Runtime 1.2x's CPU op; -1: no window)."""
+    return window if window > 0 else -1
+
+
 HALF_RTOL = 2e-3
 """How far ``Attention``'s results may be from :meth:`AttentionCase.reference`'s: a new key (rotated
 in float32 here, in float64 there) may round to the neighbouring float16 (2^-11 relative apart)."""
@@ -364,10 +371,13 @@ class AttentionCase:
     kv_heads: int
     half: bool = True  # the op's caches are float16 (AttentionF16), else float32 (Attention)
     slots: np.ndarray | None = None  # (B,) int32: each row's slot of the caches; None: row b in slot b
+    scale: float = 0.0  # the queries' scale (0: 1 / sqrt(head_dim))
+    window: int = 0  # a sliding window of that many positions (0: none)
 
     @classmethod
     def random(cls, rng: np.random.Generator, rows: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
-               capacity: int, half: bool = True, slots: int | None = None) -> AttentionCase:
+               capacity: int, half: bool = True, slots: int | None = None, scale: float = 0.0,
+               window: int = 0) -> AttentionCase:
         """Rows at different positions (each cached up to what leaves room for ``tokens``);
         ``slots``: caches of that many slots, the rows in distinct ones in a random order (None:
         as many as rows, row b in slot b)."""
@@ -381,6 +391,7 @@ class AttentionCase:
             seqlens=(cached + tokens - 1).astype(np.int32),
             cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32), heads=heads, kv_heads=kv_heads,
             half=half, slots=None if slots is None else rng.permutation(slots)[:rows].astype(np.int32),
+            scale=scale, window=window,
         )
 
     @property
@@ -420,10 +431,11 @@ class AttentionCase:
                 pos = first + j
                 for head in range(h):
                     kv = head // (h // g)
-                    q = rotate(qkv[i, j, head * d : (head + 1) * d], pos) / np.sqrt(d)
-                    scores = keys[slot, kv, : pos + 1] @ q
+                    q = rotate(qkv[i, j, head * d : (head + 1) * d], pos) * (self.scale or 1 / np.sqrt(d))
+                    lo = max(0, pos + 1 - self.window) if self.window else 0
+                    scores = keys[slot, kv, lo : pos + 1] @ q
                     p = np.exp(scores - scores.max())
-                    out[i, j, head * d : (head + 1) * d] = (p / p.sum()) @ values[slot, kv, : pos + 1]
+                    out[i, j, head * d : (head + 1) * d] = (p / p.sum()) @ values[slot, kv, lo : pos + 1]
         return out, keys, values
 
     def call(self, lib: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -435,7 +447,8 @@ class AttentionCase:
         p, i = ctypes.c_void_p, ctypes.c_int64
         arrays = (self.qkv, keys, values, self.seqlens, np.ascontiguousarray(self.slot_ids), self.cos, self.sin, out)
         lib.exo_attention(*(p(a.ctypes.data) for a in arrays), i(b), i(t), i(self.heads), i(self.kv_heads),
-                          i(self.head_dim), i(keys.shape[2]), i(self.cos.shape[0]), i(int(self.half)))
+                          i(self.head_dim), i(keys.shape[2]), i(self.cos.shape[0]), i(int(self.half)),
+                          ctypes.c_float(self.scale), i(self.window))
         return out, keys, values
 
     def in_session(self, path: str | Path | None, in_place: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -456,14 +469,15 @@ class AttentionCase:
         if path is not None:
             domain, node = DOMAIN, helper.make_node(ATTENTION_F16 if half else ATTENTION, ["qkv", "pk", "pv", *rest, "slots"],
                                                     ["o", "ok", "ov"], domain=DOMAIN, num_heads=self.heads,
-                                                    kv_num_heads=self.kv_heads)
+                                                    kv_num_heads=self.kv_heads, scale=float(self.scale),
+                                                    window=int(self.window))
         else:
             if cache[0] != b or not np.array_equal(self.slot_ids, np.arange(b)):
                 raise ValueError("GroupQueryAttention takes row b's cache in slot b: no slot map")
             domain, node = "com.microsoft", helper.make_node(
                 "GroupQueryAttention", ["qkv", "", "", "pk", "pv", *rest], ["o", "ok", "ov"], domain="com.microsoft",
-                num_heads=self.heads, kv_num_heads=self.kv_heads, scale=float(1 / np.sqrt(self.head_dim)),
-                do_rotary=1, rotary_interleaved=1,
+                num_heads=self.heads, kv_num_heads=self.kv_heads, scale=float(self.scale or 1 / np.sqrt(self.head_dim)),
+                do_rotary=1, rotary_interleaved=1, local_window_size=gqa_window(self.window),
             )
         graph = helper.make_graph(
             [node], "check",

@@ -12,7 +12,8 @@
    (max_pos, D / 2); slots int32 (B,): the cache slot of each row. The caches hold S >= B slots,
    (S, G, cap, D): row b reads and appends to slot slots[b], so a batch is any set of requests of a
    pool of caches, with no padding rows for the slots between them (each slot at most once).
-   Attributes num_heads (H) and kv_num_heads (G). Outputs: float32 (B, T, H D),
+   Attributes num_heads (H) and kv_num_heads (G); optional scale (the queries' factor, default
+   1 / sqrt(D)) and window (> 0: a query at p sees only the keys at p - window + 1 .. p). Outputs: float32 (B, T, H D),
    then present_key, present_value (the caches, of the past's type, with the T new positions
    written in: bound to the same buffers as the past ones, they are appended to in place;
    otherwise the past is copied first).
@@ -53,7 +54,11 @@ typedef struct {
     int64_t b, t, h, g, d, cap, max_pos;
     float scale;
     int half; /* the caches hold float16 (AttentionF16), else float32 */
+    int64_t window; /* > 0: a query at p sees the keys at p - window + 1 .. p (a sliding window) */
 } Attn;
+
+/* The first key a query at pos sees. */
+static inline int64_t first_key(const Attn *a, int64_t pos) { return a->window > 0 && pos >= a->window ? pos - a->window + 1 : 0; }
 
 #if defined(AT_AVX512)
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r in [-ln2/2, ln2/2], ~1 ulp */
@@ -355,9 +360,9 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     rotate(q, a, pos);
     for (int64_t i = 0; i < d; i++)
         q[i] *= a->scale;
-    const void *keys = kv_row(a->keys, cache_at(a, b, g), half);
-    const void *values = kv_row(a->values, cache_at(a, b, g), half);
-    const int64_t n = pos + 1;
+    const int64_t lo = first_key(a, pos), n = pos + 1 - lo;
+    const void *keys = kv_row(a->keys, cache_at(a, b, g) + lo * d, half);
+    const void *values = kv_row(a->values, cache_at(a, b, g) + lo * d, half);
     float stack[1024], *s = n <= 1024 ? stack : (float *)malloc((size_t)n * sizeof(float));
     if (s == NULL) {
         memset(y, 0, (size_t)d * sizeof(float));
@@ -420,15 +425,15 @@ static inline __attribute__((always_inline)) void attend_group(void *arg, size_t
     const int64_t d = a->d, per = a->h / a->g, width = (a->h + 2 * a->g) * d, pos = position(a, b, t);
     const int64_t chunk = d == 64 ? 4 : 2; /* heads at once: their queries and sums fit the registers */
     float *y = a->out + ((b * a->t + t) * a->h + g * per) * d;
-    const int64_t n = pos + 1;
+    const int64_t lo = first_key(a, pos), n = pos + 1 - lo;
     float stack[4096], *s = chunk * n <= 4096 ? stack : (float *)malloc((size_t)(chunk * n) * sizeof(float));
     if (pos < 0 || pos >= a->cap || s == NULL) {
         memset(y, 0, (size_t)(per * d) * sizeof(float));
         return;
     }
     float q[4 * 128];
-    const void *keys = kv_row(a->keys, cache_at(a, b, g), half);
-    const void *values = kv_row(a->values, cache_at(a, b, g), half);
+    const void *keys = kv_row(a->keys, cache_at(a, b, g) + lo * d, half);
+    const void *values = kv_row(a->values, cache_at(a, b, g) + lo * d, half);
     for (int64_t h0 = 0; h0 < per; h0 += chunk) {
         const int64_t r = per - h0 < chunk ? per - h0 : chunk;
         for (int64_t i = 0; i < r; i++) {
@@ -486,9 +491,10 @@ void exo_to_half(const float *x, uint16_t *out, int64_t n) { to_half(out, x, n);
    caller's). */
 void exo_attention(const float *qkv, void *keys, void *values, const int32_t *seqlens, const int32_t *slots,
                    const float *cos, const float *sin, float *out, int64_t b, int64_t t, int64_t h, int64_t g, int64_t d,
-                   int64_t cap, int64_t max_pos, int64_t half)
+                   int64_t cap, int64_t max_pos, int64_t half, float scale, int64_t window)
 {
-    Attn a = {qkv, keys, values, seqlens, slots, cos, sin, out, b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d), half != 0};
+    Attn a = {qkv, keys, values, seqlens, slots, cos, sin, out, b, t, h, g, d, cap, max_pos,
+              scale > 0.0f ? scale : 1.0f / sqrtf((float)d), half != 0, window};
     for (size_t i = 0; i < (size_t)(b * g); i++)
         append_task(&a, i);
     const Phase phase = attend_phase(&a);
@@ -501,6 +507,8 @@ void exo_attention(const float *qkv, void *keys, void *values, const int32_t *se
 typedef struct {
     int64_t heads, kv_heads;
     int half; /* AttentionF16: float16 caches */
+    float scale; /* the queries' scale (attribute "scale"; 0: 1 / sqrt(head_size)) */
+    int64_t window; /* attribute "window": a sliding window of that many positions (0: none) */
 } Kernel;
 
 static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKernelInfo *info, void **out)
@@ -519,6 +527,12 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
         return status;
     }
     kernel->half = op == (const void *)&exo_attention_f16_op;
+    optional_float_attribute(info, "scale", &kernel->scale);
+    optional_int_attribute(info, "window", &kernel->window);
+    if (kernel->scale < 0.0f || kernel->window < 0) {
+        free(kernel);
+        return fail("Attention: scale and window must not be negative");
+    }
     *out = kernel;
     return NULL;
 }
@@ -607,7 +621,8 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     if (b == 0 || t == 0)
         return NULL;
     Attn a = {(const float *)qkv, ok, ov, seqlens, slots, (const float *)cos, (const float *)sin, (float *)y,
-              b, t, h, g, d, cap, max_pos, 1.0f / sqrtf((float)d), kernel->half};
+              b, t, h, g, d, cap, max_pos, kernel->scale > 0.0f ? kernel->scale : 1.0f / sqrtf((float)d), kernel->half,
+              kernel->window};
     CHECK(API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, append_task, (size_t)(b * g), 0, &a));
     const Phase phase = attend_phase(&a);
     return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, phase.run, phase.tasks, 0, &a);

@@ -37,6 +37,7 @@ enum {
     API_GetDimensionsCount = 61,
     API_GetDimensions = 62,
     API_GetTensorTypeAndShape = 65,
+    API_KernelInfoGetAttribute_float = 85,
     API_KernelInfoGetAttribute_int64 = 86,
     API_KernelContext_GetInput = 90,
     API_KernelContext_GetOutput = 91,
@@ -56,6 +57,8 @@ typedef OrtStatus *(*GetTensorMutableData_t)(OrtValue *, void **);
 typedef OrtStatus *(*GetDimensionsCount_t)(const OrtTensorTypeAndShapeInfo *, size_t *);
 typedef OrtStatus *(*GetDimensions_t)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t);
 typedef OrtStatus *(*GetTensorTypeAndShape_t)(const OrtValue *, OrtTensorTypeAndShapeInfo **);
+typedef void (*ReleaseStatus_t)(OrtStatus *);
+typedef OrtStatus *(*KernelInfoGetAttribute_float_t)(const OrtKernelInfo *, const char *, float *);
 typedef OrtStatus *(*KernelInfoGetAttribute_int64_t)(const OrtKernelInfo *, const char *, int64_t *);
 typedef OrtStatus *(*KernelContext_GetInput_t)(const OrtKernelContext *, size_t, const OrtValue **);
 typedef OrtStatus *(*KernelContext_GetOutput_t)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
@@ -76,6 +79,27 @@ static inline OrtStatus *fail(const char *message) { return API(API_CreateStatus
 static inline OrtStatus *int_attribute(const OrtKernelInfo *info, const char *name, int64_t *out)
 {
     return API(API_KernelInfoGetAttribute_int64, KernelInfoGetAttribute_int64_t)(info, name, out);
+}
+
+/* An optional attribute: *out keeps its value where the node has none. */
+static inline void optional_int_attribute(const OrtKernelInfo *info, const char *name, int64_t *out)
+{
+    int64_t value;
+    OrtStatus *status = int_attribute(info, name, &value);
+    if (status == NULL)
+        *out = value;
+    else
+        API(API_ReleaseStatus, ReleaseStatus_t)(status);
+}
+
+static inline void optional_float_attribute(const OrtKernelInfo *info, const char *name, float *out)
+{
+    float value;
+    OrtStatus *status = API(API_KernelInfoGetAttribute_float, KernelInfoGetAttribute_float_t)(info, name, &value);
+    if (status == NULL)
+        *out = value;
+    else
+        API(API_ReleaseStatus, ReleaseStatus_t)(status);
 }
 
 /* struct OrtCustomOp up to the fields of version 17 */
