@@ -40,8 +40,16 @@ import onnx
 from onnx import TensorProto, helper
 
 from backends.base import ModelConfig, ShardWeights, Weight
-from backends.onnx.kernels import ATTENTION, ATTENTION_F16, BLOCK, DOMAIN, OP, gqa_window, pack, runs_on_kernel
-from backends.rope import rope_tables, table_key
+from backends.onnx.kernels import (
+    ATTENTION,
+    ATTENTION_F16,
+    BLOCK,
+    DOMAIN,
+    OP,
+    gqa_window,
+    pack,
+    runs_on_kernel,
+)
 from backends.onnx.weights import (
     dense_linear,
     packed_zero_points,
@@ -49,6 +57,7 @@ from backends.onnx.weights import (
     runs_quantized,
     same_kind,
 )
+from backends.rope import rope_tables, table_key
 
 MS = "com.microsoft"
 OPSET = 21
