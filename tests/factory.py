@@ -48,15 +48,20 @@ def write_tiny_llama(
     seed: int = 0,
     rope_theta: float = 10000.0,
     sampling: dict[str, float | int] | None = None,
+    arch: str = "llama",
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    strings: dict[str, str] | None = None,
 ) -> Path:
     """Write a random llama model; matrices in ``weight_type`` (F32, F16, Q8_0, Q4_0, Q4_1).
-    ``sampling``: recommended sampling fields, e.g. ``{"general.sampling.temp": 0.0}``."""
+    ``sampling``: recommended sampling fields, e.g. ``{"general.sampling.temp": 0.0}`` (any
+    int/float metadata, in fact). ``arch``: the ``general.architecture`` written (the keys follow
+    it); ``extra_tensors``: more float32 tensors by name (to make files exo-tui must refuse)."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
     vocab = len(tokens)
     head_dim = hidden // n_heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-llama")
     w.add_block_count(n_layers)
     w.add_context_length(context_length)
@@ -77,6 +82,8 @@ def write_tiny_llama(
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, text in (strings or {}).items():
+        w.add_string(key, text)
     for key, value in (sampling or {}).items():
         if isinstance(value, int):
             w.add_int32(key, value)
@@ -111,6 +118,8 @@ def write_tiny_llama(
     add("output_norm.weight", np.ones(hidden, dtype=np.float32), "F32")
     if not tied:
         matrix("output.weight", vocab, hidden, weight_type, s)
+    for name, values in (extra_tensors or {}).items():
+        add(name, np.asarray(values, dtype=np.float32), "F32")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

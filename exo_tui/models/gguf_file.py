@@ -152,9 +152,10 @@ class GGUFModel:
         unknown = sorted(n for n in self._tensors if n not in known and not n.endswith(".attn_rot_embd"))
         if unknown:
             raise ModelFileError(
-                f"{self.path} ({self.architecture}) holds tensor {unknown[0]} (and {len(unknown) - 1} more) that "
-                f"exo-tui does not know how to run, so it is refused rather than run without it; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{self.path} ({self.architecture}) holds tensor {unknown[0]}"
+                + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else "")
+                + " that exo-tui does not know how to run, so it is refused rather than run without it; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         size = self.path.stat().st_size
         for t in self._tensors.values():

@@ -191,3 +191,44 @@ def test_model_is_called_what_the_operator_named_it(tiny_models: dict[str, Path]
     assert Model("smollm2-135m").name == "smollm2-135m"
     path = tiny_models["Q8_0"]
     assert Model(path).name == GGUFModel(path).name
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"arch": "qwen3moe"}, r"architecture 'qwen3moe' \(a mixture of experts\), which exo-tui does not run yet; it runs llama, qwen2"),
+        ({"arch": "bert"}, r"architecture 'bert', which exo-tui does not run yet"),
+        ({"sampling": {"llama.expert_count": 4}}, r"\(llama\) uses a mixture of 4 experts, which exo-tui does not run yet"),
+        ({"extra_tensors": {"blk.0.attn_q.bias": np.zeros(64)}}, r"holds tensor blk.0.attn_q.bias that exo-tui does not know"),
+        ({"arch": "gemma3", "sampling": {"gemma3.attn_logit_softcapping": 50.0}}, r"uses attention logit soft-capping"),
+        ({"sampling": {"llama.rope.dimension_count": 8}}, r"rotary embedding over 8 of each head's 16 dimensions"),
+    ],
+    ids=["moe-arch", "unknown-arch", "experts", "unknown-tensor", "attn-softcap", "partial-rotary"],
+)
+def test_unsupported_families_and_features_are_refused_in_one_sentence(tmp_path, kw, says):
+    """Refused before anything loads, naming what is not supported and what is: never run with a
+    feature ignored."""
+    path = write_tiny_llama(tmp_path / "m.gguf", **kw)
+    with pytest.raises(ModelFileError, match=says) as info:
+        GGUFModel(path)
+    assert str(info.value).count(". ") == 0  # one sentence
+
+
+@pytest.mark.parametrize(("rope", "want"), [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, ("linear", 4.0)),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 8.0,
+      "llama.rope.scaling.original_context_length": 32}, ("yarn", 8.0)),
+])
+def test_rope_scaling_is_read(tmp_path, rope, want):
+    fields = {k: v for k, v in rope.items() if not isinstance(v, str)}
+    path = write_tiny_llama(tmp_path / "m.gguf", sampling=fields, strings={k: v for k, v in rope.items() if isinstance(v, str)})
+    cfg = GGUFModel(path).config
+    assert (cfg.rope_scaling, cfg.rope_factor) == want
+    if want[0] == "yarn":
+        assert cfg.rope_original_context == 32 and cfg.rope_attn_factor == pytest.approx(1 + 0.1 * np.log(8.0))
+
+
+def test_llama3_frequency_factors_are_read_from_rope_freqs(tmp_path):
+    factors = np.linspace(1, 8, 8).astype(np.float32)
+    path = write_tiny_llama(tmp_path / "m.gguf", extra_tensors={"rope_freqs.weight": factors})
+    assert GGUFModel(path).config.rope_freq_factors == tuple(float(f) for f in factors)
