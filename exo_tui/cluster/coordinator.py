@@ -863,7 +863,7 @@ class Coordinator:
                 if chunk.finish_reason:
                     finish = chunk.finish_reason
                     break
-                yield ChatChunk(text=chunk.text, token_ids=(chunk.token_id,) if chunk.token_id is not None else ())
+                yield ChatChunk(text=chunk.text, token_ids=chunk.token_ids)
         except GenerationError as exc:
             finish, error = "error", str(exc)
         except (asyncio.CancelledError, GeneratorExit):

@@ -55,6 +55,14 @@ class Chunk:
     logprobs: tuple[Listed, ...] = ()
     finish_reason: str | None = None  # stop | length | cancelled | error
     error: str = ""
+    # Tokens before ``token_id`` that gave no text of their own (part of a character the next
+    # completes, or held back as maybe the start of a stop string): the chunk's text is theirs too.
+    held: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token whose text is in this chunk, in order."""
+        return (*self.held, self.token_id) if self.token_id is not None else self.held
 
 
 class GenerationError(RuntimeError):
@@ -77,6 +85,7 @@ async def generate(
     hit_stop_string = False
     listing: deque[Listed] = deque()  # tokens asked about whose text is not out yet
     produced = emitted = 0  # characters the detokenizer gave, and that were handed out
+    held: list[int] = []  # tokens whose text is not out yet
 
     def listed() -> tuple[Listed, ...]:
         out = []
@@ -108,7 +117,10 @@ async def generate(
             text, stopped = stops.feed(piece)
             if text:
                 emitted += len(text)
-                yield Chunk(text=text, token_id=token, logprobs=listed())
+                yield Chunk(text=text, token_id=token, logprobs=listed(), held=tuple(held))
+                held.clear()
+            else:
+                held.append(token)
             if stopped:
                 finish, hit_stop_string = "stop", True
                 break
@@ -120,7 +132,7 @@ async def generate(
             emitted += len(tail)
             rest = listed() if stops.stopped else (*listing,)
             if tail or rest:
-                yield Chunk(text=tail, logprobs=rest)
+                yield Chunk(text=tail, logprobs=rest, held=tuple(held) if tail else ())
         request.finished_s = time.monotonic()
         request.finish_reason = finish
         yield Chunk(finish_reason=finish)

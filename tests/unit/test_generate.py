@@ -238,3 +238,18 @@ def _offsets(model: Model, tokens: list[int]) -> list[int]:
         out.append(at)
         at += len(detok.add(t))
     return out
+
+
+def test_every_answered_token_is_in_some_chunk() -> None:
+    """A token that gives no text of its own (a byte of a character the next one completes) is
+    reported with the chunk that carries its text: the chunks' token ids are the answer's. The
+    llama3 fixture's greedy answer to this prompt starts with such a byte."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "families" / "llama3.gguf"
+    model = Model(fixture)
+    request = Request(model.chat_prompt_ids([{"role": "user", "content": "Who moves the layers when a node fails?"}]),
+                      SamplingParams(temperature=0.0), max_tokens=16)
+    chunks = _answer(model, request)
+    first = model.tokenizer.token_bytes(request.generated[0])
+    assert first and not first.decode("utf-8", errors="ignore")  # the case this is about
+    eos = model.tokenizer.eos_ids
+    assert [t for c in chunks for t in c.token_ids] == [t for t in request.generated if t not in eos]

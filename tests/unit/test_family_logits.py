@@ -1,0 +1,114 @@
+"""Real files of every family against transformers: tiny random-weight models built with
+transformers, converted by llama.cpp's own converter (tests/fixtures/make_families.py), and
+transformers' float32 logits at every position of a token sequence longer than any sliding window.
+Each backend, whole, split at two points and mixed, must be within 1e-2 of them at every position.
+
+The llama3 fixture is the check that fails without the rope frequency factors (its logits move by
+8.4 when they are ignored, as the manifest records), gemma3's without the sliding window (3.7),
+the query scale (0.85) or the global layers' rope scaling (0.97), phi3-longrope's without the long
+factors (10.7).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends import available_backends, get_backend
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "families"
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
+DENSE = [e for e in MANIFEST if e["architecture"] != "qwen3moe" and "expert" not in " ".join(e["notes"])]
+TOLERANCE = 1e-2
+BACKENDS = [b for b in ("onnx", "mlx") if b in available_backends()]
+
+
+def backend(name: str, precision: str = "float32"):
+    if name == "onnx":
+        from backends.onnx import ONNXBackend
+
+        return ONNXBackend(threads=2, precision=precision)
+    return get_backend(name)
+
+
+def logits(model: GGUFModel, tokens: np.ndarray, plan: list[tuple[str, int, int]], precision: str = "float32",
+           ) -> np.ndarray:
+    """Every position's logits of ``tokens`` through shards ``(backend, start, end)`` in turn."""
+    x, pos = tokens, np.arange(len(tokens))
+    for name, start, end in plan:
+        shard = backend(name, precision).load_shard(model.config, model.shard_weights(start, end))
+        x = shard.forward("r", x, pos, all_logits=end == model.config.n_layers)
+        shard.close()
+    return x
+
+
+def splits(n_layers: int) -> list[list[tuple[int, int]]]:
+    """The whole model, and cut at two points (three shards where the model has the layers)."""
+    cuts = sorted({1, max(1, n_layers - 1)})
+    if n_layers >= 3:
+        return [[(0, n_layers)], [(0, cuts[0]), (cuts[0], cuts[1]), (cuts[1], n_layers)]]
+    return [[(0, n_layers)], [(0, 1), (1, n_layers)]]
+
+
+def fixture(entry: dict) -> tuple[GGUFModel, np.ndarray, np.ndarray]:
+    return GGUFModel(FIXTURES / entry["gguf"]), np.array(entry["tokens"]), np.load(FIXTURES / entry["logits"])
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err = float(np.abs(got - want).max())
+    assert err <= TOLERANCE, f"{what}: logits off by up to {err:.3g} (worst position {int(np.abs(got - want).max(1).argmax())})"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("entry", DENSE, ids=[e["name"] for e in DENSE])
+def test_every_position_matches_transformers(entry, name):
+    model, tokens, want = fixture(entry)
+    n = model.config.n_layers
+    for ranges in splits(n):
+        got = logits(model, tokens, [(name, a, b) for a, b in ranges])
+        assert_close(got, want, f"{entry['name']} on {name} as {ranges}")
+
+
+@pytest.mark.parametrize("entry", DENSE, ids=[e["name"] for e in DENSE])
+def test_default_onnx_precision_on_float_files(entry):
+    """The default precision's integer products touch only quantized matrices: a float file is
+    within 1e-2 at it too."""
+    model, tokens, want = fixture(entry)
+    from backends.onnx import DEFAULT_PRECISION
+
+    assert_close(logits(model, tokens, [("onnx", 0, model.config.n_layers)], DEFAULT_PRECISION), want, entry["name"])
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="needs both MLX and ONNX Runtime")
+@pytest.mark.parametrize("entry", DENSE, ids=[e["name"] for e in DENSE])
+def test_mixed_backends_match_transformers(entry):
+    model, tokens, want = fixture(entry)
+    n = model.config.n_layers
+    k = max(1, n // 2)
+    assert_close(logits(model, tokens, [("mlx", 0, k), ("onnx", k, n)]), want, f"{entry['name']} mlx then onnx")
+    assert_close(logits(model, tokens, [("onnx", 0, k), ("mlx", k, n)]), want, f"{entry['name']} onnx then mlx")
+
+
+def test_what_the_files_describe():
+    """The features read from each family's file (what the backends are told to build)."""
+    cfg = {e["name"]: GGUFModel(FIXTURES / e["gguf"]).config for e in DENSE}
+    assert cfg["llama3"].rope_freq_factors and not cfg["llama2"].rope_freq_factors
+    assert cfg["llama-linear"].rope_scaling == "linear" and cfg["llama-yarn"].rope_scaling == "yarn"
+    assert cfg["mistral-nemo"].head_dim * cfg["mistral-nemo"].n_heads != cfg["mistral-nemo"].hidden_size
+    assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].qk_norm
+    assert cfg["qwen3"].qk_norm and not cfg["qwen3"].qkv_bias
+    g = cfg["gemma3"]
+    assert g.post_norms and g.qk_norm and g.activation == "gelu_tanh" and g.embed_scale == pytest.approx(8.0)
+    assert g.window_layers == (True, True, True, True, True, False) and g.sliding_window > 0
+    assert cfg["phi3-longrope"].rope_freq_factors and cfg["phi3-longrope"].rope_attn_factor > 1
+
+
+@pytest.mark.parametrize("entry", [e for e in MANIFEST if e not in DENSE], ids=lambda e: e["name"])
+def test_mixtures_of_experts_are_refused_until_supported(entry):
+    with pytest.raises(ModelFileError, match="experts"):
+        GGUFModel(FIXTURES / entry["gguf"])
