@@ -5,7 +5,10 @@ Runs alternate between engines and report medians of many repetitions, because t
 are noisy (the same llama.cpp run varies by ±20 % between runs). Prints a table of tok/s and of
 ratios to llama.cpp.
 
-    python benchmarks/single_node.py [--threads 2] [--reps 7] [--prompt 64] [--decode 64]
+    python benchmarks/single_node.py [--threads 2] [--reps 7] [--prompt 64] [--decode 64] [--model PATH]
+
+``--model`` (a path or a registered name) measures another file, e.g. a family fixture from
+tests/fixtures/families/, with only each backend's default engine beside llama.cpp.
 """
 
 from __future__ import annotations
@@ -97,19 +100,23 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--backends", default="onnx,mlx")
+    ap.add_argument("--model", default=None, help="a GGUF path or registered name (default: the default model)")
     args = ap.parse_args()
 
     from backends import available_backends
     from exo_tui.models.registry import resolve_model
 
-    path = resolve_model()
+    from exo_tui.models.gguf_file import GGUFModel
+
+    path = resolve_model(args.model)
+    vocab = GGUFModel(path).config.vocab_size
     rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(100, 40000, size=args.prompt)]
+    prompt = [int(t) for t in rng.integers(min(100, vocab // 4), min(40000, vocab - 16), size=args.prompt)]
     engines: dict[str, tuple[Callable, Callable]] = {}
     for b in args.backends.split(","):
         if b in available_backends():
             engines[f"exo-tui {b}"] = _ours(b, path, args.threads)
-        if b == "onnx" and b in available_backends():  # the other spin policies (backends.onnx.SPIN_US)
+        if b == "onnx" and b in available_backends() and args.model is None:  # the other spin policies (backends.onnx.SPIN_US)
             engines["exo-tui onnx, never spinning"] = _ours(b, path, args.threads, spin=False)  # EXO_TUI_ONNX_SPIN=0
             engines["exo-tui onnx, spinning until each step ends"] = _ours(b, path, args.threads, spin=True)  # =1
             engines["exo-tui onnx, pinned"] = _ours(b, path, args.threads, pin=True)  # EXO_TUI_ONNX_PIN=1
@@ -134,7 +141,7 @@ def main() -> None:
             results[name]["prefill"].append(pf(prompt))
             results[name]["decode"].append(dc(prompt[:16], args.decode))
 
-    print(f"\nDefault model ({path.name}), {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
+    print(f"\n{'Default model' if args.model is None else 'Model'} ({path.name}), {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
           f"median of {args.reps} alternating repetitions\n")
     base = {k: statistics.median(v) for k, v in results.get("llama.cpp", {}).items()}
     print("| engine | prefill tok/s | decode tok/s | prefill ÷ llama.cpp | decode ÷ llama.cpp |")
