@@ -488,12 +488,14 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/cluster/model", tags=["cluster"], responses=_errors(401, 403, 404, 422, 503),
               description="load another model on the cluster")
     async def set_model(body: s.ModelRequest) -> s.JsonObject:
-        from exo_tui.models.gguf_file import ModelFileError
+        from exo_tui.models.gguf_file import ModelFileError, UnsupportedModelError
 
         if coordinator.readonly:
             raise ApiError(403, "read-only coordinator: model changes are disabled", code="readonly")
         try:
             await coordinator.set_model(body.model)
+        except UnsupportedModelError as exc:
+            raise ApiError(422, str(exc), param="model", code="model_not_supported") from exc
         except ModelFileError as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from exc
         except GenerationError as exc:

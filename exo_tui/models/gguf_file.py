@@ -26,7 +26,8 @@ from exo_tui.models.families import (
 )
 from exo_tui.models.gguf_header import GGUFHeader, type_name
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "assemble_shard", "tensor_from_raw"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "UnsupportedModelError",
+           "assemble_shard", "tensor_from_raw"]
 # Block formats kept quantized (affine blocks of 32); other types are dequantized at load.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -34,6 +35,10 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 class ModelFileError(Exception):
     """A model file cannot be used; the message names the file and what to do."""
+
+
+class UnsupportedModelError(ModelFileError):
+    """A readable model file of a family, or with a feature, that exo-tui does not run (yet)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ class GGUFModel:
             self.family = family_of(self.architecture, str(self.path))
             self.config  # noqa: B018 - read now: a feature no backend runs refuses the file before anything loads
         except FamilyError as exc:
-            raise ModelFileError(str(exc)) from exc
+            raise UnsupportedModelError(str(exc)) from exc
         self._check_complete()
 
     # ---------------------------------------------------------------- metadata
@@ -151,7 +156,7 @@ class GGUFModel:
         known = set(names) | set(END_TENSORS) | set(CONFIG_TENSORS)
         unknown = sorted(n for n in self._tensors if n not in known and not n.endswith(".attn_rot_embd"))
         if unknown:
-            raise ModelFileError(
+            raise UnsupportedModelError(
                 f"{self.path} ({self.architecture}) holds tensor {unknown[0]}"
                 + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else "")
                 + " that exo-tui does not know how to run, so it is refused rather than run without it; "

@@ -124,6 +124,17 @@ def test_before_the_model_is_loaded(idle: Coordinator) -> None:
         assert "/v1/chat/completions" in schema["paths"] and "/v1/cluster/rebalance" in schema["paths"]
 
 
+def test_a_model_of_an_unsupported_family_is_refused_with_the_reason(idle: Coordinator) -> None:
+    moe = Path(__file__).parents[1] / "fixtures" / "families" / "qwen3moe.gguf"
+    with TestClient(create_app(idle)) as http:
+        r = http.post("/v1/cluster/model", json={"model": str(moe)})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "model_not_supported"
+        assert "architecture 'qwen3moe'" in r.json()["error"]["message"]
+        assert "it runs llama, qwen2, qwen3, gemma3, phi3" in r.json()["error"]["message"]
+        missing = http.post("/v1/cluster/model", json={"model": "/nowhere/m.gguf"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
 def test_key_required_when_set(idle: Coordinator) -> None:
     with TestClient(create_app(idle, api_key="s3cret")) as http:
         r = http.get("/v1/cluster")
