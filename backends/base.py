@@ -51,6 +51,7 @@ class BackendError(RuntimeError):
     """A backend cannot do what was asked (not installed, unsupported weights, bad input)."""
 
 
+KQUANT_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per 256 weights (backends/kquants.py)
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "yarn")
 
@@ -152,6 +153,10 @@ class QuantizedWeight:
     * Q4_0: ``w = d * (q - 8)``            -> bits 4, scale ``d``, bias ``-8 d``
     * Q4_1: ``w = d * q + m``              -> bits 4, scale ``d``, bias ``m``
     * Q8_0: ``w = d * s`` with s signed    -> bits 8, q = s + 128, scale ``d``, bias ``-128 d``
+    * Q4_K / Q5_K: sub-blocks of 32        -> bits 4 / 5, scale ``d * sc``, bias ``-dmin * m``
+    * Q6_K: groups of 16                   -> bits 6, group 16, scale ``d * sc``, bias ``-32 d sc``
+
+    (the K-quants' scales are exact in float32, not in float16: :mod:`backends.kquants`).
 
     This is MLX's affine quantization (``mx.quantize`` layout) and, with a zero-point
     correction, ONNX Runtime's ``MatMulNBits``.
@@ -170,8 +175,11 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this weight takes as quantized blocks (what a node must hold)."""
+        """Bytes this weight takes as quantized blocks (what a node must hold): codes, and float16
+        scales and biases (the K-quants': their super-blocks' bytes)."""
         rows, cols = self.q.shape
+        if self.source_type in KQUANT_BLOCK_BYTES:
+            return rows * cols // 256 * KQUANT_BLOCK_BYTES[self.source_type]
         return rows * cols * self.bits // 8 + self.scales.nbytes // 2 + self.biases.nbytes // 2
 
     @classmethod

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 from gguf.quants import quantize
 
+from backends.base import KQUANT_BLOCK_BYTES
 from exo_tui.models.tokenizer import bytes_to_unicode
 
 CHAT_TEMPLATE = (
@@ -95,6 +96,12 @@ def write_tiny_llama(
         add(name, values, qtype)
 
     def add(name: str, values: np.ndarray, qtype: str) -> None:
+        if qtype in KQUANT_BLOCK_BYTES:
+            t = getattr(gguf.GGMLQuantizationType, qtype)
+            rows, cols = values.shape
+            w.add_tensor(name, random_kquant_blocks(rng, rows, cols, qtype, float(values.std())), raw_dtype=t,
+                         raw_shape=(rows, cols // 256 * KQUANT_BLOCK_BYTES[qtype]))
+            return
         if qtype == "F32":
             w.add_tensor(name, values.astype(np.float32))
         elif qtype == "F16":
@@ -125,3 +132,23 @@ def write_tiny_llama(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def random_kquant_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str, std: float) -> np.ndarray:
+    """Random Q4_K / Q5_K / Q6_K super-blocks (codes and 6/8-bit scales random, float16 ``d`` and
+    ``dmin`` sized so the weights spread about ``std`` around 0), as uint8 rows."""
+    size = KQUANT_BLOCK_BYTES[type_name]
+    nb = cols // 256
+    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+
+    def half(values: np.ndarray) -> np.ndarray:
+        return np.frombuffer(values.astype(np.float16).tobytes(), np.uint8).reshape(rows, nb, 2)
+
+    if type_name == "Q6_K":  # weight = d * sc * (q - 32), sc int8, q - 32 in -32..31
+        raw[..., 192:208] = rng.integers(-40, 40, (rows, nb, 16)).astype(np.int8).view(np.uint8)
+        raw[..., 208:210] = half(np.full((rows, nb), std / (40 * 18)))
+    else:  # weight = d * sc * q - dmin * m, sc and m 0..63 (low bits random), q 0..15 or 0..31
+        top = 15 if type_name == "Q4_K" else 31
+        raw[..., 0:2] = half(np.full((rows, nb), 2 * std / (45 * top)))
+        raw[..., 2:4] = half(np.full((rows, nb), std / 45))
+    return raw.reshape(rows, nb * size)

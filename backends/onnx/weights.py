@@ -7,7 +7,7 @@ A :class:`~backends.base.QuantizedWeight` is ``w = s * q + b`` per block of ``gr
 
 * 4-bit: ``w = s * (q - 8) + c`` with ``c = b + 8 s``. Q4_0 has ``c == 0``; for Q4_1 the ``c`` term
   is a small float matmul of the input's per-block sums (``correction``), exact.
-* 8-bit: ``MatMulNBits`` with ``bits=8`` and float compute is very slow on CPU, so the code is split
+* 8-bit (and the 5- and 6-bit codes of Q5_K and Q6_K): ``MatMulNBits`` with ``bits=8`` and float compute is very slow on CPU, so the code is split
   into nibbles ``q = 16 hi + lo`` and ``w = 16 s (hi - 8) + s (lo - 0) + c`` with ``c = b + 128 s``:
   two 4-bit ``MatMulNBits`` (the second with zero point 0) whose results add. Q8_0 has ``c == 0``.
 * Anything else (F32, F16, other bit widths or groups) becomes a dense float32 matrix.
@@ -57,7 +57,7 @@ class QuantizedLinear:
 
 def runs_quantized(w: Weight) -> bool:
     """Whether ``w`` stays quantized (``MatMulNBits``) rather than becoming a dense matrix."""
-    if not isinstance(w, QuantizedWeight) or w.bits not in (4, 8):
+    if not isinstance(w, QuantizedWeight) or w.bits not in (4, 5, 6, 8):
         return False
     g = w.group
     return g >= 16 and g & (g - 1) == 0 and w.q.shape[1] % g == 0

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import kquants
 from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights, Weight
 from exo_tui.models.families import (
     CONFIG_TENSORS,
@@ -28,7 +29,8 @@ from exo_tui.models.gguf_header import GGUFHeader, type_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "UnsupportedModelError",
            "assemble_shard", "tensor_from_raw"]
-# Block formats kept quantized (affine blocks of 32); other types are dequantized at load.
+# Block formats kept quantized (affine blocks of 32; the K-quants' groups through backends/kquants.py);
+# other types are dequantized at load.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
@@ -290,6 +292,10 @@ def tensor_from_raw(info: TensorInfo, raw: np.ndarray) -> Weight:
     if info.type_name in _BLOCK_BYTES:
         rows = info.shape[0] if len(info.shape) > 1 else 1
         return unpack_blocks(raw.reshape(rows, -1), info.type_name, info.shape)
+    if info.type_name in kquants.BLOCK_BYTES and len(info.shape) == 2:
+        q, scales, biases = kquants.decode(raw.reshape(info.shape[0], -1), info.type_name, info.shape[1])
+        return QuantizedWeight(q=q, scales=scales, biases=biases, bits=kquants.BITS[info.type_name],
+                               group=kquants.GROUP[info.type_name], source_type=info.type_name)
     qtype = getattr(gguf.GGMLQuantizationType, info.type_name)
     rows = info.shape[0] if len(info.shape) > 1 else 1
     return _dequantize_other(raw.reshape(rows, -1), qtype, info)

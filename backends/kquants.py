@@ -1,0 +1,80 @@
+"""GGUF's K-quant super-blocks (Q4_K, Q5_K, Q6_K) read in NumPy: each as affine groups of codes.
+
+A super-block holds 256 weights of a row; ``ggml-quants.c`` dequantizes it as
+
+* Q4_K (144 bytes): ``d``, ``dmin`` (float16), 12 bytes of eight 6-bit scales ``sc`` and mins
+  ``m``, 128 bytes of 4-bit codes: weight = ``d * sc[j] * q - dmin * m[j]`` in sub-block ``j`` of 32;
+* Q5_K (176 bytes): the same, with a fifth bit of each code in 32 bytes ``qh``;
+* Q6_K (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, sixteen int8 scales, ``d``:
+  weight = ``d * sc[j] * (q - 32)`` in group ``j`` of 16.
+
+So each is a :class:`~backends.base.QuantizedWeight`: codes ``q`` with a float32 ``scale`` and
+``bias`` per group (``d * sc`` and ``-dmin * m``, or ``-32 d sc``), both exact in float32 (an
+11-bit float16 significand times a 6- or 8-bit integer), which is how a backend keeps the file's
+blocks (MLX's affine groups of 32 are Q4_K's and Q5_K's sub-blocks exactly).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from backends.base import KQUANT_BLOCK_BYTES as BLOCK_BYTES
+
+QK_K = 256
+GROUP = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
+BITS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of Q4_K/Q5_K super-blocks, ``s`` uint8 ``(..., 12)``."""
+    s = s.astype(np.uint8)
+    sc = np.empty((*s.shape[:-1], 8), np.uint8)
+    m = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    m[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, m
+
+
+def decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(codes, scales, biases)`` of K-quant rows ``raw`` uint8 ``(rows, cols / 256 * block)``:
+    codes uint8 ``(rows, cols)``, scales and biases float32 ``(rows, cols / group)``, with
+    ``weight = scale * code + bias``."""
+    if type_name not in BLOCK_BYTES:
+        raise ValueError(f"{type_name} is not a K-quant type ({', '.join(BLOCK_BYTES)})")
+    if cols % QK_K:
+        raise ValueError(f"a {type_name} row has a multiple of {QK_K} weights, not {cols}")
+    rows = raw.shape[0]
+    nb = cols // QK_K
+    b = np.ascontiguousarray(raw).reshape(rows, nb, BLOCK_BYTES[type_name])
+    if type_name == "Q6_K":
+        ql, qh, sc = b[..., 0:128], b[..., 128:192], b[..., 192:208].view(np.int8)
+        d = _half(b[..., 208:210])
+        codes = np.empty((rows, nb, 2, 4, 32), np.uint8)  # (half of 128, quarter, l)
+        for n in range(2):
+            lo, hi = ql[..., 64 * n : 64 * n + 64], qh[..., 32 * n : 32 * n + 32]
+            codes[:, :, n, 0] = (lo[..., :32] & 0x0F) | (((hi >> 0) & 3) << 4)
+            codes[:, :, n, 1] = (lo[..., 32:] & 0x0F) | (((hi >> 2) & 3) << 4)
+            codes[:, :, n, 2] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
+            codes[:, :, n, 3] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
+        scales = d[..., None] * sc.astype(np.float32)  # (rows, nb, 16), group g covers weights 16g..16g+15
+        return codes.reshape(rows, cols), scales.reshape(rows, -1), (-32.0 * scales).reshape(rows, -1)
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    sc, m = _scales_mins(b[..., 4:16])
+    scales = d[..., None] * sc.astype(np.float32)  # (rows, nb, 8)
+    biases = -(dmin[..., None] * m.astype(np.float32))
+    if type_name == "Q4_K":
+        qs = b[..., 16:144].reshape(rows, nb, 4, 32)  # 4 chunks of 64 weights, 32 bytes each
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # (rows, nb, chunk, low/high, 32)
+    else:  # Q5_K
+        qh, qs = b[..., 16:48], b[..., 48:176].reshape(rows, nb, 4, 32)
+        j = np.arange(4)[None, None, :, None]
+        high_lo = ((qh[:, :, None, :] >> (2 * j)) & 1) << 4
+        high_hi = ((qh[:, :, None, :] >> (2 * j + 1)) & 1) << 4
+        codes = np.stack([(qs & 0x0F) | high_lo, (qs >> 4) | high_hi], axis=3)
+    return codes.reshape(rows, cols).astype(np.uint8), scales.reshape(rows, -1), biases.reshape(rows, -1)

@@ -1,0 +1,78 @@
+"""GGUF's K-quant super-blocks (Q4_K, Q5_K, Q6_K) kept quantized: decoded exactly as gguf (and
+llama.cpp) dequantize them, and run by each backend from its quantized form against the NumPy
+reference of the same blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+from backends import available_backends, get_backend
+from backends.base import KQUANT_BLOCK_BYTES, QuantizedWeight
+from backends.kquants import GROUP, decode
+from exo_tui.models.gguf_file import GGUFModel
+from tests.factory import random_kquant_blocks, write_tiny_llama
+from tests.reference import ReferenceShard
+
+TYPES = list(KQUANT_BLOCK_BYTES)
+BACKENDS = [b for b in ("onnx", "mlx") if b in available_backends()]
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(1, 256), (7, 512), (33, 1024)])
+def test_decoding_is_bit_exact_with_gguf(type_name: str, rows: int, cols: int) -> None:
+    rng = np.random.default_rng(rows + cols)
+    raw = random_kquant_blocks(rng, rows, cols, type_name, 0.02)
+    want = dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)).reshape(rows, cols)
+    q, scales, biases = decode(raw, type_name, cols)
+    w = QuantizedWeight(q=q, scales=scales, biases=biases, bits=int(type_name[1]), group=GROUP[type_name],
+                        source_type=type_name)
+    assert np.array_equal(w.dequantize(), want)
+    assert np.array_equal(w.dequantize(2, 5), want[2:5])
+    assert q.max() < 2 ** w.bits
+    assert w.nbytes == raw.nbytes  # a node holds the file's bytes for it
+
+
+def test_a_row_that_is_not_whole_super_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        decode(np.zeros((1, 144), np.uint8), "Q4_K", 128)
+
+
+@pytest.fixture(scope="module")
+def kquant_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("kquants")
+    return {t: write_tiny_llama(d / f"{t}.gguf", hidden=256, intermediate=512, n_layers=3, weight_type=t,
+                                embed_type="F32", tied=False) for t in TYPES}
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_reader_keeps_them_quantized(kquant_files: dict[str, Path], type_name: str) -> None:
+    model = GGUFModel(kquant_files[type_name])
+    lw = model.shard_weights(0, 1).layers[0]
+    assert isinstance(lw.wq, QuantizedWeight) and lw.wq.source_type == type_name
+    assert lw.wq.group == GROUP[type_name]
+    assert model.layer_nbytes(0) == sum(model.tensor_info(f"blk.0.{n}").nbytes for n in model.family.layer_tensors().values())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backends_run_them_as_the_reference_does(kquant_files: dict[str, Path], type_name: str, name: str) -> None:
+    model = GGUFModel(kquant_files[type_name])
+    cfg = model.config
+    tokens = np.arange(3, 40) % cfg.vocab_size
+    pos = np.arange(len(tokens))
+    want = ReferenceShard(cfg, model.shard_weights(0, cfg.n_layers)).forward("r", tokens, pos, all_logits=True)
+    if name == "onnx":
+        from backends.onnx import ONNXBackend
+
+        engine = ONNXBackend(threads=2, precision="float32")
+    else:
+        engine = get_backend(name)
+    first = engine.load_shard(cfg, model.shard_weights(0, 1))
+    last = engine.load_shard(cfg, model.shard_weights(1, cfg.n_layers))
+    got = last.forward("r", first.forward("r", tokens, pos), pos, all_logits=True)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
