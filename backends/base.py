@@ -91,6 +91,11 @@ class ModelConfig:
     rope_yarn_beta_slow: float = 1.0
     rope_attn_factor: float = 1.0  # cos and sin multiplied by this (yarn's and longrope's magnitude)
     rope_freq_factors: tuple[float, ...] = ()  # per rotary pair: its frequency divided by it (llama3, longrope)
+    # --- mixture of experts (n_experts > 0: every layer's MLP is n_experts experts and a router)
+    n_experts: int = 0
+    n_experts_used: int = 0  # top-k experts per token
+    expert_intermediate_size: int = 0  # each expert's MLP width; 0: intermediate_size
+    expert_weights_norm: bool = True  # the chosen experts' softmax weights renormalised to sum to 1
     # --- blocks
     post_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs before each residual add (gemma3)
     activation: str = "silu"  # the MLP's gate: silu | gelu_tanh
@@ -102,6 +107,10 @@ class ModelConfig:
     def kv_bytes_per_token_per_layer(self) -> int:
         """float32 K and V for one token in one layer."""
         return 2 * self.n_kv_heads * self.head_dim * 4
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_intermediate_size or self.intermediate_size
 
     @property
     def query_scale(self) -> float:
@@ -129,15 +138,20 @@ class ModelConfig:
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()})
 
 
-def unsupported_features(config: ModelConfig) -> list[str]:
-    """What in ``config`` no backend here implements, one phrase each (empty: all of it runs)."""
+def unsupported_features(config: ModelConfig, experts: bool = False) -> list[str]:
+    """What in ``config`` a backend cannot run, one phrase each (empty: all of it runs);
+    ``experts``: the backend runs mixtures of experts."""
     problems = []
+    if config.n_experts and not experts:
+        problems.append(f"a mixture of {config.n_experts} experts")
     if config.activation not in ACTIVATIONS:
         problems.append(f"activation {config.activation!r} (runs: {', '.join(ACTIVATIONS)})")
     if config.rope_scaling not in ROPE_SCALINGS:
         problems.append(f"rope scaling {config.rope_scaling!r} (runs: {', '.join(ROPE_SCALINGS)})")
     if config.window_layers and len(config.window_layers) != config.n_layers:
         problems.append(f"a sliding-window pattern of {len(config.window_layers)} layers for {config.n_layers}")
+    if config.n_experts and not 0 < config.n_experts_used <= config.n_experts:
+        problems.append(f"{config.n_experts_used} experts used of {config.n_experts}")
     if config.rope_freq_factors and len(config.rope_freq_factors) != config.head_dim // 2:
         problems.append(f"{len(config.rope_freq_factors)} rope frequency factors for {config.head_dim // 2} pairs")
     return problems
@@ -233,9 +247,9 @@ class LayerWeights:
     wv: Weight  # (n_kv_heads * head_dim, hidden)
     wo: Weight  # (hidden, n_heads * head_dim)
     ffn_norm: np.ndarray
-    w_gate: Weight  # (intermediate, hidden)
-    w_up: Weight  # (intermediate, hidden)
-    w_down: Weight  # (hidden, intermediate)
+    w_gate: Weight | None = None  # (intermediate, hidden); None in a mixture-of-experts layer
+    w_up: Weight | None = None  # (intermediate, hidden)
+    w_down: Weight | None = None  # (hidden, intermediate)
     bq: np.ndarray | None = None  # (n_heads * head_dim,)
     bk: np.ndarray | None = None  # (n_kv_heads * head_dim,)
     bv: np.ndarray | None = None  # (n_kv_heads * head_dim,)
@@ -243,10 +257,22 @@ class LayerWeights:
     k_norm: np.ndarray | None = None  # (head_dim,)
     attn_post_norm: np.ndarray | None = None  # (hidden,)
     ffn_post_norm: np.ndarray | None = None  # (hidden,)
+    # A mixture of experts instead of w_gate/w_up/w_down: the router, then each expert's matrices
+    router: Weight | None = None  # (n_experts, hidden): the experts' logits
+    experts_gate: list[Weight] | None = None  # n_experts x (expert_width, hidden)
+    experts_up: list[Weight] | None = None  # n_experts x (expert_width, hidden)
+    experts_down: list[Weight] | None = None  # n_experts x (hidden, expert_width)
 
     @property
     def nbytes(self) -> int:
-        return sum(weight_nbytes(w) for f in self.__dataclass_fields__ if (w := getattr(self, f)) is not None)
+        total = 0
+        for f in self.__dataclass_fields__:
+            w = getattr(self, f)
+            if isinstance(w, list):
+                total += sum(weight_nbytes(e) for e in w)
+            elif w is not None:
+                total += weight_nbytes(w)
+        return total
 
 
 @dataclass
@@ -305,10 +331,20 @@ class KVCache:
 
 
 def check_layer_weights(config: ModelConfig, layer: int, lw: LayerWeights) -> None:
-    """Errors for a layer's vectors (norms, biases) that do not fit ``config``: each optional one
-    is there exactly when the config asks for it, with its shape."""
+    """Errors for a layer's weights that do not fit ``config``: the matrices' shapes, and each
+    optional part there exactly when the config asks for it, with its shape."""
     c = config
     h, qd, kvd = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    matrices = {"wq": (qd, h), "wk": (kvd, h), "wv": (kvd, h), "wo": (h, qd)}
+    if not c.n_experts:
+        ffn = c.intermediate_size
+        matrices |= {"w_gate": (ffn, h), "w_up": (ffn, h), "w_down": (h, ffn)}
+    for name, shape in matrices.items():
+        value = getattr(lw, name)
+        if value is None:
+            raise BackendError(f"layer {layer} lacks {name}")
+        if tuple(value.shape) != shape:
+            raise BackendError(f"layer {layer} {name} has shape {tuple(value.shape)}, expected {shape}")
     wanted = {"attn_norm": (h,), "ffn_norm": (h,)}
     if c.qkv_bias:
         wanted |= {"bq": (qd,), "bk": (kvd,), "bv": (kvd,)}
@@ -316,6 +352,8 @@ def check_layer_weights(config: ModelConfig, layer: int, lw: LayerWeights) -> No
         wanted |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
     if c.post_norms:
         wanted |= {"attn_post_norm": (h,), "ffn_post_norm": (h,)}
+    if c.n_experts:
+        check_experts(c, layer, lw)
     for name in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm"):
         value = getattr(lw, name)
         if name not in wanted:
@@ -326,6 +364,22 @@ def check_layer_weights(config: ModelConfig, layer: int, lw: LayerWeights) -> No
             raise BackendError(f"layer {layer} lacks {name}, which the model's config needs")
         if tuple(np.shape(value)) != wanted[name]:
             raise BackendError(f"layer {layer} {name} has shape {tuple(np.shape(value))}, expected {wanted[name]}")
+
+
+def check_experts(config: ModelConfig, layer: int, lw: LayerWeights) -> None:
+    c = config
+    if lw.w_gate is not None or lw.w_up is not None or lw.w_down is not None:
+        raise BackendError(f"layer {layer} has a dense MLP beside its {c.n_experts} experts")
+    if lw.router is None or tuple(lw.router.shape) != (c.n_experts, c.hidden_size):
+        raise BackendError(f"layer {layer} needs a router of shape ({c.n_experts}, {c.hidden_size})")
+    f, h = c.expert_width, c.hidden_size
+    for name, shape in (("experts_gate", (f, h)), ("experts_up", (f, h)), ("experts_down", (h, f))):
+        experts = getattr(lw, name)
+        if experts is None or len(experts) != c.n_experts:
+            raise BackendError(f"layer {layer} needs {c.n_experts} {name} matrices")
+        for e, w in enumerate(experts):
+            if tuple(w.shape) != shape:
+                raise BackendError(f"layer {layer} {name}[{e}] has shape {tuple(w.shape)}, expected {shape}")
 
 
 class Shard(abc.ABC):
@@ -418,6 +472,7 @@ class Backend(abc.ABC):
     """A way to run shards: MLX or ONNX Runtime."""
 
     name: str = ""
+    experts: bool = False  # runs mixtures of experts (ModelConfig.n_experts)
 
     def describe(self) -> dict[str, str]:
         """How this backend runs shards on this machine, for the operator (a node's profile

@@ -50,10 +50,12 @@ class ReferenceShard:
     def __init__(self, config: ModelConfig, weights: ShardWeights) -> None:
         self.c = config
         self.w = weights
-        self.layers = [
-            {k: (None if getattr(lw, k) is None else dense(getattr(lw, k))) for k in lw.__dataclass_fields__}
-            for lw in weights.layers
-        ]
+        def value(w):
+            if w is None:
+                return None
+            return [dense(e) for e in w] if isinstance(w, list) else dense(w)
+
+        self.layers = [{k: value(getattr(lw, k)) for k in lw.__dataclass_fields__} for lw in weights.layers]
         self.embed = dense(weights.embed) if weights.embed is not None else None
         self.output = dense(weights.output) if weights.output is not None else None
         self.cache: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -104,9 +106,12 @@ class ReferenceShard:
                 o = rms_norm(o, lw["attn_post_norm"], c.rms_eps)
             h = h + o
             m = rms_norm(h, lw["ffn_norm"], c.rms_eps)
-            g = m @ lw["w_gate"].T
-            u = m @ lw["w_up"].T
-            f = (act(g) * u) @ lw["w_down"].T
+            if c.n_experts:
+                f = self._experts(lw, m, act)
+            else:
+                g = m @ lw["w_gate"].T
+                u = m @ lw["w_up"].T
+                f = (act(g) * u) @ lw["w_down"].T
             if lw["ffn_post_norm"] is not None:
                 f = rms_norm(f, lw["ffn_post_norm"], c.rms_eps)
             h = h + f
@@ -118,3 +123,20 @@ class ReferenceShard:
         if c.logit_softcap:
             logits = (np.tanh(logits.astype(np.float64) / c.logit_softcap) * c.logit_softcap).astype(np.float32)
         return logits
+
+    def _experts(self, lw: dict, m: np.ndarray, act) -> np.ndarray:
+        """Each row through its top-k experts: softmax over the router's logits, the k largest
+        (ties to the lower index), their weights renormalised when ``expert_weights_norm``."""
+        c = self.c
+        logits = (m.astype(np.float64) @ lw["router"].T.astype(np.float64))
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out = np.zeros_like(m)
+        for t in range(m.shape[0]):
+            chosen = np.argsort(-p[t], kind="stable")[: c.n_experts_used]
+            w = p[t, chosen] / (p[t, chosen].sum() if c.expert_weights_norm else 1.0)
+            for e, we in zip(chosen, w, strict=True):
+                g = m[t] @ lw["experts_gate"][e].T
+                u = m[t] @ lw["experts_up"][e].T
+                out[t] += np.float32(we) * ((act(g) * u) @ lw["experts_down"][e].T)
+        return out

@@ -145,6 +145,32 @@ class _Builder:
             parts.append(self.node("Reshape", [self.norm(x4, w), flat], f"{stem}_rows")[0])
         return self.node("Concat", [*parts, v], f"{stem}_normed", axis=-1)[0]
 
+    def experts(self, x: str, lw, stem: str) -> str:
+        """A mixture of experts over ``x`` ``(B, T, H)``: ONNX Runtime's ``MoE`` (softmax over the
+        router's logits, the top k, renormalised when the config says; each chosen expert's
+        SwiGLU MLP once for all the rows routed to it). Its CPU kernel takes float32 experts, its
+        gate and up rows interleaved (``swiglu_fusion=1``): quantized experts are dequantized here,
+        one layer at a time."""
+        c = self.c
+        h, f = c.hidden_size, c.expert_width
+        rows = self.const("moe_rows", np.array([-1, h], dtype=np.int64))
+        (flat,) = self.node("Reshape", [x, rows], f"{stem}_moe_in")
+        router = self.weight(f"{stem}_router", dense_linear([lw.router]))
+        (logits,) = self.node("MatMul", [flat, router], f"{stem}_router_logits")
+        fc1 = np.empty((c.n_experts, 2 * f, h), np.float32)
+        fc2 = np.empty((c.n_experts, h, f), np.float32)
+        for e in range(c.n_experts):
+            fc1[e, 0::2] = dense_linear([lw.experts_gate[e]]).T
+            fc1[e, 1::2] = dense_linear([lw.experts_up[e]]).T
+            fc2[e] = dense_linear([lw.experts_down[e]]).T
+        (y,) = self.node(
+            "MoE", [flat, logits, self.weight(f"{stem}_fc1", fc1), "", self.weight(f"{stem}_fc2", fc2)],
+            f"{stem}_moe", domain=MS, k=c.n_experts_used, activation_type="swiglu", swiglu_fusion=1,
+            activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=int(c.expert_weights_norm),
+        )
+        (shape,) = self.node("Shape", [x], f"{stem}_moe_shape")
+        return self.node("Reshape", [y, shape], f"{stem}_moe_out")[0]
+
     def linear(self, x: str, weights: list[Weight], stem: str) -> str:
         """``x @ concat(weights).T``; matrices of one kind run as one fused op."""
         groups: list[list[Weight]] = []
@@ -306,6 +332,13 @@ def build_shard_graph(
         if lw.attn_post_norm is not None:
             o = b.norm(o, lw.attn_post_norm)
         m, h = b.rms_norm(h, lw.ffn_norm, o)
+        if c.n_experts:
+            skip = b.experts(m, lw, f"l{i}")
+            if lw.ffn_post_norm is not None:
+                skip = b.norm(skip, lw.ffn_post_norm)
+            if weights.disposable:
+                weights.layers[i] = None  # type: ignore[call-overload]
+            continue
         gu = b.linear(m, [lw.w_gate, lw.w_up], f"l{i}_gateup")
         split = b.const("split", np.array([c.intermediate_size, c.intermediate_size], dtype=np.int64))
         g, u = b.node("Split", [gu, split], f"l{i}_gu", n_out=2, axis=-1)

@@ -12,6 +12,8 @@ qwen3      RMSNorm of each q and k head before rotary; NeoX rotary
 gemma3     embeddings times sqrt(hidden), norms after attention and MLP too, tanh-GELU MLP,
            q/k norms, sliding-window layers (every 6th global) with their own rotary base; NeoX
 phi3       fused q/k/v and gate/up tensors (split at load), ``rope_factors_long/short``; NeoX
+qwen3moe   qwen3 with a mixture of experts in every layer (router, top-k, renormalised)
+llama+     ``expert_count`` in a llama file: Mixtral's mixture of experts
 =========  ===============================================================================
 
 Nothing in a file is ignored: every tensor must be one this module reads, and a metadata key that
@@ -30,9 +32,9 @@ import numpy as np
 
 from backends.base import ModelConfig, QuantizedWeight, Weight, unsupported_features
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
 KNOWN_UNSUPPORTED = {
-    "qwen3moe": "a mixture of experts",
+    "qwen2moe": "a mixture of experts with shared experts",
     "deepseek2": "a mixture of experts with latent attention",
     "gpt-oss": "a mixture of experts",
     "gemma2": "attention logit soft-capping",
@@ -58,18 +60,21 @@ class Family:
     qk_norm: bool = False  # attn_{q,k}_norm.weight
     post_norms: bool = False  # post_attention_norm, post_ffw_norm
 
-    def layer_tensors(self) -> dict[str, str]:
-        """``LayerWeights`` field -> GGUF tensor name (without ``blk.N.``) of what the file stores."""
-        names = {"attn_norm": "attn_norm.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
-                 "w_down": "ffn_down.weight"}
+    def layer_tensors(self, experts: bool = False) -> dict[str, str]:
+        """``LayerWeights`` field -> GGUF tensor name (without ``blk.N.``) of what the file stores;
+        ``experts``: the layer's MLP is a mixture of experts (stacked ``*_exps`` tensors)."""
+        names = {"attn_norm": "attn_norm.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight"}
         if self.fused_qkv:
             names["wqkv"] = "attn_qkv.weight"
         else:
             names |= {"wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight"}
-        if self.fused_gate_up:
-            names["w_gate_up"] = "ffn_up.weight"
+        if experts:
+            names |= {"router": "ffn_gate_inp.weight", "experts_gate": "ffn_gate_exps.weight",
+                      "experts_up": "ffn_up_exps.weight", "experts_down": "ffn_down_exps.weight"}
+        elif self.fused_gate_up:
+            names |= {"w_gate_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
         else:
-            names |= {"w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight"}
+            names |= {"w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
         if self.bias:
             names |= {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
         if self.qk_norm:
@@ -85,7 +90,9 @@ FAMILIES = {
     "qwen3": Family("qwen3", neox=True, qk_norm=True),
     "gemma3": Family("gemma3", neox=True, qk_norm=True, post_norms=True),
     "phi3": Family("phi3", neox=True, fused_qkv=True, fused_gate_up=True),
+    "qwen3moe": Family("qwen3moe", neox=True, qk_norm=True),
 }
+MOE_ARCHITECTURES = ("llama", "qwen3moe")  # where expert_count is read (Mixtral is llama with experts)
 # Whole-model tensors a family reads into its config rather than into a shard.
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 END_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
@@ -146,8 +153,7 @@ def read_config(
     rot = field(f"{a}.rope.dimension_count", head_dim)
     if int(rot) != head_dim:
         raise refuse(source, a, f"rotary embedding over {rot} of each head's {head_dim} dimensions (partial rotary)")
-    if field(f"{a}.expert_count", 0):
-        raise refuse(source, a, f"a mixture of {field(f'{a}.expert_count', 0)} experts")
+    experts = _experts(a, field, source)
     for key in ("attn_logit_softcapping", "attention.logit_softcapping"):
         if field(f"{a}.{key}", 0):
             raise refuse(source, a, "attention logit soft-capping")
@@ -159,7 +165,7 @@ def read_config(
         rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)), context_length=context, arch=a,
     )
     family = FAMILIES[a]
-    values |= dict(qkv_bias=family.bias, qk_norm=family.qk_norm, post_norms=family.post_norms)
+    values |= dict(qkv_bias=family.bias, qk_norm=family.qk_norm, post_norms=family.post_norms) | experts
     values |= _rope_scaling(a, field, tensor_shape, tensor_values, source, head_dim, context)
     softcap = float(field(f"{a}.final_logit_softcapping", 0.0) or 0.0)
     values["logit_softcap"] = softcap
@@ -173,10 +179,35 @@ def read_config(
         if window and window < context:
             values |= dict(sliding_window=window, window_layers=(True,) * n_layers)
     config = ModelConfig(**values)
-    problems = unsupported_features(config)
+    problems = unsupported_features(config, experts=True)
     if problems:
         raise refuse(source, a, problems[0])
     return config
+
+
+def _experts(a: str, field: Callable[[str, Any], Any], source: str) -> dict:
+    n = int(field(f"{a}.expert_count", 0) or 0)
+    if not n:
+        if a == "qwen3moe":
+            raise FamilyError(f"{source} is qwen3moe but lacks metadata {a}.expert_count: the file is incomplete")
+        return {}
+    if a not in MOE_ARCHITECTURES:
+        raise refuse(source, a, f"a mixture of {n} experts")
+    if field(f"{a}.expert_shared_count", 0):
+        raise refuse(source, a, "shared experts")
+    if field(f"{a}.leading_dense_block_count", 0):
+        raise refuse(source, a, "dense layers before the experts")
+    if not field(f"{a}.expert_used_count", 0):
+        raise FamilyError(f"{source} has {n} experts but lacks metadata {a}.expert_used_count: the file is incomplete")
+    gating = int(field(f"{a}.expert_gating_func", 1) or 1)
+    if gating != 1:
+        raise refuse(source, a, "expert gating other than softmax")
+    return dict(
+        n_experts=n, n_experts_used=int(field(f"{a}.expert_used_count", 0) or 0),
+        expert_intermediate_size=int(field(f"{a}.expert_feed_forward_length", 0) or 0),
+        # llama.cpp's rule where the file does not say: Mixtral and Qwen3-MoE renormalise the top-k
+        expert_weights_norm=bool(field(f"{a}.expert_weights_norm", True)),
+    )
 
 
 def _gemma3(field: Callable[[str, Any], Any], n_layers: int, hidden: int, n_heads: int, head_dim: int) -> dict:

@@ -144,7 +144,7 @@ class GGUFModel:
         return TensorInfo(name, type_name(t.type_id), tuple(reversed(t.dims)), t.n_bytes)
 
     def _layer_names(self, layer: int) -> list[str]:
-        return [f"blk.{layer}.{n}" for n in self.family.layer_tensors().values()]
+        return [f"blk.{layer}.{n}" for n in self.family.layer_tensors(bool(self.config.n_experts)).values()]
 
     def _check_complete(self) -> None:
         cfg = self.config
@@ -248,8 +248,12 @@ def assemble_shard(config: ModelConfig, start: int, end: int, tensors: dict[str,
     c = config
     layers = []
     for i in range(start, end):
-        ws = {f: get(f"blk.{i}.{n}") for f, n in family.layer_tensors().items()}
+        ws = {f: get(f"blk.{i}.{n}") for f, n in family.layer_tensors(bool(c.n_experts)).items()}
         try:
+            for f in ("experts_gate", "experts_up", "experts_down"):
+                if f in ws:  # a stack of the experts' matrices, one after the other
+                    rows = ws[f].shape[0] // c.n_experts
+                    ws[f] = split_rows(ws[f], [rows] * c.n_experts)
             if "wqkv" in ws:
                 qd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
                 ws["wq"], ws["wk"], ws["wv"] = split_rows(ws.pop("wqkv"), [qd, kvd, kvd])
@@ -275,9 +279,14 @@ def assemble_shard(config: ModelConfig, start: int, end: int, tensors: dict[str,
 
 
 def tensor_from_raw(info: TensorInfo, raw: np.ndarray) -> Weight:
-    """Decode a tensor's stored bytes (``raw``, uint8) given its type and shape."""
+    """Decode a tensor's stored bytes (``raw``, uint8) given its type and shape. A stack of
+    matrices ``(n, rows, cols)`` (a mixture's experts) comes back as one ``(n * rows, cols)``
+    matrix, each matrix's rows after the previous one's."""
     import gguf
 
+    if len(info.shape) == 3:
+        n, rows, cols = info.shape
+        info = TensorInfo(info.name, info.type_name, (n * rows, cols), info.nbytes)
     expected = _stored_nbytes(info)
     if raw.nbytes != expected:
         raise ModelFileError(f"tensor {info.name}: {raw.nbytes} bytes, expected {expected} for {info.type_name} {info.shape}")

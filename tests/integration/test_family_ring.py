@@ -65,12 +65,13 @@ def test_chat_answers_on_a_family_file(tmp_path: Path, family: str) -> None:
 
 
 def test_chat_refuses_an_unsupported_family_in_one_sentence(tmp_path: Path) -> None:
-    moe = next(e for e in json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
-               if e["architecture"] == "qwen3moe")
-    r = _chat("--model", str(FIXTURES / moe["gguf"]), "hello", home=tmp_path)
+    from tests.factory import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "moe.gguf", arch="qwen2moe")
+    r = _chat("--model", str(path), "hello", home=tmp_path)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert "architecture 'qwen3moe'" in last and "it runs llama, qwen2, qwen3, gemma3, phi3" in last
+    assert "architecture 'qwen2moe'" in last and "it runs llama, qwen2, qwen3, gemma3, phi3, qwen3moe" in last
     assert "Traceback" not in r.stderr
 
 

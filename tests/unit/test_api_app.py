@@ -125,12 +125,14 @@ def test_before_the_model_is_loaded(idle: Coordinator) -> None:
 
 
 def test_a_model_of_an_unsupported_family_is_refused_with_the_reason(idle: Coordinator) -> None:
-    moe = Path(__file__).parents[1] / "fixtures" / "families" / "qwen3moe.gguf"
+    from tests.factory import write_tiny_llama
+
+    moe = write_tiny_llama(idle.home / "moe.gguf", arch="qwen2moe")
     with TestClient(create_app(idle)) as http:
         r = http.post("/v1/cluster/model", json={"model": str(moe)})
         assert r.status_code == 422 and r.json()["error"]["code"] == "model_not_supported"
-        assert "architecture 'qwen3moe'" in r.json()["error"]["message"]
-        assert "it runs llama, qwen2, qwen3, gemma3, phi3" in r.json()["error"]["message"]
+        assert "architecture 'qwen2moe'" in r.json()["error"]["message"]
+        assert "it runs llama, qwen2, qwen3, gemma3, phi3, qwen3moe" in r.json()["error"]["message"]
         missing = http.post("/v1/cluster/model", json={"model": "/nowhere/m.gguf"})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 

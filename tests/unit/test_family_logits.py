@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from backends import available_backends, get_backend
+from backends.base import BackendError
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "families"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
-DENSE = [e for e in MANIFEST if e["architecture"] != "qwen3moe" and "expert" not in " ".join(e["notes"])]
+MOE = [e for e in MANIFEST if e["name"] in ("qwen3moe", "mixtral")]
+DENSE = [e for e in MANIFEST if e not in MOE]
 TOLERANCE = 1e-2
 BACKENDS = [b for b in ("onnx", "mlx") if b in available_backends()]
 
@@ -108,7 +110,32 @@ def test_what_the_files_describe():
     assert cfg["phi3-longrope"].rope_freq_factors and cfg["phi3-longrope"].rope_attn_factor > 1
 
 
-@pytest.mark.parametrize("entry", [e for e in MANIFEST if e not in DENSE], ids=lambda e: e["name"])
-def test_mixtures_of_experts_are_refused_until_supported(entry):
-    with pytest.raises(ModelFileError, match="experts"):
-        GGUFModel(FIXTURES / entry["gguf"])
+EXPERT_BACKENDS = [b for b in BACKENDS if backend(b).experts]
+
+
+@pytest.mark.parametrize("name", EXPERT_BACKENDS)
+@pytest.mark.parametrize("entry", MOE, ids=[e["name"] for e in MOE])
+def test_mixtures_of_experts_match_transformers(entry, name):
+    model, tokens, want = fixture(entry)
+    cfg = model.config
+    assert cfg.n_experts and cfg.n_experts_used == 2 and cfg.expert_weights_norm
+    for ranges in splits(cfg.n_layers):
+        assert_close(logits(model, tokens, [(name, a, b) for a, b in ranges]), want, f"{entry['name']} on {name}")
+
+
+@pytest.mark.parametrize("name", [b for b in BACKENDS if not backend(b).experts])
+def test_a_backend_without_experts_refuses_them(name):
+    model = GGUFModel(FIXTURES / "qwen3moe.gguf")
+    with pytest.raises(BackendError, match="mixture of 8 experts"):
+        backend(name).load_shard(model.config, model.shard_weights(0, 1))
+
+
+def test_other_mixtures_are_refused(tmp_path):
+    from tests.factory import write_tiny_llama
+
+    used = {"llama.expert_count": 4, "llama.expert_used_count": 2}
+    for fields, says in (({**used, "llama.expert_shared_count": 1}, "shared experts"),
+                         ({**used, "llama.expert_gating_func": 2}, "gating other than softmax"),
+                         ({"llama.expert_count": 4}, "lacks metadata llama.expert_used_count")):
+        with pytest.raises(ModelFileError, match=says):
+            GGUFModel(write_tiny_llama(tmp_path / "m.gguf", sampling=fields))

@@ -196,14 +196,14 @@ def test_model_is_called_what_the_operator_named_it(tiny_models: dict[str, Path]
 @pytest.mark.parametrize(
     ("kw", "says"),
     [
-        ({"arch": "qwen3moe"}, r"architecture 'qwen3moe' \(a mixture of experts\), which exo-tui does not run yet; it runs llama, qwen2"),
+        ({"arch": "qwen2moe"}, r"architecture 'qwen2moe' \(a mixture of experts with shared experts\), which exo-tui does not run yet; it runs llama, qwen2"),
         ({"arch": "bert"}, r"architecture 'bert', which exo-tui does not run yet"),
-        ({"sampling": {"llama.expert_count": 4}}, r"\(llama\) uses a mixture of 4 experts, which exo-tui does not run yet"),
+        ({"sampling": {"llama.expert_count": 4, "llama.expert_used_count": 2}}, r"lacks 16 tensors \(first: blk.0.ffn_gate_inp.weight\)"),
         ({"extra_tensors": {"blk.0.attn_q.bias": np.zeros(64)}}, r"holds tensor blk.0.attn_q.bias that exo-tui does not know"),
         ({"arch": "gemma3", "sampling": {"gemma3.attn_logit_softcapping": 50.0}}, r"uses attention logit soft-capping"),
         ({"sampling": {"llama.rope.dimension_count": 8}}, r"rotary embedding over 8 of each head's 16 dimensions"),
     ],
-    ids=["moe-arch", "unknown-arch", "experts", "unknown-tensor", "attn-softcap", "partial-rotary"],
+    ids=["moe-arch", "unknown-arch", "experts-missing", "unknown-tensor", "attn-softcap", "partial-rotary"],
 )
 def test_unsupported_families_and_features_are_refused_in_one_sentence(tmp_path, kw, says):
     """Refused before anything loads, naming what is not supported and what is: never run with a
