@@ -177,6 +177,11 @@ class GGUFModel:
     def layer_nbytes(self, layer: int) -> int:
         return sum(self.tensor_info(n).nbytes for n in self._layer_names(layer))
 
+    def expert_nbytes(self, layer: int) -> int:
+        """Bytes of ``layer``'s experts' matrices (0 in a dense model)."""
+        names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+        return sum(self.tensor_info(n).nbytes for n in names if n in self._tensors)
+
     @property
     def embed_nbytes(self) -> int:
         return self.tensor_info("token_embd.weight").nbytes

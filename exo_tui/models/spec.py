@@ -14,10 +14,17 @@ def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: in
     """Layer sizes, embedding/head sizes and KV bytes as the file holds them."""
     m = model if isinstance(model, GGUFModel) else GGUFModel(model)
     cfg = m.config
+    layer_bytes = tuple(m.layer_nbytes(i) for i in range(cfg.n_layers))
+    active: tuple[int, ...] = ()
+    if cfg.n_experts:  # a token reads its top-k experts' matrices, the rest of the layer always
+        share = cfg.n_experts_used / cfg.n_experts
+        active = tuple(b - int(m.expert_nbytes(i) * (1 - share)) for i, b in enumerate(layer_bytes))
     return ModelSpec(
         name=m.name,
         n_layers=cfg.n_layers,
-        layer_bytes=tuple(m.layer_nbytes(i) for i in range(cfg.n_layers)),
+        layer_bytes=layer_bytes,
+        active_layer_bytes=active,
+        experts=(cfg.n_experts, cfg.n_experts_used),
         embed_bytes=m.embed_nbytes,
         head_bytes=m.head_nbytes,
         kv_bytes_per_token_per_layer=cfg.kv_bytes_per_token_per_layer,

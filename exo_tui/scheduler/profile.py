@@ -127,7 +127,7 @@ class DeviceProfile:
         return self.backends[0] if self.backends else "onnx"
 
     def _scale(self, spec: ModelSpec) -> float:
-        return spec.mean_layer_bytes / self.compute_ref_layer_bytes if self.compute_ref_layer_bytes > 0 else 1.0
+        return spec.mean_active_layer_bytes / self.compute_ref_layer_bytes if self.compute_ref_layer_bytes > 0 else 1.0
 
     def layer_s(self, spec: ModelSpec, backend: str | None = None) -> float:
         """Seconds one decode token spends in one (average) layer of ``spec``, load included.
@@ -136,7 +136,7 @@ class DeviceProfile:
         """
         backend = backend or self.best_backend()
         t = self.decode_s_per_layer.get(backend)
-        streamed = spec.mean_layer_bytes / (max(self.memory_bandwidth_bytes_per_s, 1.0) * BANDWIDTH_EFFICIENCY)
+        streamed = spec.mean_active_layer_bytes / (max(self.memory_bandwidth_bytes_per_s, 1.0) * BANDWIDTH_EFFICIENCY)
         if t is not None and t > 0:
             t = t * self._scale(spec)
             if self.device_type == "cpu":  # no faster than its weights stream from memory

@@ -35,7 +35,12 @@ class ModelSpec:
     hidden_size: int
     context_length: int = 4096
     tied_embeddings: bool = False
+    # Bytes of each layer a token reads (a mixture of experts reads only its chosen experts');
+    # () means all of ``layer_bytes``. Memory counts ``layer_bytes``, time these.
+    active_layer_bytes: tuple[int, ...] = ()
+    experts: tuple[int, int] = (0, 0)  # (experts per layer, used per token), (0, 0) for a dense model
     _mean: float = field(default=0.0, init=False, repr=False, compare=False)
+    _active_mean: float = field(default=0.0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -50,6 +55,11 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: every layer must have a positive size in bytes")
         object.__setattr__(self, "layer_bytes", lb)
         object.__setattr__(self, "_mean", sum(lb) / len(lb))
+        active = tuple(int(b) for b in self.active_layer_bytes) or lb
+        if len(active) != self.n_layers or any(a > b for a, b in zip(active, lb, strict=True)):
+            raise ValueError(f"model {self.name}: active layer bytes must be one per layer, at most the layer's")
+        object.__setattr__(self, "active_layer_bytes", active if active != lb else ())
+        object.__setattr__(self, "_active_mean", sum(active) / len(active))
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -58,6 +68,11 @@ class ModelSpec:
     @property
     def mean_layer_bytes(self) -> float:
         return self._mean
+
+    @property
+    def mean_active_layer_bytes(self) -> float:
+        """Bytes of an average layer one token reads (all of it, unless experts are chosen)."""
+        return self._active_mean
 
     @property
     def activation_bytes_per_token(self) -> int:
@@ -105,6 +120,8 @@ class ModelSpec:
             "hidden_size": self.hidden_size,
             "context_length": self.context_length,
             "tied_embeddings": self.tied_embeddings,
+            **({"active_layer_bytes": list(self.active_layer_bytes)} if self.active_layer_bytes else {}),
+            **({"experts": list(self.experts)} if self.experts[0] else {}),
         }
 
     @classmethod
@@ -120,6 +137,8 @@ class ModelSpec:
             hidden_size=int(d["hidden_size"]),
             context_length=int(d.get("context_length", 4096)),
             tied_embeddings=bool(d.get("tied_embeddings", False)),
+            active_layer_bytes=tuple(int(x) for x in d.get("active_layer_bytes", ())),
+            experts=tuple(int(x) for x in d.get("experts", (0, 0))),  # type: ignore[arg-type]
         )
 
 
