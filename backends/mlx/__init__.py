@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import os
 
-from backends.base import Backend, BackendError, ModelConfig, Shard, ShardWeights, physical_cores
+from backends.base import (
+    Backend,
+    BackendError,
+    ModelConfig,
+    Shard,
+    ShardWeights,
+    check_layer_weights,
+    physical_cores,
+    unsupported_features,
+)
 
 MAX_DEFAULT_THREADS = 8
 """The default thread count stops here: past it each matmul's parts get too small to pay off."""
@@ -67,8 +76,11 @@ class MLXBackend(Backend):
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():
             raise BackendError("MLX is not installed or not working here: pip install mlx (mlx[cpu] on Linux)")
-        if config.arch != "llama":
-            raise BackendError(f"the MLX backend runs llama-architecture models, not {config.arch!r}")
+        problems = unsupported_features(config)
+        if problems:
+            raise BackendError(f"this {config.arch} model uses {problems[0]}, which this backend does not run")
+        for i, lw in enumerate(weights.layers):
+            check_layer_weights(config, weights.start + i, lw)
         from backends.mlx.shard import MLXShard
 
         return MLXShard(config, weights, compile_decode=self.compile_decode, threads=self.threads)

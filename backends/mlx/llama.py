@@ -1,21 +1,26 @@
-"""The llama layers in MLX, in the shape of mlx-lm's ``models/llama.py``: Attention, MLP,
+"""The decoder's layers in MLX, in the shape of mlx-lm's ``models/llama.py``: Attention, MLP,
 TransformerBlock and the shard's model, float32 throughout, quantized matrices kept quantized.
+Every family is this llama with some of :class:`~backends.base.ModelConfig`'s switches on (q/k/v
+biases, per-head q/k norms, post norms, tanh GELU, an attention scale, sliding windows, an
+embedding scale, a logit soft-cap); a switch that is off adds no op.
 
-Rotary angles are computed on the host in float64 (``step_inputs``) and handed in as float32
-cos/sin, like the NumPy reference: ``mx.fast.rope`` computes them in float32, which is off by
-~1e-3 at position 8000, and on MLX's CPU build it is a dozen small ops anyway.
+Rotary angles are computed on the host in float64 (:func:`backends.rope.angles`, per layer: a
+windowed gemma3 layer has its own base) and handed in as float32 cos/sin, like the NumPy
+reference: ``mx.fast.rope`` computes them in float32, which is off by ~1e-3 at position 8000, and
+on MLX's CPU build it is a dozen small ops anyway.
 
 The KV cache of a request is a preallocated buffer per layer, ``(1, n_kv_heads, capacity,
 head_dim)``; new keys and values are written into it at their position (``mx.slice_update``, which
 MLX does in place when the old buffer has no other owner). A query at position ``p`` sees the keys
-at positions ``<= p``, which is both the causal mask and the mask that hides the unused tail of the
-buffer, so a decode step can attend over the whole buffer and keep fixed shapes (what lets
-``mx.compile`` reuse one trace for every decode step).
+at positions ``<= p`` (and, on a windowed layer, ``> p - window``), which is both the causal mask
+and the mask that hides the unused tail of the buffer, so a decode step can attend over the whole
+buffer and keep fixed shapes (what lets ``mx.compile`` reuse one trace for every decode step).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -23,16 +28,44 @@ import numpy as np
 
 from backends.base import LayerWeights, ModelConfig, ShardWeights
 from backends.mlx.quant import MLXWeight, fuse_rows, to_mlx
+from backends.rope import angles, table_key
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@dataclass(frozen=True)
+class Kinds:
+    """A shard's layers grouped by what their step inputs differ in: rotary tables (a base, scaled
+    or not: :func:`backends.rope.table_key`) and attention windows (0: all positions). A plain
+    llama has one of each."""
+
+    table_layers: tuple[int, ...]  # one layer of each distinct rotary table
+    windows: tuple[int, ...]  # each distinct window, at least one
+    table_of: tuple[int, ...]  # per layer of the shard: the index of its table
+    window_of: tuple[int, ...]  # per layer of the shard: the index of its window
+
+    @classmethod
+    def of(cls, config: ModelConfig, layers: Sequence[int]) -> Kinds:
+        keys = list(dict.fromkeys(table_key(config, i) for i in layers))
+        windows = list(dict.fromkeys(config.window(i) for i in layers)) or [0]
+        first = {key: next(i for i in layers if table_key(config, i) == key) for key in keys}
+        return cls(
+            table_layers=tuple(first[key] for key in keys),
+            windows=tuple(windows),
+            table_of=tuple(keys.index(table_key(config, i)) for i in layers),
+            window_of=tuple(windows.index(config.window(i)) for i in layers),
+        )
 
 
 @dataclass(frozen=True)
 class Step:
-    """What every layer needs to know about the new tokens of one forward."""
+    """What every layer needs to know about the new tokens of one forward; the masks and tables
+    one per kind (:class:`Kinds`), a layer takes its own by index."""
 
     offset: mx.array  # int32 (1,): the first new position (where the cache is written)
-    mask: mx.array  # bool (T, n_keys): query i sees key j
-    cos: mx.array  # float32 (T, 1, head_dim): cos of each pair's angle, repeated for both elements
-    sin: mx.array  # float32 (T, 1, head_dim): -sin for the first element of a pair, +sin for the second
+    masks: tuple[mx.array, ...]  # bool (T, n_keys) per window: query i sees key j
+    cos: tuple[mx.array, ...]  # float32 (T, 1, head_dim) per table: cos of each pair's angle, for both elements
+    sin: tuple[mx.array, ...]  # float32 (T, 1, head_dim) per table: -sin for a pair's first element, +sin for its second
     n_keys: int  # attend over the first n_keys cache positions
 
 
@@ -45,32 +78,44 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return x * cos + swapped * sin
 
 
-def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int) -> Step:
+def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kinds | None = None) -> Step:
     """The :class:`Step` of ``t`` new tokens at positions ``start ..``, attending over ``n_keys``
-    cache positions; angles in float64 (``theta_i = p * rope_theta ** (-2i / head_dim)``)."""
+    cache positions, for the layer kinds ``kinds`` (default: the whole model's)."""
+    kinds = kinds or Kinds.of(config, range(config.n_layers))
     positions = np.arange(start, start + t)
-    d = config.head_dim
-    inv = config.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = positions[:, None].astype(np.float64) * inv[None, :]
-    cos = np.repeat(np.cos(ang), 2, axis=-1)
-    sin = np.repeat(np.sin(ang), 2, axis=-1)
-    sin[:, 0::2] *= -1
-    mask = np.arange(n_keys)[None, :] <= positions[:, None]
-    return Step(
-        offset=mx.array(np.array([start], dtype=np.int32)),
-        mask=mx.array(mask),
-        cos=mx.array(cos[:, None, :].astype(np.float32)),
-        sin=mx.array(sin[:, None, :].astype(np.float32)),
-        n_keys=n_keys,
-    )
+    cos, sin = [], []
+    for layer in kinds.table_layers:
+        c, s = angles(config, layer, positions)  # float64 (T, head_dim / 2), magnitude included
+        c, s = np.repeat(c, 2, axis=-1), np.repeat(s, 2, axis=-1)
+        s[:, 0::2] *= -1
+        cos.append(mx.array(c[:, None, :].astype(np.float32)))
+        sin.append(mx.array(s[:, None, :].astype(np.float32)))
+    keys, queries = np.arange(n_keys)[None, :], positions[:, None]
+    masks = []
+    for window in kinds.windows:
+        seen = keys <= queries
+        if window:
+            seen &= keys > queries - window
+        masks.append(mx.array(seen))
+    return Step(mx.array(np.array([start], dtype=np.int32)), tuple(masks), tuple(cos), tuple(sin), n_keys)
+
+
+def vector(w: np.ndarray | None) -> mx.array | None:
+    """A norm's weight as MLX float32 (``None`` stays ``None``: the feature is off)."""
+    return None if w is None else mx.array(np.asarray(w, dtype=np.float32))
 
 
 class Attention:
-    def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1) -> None:
+    """``table`` and ``window``: the indices of this layer's rotary table and mask in a :class:`Step`."""
+
+    def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1,
+                 table: int = 0, window: int = 0) -> None:
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.query_scale
+        self.eps = config.rms_eps
+        self.table, self.window = table, window
         fused = fuse_rows([w.wq, w.wk, w.wv])
         # one matmul for q, k and v when they share a format, else three
         self.qkv_proj = to_mlx(fused, f"{name}.attn_qkv", n_parts) if fused is not None else None
@@ -78,18 +123,22 @@ class Attention:
         self.k_proj = None if fused is not None else to_mlx(w.wk, f"{name}.attn_k", n_parts)
         self.v_proj = None if fused is not None else to_mlx(w.wv, f"{name}.attn_v", n_parts)
         self.o_proj = to_mlx(w.wo, f"{name}.attn_output", n_parts)
+        self.bias = [vector(b) for b in (w.bq, w.bk, w.bv)] if w.bq is not None else None
+        self.qkv_bias = mx.concatenate(self.bias) if self.bias is not None else None
+        self.q_norm, self.k_norm = vector(w.q_norm), vector(w.k_norm)
 
     def __call__(self, x: mx.array, step: Step, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
-        q, k, v = self.project(x, step.cos, step.sin)
+        q, k, v = self.project(x, step.cos[self.table], step.sin[self.table])
         o, keys, values = self.attend(q, k, v, step, keys, values)
         return self.output(o), keys, values
 
     def decode_batch(
-        self, x: mx.array, steps: list[Step], cos: mx.array, sin: mx.array, keys: list[mx.array], values: list[mx.array]
+        self, x: mx.array, steps: list[Step], cos: list[mx.array], sin: list[mx.array],
+        keys: list[mx.array], values: list[mx.array],
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """One new token of each of ``B`` requests, ``x`` ``(B, 1, hidden)``: one matmul for all,
-        attention per request over its own cache."""
-        q, k, v = self.project(x, cos, sin)
+        attention per request over its own cache (``cos``/``sin``: the batch's, per table)."""
+        q, k, v = self.project(x, cos[self.table], sin[self.table])
         outs, new_keys, new_values = [], [], []
         for i, (step, ks, vs) in enumerate(zip(steps, keys, values, strict=True)):
             o, ks, vs = self.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], step, ks, vs)
@@ -99,18 +148,27 @@ class Attention:
         return self.output(mx.concatenate(outs, axis=0)), new_keys, new_values
 
     def project(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """q, k (rotated) and v as ``(B, heads, T, head_dim)``."""
+        """q, k (normed per head where the model does, then rotated) and v as ``(B, heads, T, head_dim)``."""
         b, t, _ = x.shape
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj.matmul(x).reshape(b, t, nh + 2 * nkv, hd)
-            qk = rope(qkv[:, :, : nh + nkv], cos, sin)  # q and k heads rotated together
-            q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv :]
+            qkv = self.qkv_proj.matmul(x)
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias
+            qkv = qkv.reshape(b, t, nh + 2 * nkv, hd)
+            if self.q_norm is None:  # q and k heads rotated together
+                qk = rope(qkv[:, :, : nh + nkv], cos, sin)
+                return _heads_first(qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv :])
+            q, k, v = qkv[:, :, :nh], qkv[:, :, nh : nh + nkv], qkv[:, :, nh + nkv :]
         else:
-            q = rope(self.q_proj.matmul(x).reshape(b, t, nh, hd), cos, sin)
-            k = rope(self.k_proj.matmul(x).reshape(b, t, nkv, hd), cos, sin)
-            v = self.v_proj.matmul(x).reshape(b, t, nkv, hd)
-        return tuple(a.transpose(0, 2, 1, 3) for a in (q, k, v))  # type: ignore[return-value]
+            q, k, v = (p.matmul(x) for p in (self.q_proj, self.k_proj, self.v_proj))
+            if self.bias is not None:
+                q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
+            q, k, v = q.reshape(b, t, nh, hd), k.reshape(b, t, nkv, hd), v.reshape(b, t, nkv, hd)
+        if self.q_norm is not None:
+            q = mx.fast.rms_norm(q, self.q_norm, self.eps)
+            k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+        return _heads_first(rope(q, cos, sin), rope(k, cos, sin), v)
 
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, step: Step, keys: mx.array, values: mx.array
@@ -122,7 +180,8 @@ class Attention:
             k_seen, v_seen = keys[:, :, : step.n_keys], values[:, :, : step.n_keys]
         else:
             k_seen, v_seen = keys, values
-        o = mx.fast.scaled_dot_product_attention(q, k_seen, v_seen, scale=self.scale, mask=step.mask)
+        mask = step.masks[self.window]
+        o = mx.fast.scaled_dot_product_attention(q, k_seen, v_seen, scale=self.scale, mask=mask)
         return o, keys, values
 
     def output(self, o: mx.array) -> mx.array:
@@ -130,44 +189,70 @@ class Attention:
         return self.o_proj.matmul(o.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
+def _heads_first(*arrays: mx.array) -> tuple[mx.array, ...]:
+    """``(B, T, heads, head_dim)`` arrays as ``(B, heads, T, head_dim)``."""
+    return tuple(a.transpose(0, 2, 1, 3) for a in arrays)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``."""
+    return 0.5 * x * (1.0 + mx.tanh(GELU_C * (x + 0.044715 * (x * x * x))))
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
 class MLP:
-    def __init__(self, w: LayerWeights, name: str, n_parts: int = 1) -> None:
+    def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1) -> None:
         fused = fuse_rows([w.w_gate, w.w_up])
         self.gate_up_proj = to_mlx(fused, f"{name}.ffn_gate_up", n_parts) if fused is not None else None
         self.gate_proj = None if fused is not None else to_mlx(w.w_gate, f"{name}.ffn_gate", n_parts)
         self.up_proj = None if fused is not None else to_mlx(w.w_up, f"{name}.ffn_up", n_parts)
         self.down_proj = to_mlx(w.w_down, f"{name}.ffn_down", n_parts)
         self.intermediate = w.w_down.shape[1]
+        self.act = gelu_tanh if config.activation == "gelu_tanh" else silu
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
             gate, up = mx.split(self.gate_up_proj.matmul(x), [self.intermediate], axis=-1)
         else:
             gate, up = self.gate_proj.matmul(x), self.up_proj.matmul(x)
-        return self.down_proj.matmul(gate * mx.sigmoid(gate) * up)
+        return self.down_proj.matmul(self.act(gate) * up)
 
 
 class TransformerBlock:
-    def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1) -> None:
+    def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1,
+                 table: int = 0, window: int = 0) -> None:
         self.eps = config.rms_eps
         self.input_layernorm = mx.array(w.attn_norm, dtype=mx.float32)
         self.post_attention_layernorm = mx.array(w.ffn_norm, dtype=mx.float32)
-        self.self_attn = Attention(config, w, name, n_parts)
-        self.mlp = MLP(w, name, n_parts)
+        # gemma3's norms of the attention's and the MLP's outputs (None: not this family)
+        self.attn_post_norm, self.ffn_post_norm = vector(w.attn_post_norm), vector(w.ffn_post_norm)
+        self.self_attn = Attention(config, w, name, n_parts, table, window)
+        self.mlp = MLP(config, w, name, n_parts)
 
     def __call__(self, x: mx.array, step: Step, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
         r, keys, values = self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), step, keys, values)
-        return self.feed_forward(x + r), keys, values
+        return self.feed_forward(x, r), keys, values
 
     def decode_batch(
-        self, x: mx.array, steps: list[Step], cos: mx.array, sin: mx.array, keys: list[mx.array], values: list[mx.array]
+        self, x: mx.array, steps: list[Step], cos: list[mx.array], sin: list[mx.array],
+        keys: list[mx.array], values: list[mx.array],
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         a = mx.fast.rms_norm(x, self.input_layernorm, self.eps)
         r, keys, values = self.self_attn.decode_batch(a, steps, cos, sin, keys, values)
-        return self.feed_forward(x + r), keys, values
+        return self.feed_forward(x, r), keys, values
 
-    def feed_forward(self, h: mx.array) -> mx.array:
-        return h + self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+    def feed_forward(self, x: mx.array, r: mx.array) -> mx.array:
+        """The residual adds around the attention's output ``r`` and the MLP."""
+        if self.attn_post_norm is not None:
+            r = mx.fast.rms_norm(r, self.attn_post_norm, self.eps)
+        h = x + r
+        f = self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        if self.ffn_post_norm is not None:
+            f = mx.fast.rms_norm(f, self.ffn_post_norm, self.eps)
+        return h + f
 
 
 class ShardModel:
@@ -176,8 +261,11 @@ class ShardModel:
 
     def __init__(self, config: ModelConfig, weights: ShardWeights, n_parts: int = 1) -> None:
         self.config = config
+        self.kinds = Kinds.of(config, range(weights.start, weights.end))
         self.layers = [
-            TransformerBlock(config, lw, f"blk.{weights.start + i}", n_parts) for i, lw in enumerate(weights.layers)
+            TransformerBlock(config, lw, f"blk.{weights.start + i}", n_parts,
+                             self.kinds.table_of[i], self.kinds.window_of[i])
+            for i, lw in enumerate(weights.layers)
         ]
         self.embed_tokens: MLXWeight | None = (
             to_mlx(weights.embed, "token_embd", n_parts) if weights.embed is not None else None
@@ -188,14 +276,20 @@ class ShardModel:
             tied = weights.output is weights.embed and self.embed_tokens is not None
             self.lm_head = self.embed_tokens if tied else to_mlx(weights.output, "output", n_parts)
 
+    def embed(self, x: mx.array) -> mx.array:
+        """Token ids' rows (times the model's embedding scale) on the first shard; hidden elsewhere."""
+        if self.embed_tokens is None:
+            return x
+        h = self.embed_tokens.rows(x)
+        return h * self.config.embed_scale if self.config.embed_scale != 1.0 else h
+
     def __call__(
         self, x: mx.array, step: Step, keys: list[mx.array], values: list[mx.array], last_only: bool = True
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """``x``: token ids ``(T,)`` on the first shard, else hidden ``(T, hidden)``. Returns hidden
         ``(T, hidden)`` or logits (``(1, vocab)`` with ``last_only``, else ``(T, vocab)``) and the
         updated caches."""
-        h = self.embed_tokens.rows(x) if self.embed_tokens is not None else x
-        h = h[None]
+        h = self.embed(x)[None]
         new_keys, new_values = [], []
         for layer, k, v in zip(self.layers, keys, values, strict=True):
             h, k, v = layer(h, step, k, v)
@@ -211,10 +305,10 @@ class ShardModel:
     ) -> tuple[mx.array, list[list[mx.array]], list[list[mx.array]]]:
         """One new token of each of ``B`` requests (``x``: ``(B,)`` ids or ``(B, hidden)``), with
         ``keys[r][layer]``: one matmul per weight for the batch. Returns ``(B, hidden | vocab)``."""
-        h = self.embed_tokens.rows(x) if self.embed_tokens is not None else x
-        h = h[:, None, :]
-        cos = mx.concatenate([s.cos for s in steps])[:, None]  # (B, 1, 1, head_dim)
-        sin = mx.concatenate([s.sin for s in steps])[:, None]
+        h = self.embed(x)[:, None, :]
+        n_tables = len(steps[0].cos)
+        cos = [mx.concatenate([s.cos[i] for s in steps])[:, None] for i in range(n_tables)]  # (B, 1, 1, head_dim)
+        sin = [mx.concatenate([s.sin[i] for s in steps])[:, None] for i in range(n_tables)]
         by_layer_k = [list(ks) for ks in zip(*keys, strict=True)]  # [layer][request]
         by_layer_v = [list(vs) for vs in zip(*values, strict=True)]
         for li, layer in enumerate(self.layers):
@@ -224,7 +318,10 @@ class ShardModel:
         return self.head(h[:, 0]), new_keys, new_values
 
     def head(self, h: mx.array) -> mx.array:
-        """Logits of hidden ``(T, hidden)`` on the last shard; the hidden itself elsewhere."""
+        """Logits of hidden ``(T, hidden)`` on the last shard (soft-capped where the model does);
+        the hidden itself elsewhere."""
         if self.lm_head is None:
             return h
-        return self.lm_head.matmul(mx.fast.rms_norm(h, self.norm, self.config.rms_eps))
+        logits = self.lm_head.matmul(mx.fast.rms_norm(h, self.norm, self.config.rms_eps))
+        cap = self.config.logit_softcap
+        return cap * mx.tanh(logits / cap) if cap else logits

@@ -74,14 +74,16 @@ class MLXShard(Shard):
         self, x: mx.array, step: list[mx.array], keys: list[mx.array], values: list[mx.array]
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """One token through the shard, attending over the whole cache buffer (fixed shapes)."""
-        offset, mask, cos, sin = step
-        return self.model(x, Step(offset, mask, cos, sin, mask.shape[1]), keys, values)
+        return self.model(x, _step(step), keys, values)
 
     def _batch_step(
         self, x: mx.array, steps: list[list[mx.array]], keys: list[list[mx.array]], values: list[list[mx.array]]
     ) -> tuple[mx.array, list[list[mx.array]], list[list[mx.array]]]:
         """One token of each of several requests, each attending over its whole cache buffer."""
-        return self.model.decode_batch(x, [Step(o, m, c, s, m.shape[1]) for o, m, c, s in steps], keys, values)
+        return self.model.decode_batch(x, [_step(s) for s in steps], keys, values)
+
+    def _step_inputs(self, start: int, t: int, n_keys: int) -> Step:
+        return step_inputs(self.config, start, t, n_keys, self.model.kinds)
 
     def _compiled(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` compiled, once per thread (compiled traces hold the thread's MLX streams)."""
@@ -130,9 +132,9 @@ class MLXShard(Shard):
             t = positions.shape[0]
             cache = self._cache_for(request_id, cached + t)
             if t == 1:
-                step = step_inputs(self.config, cached, 1, self._decode_keys(cache))
+                step = self._step_inputs(cached, 1, self._decode_keys(cache))
                 out, keys, values = self._compiled("decode", self._decode_step)(
-                    self._inputs(x), [step.offset, step.mask, step.cos, step.sin], cache.keys, cache.values
+                    self._inputs(x), _flat(step), cache.keys, cache.values
                 )
                 # drop the old buffers before evaluating, so the cache update happens in place
                 cache.keys, cache.values, cache.length = keys, values, cached + 1
@@ -141,7 +143,7 @@ class MLXShard(Shard):
             outs = []
             for a in range(0, t, PREFILL_CHUNK):  # chunks bound the (heads, T, keys) attention scores
                 b = min(t, a + PREFILL_CHUNK)
-                step = step_inputs(self.config, cached + a, b - a, cached + b)
+                step = self._step_inputs(cached + a, b - a, cached + b)
                 out, keys, values = self.model(
                     self._inputs(x[a:b]), step, cache.keys, cache.values, last_only=not all_logits
                 )
@@ -162,10 +164,10 @@ class MLXShard(Shard):
             self._check_open()
             cached = [self._begin(rid, x, p) for rid, x, p in items]
             caches = [self._cache_for(rid, n + 1) for (rid, _, _), n in zip(items, cached, strict=True)]
-            steps = [step_inputs(self.config, n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
+            steps = [self._step_inputs(n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
             out, keys, values = self._compiled("decode_batch", self._batch_step)(
                 self._inputs(np.concatenate([x for _, x, _ in items])),
-                [[s.offset, s.mask, s.cos, s.sin] for s in steps],
+                [_flat(s) for s in steps],
                 [c.keys for c in caches],
                 [c.values for c in caches],
             )
@@ -308,7 +310,10 @@ class MLXShard(Shard):
     def _arrays(self) -> list[mx.array]:
         out = []
         for layer in self.model.layers:
-            out += [layer.input_layernorm, layer.post_attention_layernorm]
+            attn = layer.self_attn
+            out += [a for a in (layer.input_layernorm, layer.post_attention_layernorm, layer.attn_post_norm,
+                                layer.ffn_post_norm, attn.qkv_bias, attn.q_norm, attn.k_norm) if a is not None]
+            out += attn.bias or []
             for w in (layer.self_attn.qkv_proj, layer.self_attn.q_proj, layer.self_attn.k_proj,
                       layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
@@ -317,6 +322,17 @@ class MLXShard(Shard):
         if self.model.norm is not None:
             out.append(self.model.norm)
         return out
+
+
+def _flat(step: Step) -> list[Any]:
+    """A step's arrays as a compiled function takes them (arrays and lists of arrays)."""
+    return [step.offset, list(step.masks), list(step.cos), list(step.sin)]
+
+
+def _step(flat: list[Any]) -> Step:
+    """:func:`_flat`'s inverse; a decode step attends over the whole buffer (its masks' width)."""
+    offset, masks, cos, sin = flat
+    return Step(offset, tuple(masks), tuple(cos), tuple(sin), masks[0].shape[1])
 
 
 def _weight_arrays(w: MLXWeight | None) -> list[mx.array]:

@@ -3,6 +3,8 @@ points, and handing its KV cache to the reference mid-request (a mixed ring's ha
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -96,10 +98,55 @@ def test_kv_cache_moves_to_the_reference_and_back(name, family, references):
     close(back.forward("r", np.array([5]), np.array([len(TOKENS)])), got)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("order", [("onnx", "mlx"), ("mlx", "onnx")])
+def test_a_ring_of_two_backends_equals_the_reference(order, family, references):
+    """Layers [0, 2) on one backend, [2, 4) on the other (gemma3: windowed layers, then a global
+    and a windowed one): the hidden state crosses, each keeps its own cache."""
+    if not set(order) <= set(BACKENDS):
+        pytest.skip("needs both ONNX Runtime and MLX")
+    cfg = FEATURES[family]
+    w = random_weights(cfg)
+    shards = [backend(order[0]).load_shard(cfg, sub_shard(w, 0, 2)),
+              backend(order[1]).load_shard(cfg, sub_shard(w, 2, cfg.n_layers))]
+    close(run_all(shards, TOKENS), references[family])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_batched_decode_equals_the_reference(name, family):
+    """Decode steps of requests at different lengths (so their windows differ) in one batch."""
+    cfg = FEATURES[family]
+    w = random_weights(cfg)
+    shard, ref = backend(name).load_shard(cfg, w), ReferenceShard(cfg, w)
+    lengths = {"a": 3, "b": 11, "c": 24}
+    for rid, n in lengths.items():
+        for s in (shard, ref):
+            s.forward(rid, TOKENS[:n], np.arange(n))
+    for step in range(3):
+        items = [(rid, np.array([(7 * step + n) % 96]), np.array([n + step])) for rid, n in lengths.items()]
+        for (rid, tok, pos), got in zip(items, shard.forward_batch(items), strict=True):
+            close(got, ref.forward(rid, tok, pos))
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_quantized_matrices_with_every_feature(name):
     cfg = FEATURES["gemma3"]
     w = random_weights(cfg, quantized=True)
+    want = run_all([ReferenceShard(cfg, w)], TOKENS)
+    close(run_all([backend(name).load_shard(cfg, w)], TOKENS), want)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_layers_whose_matrices_differ_in_format(name, family):
+    """q quantized while k and v are dense (q, k, v not fused into one matmul): biases and norms
+    still land on the right heads."""
+    cfg = FEATURES[family]
+    w = random_weights(cfg)
+    quantized = random_weights(cfg, quantized=True)
+    for lw, ql in zip(w.layers, quantized.layers, strict=True):
+        lw.wq, lw.w_gate = ql.wq, ql.w_gate
     want = run_all([ReferenceShard(cfg, w)], TOKENS)
     close(run_all([backend(name).load_shard(cfg, w)], TOKENS), want)
 
@@ -115,6 +162,9 @@ def test_a_missing_or_unwanted_part_is_refused(name):
     plain.layers[0].q_norm = np.ones(16, np.float32)
     with pytest.raises(BackendError, match="layer 0 has q_norm"):
         backend(name).load_shard(FEATURES["llama"], plain)
+    relu = dataclasses.replace(FEATURES["llama"], activation="relu")
+    with pytest.raises(BackendError, match="activation 'relu'"):
+        backend(name).load_shard(relu, random_weights(FEATURES["llama"]))
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "phi3-longrope", "yarn-rope"])
