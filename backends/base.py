@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -275,6 +276,38 @@ class LayerWeights:
         return total
 
 
+class LazyLayers(MutableSequence):
+    """A shard's layers made one at a time, when a backend first reads each (``make(i)`` for the
+    ``i``-th): a backend that drops each layer once it has built its own form of it
+    (``ShardWeights.disposable``) never holds more than one decoded layer at a time. A dropped
+    layer (set to None) is not made again."""
+
+    def __init__(self, make: Callable[[int], LayerWeights], n: int) -> None:
+        self._make = make
+        self._items: list[LayerWeights | None] = [None] * n
+        self._dropped = [False] * n
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - a layer, or a list for a slice
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._items[i] is None and not self._dropped[i]:
+            self._items[i] = self._make(i if i >= 0 else len(self) + i)
+        return self._items[i]
+
+    def __setitem__(self, i, value) -> None:  # noqa: ANN001
+        self._items[i] = value
+        self._dropped[i] = value is None
+
+    def __delitem__(self, i) -> None:  # noqa: ANN001
+        raise TypeError("a shard's layers cannot be removed, only dropped (set to None)")
+
+    def insert(self, index: int, value: LayerWeights) -> None:
+        raise TypeError("a shard's layers are fixed in number")
+
+
 @dataclass
 class ShardWeights:
     """The weights of layers ``[start, end)``; the first shard has ``embed``, the last
@@ -282,13 +315,16 @@ class ShardWeights:
 
     start: int
     end: int
-    layers: list[LayerWeights]
+    layers: list[LayerWeights] | LazyLayers
     embed: Weight | None = None  # (vocab, hidden), when start == 0
     norm: np.ndarray | None = None  # (hidden,), when end == n_layers
     output: Weight | None = None  # (vocab, hidden), when end == n_layers
     # The caller hands these over: a backend may drop each layer (``layers[i] = None``) once it
     # has made its own form of it, so a shard's load does not hold the whole shard twice.
     disposable: bool = False
+    # The bytes the weights take where they come from (a file's blocks), when known: what
+    # ``nbytes`` says without making every layer of a LazyLayers.
+    stored_nbytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.end - self.start:
@@ -299,6 +335,8 @@ class ShardWeights:
     @property
     def nbytes(self) -> int:
         """Stored bytes (of the layers still here: read it before a load that may drop them)."""
+        if self.stored_nbytes:
+            return self.stored_nbytes
         total = sum(layer.nbytes for layer in self.layers if layer is not None)
         for w in (self.embed, self.norm, self.output):
             if w is not None:

@@ -5,6 +5,7 @@ memory-mapped)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from backends import kquants
-from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights, Weight
+from backends.base import LayerWeights, LazyLayers, ModelConfig, QuantizedWeight, ShardWeights, Weight
 from exo_tui.models.families import (
     CONFIG_TENSORS,
     END_TENSORS,
@@ -234,53 +235,65 @@ class GGUFModel:
         n = self.config.n_layers
         if not 0 <= start < end <= n:
             raise ModelFileError(f"layer range [{start}, {end}) is not within [0, {n}) of {self.path}")
-        tensors = {name: self.tensor(name) for name in self.shard_tensor_names(start, end)}
-        return assemble_shard(self.config, start, end, tensors)
+        cfg = self.config
+        layers = LazyLayers(lambda j: assemble_layer(cfg, start + j, self.tensor), end - start)
+        weights = _with_ends(cfg, start, end, layers, self.tensor, tied=self.tied_embeddings)
+        weights.stored_nbytes = sum(self.tensor_info(n).nbytes for n in self.shard_tensor_names(start, end))
+        return weights
 
 
 def assemble_shard(config: ModelConfig, start: int, end: int, tensors: dict[str, Weight]) -> ShardWeights:
     """Shard weights from tensors by GGUF name (read from a file or streamed over the wire), in the
     backends' layout: fused matrices split, NeoX heads permuted to adjacent pairs."""
-    family = FAMILIES.get(config.arch)
-    if family is None:
-        raise ModelFileError(f"a shard of architecture {config.arch!r}: exo-tui runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def get(name: str) -> Weight:
         if name not in tensors:
             raise ModelFileError(f"shard [{start}, {end}) is missing tensor {name}")
         return tensors[name]
 
-    c = config
-    layers = []
-    for i in range(start, end):
-        ws = {f: get(f"blk.{i}.{n}") for f, n in family.layer_tensors(bool(c.n_experts)).items()}
-        try:
-            for f in ("experts_gate", "experts_up", "experts_down"):
-                if f in ws:  # a stack of the experts' matrices, one after the other
-                    rows = ws[f].shape[0] // c.n_experts
-                    ws[f] = split_rows(ws[f], [rows] * c.n_experts)
-            if "wqkv" in ws:
-                qd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-                ws["wq"], ws["wk"], ws["wv"] = split_rows(ws.pop("wqkv"), [qd, kvd, kvd])
-            if "w_gate_up" in ws:
-                ws["w_gate"], ws["w_up"] = split_rows(ws.pop("w_gate_up"), [c.intermediate_size] * 2)
-        except FamilyError as exc:
-            raise ModelFileError(f"layer {i}: {exc}") from exc
-        for f in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm"):
-            if f in ws:
-                ws[f] = _dense_vector(ws[f])
-        if family.neox:
-            ws["wq"], ws["wk"] = permute_heads(ws["wq"], c.n_heads, c.head_dim), permute_heads(ws["wk"], c.n_kv_heads, c.head_dim)
-            for f, heads in (("bq", c.n_heads), ("bk", c.n_kv_heads), ("q_norm", 1), ("k_norm", 1)):
-                if f in ws:
-                    ws[f] = permute_heads(ws[f], heads, c.head_dim)
-        layers.append(LayerWeights(**ws))
+    layers = [assemble_layer(config, i, get) for i in range(start, end)]
+    return _with_ends(config, start, end, layers, get, tied="output.weight" not in tensors)
+
+
+def _with_ends(config: ModelConfig, start: int, end: int, layers, get: Callable[[str], Weight],  # noqa: ANN001
+               tied: bool) -> ShardWeights:
+    """The shard with its embedding (first) and final norm and head (last; the embedding when tied)."""
     embed = get("token_embd.weight") if start == 0 else None
     norm = output = None
     if end == config.n_layers:
         norm = _dense_vector(get("output_norm.weight"))
-        output = tensors["output.weight"] if "output.weight" in tensors else get("token_embd.weight")
+        output = get("token_embd.weight") if tied else get("output.weight")
     return ShardWeights(start, end, layers, embed, norm, output)
+
+
+def assemble_layer(config: ModelConfig, i: int, get: Callable[[str], Weight]) -> LayerWeights:
+    """Layer ``i``'s weights from its tensors (``get`` by GGUF name), in the backends' layout."""
+    family = FAMILIES.get(config.arch)
+    if family is None:
+        raise ModelFileError(f"a shard of architecture {config.arch!r}: exo-tui runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    c = config
+    ws = {f: get(f"blk.{i}.{n}") for f, n in family.layer_tensors(bool(c.n_experts)).items()}
+    try:
+        for f in ("experts_gate", "experts_up", "experts_down"):
+            if f in ws:  # a stack of the experts' matrices, one after the other
+                rows = ws[f].shape[0] // c.n_experts
+                ws[f] = split_rows(ws[f], [rows] * c.n_experts)
+        if "wqkv" in ws:
+            qd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+            ws["wq"], ws["wk"], ws["wv"] = split_rows(ws.pop("wqkv"), [qd, kvd, kvd])
+        if "w_gate_up" in ws:
+            ws["w_gate"], ws["w_up"] = split_rows(ws.pop("w_gate_up"), [c.intermediate_size] * 2)
+    except FamilyError as exc:
+        raise ModelFileError(f"layer {i}: {exc}") from exc
+    for f in ("attn_norm", "ffn_norm", "bq", "bk", "bv", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm"):
+        if f in ws:
+            ws[f] = _dense_vector(ws[f])
+    if family.neox:
+        ws["wq"], ws["wk"] = permute_heads(ws["wq"], c.n_heads, c.head_dim), permute_heads(ws["wk"], c.n_kv_heads, c.head_dim)
+        for f, heads in (("bq", c.n_heads), ("bk", c.n_kv_heads), ("q_norm", 1), ("k_norm", 1)):
+            if f in ws:
+                ws[f] = permute_heads(ws[f], heads, c.head_dim)
+    return LayerWeights(**ws)
 
 
 def tensor_from_raw(info: TensorInfo, raw: np.ndarray) -> Weight:

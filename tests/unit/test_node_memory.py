@@ -91,7 +91,7 @@ def test_disposable_weights_are_dropped_and_the_shard_still_computes(tiny_models
     weights = model.shard_weights(0, cfg.n_layers)
     weights.disposable = True
     shard = ONNXBackend(precision="float32").load_shard(cfg, weights)  # the reference's math
-    assert weights.layers == [None] * cfg.n_layers  # handed over and let go
+    assert list(weights.layers) == [None] * cfg.n_layers  # handed over and let go
     assert weights.embed is not None  # the first shard embeds tokens with it
     assert shard.weight_arrays_nbytes == 0  # ONNX Runtime keeps its own copies (checked on a small shard)
     prompt = np.array([3, 17, 42, 7, 99])
@@ -99,3 +99,22 @@ def test_disposable_weights_are_dropped_and_the_shard_still_computes(tiny_models
     want = reference.forward("r", prompt, np.arange(len(prompt)), all_logits=True)
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
     shard.close()
+
+
+def test_a_shards_layers_are_read_one_at_a_time(tiny_models, monkeypatch) -> None:
+    """A file's layers are decoded when the backend first reads each: with disposable weights a
+    load holds one decoded layer at a time, not the whole shard (K-quant codes take a byte a
+    weight decoded, where the file has 4.5 bits)."""
+    model = GGUFModel(tiny_models["Q8_0"])
+    cfg = model.config
+    read: list[str] = []
+    tensor = model.tensor
+    monkeypatch.setattr(model, "tensor", lambda name: read.append(name) or tensor(name))
+    weights = model.shard_weights(0, cfg.n_layers)
+    assert not any(name.startswith("blk.") for name in read)  # nothing of the layers yet
+    assert weights.nbytes == sum(model.layer_nbytes(i) for i in range(cfg.n_layers)) + model.embed_nbytes + \
+        model.tensor_info("output_norm.weight").nbytes + (0 if model.tied_embeddings else model.tensor_info("output.weight").nbytes)
+    weights.layers[1]  # noqa: B018
+    assert {n.split(".")[1] for n in read if n.startswith("blk.")} == {"1"}
+    weights.layers[1] = None
+    assert weights.layers[1] is None  # dropped stays dropped
