@@ -26,7 +26,7 @@ import numpy as np
 
 from backends import default_backend_name
 from backends.base import KVCache
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
-from exo_tui.cluster.events import EventBus
+from exo_tui.events import EventBus
 from exo_tui.inference.sampling import SamplingParams, with_defaults
 
 # Node states, in the order the console sorts them.
