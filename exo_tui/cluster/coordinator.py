@@ -50,12 +50,12 @@ from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
-from exo_tui.net.address import is_loopback
+from exo_tui.net.address import is_loopback, split_host_port
 from exo_tui.net.errors import ConnectError, RemoteError
 from exo_tui.net.frame import Frame
+from exo_tui.net.protocol import PlanEntry, RingPlan, kv_from_array, kv_to_array
 from exo_tui.net.rpc import Connection, connect
 from exo_tui.net.security import Security, ensure_cluster, write_node_bundle
-from exo_tui.node.host import PlanEntry, RingPlan, kv_from_array, kv_to_array
 from exo_tui.node.profile import BENCH_CONFIG, NodeProfile
 from exo_tui.paths import exo_home
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change, should_rebalance
@@ -151,7 +151,7 @@ class Coordinator:
         self.spec = spec_from_gguf(self.model.gguf)
         self._restore_state()
         await self._start_local_nodes(cluster)
-        addresses = [n.address for n in self._local] + [_parse_peer(p, self.config.network.node_port) for p in self.peers]
+        addresses = [n.address for n in self._local] + [split_host_port(p, self.config.network.node_port) for p in self.peers]
         if self.store is not None:
             addresses += [(k.host, k.port) for k in self.store.known_nodes() if (k.host, k.port) not in addresses]
         results = await asyncio.gather(*(self.add_node(h, p) for h, p in addresses), return_exceptions=True)
@@ -1134,11 +1134,6 @@ class Coordinator:
 
 
 # ====================================================================== helpers
-
-
-def _parse_peer(text: str, default_port: int) -> tuple[str, int]:
-    host, _, port = text.rpartition(":") if text.count(":") == 1 else (text, "", "")
-    return (host or text, int(port) if port else default_port)
 
 
 def _concat_kv(parts: list[KVCache]) -> KVCache:

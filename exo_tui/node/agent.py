@@ -60,8 +60,9 @@ from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
+from exo_tui.net.protocol import HostError, RingPlan, kv_from_array, kv_to_array
 from exo_tui.net.rpc import Connection, connect, serve
-from exo_tui.node.host import HostError, RingPlan, ShardHost, kv_from_array, kv_to_array
+from exo_tui.node.host import ShardHost
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from exo_tui.net.protocol import PlanEntry, RingPlan
 from exo_tui.node import agent as agent_module
 from exo_tui.node.agent import NodeAgent
-from exo_tui.node.host import PlanEntry, RingPlan
 
 
 def _ring(*hosts: str) -> RingPlan:
