@@ -20,24 +20,27 @@ Environment overrides (applied after the file):
   dotted key, case-insensitive), e.g. ``EXO_TUI__SCHEDULER__PARTITION__STRATEGY=throughput``; the
   value is read as YAML (``true``, ``3``, ``0.5``, ``[a, b]``).
 
-:func:`save_config` writes changed values back, editing only the lines of those keys so the rest
-of the file (other keys, comments) stays as the operator wrote it.
+:func:`save_config` writes changed values back with ruamel.yaml's round trip, so the rest of the
+file (other keys, their order, comments) stays as the operator wrote it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import io
 import os
 import re
 import socket
 import types
 import typing
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap
 
 ENV_CONFIG = "EXO_TUI_CONFIG"
 ENV_HOME = "EXO_TUI_HOME"
@@ -51,10 +54,22 @@ class ConfigError(ValueError):
 
 
 # ------------------------------------------------------------------------------- schema
-# Each dataclass is a section; field metadata may carry a check: (predicate, "allowed values").
+# Each pydantic model is a section: unknown keys are refused (``extra="forbid"``) and values are
+# taken as they are typed (``strict``: no "3" for 3, no 1 for true; an integer is a number). A
+# value with a range or a shape carries a check with the text of what is allowed; the messages
+# are composed by :func:`_config_error` from the path of the key.
 
 
-def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
+def _check(ok: Callable[[Any], bool], allowed: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if value is not None and not ok(value):
+            raise PydanticCustomError("config_value", "{allowed}", {"allowed": allowed})
+        return value
+
+    return AfterValidator(check)
+
+
+def _range(lo: float | None = None, hi: float | None = None) -> AfterValidator:
     def ok(v: float) -> bool:
         return (lo is None or v >= lo) and (hi is None or v <= hi)
 
@@ -64,7 +79,7 @@ def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
         text = f"a number >= {lo}"
     else:
         text = f"a number <= {hi}"
-    return {"check": (ok, text)}
+    return _check(ok, text)
 
 
 _PEER_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
@@ -74,101 +89,116 @@ def _peers_ok(peers: list[str]) -> bool:
     return all(_PEER_RE.match(p) and 0 < int(p.rsplit(":", 1)[1]) < 65536 for p in peers)
 
 
-@dataclass
-class ScoringConfig:
-    resource_weight: float = field(default=40.0, metadata=_range(0))
-    performance_weight: float = field(default=35.0, metadata=_range(0))
-    load_balance_weight: float = field(default=15.0, metadata=_range(0))
-    network_weight: float = field(default=10.0, metadata=_range(0))
-    min_score_threshold: float = field(default=60.0, metadata=_range(0))
+class _Section(BaseModel):
+    """A section of the config: typed keys, nothing else; ``null`` for a subsection means its defaults."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sections_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            return {k: {} if v is None and _section_of(cls, k) is not None else v for k, v in data.items()}
+        return data
 
 
-@dataclass
-class PartitionConfig:
+def _section_of(cls: type[BaseModel], name: Any) -> type[_Section] | None:
+    info = cls.model_fields.get(name) if isinstance(name, str) else None
+    tp = info.annotation if info is not None else None
+    return tp if isinstance(tp, type) and issubclass(tp, _Section) else None
+
+
+class ScoringConfig(_Section):
+    resource_weight: Annotated[float, _range(0)] = 40.0
+    performance_weight: Annotated[float, _range(0)] = 35.0
+    load_balance_weight: Annotated[float, _range(0)] = 15.0
+    network_weight: Annotated[float, _range(0)] = 10.0
+    min_score_threshold: Annotated[float, _range(0)] = 60.0
+
+
+class PartitionConfig(_Section):
     strategy: Literal["latency", "throughput", "memory", "exo-ring"] = "latency"
-    min_layers_per_shard: int = field(default=1, metadata=_range(1))
+    min_layers_per_shard: Annotated[int, _range(1)] = 1
 
 
-@dataclass
-class LoadBalancingConfig:
-    rebalance_threshold: float = field(default=0.3, metadata=_range(0))
-    rebalance_interval: float = field(default=300.0, metadata=_range(0))
-    max_task_migration: int = field(default=5, metadata=_range(1))
+class LoadBalancingConfig(_Section):
+    rebalance_threshold: Annotated[float, _range(0)] = 0.3
+    rebalance_interval: Annotated[float, _range(0)] = 300.0
+    max_task_migration: Annotated[int, _range(1)] = 5
     auto_rebalance: bool = False
 
 
-@dataclass
-class FaultToleranceConfig:
-    heartbeat_interval: float = field(default=1.0, metadata=_range(0.01))
-    heartbeat_timeout: float = field(default=3.0, metadata=_range(0.01))
-    task_retry_limit: int = field(default=3, metadata=_range(0))
+class FaultToleranceConfig(_Section):
+    heartbeat_interval: Annotated[float, _range(0.01)] = 1.0
+    heartbeat_timeout: Annotated[float, _range(0.01)] = 3.0
+    task_retry_limit: Annotated[int, _range(0)] = 3
+
+    @model_validator(mode="after")
+    def _timeout_covers_the_interval(self) -> FaultToleranceConfig:
+        if self.heartbeat_timeout < self.heartbeat_interval:
+            raise PydanticCustomError(
+                "config_rule",
+                "{key} ({timeout}) is shorter than heartbeat_interval ({interval}); it must be at least the interval",
+                {"key": "heartbeat_timeout", "timeout": self.heartbeat_timeout, "interval": self.heartbeat_interval},
+            )
+        return self
 
 
-@dataclass
-class ResourceReservationConfig:
-    system_reserved_vram: float = field(default=1.0, metadata=_range(0))  # GB
-    system_reserved_ram: float = field(default=2.0, metadata=_range(0))  # GB
-    emergency_reserve: float = field(default=0.1, metadata=_range(0, 0.9))  # fraction kept free
+class ResourceReservationConfig(_Section):
+    system_reserved_vram: Annotated[float, _range(0)] = 1.0  # GB
+    system_reserved_ram: Annotated[float, _range(0)] = 2.0  # GB
+    emergency_reserve: Annotated[float, _range(0, 0.9)] = 0.1  # fraction kept free
 
 
-@dataclass
-class SchedulerConfig:
-    scoring: ScoringConfig = field(default_factory=ScoringConfig)
-    partition: PartitionConfig = field(default_factory=PartitionConfig)
-    load_balancing: LoadBalancingConfig = field(default_factory=LoadBalancingConfig)
-    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    resource_reservation: ResourceReservationConfig = field(default_factory=ResourceReservationConfig)
+class SchedulerConfig(_Section):
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    load_balancing: LoadBalancingConfig = Field(default_factory=LoadBalancingConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    resource_reservation: ResourceReservationConfig = Field(default_factory=ResourceReservationConfig)
 
 
-@dataclass
-class DiscoveryConfig:
+class DiscoveryConfig(_Section):
     mode: Literal["mdns", "manual", "tailscale"] = "mdns"
-    known_peers: list[str] = field(
-        default_factory=list, metadata={"check": (_peers_ok, "a list of host:port strings, e.g. [10.0.0.5:52416]")}
+    known_peers: Annotated[list[str], _check(_peers_ok, "a list of host:port strings, e.g. [10.0.0.5:52416]")] = Field(
+        default_factory=list
     )
-    browse_interval: float = field(default=5.0, metadata=_range(0.1))
-    connect_timeout: float = field(default=3.0, metadata=_range(0.1))
+    browse_interval: Annotated[float, _range(0.1)] = 5.0
+    connect_timeout: Annotated[float, _range(0.1)] = 3.0
 
 
-@dataclass
-class ApiConfig:
+class ApiConfig(_Section):
     host: str = "127.0.0.1"
-    port: int = field(default=52415, metadata=_range(1, 65535))
+    port: Annotated[int, _range(1, 65535)] = 52415
     key: str | None = None
 
 
-@dataclass
-class SecurityConfig:
+class SecurityConfig(_Section):
     enable_tls: bool = True
 
 
-@dataclass
-class NetworkConfig:
-    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
-    node_port: int = field(default=52416, metadata=_range(1, 65535))
-    api: ApiConfig = field(default_factory=ApiConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
+class NetworkConfig(_Section):
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    node_port: Annotated[int, _range(1, 65535)] = 52416
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
 
-@dataclass
-class MemoryAlertConfig:
-    alert_percent: float = field(default=80.0, metadata=_range(0, 100))
+class MemoryAlertConfig(_Section):
+    alert_percent: Annotated[float, _range(0, 100)] = 80.0
 
 
-@dataclass
-class CpuConfig:
-    cores_reserved: int = field(default=1, metadata=_range(0))
-    alert_percent: float = field(default=90.0, metadata=_range(0, 100))
+class CpuConfig(_Section):
+    cores_reserved: Annotated[int, _range(0)] = 1
+    alert_percent: Annotated[float, _range(0, 100)] = 90.0
 
 
-@dataclass
-class ResourcesConfig:
-    memory: MemoryAlertConfig = field(default_factory=MemoryAlertConfig)
-    cpu: CpuConfig = field(default_factory=CpuConfig)
+class ResourcesConfig(_Section):
+    memory: MemoryAlertConfig = Field(default_factory=MemoryAlertConfig)
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
 
 
-@dataclass
-class UIConfig:
+class UIConfig(_Section):
     theme: str = "exo-dark"
 
 
@@ -176,47 +206,53 @@ def _default_cluster_name() -> str:
     return socket.gethostname().split(".")[0] or "exo-tui"
 
 
-@dataclass
-class ClusterConfig:
-    name: str = field(default_factory=_default_cluster_name)
+class ClusterConfig(_Section):
+    name: str = Field(default_factory=_default_cluster_name)
 
 
-@dataclass
-class Config:
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    network: NetworkConfig = field(default_factory=NetworkConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    ui: UIConfig = field(default_factory=UIConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+class Config(_Section):
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    ui: UIConfig = Field(default_factory=UIConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
     def get(self, dotted: str) -> Any:
         """The value of a dotted key, e.g. ``config.get("scheduler.partition.strategy")``."""
         node: Any = self
         for part in dotted.split("."):
-            if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            if not isinstance(node, _Section) or part not in type(node).model_fields:
                 raise ConfigError(f"unknown config key {dotted!r}: {_allowed_keys_text(type(node))}")
             node = getattr(node, part)
         return node
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Config:
-        return _build(cls, data or {}, "")
+        data = data or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config section the top level must be a mapping of keys; {_allowed_keys_text(cls)}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise _config_error(exc, cls) from None
 
 
-# ------------------------------------------------------------------------------- building
+# ------------------------------------------------------------------------------- messages
 
 
 def _allowed_keys_text(cls: type) -> str:
-    if not dataclasses.is_dataclass(cls):
+    if not (isinstance(cls, type) and issubclass(cls, _Section)):
         return "it is not a section"
-    return "allowed keys are " + ", ".join(f.name for f in dataclasses.fields(cls))
+    return "allowed keys are " + ", ".join(cls.model_fields)
 
 
 def _type_text(tp: Any) -> str:
     origin = get_origin(tp)
+    if origin is Annotated:
+        return _type_text(get_args(tp)[0])
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if origin in (typing.Union, types.UnionType):
@@ -228,80 +264,41 @@ def _type_text(tp: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    """``value`` as type ``tp``, or ConfigError naming ``key``."""
-    origin = get_origin(tp)
-    bad = ConfigError(f"config key {key} is {value!r}; it must be {_type_text(tp)}")
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise bad
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for arg in get_args(tp):
-            try:
-                return _convert(arg, value, key)
-            except ConfigError:
-                continue
-        raise bad
-    if origin is list:
-        if not isinstance(value, list):
-            raise bad
-        return [_convert(get_args(tp)[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is type(None):
-        if value is not None:
-            raise bad
-        return None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise bad
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad
-        return value
-    raise bad
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    where = prefix or "the top level"
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config section {where} must be a mapping of keys; {_allowed_keys_text(cls)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k in data:
-        if k not in fields:
-            key = f"{prefix}.{k}" if prefix else str(k)
-            raise ConfigError(f"unknown config key {key} in {where}: {_allowed_keys_text(cls)}")
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name not in data:
-            continue
-        key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        value = data[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value if value is not None else {}, key)
-            continue
-        converted = _convert(tp, value, key)
-        check = f.metadata.get("check")
-        if check and converted is not None and not check[0](converted):
-            raise ConfigError(f"config key {key} is {value!r}; it must be {check[1]}")
-        kwargs[name] = converted
-    obj = cls(**kwargs)
-    if cls is FaultToleranceConfig and obj.heartbeat_timeout < obj.heartbeat_interval:
-        raise ConfigError(
-            f"config key {prefix}.heartbeat_timeout ({obj.heartbeat_timeout}) is shorter than "
-            f"heartbeat_interval ({obj.heartbeat_interval}); it must be at least the interval"
-        )
-    return obj
+def _config_error(exc: ValidationError, cls: type[_Section]) -> ConfigError:
+    """pydantic's first error as a ConfigError that names the dotted key and what is allowed."""
+    errors = exc.errors(include_url=False)
+    # An unknown key is named before a bad value, as a reader checks a section's keys first.
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    section: type[_Section] | None = cls
+    annotation: Any = None
+    parts: list[str] = []
+    unresolved: list[Any] = []
+    for item in err["loc"]:
+        if unresolved:
+            unresolved.append(item)
+        elif isinstance(item, int) and parts:  # an item of a list
+            parts[-1] += f"[{item}]"
+            annotation = get_args(annotation)[0] if get_args(annotation) else None
+        elif section is not None and isinstance(item, str) and item in section.model_fields:
+            parts.append(item)
+            annotation = section.model_fields[item].annotation
+            section = _section_of(section, item)
+        else:
+            unresolved.append(item)
+    key = ".".join(parts)
+    value = err.get("input")
+    ctx = err.get("ctx") or {}
+    if err["type"] == "extra_forbidden":
+        where = key or "the top level"
+        full = f"{key}.{unresolved[0]}" if key else str(unresolved[0])
+        return ConfigError(f"unknown config key {full} in {where}: {_allowed_keys_text(section or cls)}")
+    if err["type"] in ("model_type", "dict_type", "model_attributes_type") and section is not None:
+        return ConfigError(f"config section {key} must be a mapping of keys; {_allowed_keys_text(section)}")
+    if err["type"] == "config_rule":
+        return ConfigError(f"config key {key}.{err['msg']}")
+    if err["type"] == "config_value":
+        return ConfigError(f"config key {key} is {value!r}; it must be {ctx['allowed']}")
+    return ConfigError(f"config key {key} is {value!r}; it must be {_type_text(annotation)}")
 
 
 # ------------------------------------------------------------------------------- files and env
@@ -391,9 +388,10 @@ def save_config(
 ) -> Path:
     """Write ``changes`` (dotted key → value, e.g. ``{"ui.theme": "exo-light"}``) to the config file.
 
-    Only the lines of the changed keys are edited (or added), so the rest of the file stays as
-    it was, comments included. The result is validated before it is written: an invalid change
-    raises :class:`ConfigError` and leaves the file alone. Returns the path written.
+    The file is edited in place with ruamel.yaml's round trip, so the rest of it stays as the
+    operator wrote it: other keys, their order, comments, flow-style mappings. The result is
+    validated before it is written: an invalid change raises :class:`ConfigError` and leaves the
+    file alone. Returns the path written.
     """
     p = config_path(path, env)
     text = p.read_text(encoding="utf-8") if p.exists() else ""
@@ -402,13 +400,12 @@ def save_config(
         Config().get(dotted)  # unknown keys raise
         _set_dotted(data, dotted, value)
     Config.from_dict(data)  # validate the whole result
-    for dotted, value in changes.items():
-        text = _edit_yaml_text(text, dotted, value)
+    text = _edit_yaml_text(text, changes)
     try:
         edited_ok = (yaml.safe_load(text) or {}) == data
     except yaml.YAMLError:
         edited_ok = False
-    if not edited_ok:  # the line edit could not express it (flow style): rewrite the whole file
+    if not edited_ok:  # the round trip wrote something PyYAML reads otherwise (YAML 1.1's yes/no): rewrite
         text = yaml.safe_dump(data, sort_keys=False)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
@@ -417,75 +414,24 @@ def save_config(
     return p
 
 
-def _scalar(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
-
-
-_KEY_RE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z0-9_-]+):(?P<rest>.*)$")
-
-
-def _edit_yaml_text(text: str, dotted: str, value: Any) -> str:
-    """Set one dotted key in block-style YAML text by editing lines (best effort)."""
-    lines = text.splitlines()
-    parts = dotted.split(".")
-    lo, hi, indent = 0, len(lines), 0  # the block we search in
-    for depth, part in enumerate(parts):
-        found = None
-        child_indent = None
-        for i in range(lo, hi):
-            m = _KEY_RE.match(lines[i])
-            if not m or lines[i].lstrip().startswith("#"):
-                continue
-            ind = len(m.group("indent"))
-            if child_indent is None:
-                if ind < indent:
-                    break
-                child_indent = ind
-            if ind != child_indent:
-                continue
-            if m.group("key") == part:
-                found = (i, m)
-                break
-        if found is None:
-            # Add the remaining parts as a new block at the end of this block.
-            ind = child_indent if child_indent is not None else (indent + 1 if depth else 0)
-            new = []
-            for d, rest_part in enumerate(parts[depth:]):
-                pad = " " * (ind + 2 * d)
-                if d == len(parts) - depth - 1:
-                    new.append(f"{pad}{rest_part}: {_scalar(value)}")
-                else:
-                    new.append(f"{pad}{rest_part}:")
-            lines[hi:hi] = new
-            return "\n".join(lines) + "\n"
-        i, m = found
-        if depth == len(parts) - 1:
-            rest = m.group("rest")
-            comment = ""
-            cm = re.search(r"\s+#.*$", rest)
-            if cm and "'" not in rest and '"' not in rest:
-                comment = cm.group(0)
-            lines[i] = f"{m.group('indent')}{part}: {_scalar(value)}{comment}"
-            # A block value below a scalar key would now be orphaned: drop its lines.
-            j = i + 1
-            while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > len(m.group("indent"))):
-                if lines[j].strip():
-                    del lines[j]
-                else:
-                    j += 1
-            return "\n".join(lines) + "\n"
-        # Descend: the block of this key runs until a line with indentation <= its own.
-        key_indent = len(m.group("indent"))
-        end = i + 1
-        while end < hi:
-            s = lines[end]
-            if s.strip() and not s.lstrip().startswith("#") and len(s) - len(s.lstrip()) <= key_indent:
-                break
-            end += 1
-        if m.group("rest").strip() and not m.group("rest").strip().startswith("#"):
-            return text  # flow style ({...}) or a scalar: let the caller rewrite the file
-        lo, hi, indent = i + 1, end, key_indent + 1
-    return text
+def _edit_yaml_text(text: str, changes: Mapping[str, Any]) -> str:
+    """``text`` with each dotted key of ``changes`` set, through ruamel.yaml's round trip."""
+    rt = YAML(typ="rt")
+    rt.preserve_quotes = True
+    doc = rt.load(text) if text.strip() else None
+    if not isinstance(doc, CommentedMap):
+        doc = CommentedMap()
+    for dotted, value in changes.items():
+        parts = dotted.split(".")
+        node = doc
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), CommentedMap):
+                node[part] = CommentedMap()
+            node = node[part]
+        node[parts[-1]] = value
+    out = io.StringIO()
+    rt.dump(doc, out)
+    return out.getvalue()
 
 
 def default_config_yaml() -> str:

@@ -367,7 +367,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         return snapshot_to_dict(coordinator.snapshot())
 
     @app.get("/v1/cluster/events", tags=["cluster"], responses={200: _SSE_200, **_errors(401)},
-             description="server-sent events: one JSON event per `data:` line (see exo_tui/cluster/events.py); "
+             description="server-sent events: one JSON event per `data:` line (see exo_tui/events.py); "
                          "`replay`: the recent events first; `exclude`: event types not to send, comma-separated "
                          "(e.g. `token,node_metrics`)")
     async def cluster_events(replay: bool = False, exclude: str = "") -> StreamingResponse:

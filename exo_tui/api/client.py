@@ -1,7 +1,7 @@
 """A running coordinator over HTTP: the :class:`~exo_tui.cluster.view.ClusterControl` of
 ``exo-tui --attach URL``, and the plumbing of the operator commands (``exo-tui status`` ...).
 
-:class:`ClusterClient` keeps a local :class:`~exo_tui.cluster.events.EventBus` fed from
+:class:`ClusterClient` keeps a local :class:`~exo_tui.events.EventBus` fed from
 ``GET /v1/cluster/events`` and a snapshot refreshed from ``GET /v1/cluster`` (every second, and
 soon after each event), so ``snapshot()`` stays a cheap, synchronous call as the protocol wants.
 Previews are the action endpoints with ``dry_run``; ``apply`` calls them for real; ``chat``
@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 
 from exo_tui.api.convert import event_from_dict, preview_from_dict, snapshot_from_dict
-from exo_tui.cluster.events import EventBus, Notice
 from exo_tui.cluster.view import ChatChunk, ChatParams, ClusterSnapshot, HostKeyUnknown, PlanPreview
+from exo_tui.events import EventBus, Notice
 
 log = logging.getLogger("exo_tui.api.client")
 

@@ -2,7 +2,7 @@
 
 ``to_jsonable`` turns dataclasses, tuples and non-finite floats (JSON has no ``Infinity``) into
 plain JSON values. The ``*_from_dict`` functions rebuild the frozen dataclasses of
-:mod:`exo_tui.cluster.view` and the events of :mod:`exo_tui.cluster.events`, ignoring keys a newer
+:mod:`exo_tui.cluster.view` and the events of :mod:`exo_tui.events`, ignoring keys a newer
 server may add.
 """
 
@@ -13,7 +13,7 @@ import math
 import typing
 from typing import Any
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.cluster.view import (
     ClusterSnapshot,
     HostView,

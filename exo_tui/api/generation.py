@@ -6,7 +6,7 @@ token of node time), then the generation loop's ``finally`` releases the request
 every node. Stopping between steps, rather than cancelling the task mid-step, matters: a step
 already queued at a node would otherwise run after the drop and leave a cache behind. A step that
 does not end within ``CANCEL_GRACE_S`` (a node gone quiet) is cancelled outright. Either way it publishes one
-:class:`~exo_tui.cluster.events.RequestDone` with the finish reason (``cancelled`` included).
+:class:`~exo_tui.events.RequestDone` with the finish reason (``cancelled`` included).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Any
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.inference.generate import Chunk, GenerationError
 from exo_tui.inference.request import Request
 

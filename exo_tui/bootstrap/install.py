@@ -1,6 +1,6 @@
 """Install and start a node agent on a host over SSH, and stop it.
 
-Steps (each reported as a :class:`~exo_tui.cluster.events.BootstrapProgress` event, ``running``
+Steps (each reported as a :class:`~exo_tui.events.BootstrapProgress` event, ``running``
 then ``ok`` or ``failed``):
 
 ``connect``   SSH with host-key checks (:mod:`exo_tui.bootstrap.ssh`)
@@ -32,7 +32,7 @@ import asyncssh
 import exo_tui
 from exo_tui.bootstrap.ssh import BootstrapError, ConfirmHostKey, Target, connect, parse_target, run
 from exo_tui.bootstrap.wheel import _tail, project_wheel
-from exo_tui.cluster.events import BootstrapProgress, EventBus
+from exo_tui.events import BootstrapProgress, EventBus
 
 UNIT = "exo-tui-node"
 MIN_PYTHON = (3, 11)

@@ -23,56 +23,8 @@ from typing import Any
 
 import asyncssh
 
-from exo_tui.cluster.view import HostKeyUnknown as _ViewHostKeyUnknown
-
-
-class BootstrapError(Exception):
-    """A bootstrap step failed. ``step`` names it; the message says what to do."""
-
-    def __init__(self, step: str, message: str) -> None:
-        Exception.__init__(self, f"{step}: {message}")
-        self.step = step
-        self.message = message
-
-
-class HostKeyUnknown(BootstrapError, _ViewHostKeyUnknown):
-    """The host's key is not in known_hosts; accept it (after checking the fingerprint) to go on."""
-
-    def __init__(self, host: str, port: int, fingerprint: str, key_type: str, known_hosts: Path) -> None:
-        _ViewHostKeyUnknown.__init__(self, f"{host}:{port}", fingerprint, key_type)
-        BootstrapError.__init__(
-            self,
-            "connect",
-            f"{host}:{port} presents a {key_type} host key {fingerprint} that is not in {known_hosts}. "
-            f"Check it on the host (ssh-keygen -lf /etc/ssh/ssh_host_{_short(key_type)}_key.pub), then "
-            "run again with --accept-new-host-key (or accept it in the console) to record it",
-        )
-        self.port = port
-        self.known_hosts = known_hosts
-
-
-class HostKeyChanged(BootstrapError):
-    """The host offers a different key than the one recorded: never accepted."""
-
-    def __init__(self, host: str, port: int, fingerprint: str, key_type: str, known_hosts: Path) -> None:
-        entry = host if port == 22 else f"[{host}]:{port}"
-        super().__init__(
-            "connect",
-            f"the host key of {host}:{port} has CHANGED: it now presents {key_type} {fingerprint}, "
-            f"which is not the key recorded in {known_hosts}. Someone may be intercepting the "
-            "connection, or the host was reinstalled. Check the new fingerprint on the host's own "
-            f"console (ssh-keygen -lf /etc/ssh/ssh_host_{_short(key_type)}_key.pub); only if it "
-            f"matches, remove the old entry with `ssh-keygen -R '{entry}' -f {known_hosts}` and "
-            "run bootstrap again",
-        )
-        self.host, self.port, self.fingerprint = host, port, fingerprint
-
-
-def _short(key_type: str) -> str:
-    for name in ("ed25519", "ecdsa", "rsa", "dsa"):
-        if name in key_type:
-            return name
-    return "ed25519"
+from exo_tui.bootstrap.errors import BootstrapError, HostKeyChanged, HostKeyUnknown
+from exo_tui.net.address import split_host_port
 
 
 @dataclass(frozen=True)
@@ -90,8 +42,6 @@ class Target:
 
 def parse_target(text: str) -> Target:
     """``[USER@]HOST[:PORT]`` (IPv6 as ``[addr]:port``) → :class:`Target`."""
-    from exo_tui.discovery.static import split_host_port
-
     text = text.strip()
     user = None
     if "@" in text:
@@ -230,7 +180,7 @@ async def connect(
             host = check.host or t.host
             if check.known_count:
                 raise HostKeyChanged(host, check.port, fp, kt, path) from None
-            unknown = HostKeyUnknown(host, check.port, fp, kt, path)
+            unknown = HostKeyUnknown(host, fp, kt, port=check.port, known_hosts=path)
             if confirm_host_key is not None and pinned is None and await confirm_host_key(unknown):
                 pinned = key  # connect again trusting exactly the key the operator saw
                 continue

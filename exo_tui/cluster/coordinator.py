@@ -26,7 +26,7 @@ import numpy as np
 
 from backends import default_backend_name
 from backends.base import KVCache
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
@@ -50,17 +50,18 @@ from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
-from exo_tui.net.address import is_loopback
+from exo_tui.net.address import is_loopback, split_host_port
 from exo_tui.net.errors import ConnectError, RemoteError
 from exo_tui.net.frame import Frame
+from exo_tui.net.protocol import PlanEntry, RingPlan, kv_from_array, kv_to_array
 from exo_tui.net.rpc import Connection, connect
 from exo_tui.net.security import Security, ensure_cluster, write_node_bundle
-from exo_tui.node.host import PlanEntry, RingPlan, kv_from_array, kv_to_array
 from exo_tui.node.profile import BENCH_CONFIG, NodeProfile
 from exo_tui.paths import exo_home
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change, should_rebalance
-from exo_tui.scheduler.partition import InfeasiblePlan, predict
-from exo_tui.scheduler.plan import Constraints, Pin, Plan, PlanShard
+from exo_tui.scheduler.even import even_plan
+from exo_tui.scheduler.partition import InfeasiblePlan
+from exo_tui.scheduler.plan import Constraints, Pin, Plan
 from exo_tui.scheduler.profile import DeviceProfile, Link
 from exo_tui.scheduler.score import score_nodes
 
@@ -151,7 +152,7 @@ class Coordinator:
         self.spec = spec_from_gguf(self.model.gguf)
         self._restore_state()
         await self._start_local_nodes(cluster)
-        addresses = [n.address for n in self._local] + [_parse_peer(p, self.config.network.node_port) for p in self.peers]
+        addresses = [n.address for n in self._local] + [split_host_port(p, self.config.network.node_port) for p in self.peers]
         if self.store is not None:
             addresses += [(k.host, k.port) for k in self.store.known_nodes() if (k.host, k.port) not in addresses]
         results = await asyncio.gather(*(self.add_node(h, p) for h, p in addresses), return_exceptions=True)
@@ -604,35 +605,19 @@ class Coordinator:
 
     def _even_preview(self, constraints: Constraints) -> ChangePreview:
         """Layers split evenly over the live, undrained nodes in the order they joined
-        (``exo-tui chat --nodes``: the operator's order is the ring)."""
+        (``exo-tui chat --nodes``: the operator's order is the ring); see :mod:`exo_tui.scheduler.even`."""
         live = [h for h in self.nodes.values() if h.state != "failed" and h.node_id not in constraints.drained]
-        n_layers = self.spec.n_layers
-        if not live:
-            return ChangePreview(None, None, error="no live node to hold layers: start a node agent or undrain one")
-        by_id = {h.node_id: h for h in live}
-        pins = sorted((p for p in constraints.pins if p.node_id in by_id), key=lambda p: p.start)
-        pinned = {p.node_id for p in pins}
-        free = [h for h in live if h.node_id not in pinned]
-        gaps, at = [], 0
-        for p in [*pins, Pin("", n_layers, n_layers)]:
-            if p.start > at:
-                gaps.append((at, p.start))
-            at = max(at, p.end)
-        if len(gaps) > len(free):
-            return ChangePreview(None, None, error=f"the pins leave {len(gaps)} ranges of layers unheld but only "
-                                                   f"{len(free)} unpinned node(s) to hold them: unpin a node or add one")
-        shards = [PlanShard(p.node_id, p.start, p.end, self._node_backend(by_id[p.node_id])) for p in pins]
-        for (a, b), group in zip(gaps, _share(free, [b - a for a, b in gaps]), strict=True):
-            bounds = [a + round(i * (b - a) / len(group)) for i in range(len(group) + 1)]
-            shards += [PlanShard(h.node_id, bounds[i], bounds[i + 1], self._node_backend(h)) for i, h in enumerate(group)]
-        shards = tuple(sorted(shards, key=lambda s: s.start))
-        profiles = {p.node_id: p for p in self.device_profiles()}
-        predictions = predict(shards, profiles, self.spec, self.config.scheduler)
         version = (self.plan.version + 1) if self.plan else 1
-        plan = Plan(self.spec.name, n_layers, shards, "even", version, predictions, ("layers split evenly in node order",))
+        try:
+            plan = even_plan([h.node_id for h in live], {h.node_id: self._node_backend(h) for h in live},
+                             {p.node_id: p for p in self.device_profiles()}, self.spec, constraints,
+                             self.config.scheduler, version)
+        except InfeasiblePlan as exc:
+            return ChangePreview(None, None, error=str(exc))
         diff = plan_diff(self.plan, plan, self.spec, constraints.failed)
         before = self.plan.predictions.tok_per_s_single if self.plan and self.plan.predictions else 0.0
-        return ChangePreview(plan, diff, (), before, predictions.tok_per_s_single)
+        after = plan.predictions.tok_per_s_single if plan.predictions else 0.0
+        return ChangePreview(plan, diff, (), before, after)
 
     def _plan_alive(self) -> bool:
         return self.plan is not None and all(
@@ -1136,11 +1121,6 @@ class Coordinator:
 # ====================================================================== helpers
 
 
-def _parse_peer(text: str, default_port: int) -> tuple[str, int]:
-    host, _, port = text.rpartition(":") if text.count(":") == 1 else (text, "", "")
-    return (host or text, int(port) if port else default_port)
-
-
 def _concat_kv(parts: list[KVCache]) -> KVCache:
     parts = sorted(parts, key=lambda c: c.start)
     keys = [k for p in parts for k in p.keys]
@@ -1165,26 +1145,6 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:
         predicted_ttft_prompt_tokens=pred.prompt_tokens if pred else 0,
         reasons=plan.reasons,
     )
-
-
-def _share(nodes: list[Any], sizes: list[int]) -> list[list[Any]]:
-    """``nodes`` (in order) dealt to ranges of ``sizes`` layers: each range gets at least one node
-    and at most one per layer, the rest in proportion to the range's size (largest remainder)."""
-    if not sizes:
-        return []
-    counts = [1] * len(sizes)
-    spare = min(len(nodes), sum(sizes)) - len(sizes)
-    total = sum(sizes)
-    while spare > 0:
-        room = [i for i in range(len(sizes)) if counts[i] < sizes[i]]
-        best = max(room, key=lambda i: sizes[i] / total * (len(nodes)) - counts[i])
-        counts[best] += 1
-        spare -= 1
-    out, at = [], 0
-    for n in counts:
-        out.append(nodes[at : at + n])
-        at += n
-    return out
 
 
 def _to_view_preview(action: str, ids: tuple[str, ...], change: ChangePreview, c: Coordinator, note: str) -> PlanPreview:

@@ -33,8 +33,8 @@ from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.net.errors import ConnectionClosed, RemoteError
+from exo_tui.net.protocol import RingPlan
 from exo_tui.net.rpc import Connection
-from exo_tui.node.host import RingPlan
 
 log = logging.getLogger("exo_tui.cluster")
 

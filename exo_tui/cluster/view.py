@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
-from exo_tui.cluster.events import EventBus
+from exo_tui.bootstrap.errors import HostKeyUnknown as HostKeyUnknown  # the front ends catch it from here
+from exo_tui.events import EventBus
 from exo_tui.inference.sampling import SamplingParams, with_defaults
 
 # Node states, in the order the console sorts them.
@@ -206,20 +207,6 @@ class ChatChunk:
     tok_per_s: float = 0.0
     nodes: tuple[str, ...] = ()
     error: str = ""
-
-
-class HostKeyUnknown(Exception):
-    """``bootstrap`` met a host key it has never seen; ask the operator, then call again with
-    ``accept_new_host_key=True``. A key that *changed* is a different error and is never accepted."""
-
-    def __init__(self, host: str, fingerprint: str, key_type: str = "") -> None:
-        super().__init__(
-            f"{host} presents an unknown {key_type or 'host'} key {fingerprint}: check it, then accept it "
-            f"to continue the bootstrap"
-        )
-        self.host = host
-        self.fingerprint = fingerprint
-        self.key_type = key_type
 
 
 def parse_layers(text: str) -> tuple[int, int]:

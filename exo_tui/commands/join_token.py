@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from exo_tui.discovery.join import DEFAULT_JOIN_PORT, JoinError, TokenStore, create_join_token, serve_join
     from exo_tui.discovery.mdns import host_addresses
-    from exo_tui.discovery.static import split_host_port
+    from exo_tui.net.address import split_host_port
     from exo_tui.net.security import SecurityError, home_dir
 
     if args.revoke_all:

@@ -12,8 +12,8 @@ import asyncio
 import json
 import sys
 
-from exo_tui.cluster.events import EventBus
 from exo_tui.discovery.service import MODES, Discovery
+from exo_tui.events import EventBus
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -31,15 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exo_tui.cluster.events import (
-    EventBus,
-    HostDiscovered,
-    HostGone,
-    NodeDiscovered,
-    NodeGone,
-    NodeStateChanged,
-    NodeUpdated,
-)
 from exo_tui.discovery.mdns import DEFAULT_NODE_PORT, MdnsBrowser, NodeAdvertisement, SshServiceRecord
 from exo_tui.discovery.static import (
     CandidateHost,
@@ -48,6 +39,15 @@ from exo_tui.discovery.static import (
     static_peers,
     tailscale_hosts,
     unique,
+)
+from exo_tui.events import (
+    EventBus,
+    HostDiscovered,
+    HostGone,
+    NodeDiscovered,
+    NodeGone,
+    NodeStateChanged,
+    NodeUpdated,
 )
 
 log = logging.getLogger(__name__)

@@ -10,112 +10,21 @@ another node (after a failover or a plan change) samples the same tokens it woul
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+# The parameters as a value live one layer down, where the model reads its recommendation too;
+# the sampler's users import them from here as well.
+from exo_tui.models.sampling_params import GGUF_SAMPLING_KEYS, SamplingParams, with_defaults  # noqa: F401
 
 _BINS = 1024
 _BLOCK = 256
 _LOG_FLOOR = -80.0  # weights below e^-80 of the best share the lowest top-p bucket
 _HEAVY_W = 1e-4  # top-p first looks among the tokens above this weight (the best is 1) ...
 _HEAVY_MAX = 4096  # ... when there are at most this many
-
-# A model's recommended sampling as llama.cpp writes it into a GGUF (``general.sampling.*``), and
-# the field of SamplingParams each key sets.
-GGUF_SAMPLING_KEYS: dict[str, tuple[str, type]] = {
-    "general.sampling.temp": ("temperature", float),
-    "general.sampling.top_p": ("top_p", float),
-    "general.sampling.top_k": ("top_k", int),
-    "general.sampling.min_p": ("min_p", float),
-    "general.sampling.penalty_repeat": ("repetition_penalty", float),
-    "general.sampling.penalty_last_n": ("repetition_window", int),
-}
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.7  # 0: greedy (argmax)
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    min_p: float = 0.0  # 0.0: off; keep tokens with p >= min_p * p(best)
-    repetition_penalty: float = 1.0  # 1.0: off; > 1 discourages tokens already in the history
-    repetition_window: int = 0  # how many of the last history tokens are penalised; 0: all
-    frequency_penalty: float = 0.0  # OpenAI's: logit -= this * times the token is in the window
-    presence_penalty: float = 0.0  # OpenAI's: logit -= this once if the token is in the window
-    seed: int | None = None  # None: random (see with_seed)
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            problems.append(f"temperature must be >= 0 (0 is greedy), not {self.temperature}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 is off), not {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1] (1 is off), not {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            problems.append(f"min_p must be in [0, 1) (0 is off), not {self.min_p}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            problems.append(f"repetition_penalty must be > 0 (1 is off), not {self.repetition_penalty}")
-        if self.repetition_window < 0:
-            problems.append(f"repetition_window must be >= 0 (0 is the whole history), not {self.repetition_window}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                problems.append(f"{name} must be in [-2, 2] (0 is off), not {value}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            problems.append(f"seed must be in [0, 2**64), not {self.seed}")
-        if problems:
-            raise ValueError("bad sampling parameters: " + "; ".join(problems))
-
-    @property
-    def uses_history(self) -> bool:
-        """Whether sampling looks at the tokens so far (a penalty is on), not just their count."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def with_seed(self) -> SamplingParams:
-        """A copy with a fixed random seed when ``seed`` is None: call it once when a request is
-        accepted, so every node that ever samples for the request draws the same tokens."""
-        if self.seed is not None:
-            return self
-        return replace(self, seed=int.from_bytes(os.urandom(8), "little") >> 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        # Every field is a number (or None): a plain comprehension, not asdict's recursive deep
-        # copy, which cost ~30 us of the coordinator's time on every decode step it sends.
-        return {name: getattr(self, name) for name in _FIELD_NAMES}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
-        values: dict[str, Any] = {}
-        for name, value in data.items():
-            if value is None:
-                if name != "seed":
-                    raise ValueError(f"sampling parameter {name} is null")
-                values[name] = None
-            elif name in ("top_k", "repetition_window", "seed"):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ValueError(f"sampling parameter {name} must be an integer, not {value!r}")
-                values[name] = value
-            else:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise ValueError(f"sampling parameter {name} must be a number, not {value!r}")
-                values[name] = float(value)
-        return cls(**values)
-
-
-_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))
-
 
 class Sampler:
     """Samples with one request's parameters. Stateless between calls apart from the resolved
@@ -369,14 +278,3 @@ def _bad_logits(raw: np.ndarray) -> str:
         f"the model's logits are not usable ({n_nan} NaN of {raw.size}, max {np.nanmax(raw) if n_nan < raw.size else 'nan'}): "
         "the weights or a backend produced non-finite values; check the model file and the backend"
     )
-
-
-def with_defaults(given: Mapping[str, Any], *defaults: Mapping[str, Any]) -> SamplingParams:
-    """Sampling parameters from the values ``given`` (``None``: not given), else from the first of
-    ``defaults`` that has the field (a model's recommendation, then the caller's own), else
-    :class:`SamplingParams`' defaults. ``ValueError`` (as from ``SamplingParams``) for bad values."""
-    names = {f.name for f in fields(SamplingParams)}
-    merged: dict[str, Any] = {}
-    for source in (*reversed(defaults), {k: v for k, v in given.items() if v is not None}):
-        merged.update({k: v for k, v in source.items() if k in names})
-    return SamplingParams(**merged)

@@ -39,7 +39,6 @@ import logging
 import signal
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +59,10 @@ from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
+from exo_tui.net.protocol import HostError, RingPlan, kv_from_array, kv_to_array
 from exo_tui.net.rpc import Connection, connect, serve
-from exo_tui.node.host import HostError, RingPlan, ShardHost, kv_from_array, kv_to_array
+from exo_tui.node.batching import Batching, decodes_first
+from exo_tui.node.host import ShardHost
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")
@@ -69,40 +70,7 @@ log = logging.getLogger("exo_tui.node")
 HEARTBEAT_INTERVAL_S = 1.0
 FINISHED_MEMORY = 10_000  # ended requests remembered, so late steps of theirs are discarded
 INLINE_MAX_ROWS = 8  # a step of at most this many positions may run on the event loop's thread
-# How long a batch may wait for steps of other requests due back here (see _gather): a quarter
-# of a recent run's time, within these bounds. Measured on 2 cores: a coordinator sends the next
-# steps of 16 requests within 0.1-4 ms (p90) of their tokens, and a 16-row run costs ~3 one-row
-# runs, so waiting a few ms for the stragglers pays for itself many times over.
-GATHER_MIN_S = 0.001
-GATHER_MAX_S = 0.010
-GATHER_FRACTION = 0.25
-# When every node of the ring is on this machine (the plan reaches all of them on loopback) they
-# share its cores, and requests whose steps are at different places of the ring gain nothing from
-# running there at the same time: a batch then waits up to a whole run (at most 3 x GATHER_MAX_S)
-# so that the groups merge. Measured, 3 local nodes on 2 cores, 8 streams started together:
-# batches of 1-7 rows and 74 tok/s with the usual window, whole batches and 109 tok/s with this
-# one. Nodes on separate machines keep the short window: there, groups at different hops run in
-# parallel (pipelining), which beats merging them.
-GATHER_FRACTION_SHARED = 1.0
-GATHER_SHARED_SCALE = 3.0
-VISITS_KEEP_S = 30.0  # a request not seen here for this long is no longer expected back
-QUIET_S = 0.0005  # with other requests active, a batch waits until no step came for this long
-ACTIVE_S = 1.0  # a request whose step left here counts as active this long, until its time away is known
 _DISCARDED = object()
-
-
-def _decodes_first(steps: list[_Step]) -> tuple[list[_Step], list[_Step]]:
-    """This run's steps and the next run's. While decode steps of running streams wait, prompts
-    (steps of several positions) not deferred before go to the next run, so a burst of new
-    requests does not hold every running stream for the length of their prompts. A prompt is
-    deferred once: it waits at most one run."""
-    now = [s for s in steps if s.rows <= 1 or s.deferred]
-    fresh = [s for s in steps if s.rows > 1 and not s.deferred]
-    if not fresh or not any(s.rows <= 1 for s in now):  # nothing to defer, or no decode step waits
-        return steps, []
-    for s in fresh:
-        s.deferred = True
-    return now, fresh
 
 
 @dataclass
@@ -123,23 +91,8 @@ class _Step:
 
     @property
     def key(self) -> tuple[str, int]:
-        """The request and hop this step is for (what ``NodeAgent._visits`` is keyed by)."""
+        """The request and hop this step is for (what ``Batching.visits`` is keyed by)."""
         return str(self.frame.body.get("rid")), self.hop
-
-
-@dataclass
-class _Visit:
-    """A request's steps at one hop here: when its last step left (``None`` while one is here)
-    and how long it usually stays away (the rest of the ring) before its next step arrives."""
-
-    seen_s: float
-    left_s: float | None = None
-    away_s: float | None = None
-
-    def due_s(self) -> float | None:
-        if self.left_s is None or self.away_s is None:
-            return None
-        return self.left_s + self.away_s
 
 
 @dataclass
@@ -182,13 +135,10 @@ class NodeAgent:
         self._wakeup = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-worker")
         self._jobs: set[Future[Any]] = set()  # submitted to the worker and not finished
-        self._visits: dict[tuple[str, int], _Visit] = {}
         self._burst: dict[Connection, int] = {}  # steps announced by a sender as following at once
-        self._last_arrival_s = 0.0
         self.batch_sizes: Counter[int] = Counter()  # steps per forward run (inline runs count as 1)
-        self._run_s = 0.0  # recent time of one run (moving average), for the gather window
         self.inline_steps = 0
-        self._shared_cores = False  # the ring's nodes all run on this machine (see _window_s)
+        self.batching = Batching()  # visits, recent run time and the rules of batch formation
         # Loading weights takes seconds: it runs beside the worker, so the node keeps serving
         # its current shards while it loads the next plan's (a drain or rebalance does not stall).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-loader")
@@ -198,7 +148,6 @@ class NodeAgent:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = asyncio.Event()
         self._advertiser: Any = None
-        self._busy_s = 0.0
         self._started_s = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
@@ -353,7 +302,7 @@ class NodeAgent:
     async def _op_plan(self, conn: Connection, frame: Frame) -> Frame:
         plan = RingPlan.from_dict(frame.body["plan"])
         self.host.add_plan(plan)
-        self._shared_cores = plan.on_loopback()  # the newest plan is the one steps are moving to
+        self.batching.shared_cores = plan.on_loopback()  # the newest plan is the one steps are moving to
         return Frame("ok", body={"plans": sorted(self.host.plans)})
 
     async def _op_forward(self, conn: Connection, frame: Frame) -> None:
@@ -369,11 +318,10 @@ class NodeAgent:
         if type(adopt) is str:  # the finished request whose caches this one takes over: its own state goes
             self._samplers.pop(adopt, None)
             self._stats.pop(adopt, None)
-            for key in [k for k in self._visits if k[0] == adopt]:
-                del self._visits[key]
+            self.batching.forget(adopt)
         step = _Step(conn, frame, hop)
         key = step.key
-        self._arrived(key, step.received_s)
+        self.batching.arrived(key, step.received_s)
         more = frame.body.get("more")
         if type(more) is int and more > 0:  # more steps of the previous hop's batch follow at once
             self._burst[conn] = more
@@ -415,8 +363,7 @@ class NodeAgent:
                 self._finished.popitem(last=False)
         self._samplers.pop(rid, None)
         self._stats.pop(rid, None)
-        for key in [k for k in self._visits if k[0] == rid]:
-            del self._visits[key]
+        self.batching.forget(rid)
         await self._in_worker(self.host.drop, rid)
         return Frame("ok")
 
@@ -475,13 +422,13 @@ class NodeAgent:
             self._wakeup.clear()
             while self._queue:
                 await self._gather()
-                batch, later = _decodes_first(list(self._queue))
+                batch, later = decodes_first(list(self._queue))
                 self._queue.clear()
                 self._queue.extend(later)
                 self.batch_sizes[len(batch)] += 1
                 t0 = time.monotonic()
                 results = await self._in_worker(self._run_batch, batch)
-                self._ran(time.monotonic() - t0)
+                self.batching.ran(time.monotonic() - t0)
                 following = self._following(batch, results)
                 for step, result, more in zip(batch, results, following, strict=True):
                     await self._deliver(step, result, more)
@@ -521,55 +468,6 @@ class NodeAgent:
     # node waits for those too, so the batch stays whole down the ring. A lone stream never
     # waits: there is no other request to wait for.
 
-    def _arrived(self, key: tuple[str, int], now: float) -> None:
-        self._last_arrival_s = now
-        v = self._visits.get(key)
-        if v is None:
-            self._visits[key] = _Visit(now)
-            return
-        if v.left_s is not None:
-            gap = now - v.left_s
-            v.away_s = gap if v.away_s is None else 0.5 * v.away_s + 0.5 * gap
-        v.left_s = None
-        v.seen_s = now
-
-    def _left(self, step: _Step) -> None:
-        v = self._visits.get(step.key)
-        if v is not None:
-            v.left_s = v.seen_s = time.monotonic()
-
-    def _window_s(self) -> float:
-        if self._shared_cores:
-            return min(GATHER_SHARED_SCALE * GATHER_MAX_S, max(GATHER_MIN_S, GATHER_FRACTION_SHARED * self._run_s))
-        return min(GATHER_MAX_S, max(GATHER_MIN_S, GATHER_FRACTION * self._run_s))
-
-    def _ran(self, seconds: float) -> None:
-        self._busy_s += seconds
-        self._run_s = seconds if not self._run_s else 0.7 * self._run_s + 0.3 * seconds
-
-    def _due(self, now: float, until: float) -> bool:
-        """Whether a step of a request away from here is expected back by ``until`` (one due a
-        moment ago, up to a window, may still be on its way; one due earlier is not waited for)."""
-        lo = now - self._window_s()
-        for v in self._visits.values():
-            t = v.due_s()
-            if t is not None and lo <= t <= until:
-                return True
-        return False
-
-    def _alone(self, keys: Collection[tuple[str, int]], now: float) -> bool:
-        """Whether no request but ``keys`` has a step here or is expected back (a request counts
-        as gone after twice its usual time away, or ACTIVE_S before it has one)."""
-        for k, v in self._visits.items():
-            if k in keys:
-                continue
-            if v.left_s is None:
-                return False
-            limit = 2 * v.away_s + self._window_s() if v.away_s is not None else ACTIVE_S
-            if now - v.left_s < limit:
-                return False
-        return True
-
     def _inline_ok(self, step: _Step, key: tuple[str, int]) -> bool:
         """A lone stream's decode step runs at once, on the loop's thread; anything else goes
         through the queue, where batches form."""
@@ -579,7 +477,7 @@ class NodeAgent:
             return False  # a prefill runs on the worker: the loop keeps answering pings meanwhile
         if step.conn.input_pending():
             return False  # another frame is already here: it may join this step's batch
-        return self._alone((key,), step.received_s)
+        return self.batching.alone((key,), step.received_s)
 
     def _next_ready(self, plan: RingPlan, hop: int) -> bool:
         """Whether the result can go on without connecting first (a connection takes a while:
@@ -591,24 +489,17 @@ class NodeAgent:
         return conn is not None and not conn.is_closed
 
     async def _gather(self) -> None:
-        """Wait, at most a window, for the steps due back here and those a sender announced;
-        while other requests are active, also until no step has arrived for QUIET_S (steps sent
-        one after another by a coordinator trickle in a few tenths of a millisecond apart)."""
-        deadline = time.monotonic() + self._window_s()
+        """Wait, at most a window, for the steps due back here and those a sender announced
+        (the rules: :meth:`Batching.gather_wait`)."""
+        deadline = time.monotonic() + self.batching.window_s()
         while True:
             now = time.monotonic()
-            if now >= deadline:
+            wait = self.batching.gather_wait(now, deadline, burst=bool(self._burst), queued=[s.key for s in self._queue])
+            if wait is None:
                 break
-            until = deadline
-            if not (self._burst or self._due(now, deadline)):
-                quiet = self._last_arrival_s + QUIET_S
-                queued = {s.key for s in self._queue}
-                if now >= quiet or self._alone(queued, now):
-                    break
-                until = min(deadline, quiet)
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(until - now):
+                async with asyncio.timeout(wait):
                     await self._wakeup.wait()
         self._burst.clear()  # what has not come by now is not waited for again
 
@@ -617,7 +508,7 @@ class NodeAgent:
         self.inline_steps += 1
         t0 = time.monotonic()
         result = self._run_batch([step])[0]
-        self._ran(time.monotonic() - t0)
+        self.batching.ran(time.monotonic() - t0)
         await self._deliver(step, result)
 
     def _run_batch(self, batch: list[_Step]) -> list[Any]:
@@ -706,7 +597,7 @@ class NodeAgent:
     async def _deliver(self, step: _Step, result: Any, more: int = 0) -> None:
         """Send a step's result on. ``more``: how many more hidden states of the same run go to
         the same next hop right after this one (it then waits for them, to keep the batch)."""
-        self._left(step)
+        self.batching.left(step.key, time.monotonic())
         f = step.frame
         rid = f.body["rid"]
         if result is _DISCARDED or rid in self._finished:
@@ -801,11 +692,9 @@ class NodeAgent:
             metrics["queue_depth"] = len(self._queue)
             metrics["batch_sizes"] = {str(k): v for k, v in sorted(self.batch_sizes.items())}
             metrics["inline_steps"] = self.inline_steps
-            stale = now - VISITS_KEEP_S
-            for key in [k for k, v in self._visits.items() if v.seen_s < stale]:
-                del self._visits[key]
-            metrics["busy_fraction"] = (self._busy_s - last_busy) / max(now - last_t, 1e-6)
-            last_busy, last_t = self._busy_s, now
+            self.batching.prune(now)
+            metrics["busy_fraction"] = (self.batching.busy_s - last_busy) / max(now - last_t, 1e-6)
+            last_busy, last_t = self.batching.busy_s, now
             metrics["requests"] = {
                 rid: {"tokens": s.tokens, "tok_per_s": (s.tokens - 1) / max(s.last_s - s.first_s, 1e-6) if s.tokens > 1 else 0.0}
                 for rid, s in self._stats.items()

@@ -20,7 +20,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Input
 
 import themes
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.cluster.view import ClusterControl, ClusterSnapshot, HostKeyUnknown, PlanPreview, parse_layers
 from exo_tui.tui import keymap
 from exo_tui.tui.messages import ActionDone, ClusterEventReceived, HostKeyQuestion, PreviewReady

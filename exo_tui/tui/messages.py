@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from exo_tui.cluster.events import Event
 from exo_tui.cluster.view import ClusterSnapshot, PlanPreview
+from exo_tui.events import Event
 
 
 @dataclass

@@ -22,7 +22,7 @@ from exo_tui.bootstrap import (
     connect,
     stop_node,
 )
-from exo_tui.cluster.events import BootstrapProgress, EventBus
+from exo_tui.events import BootstrapProgress, EventBus
 from tests.helpers.sshd import KeyPair, free_port
 
 pytestmark = pytest.mark.root

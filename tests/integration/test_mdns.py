@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from zeroconf.asyncio import AsyncServiceInfo
 
-from exo_tui.cluster.events import (
+from exo_tui.discovery import Discovery, NodeAdvertiser
+from exo_tui.discovery.mdns import make_zeroconf
+from exo_tui.events import (
     Event,
     EventBus,
     HostDiscovered,
@@ -20,8 +22,6 @@ from exo_tui.cluster.events import (
     NodeStateChanged,
     NodeUpdated,
 )
-from exo_tui.discovery import Discovery, NodeAdvertiser
-from exo_tui.discovery.mdns import make_zeroconf
 
 LOOPBACK = ["127.0.0.1"]
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from exo_tui.cluster.events import EventBus, NodeDiscovered, NodeGone
 from exo_tui.discovery import Discovery
+from exo_tui.events import EventBus, NodeDiscovered, NodeGone
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.cluster.view import (
     ChatChunk,
     ChatParams,

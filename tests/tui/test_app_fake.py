@@ -6,7 +6,7 @@ import dataclasses
 
 from textual.widgets import Input
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.tui.screens.detail import NodeDetailScreen
 from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen, Prompt, Question
 from exo_tui.tui.screens.hosts import HostsScreen

@@ -53,7 +53,7 @@ def test_the_scan_finds_a_textual_import(tmp_path: Path) -> None:
 def test_headless_import_of_the_cluster_does_not_load_textual() -> None:
     code = (
         "import sys\n"
-        "import exo_tui.cli, exo_tui.cluster.view, exo_tui.cluster.events, exo_tui.config\n"
+        "import exo_tui.cli, exo_tui.cluster.view, exo_tui.events, exo_tui.config\n"
         "exo_tui.cli.build_parser()\n"
         "assert not any(m == 'textual' or m.startswith('textual.') for m in sys.modules), "
         "sorted(m for m in sys.modules if m.startswith('textual'))\n"

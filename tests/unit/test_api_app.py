@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from exo_tui import events as ev
 from exo_tui.api.app import create_app
 from exo_tui.api.convert import (
     event_from_dict,
@@ -19,7 +20,6 @@ from exo_tui.api.convert import (
     to_jsonable,
 )
 from exo_tui.api.server import ApiServer, ApiServerError, exposure_warning, is_loopback
-from exo_tui.cluster import events as ev
 from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.view import (
     ClusterSnapshot,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 
 
 def test_replay_keeps_the_story_through_a_long_answer() -> None:

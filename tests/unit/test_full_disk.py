@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.store import StateStore
 from exo_tui.config import Config

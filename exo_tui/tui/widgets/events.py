@@ -8,7 +8,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import RichLog
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.tui import keymap
 from exo_tui.tui.format import STEP_GLYPH, fmt_bytes, fmt_clock, fmt_layers
 from exo_tui.tui.widgets.style import theme_style

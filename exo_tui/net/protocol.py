@@ -1,0 +1,78 @@
+"""What nodes and the coordinator send each other besides frames: the ring plan and KV caches.
+
+The coordinator builds a :class:`RingPlan` and sends it as a dict; each node checks it
+(:meth:`RingPlan.from_dict`) and forwards hidden states along it. A request's KV cache travels as
+one float32 array (:func:`kv_to_array` / :func:`kv_from_array`). These types sit below both sides
+so neither imports the other for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.base import KVCache
+from exo_tui.net.address import is_loopback
+
+
+class HostError(Exception):
+    """A request this node cannot serve; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    node_id: str
+    host: str
+    port: int
+    start: int
+    end: int
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """The ring as a node sees it: which layers each hop runs and where to send hidden states."""
+
+    version: int
+    n_layers: int
+    ring: tuple[PlanEntry, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RingPlan:
+        ring = tuple(PlanEntry(**e) for e in d["ring"])
+        plan = cls(int(d["version"]), int(d["n_layers"]), ring)
+        expected = 0
+        for e in ring:
+            if e.start != expected or e.end <= e.start:
+                raise HostError(f"plan {plan.version} is not a contiguous ring of layers at hop {e}")
+            expected = e.end
+        if expected != plan.n_layers:
+            raise HostError(f"plan {plan.version} covers {expected} of {plan.n_layers} layers")
+        return plan
+
+    def on_loopback(self) -> bool:
+        """Whether every hop is reached on loopback: the ring's nodes share one machine's cores."""
+        return all(is_loopback(e.host) for e in self.ring)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "n_layers": self.n_layers,
+            "ring": [e.__dict__ for e in self.ring],
+        }
+
+
+def kv_to_array(cache: KVCache) -> np.ndarray:
+    """A cache as one float32 array ``(2, layers, n_kv_heads, length, head_dim)`` for the wire."""
+    if not cache.keys:
+        return np.zeros((2, 0, 0, 0, 0), np.float32)
+    return np.stack([np.stack(cache.keys), np.stack(cache.values)]).astype(np.float32, copy=False)
+
+
+def kv_from_array(start: int, end: int, array: np.ndarray) -> KVCache:
+    if array.ndim != 5 or array.shape[0] != 2 or array.shape[1] != end - start:
+        raise HostError(f"KV array of shape {array.shape} does not fit layers [{start}, {end})")
+    length = array.shape[3]
+    return KVCache(start, end, length, [array[0, i] for i in range(end - start)], [array[1, i] for i in range(end - start)])

@@ -1,0 +1,109 @@
+"""What every part of the partitioner reads: a cluster's numbers for one model, and its errors.
+
+:class:`_Ctx` holds, per node, the memory it may use, its seconds per layer, its backend and its
+KV bytes per layer, with the model's spec, the pins and caches of ring orders and predictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from exo_tui.config import SchedulerConfig
+from exo_tui.scheduler.plan import Constraints, Pin, Predictions
+from exo_tui.scheduler.profile import UNKNOWN_LINK, DeviceProfile
+from exo_tui.scheduler.spec import ModelSpec
+
+STRATEGIES = ("latency", "throughput", "memory", "exo-ring")
+GB = 1e9
+TOKEN_BYTES = 8  # a sampled token id (and its log-probability) back to the start of the ring
+MEMORY_HEADROOM = 1.3  # warn when the cluster's free memory is below this × the model
+
+
+class InfeasiblePlan(Exception):
+    """No plan satisfies the request. The message says which constraint fails and by how much."""
+
+    def __init__(self, message: str, constraint: str, shortfall_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.constraint = constraint  # memory | pins | eligibility | min_layers_per_shard | strategy
+        self.shortfall_bytes = shortfall_bytes
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1000:.1f} ms"
+
+
+# ------------------------------------------------------------------------------- context
+
+
+@dataclass
+class _Ctx:
+    spec: ModelSpec
+    profiles: dict[str, DeviceProfile]
+    usable: dict[str, int]
+    t: dict[str, float]  # decode s per mean layer
+    head_t: dict[str, float]  # decode s of the output head
+    backend: dict[str, str]
+    kv: dict[str, float]  # bytes of one layer's KV cache on each node (its backend's cache precision)
+    pins: tuple[Pin, ...]
+    min_layers: int
+    prompt_tokens: int
+    act_bytes: int
+    orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
+    predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
+
+    def need(self, nid: str, start: int, end: int) -> int:
+        """Memory node ``nid`` needs for layers ``[start, end)``: weights, its KV caches at its
+        backend's precision, the embedding or head at the ends."""
+        return self.spec.range_bytes(start, end, self.kv[nid])
+
+    def per_layer(self, nid: str) -> float:
+        """An average layer with its KV cache on node ``nid``."""
+        return self.spec.mean_layer_bytes + self.kv[nid]
+
+    def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
+        if a == b:
+            return 0.0
+        return self.profiles[a].link_to(b).hop_s(self.act_bytes if nbytes is None else nbytes)
+
+    @cached_property
+    def links(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+        """(index of each node, latency matrix, bandwidth matrix) over all profiles."""
+        ids = sorted(self.profiles)
+        index = {n: i for i, n in enumerate(ids)}
+        lat = np.full((len(ids), len(ids)), UNKNOWN_LINK.latency_s)
+        bw = np.full((len(ids), len(ids)), UNKNOWN_LINK.bandwidth_bytes_per_s)
+        for i, nid in enumerate(ids):
+            links = self.profiles[nid].links
+            known = [p for p in links if p in index]
+            if known:
+                cols = [index[p] for p in known]
+                lat[i, cols] = [links[p].latency_s for p in known]
+                bw[i, cols] = np.maximum([links[p].bandwidth_bytes_per_s for p in known], 1.0)
+        np.fill_diagonal(lat, 0.0)
+        np.fill_diagonal(bw, np.inf)
+        return index, lat, bw
+
+
+def _make_ctx(
+    profiles: Mapping[str, DeviceProfile], spec: ModelSpec, config: SchedulerConfig, constraints: Constraints
+) -> _Ctx:
+    rr = config.resource_reservation
+    usable, t, head_t, backend, kv = {}, {}, {}, {}, {}
+    head_layers = spec.head_bytes / spec.mean_layer_bytes
+    for nid, p in profiles.items():
+        usable[nid] = p.usable_bytes(rr.system_reserved_ram * 1024**3, rr.system_reserved_vram * 1024**3, rr.emergency_reserve)
+        backend[nid] = p.best_backend()
+        kv[nid] = p.kv_bytes_per_layer(spec, backend[nid])
+        t[nid] = p.layer_s(spec, backend[nid])
+        head_t[nid] = t[nid] * head_layers
+    m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
+    return _Ctx(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
+                m, constraints.prompt_tokens, spec.activation_bytes_per_token)
