@@ -104,9 +104,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from backends import available_backends
-    from exo_tui.models.registry import resolve_model
-
     from exo_tui.models.gguf_file import GGUFModel
+    from exo_tui.models.registry import resolve_model
 
     path = resolve_model(args.model)
     vocab = GGUFModel(path).config.vocab_size
