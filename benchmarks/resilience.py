@@ -66,9 +66,11 @@ async def _run(scenario: str, backend: str, tokens: int, at: int, home: Path) ->
 
 
 async def _disturb(c, scenario: str) -> None:  # noqa: ANN001
+    from exo_tui.cluster.view import Command
+
     if scenario in ("drain", "rebalance"):
         target = (c.plan.shards[1].node_id,) if scenario == "drain" else ()
-        result = await c.apply(await c.preview(scenario, target))
+        result = await c.apply(await c.preview(Command(scenario, target)))
         if result.error:
             print(f"{scenario}: {result.error}", file=sys.stderr)
         return

@@ -32,7 +32,7 @@ from exo_tui.api import schemas as s
 from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
-from exo_tui.cluster.view import HostKeyUnknown
+from exo_tui.cluster.view import Command, HostKeyUnknown, ServingCluster, run_command
 from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import SamplingParams, with_defaults
@@ -88,7 +88,7 @@ _SSE_200 = {"content": {"text/event-stream": {"schema": {
 bearer = HTTPBearer(auto_error=False, description="the API key (network.api.key or EXO_TUI_API_KEY), when one is set")
 
 
-def model_ids(coordinator: Any) -> list[str]:
+def model_ids(coordinator: ServingCluster) -> list[str]:
     """The id the API lists for the loaded model first, then other names it answers to."""
     from exo_tui.models.registry import DEFAULT_MODEL
 
@@ -104,8 +104,9 @@ def model_ids(coordinator: Any) -> list[str]:
     return list(dict.fromkeys(n for n in names if n))
 
 
-def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
-    """The API over ``coordinator`` (an :class:`~exo_tui.cluster.coordinator.Coordinator`)."""
+def create_app(coordinator: ServingCluster, *, api_key: str | None = None) -> FastAPI:
+    """The API over ``coordinator`` (a :class:`~exo_tui.cluster.view.ServingCluster`: the embedded
+    :class:`~exo_tui.cluster.coordinator.Coordinator`); it reaches the cluster through nothing else."""
     async def check_key(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
         if not api_key:
             return
@@ -193,12 +194,9 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         return ids[0]
 
     def check_ready() -> None:
-        why = getattr(coordinator, "_serve_error", "")
+        why = coordinator.serve_error()
         if why:
             raise ApiError(503, why, type="server_error", code="cluster_unavailable")
-        if getattr(coordinator, "ring", None) is None:
-            raise ApiError(503, "the cluster has no plan yet: no node serves the model (start a node agent, "
-                                "add one with --peer, or undrain one)", type="server_error", code="cluster_unavailable")
 
     def sampling(body: s._Sampling) -> SamplingParams:
         given = {
@@ -206,7 +204,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             "repetition_penalty": body.repetition_penalty, "frequency_penalty": body.frequency_penalty,
             "presence_penalty": body.presence_penalty, "seed": body.seed,
         }
-        recommended = coordinator.model.sampling if getattr(coordinator, "model", None) else {}
+        recommended = coordinator.model.sampling if coordinator.model is not None else {}
         try:
             # Left out: the model's recommendation, else OpenAI's defaults (temperature 1, no nucleus).
             return with_defaults(given, recommended, OPENAI_SAMPLING).with_seed()
@@ -420,11 +418,8 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         reason = "several nodes have that name: use its id" if named else f"known nodes are {known}"
         raise ApiError(404, f"no node {node!r}: {reason}", param="node", code="node_not_found")
 
-    async def act(action: str, targets: tuple[str, ...], dry_run: bool,
-                  layers: tuple[int, int] | None = None) -> dict[str, Any]:
-        preview = await coordinator.preview(action, targets, layers)
-        if not preview.error and not dry_run:
-            preview = await coordinator.apply(preview)
+    async def act(command: Command, dry_run: bool) -> dict[str, Any]:
+        preview = await run_command(coordinator, command, dry_run=dry_run)
         if preview.error:
             if coordinator.readonly and not dry_run:
                 raise ApiError(403, preview.error, code="readonly")
@@ -436,7 +431,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
     for action in ("drain", "undrain", "remove"):
         def make(action: str = action):  # noqa: ANN202
             async def endpoint(node: str, body: s.ActionRequest | None = None) -> s.JsonObject:
-                return await act(action, (resolve_node(node),), bool(body and body.dry_run))
+                return await act(Command(action, (resolve_node(node),)), bool(body and body.dry_run))
 
             endpoint.__name__ = f"{action}_node"
             return endpoint
@@ -455,17 +450,17 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         if layers is not None and layers[0] >= layers[1]:
             raise ApiError(422, f"start {layers[0]} must be below end {layers[1]} (end is one past the last layer)",
                            param="end", code="invalid_layers")
-        return await act("pin", (resolve_node(body.node),), body.dry_run, layers)
+        return await act(Command("pin", (resolve_node(body.node),), layers), body.dry_run)
 
     @app.delete("/v1/cluster/pins/{node}", tags=["cluster"], responses=_errors(401, 403, 404, 409, 422),
                 description="unpin a node")
     async def unpin(node: str, dry_run: bool = False) -> s.JsonObject:
-        return await act("unpin", (resolve_node(node, pinned=True),), dry_run)
+        return await act(Command("unpin", (resolve_node(node, pinned=True),)), dry_run)
 
     @app.post("/v1/cluster/rebalance", tags=["cluster"], responses=_errors(401, 403, 409, 422),
               description=f"make the best plan for the cluster as it is; {action_doc}")
     async def rebalance(body: s.ActionRequest | None = None) -> s.JsonObject:
-        return await act("rebalance", (), bool(body and body.dry_run))
+        return await act(Command("rebalance"), bool(body and body.dry_run))
 
     @app.post("/v1/cluster/hosts", tags=["cluster"], responses=_errors(401, 422), description="add a host by address")
     async def add_host(body: s.HostRequest) -> s.JsonObject:
@@ -493,7 +488,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         if coordinator.readonly:
             raise ApiError(403, "read-only coordinator: model changes are disabled", code="readonly")
         try:
-            await coordinator.set_model(body.model)
+            await run_command(coordinator, Command("model", model=body.model))
         except UnsupportedModelError as exc:
             raise ApiError(422, str(exc), param="model", code="model_not_supported") from exc
         except ModelFileError as exc:

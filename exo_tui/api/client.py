@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from exo_tui.api.convert import event_from_dict, preview_from_dict, snapshot_from_dict
-from exo_tui.cluster.view import ChatChunk, ChatParams, ClusterSnapshot, HostKeyUnknown, PlanPreview
+from exo_tui.cluster.view import ChatChunk, ChatParams, ClusterSnapshot, Command, HostKeyUnknown, PlanPreview
 from exo_tui.events import EventBus, Notice
 
 log = logging.getLogger("exo_tui.api.client")
@@ -172,28 +172,24 @@ class ClusterClient:
     def snapshot(self) -> ClusterSnapshot:
         return self._snapshot
 
-    async def preview(
-        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
-    ) -> PlanPreview:
-        return await self._act(action, tuple(targets), dry_run=True, layers=layers)
+    async def preview(self, command: Command) -> PlanPreview:
+        return await self._act(command, dry_run=True)
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
-        result = await self._act(preview.action, tuple(preview.targets), dry_run=False, layers=preview.layers)
+        result = await self._act(preview.command, dry_run=False)
         self._refresh.set()
         return result
 
-    async def _act(
-        self, action: str, targets: tuple[str, ...], *, dry_run: bool, layers: tuple[int, int] | None = None
-    ) -> PlanPreview:
+    async def _act(self, command: Command, *, dry_run: bool) -> PlanPreview:
         try:
-            data = await self.action(action, targets, dry_run=dry_run, layers=layers)
+            data = await self.action(command, dry_run=dry_run)
         except ApiClientError as exc:
-            return PlanPreview(action, targets, error=str(exc), layers=layers)
+            return PlanPreview(command.action, command.targets, error=str(exc), layers=command.layers)
         return preview_from_dict(data)
 
-    async def action(self, action: str, targets: tuple[str, ...] = (), *, dry_run: bool = False,
-                     layers: tuple[int, int] | None = None) -> dict[str, Any]:
-        """One operator action as the API answers it (raises :class:`ApiClientError`)."""
+    async def action(self, command: Command, *, dry_run: bool = False) -> dict[str, Any]:
+        """One plan change as the API answers it (raises :class:`ApiClientError`)."""
+        action, targets, layers = command.action, command.targets, command.layers
         body: dict[str, Any] = {"dry_run": dry_run}
         if action in ("drain", "undrain", "remove"):
             results = [await self.request("POST", f"/v1/cluster/nodes/{_q(t)}/{action}", json=body) for t in targets]

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 from exo_tui import events as ev
+from exo_tui.cluster.view import ServingCluster
 from exo_tui.inference.generate import Chunk, GenerationError
 from exo_tui.inference.request import Request
 
@@ -24,7 +24,7 @@ CANCEL_GRACE_S = 30.0
 
 
 class Generation:
-    def __init__(self, coordinator: Any, request: Request) -> None:
+    def __init__(self, coordinator: ServingCluster, request: Request) -> None:
         self.coordinator = coordinator
         self.request = request
         self.finish_reason: str | None = None

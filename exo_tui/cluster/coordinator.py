@@ -32,9 +32,11 @@ from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
 from exo_tui.cluster.store import StateStore
 from exo_tui.cluster.view import (
+    PLAN_ACTIONS,
     ChatChunk,
     ChatParams,
     ClusterSnapshot,
+    Command,
     HostView,
     LayerMove,
     LinkView,
@@ -472,7 +474,7 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 await self.replan(reason)
             return
-        preview = await self.preview("rebalance")
+        preview = await self.preview(Command("rebalance"))
         if preview.error or not preview.moves:
             return
         if self.config.scheduler.load_balancing.auto_rebalance:
@@ -494,7 +496,7 @@ class Coordinator:
             self._last_rebalance_s = now
         if should_rebalance(coefficient, self._last_rebalance_s, now, self.config.scheduler):
             self._last_rebalance_s = now
-            preview = await self.preview("rebalance")
+            preview = await self.preview(Command("rebalance"))
             if preview.moves and not preview.error:
                 if lb.auto_rebalance:
                     await self.apply(preview)
@@ -821,6 +823,15 @@ class Coordinator:
 
     # ================================================================== generation
 
+    def serve_error(self) -> str:
+        """Why a request cannot be served now and what to do; empty when it can."""
+        if self._serve_error:
+            return self._serve_error
+        if self.ring is None:
+            return ("the cluster has no plan yet: no node serves the model (start a node agent, "
+                    "add one with --peer, or undrain one)")
+        return ""
+
     async def generate(self, request: Request) -> AsyncIterator[Any]:
         """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`)."""
         assert self.model is not None
@@ -927,10 +938,11 @@ class Coordinator:
             raise ValueError(f"node {self.nodes[nid].name} is drained: undrain it before pinning layers to it")
         return {nid: Pin(nid, start, end)}
 
-    async def preview(
-        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
-    ) -> PlanPreview:
-        return (await self._planned(action, targets, layers))[0]
+    async def preview(self, command: Command) -> PlanPreview:
+        if command.action not in PLAN_ACTIONS:
+            return PlanPreview(command.action, command.targets, error=f"{command.action} is not a plan change: "
+                                                                     "use set_model (or run_command)")
+        return (await self._planned(command.action, command.targets, command.layers))[0]
 
     async def _planned(
         self, action: str, targets: tuple[str, ...], layers: tuple[int, int] | None

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from exo_tui.bootstrap.errors import HostKeyUnknown as HostKeyUnknown  # the front ends catch it from here
 from exo_tui.events import EventBus
 from exo_tui.inference.sampling import SamplingParams, with_defaults
+
+if TYPE_CHECKING:
+    from exo_tui.inference.request import Request
+    from exo_tui.models.model import Model
 
 # Node states, in the order the console sorts them.
 NODE_STATES = ("ready", "loading", "suspect", "draining", "drained", "failed", "foreign", "discovered")
@@ -111,6 +115,44 @@ class LayerMove:
     nbytes: int
 
 
+PLAN_ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance", "remove")  # changes previewed as a plan diff
+COMMAND_ACTIONS = (*PLAN_ACTIONS, "model")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One operator action, as the console, the API, the CLI and the coordinator all say it.
+
+    ``targets``: node ids or names (none for a rebalance); ``layers``: a pin's range
+    ``[start, end)``, None to pin what the node holds now; ``model``: the name or path the
+    ``model`` action loads. ``ValueError`` says what is wrong with one that cannot be."""
+
+    action: str
+    targets: tuple[str, ...] = ()
+    layers: tuple[int, int] | None = None
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.action not in COMMAND_ACTIONS:
+            raise ValueError(f"unknown action {self.action!r}: use drain, undrain, pin, unpin, rebalance, remove or model")
+        if self.layers is not None:
+            if self.action != "pin":
+                raise ValueError(f"only a pin takes layers, not {self.action}")
+            start, end = self.layers
+            if not 0 <= start < end:
+                raise ValueError(f"layers [{start}, {end}): start must be >= 0 and below end (end is one past the last)")
+            object.__setattr__(self, "layers", (int(start), int(end)))
+        if (self.action == "model") != bool(self.model):
+            raise ValueError("the model action takes a model name or path" if self.action == "model"
+                             else f"{self.action} takes no model")
+
+    def __str__(self) -> str:
+        what = self.model if self.action == "model" else " ".join(self.targets)
+        layers = f" layers {self.layers[0]}-{self.layers[1] - 1}" if self.layers else ""
+        return f"{self.action} {what}".strip() + layers
+
+
 @dataclass(frozen=True)
 class PlanPreview:
     """What a plan change will do, shown before the operator says yes."""
@@ -125,6 +167,11 @@ class PlanPreview:
     error: str = ""  # when the change is impossible, why and what to do
     note: str = ""  # e.g. "a chat is streaming: the drain waits for it to end"
     layers: tuple[int, int] | None = None  # a pin's layers [start, end); None pins what the node holds
+
+    @property
+    def command(self) -> Command:
+        """The command this previews (targets as the preview names them: node ids)."""
+        return Command(self.action, self.targets, self.layers, self.targets[0] if self.action == "model" else "")
 
 
 _SETTING_RULES: dict[str, tuple[type, Any, str]] = {  # name: (type, check, what is allowed)
@@ -228,11 +275,8 @@ class ClusterControl(Protocol):
 
     def snapshot(self) -> ClusterSnapshot: ...
 
-    async def preview(
-        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
-    ) -> PlanPreview:
-        """What ``action`` (drain, undrain, pin, unpin, rebalance, remove) would change. ``layers``
-        (pin only): the range ``[start, end)`` the node is to hold, else the layers it holds now."""
+    async def preview(self, command: Command) -> PlanPreview:
+        """What ``command`` (one of :data:`PLAN_ACTIONS`) would change; ``error`` says why it cannot."""
         ...
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
@@ -248,3 +292,37 @@ class ClusterControl(Protocol):
     async def add_host(self, host: str) -> None: ...
 
     async def set_model(self, name_or_path: str) -> None: ...
+
+
+@runtime_checkable
+class ServingCluster(ClusterControl, Protocol):
+    """What the API needs of the cluster beyond :class:`ClusterControl`: the model it serves (its
+    description: names, tokenizer, chat template, context length, recommended sampling), whether
+    it can serve now, and generation. The embedded coordinator implements it."""
+
+    readonly: bool
+    model_name: str | None  # the name or path it was asked to serve
+    model: Model | None  # None until it is loaded
+    pins: Mapping[str, Any]  # node id -> pin, nodes not in the cluster included
+
+    def serve_error(self) -> str:
+        """Why a request cannot be served now and what to do; empty when it can."""
+        ...
+
+    def generate(self, request: Request) -> AsyncIterator[Any]:
+        """The request's chunks as they are generated (:class:`~exo_tui.inference.generate.Chunk`)."""
+        ...
+
+
+async def run_command(control: ClusterControl, command: Command, *, dry_run: bool = False) -> PlanPreview:
+    """Carry out ``command`` on ``control`` as the API and the CLI ask for it: a plan change is
+    previewed, then applied unless ``dry_run`` or impossible (``error`` set); ``model`` loads the
+    model (exceptions of :meth:`ClusterControl.set_model` pass through)."""
+    if command.action == "model":
+        if not dry_run:
+            await control.set_model(command.model)
+        return PlanPreview("model", (command.model,))
+    preview = await control.preview(command)
+    if not preview.error and not dry_run:
+        preview = await control.apply(preview)
+    return preview

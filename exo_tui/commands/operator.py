@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from exo_tui.cluster.view import parse_layers
+from exo_tui.cluster.view import Command, parse_layers
 
 ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance")
 
@@ -105,7 +105,7 @@ async def _run(args: argparse.Namespace, url: str, key: str | None) -> int:
             return 0
         targets = (args.node,) if getattr(args, "node", None) else ()
         layers = parse_layers(args.layers) if getattr(args, "layers", None) else None
-        result = await client.action(args.action, targets, dry_run=args.dry_run, layers=layers)
+        result = await client.action(Command(args.action, targets, layers), dry_run=args.dry_run)
         if args.json:
             print(json.dumps(result, indent=2))
         else:

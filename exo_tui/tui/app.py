@@ -21,7 +21,15 @@ from textual.widgets import Input
 
 import themes
 from exo_tui import events as ev
-from exo_tui.cluster.view import ClusterControl, ClusterSnapshot, HostKeyUnknown, PlanPreview, parse_layers
+from exo_tui.cluster.view import (
+    ClusterControl,
+    ClusterSnapshot,
+    Command,
+    HostKeyUnknown,
+    PlanPreview,
+    parse_layers,
+    run_command,
+)
 from exo_tui.tui import keymap
 from exo_tui.tui.messages import ActionDone, ClusterEventReceived, HostKeyQuestion, PreviewReady
 from exo_tui.tui.screens.detail import NodeDetailScreen
@@ -426,7 +434,7 @@ class ExoApp(App):
         if action != "rebalance" and not targets:
             self.notify(f"No node selected to {action}.", severity="warning")
             return
-        self._preview(action, targets, layers)
+        self._preview(Command(action, targets, layers))
 
     def request_pin_layers(self, node: Any) -> None:
         """Ask for a range of layers (inclusive, as the table shows them) to pin to ``node``."""
@@ -448,11 +456,12 @@ class ExoApp(App):
         self.push_screen(Prompt(f"Pin layers to {node.name} (START-END, inclusive)", "e.g. 0-9", value=current), entered)
 
     @work(group="plan")
-    async def _preview(self, action: str, targets: tuple[str, ...], layers: tuple[int, int] | None = None) -> None:
+    async def _preview(self, command: Command) -> None:
         try:
-            preview = await self.control.preview(action, targets, layers)
-        except Exception as exc:
-            preview = PlanPreview(action=action, targets=targets, error=str(exc) or type(exc).__name__, layers=layers)
+            preview = await self.control.preview(command)
+        except Exception as exc:  # shown to the operator in the confirmation, which says it cannot be done
+            preview = PlanPreview(action=command.action, targets=command.targets, error=str(exc) or type(exc).__name__,
+                                  layers=command.layers)
         self.post_message(PreviewReady(preview))
 
     def on_preview_ready(self, message: PreviewReady) -> None:
@@ -570,7 +579,7 @@ class ExoApp(App):
     @work(group="model", exclusive=True)
     async def _load_model(self, name: str) -> None:
         try:
-            await self.control.set_model(name)
+            await run_command(self.control, Command("model", model=name))
         except Exception as exc:
             self.post_message(ActionDone("model", name, error=str(exc) or type(exc).__name__))
             return

@@ -19,7 +19,7 @@ import pytest
 
 from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.local_nodes import stop_node
-from exo_tui.cluster.view import ChatParams
+from exo_tui.cluster.view import ChatParams, Command
 from tests.integration.cluster_helpers import cluster_config, coordinator, node_processes, reference_answer
 
 pytestmark = pytest.mark.slow
@@ -110,7 +110,7 @@ def test_drain_middle_node_during_long_generation(four, references) -> None:
             middle = c.plan.shards[1].node_id
 
             async def drain() -> None:
-                preview = await c.preview("drain", (middle,))
+                preview = await c.preview(Command("drain", (middle,)))
                 assert not preview.error and preview.moves
                 done = await c.apply(preview)
                 assert not done.error, done.error
@@ -132,7 +132,7 @@ def test_apply_reports_the_change_it_made(four) -> None:
 
     async def run() -> None:
         async with coordinator(four, peers=four.peers[:3], strategy="throughput") as c:
-            preview = await c.preview("rebalance")
+            preview = await c.preview(Command("rebalance"))
             assert not preview.error and not preview.moves  # nothing to gain on a fresh cluster
             leaving = c.plan.shards[-1].node_id
             real = c._preview
@@ -167,19 +167,19 @@ def test_live_change_with_four_requests(four, references, action: str) -> None:
                 target = next(n for n in c.nodes if n != c.plan.shards[0].node_id)
             if action == "undrain":
                 drained = c.plan.shards[-1].node_id
-                r = await c.apply(await c.preview("drain", (drained,)))
+                r = await c.apply(await c.preview(Command("drain", (drained,))))
                 assert not r.error
                 target = drained
 
             async def change() -> None:
                 if action == "join":
                     await c.add_node("127.0.0.1", four.nodes[2].port)
-                    preview = await c.preview("rebalance")
+                    preview = await c.preview(Command("rebalance"))
                 elif action == "pin-range":
-                    preview = await c.preview("pin", (target,), (0, 10))
+                    preview = await c.preview(Command("pin", (target,), (0, 10)))
                     assert preview.layers == (0, 10) and preview.moves
                 else:
-                    preview = await c.preview(action, (target,) if action != "rebalance" else ())
+                    preview = await c.preview(Command(action, (target,) if action != "rebalance" else ()))
                 assert not preview.error, preview.error
                 done = await c.apply(preview)
                 assert not done.error, done.error
@@ -193,7 +193,7 @@ def test_live_change_with_four_requests(four, references, action: str) -> None:
             if action in ("pin", "pin-range"):
                 assert target in c.pins
                 # The pin survives a rebalance.
-                r = await c.apply(await c.preview("rebalance"))
+                r = await c.apply(await c.preview(Command("rebalance")))
                 assert not r.error
                 pin = c.pins[target]
                 assert c.plan.shard_of(target) is not None
@@ -276,7 +276,7 @@ def test_sigstop_detected_by_heartbeat_then_returns(home: Path, references, auto
                     await asyncio.sleep(0.5)
                     assert victim not in c.plan.node_ids
                     assert any(e.kind == "notice" and "press R" in e.message for e in c.events.history)
-                    r = await c.apply(await c.preview("rebalance"))
+                    r = await c.apply(await c.preview(Command("rebalance")))
                     assert not r.error and victim in c.plan.node_ids
                 [tokens] = await _disturbed(c, [PROMPTS[2]], SHORT, _nothing)
                 assert tokens == _expected(references, PROMPTS[2], SHORT)
@@ -337,8 +337,8 @@ def test_restarted_coordinator_restores_state(home: Path, references) -> None:
             async with coordinator(ns, persist=True) as c:
                 drained = c.plan.shards[2].node_id
                 pinned = c.plan.shards[0].node_id
-                assert not (await c.apply(await c.preview("drain", (drained,)))).error
-                assert not (await c.apply(await c.preview("pin", (pinned,)))).error
+                assert not (await c.apply(await c.preview(Command("drain", (drained,))))).error
+                assert not (await c.apply(await c.preview(Command("pin", (pinned,))))).error
                 return drained, pinned, c.plan.version, c.nodes[pinned].port
 
         async def second(drained: str, pinned: str, version: int) -> None:
@@ -364,14 +364,14 @@ def test_restarted_coordinator_restores_state(home: Path, references) -> None:
                            for e in c.events.history)
                 [tokens] = await _disturbed(c, [PROMPTS[3]], SHORT, _nothing)
                 assert tokens == _expected(references, PROMPTS[3], SHORT)
-                undrained = await c.apply(await c.preview("undrain", (drained,)))
+                undrained = await c.apply(await c.preview(Command("undrain", (drained,))))
                 assert not undrained.error, undrained.error
                 assert pinned in c.pins  # an operator action on another node leaves it as it was
             async with coordinator(ns, persist=True, peers=[], strategy="latency") as c:
                 assert pinned in c.pins
-                unpinned = await c.apply(await c.preview("unpin", (pinned,)))  # by id: its name is not known
+                unpinned = await c.apply(await c.preview(Command("unpin", (pinned,))))  # by id: its name is not known
                 assert not unpinned.error and pinned not in c.pins, unpinned.error
-                refused = await c.preview("drain", (pinned,))
+                refused = await c.preview(Command("drain", (pinned,)))
                 assert "no node" in refused.error  # only a pin can be taken off a node not in the cluster
 
         drained, pinned, version, port = asyncio.run(first())

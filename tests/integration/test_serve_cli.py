@@ -193,7 +193,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(served: Served, 
 
 def test_attach_client_follows_and_drives_the_cluster(served: Served) -> None:
     from exo_tui.api.client import ClusterClient
-    from exo_tui.cluster.view import ChatParams, ClusterControl
+    from exo_tui.cluster.view import ChatParams, ClusterControl, Command
 
     async def run() -> None:
         client = ClusterClient(served.url, api_key="")
@@ -208,10 +208,10 @@ def test_attach_client_follows_and_drives_the_cluster(served: Served) -> None:
             snap = client.snapshot()
             assert len(snap.nodes) == 3 and snap.plan is not None and snap.model == "tiny-llama"
             holder = next(n for n in snap.nodes if n.layers)
-            preview = await client.preview("drain", (holder.name,))
+            preview = await client.preview(Command("drain", (holder.name,)))
             assert not preview.error and preview.moves and preview.new_plan is not None
             assert all(s.node_id != holder.node_id for s in preview.new_plan.shards)
-            missing = await client.preview("drain", ("nobody",))
+            missing = await client.preview(Command("drain", ("nobody",)))
             assert "no node 'nobody'" in missing.error
 
             sub = client.events.subscribe()

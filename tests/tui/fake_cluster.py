@@ -15,6 +15,7 @@ from exo_tui.cluster.view import (
     ChatChunk,
     ChatParams,
     ClusterSnapshot,
+    Command,
     HostKeyUnknown,
     HostView,
     LayerMove,
@@ -103,11 +104,13 @@ class FakeCluster:
 
     # ------------------------------------------------------------------ plan arithmetic
 
-    def _eligible(self, drained: set[str] = frozenset(), removed: set[str] = frozenset()) -> list[str]:
+    def _eligible(self, drained: set[str] = frozenset(), removed: set[str] = frozenset(),
+                  undrained: set[str] = frozenset()) -> list[str]:
         return [
             n.node_id
             for n in sorted(self.nodes.values(), key=lambda n: n.node_id)
-            if n.node_id not in removed and not (n.drained or n.node_id in drained) and n.state != "failed"
+            if n.node_id not in removed and not ((n.drained and n.node_id not in undrained) or n.node_id in drained)
+            and n.state != "failed"
         ]
 
     def _split(self, ids: list[str], pins: dict[str, tuple[int, int]] | None = None) -> tuple[ShardView, ...]:
@@ -198,19 +201,19 @@ class FakeCluster:
             updated_at=T0,
         )
 
-    async def preview(
-        self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
-    ) -> PlanPreview:
+    async def preview(self, command: Command) -> PlanPreview:
+        """What ``command`` would do; it changes nothing (an undrain included: only apply does)."""
         await asyncio.sleep(0)
+        action, targets, layers = command.action, command.targets, command.layers
         pins = dict(self.pins)
         drained: set[str] = set()
         removed: set[str] = set()
+        undrained: set[str] = set()
         ids = None
         if action == "drain":
             drained = set(targets)
         elif action == "undrain":
-            for t in targets:
-                self.nodes[t] = dataclasses.replace(self.nodes[t], drained=False)
+            undrained = set(targets)
         elif action == "remove":
             removed = set(targets)
         elif action == "pin" and layers is not None:
@@ -224,7 +227,7 @@ class FakeCluster:
                 pins.pop(t, None)
         elif action != "rebalance":
             return PlanPreview(action, targets, error=f"unknown action {action}")
-        ids = self._eligible(drained, removed)
+        ids = self._eligible(drained, removed, undrained)
         if not ids:
             return PlanPreview(action, targets, error="no node would be left to hold the model: add a node or undrain one first")
         new = self._split(ids, pins)
@@ -243,9 +246,9 @@ class FakeCluster:
     async def apply(self, preview: PlanPreview) -> PlanPreview:
         await asyncio.sleep(0)
         self.applied.append(preview)
-        if preview.action == "drain":
+        if preview.action in ("drain", "undrain"):
             for t in preview.targets:
-                self.nodes[t] = dataclasses.replace(self.nodes[t], drained=True)
+                self.nodes[t] = dataclasses.replace(self.nodes[t], drained=preview.action == "drain")
         if preview.action == "remove":
             for t in preview.targets:
                 self.nodes.pop(t, None)
