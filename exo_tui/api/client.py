@@ -114,7 +114,7 @@ class ClusterClient:
         try:
             response = await self._http.request(method, path, **kw)
         except httpx.ConnectError as exc:
-            raise ApiClientError(not_running(self.url)) from exc
+            raise ApiClientError(not_running(self.url), code="no_coordinator") from exc
         except httpx.TimeoutException as exc:
             raise ApiClientError(f"the coordinator at {self.url} did not answer in time ({exc!r}): is it overloaded?") from exc
         raise_for_error(response)

@@ -141,6 +141,6 @@ def _stop_all() -> None:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # SIGKILLed: the wait only reaps it; nothing is left to do
                 proc.wait(5)
         _live.discard(proc)

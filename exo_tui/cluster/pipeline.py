@@ -275,7 +275,7 @@ class RemotePipeline:
 
     async def _drop_on(self, plan: RingPlan, rid: str, *, final: bool = False) -> None:
         async def drop(node_id: str) -> None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a node gone or failing drops its caches as it goes
                 await self.host.connection(node_id).call("drop", {"rid": rid, "final": final}, timeout=5)
 
         await asyncio.gather(*(drop(e.node_id) for e in plan.ring))

@@ -77,7 +77,7 @@ class StateStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
         except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+            if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
                 raise RuntimeError(
                     f"the coordinator's state file {self.path} cannot be written ({exc}): free some disk "
                     "space there, or point EXO_TUI_HOME at another folder"

@@ -15,6 +15,7 @@ import numpy as np
 
 from exo_tui.models.gguf_file import GGUFModel
 from exo_tui.net.errors import RemoteError
+from exo_tui.net.protocol import ChunkChecksumError
 from exo_tui.net.rpc import Connection
 
 CHUNK_BYTES = 4 << 20
@@ -73,7 +74,7 @@ async def stream_shard(
                 await conn.call("load_chunk", {"transfer_id": transfer_id, "offset": sent, "sha256": sha}, payload=data, timeout=60)
                 break
             except RemoteError as exc:
-                if "checksum" not in str(exc) or attempt == CHUNK_RETRIES:
+                if exc.code != ChunkChecksumError.code or attempt == CHUNK_RETRIES:
                     raise WeightTransferError(
                         f"streaming layers [{start}, {end}) failed at byte {sent} of {total}: {exc}"
                         + (f" (after {attempt + 1} tries: check the network path to this node)" if attempt else "")

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_run(args, url, key))
     except (ApiClientError, ConfigError, ValueError) as exc:
         print(f"exo-tui {args.action}: {exc}", file=sys.stderr)
-        return 2 if "no coordinator at" in str(exc) else 1
+        return 2 if isinstance(exc, ApiClientError) and exc.code == "no_coordinator" else 1
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str | None]:

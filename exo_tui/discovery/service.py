@@ -71,7 +71,7 @@ async def tcp_probe(peer: Peer, timeout_s: float) -> NodeAdvertisement | None:
     except (OSError, TimeoutError):
         return None
     writer.close()
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # the probe got its answer; how the socket closes does not matter
         await writer.wait_closed()
     return NodeAdvertisement(
         node_id=f"peer:{peer.key}", name=peer.host, port=peer.port, version="", addresses=(peer.host,)
@@ -101,7 +101,7 @@ def net_probe(security: Any, cluster: str = "") -> PeerProbe:
         try:
             reply = await conn.call("profile", timeout=timeout_s)
             prof = (reply.body or {}).get("profile", {})
-        except Exception:
+        except Exception:  # a peer that does not answer a profile is not a node of ours (yet): not listed
             return None
         finally:
             await conn.aclose()

@@ -18,7 +18,16 @@ from exo_tui.net.address import is_loopback
 
 
 class HostError(Exception):
-    """A request this node cannot serve; the message says why and what to do."""
+    """A request this node cannot serve; the message says why and what to do. ``code`` is what
+    the node's error frame carries (:class:`~exo_tui.net.errors.RemoteError`'s code)."""
+
+    code = "error"
+
+
+class ChunkChecksumError(HostError):
+    """A chunk of weights arrived corrupted: the sender may send it again."""
+
+    code = "chunk_checksum"
 
 
 @dataclass(frozen=True)

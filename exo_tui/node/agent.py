@@ -200,7 +200,7 @@ class NodeAgent:
         """Refuse new steps, finish the one running, close every socket."""
         self._stopping.set()
         if self._advertiser is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # stopping: a withdrawn record times out on its own
                 await self._advertiser.stop()
         if self._server is not None:
             self._server.close()
@@ -252,7 +252,9 @@ class NodeAgent:
             raise RemoteError(f"unknown operation {frame.type!r}")
         try:
             return await op(self, conn, frame)
-        except (HostError, ModelFileError, BackendError, KeyError, ValueError, TypeError) as exc:
+        except HostError as exc:
+            raise RemoteError(str(exc), code=exc.code) from exc
+        except (ModelFileError, BackendError, KeyError, ValueError, TypeError) as exc:
             raise RemoteError(str(exc)) from exc
 
     async def _op_attach(self, conn: Connection, frame: Frame) -> Frame:

@@ -22,7 +22,7 @@ import numpy as np
 from backends import get_backend
 from backends.base import KVCache, ModelConfig, Shard, ShardWeights
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, assemble_shard, tensor_from_raw
-from exo_tui.net.protocol import HostError, PlanEntry, RingPlan
+from exo_tui.net.protocol import ChunkChecksumError, HostError, PlanEntry, RingPlan
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Transfer:
 
     def add_chunk(self, offset: int, data: bytes, sha256: str) -> None:
         if hashlib.sha256(data).hexdigest() != sha256:
-            raise HostError(
+            raise ChunkChecksumError(
                 f"transfer {self.transfer_id}: chunk at byte {offset} failed its checksum "
                 "(corrupted in transit): send it again"
             )

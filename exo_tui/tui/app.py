@@ -136,7 +136,7 @@ class ExoApp(App):
             self._stopped = True
             try:
                 await self._on_stop()
-            except Exception:
+            except Exception:  # the console is quitting: node agents it started exit with it anyway
                 pass
 
     async def action_quit(self) -> None:
@@ -487,7 +487,7 @@ class ExoApp(App):
         try:
             result = await self.control.apply(preview)
             error = result.error
-        except Exception as exc:
+        except Exception as exc:  # told to the operator in a notice
             error = str(exc) or type(exc).__name__
         self.post_message(ActionDone(preview.action, target, error=error))
 
@@ -521,7 +521,7 @@ class ExoApp(App):
         except HostKeyUnknown as exc:
             self.post_message(HostKeyQuestion(host, exc.fingerprint, exc.key_type, shown=exc.host))
             return
-        except Exception as exc:
+        except Exception as exc:  # told to the operator in a notice
             self.post_message(ActionDone("bootstrap", host, error=str(exc) or type(exc).__name__))
             return
         self.post_message(ActionDone("bootstrap", host))
@@ -553,7 +553,7 @@ class ExoApp(App):
     async def _add_host(self, host: str) -> None:
         try:
             await self.control.add_host(host)
-        except Exception as exc:
+        except Exception as exc:  # told to the operator in a notice
             self.post_message(ActionDone("add host", host, error=str(exc) or type(exc).__name__))
             return
         self.post_message(ActionDone("add host", host))
@@ -580,7 +580,7 @@ class ExoApp(App):
     async def _load_model(self, name: str) -> None:
         try:
             await run_command(self.control, Command("model", model=name))
-        except Exception as exc:
+        except Exception as exc:  # told to the operator in a notice
             self.post_message(ActionDone("model", name, error=str(exc) or type(exc).__name__))
             return
         self.post_message(ActionDone("model", name))

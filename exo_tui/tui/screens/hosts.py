@@ -35,7 +35,7 @@ class HostsTable(DataTable):
             return None
         try:
             return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
-        except Exception:
+        except Exception:  # the rows are being replaced: no host is selected for this moment
             return None
 
 

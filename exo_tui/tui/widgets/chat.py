@@ -250,11 +250,11 @@ class ChatPane(Vertical):
         finally:
             try:
                 await agen.aclose()
-            except Exception:
+            except Exception:  # the answer has ended either way; its error, if any, is shown below
                 pass
         try:
             answer.finish(dark=app.current_theme.dark)
-        except Exception:
+        except Exception:  # the chat was closed while the answer ended: nothing left to show it in
             return
         if error:
             answer.status.update(Text(f"✗ {error}", style=theme_style(app, "error")))

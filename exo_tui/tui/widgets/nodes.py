@@ -99,7 +99,7 @@ class NodesTable(DataTable):
             return None
         try:
             return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
-        except Exception:
+        except Exception:  # the rows are being replaced: no node is selected for this moment
             return None
 
     def targets(self) -> tuple[str, ...]:

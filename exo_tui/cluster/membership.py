@@ -1,0 +1,327 @@
+"""Membership and health: nodes joining (found by discovery, added by address, coming back),
+their frames (hello, heartbeats), failures and the replan after them, the monitor and link probes.
+
+A part of :class:`~exo_tui.cluster.coordinator.Coordinator`, which holds the state it reads
+(``nodes``, ``discovered``, ``hosts``, ``plan``, ``ring``, the event bus) and the other parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from exo_tui import events as ev
+from exo_tui.cluster.node_handle import NodeHandle
+from exo_tui.cluster.view import (
+    Command,
+    HostView,
+)
+from exo_tui.inference.generate import GenerationError
+from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
+from exo_tui.net.errors import ConnectError, HandshakeError, RemoteError
+from exo_tui.net.frame import Frame
+from exo_tui.net.rpc import Connection, connect
+from exo_tui.node.profile import NodeProfile
+from exo_tui.scheduler.diff import should_rebalance
+
+log = logging.getLogger("exo_tui.cluster")
+
+MONITOR_INTERVAL_S = 0.25
+RECONNECT_INTERVAL_S = 2.0
+LINK_PROBE_INTERVAL_S = 10.0
+
+
+class Membership:
+    """Nodes joining, their frames, heartbeats and failures (a part of the Coordinator)."""
+
+    async def _start_discovery(self, cluster: Any) -> None:
+        """Browse for nodes and hosts (mDNS, static peers, ssh_config, tailscale, per config).
+        Nodes that prove our cluster key join; the others show as foreign."""
+        from exo_tui.discovery.mdns import cluster_fingerprint
+        from exo_tui.discovery.service import Discovery, net_probe
+
+        fp = cluster_fingerprint(cluster.ca_cert_pem)
+        self.discovery = Discovery.from_config(
+            self.events, self.config, cli_peers=(), cluster_fingerprint=fp, probe=net_probe(self.security, fp),
+            ignore_node_ids=tuple(self.nodes),
+        )
+        self._tasks.append(asyncio.create_task(self._discovery_loop(), name="coordinator-discovery"))
+        try:
+            await self.discovery.start()
+        except OSError as exc:  # no multicast-capable interface, say
+            self._notice("warning", f"discovery could not start ({exc}): add nodes with --peer")
+
+    async def _discovery_loop(self) -> None:
+        with self.events.subscribe() as sub:
+            async for event in sub:
+                try:
+                    await self._on_discovery_event(event)
+                except Exception as exc:  # noqa: BLE001 - one bad advertisement must not stop discovery
+                    log.warning("discovery event %s: %s", event.kind, exc)
+
+    async def _on_discovery_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.NodeDiscovered):
+            if event.node_id in self.nodes and self.nodes[event.node_id].state != "failed":
+                self.discovery.mark_member(event.node_id)
+                return
+            self.discovered[event.node_id] = event
+            if event.foreign:
+                return
+            try:
+                await self.add_node(event.address, event.port)
+            except (ConnectError, OSError, TimeoutError) as exc:
+                if isinstance(exc, HandshakeError):  # it answered but is not of this cluster
+                    self.discovery.mark_foreign(event.node_id, str(exc))
+                return
+            self.discovered.pop(event.node_id, None)
+            self.discovery.mark_member(event.node_id)
+            await self._after_membership_change(f"node {event.name} discovered")
+        elif isinstance(event, ev.NodeStateChanged) and event.state == "foreign" and event.node_id in self.discovered:
+            self.discovered[event.node_id] = replace(self.discovered[event.node_id], foreign=True)
+        elif isinstance(event, ev.NodeGone):
+            self.discovered.pop(event.node_id, None)
+        elif isinstance(event, ev.HostDiscovered) and event.source != "manual":
+            if event.host not in self.hosts or self.hosts[event.host].state == "new":
+                self.hosts[event.host] = HostView(host=event.host, port=event.port, source=event.source)
+                self._touch()
+        elif isinstance(event, ev.HostGone) and event.host in self.hosts and self.hosts[event.host].state == "new":
+            del self.hosts[event.host]
+            self._touch()
+        elif isinstance(event, ev.BootstrapProgress) and event.host in self.hosts:
+            state = "bootstrapping" if event.status == "running" else ("failed" if event.status == "failed" else
+                                                                      ("node" if event.step == "done" else "bootstrapping"))
+            self.hosts[event.host] = replace(self.hosts[event.host], state=state, detail=f"{event.step}: {event.message}")
+            self._touch()
+
+    # ================================================================== membership
+
+    async def add_node(self, host: str, port: int) -> NodeHandle:
+        """Connect to a node agent, attach to it and add it to the cluster."""
+        assert self.security is not None
+        timeout = self.config.network.discovery.connect_timeout
+        # _on_frame never awaits: tokens and heartbeats are handled in the read loop (no lane task).
+        conn = await connect(host, port, security=self.security, timeout=timeout, handler=self._on_frame,
+                             inline_types=("token", "step_failed", "heartbeat"))
+        reply = await conn.call("attach", timeout=10)
+        profile = NodeProfile.from_dict(reply.body["profile"])
+        existing = self.nodes.get(profile.node_id)
+        if existing is not None and existing.connected and existing.conn is not conn:
+            await existing.conn.aclose()
+        handle = NodeHandle(profile.node_id, profile.name, host, port, profile, conn)
+        handle.shards = list(reply.body.get("shards", []))
+        handle.held = {(s["start"], s["end"]) for s in handle.shards}
+        handle.drained = profile.node_id in self.drained
+        handle.state = "drained" if handle.drained and not handle.held else "ready"
+        if existing is not None:
+            handle.links = existing.links
+            handle.history = existing.history
+        conn.data["node_id"] = profile.node_id
+        conn.on_close(self._on_conn_closed)
+        handle.local_process = next((n for n in self._local if n.port == port and host == "127.0.0.1"), None)
+        self.nodes[profile.node_id] = handle
+        if self.store is not None and handle.local_process is None:
+            self.store.remember_node(handle.node_id, handle.name, host, port)
+        self.events.publish(ev.NodeJoined(node_id=handle.node_id, name=handle.name, address=host, port=port))
+        self._touch()
+        return handle
+
+    def _on_conn_closed(self, conn: Connection, reason: BaseException | None) -> None:
+        node_id = conn.data.get("node_id")
+        handle = self.nodes.get(node_id) if node_id else None
+        if handle is None or handle.conn is not conn or self._stopping:
+            return
+        self._fail_node(node_id, f"connection lost ({reason})" if reason else "connection closed")
+
+    def _fail_node(self, node_id: str, reason: str) -> None:
+        handle = self.nodes.get(node_id)
+        if handle is None or handle.state == "failed":
+            return
+        handle.state, handle.reason = "failed", reason
+        handle.failures += 1
+        log.warning("node %s failed: %s", handle.name, reason)
+        if handle.conn is not None:
+            handle.conn.close()
+        self.pipeline.fail_node(node_id, f"node {handle.name} failed: {reason}")
+        self.events.publish(ev.NodeFailed(node_id=node_id, reason=reason))
+        self.events.publish(ev.NodeStateChanged(node_id=node_id, state="failed", reason=reason))
+        self._touch()
+        if self.ring is not None and any(e.node_id == node_id for e in self.ring.ring):
+            self._schedule_replan(f"node {handle.name} failed: {reason}")
+
+    def _schedule_replan(self, reason: str) -> asyncio.Task[None]:
+        if self._replan_task is None or self._replan_task.done():
+            self._plan_ready.clear()  # no new step on a ring with a dead node
+            self._replan_task = asyncio.create_task(self._replan_after_failure(reason))
+        return self._replan_task
+
+    def broken_pins(self) -> list[str]:
+        """The pins that cannot hold now: their node failed, or is not in the cluster (a pin is
+        saved with the cluster's state, and its machine may be off when the coordinator starts)."""
+        return [
+            f"{self.nodes[n].name} layers {p.start}-{p.end - 1}" if n in self.nodes
+            else f"{n} layers {p.start}-{p.end - 1} (not in the cluster)"
+            for n, p in self.pins.items() if n not in self.nodes or self.nodes[n].state == "failed"
+        ]
+
+    async def _replan_after_failure(self, reason: str) -> None:
+        """A plan over the survivors. A node that dies while it is being made is failed too
+        (its connection closes) and the plan is made again without it."""
+        broken = self.broken_pins()
+        if broken:
+            self._notice("warning", f"{reason}: the pin of {', '.join(broken)} cannot hold until the node returns")
+        for attempt in range(1, 2 + len(self.nodes)):
+            try:
+                await self.replan(reason, move_kv=False)
+                return
+            except GenerationError:
+                return  # _cannot_serve has told requests and the operator why
+            except (RemoteError, ConnectionError, TimeoutError, KeyError) as exc:
+                log.warning("replanning after a failure, attempt %d: %s", attempt, exc)
+                await asyncio.sleep(0.2)
+        self._cannot_serve(f"no stable plan after {len(self.nodes) + 1} attempts")
+
+    def node_name(self, node_id: str) -> str:
+        handle = self.nodes.get(node_id)
+        return handle.name if handle is not None else node_id
+
+    def connection(self, node_id: str) -> Connection:
+        handle = self.nodes[node_id]
+        if not handle.connected:
+            raise KeyError(node_id)
+        return handle.conn  # type: ignore[return-value]
+
+    # ================================================================== frames from nodes
+
+    async def _on_frame(self, conn: Connection, frame: Frame) -> Frame | None:
+        node_id = conn.data.get("node_id", "")
+        b = frame.body
+        handle = self.nodes.get(node_id)
+        if handle is not None and handle.conn is conn:
+            handle.last_heartbeat_s = time.monotonic()  # any frame is a sign of life
+        if frame.type == "token":
+            try:
+                logprobs = None if b.get("logprobs") is None else TokenLogprobs.from_wire(b["logprobs"])
+                scores = None
+                if b.get("scored"):
+                    if frame.tensor is None:
+                        raise ValueError("a scored token frame came without its scores")
+                    scores = scores_from_array(frame.tensor)
+            except ValueError as exc:  # the step fails (and is retried); the connection stays
+                self.pipeline.on_step_failed(b["rid"], b.get("step"), frame.plan, f"node {node_id}: {exc}", node_id)
+                return None
+            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs, scores)
+        elif frame.type == "heartbeat":
+            if handle is not None and handle.conn is conn:
+                handle.record_heartbeat(b.get("metrics", {}))
+                self.events.publish(ev.NodeMetrics(node_id=node_id, metrics={k: v for k, v in handle.metrics.items() if k != "requests"}))
+                self._touch()
+        elif frame.type == "step_failed":
+            suspect = b.get("failed_node") or None
+            self.pipeline.on_step_failed(b.get("rid", ""), b.get("step"), frame.plan, str(b.get("error", "")), suspect)
+        else:
+            raise RemoteError(f"the coordinator does not take {frame.type!r} frames")
+        return None
+
+    # ================================================================== monitoring
+
+    async def _monitor_loop(self) -> None:
+        timeout = self.config.scheduler.fault_tolerance.heartbeat_timeout
+        last_reconnect = 0.0
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            now = time.monotonic()
+            for handle in list(self.nodes.values()):
+                if handle.state != "failed" and handle.heartbeat_age_s(now) > timeout:
+                    self._fail_node(handle.node_id, f"no heartbeat for {handle.heartbeat_age_s(now):.1f} s")
+            if now - last_reconnect > RECONNECT_INTERVAL_S:
+                last_reconnect = now
+                for handle in [h for h in self.nodes.values() if h.state == "failed"]:
+                    asyncio.create_task(self._try_return(handle))
+                if self.store is not None and self.store.write_error is not None:
+                    self.store.retry()  # the state file was unwritable (a full disk): catch up once it is
+            await self._maybe_auto_rebalance()
+
+    async def _try_return(self, handle: NodeHandle) -> None:
+        if handle.local_process is not None and not handle.local_process.alive():
+            return
+        try:
+            back = await self.add_node(handle.host, handle.port)
+        except (ConnectError, OSError, RemoteError, TimeoutError):
+            return
+        back.failures = handle.failures
+        self._notice("info", f"node {back.name} is back and eligible again")
+        self.events.publish(ev.NodeStateChanged(node_id=back.node_id, state=back.state, reason="returned"))
+        await self._after_membership_change(f"node {back.name} returned")
+
+    async def _after_membership_change(self, reason: str) -> None:
+        if self._serve_error or self.ring is None:
+            try:
+                await self.replan(reason)
+            except Exception:  # the cluster still cannot serve: the notice says why; the next change tries again
+                log.info("no plan after %s", reason, exc_info=True)
+            return
+        preview = await self.preview(Command("rebalance"))
+        if preview.error or not preview.moves:
+            return
+        if self.config.scheduler.load_balancing.auto_rebalance:
+            await self.apply(preview)
+        else:
+            self._notice(
+                "info",
+                f"{reason}: a rebalance would move {len(preview.moves)} layer ranges "
+                f"({preview.bytes_moved / 1e6:.0f} MB), {preview.tok_per_s_before:.1f} → {preview.tok_per_s_after:.1f} tok/s: press R",
+            )
+
+    async def _maybe_auto_rebalance(self) -> None:
+        lb = self.config.scheduler.load_balancing
+        if self.plan is None or self.plan.predictions is None or not self._plan_ready.is_set():
+            return
+        coefficient = self._measured_balance()
+        now = time.monotonic()
+        if self._last_rebalance_s is None:
+            self._last_rebalance_s = now
+        if should_rebalance(coefficient, self._last_rebalance_s, now, self.config.scheduler):
+            self._last_rebalance_s = now
+            preview = await self.preview(Command("rebalance"))
+            if preview.moves and not preview.error:
+                if lb.auto_rebalance:
+                    await self.apply(preview)
+                else:
+                    self._notice("info", f"stage times are imbalanced (std/mean {coefficient:.2f}): press R to rebalance")
+
+    def _measured_balance(self) -> float:
+        """std/mean of the stages' busy fractions over the last heartbeat (0 when idle)."""
+        if self.ring is None:
+            return 0.0
+        busy = [self.nodes[e.node_id].metrics.get("busy_fraction", 0.0) for e in self.ring.ring if e.node_id in self.nodes]
+        if len(busy) < 2 or max(busy) < 0.05:
+            return 0.0
+        return float(np.std(busy) / max(np.mean(busy), 1e-9))
+
+    async def _link_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LINK_PROBE_INTERVAL_S)
+            try:
+                await self._probe_links()
+            except Exception:  # the links keep their last values; the next round probes again
+                log.warning("probing the links failed", exc_info=True)
+
+    async def _probe_links(self) -> None:
+        """Latency of every ordered pair of live nodes (the scheduler needs every link)."""
+        live = [h for h in self.nodes.values() if h.connected and h.state != "failed"]
+
+        async def probe(a: NodeHandle, b: NodeHandle) -> None:
+            try:
+                reply = await a.conn.call("link_probe", {"host": b.host, "port": b.port, "pings": 3}, timeout=10)
+            except (RemoteError, ConnectionError, TimeoutError):
+                return
+            a.links[b.node_id] = float(reply.body["latency_s"])
+            if "bandwidth_bytes_per_s" in reply.body:
+                a.link_bandwidth[b.node_id] = float(reply.body["bandwidth_bytes_per_s"])
+
+        await asyncio.gather(*(probe(a, b) for a in live for b in live if a is not b))

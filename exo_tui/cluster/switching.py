@@ -1,0 +1,353 @@
+"""Plan switching and KV moves: the scheduler's view of the nodes, previews of a change, and
+:meth:`PlanSwitching._switch` — new shards loaded while the old plan serves, the switch at a token
+boundary with every in-flight request's KV cache moved to its new home (or left to be rebuilt from
+its tokens), old shards unloaded — and the pipeline's callbacks (the plan in force, failed steps).
+
+A part of :class:`~exo_tui.cluster.coordinator.Coordinator`, which holds the state it reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from backends.base import KVCache
+from exo_tui import events as ev
+from exo_tui.cluster.node_handle import NodeHandle
+from exo_tui.cluster.pipeline import StepFailure
+from exo_tui.cluster.view import (
+    LayerMove,
+)
+from exo_tui.cluster.weights import load_from_path, stream_shard
+from exo_tui.config import GB
+from exo_tui.inference.generate import GenerationError
+from exo_tui.net.address import is_loopback
+from exo_tui.net.errors import RemoteError
+from exo_tui.net.protocol import PlanEntry, RingPlan, kv_from_array, kv_to_array
+from exo_tui.node.profile import BENCH_CONFIG
+from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
+from exo_tui.scheduler.even import even_plan
+from exo_tui.scheduler.partition import InfeasiblePlan
+from exo_tui.scheduler.plan import Constraints, Pin, Plan
+from exo_tui.scheduler.profile import DeviceProfile, Link
+
+log = logging.getLogger("exo_tui.cluster")
+
+# Bytes of one benchmark layer (Q4_1 blocks of SmolLM2-135M's shape): node timings scale from it.
+# Bytes of one benchmark layer (Q4_1 blocks of SmolLM2-135M's shape): node timings scale from it.
+_BENCH_PARAMS = (
+    2 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.n_heads * BENCH_CONFIG.head_dim
+    + 2 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.n_kv_heads * BENCH_CONFIG.head_dim
+    + 3 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.intermediate_size
+)
+BENCH_LAYER_BYTES = _BENCH_PARAMS * 20 // 32
+
+
+class PlanSwitching:
+    """The plan in force and every change of it (a part of the Coordinator)."""
+
+    # ================================================================== planning
+
+    def device_profiles(self) -> list[DeviceProfile]:
+        now = time.monotonic()
+        rc = self.config.scheduler.resource_reservation
+        out = []
+        for h in self.nodes.values():
+            p = h.profile
+            backend = self._node_backend(h)
+            timing = p.layer_timing.get(backend)
+            held = sum(int(s.get("nbytes", 0)) for s in h.shards)
+            avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
+            total = p.ram_total_bytes
+            if p.memory_limit_bytes:
+                # The limit is what the node offers: add the reserves back so the scheduler's
+                # usable memory equals the limit.
+                avail = int(min(avail, p.memory_limit_bytes) + rc.system_reserved_ram * GB + rc.emergency_reserve * total)
+            out.append(
+                DeviceProfile(
+                    node_id=h.node_id,
+                    name=h.name,
+                    device_type=p.device_type,
+                    ram_total_bytes=total,
+                    ram_available_bytes=avail,
+                    unified_memory=p.unified_memory,
+                    cpu_cores=p.cpu_cores,
+                    cpu_utilization=min(1.0, float(h.metrics.get("cpu_percent", 0.0)) / 100.0),
+                    backends=(backend,),
+                    decode_s_per_layer={backend: timing.decode_layer_s} if timing else {},
+                    prefill_s_per_layer_token={backend: timing.prefill_layer_token_s} if timing else {},
+                    compute_ref_layer_bytes=BENCH_LAYER_BYTES,
+                    kv_value_bytes={backend: p.kv_value_bytes},
+                    memory_bandwidth_bytes_per_s=p.memory_bandwidth_bytes_per_s or 10e9,
+                    load_factor=0.0,
+                    benchmark_score=1.0 / timing.decode_layer_s if timing and timing.decode_layer_s > 0 else 1.0,
+                    power_state="battery" if h.metrics.get("on_battery") else "active",
+                    links={peer: Link(lat, h.link_bandwidth.get(peer, 1e9)) for peer, lat in h.links.items()},
+                    last_heartbeat=h.last_heartbeat_s if h.state != "failed" else now - 1e9,
+                    drained=h.node_id in self.drained,
+                    failed=h.state == "failed",
+                )
+            )
+        return out
+
+    def _node_backend(self, h: NodeHandle) -> str:
+        return h.profile.backend or (h.profile.backends or ["onnx"])[0]
+
+    def constraints(self, *, drained: set[str] | None = None, pins: dict[str, Pin] | None = None) -> Constraints:
+        """Pins, drains and failures for the scheduler. A pin on a failed node, or on one not in
+        the cluster, cannot hold: it is left out (and kept, to apply again when the node returns);
+        see :meth:`broken_pins`."""
+        failed = frozenset(n for n, h in self.nodes.items() if h.state == "failed")
+        pins = pins if pins is not None else self.pins
+        return Constraints(
+            pins=tuple(p for n, p in pins.items() if n in self.nodes and n not in failed),
+            drained=frozenset(drained if drained is not None else self.drained),
+            failed=failed,
+        )
+
+    def _preview(self, constraints: Constraints) -> ChangePreview:
+        if self.strategy == "even":
+            return self._even_preview(constraints)
+        return preview_change(
+            self.plan,
+            self.device_profiles(),
+            self.spec,
+            constraints,
+            self.config.scheduler,
+            now=time.monotonic(),
+            strategy=self.strategy,
+        )
+
+    def _even_preview(self, constraints: Constraints) -> ChangePreview:
+        """Layers split evenly over the live, undrained nodes in the order they joined
+        (``exo-tui chat --nodes``: the operator's order is the ring); see :mod:`exo_tui.scheduler.even`."""
+        live = [h for h in self.nodes.values() if h.state != "failed" and h.node_id not in constraints.drained]
+        version = (self.plan.version + 1) if self.plan else 1
+        try:
+            plan = even_plan([h.node_id for h in live], {h.node_id: self._node_backend(h) for h in live},
+                             {p.node_id: p for p in self.device_profiles()}, self.spec, constraints,
+                             self.config.scheduler, version)
+        except InfeasiblePlan as exc:
+            return ChangePreview(None, None, error=str(exc))
+        diff = plan_diff(self.plan, plan, self.spec, constraints.failed)
+        before = self.plan.predictions.tok_per_s_single if self.plan and self.plan.predictions else 0.0
+        after = plan.predictions.tok_per_s_single if plan.predictions else 0.0
+        return ChangePreview(plan, diff, (), before, after)
+
+    def _plan_alive(self) -> bool:
+        return self.plan is not None and all(
+            s.node_id in self.nodes and self.nodes[s.node_id].state != "failed" for s in self.plan.shards
+        )
+
+    async def replan(self, reason: str, *, move_kv: bool = True) -> Plan:
+        """Make the best plan for the cluster as it is and switch to it."""
+        preview = self._preview(self.constraints())
+        if preview.error or preview.new_plan is None:
+            self._cannot_serve(preview.error or "no plan")
+            raise GenerationError(self._serve_error)
+        await self._switch(preview.new_plan, reason, move_kv=move_kv)
+        return preview.new_plan
+
+    def _cannot_serve(self, why: str) -> None:
+        free = sum(
+            max(0, h.memory_available_bytes) for h in self.nodes.values() if h.state != "failed" and h.node_id not in self.drained
+        )
+        need = self.spec.total_bytes if self.spec is not None else 0
+        self._serve_error = f"the cluster cannot serve the model: {why} (free {free / 1e9:.2f} GB on live nodes, the model needs {need / 1e9:.2f} GB)"
+        self._plan_ready.set()  # waiting steps wake up and fail with the error
+        self._notice("error", self._serve_error)
+
+    async def _switch(self, new: Plan, reason: str, *, move_kv: bool = True) -> None:
+        """Load, switch at a token boundary, move KV, unload (see the module doc)."""
+        async with self._plan_lock:
+            old_plan, old_ring = self.plan, self.ring
+            same = old_plan is not None and self._plan_alive() and old_plan.shards == new.shards
+            if same and not self._serve_error:
+                self._plan_ready.set()
+                self._refresh_states()
+                return
+            self._version = max(self._version, old_plan.version if old_plan else 0) + 1
+            new = new.with_version(self._version)
+            ring = self._ring_for(new)
+            moves = _moves(old_plan, new, self.spec)
+            # 1. load what is missing, max_task_migration at a time, while the old plan serves
+            limit = max(1, self.config.scheduler.load_balancing.max_task_migration)
+            missing = [e for e in ring.ring if (e.start, e.end) not in self.nodes[e.node_id].held]
+            for i in range(0, len(missing), limit):
+                await asyncio.gather(*(self._ensure_shard(e) for e in missing[i : i + limit]))
+            conns = [self.connection(e.node_id) for e in ring.ring]
+            await asyncio.gather(*(conn.call("plan", {"plan": ring.to_dict()}, timeout=30) for conn in conns))
+            # 2. switch at a token boundary: no new step starts; wait for the ones running
+            self._plan_ready.clear()
+            await self._idle.wait()
+            # 3. move the KV caches of requests in flight
+            if move_kv and old_ring is not None and self._plan_alive():
+                await self._move_kv(old_ring, ring)
+            self.plan, self.ring = new, ring
+            self._serve_error = ""
+            self._plan_ready.set()
+            # 4. unload what the new plan does not use; drained nodes become drained
+            await self._unload_unused(ring)
+            self._refresh_states()
+            if self.store is not None:
+                self.store.save_plan(new.version, str(self.model.path) if self.model else "", new.to_dict())
+            diff = {"moves": [m.__dict__ for m in moves], "bytes_moved": sum(m.nbytes for m in moves)}
+            self.events.publish(ev.PlanChanged(version=new.version, plan=new.to_dict(), diff=diff, reason=reason))
+            self._touch()
+            log.info("plan %d in force (%s): %s", new.version, reason, new.layout)
+
+    def _refresh_states(self) -> None:
+        """Drained when a drained node holds nothing, draining while it still does, else ready."""
+        for h in self.nodes.values():
+            if h.state in ("ready", "draining", "drained", "loading"):
+                if h.node_id in self.drained:
+                    wanted = "draining" if h.held else "drained"
+                else:
+                    wanted = "ready"
+                if wanted != h.state:
+                    h.state = wanted
+                    self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state=wanted))
+
+    def _ring_for(self, plan: Plan) -> RingPlan:
+        """The ring as nodes see it. A node the coordinator reaches on loopback is named, for
+        the others, by the address this host has on their network."""
+        handles = [self.nodes[s.node_id] for s in plan.shards]
+        remote = next((h for h in handles if not is_loopback(h.host) and h.connected), None)
+        outward = remote.conn.local_address if remote is not None else ""
+        entries = []
+        for s, h in zip(plan.shards, handles, strict=True):
+            host = outward if outward and is_loopback(h.host) else h.host
+            entries.append(PlanEntry(s.node_id, host, h.port, s.start, s.end, s.backend or self._node_backend(h)))
+        return RingPlan(plan.version, plan.n_layers, tuple(entries))
+
+    async def _ensure_shard(self, entry: PlanEntry) -> None:
+        h = self.nodes[entry.node_id]
+        conn = self.connection(entry.node_id)
+        prior = h.state
+        h.state = "loading"
+        self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state="loading", reason=f"layers {entry.start}-{entry.end - 1}"))
+        assert self.model is not None
+        try:
+            if self._use_path(h):
+                body = await load_from_path(conn, str(self.model.path), entry.start, entry.end, entry.backend)
+                self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end,
+                                                     done_bytes=int(body.get("nbytes", 0)), total_bytes=int(body.get("nbytes", 0))))
+            else:
+                def progress(done: int, total: int) -> None:
+                    self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end, done_bytes=done, total_bytes=total))
+
+                body = await stream_shard(conn, self.model.gguf, entry.start, entry.end, entry.backend, progress=progress)
+        finally:
+            if h.state == "loading":
+                h.state = prior if prior != "loading" else "ready"
+        h.held.add((entry.start, entry.end))
+        h.shards = [s for s in h.shards if (s["start"], s["end"]) != (entry.start, entry.end)]
+        h.shards.append({"start": entry.start, "end": entry.end, "backend": body.get("backend"), "nbytes": int(body.get("nbytes", 0))})
+
+    def _use_path(self, h: NodeHandle) -> bool:
+        if self.weights_mode != "auto":
+            return self.weights_mode == "path"
+        return is_loopback(h.host) and h.profile.hostname == socket.gethostname()
+
+    async def _unload_unused(self, ring: RingPlan) -> None:
+        keep = {(e.node_id, e.start, e.end) for e in ring.ring}
+        for h in self.nodes.values():
+            if not h.connected:
+                continue
+            for start, end in list(h.held):
+                if (h.node_id, start, end) not in keep:
+                    with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
+                        await h.conn.call("unload", {"start": start, "end": end}, timeout=30)
+                    h.held.discard((start, end))
+                    h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
+
+    async def _move_kv(self, old: RingPlan, new: RingPlan) -> None:
+        """Move every in-flight request's caches from the old ring's shards to the new ones."""
+        for rid in self.pipeline.in_flight():
+            cached = self.pipeline.cached(rid)
+            if cached is None or cached[0] != old.version:
+                continue
+            try:
+                for e in new.ring:
+                    if any(o.node_id == e.node_id and (o.start, o.end) == (e.start, e.end) for o in old.ring):
+                        continue  # the same shard on the same node keeps its cache
+                    parts = []
+                    for o in old.ring:
+                        a, b = max(o.start, e.start), min(o.end, e.end)
+                        if a >= b:
+                            continue
+                        reply = await self.connection(o.node_id).call("kv_export", {"rid": rid, "start": a, "end": b}, timeout=30)
+                        parts.append(kv_from_array(a, b, np.asarray(reply.tensor)))
+                    cache = _concat_kv(parts)
+                    await self.connection(e.node_id).call(
+                        "kv_import", {"rid": rid, "start": e.start, "end": e.end}, tensor=kv_to_array(cache), timeout=30
+                    )
+            except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError) as exc:
+                log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
+                continue
+            self.pipeline.set_cached(rid, new.version, cached[1])
+
+    # ================================================================== PipelineHost
+
+    async def plan_ready(self) -> RingPlan:
+        while True:
+            if self._serve_error:
+                raise GenerationError(self._serve_error)
+            if self._plan_ready.is_set() and self.ring is not None:
+                self._inflight_steps += 1
+                self._idle.clear()
+                return self.ring
+            await self._plan_ready.wait()
+            if self.ring is None and not self._serve_error:
+                await asyncio.sleep(0.05)
+
+    def step_done(self) -> None:
+        self._inflight_steps -= 1
+        if self._inflight_steps <= 0:
+            self._inflight_steps = 0
+            self._idle.set()
+
+    async def step_failed(self, failure: StepFailure, plan: RingPlan) -> None:
+        node_id = failure.node_id
+        if node_id is None or node_id not in self.nodes:
+            node_id = await self._find_dead(plan)
+        if node_id is not None and self.nodes[node_id].state != "failed":
+            self._fail_node(node_id, str(failure))
+        if self.ring is not None and self.ring.version == plan.version:
+            if node_id is None:
+                # Nobody is dead: the step was refused (e.g. a plan switch raced it). Try again.
+                await asyncio.sleep(0.05)
+                return
+            task = self._schedule_replan(str(failure))
+            await task
+        elif self._replan_task is not None and not self._replan_task.done():
+            await self._replan_task
+
+    async def _find_dead(self, plan: RingPlan) -> str | None:
+        for e in plan.ring:
+            h = self.nodes.get(e.node_id)
+            if h is None or not h.connected:
+                return e.node_id
+            try:
+                await h.conn.call("ping", {"t": time.time()}, timeout=1.0)
+            except (RemoteError, ConnectionError, TimeoutError):
+                return e.node_id
+        return None
+
+
+def _concat_kv(parts: list[KVCache]) -> KVCache:
+    parts = sorted(parts, key=lambda c: c.start)
+    keys = [k for p in parts for k in p.keys]
+    values = [v for p in parts for v in p.values]
+    return KVCache(parts[0].start, parts[-1].end, parts[0].length, keys, values)
+
+
+def _moves(old: Plan | None, new: Plan, spec: Any) -> list[LayerMove]:
+    diff = plan_diff(old, new, spec)
+    return [LayerMove(m.start, m.end, m.src, m.dst, m.nbytes) for m in diff.moves]
