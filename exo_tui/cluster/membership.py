@@ -113,7 +113,10 @@ class Membership:
         if existing is not None and existing.connected and existing.conn is not conn:
             await existing.conn.aclose()
         handle = NodeHandle(profile.node_id, profile.name, host, port, profile, conn)
-        handle.shards = list(reply.body.get("shards", []))
+        # Only shards of this coordinator's model count as held (a node may still hold another's,
+        # of the same layer ranges, from a coordinator before): the others are loaded over.
+        key = self.model.gguf.fingerprint if self.model is not None else None
+        handle.shards = [s for s in reply.body.get("shards", []) if s.get("model") == key]
         handle.held = {(s["start"], s["end"]) for s in handle.shards}
         handle.drained = profile.node_id in self.drained
         handle.state = "drained" if handle.drained and not handle.held else "ready"

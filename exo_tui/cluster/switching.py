@@ -235,7 +235,8 @@ class PlanSwitching:
         assert self.model is not None
         try:
             if self._use_path(h):
-                body = await load_from_path(conn, str(self.model.path), entry.start, entry.end, entry.backend)
+                body = await load_from_path(conn, str(self.model.path), entry.start, entry.end, entry.backend,
+                                            self.model.gguf.fingerprint)
                 self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end,
                                                      done_bytes=int(body.get("nbytes", 0)), total_bytes=int(body.get("nbytes", 0))))
             else:

@@ -29,8 +29,11 @@ class WeightTransferError(RuntimeError):
     pass
 
 
-async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None) -> dict:
-    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend}, timeout=LOAD_TIMEOUT_S)
+async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None,
+                         model_key: str = "") -> dict:
+    """``model_key`` (the model's fingerprint) is what the node says its shards are of."""
+    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend, "model": model_key},
+                            timeout=LOAD_TIMEOUT_S)
     return reply.body
 
 
@@ -56,6 +59,7 @@ async def stream_shard(
         "load_begin",
         {
             "transfer_id": transfer_id,
+            "model": model.fingerprint,
             "config": model.config.to_wire(),
             "start": start,
             "end": end,

@@ -130,6 +130,23 @@ class GGUFModel:
 
         return read_config(self.architecture, self.field, shape, values, str(self.path))
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """Which model this file is, for nodes to tell one model's shards from another's: a hash
+        of its header (metadata and tensor directory), its size and 64 KiB of its tensor data at
+        eight places (two fine-tunes of one shape share a header, not their weights)."""
+        import hashlib
+
+        data = np.memmap(self.path, mode="r")
+        start = min((t.offset for t in self._tensors.values()), default=data.size)
+        h = hashlib.sha256()
+        h.update(np.ascontiguousarray(data[:start]).tobytes())
+        h.update(str(data.size).encode())
+        for i in range(8):
+            at = start + (data.size - start) * i // 8
+            h.update(np.ascontiguousarray(data[at : at + (64 << 10)]).tobytes())
+        return h.hexdigest()[:32]
+
     @property
     def name(self) -> str:
         return str(self.field("general.name", self.path.stem))

@@ -275,14 +275,16 @@ class NodeAgent:
 
     async def _op_load(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
-        hosted = await self._in_loader(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"))
+        hosted = await self._in_loader(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"),
+                                       str(b.get("model", "")))
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
 
     async def _op_load_begin(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
         tensors = [TensorInfo(t["name"], t["type"], tuple(t["shape"]), int(t["nbytes"])) for t in b["tensors"]]
         config = ModelConfig.from_wire(b["config"])
-        self.host.begin_transfer(b["transfer_id"], config, int(b["start"]), int(b["end"]), b.get("backend"), tensors)
+        self.host.begin_transfer(b["transfer_id"], config, int(b["start"]), int(b["end"]), b.get("backend"), tensors,
+                                 str(b.get("model", "")))
         return Frame("ok")
 
     async def _op_load_chunk(self, conn: Connection, frame: Frame) -> Frame:

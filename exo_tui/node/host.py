@@ -31,6 +31,7 @@ class Transfer:
 
     transfer_id: str
     config: ModelConfig
+    model_key: str
     start: int
     end: int
     backend: str
@@ -73,6 +74,7 @@ class HostedShard:
     start: int
     end: int
     nbytes: int
+    model_key: str = ""  # the fingerprint of the model the shard is of (the coordinator's word)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -94,9 +96,10 @@ class ShardHost:
 
     # ------------------------------------------------------------------ loading
 
-    def load_from_file(self, path: str, start: int, end: int, backend: str | None) -> HostedShard:
+    def load_from_file(self, path: str, start: int, end: int, backend: str | None, model_key: str = "") -> HostedShard:
         model = self._open(path)
-        return self._install(model.config, lambda: model.shard_weights(start, end), backend)
+        return self._install(model.config, lambda: model.shard_weights(start, end), backend,
+                             model_key or model.fingerprint)
 
     def _open(self, path: str) -> GGUFModel:
         """The model file, opened once (parsing a GGUF's vocabulary takes seconds) while it is
@@ -113,7 +116,7 @@ class ShardHost:
         return model
 
     def begin_transfer(self, transfer_id: str, config: ModelConfig, start: int, end: int, backend: str | None,
-                       tensors: list[TensorInfo]) -> Transfer:
+                       tensors: list[TensorInfo], model_key: str = "") -> Transfer:
         total = sum(t.nbytes for t in tensors)
         if not tensors or any(t.nbytes <= 0 for t in tensors) or not 0 <= start < end <= config.n_layers:
             raise HostError(f"transfer {transfer_id}: an empty or malformed tensor list for layers [{start}, {end})")
@@ -125,7 +128,7 @@ class ShardHost:
                 f"transfer {transfer_id}: {total / 1e9:.2f} GB of weights do not fit in the {free / 1e9:.2f} GB free here: "
                 "give this node fewer layers or free memory"
             )
-        transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total)
+        transfer = Transfer(transfer_id, config, model_key, start, end, backend or self.default_backend, tensors, total)
         self.transfers[transfer_id] = transfer
         return transfer
 
@@ -139,21 +142,24 @@ class ShardHost:
             transfer.buffer = bytearray()
             return assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
 
-        return self._install(transfer.config, weights, transfer.backend)
+        return self._install(transfer.config, weights, transfer.backend, transfer.model_key)
 
-    def _install(self, config: ModelConfig, make_weights: Callable[[], ShardWeights], backend: str | None) -> HostedShard:
+    def _install(self, config: ModelConfig, make_weights: Callable[[], ShardWeights], backend: str | None,
+                 model_key: str = "") -> HostedShard:
         """Loads the weights ``make_weights`` makes; this is their only holder, so the backend may
         drop each layer once it has its own form of it (``disposable``) and everything the load
         freed goes back to the system afterwards."""
         name = backend or self.default_backend
-        if self.config is not None and self.config != config and self.shards:
-            # A different model: the old shards cannot be part of the same ring.
+        others = any(h.model_key != model_key for h in self.shards.values())
+        if self.shards and (self.config != config or others):
+            # A different model (another shape, or the same shape with other weights): the old
+            # shards cannot be part of the same ring.
             self.unload_all()
         weights = make_weights()
         weights.disposable = True
         nbytes = weights.nbytes  # before the load, which drops the layers
         shard = get_backend(name).load_shard(config, weights)
-        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes)
+        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes, model_key)
         del weights
         with self.lock:
             old = self.shards.pop(hosted.key, None)
@@ -224,7 +230,8 @@ class ShardHost:
         backend may be busy with a step on the worker thread (heartbeats must not wait)."""
         with self.lock:
             hosted = list(self.shards.values())
-        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes} for h in hosted]
+        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model_key}
+                for h in hosted]
 
 
 @functools.cache

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from exo_tui.cluster.view import Command
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
 from tests.integration.test_live_ops import _disturbed
 
@@ -37,7 +38,7 @@ def test_a_mixture_of_experts_survives_a_drain_and_a_kill(tmp_path: Path, refere
 
                 async def disturb() -> None:
                     if disturbance == "drain":
-                        preview = await c.preview("drain", (victim,))
+                        preview = await c.preview(Command("drain", (victim,)))
                         assert not preview.error and preview.moves
                         done = await c.apply(preview)
                         assert not done.error, done.error
