@@ -33,6 +33,7 @@ class MLXBackend(Backend):
     """
 
     name = "mlx"
+    experts = True  # mixtures of experts: backends.mlx.experts
 
     def __init__(self, *, threads: int | None = None, compile_decode: bool = True) -> None:
         if threads is None:
@@ -76,7 +77,7 @@ class MLXBackend(Backend):
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():
             raise BackendError("MLX is not installed or not working here: pip install mlx (mlx[cpu] on Linux)")
-        problems = unsupported_features(config)
+        problems = unsupported_features(config, experts=True)
         if problems:
             raise BackendError(f"this {config.arch} model uses {problems[0]}, which this backend does not run")
         for i, lw in enumerate(weights.layers):

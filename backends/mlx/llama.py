@@ -1,5 +1,6 @@
 """The decoder's layers in MLX, in the shape of mlx-lm's ``models/llama.py``: Attention, MLP,
-TransformerBlock and the shard's model, float32 throughout, quantized matrices kept quantized.
+TransformerBlock and the shard's model, float32 throughout, quantized matrices kept quantized; a
+mixture of experts' layer has :class:`~backends.mlx.experts.SwitchGLU` for its MLP.
 Every family is this llama with some of :class:`~backends.base.ModelConfig`'s switches on (q/k/v
 biases, per-head q/k norms, post norms, tanh GELU, an attention scale, sliding windows, an
 embedding scale, a logit soft-cap); a switch that is off adds no op.
@@ -27,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from backends.base import LayerWeights, ModelConfig, ShardWeights
+from backends.mlx.experts import SwitchGLU
 from backends.mlx.quant import MLXWeight, fuse_rows, to_mlx
 from backends.rope import angles, table_key
 
@@ -203,6 +205,10 @@ def silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
+def activation(config: ModelConfig):
+    return gelu_tanh if config.activation == "gelu_tanh" else silu
+
+
 class MLP:
     def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1) -> None:
         fused = fuse_rows([w.w_gate, w.w_up])
@@ -211,7 +217,11 @@ class MLP:
         self.up_proj = None if fused is not None else to_mlx(w.w_up, f"{name}.ffn_up", n_parts)
         self.down_proj = to_mlx(w.w_down, f"{name}.ffn_down", n_parts)
         self.intermediate = w.w_down.shape[1]
-        self.act = gelu_tanh if config.activation == "gelu_tanh" else silu
+        self.act = activation(config)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for p in (self.gate_up_proj, self.gate_proj, self.up_proj, self.down_proj) if p is not None
+                for a in p.arrays()]
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
@@ -230,7 +240,9 @@ class TransformerBlock:
         # gemma3's norms of the attention's and the MLP's outputs (None: not this family)
         self.attn_post_norm, self.ffn_post_norm = vector(w.attn_post_norm), vector(w.ffn_post_norm)
         self.self_attn = Attention(config, w, name, n_parts, table, window)
-        self.mlp = MLP(config, w, name, n_parts)
+        # a mixture of experts' layer: the router and its experts in place of one MLP
+        self.mlp = (SwitchGLU(config, w, name, n_parts, activation(config)) if config.n_experts
+                    else MLP(config, w, name, n_parts))
 
     def __call__(self, x: mx.array, step: Step, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
         r, keys, values = self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), step, keys, values)

@@ -139,6 +139,19 @@ class MLXQuantized:
         return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group, bits=self.bits)
 
 
+def small_group_weights(packed: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int) -> mx.array:
+    """Float32 weights ``(..., rows, cols)`` of packed codes in groups of ``group``:
+    ``scale * q + bias`` (``biases`` None: ``scale * (q - 2**(bits - 1))``)."""
+    codes = unpack_codes(packed, bits).astype(mx.float32)
+    *lead, cols = codes.shape
+    codes = codes.reshape(*lead, cols // group, group)
+    if biases is None:
+        w = (codes - float(1 << (bits - 1))) * scales[..., None]
+    else:
+        w = codes * scales[..., None] + biases[..., None]
+    return w.reshape(*lead, cols)
+
+
 class MLXSmallGroups:
     """A matrix ``(out, in)`` in quantization groups smaller than MLX's matmul takes (Q6_K's 16):
     the codes stay packed (MLX's layout) and each matmul unpacks them into a float32 matrix of
@@ -165,14 +178,7 @@ class MLXSmallGroups:
             a for part in self.parts for a in part if a is not None]
 
     def _weights(self, packed: mx.array, scales: mx.array, biases: mx.array | None) -> mx.array:
-        codes = unpack_codes(packed, self.bits).astype(mx.float32)
-        *lead, cols = codes.shape
-        codes = codes.reshape(*lead, cols // self.group, self.group)
-        if biases is None:
-            w = (codes - float(1 << (self.bits - 1))) * scales[..., None]
-        else:
-            w = codes * scales[..., None] + biases[..., None]
-        return w.reshape(*lead, cols)
+        return small_group_weights(packed, scales, biases, self.bits, self.group)
 
     def matmul(self, x: mx.array) -> mx.array:
         if not self.parts:
