@@ -25,6 +25,7 @@ How each format runs, and what it holds resident (bytes per weight; the GGUF fil
 
 from __future__ import annotations
 
+import math
 import threading
 
 import mlx.core as mx
@@ -57,15 +58,17 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
 
 def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     """:func:`pack_codes`'s inverse in MLX: uint32 ``(..., cols * bits // 32)`` to uint32 codes
-    ``(..., cols)`` (eight codes from each ``bits`` bytes)."""
+    ``(..., cols)``, from the stream's smallest whole-byte chunks (6 bits: four codes in 3 bytes)."""
     *lead, words = packed.shape
     cols = words * 32 // bits
-    stream = mx.view(packed, mx.uint8).reshape(*lead, cols // 8, bits)
-    wide = mx.uint64 if bits > 4 else mx.uint32
+    per = 8 // math.gcd(8, bits)  # codes in a chunk of per * bits / 8 bytes
+    size = per * bits // 8
+    stream = mx.view(packed, mx.uint8).reshape(*lead, cols // per, size)
+    wide = mx.uint64 if per * bits > 32 else mx.uint32
     chunk = stream[..., 0].astype(wide)
-    for i in range(1, bits):
+    for i in range(1, size):
         chunk = chunk | (stream[..., i].astype(wide) << (8 * i))
-    shifts = mx.arange(0, 8 * bits, bits).astype(wide)
+    shifts = mx.arange(0, per * bits, bits).astype(wide)
     codes = (chunk[..., None] >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*lead, cols).astype(mx.uint32)
 

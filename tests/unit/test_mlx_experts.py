@@ -134,6 +134,23 @@ def test_a_batch_of_decode_steps_equals_each_alone(formats):
             close(got, ref.forward(rid, tok, pos))
 
 
+def test_q6k_experts_when_the_pairs_name_fewer_than_all():
+    """A short prompt and a batch of three decode steps over 16 Q6_K experts: fewer (row, expert)
+    pairs than experts, so only the distinct chosen ones are unpacked (each pair finds its own)."""
+    cfg = dataclasses.replace(WIDE, n_experts=16)
+    w = with_experts(cfg, ("Q6_K",) * 3)
+    shard, ref = MLXBackend(threads=1).load_shard(cfg, w), ReferenceShard(cfg, w)
+    lengths = {"a": 1, "b": 2, "c": 3}
+    for rid, n in lengths.items():
+        for s in (shard, ref):
+            got = s.forward(rid, TOKENS[:n], np.arange(n), all_logits=True)
+        close(got, ref.forward(rid + "-again", TOKENS[:n], np.arange(n), all_logits=True))
+    for step in range(2):
+        items = [(rid, np.array([(7 * step + n) % 90]), np.array([n + step])) for rid, n in lengths.items()]
+        for (rid, tok, pos), got in zip(items, shard.forward_batch(items), strict=True):
+            close(got, ref.forward(rid, tok, pos))
+
+
 @pytest.mark.skipif("onnx" not in available_backends(), reason="needs ONNX Runtime")
 @pytest.mark.parametrize("order", [("onnx", "mlx"), ("mlx", "onnx")])
 def test_a_ring_of_onnx_and_mlx_equals_the_reference(order):
