@@ -1,6 +1,8 @@
 """The MLX backend (Apple silicon GPU on a Mac, MLX's CPU build on Linux).
 
-``MLXBackend().load_shard(config, weights)`` returns an :class:`~backends.mlx.shard.MLXShard`.
+``MLXBackend().load_shard(config, weights)`` returns an :class:`~backends.mlx.shard.MLXShard`:
+every family of :class:`~backends.base.ModelConfig`, mixtures of experts included
+(:mod:`backends.mlx.experts`), its quantized matrices kept quantized (:mod:`backends.mlx.quant`).
 This module imports without MLX installed; ``available()`` then says no.
 """
 

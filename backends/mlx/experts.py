@@ -12,18 +12,22 @@ affine groups, Q6_K's packed groups of 16, or float32) and run with ``mx.gather_
 ``mx.gather_mm``, which read only the chosen experts' matrices. With more than one row (a prompt,
 or a batch of decode steps) the (row, expert) pairs are sorted by expert first, as mlx-lm does
 (``sorted_indices``): on a GPU each expert's matrix is then read once for all the rows routed to
-it; MLX's CPU kernels run each pair as its own product whatever the order. Q6_K's experts are
-unpacked only for the distinct experts chosen (at most ``min(pairs, n_experts)`` matrices a step).
+it; MLX's CPU kernels run each pair as its own product whatever the order. Q6_K's experts (whose
+groups of 16 MLX's gathered products do not take) are unpacked to float32 only for the distinct
+experts chosen: in a compiled decode step at most ``min(pairs, n_experts)`` of them; in a prompt
+(eager) one at a time, each then multiplying all its rows at once.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from backends.base import BackendError, LayerWeights, ModelConfig, Weight
 from backends.mlx.quant import (
     MLXDense,
     MLXQuantized,
+    MLXSmallGroups,
     fuse_rows,
     small_group_weights,
     split_rows,
@@ -56,9 +60,12 @@ class StackedExperts:
     def arrays(self) -> list[mx.array]:
         return [a for a in self.arrays_ if a is not None]
 
-    def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool) -> mx.array:
+    def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool, eager: bool = False) -> mx.array:
         """``x`` ``(P, 1, in)``, one row for each (row, expert) pair; ``experts`` ``(P,)`` uint32:
-        each pair's expert. Returns ``(P, 1, out)``."""
+        each pair's expert; ``eager``: the pairs are sorted and this is no compiled step (a prompt).
+        Returns ``(P, 1, out)``."""
+        if eager and self.kind is MLXSmallGroups:
+            return self._per_expert(x, experts)
         if len(self.parts) == 1:
             return self._run(x, experts, sorted_indices, self.parts[0], None)
         outs = [self._run(x, experts, sorted_indices, part, st)
@@ -81,6 +88,23 @@ class StackedExperts:
             biases = None if biases is None else biases[chosen]
         w = small_group_weights(packed, scales, biases, self.bits, self.group)  # (n, out part, in) float32
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=slot, sorted_indices=sorted_indices, stream=stream)
+
+
+    def _per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+        """A prompt's pairs (sorted) on Q6_K's experts: each run of one expert's rows times that
+        expert alone, unpacked by itself and evaluated before the next (one expert's float32 at a
+        time, not the layer's: 128 experts of 2048 x 768 would be 800 MB)."""
+        ids = np.array(experts)  # the routing, read back (an eager step may)
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        ends = np.r_[starts[1:], len(ids)]
+        packed, scales, biases = self.arrays_
+        outs = []
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            e = int(ids[a])
+            w = small_group_weights(packed[e], scales[e], None if biases is None else biases[e], self.bits, self.group)
+            outs.append(x[a:b, 0] @ w.T)
+            mx.eval(outs[-1])
+        return mx.concatenate(outs)[:, None]
 
 
 def distinct(experts: mx.array, sorted_indices: bool, n_experts: int) -> tuple[mx.array | None, mx.array]:
@@ -132,7 +156,9 @@ class SwitchGLU:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return chosen.astype(mx.uint32), weights
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, eager: bool = False) -> mx.array:
+        """``x`` ``(..., hidden)``; ``eager``: no compiled step (a prompt), so Q6_K's experts may
+        run one by one on their rows, which reads the routing back to the host."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k = x.shape[0], self.k
@@ -145,11 +171,12 @@ class SwitchGLU:
         else:
             rows = mx.zeros((k,), mx.uint32)
         xs = x[rows][:, None, :]  # (N * k, 1, hidden)
+        one_by_one = eager and many
         if self.gate_up is not None:
-            gate, up = mx.split(self.gate_up(xs, pairs, many), [self.width], axis=-1)
+            gate, up = mx.split(self.gate_up(xs, pairs, many, one_by_one), [self.width], axis=-1)
         else:
-            gate, up = self.gate(xs, pairs, many), self.up(xs, pairs, many)
-        y = self.down(self.act(gate) * up, pairs, many)[:, 0]  # (N * k, hidden)
+            gate, up = self.gate(xs, pairs, many, one_by_one), self.up(xs, pairs, many, one_by_one)
+        y = self.down(self.act(gate) * up, pairs, many, one_by_one)[:, 0]  # (N * k, hidden)
         if many:
             y = y[back]
         y = (y.reshape(n, k, -1) * weights[..., None]).sum(axis=1)

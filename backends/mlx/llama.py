@@ -69,6 +69,7 @@ class Step:
     cos: tuple[mx.array, ...]  # float32 (T, 1, head_dim) per table: cos of each pair's angle, for both elements
     sin: tuple[mx.array, ...]  # float32 (T, 1, head_dim) per table: -sin for a pair's first element, +sin for its second
     n_keys: int  # attend over the first n_keys cache positions
+    eager: bool = False  # run eagerly (a prompt's chunk, not a compiled decode step): layers may read values back
 
 
 def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -99,7 +100,8 @@ def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kin
         if window:
             seen &= keys > queries - window
         masks.append(mx.array(seen))
-    return Step(mx.array(np.array([start], dtype=np.int32)), tuple(masks), tuple(cos), tuple(sin), n_keys)
+    return Step(mx.array(np.array([start], dtype=np.int32)), tuple(masks), tuple(cos), tuple(sin), n_keys,
+                eager=True)
 
 
 def vector(w: np.ndarray | None) -> mx.array | None:
@@ -246,7 +248,7 @@ class TransformerBlock:
 
     def __call__(self, x: mx.array, step: Step, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
         r, keys, values = self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), step, keys, values)
-        return self.feed_forward(x, r), keys, values
+        return self.feed_forward(x, r, step.eager), keys, values
 
     def decode_batch(
         self, x: mx.array, steps: list[Step], cos: list[mx.array], sin: list[mx.array],
@@ -256,12 +258,13 @@ class TransformerBlock:
         r, keys, values = self.self_attn.decode_batch(a, steps, cos, sin, keys, values)
         return self.feed_forward(x, r), keys, values
 
-    def feed_forward(self, x: mx.array, r: mx.array) -> mx.array:
-        """The residual adds around the attention's output ``r`` and the MLP."""
+    def feed_forward(self, x: mx.array, r: mx.array, eager: bool = False) -> mx.array:
+        """The residual adds around the attention's output ``r`` and the MLP (``eager``: :class:`Step`'s)."""
         if self.attn_post_norm is not None:
             r = mx.fast.rms_norm(r, self.attn_post_norm, self.eps)
         h = x + r
-        f = self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        m = mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+        f = self.mlp(m, eager) if isinstance(self.mlp, SwitchGLU) else self.mlp(m)
         if self.ffn_post_norm is not None:
             f = mx.fast.rms_norm(f, self.ffn_post_norm, self.eps)
         return h + f
