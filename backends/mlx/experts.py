@@ -58,7 +58,9 @@ class StackedExperts:
         self.parts = [[None if a is None else a[:, a0:b0] for a in self.arrays_] for a0, b0 in ranges] or [self.arrays_]
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in self.arrays_ if a is not None]
+        """Every array, the row blocks' views included (all made at load: an array left lazy
+        belongs to the loading thread's stream, which another thread cannot run)."""
+        return [a for part in [self.arrays_, *self.parts] for a in part if a is not None]
 
     def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool, eager: bool = False) -> mx.array:
         """``x`` ``(P, 1, in)``, one row for each (row, expert) pair; ``experts`` ``(P,)`` uint32:

@@ -8,7 +8,6 @@ softmax/norm). Logits must agree within ``RTOL = 1e-4`` of the largest logit's m
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from backends.onnx import ONNXBackend  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 from tests.conftest import WEIGHT_TYPES  # noqa: E402
 from tests.factory import random_kquant_blocks, write_tiny_llama  # noqa: E402
+from tests.helpers.threads import on_another_thread  # noqa: E402
 from tests.reference import ReferenceShard  # noqa: E402
 from tests.reference import rope as reference_rope  # noqa: E402
 
@@ -497,21 +497,14 @@ def test_runs_from_another_thread(tiny_models):
     """The node agent calls shards from worker threads: MLX state made on one thread works on another."""
     cfg, weights, shard = load(tiny_models["Q4_1"])
     ref = ReferenceShard(cfg, weights)
-    results: dict[str, object] = {}
 
-    def work() -> None:
-        try:
-            results["prefill"] = shard.forward("r", PROMPT, np.arange(len(PROMPT)))
-            results["decode"] = shard.forward("r", np.array([3]), np.array([len(PROMPT)]))
-        except Exception as exc:  # reported below
-            results["error"] = exc
+    def work() -> tuple[np.ndarray, np.ndarray]:
+        return (shard.forward("r", PROMPT, np.arange(len(PROMPT))),
+                shard.forward("r", np.array([3]), np.array([len(PROMPT)])))
 
-    t = threading.Thread(target=work)
-    t.start()
-    t.join(60)
-    assert "error" not in results, results.get("error")
-    close(results["prefill"], ref.forward("r", PROMPT, np.arange(len(PROMPT))))
-    close(results["decode"], ref.forward("r", np.array([3]), np.array([len(PROMPT)])))
+    prefill, decode = on_another_thread(work)
+    close(prefill, ref.forward("r", PROMPT, np.arange(len(PROMPT))))
+    close(decode, ref.forward("r", np.array([3]), np.array([len(PROMPT)])))
 
 
 # ---------------------------------------------------------------------------- the real model

@@ -20,6 +20,7 @@ from backends.mlx.experts import StackedExperts, distinct  # noqa: E402
 from backends.mlx.quant import MLXSmallGroups  # noqa: E402
 from tests.factory import random_kquant_blocks  # noqa: E402
 from tests.family_models import BASE, random_weights, sub_shard  # noqa: E402
+from tests.helpers.threads import on_another_thread  # noqa: E402
 from tests.reference import ReferenceShard  # noqa: E402
 from tests.unit.test_family_features import close  # noqa: E402
 from tests.unit.test_family_features import run_all as run  # noqa: E402
@@ -164,6 +165,16 @@ def test_a_ring_of_onnx_and_mlx_equals_the_reference(order):
     shards = [make[order[0]].load_shard(cfg, sub_shard(w, 0, 2)),
               make[order[1]].load_shard(cfg, sub_shard(w, 2, cfg.n_layers))]
     close(run(shards, TOKENS), run([ReferenceShard(cfg, w)], TOKENS))
+
+
+@pytest.mark.parametrize("formats", [("dense",) * 3, ("Q4_K", "Q4_K", "Q6_K")], ids=["dense", "Q4_K_M"])
+def test_runs_from_another_thread(formats):
+    """A node agent loads on one thread and runs steps on its workers: every expert array (each
+    thread's row block of them included) is made at load, none left to the loading thread's stream."""
+    cfg = WIDE if formats[0] != "dense" else MOE
+    w = with_experts(cfg, formats)
+    shard, ref = MLXBackend(threads=2).load_shard(cfg, w), ReferenceShard(cfg, w)
+    close(on_another_thread(lambda: run([shard], TOKENS[:6])), run([ref], TOKENS[:6]))
 
 
 def test_only_the_distinct_chosen_experts_are_unpacked():
