@@ -11,18 +11,18 @@ How each format runs, and what it holds resident (bytes per weight; the GGUF fil
 
 * groups of 32, 64 or 128 (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K): :class:`MLXQuantized`,
   ``mx.quantized_matmul`` on the packed codes: ``bits / 8 + 8 / group`` bytes a weight:
-  Q4_0 / Q4_1 / Q4_K 0.75 (0.5625), Q5_K 0.875 (0.6875), Q8_0 1.25 (1.0625). The K-quants'
-  scales ``d * sc`` and biases ``-dmin * m`` are exact in float32, not in float16 (an 11-bit
-  significand times a 6-bit integer), hence float32.
+  Q4_0 / Q4_1 / Q4_K 0.75 (0.5625 / 0.625 / 0.5625), Q5_K 0.875 (0.6875), Q8_0 1.25 (1.0625).
+  The K-quants' scales ``d * sc`` and biases ``-dmin * m`` are exact in float32, not in float16
+  (an 11-bit significand times a 6-bit integer), hence float32.
 * groups of 16 (Q6_K, ``w = d * sc * (q - 32)``): MLX's quantized matmul takes no group under 32,
   so :class:`MLXSmallGroups` keeps the 6-bit codes packed and, per matmul as it runs, unpacks
   them with a few integer ops and scales them into a float32 matrix of that one weight (freed
   after the matmul; never the whole model): 0.75 for the codes + 0.25 for the float32 scale of
   each 16 = 1.0 (0.8203); the bias ``-32 * scale`` is not stored. On MLX's CPU build a
   one-row Q6_K matmul takes ~3x a Q4_K one (2048 x 2048: ~50 against ~15 ms on a loaded machine).
+* dense F32/F16/BF16: :class:`MLXDense`, float32, 4.0.
 
 A mixture of experts' matrices are these, stacked over the experts (:mod:`backends.mlx.experts`).
-* dense F32/F16/BF16: :class:`MLXDense`, float32, 4.0.
 """
 
 from __future__ import annotations
