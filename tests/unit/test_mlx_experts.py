@@ -73,6 +73,15 @@ def test_whole_and_split_equal_the_reference(cfg, threads):
     close(run(shards, TOKENS), want)
 
 
+@pytest.mark.parametrize("formats", [("dense",) * 3, ("Q4_K", "Q4_K", "Q6_K")], ids=["dense", "Q4_K_M"])
+def test_eager_decode_steps_equal_the_reference(formats):
+    """Decode steps run eagerly too (``compile_decode=False``): the same experts' code out of a trace."""
+    cfg = WIDE if formats[0] != "dense" else MOE
+    w = with_experts(cfg, formats)
+    close(run([MLXBackend(threads=1, compile_decode=False).load_shard(cfg, w)], TOKENS[:8]),
+          run([ReferenceShard(cfg, w)], TOKENS[:8]))
+
+
 def test_the_router_changes_the_answer():
     """Each row's own experts: the same model with another router gives other logits (an MLP that
     averaged all experts, or took the same ones for every row, would fail the tests above)."""
