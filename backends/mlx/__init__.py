@@ -1,6 +1,8 @@
 """The MLX backend (Apple silicon GPU on a Mac, MLX's CPU build on Linux).
 
-``MLXBackend().load_shard(config, weights)`` returns an :class:`~backends.mlx.shard.MLXShard`.
+``MLXBackend().load_shard(config, weights)`` returns an :class:`~backends.mlx.shard.MLXShard`:
+every family of :class:`~backends.base.ModelConfig`, mixtures of experts included
+(:mod:`backends.mlx.experts`), its quantized matrices kept quantized (:mod:`backends.mlx.quant`).
 This module imports without MLX installed; ``available()`` then says no.
 """
 
@@ -33,6 +35,7 @@ class MLXBackend(Backend):
     """
 
     name = "mlx"
+    experts = True  # mixtures of experts: backends.mlx.experts
 
     def __init__(self, *, threads: int | None = None, compile_decode: bool = True) -> None:
         if threads is None:
@@ -76,7 +79,7 @@ class MLXBackend(Backend):
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():
             raise BackendError("MLX is not installed or not working here: pip install mlx (mlx[cpu] on Linux)")
-        problems = unsupported_features(config)
+        problems = unsupported_features(config, experts=True)
         if problems:
             raise BackendError(f"this {config.arch} model uses {problems[0]}, which this backend does not run")
         for i, lw in enumerate(weights.layers):

@@ -1,5 +1,6 @@
 """The decoder's layers in MLX, in the shape of mlx-lm's ``models/llama.py``: Attention, MLP,
-TransformerBlock and the shard's model, float32 throughout, quantized matrices kept quantized.
+TransformerBlock and the shard's model, float32 throughout, quantized matrices kept quantized; a
+mixture of experts' layer has :class:`~backends.mlx.experts.SwitchGLU` for its MLP.
 Every family is this llama with some of :class:`~backends.base.ModelConfig`'s switches on (q/k/v
 biases, per-head q/k norms, post norms, tanh GELU, an attention scale, sliding windows, an
 embedding scale, a logit soft-cap); a switch that is off adds no op.
@@ -27,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from backends.base import LayerWeights, ModelConfig, ShardWeights
+from backends.mlx.experts import SwitchGLU
 from backends.mlx.quant import MLXWeight, fuse_rows, to_mlx
 from backends.rope import angles, table_key
 
@@ -67,6 +69,7 @@ class Step:
     cos: tuple[mx.array, ...]  # float32 (T, 1, head_dim) per table: cos of each pair's angle, for both elements
     sin: tuple[mx.array, ...]  # float32 (T, 1, head_dim) per table: -sin for a pair's first element, +sin for its second
     n_keys: int  # attend over the first n_keys cache positions
+    eager: bool = False  # run eagerly (a prompt's chunk, not a compiled decode step): layers may read values back
 
 
 def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -97,7 +100,8 @@ def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kin
         if window:
             seen &= keys > queries - window
         masks.append(mx.array(seen))
-    return Step(mx.array(np.array([start], dtype=np.int32)), tuple(masks), tuple(cos), tuple(sin), n_keys)
+    return Step(mx.array(np.array([start], dtype=np.int32)), tuple(masks), tuple(cos), tuple(sin), n_keys,
+                eager=True)
 
 
 def vector(w: np.ndarray | None) -> mx.array | None:
@@ -203,6 +207,10 @@ def silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
+def activation(config: ModelConfig):
+    return gelu_tanh if config.activation == "gelu_tanh" else silu
+
+
 class MLP:
     def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1) -> None:
         fused = fuse_rows([w.w_gate, w.w_up])
@@ -211,7 +219,11 @@ class MLP:
         self.up_proj = None if fused is not None else to_mlx(w.w_up, f"{name}.ffn_up", n_parts)
         self.down_proj = to_mlx(w.w_down, f"{name}.ffn_down", n_parts)
         self.intermediate = w.w_down.shape[1]
-        self.act = gelu_tanh if config.activation == "gelu_tanh" else silu
+        self.act = activation(config)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for p in (self.gate_up_proj, self.gate_proj, self.up_proj, self.down_proj) if p is not None
+                for a in p.arrays()]
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
@@ -230,11 +242,13 @@ class TransformerBlock:
         # gemma3's norms of the attention's and the MLP's outputs (None: not this family)
         self.attn_post_norm, self.ffn_post_norm = vector(w.attn_post_norm), vector(w.ffn_post_norm)
         self.self_attn = Attention(config, w, name, n_parts, table, window)
-        self.mlp = MLP(config, w, name, n_parts)
+        # a mixture of experts' layer: the router and its experts in place of one MLP
+        self.mlp = (SwitchGLU(config, w, name, n_parts, activation(config)) if config.n_experts
+                    else MLP(config, w, name, n_parts))
 
     def __call__(self, x: mx.array, step: Step, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
         r, keys, values = self.self_attn(mx.fast.rms_norm(x, self.input_layernorm, self.eps), step, keys, values)
-        return self.feed_forward(x, r), keys, values
+        return self.feed_forward(x, r, step.eager), keys, values
 
     def decode_batch(
         self, x: mx.array, steps: list[Step], cos: list[mx.array], sin: list[mx.array],
@@ -244,12 +258,13 @@ class TransformerBlock:
         r, keys, values = self.self_attn.decode_batch(a, steps, cos, sin, keys, values)
         return self.feed_forward(x, r), keys, values
 
-    def feed_forward(self, x: mx.array, r: mx.array) -> mx.array:
-        """The residual adds around the attention's output ``r`` and the MLP."""
+    def feed_forward(self, x: mx.array, r: mx.array, eager: bool = False) -> mx.array:
+        """The residual adds around the attention's output ``r`` and the MLP (``eager``: :class:`Step`'s)."""
         if self.attn_post_norm is not None:
             r = mx.fast.rms_norm(r, self.attn_post_norm, self.eps)
         h = x + r
-        f = self.mlp(mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps))
+        m = mx.fast.rms_norm(h, self.post_attention_layernorm, self.eps)
+        f = self.mlp(m, eager) if isinstance(self.mlp, SwitchGLU) else self.mlp(m)
         if self.ffn_post_norm is not None:
             f = mx.fast.rms_norm(f, self.ffn_post_norm, self.eps)
         return h + f

@@ -1,15 +1,33 @@
 """From the contract's weights to MLX arrays: affine-quantized matrices stay quantized.
 
 :class:`~backends.base.QuantizedWeight` holds one unsigned code per element and a float32 scale
-and bias per group of 32 along each row. That is exactly MLX's ``mx.quantize`` affine layout once
-the codes are packed into ``uint32`` words: element ``j`` of a row lands in word
-``j // (32 // bits)`` at bit ``(j % (32 // bits)) * bits`` (lowest bits first). Scales and biases
-stay float32, so ``mx.quantized_matmul`` does float32 math on the very values that
-``QuantizedWeight.dequantize()`` gives.
+and bias per group along each row. MLX's ``mx.quantize`` affine layout is that, once the codes are
+packed into ``uint32`` words as a little-endian bit stream: code ``j`` of a row takes bits
+``j * bits .. (j + 1) * bits - 1`` (for 2, 4 and 8 bits, word ``j // (32 // bits)`` at bit
+``(j % (32 // bits)) * bits``; 3, 5 and 6-bit codes straddle words). Scales and biases stay
+float32, so MLX does float32 math on the very values ``QuantizedWeight.dequantize()`` gives.
+
+How each format runs, and what it holds resident (bytes per weight; the GGUF file's in brackets):
+
+* groups of 32, 64 or 128 (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K): :class:`MLXQuantized`,
+  ``mx.quantized_matmul`` on the packed codes: ``bits / 8 + 8 / group`` bytes a weight:
+  Q4_0 / Q4_1 / Q4_K 0.75 (0.5625 / 0.625 / 0.5625), Q5_K 0.875 (0.6875), Q8_0 1.25 (1.0625).
+  The K-quants' scales ``d * sc`` and biases ``-dmin * m`` are exact in float32, not in float16
+  (an 11-bit significand times a 6-bit integer), hence float32.
+* groups of 16 (Q6_K, ``w = d * sc * (q - 32)``): MLX's quantized matmul takes no group under 32,
+  so :class:`MLXSmallGroups` keeps the 6-bit codes packed and, per matmul as it runs, unpacks
+  them with a few integer ops and scales them into a float32 matrix of that one weight (freed
+  after the matmul; never the whole model): 0.75 for the codes + 0.25 for the float32 scale of
+  each 16 = 1.0 (0.8203); the bias ``-32 * scale`` is not stored. On MLX's CPU build a
+  one-row Q6_K matmul takes ~3x a Q4_K one (2048 x 2048: ~50 against ~15 ms on a loaded machine).
+* dense F32/F16/BF16: :class:`MLXDense`, float32, 4.0.
+
+A mixture of experts' matrices are these, stacked over the experts (:mod:`backends.mlx.experts`).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import mlx.core as mx
@@ -17,26 +35,44 @@ import numpy as np
 
 from backends.base import BackendError, QuantizedWeight, Weight
 
-SUPPORTED_BITS = (2, 4, 8)  # bit widths whose codes fill a uint32 word exactly
-SUPPORTED_GROUPS = (32, 64, 128)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine bit widths
+SUPPORTED_GROUPS = (32, 64, 128)  # MLX's quantized matmul's groups
+SMALL_GROUPS = (16,)  # groups run by unpacking the codes per matmul (Q6_K's)
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
-    """Unsigned codes ``(rows, cols)`` packed into MLX's ``uint32`` layout ``(rows, cols * bits // 32)``."""
+    """Unsigned codes ``(rows, cols)`` packed into MLX's ``uint32`` layout ``(rows, cols * bits // 32)``:
+    a little-endian bit stream, eight codes in ``bits`` bytes."""
     if bits not in SUPPORTED_BITS:
         raise BackendError(f"MLX backend packs {SUPPORTED_BITS}-bit codes, not {bits}-bit")
-    per_word = 32 // bits
     rows, cols = q.shape
-    if cols % per_word:
-        raise BackendError(f"a {bits}-bit matrix needs a multiple of {per_word} columns, got {cols}")
+    if cols % 32:
+        raise BackendError(f"a {bits}-bit matrix needs a multiple of 32 columns, got {cols}")
     if q.size and int(q.max()) >= 1 << bits:
         raise BackendError(f"codes of a {bits}-bit weight must be below {1 << bits}, found {int(q.max())}")
-    words = q.reshape(rows, cols // per_word, per_word).astype(np.uint32)
-    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
-    packed = np.zeros((rows, cols // per_word), dtype=np.uint32)
-    for i in range(per_word):
-        packed |= words[:, :, i] << shifts[i]
-    return packed
+    eights = q.reshape(rows, cols // 8, 8)
+    chunks = np.zeros((rows, cols // 8), dtype=np.uint64)  # eight codes: 8 * bits <= 64 bits
+    for i in range(8):
+        chunks |= eights[:, :, i].astype(np.uint64) << np.uint64(i * bits)
+    stream = chunks[..., None].view(np.uint8)[..., :bits]  # the low `bits` bytes of each (little-endian)
+    return np.ascontiguousarray(stream).reshape(rows, cols * bits // 8).view(np.uint32)
+
+
+def unpack_codes(packed: mx.array, bits: int) -> mx.array:
+    """:func:`pack_codes`'s inverse in MLX: uint32 ``(..., cols * bits // 32)`` to uint32 codes
+    ``(..., cols)``, from the stream's smallest whole-byte chunks (6 bits: four codes in 3 bytes)."""
+    *lead, words = packed.shape
+    cols = words * 32 // bits
+    per = 8 // math.gcd(8, bits)  # codes in a chunk of per * bits / 8 bytes
+    size = per * bits // 8
+    stream = mx.view(packed, mx.uint8).reshape(*lead, cols // per, size)
+    wide = mx.uint64 if per * bits > 32 else mx.uint32
+    chunk = stream[..., 0].astype(wide)
+    for i in range(1, size):
+        chunk = chunk | (stream[..., i].astype(wide) << (8 * i))
+    shifts = mx.arange(0, per * bits, bits).astype(wide)
+    codes = (chunk[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*lead, cols).astype(mx.uint32)
 
 
 _local = threading.local()
@@ -108,6 +144,62 @@ class MLXQuantized:
         return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group, bits=self.bits)
 
 
+def small_group_weights(packed: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int) -> mx.array:
+    """Float32 weights ``(..., rows, cols)`` of packed codes in groups of ``group``:
+    ``scale * q + bias`` (``biases`` None: ``scale * (q - 2**(bits - 1))``)."""
+    codes = unpack_codes(packed, bits).astype(mx.float32)
+    *lead, cols = codes.shape
+    codes = codes.reshape(*lead, cols // group, group)
+    if biases is None:
+        w = (codes - float(1 << (bits - 1))) * scales[..., None]
+    else:
+        w = codes * scales[..., None] + biases[..., None]
+    return w.reshape(*lead, cols)
+
+
+class MLXSmallGroups:
+    """A matrix ``(out, in)`` in quantization groups smaller than MLX's matmul takes (Q6_K's 16):
+    the codes stay packed (MLX's layout) and each matmul unpacks them into a float32 matrix of
+    this weight alone, ``w = scale * q + bias`` per group (``biases`` None: ``bias = -2**(bits - 1)
+    * scale``, Q6_K's, so ``w = scale * (q - 32)``). ``n_parts`` as for :class:`MLXQuantized`."""
+
+    def __init__(
+        self, packed: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int, n_parts: int = 1
+    ) -> None:
+        self.packed = packed  # uint32 (out, in * bits // 32)
+        self.scales = scales  # float32 (out, in // group)
+        self.biases = biases  # float32 (out, in // group), or None: -2**(bits - 1) * scales
+        self.bits = bits
+        self.group = group
+        ranges = split_rows(packed.shape[0], n_parts) if n_parts > 1 else []
+        self.parts = [(packed[a:b], scales[a:b], None if biases is None else biases[a:b]) for a, b in ranges]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 32 // self.bits)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.packed, self.scales, self.biases) if a is not None] + [
+            a for part in self.parts for a in part if a is not None]
+
+    def _weights(self, packed: mx.array, scales: mx.array, biases: mx.array | None) -> mx.array:
+        return small_group_weights(packed, scales, biases, self.bits, self.group)
+
+    def matmul(self, x: mx.array) -> mx.array:
+        if not self.parts:
+            return x @ self._weights(self.packed, self.scales, self.biases).T
+        outs = [mx.matmul(x, self._weights(w, s, b).T, stream=st)
+                for (w, s, b), st in zip(self.parts, thread_streams(len(self.parts)), strict=True)]
+        return mx.concatenate(outs, axis=-1)
+
+    def rows(self, ids: mx.array) -> mx.array:
+        biases = None if self.biases is None else self.biases[ids]
+        return self._weights(self.packed[ids], self.scales[ids], biases)
+
+    def dequantize(self) -> mx.array:
+        return self._weights(self.packed, self.scales, self.biases)
+
+
 class MLXDense:
     """A float32 matrix ``(out, in)``; ``n_parts`` as for :class:`MLXQuantized`."""
 
@@ -136,7 +228,7 @@ class MLXDense:
         return self.weight
 
 
-MLXWeight = MLXQuantized | MLXDense
+MLXWeight = MLXQuantized | MLXSmallGroups | MLXDense
 
 
 def to_mlx(w: Weight, name: str = "weight", n_parts: int = 1) -> MLXWeight:
@@ -144,24 +236,26 @@ def to_mlx(w: Weight, name: str = "weight", n_parts: int = 1) -> MLXWeight:
     matmuls run in ``n_parts`` row blocks at once when ``n_parts > 1``."""
     if isinstance(w, QuantizedWeight):
         rows, cols = w.shape
-        if w.group not in SUPPORTED_GROUPS or cols % w.group:
+        small = w.group in SMALL_GROUPS
+        if not (w.group in SUPPORTED_GROUPS or small) or cols % max(w.group, 32):
             raise BackendError(
-                f"{name}: MLX runs quantization groups of {SUPPORTED_GROUPS} along rows; "
-                f"got group {w.group} for {cols} columns"
+                f"{name}: MLX runs quantization groups of {SMALL_GROUPS + SUPPORTED_GROUPS} along rows of a "
+                f"multiple of 32 columns; got group {w.group} for {cols} columns"
             )
         if w.scales.shape != (rows, cols // w.group) or w.biases.shape != w.scales.shape:
             raise BackendError(
                 f"{name}: scales {w.scales.shape} / biases {w.biases.shape} do not fit a "
                 f"{rows}x{cols} matrix in groups of {w.group}"
             )
-        return MLXQuantized(
-            packed=mx.array(pack_codes(np.asarray(w.q), w.bits)),
-            scales=mx.array(np.ascontiguousarray(w.scales, dtype=np.float32)),
-            biases=mx.array(np.ascontiguousarray(w.biases, dtype=np.float32)),
-            bits=w.bits,
-            group=w.group,
-            n_parts=n_parts,
-        )
+        packed = mx.array(pack_codes(np.asarray(w.q), w.bits))
+        scales = np.ascontiguousarray(w.scales, dtype=np.float32)
+        biases = np.ascontiguousarray(w.biases, dtype=np.float32)
+        if small:
+            offset = np.float32(1 << (w.bits - 1))
+            implied = np.array_equal(biases, -offset * scales)  # Q6_K's: w = scale * (q - 32)
+            return MLXSmallGroups(packed, mx.array(scales), None if implied else mx.array(biases), w.bits,
+                                  w.group, n_parts)
+        return MLXQuantized(packed, mx.array(scales), mx.array(biases), w.bits, w.group, n_parts)
     a = np.asarray(w)
     if a.ndim != 2:
         raise BackendError(f"{name}: expected a matrix, got shape {a.shape}")

@@ -10,7 +10,8 @@ cache is written in place. On MLX's CPU build the matmul kernels, not op dispatc
 CPU streams (``threads``).
 
 Several requests' decode steps go through :meth:`MLXShard.forward_batch` together: one matmul
-per weight for all of them, attention per request over its own cache.
+per weight for all of them (a mixture of experts' layer: one gathered product per kind of expert
+matrix for all their rows, :mod:`backends.mlx.experts`), attention per request over its own cache.
 """
 
 from __future__ import annotations
@@ -315,9 +316,9 @@ class MLXShard(Shard):
                                 layer.ffn_post_norm, attn.qkv_bias, attn.q_norm, attn.k_norm) if a is not None]
             out += attn.bias or []
             for w in (layer.self_attn.qkv_proj, layer.self_attn.q_proj, layer.self_attn.k_proj,
-                      layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                      layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                      layer.self_attn.v_proj, layer.self_attn.o_proj):
                 out += _weight_arrays(w)
+            out += layer.mlp.arrays()
         out += _weight_arrays(self.model.embed_tokens) + _weight_arrays(self.model.lm_head)
         if self.model.norm is not None:
             out.append(self.model.norm)

@@ -8,7 +8,6 @@ softmax/norm). Logits must agree within ``RTOL = 1e-4`` of the largest logit's m
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +17,16 @@ mx = pytest.importorskip("mlx.core")
 
 from backends import get_backend  # noqa: E402
 from backends.base import BackendError, KVCache, ModelConfig, QuantizedWeight  # noqa: E402
+from backends.kquants import BITS, GROUP, decode  # noqa: E402
 from backends.mlx import MLXBackend  # noqa: E402
 from backends.mlx import shard as mlx_shard  # noqa: E402
 from backends.mlx.llama import rope, step_inputs  # noqa: E402
-from backends.mlx.quant import MLXQuantized, pack_codes, to_mlx  # noqa: E402
+from backends.mlx.quant import MLXQuantized, MLXSmallGroups, pack_codes, to_mlx, unpack_codes  # noqa: E402
 from backends.onnx import ONNXBackend  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 from tests.conftest import WEIGHT_TYPES  # noqa: E402
-from tests.factory import write_tiny_llama  # noqa: E402
+from tests.factory import random_kquant_blocks, write_tiny_llama  # noqa: E402
+from tests.helpers.threads import on_another_thread  # noqa: E402
 from tests.reference import ReferenceShard  # noqa: E402
 from tests.reference import rope as reference_rope  # noqa: E402
 
@@ -127,7 +128,7 @@ def test_rotary_is_exact_at_long_positions():
 # ---------------------------------------------------------------------------- packing
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_packing_round_trips_exactly(bits):
     rng = np.random.default_rng(bits)
     rows, cols, group = 6, 128, 32
@@ -140,11 +141,40 @@ def test_packing_round_trips_exactly(bits):
     m = to_mlx(w)
     assert m.packed.shape == (rows, cols * bits // 32) and m.shape == (rows, cols)
     np.testing.assert_array_equal(np.array(m.dequantize()), w.dequantize())
-    # the bit order: element j of a row sits at bit (j % (32 // bits)) * bits of word j // (32 // bits)
-    packed = pack_codes(w.q, bits)
-    per = 32 // bits
-    for j in (0, 1, per - 1, per, cols - 1):
-        assert (packed[2, j // per] >> ((j % per) * bits)) & ((1 << bits) - 1) == w.q[2, j]
+    # the bit order: a little-endian stream, code j of a row at bits j * bits .. (j + 1) * bits - 1
+    stream = np.unpackbits(pack_codes(w.q, bits)[2].view(np.uint8), bitorder="little")
+    for j in (0, 1, 7, 8, 11, cols - 1):
+        assert int(stream[j * bits : (j + 1) * bits] @ (1 << np.arange(bits))) == w.q[2, j]
+    np.testing.assert_array_equal(np.array(unpack_codes(m.packed, bits)), w.q)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquants_stay_packed(type_name):
+    """Q4_K and Q5_K run on MLX's quantized matmul (groups of 32); Q6_K's groups of 16 keep their
+    6-bit codes packed and one float32 scale each (the bias is -32 scale), unpacked per matmul."""
+    rng = np.random.default_rng(1)
+    rows, cols = 24, 512
+    q, scales, biases = decode(random_kquant_blocks(rng, rows, cols, type_name, 0.02), type_name, cols)
+    w = QuantizedWeight(q=q, scales=scales, biases=biases, bits=BITS[type_name], group=GROUP[type_name],
+                        source_type=type_name)
+    for n_parts in (1, 3):
+        m = to_mlx(w, n_parts=n_parts)
+        resident = sum(a.nbytes for a in (m.packed, m.scales, m.biases) if a is not None) / (rows * cols)
+        assert resident == {"Q4_K": 0.75, "Q5_K": 0.875, "Q6_K": 1.0}[type_name]
+        assert isinstance(m, MLXSmallGroups if type_name == "Q6_K" else MLXQuantized)
+        assert m.packed.dtype == mx.uint32 and m.scales.dtype == mx.float32
+        np.testing.assert_allclose(np.array(m.dequantize()), w.dequantize(), rtol=0, atol=1e-7)
+        ids = np.array([3, 0, rows - 1, 3])
+        np.testing.assert_allclose(np.array(m.rows(mx.array(ids))), w.dequantize()[ids], rtol=0, atol=1e-7)
+        x = rng.standard_normal((5, cols)).astype(np.float32)
+        close(np.array(m.matmul(mx.array(x))), x @ w.dequantize().T, 1e-5)
+
+
+def test_a_group_mlx_does_not_run_is_refused():
+    w = QuantizedWeight(q=np.zeros((4, 96), np.uint8), scales=np.ones((4, 4), np.float32),
+                        biases=np.zeros((4, 4), np.float32), bits=4, group=24)
+    with pytest.raises(BackendError, match="groups of .16, 32, 64, 128. along rows"):
+        to_mlx(w, "blk.0.attn_q")
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_1", "Q8_0"])
@@ -467,21 +497,14 @@ def test_runs_from_another_thread(tiny_models):
     """The node agent calls shards from worker threads: MLX state made on one thread works on another."""
     cfg, weights, shard = load(tiny_models["Q4_1"])
     ref = ReferenceShard(cfg, weights)
-    results: dict[str, object] = {}
 
-    def work() -> None:
-        try:
-            results["prefill"] = shard.forward("r", PROMPT, np.arange(len(PROMPT)))
-            results["decode"] = shard.forward("r", np.array([3]), np.array([len(PROMPT)]))
-        except Exception as exc:  # reported below
-            results["error"] = exc
+    def work() -> tuple[np.ndarray, np.ndarray]:
+        return (shard.forward("r", PROMPT, np.arange(len(PROMPT))),
+                shard.forward("r", np.array([3]), np.array([len(PROMPT)])))
 
-    t = threading.Thread(target=work)
-    t.start()
-    t.join(60)
-    assert "error" not in results, results.get("error")
-    close(results["prefill"], ref.forward("r", PROMPT, np.arange(len(PROMPT))))
-    close(results["decode"], ref.forward("r", np.array([3]), np.array([len(PROMPT)])))
+    prefill, decode = on_another_thread(work)
+    close(prefill, ref.forward("r", PROMPT, np.arange(len(PROMPT))))
+    close(decode, ref.forward("r", np.array([3]), np.array([len(PROMPT)])))
 
 
 # ---------------------------------------------------------------------------- the real model

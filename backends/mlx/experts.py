@@ -1,0 +1,185 @@
+"""A mixture of experts' MLP in MLX, in the shape of mlx-lm's ``SwitchGLU``
+(``models/switch_layers.py``, as ``qwen3_moe.py``'s sparse block uses it).
+
+A router ``(n_experts, hidden)`` scores each row; the softmax over its logits (float32) picks the
+``n_experts_used`` largest (ties to the lower index: MLX's argsort is stable), whose weights are
+renormalised to sum to 1 where the model does (``expert_weights_norm``); the row's output is the
+weighted sum of the chosen experts' SwiGLU MLPs ``down(act(gate(x)) * up(x))``.
+
+Each kind of matrix (gate and up fused where they share a format, and down) is stacked over the
+experts ``(n_experts, out, in)`` in the format of its file (:mod:`backends.mlx.quant`: MLX's
+affine groups, Q6_K's packed groups of 16, or float32) and run with ``mx.gather_qmm`` /
+``mx.gather_mm``, which read only the chosen experts' matrices. With more than one row (a prompt,
+or a batch of decode steps) the (row, expert) pairs are sorted by expert first, as mlx-lm does
+(``sorted_indices``): on a GPU each expert's matrix is then read once for all the rows routed to
+it; MLX's CPU kernels run each pair as its own product whatever the order. Q6_K's experts (whose
+groups of 16 MLX's gathered products do not take) are unpacked to float32 only for the distinct
+experts chosen: in a compiled decode step at most ``min(pairs, n_experts)`` of them; in a prompt
+(eager) one at a time, each then multiplying all its rows at once.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from backends.base import BackendError, LayerWeights, ModelConfig, Weight
+from backends.mlx.quant import (
+    MLXDense,
+    MLXQuantized,
+    MLXSmallGroups,
+    fuse_rows,
+    small_group_weights,
+    split_rows,
+    thread_streams,
+    to_mlx,
+)
+
+
+class StackedExperts:
+    """One kind of matrix of all the experts, ``(n_experts, out, in)`` as MLX arrays of one
+    format; ``n_parts`` row blocks run at once on CPU streams, as :class:`~backends.mlx.quant.MLXQuantized`."""
+
+    def __init__(self, weights: list[Weight], name: str, n_parts: int = 1) -> None:
+        stacked = fuse_rows(weights)
+        if stacked is None:
+            raise BackendError(f"{name}: the experts' matrices differ in format; MLX runs them stacked in one")
+        self.n_experts = len(weights)
+        self.out = weights[0].shape[0]
+        w = to_mlx(stacked, name)
+        self.kind = type(w)
+        if isinstance(w, MLXDense):
+            self.arrays_ = [w.weight]
+        else:
+            self.arrays_ = [w.packed, w.scales, w.biases]
+            self.bits, self.group = w.bits, w.group
+        self.arrays_ = [None if a is None else a.reshape(self.n_experts, self.out, -1) for a in self.arrays_]
+        ranges = split_rows(self.out, n_parts) if n_parts > 1 else []
+        self.parts = [[None if a is None else a[:, a0:b0] for a in self.arrays_] for a0, b0 in ranges] or [self.arrays_]
+
+    def arrays(self) -> list[mx.array]:
+        """Every array, the row blocks' views included (all made at load: an array left lazy
+        belongs to the loading thread's stream, which another thread cannot run)."""
+        return [a for part in [self.arrays_, *self.parts] for a in part if a is not None]
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool, eager: bool = False) -> mx.array:
+        """``x`` ``(P, 1, in)``, one row for each (row, expert) pair; ``experts`` ``(P,)`` uint32:
+        each pair's expert; ``eager``: the pairs are sorted and this is no compiled step (a prompt).
+        Returns ``(P, 1, out)``."""
+        if eager and self.kind is MLXSmallGroups:
+            return self._per_expert(x, experts)
+        if len(self.parts) == 1:
+            return self._run(x, experts, sorted_indices, self.parts[0], None)
+        outs = [self._run(x, experts, sorted_indices, part, st)
+                for part, st in zip(self.parts, thread_streams(len(self.parts)), strict=True)]
+        return mx.concatenate(outs, axis=-1)
+
+    def _run(self, x: mx.array, experts: mx.array, sorted_indices: bool, part: list, stream) -> mx.array:
+        if self.kind is MLXQuantized:
+            packed, scales, biases = part
+            return mx.gather_qmm(x, packed, scales, biases, rhs_indices=experts, transpose=True,
+                                 group_size=self.group, bits=self.bits, sorted_indices=sorted_indices, stream=stream)
+        if self.kind is MLXDense:
+            return mx.gather_mm(x, part[0].swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_indices,
+                                stream=stream)
+        # Q6_K's groups of 16: unpack the distinct chosen experts only, then a float32 gathered product
+        packed, scales, biases = part
+        chosen, slot = distinct(experts, sorted_indices, self.n_experts)
+        if chosen is not None:
+            packed, scales = packed[chosen], scales[chosen]
+            biases = None if biases is None else biases[chosen]
+        w = small_group_weights(packed, scales, biases, self.bits, self.group)  # (n, out part, in) float32
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=slot, sorted_indices=sorted_indices, stream=stream)
+
+
+    def _per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
+        """A prompt's pairs (sorted) on Q6_K's experts: each run of one expert's rows times that
+        expert alone, unpacked by itself and evaluated before the next (one expert's float32 at a
+        time, not the layer's: 128 experts of 2048 x 768 would be 800 MB)."""
+        ids = np.array(experts)  # the routing, read back (an eager step may)
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        ends = np.r_[starts[1:], len(ids)]
+        packed, scales, biases = self.arrays_
+        outs = []
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            e = int(ids[a])
+            w = small_group_weights(packed[e], scales[e], None if biases is None else biases[e], self.bits, self.group)
+            outs.append(x[a:b, 0] @ w.T)
+            mx.eval(outs[-1])
+        return mx.concatenate(outs)[:, None]
+
+
+def distinct(experts: mx.array, sorted_indices: bool, n_experts: int) -> tuple[mx.array | None, mx.array]:
+    """The experts to unpack for pairs ``experts`` ``(P,)`` and each pair's index among them:
+    ``(None, experts)`` (all of them) when there are at least as many pairs as experts; one
+    token's distinct top-k as they are; else, the pairs being sorted, each run of one expert
+    numbered in turn (``chosen[slot[p]] == experts[p]``; slots past the distinct ones repeat 0)."""
+    p = experts.shape[0]
+    if p >= n_experts:
+        return None, experts
+    if not sorted_indices:
+        return experts, mx.arange(p, dtype=mx.uint32)
+    new = mx.concatenate([mx.ones((1,), mx.uint32), (experts[1:] != experts[:-1]).astype(mx.uint32)])
+    slot = mx.cumsum(new) - 1
+    chosen = mx.zeros((p,), mx.uint32).at[slot].maximum(experts)
+    return chosen, slot
+
+
+class SwitchGLU:
+    """A layer's experts and router (``LayerWeights.router``, ``experts_gate/up/down``)."""
+
+    def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int, act) -> None:
+        self.k = config.n_experts_used
+        self.n_experts = config.n_experts
+        self.norm = config.expert_weights_norm
+        self.width = config.expert_width
+        self.act = act
+        self.router = to_mlx(w.router, f"{name}.ffn_gate_inp")
+        fused = [fuse_rows([g, u]) for g, u in zip(w.experts_gate, w.experts_up, strict=True)]
+        if all(f is not None for f in fused) and fuse_rows(fused) is not None:
+            self.gate_up = StackedExperts(fused, f"{name}.ffn_gate_up_exps", n_parts)
+            self.gate = self.up = None
+        else:  # gate and up in different formats
+            self.gate_up = None
+            self.gate = StackedExperts(w.experts_gate, f"{name}.ffn_gate_exps", n_parts)
+            self.up = StackedExperts(w.experts_up, f"{name}.ffn_up_exps", n_parts)
+        self.down = StackedExperts(w.experts_down, f"{name}.ffn_down_exps", n_parts)
+
+    def arrays(self) -> list[mx.array]:
+        parts = [self.gate_up, self.gate, self.up, self.down]
+        return self.router.arrays() + [a for p in parts if p is not None for a in p.arrays()]
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The chosen experts ``(N, k)`` uint32 of rows ``x`` ``(N, hidden)`` and their weights ``(N, k)``."""
+        scores = mx.softmax(self.router.matmul(x), axis=-1, precise=True)
+        chosen = mx.argsort(-scores, axis=-1)[:, : self.k]
+        weights = mx.take_along_axis(scores, chosen, axis=-1)
+        if self.norm:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return chosen.astype(mx.uint32), weights
+
+    def __call__(self, x: mx.array, eager: bool = False) -> mx.array:
+        """``x`` ``(..., hidden)``; ``eager``: no compiled step (a prompt), so Q6_K's experts may
+        run one by one on their rows, which reads the routing back to the host."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n, k = x.shape[0], self.k
+        chosen, weights = self.route(x)
+        pairs = chosen.flatten()  # (N * k,): row r's experts at r * k ..
+        many = n > 1
+        if many:  # sorted by expert, so each expert's rows are together (mlx-lm's _gather_sort)
+            order = mx.argsort(pairs)
+            pairs, rows, back = pairs[order], order // k, mx.argsort(order)
+        else:
+            rows = mx.zeros((k,), mx.uint32)
+        xs = x[rows][:, None, :]  # (N * k, 1, hidden)
+        one_by_one = eager and many
+        if self.gate_up is not None:
+            gate, up = mx.split(self.gate_up(xs, pairs, many, one_by_one), [self.width], axis=-1)
+        else:
+            gate, up = self.gate(xs, pairs, many, one_by_one), self.up(xs, pairs, many, one_by_one)
+        y = self.down(self.act(gate) * up, pairs, many, one_by_one)[:, 0]  # (N * k, hidden)
+        if many:
+            y = y[back]
+        y = (y.reshape(n, k, -1) * weights[..., None]).sum(axis=1)
+        return y.reshape(shape)
