@@ -16,13 +16,13 @@ import pytest
 from backends import available_backends
 from exo_tui.cluster.view import ChatParams
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
-from tests.unit.test_family_logits import DENSE, FIXTURES
+from tests.unit.test_family_logits import DENSE, FIXTURES, MOE
 
 pytestmark = pytest.mark.slow
 RING = ["onnx", "onnx"] if os.environ.get("EXO_TUI_TEST_RING") == "onnx" or "mlx" not in available_backends() else ["mlx", "onnx"]
 PROMPT = "Who moves the layers when a node fails?"
 GREEDY = ChatParams(temperature=0.0, max_tokens=16, seed=1, stop=())
-FAMILIES = ["llama3", "mistral-nemo", "qwen2", "qwen3", "gemma3", "phi3-longrope"]
+FAMILIES = ["llama3", "mistral-nemo", "qwen2", "qwen3", "gemma3", "phi3-longrope", "qwen3moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -75,4 +75,4 @@ def test_chat_refuses_an_unsupported_family_in_one_sentence(tmp_path: Path) -> N
     assert "Traceback" not in r.stderr
 
 
-assert set(FAMILIES) <= {e["name"] for e in DENSE}
+assert set(FAMILIES) <= {e["name"] for e in DENSE + MOE}
