@@ -43,10 +43,11 @@ from backends.base import ModelConfig, ShardWeights, Weight
 from backends.onnx.kernels import (
     ATTENTION,
     ATTENTION_F16,
-    BLOCK,
     DOMAIN,
     OP,
     gqa_window,
+    kernel_format,
+    op_attributes,
     pack,
     runs_on_kernel,
 )
@@ -149,7 +150,7 @@ class _Builder:
         """``x @ concat(weights).T``; matrices of one kind run as one fused op."""
         groups: list[list[Weight]] = []
         for w in weights:
-            if groups and same_kind(groups[-1][0], w):
+            if groups and same_kind(groups[-1][0], w) and (not self.kernel or kernel_format(groups[-1][0]) == kernel_format(w)):
                 groups[-1].append(w)
             else:
                 groups.append([w])
@@ -159,12 +160,12 @@ class _Builder:
         return self.node("Concat", outs, stem, axis=-1)[0]
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
-        if self.kernel and all(runs_on_kernel(w) for w in weights):
+        if self.kernel and all(runs_on_kernel(w) for w in weights):  # one format: see linear
             blocks = pack(weights, self.xbits)  # type: ignore[arg-type]
-            n = sum(w.q.shape[0] for w in weights)  # type: ignore[union-attr]
-            k, bits = blocks.shape[1] * BLOCK, weights[0].bits  # type: ignore[union-attr]
-            w = self.weight(f"{stem}_q{bits}", blocks)
-            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits, xbits=self.xbits)[0]
+            n, k = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1]  # type: ignore[union-attr]
+            attributes = op_attributes(weights[0])  # type: ignore[arg-type]
+            w = self.weight(f"{stem}_{kernel_format(weights[0]).lower()}", blocks)  # type: ignore[union-attr]
+            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, xbits=self.xbits, **attributes)[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
