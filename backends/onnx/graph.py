@@ -85,7 +85,7 @@ class _Builder:
     def __init__(self, config: ModelConfig, accuracy_level: int, kernel: bool = False, xbits: int = 0) -> None:
         self.c = config
         self.accuracy_level = accuracy_level
-        self.kernel = kernel  # 4- and 8-bit matrices in GGUF's blocks through exo-tui's QLinear
+        self.kernel = kernel  # GGUF's blocks (Q4_0/Q4_1/Q8_0, Q4_K/Q5_K/Q6_K) through exo-tui's QLinear
         self.xbits = xbits  # QLinear's activations as int16 or int8 codes (0: float32 products)
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
@@ -246,8 +246,8 @@ def build_shard_graph(
     math, 4 int8.
 
     ``kernel``: exo-tui's kernels (:mod:`backends.onnx.kernels`; the session must load their
-    library): 4- and 8-bit matrices in GGUF's blocks of 32 on ``QLinear`` (the rest on
-    ``MatMulNBits``) and attention on ``Attention``; else ``MatMulNBits`` and ``GroupQueryAttention``.
+    library): 4- and 8-bit matrices in GGUF's blocks of 32 and its K-quants' super-blocks on
+    ``QLinear``, matrices fused only within one format (the rest on ``MatMulNBits``) and attention on ``Attention``; else ``MatMulNBits`` and ``GroupQueryAttention``.
     ``xbits`` 16 or 8: ``QLinear`` rounds its activations to int16 or int8 codes (0: float32).
     ``half_kv`` (with ``kernel``): the KV caches are float16, on ``AttentionF16``.
 
