@@ -97,6 +97,22 @@ static inline __attribute__((always_inline)) const uint8_t *block_codes(const ui
     return w + (b >> 3) * SUPER_BYTES(fmt) + K_HEADER(fmt) + (b & 7) * CODE_BYTES(fmt);
 }
 
+/* At a super-block's first block, its header into the cache: it lies before the codes and is
+   read after the first block's, and the hardware prefetchers, following the codes forward, do
+   not fetch it (without this a Q4_K tile at the int16 precision took 2-3 times a Q4_1 tile's). */
+static inline __attribute__((always_inline)) void fetch_header(const uint8_t *w, int64_t b, const int fmt)
+{
+#if defined(QL_AVX512) || defined(QL_AVX2)
+    if (IS_K(fmt) && (b & 7) == 0) {
+        const uint8_t *sb = w + (b >> 3) * SUPER_BYTES(fmt);
+        for (int l = 0; l < K_HEADER(fmt) / 64; l++)
+            _mm_prefetch((const char *)(sb + 64 * l), _MM_HINT_T0);
+    }
+#else
+    (void)w, (void)b, (void)fmt;
+#endif
+}
+
 /* Column col's scale and bias in group h (0, or 1 for Q6_K's second 16) of block b. */
 static inline __attribute__((always_inline)) void scale1(const uint8_t *w, int64_t b, const int fmt, int col, int h,
                                                           float *s, float *c)
@@ -208,6 +224,7 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
     for (int r = 0; r < rows; r++)
         a0[r] = a1[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
         const float *xb = x + b * BLOCK;
         __m512 s0, s1, c0, c1;
@@ -258,6 +275,7 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
             for (int i = 0; i < gp; i++)
                 a[r][i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
+            fetch_header(w, b, fmt);
             const uint8_t *q = block_codes(w, b, fmt) + 8 * g0;
             const float *xb = x + b * BLOCK;
             __m256 sc[4][2];
@@ -419,6 +437,7 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
     for (int r = 0; r < rows; r++)
         f0[r] = f1[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
         for (int h = 0; h < HALVES(fmt); h++) {
             __m512i i0[ROWS_INT8], i1[ROWS_INT8];
@@ -512,6 +531,7 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
         for (int c = 0; c < 4; c++)
             f[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
         for (int h = 0; h < HALVES(fmt); h++) {
             __m256i acc[ROWS_INT8][4];
@@ -694,6 +714,7 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
     for (int r = 0; r < rows; r++)
         f0[r] = f1[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
         const int16_t *xb = xq + b * ROWS_INT16 * BLOCK;
         for (int h = 0; h < HALVES(fmt); h++) {
@@ -752,6 +773,7 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
         for (int r = 0; r < rows; r++)
             f[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
+            fetch_header(w, b, fmt);
             const uint8_t *q = block_codes(w, b, fmt) + 32 * s;
             for (int hh = 0; hh < HALVES(fmt); hh++) {
                 __m256i acc[ROWS_INT16];
