@@ -469,6 +469,29 @@ def test_a_q4_k_m_model_runs_every_matrix_on_the_kernel(library: kernels.Library
             shard.close()
 
 
+def test_a_build_that_gets_a_kquant_wrong_is_not_used(tmp_path) -> None:
+    """The check before use covers the K-quant formats: a build whose Q6_K biases are off (-31 d sc
+    for -32 d sc, a real build of changed source) is refused, the reason naming the format."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    for src in kernels.SOURCES + kernels.HEADERS:
+        text = src.read_text()
+        (tmp_path / src.name).write_text(text.replace("-32.0f", "-31.0f") if src.name == "qlinear.c" else text)
+    out = tmp_path / "broken.so"
+    for flags in (["-march=native"], []):  # this machine's code path where the compiler takes the flag
+        built = subprocess.run([cc, "-O1", *flags, "-shared", "-fPIC", "-std=c11", "-o", str(out),
+                                *(str(tmp_path / s.name) for s in kernels.SOURCES), "-lm"], capture_output=True)
+        if built.returncode == 0:
+            break
+    assert built.returncode == 0, built.stderr
+    with pytest.raises(kernels.KernelUnavailable, match=r"disagrees with NumPy \(Q6_K, float32, off by"):
+        kernels._check(out)
+
+
 def test_without_a_compiler_the_backend_says_so_and_uses_matmulnbits(
     tiny_models, monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
