@@ -129,13 +129,15 @@ def _factor(v: np.ndarray, candidates: np.ndarray, lo: int, hi: int) -> tuple[np
         want = ext[todo] / float(c)
         with np.errstate(over="ignore", under="ignore"):
             half = want.astype(np.float16)
-        ok = (half.astype(np.float64) == want) & (half != 0)
+        ok = np.flatnonzero((half.astype(np.float64) == want) & (half != 0))
         idx, half = todo[ok], half[ok]
         q = np.rint(flat[idx] / half.astype(np.float32)[:, None])
         good = ((q >= lo) & (q <= hi)).all(-1)
         good &= (half.astype(np.float32)[:, None] * q.astype(np.float32) == flat[idx]).all(-1)
         f[idx[good]], codes[idx[good]] = half[good], q[good].astype(np.int16)
-        todo = np.setdiff1d(todo, idx[good], assume_unique=True)
+        left = np.ones(todo.size, bool)
+        left[ok[good]] = False
+        todo = todo[left]
     if todo.size:
         return None
     return f.reshape(v.shape[:-1]), codes.reshape(v.shape)
