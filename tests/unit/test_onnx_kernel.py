@@ -99,11 +99,11 @@ def test_kquants_are_float32_math_on_their_dequantized_matrix(library: kernels.L
 @pytest.mark.parametrize("type_name", KQUANTS)
 def test_kquant_tiles_stay_near_the_files_bytes(type_name: str) -> None:
     """What a node holds for a K-quant matrix on the kernel, against its bytes in the file: Q4_K
-    within 1.1 times (4.625 bits a weight against 4.5), Q6_K within 1.35 (8.56 against 6.56), Q5_K
-    (its codes in bytes) 1.57."""
+    within 1.1 times (4.625 bits a weight against 4.5), Q5_K too (5.63 against 5.5), Q6_K within
+    1.35 (8.56 against 6.56: its codes in bytes)."""
     rng = np.random.default_rng(12)
     w = kernels.random_kquant(rng, 256, 2048, type_name)
-    ratio = {"Q4_K": 1.03, "Q5_K": 1.57, "Q6_K": 1.31}[type_name]
+    ratio = {"Q4_K": 1.03, "Q5_K": 1.02, "Q6_K": 1.31}[type_name]
     for xbits in (0, 16, 8):
         blob = kernels.pack([w], xbits)
         assert blob.nbytes / w.nbytes == pytest.approx(ratio, abs=0.01), xbits

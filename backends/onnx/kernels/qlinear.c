@@ -53,27 +53,31 @@
 /* The tile formats. GGUF's blocks of 32 (Q4_0, Q4_1, Q8_0) carry their float16 scale and bias in
    each tile block (above). The K-quants' super-blocks of 256 weights keep what the file has: per
    tile (32 columns) and super-block, a header, then its 8 blocks of 32 codes in the lines of the
-   block formats (4-bit lines for Q4_K; 8-bit lines for Q5_K and Q6_K, whose codes fit a byte):
+   block formats (4-bit lines for Q4_K and, with a plane of fifth bits, Q5_K; 8-bit lines for Q6_K):
      Q4_K, Q5_K (header 640 bytes): the 32 columns' float16 d, their float16 dmin, then per block
                j the 32 columns' 6-bit scales sc (a byte each, 8 x 32), then their mins m (8 x 32):
                the block's weights are (d sc) q - (dmin m), scale and bias computed here in float32,
                exactly (an 11-bit significand times a 6-bit integer), as llama.cpp computes them;
      Q6_K (header 576 bytes): the columns' float16 d, then per group of 16 (two to a block) the
                columns' int8 scales sc (16 x 32): weights (d sc) (q - 32).
-   A tile of Q4_K is 4736 bytes per 32 x 256 weights (4.625 bits a weight, the file's 4.5), Q6_K
-   8768 (8.56, the file's 6.56), Q5_K 8832 (8.63, the file's 5.5). */
+   Q5_K's block of codes is its low 4 bits in the 4-bit lines of the precision, then 128 bytes of
+   masks of the fifth bits, one bit a code, laid out for the lanes the precision's lines widen to
+   (the float32 lines: per line j two words, bit c the code (k = j, c) and (j + 16, c); the others
+   at their tile functions; _fifth_plane in __init__.py writes them). A tile of Q4_K is 4736 bytes
+   per 32 x 256 weights (4.625 bits a weight, the file's 4.5), Q5_K 5760 (5.63, the file's 5.5),
+   Q6_K 8768 (8.56, the file's 6.56). */
 #define FMT_Q4 0  /* GGUF's Q4_0 and Q4_1 */
 #define FMT_Q8 1  /* Q8_0 */
 #define FMT_Q4K 2
 #define FMT_Q5K 3
 #define FMT_Q6K 4
 #define IS_K(f) ((f) >= FMT_Q4K)
-#define CODE_BITS(f) ((f) == FMT_Q4 || (f) == FMT_Q4K ? 4 : 8)
-#define CODE_BYTES(f) (CODE_BITS(f) == 4 ? 512 : 1024) /* a block's codes, 32 columns x 32 weights */
+#define CODE_BITS(f) ((f) == FMT_Q8 || (f) == FMT_Q6K ? 8 : 4) /* the lines' width (Q5_K: its low 4 bits) */
+#define FIFTH(f) ((f) == FMT_Q5K) /* Q5_K: each code's fifth bit in a plane after the block's 4-bit lines */
+#define CODE_BYTES(f) (CODE_BITS(f) == 4 ? 512 + (FIFTH(f) ? 128 : 0) : 1024) /* 32 columns x 32 weights */
 #define K_HEADER(f) ((f) == FMT_Q6K ? 576 : 640)
 #define SUPER_BYTES(f) (K_HEADER(f) + 8 * CODE_BYTES(f))
 #define HALVES(f) ((f) == FMT_Q6K ? 2 : 1) /* scales per block of 32: Q6_K's groups are 16 */
-#define SMALL_CODES(f) ((f) == FMT_Q5K || (f) == FMT_Q6K) /* 8-bit lines of codes below 64 */
 
 /* The format of bits (4 or 8) and kquant (0, or 4, 5, 6 for Q4_K, Q5_K, Q6_K); -1 if none. */
 static int format_of(int64_t bits, int64_t kquant)
@@ -206,6 +210,29 @@ static inline __attribute__((always_inline)) void scales8(const uint8_t *w, int6
         *c = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
     }
 }
+
+/* Bits 0-7 of bits as 8 int32 lanes of 16 (set) or 0: Q5_K's fifth bits of 8 columns. */
+static inline __m256i fifth8(uint32_t bits)
+{
+    const __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32((int)bits), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_slli_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(1)), 4);
+}
+
+/* The same for 32 byte lanes (bits 0-31) and for 16 16-bit lanes (bits 0-15). */
+static inline __m256i fifth32(uint32_t bits)
+{
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i pick = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, pick), pick), _mm256_set1_epi8(16));
+}
+
+static inline __m256i fifth16(uint32_t bits)
+{
+    const __m256i pick = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)32768);
+    const __m256i b = _mm256_and_si256(_mm256_set1_epi16((short)bits), pick);
+    return _mm256_and_si256(_mm256_cmpeq_epi16(b, pick), _mm256_set1_epi16(16));
+}
 #endif
 
 /* y[r * ldy + c] = x[r] . w[c] for rows r < rows (rows <= ROWS) and the tile's columns c < cols.
@@ -234,10 +261,21 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
             for (int j = 0; j < 16; j++, q += 32) {
                 const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
                 const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q0, low)), s0, c0);
-                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q1, low)), s1, c1);
-                const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q0, 4)), s0, c0);
-                const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q1, 4)), s1, c1);
+                __m512i l0 = _mm512_and_si512(q0, low), l1 = _mm512_and_si512(q1, low);
+                __m512i h0 = _mm512_srli_epi32(q0, 4), h1 = _mm512_srli_epi32(q1, 4);
+                if (FIFTH(fmt)) {
+                    uint32_t m[2];
+                    memcpy(m, q - 32 * j + 512 + 8 * j, 8);
+                    const __m512i sixteen = _mm512_set1_epi32(16);
+                    l0 = _mm512_mask_or_epi32(l0, (__mmask16)m[0], l0, sixteen);
+                    l1 = _mm512_mask_or_epi32(l1, (__mmask16)(m[0] >> 16), l1, sixteen);
+                    h0 = _mm512_mask_or_epi32(h0, (__mmask16)m[1], h0, sixteen);
+                    h1 = _mm512_mask_or_epi32(h1, (__mmask16)(m[1] >> 16), h1, sixteen);
+                }
+                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l0), s0, c0);
+                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l1), s1, c1);
+                const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0), s0, c0);
+                const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), s1, c1);
                 for (int r = 0; r < rows; r++) {
                     const __m512 xu = _mm512_set1_ps(xb[r * k + j]), xv = _mm512_set1_ps(xb[r * k + j + 16]);
                     a0[r] = _mm512_fmadd_ps(xv, v0, _mm512_fmadd_ps(xu, u0, a0[r]));
@@ -287,8 +325,16 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
                     for (int i = 0; i < gp; i++) {
                         const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
                         if (CODE_BITS(fmt) == 4) {
-                            const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), sc[i][0], sc[i][1]);
-                            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), sc[i][0], sc[i][1]);
+                            __m256i l = _mm256_and_si256(q0, low), hv = _mm256_srli_epi32(q0, 4);
+                            if (FIFTH(fmt)) { /* the 8 columns' bits of line j's two words */
+                                uint32_t m[2];
+                                memcpy(m, block_codes(w, b, fmt) + 512 + 8 * j, 8);
+                                const int sh = 8 * (g0 + i);
+                                l = _mm256_or_si256(l, fifth8(m[0] >> sh));
+                                hv = _mm256_or_si256(hv, fifth8(m[1] >> sh));
+                            }
+                            const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), sc[i][0], sc[i][1]);
+                            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hv), sc[i][0], sc[i][1]);
                             for (int r = 0; r < rows; r++)
                                 a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j + 16]), v,
                                                           _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]));
@@ -322,8 +368,15 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
                     scale1(w, b, fmt, col, 0, &s, &c);
                     for (int j = 0; j < 16; j++) {
                         const int code = q[32 * j];
-                        sum += xb[j] * ((float)(code & 0x0F) * s + c);
-                        sum += xb[j + 16] * ((float)(code >> 4) * s + c);
+                        int lo = code & 0x0F, hi = code >> 4;
+                        if (FIFTH(fmt)) {
+                            uint32_t m[2];
+                            memcpy(m, q - col + 512 + 8 * j, 8);
+                            lo |= (int)((m[0] >> col) & 1) << 4;
+                            hi |= (int)((m[1] >> col) & 1) << 4;
+                        }
+                        sum += xb[j] * ((float)lo * s + c);
+                        sum += xb[j + 16] * ((float)hi * s + c);
                     }
                 } else {
                     for (int h = 0; h < HALVES(fmt); h++) {
@@ -446,8 +499,18 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
             for (int j = h * lines; j < (h + 1) * lines; j++) {
                 const __m512i v0 = _mm512_loadu_si512(q + 64 * j), v1 = _mm512_loadu_si512(q + half_bytes + 64 * j);
                 if (bits == 4) {
-                    const __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-                    const __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                    __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                    __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                    if (FIFTH(fmt)) { /* per half and line, two masks: bit 4 c + i the code of byte 4 c + i's low, high nibble */
+                        uint64_t m[4];
+                        memcpy(m, q + 512 + 16 * j, 16);
+                        memcpy(m + 2, q + 512 + 64 + 16 * j, 16);
+                        const __m512i sixteen = _mm512_set1_epi8(16);
+                        l0 = _mm512_mask_add_epi8(l0, (__mmask64)m[0], l0, sixteen);
+                        h0 = _mm512_mask_add_epi8(h0, (__mmask64)m[1], h0, sixteen);
+                        l1 = _mm512_mask_add_epi8(l1, (__mmask64)m[2], l1, sixteen);
+                        h1 = _mm512_mask_add_epi8(h1, (__mmask64)m[3], h1, sixteen);
+                    }
                     for (int r = 0; r < rows; r++) {
                         const int8_t *xr = xq + r * k + b * BLOCK;
                         int32_t lo4, hi4;
@@ -539,9 +602,21 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
                 for (int c = 0; c < 4; c++)
                     acc[r][c] = _mm256_setzero_si256();
             for (int j = h * lines; j < (h + 1) * lines; j++) {
-                __m256i v[4];
+                __m256i v[4], lo[4], hi[4];
                 for (int c = 0; c < 4; c++) /* columns 8c to 8c + 7 */
                     v[c] = _mm256_loadu_si256((const __m256i *)(q + (c / 2) * half_bytes + 64 * j + 32 * (c % 2)));
+                if (bits == 4) {
+                    for (int c = 0; c < 4; c++) {
+                        lo[c] = _mm256_and_si256(v[c], low);
+                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low);
+                        if (FIFTH(fmt)) { /* the AVX-512 code's masks, 32 bits of them a vector */
+                            uint64_t m[2];
+                            memcpy(m, q + 512 + 64 * (c / 2) + 16 * j, 16);
+                            lo[c] = _mm256_or_si256(lo[c], fifth32((uint32_t)(m[0] >> (32 * (c % 2)))));
+                            hi[c] = _mm256_or_si256(hi[c], fifth32((uint32_t)(m[1] >> (32 * (c % 2)))));
+                        }
+                    }
+                }
                 for (int r = 0; r < rows; r++) {
                     const int8_t *xr = xq + r * k + b * BLOCK;
                     int32_t lo4, hi4;
@@ -550,12 +625,11 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
                         memcpy(&hi4, xr + 16 + 4 * j, 4);
                         const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
                         for (int c = 0; c < 4; c++)
-                            acc[r][c] = _mm256_add_epi32(acc[r][c], dot4(_mm256_and_si256(v[c], low), xl,
-                                                                         _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low), xh));
+                            acc[r][c] = _mm256_add_epi32(acc[r][c], dot4(lo[c], xl, hi[c], xh));
                     } else {
                         const __m256i xv = _mm256_set1_epi32(lo4);
                         for (int c = 0; c < 4; c++)
-                            acc[r][c] = _mm256_add_epi32(acc[r][c], SMALL_CODES(fmt) ? dot_small(v[c], xv) : dot8(v[c], xv));
+                            acc[r][c] = _mm256_add_epi32(acc[r][c], fmt == FMT_Q6K ? dot_small(v[c], xv) : dot8(v[c], xv));
                     }
                 }
             }
@@ -678,8 +752,17 @@ static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, 
     const __m512i v = _mm512_loadu_si512(q + 64 * j);
     if (CODE_BITS(fmt) == 4) {
         const __m512i nibble = _mm512_set1_epi16(0x000F);
-        const __m512i a = _mm512_and_si512(v, nibble), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        const __m512i c = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), d = _mm512_srli_epi16(v, 12);
+        __m512i a = _mm512_and_si512(v, nibble), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512i c = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), d = _mm512_srli_epi16(v, 12);
+        if (FIFTH(fmt)) { /* line j's four masks, for a, b, c, d: bit i the code of their 16-bit lane i */
+            uint32_t m[4];
+            memcpy(m, q + 512 + 16 * j, 16);
+            const __m512i sixteen = _mm512_set1_epi16(16);
+            a = _mm512_mask_add_epi16(a, (__mmask32)m[0], a, sixteen);
+            b = _mm512_mask_add_epi16(b, (__mmask32)m[1], b, sixteen);
+            c = _mm512_mask_add_epi16(c, (__mmask32)m[2], c, sixteen);
+            d = _mm512_mask_add_epi16(d, (__mmask32)m[3], d, sixteen);
+        }
         for (int r = 0; r < rows; r++) {
             int32_t lo2, hi2;
             memcpy(&lo2, xb + r * BLOCK + 2 * j, 4);
@@ -783,7 +866,13 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
                     if (bits == 4) {
                         const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
-                        const __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
+                        __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
+                        if (FIFTH(fmt)) { /* the VNNI code's masks (a, b for the low byte, c, d for the high) */
+                            uint32_t m[4];
+                            memcpy(m, block_codes(w, b, fmt) + 512 + 16 * j, 16);
+                            l = _mm256_or_si256(l, fifth16(m[2 * h] >> (16 * s)));
+                            u = _mm256_or_si256(u, fifth16(m[2 * h + 1] >> (16 * s)));
+                        }
                         for (int r = 0; r < rows; r++) {
                             const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
                             int32_t lo2, hi2;
@@ -1062,7 +1151,7 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
         return fail(fmt == FMT_Q4    ? "QLinear: W must be (ceil(N / 32), K / 32, 640) for bits 4"
                     : fmt == FMT_Q8  ? "QLinear: W must be (ceil(N / 32), K / 32, 1152) for bits 8"
                     : fmt == FMT_Q6K ? "QLinear: W must be (ceil(N / 32), K / 256, 8768) for Q6_K"
-                    : fmt == FMT_Q5K ? "QLinear: W must be (ceil(N / 32), K / 256, 8832) for Q5_K"
+                    : fmt == FMT_Q5K ? "QLinear: W must be (ceil(N / 32), K / 256, 5760) for Q5_K"
                                      : "QLinear: W must be (ceil(N / 32), K / 256, 4736) for Q4_K");
     int64_t m = 1;
     for (size_t i = 0; i + 1 < rank; i++)
