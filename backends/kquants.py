@@ -78,3 +78,66 @@ def decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, np.n
         high_hi = ((qh[:, :, None, :] >> (2 * j + 1)) & 1) << 4
         codes = np.stack([(qs & 0x0F) | high_lo, (qs >> 4) | high_hi], axis=3)
     return codes.reshape(rows, cols).astype(np.uint8), scales.reshape(rows, -1), biases.reshape(rows, -1)
+
+
+def superblocks(type_name: str, scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """The super-block fields behind decoded ``scales`` and ``biases`` (rows of float32 groups, as
+    :func:`decode` gives them): ``(d, dmin, sc, m)``, ``d`` and ``dmin`` float16 ``(rows, cols / 256)``,
+    ``sc`` and ``m`` ``(rows, cols / group)`` (uint8 0..63, or for Q6_K ``sc`` int8 and ``dmin``, ``m``
+    zero), such that ``scale = d * sc`` and ``bias = -dmin * m`` (Q6_K: ``-32 d sc``) exactly in
+    float32, as a kernel that computes them from these fields does. Not always the file's own
+    (``d`` and ``sc`` of even codes are also ``2 d`` and ``sc / 2``), but always its values; None
+    when the groups are no such super-blocks."""
+    if type_name not in BLOCK_BYTES:
+        raise ValueError(f"{type_name} is not a K-quant type ({', '.join(BLOCK_BYTES)})")
+    scales, biases = np.asarray(scales, np.float32), np.asarray(biases, np.float32)
+    rows, groups = scales.shape
+    per = QK_K // GROUP[type_name]
+    if groups % per:
+        return None
+    s = scales.reshape(rows, groups // per, per)
+    if type_name == "Q6_K":
+        if not np.array_equal(biases, np.float32(-32.0) * scales):
+            return None
+        found = _factor(s, np.array([-128] + [c for i in range(127, 0, -1) for c in (i, -i)]), -128, 127)
+        if found is None:
+            return None
+        d, sc = found
+        zero = np.zeros_like(d)
+        return d, zero, sc.astype(np.int8).reshape(rows, groups), np.zeros((rows, groups), np.uint8)
+    scale_part = _factor(s, np.arange(63, 0, -1), 0, 63)
+    min_part = _factor(-biases.reshape(s.shape), np.arange(63, 0, -1), 0, 63)
+    if scale_part is None or min_part is None:
+        return None
+    (d, sc), (dmin, m) = scale_part, min_part
+    return d, dmin, sc.astype(np.uint8).reshape(rows, groups), m.astype(np.uint8).reshape(rows, groups)
+
+
+def _factor(v: np.ndarray, candidates: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(f, c)`` with ``v == float32(f) * c`` exactly, ``f`` float16 per super-block ``(rows, blocks)``
+    and ``c`` integers ``lo..hi`` ``(rows, blocks, per)``; None where no such pair exists. The
+    largest value's code is tried from the largest ``candidates`` down (a quantizer gives it the
+    largest code: 63, or -128), each over the super-blocks still unresolved."""
+    flat = v.reshape(-1, v.shape[-1])
+    f = np.zeros(flat.shape[0], np.float16)
+    codes = np.zeros(flat.shape, np.int16)
+    ext = flat[np.arange(flat.shape[0]), np.abs(flat).argmax(-1)].astype(np.float64)
+    todo = np.flatnonzero(ext != 0)
+    for c in candidates:
+        if todo.size == 0:
+            break
+        want = ext[todo] / float(c)
+        with np.errstate(over="ignore", under="ignore"):
+            half = want.astype(np.float16)
+        ok = np.flatnonzero((half.astype(np.float64) == want) & (half != 0))
+        idx, half = todo[ok], half[ok]
+        q = np.rint(flat[idx] / half.astype(np.float32)[:, None])
+        good = ((q >= lo) & (q <= hi)).all(-1)
+        good &= (half.astype(np.float32)[:, None] * q.astype(np.float32) == flat[idx]).all(-1)
+        f[idx[good]], codes[idx[good]] = half[good], q[good].astype(np.int16)
+        left = np.ones(todo.size, bool)
+        left[ok[good]] = False
+        todo = todo[left]
+    if todo.size:
+        return None
+    return f.reshape(v.shape[:-1]), codes.reshape(v.shape)

@@ -7,6 +7,14 @@ Prints best-of-``--repeats`` tokens/s (wall clock) and the process CPU time per 
 which stays meaningful when other work shares the machine; then, for each ``--rows``, the median
 time of one batched decode step of that many requests (each with a 64-token context): what
 batching concurrent streams costs a node.
+
+    .venv/bin/python benchmarks/onnx_kernels.py --matmul 4096x4096 [--threads 1 2]
+
+times instead one matrix of that shape (N x K) per decode step (one row), in each block format
+the kernel runs (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): on ``QLinear`` at each precision and on
+``MatMulNBits`` (what runs without the kernel), with the bytes each reads per step (the matrix's
+own arrays; MatMulNBits' correction also multiplies a block-indicator matrix shared by all layers,
+not counted) against the file's.
 """
 
 from __future__ import annotations
@@ -79,6 +87,108 @@ def batched_steps(shard: Shard, rows: list[int], context: int = 64, repeats: int
     return out
 
 
+FORMATS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def random_matrix(rng: np.random.Generator, n: int, k: int, fmt: str):
+    """A random ``n x k`` matrix in GGUF block format ``fmt``, as the reader gives it."""
+    from backends.base import QuantizedWeight
+    from backends.onnx import kernels
+
+    if fmt in kernels.KQUANT:
+        return kernels.random_kquant(rng, n, k, fmt)
+    return QuantizedWeight.random(rng, n, k, 8 if fmt == "Q8_0" else 4)
+
+
+def matmul_session(w, threads: int, kernel: bool, xbits: int = 0):
+    """A one-matrix ONNX Runtime session ``y = x @ w.T`` as a shard's graph builds it (QLinear, or
+    MatMulNBits with its correction), and the bytes of the matrix's own arrays."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from backends.base import ModelConfig
+    from backends.onnx import kernels
+    from backends.onnx.graph import _Builder
+
+    config = ModelConfig(n_layers=1, hidden_size=w.shape[1], intermediate_size=w.shape[1], n_heads=1, n_kv_heads=1,
+                         head_dim=64, vocab_size=8, rms_eps=1e-5, rope_theta=1e4, context_length=64)
+    b = _Builder(config, 1, kernel=kernel, xbits=xbits)
+    y = b.linear("x", [w], "y")
+    n, k = w.shape
+    graph = helper.make_graph(
+        b.nodes, "matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["m", n])],
+        [numpy_helper.from_array(a, name) for name, a in b.arrays.items()] + b.small,
+    )
+    domains = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=domains + ([helper.make_opsetid(kernels.DOMAIN, 1)] if kernel else []))
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    if kernel:
+        options.register_custom_ops_library(kernels.library().path)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    used = {n.op_type for n in b.nodes}
+    own = sum(a.nbytes for name, a in b.arrays.items() if not name.startswith("block_ones"))
+    return session, own, used
+
+
+def step_ms(session, k: int, repeats: int = 200) -> float:
+    """Process CPU milliseconds per run on one row (all threads; steadier than the wall clock
+    where other work shares the machine: with one thread it is that thread's time), the
+    least of 5 rounds of ``repeats // 5``."""
+    x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
+    for _ in range(20):
+        session.run(None, {"x": x})
+    rounds = []
+    for _ in range(5):
+        c0 = time.process_time()
+        for _ in range(repeats // 5):
+            session.run(None, {"x": x})
+        rounds.append((time.process_time() - c0) / (repeats // 5))
+    return min(rounds) * 1e3
+
+
+def matmul_table(shapes: list[str], threads: list[int], formats: tuple[str, ...] = FORMATS) -> None:
+    """For each shape and thread count, a row per block format: bits read per weight (file,
+    QLinear, MatMulNBits) and ms per decode step, with the ratios against Q4_1 on QLinear and
+    against MatMulNBits for the same matrix."""
+    from backends.onnx import kernels
+
+    lib = kernels.library()
+    if lib is None:
+        raise SystemExit(f"no QLinear kernel here: {kernels.unavailable()}")
+    xbits_list = (0, 16, 8) if lib.integer else (0,)
+    names = {0: "float32", 16: "int16", 8: "int8"}
+    rng = np.random.default_rng(0)
+    print(f"QLinear build {lib.build} ({lib.isa}); one row a step, CPU ms per step (least of 5 rounds of 40)")
+    for shape in shapes:
+        n, k = (int(v) for v in shape.lower().split("x"))
+        weights = {f: random_matrix(rng, n, k, f) for f in formats}
+        for t in threads:
+            print(f"\n{n} x {k}, {t} thread(s)")
+            head = f"{'format':<7}{'file b/w':>9}{'QLinear b/w':>12}{'MatMulNBits b/w':>16}"
+            head += "".join(f"{'QL ' + names[x] + ' ms':>16}" for x in xbits_list)
+            print(head + f"{'MatMulNBits ms':>15}{'float32 vs Q4_1':>17}{'float32 vs MNB':>16}")
+            base = None
+            for f, w in weights.items():
+                per = 8 / (n * k)
+                ql = {}
+                for x in xbits_list:
+                    session, ql_bytes, used = matmul_session(w, t, True, x)
+                    assert used == {kernels.OP}, used
+                    ql[x] = step_ms(session, k)
+                mnb_session, mnb_bytes, used = matmul_session(w, t, False)
+                assert "MatMulNBits" in used, used
+                mnb = step_ms(mnb_session, k)
+                base = ql[0] if f == "Q4_1" else base
+                row = f"{f:<7}{w.nbytes * per:>9.3f}{ql_bytes * per:>12.3f}{mnb_bytes * per:>16.3f}"
+                row += "".join(f"{ql[x]:>16.3f}" for x in xbits_list)
+                ratio = f"{ql[0] / base:>17.2f}" if base else f"{'':>17}"
+                print(row + f"{mnb:>15.3f}" + ratio + f"{ql[0] / mnb:>16.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, physical_cores()}))
@@ -89,7 +199,12 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16], help="batched decode steps to time")
+    ap.add_argument("--matmul", nargs="*", default=[], metavar="NxK",
+                    help="time one N x K matrix per decode step in each block format instead of the model")
     args = ap.parse_args()
+    if args.matmul:
+        matmul_table(args.matmul, args.threads)
+        return
     model = GGUFModel(resolve_model())
     config = model.config
     weights = model.shard_weights(0, config.n_layers)

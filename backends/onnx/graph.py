@@ -43,10 +43,11 @@ from backends.base import ModelConfig, ShardWeights, Weight
 from backends.onnx.kernels import (
     ATTENTION,
     ATTENTION_F16,
-    BLOCK,
     DOMAIN,
     OP,
     gqa_window,
+    kernel_format,
+    op_attributes,
     pack,
     runs_on_kernel,
 )
@@ -84,7 +85,7 @@ class _Builder:
     def __init__(self, config: ModelConfig, accuracy_level: int, kernel: bool = False, xbits: int = 0) -> None:
         self.c = config
         self.accuracy_level = accuracy_level
-        self.kernel = kernel  # 4- and 8-bit matrices in GGUF's blocks through exo-tui's QLinear
+        self.kernel = kernel  # GGUF's blocks (Q4_0/Q4_1/Q8_0, Q4_K/Q5_K/Q6_K) through exo-tui's QLinear
         self.xbits = xbits  # QLinear's activations as int16 or int8 codes (0: float32 products)
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
@@ -175,7 +176,7 @@ class _Builder:
         """``x @ concat(weights).T``; matrices of one kind run as one fused op."""
         groups: list[list[Weight]] = []
         for w in weights:
-            if groups and same_kind(groups[-1][0], w):
+            if groups and same_kind(groups[-1][0], w) and (not self.kernel or kernel_format(groups[-1][0]) == kernel_format(w)):
                 groups[-1].append(w)
             else:
                 groups.append([w])
@@ -185,12 +186,12 @@ class _Builder:
         return self.node("Concat", outs, stem, axis=-1)[0]
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
-        if self.kernel and all(runs_on_kernel(w) for w in weights):
+        if self.kernel and all(runs_on_kernel(w) for w in weights):  # one format: see linear
             blocks = pack(weights, self.xbits)  # type: ignore[arg-type]
-            n = sum(w.q.shape[0] for w in weights)  # type: ignore[union-attr]
-            k, bits = blocks.shape[1] * BLOCK, weights[0].bits  # type: ignore[union-attr]
-            w = self.weight(f"{stem}_q{bits}", blocks)
-            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, bits=bits, xbits=self.xbits)[0]
+            n, k = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1]  # type: ignore[union-attr]
+            attributes = op_attributes(weights[0])  # type: ignore[arg-type]
+            w = self.weight(f"{stem}_{kernel_format(weights[0]).lower()}", blocks)  # type: ignore[union-attr]
+            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, xbits=self.xbits, **attributes)[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
@@ -271,8 +272,8 @@ def build_shard_graph(
     math, 4 int8.
 
     ``kernel``: exo-tui's kernels (:mod:`backends.onnx.kernels`; the session must load their
-    library): 4- and 8-bit matrices in GGUF's blocks of 32 on ``QLinear`` (the rest on
-    ``MatMulNBits``) and attention on ``Attention``; else ``MatMulNBits`` and ``GroupQueryAttention``.
+    library): 4- and 8-bit matrices in GGUF's blocks of 32 and its K-quants' super-blocks on
+    ``QLinear``, matrices fused only within one format (the rest on ``MatMulNBits``) and attention on ``Attention``; else ``MatMulNBits`` and ``GroupQueryAttention``.
     ``xbits`` 16 or 8: ``QLinear`` rounds its activations to int16 or int8 codes (0: float32).
     ``half_kv`` (with ``kernel``): the KV caches are float16, on ``AttentionF16``.
 

@@ -37,6 +37,35 @@ def test_decoding_is_bit_exact_with_gguf(type_name: str, rows: int, cols: int) -
     assert w.nbytes == raw.nbytes  # a node holds the file's bytes for it
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_super_block_fields_come_back_from_the_groups(type_name: str) -> None:
+    """``superblocks`` finds a float16 ``d`` (``dmin``) per super-block and integer scales (mins) in
+    their range that give the decoded groups exactly in float32 (what the ONNX kernel computes
+    from them); groups that are no such super-blocks give None."""
+    from backends.kquants import superblocks
+
+    rng = np.random.default_rng(21)
+    raw = random_kquant_blocks(rng, 9, 1024, type_name, 0.02).reshape(9, 4, -1)
+    half = (rng.standard_normal((9, 4, 2)) * 1e-3).astype(np.float16)  # a random d (and dmin) each
+    if type_name == "Q6_K":
+        raw[..., 208:210] = half[..., :1].view(np.uint8)
+    else:
+        raw[..., 0:4] = np.abs(half).view(np.uint8).reshape(9, 4, 4)
+    _, scales, biases = decode(raw.reshape(9, -1), type_name, 1024)
+    d, dmin, sc, m = superblocks(type_name, scales, biases)
+    per = 256 // GROUP[type_name]
+    assert d.dtype == dmin.dtype == np.float16 and d.shape == (9, 4) and sc.shape == m.shape == scales.shape
+    got = np.repeat(d.astype(np.float32), per, axis=1) * sc.astype(np.float32)
+    assert np.array_equal(got, scales)
+    if type_name == "Q6_K":
+        assert sc.dtype == np.int8 and not m.any()
+    else:
+        assert sc.max() <= 63 and m.max() <= 63
+        assert np.array_equal(-(np.repeat(dmin.astype(np.float32), per, axis=1) * m.astype(np.float32)), biases)
+    assert superblocks(type_name, scales * np.float32(1 + 2**-20), biases) is None
+    assert superblocks(type_name, scales, biases - np.float32(1e-3)) is None
+
+
 def test_a_row_that_is_not_whole_super_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         decode(np.zeros((1, 144), np.uint8), "Q4_K", 128)

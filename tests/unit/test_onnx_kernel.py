@@ -4,16 +4,43 @@ and a clear fallback where it cannot be built."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import itertools
 import logging
 
 import numpy as np
 import pytest
 
 from backends.base import BackendError, QuantizedWeight
+from backends.kquants import GROUP, decode
 from backends.onnx import kernels
+from tests.factory import random_kquant_blocks
 from tests.reference import ReferenceShard
 from tests.unit.test_onnx_backend import PROMPT, close, load
+
+KQUANTS = list(kernels.KQUANT)
+
+
+def stacked(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Matrices of one kind as one, as ``pack`` stacks them."""
+    w = weights[0]
+    return QuantizedWeight(np.concatenate([a.q for a in weights]), np.concatenate([a.scales for a in weights]),
+                           np.concatenate([a.biases for a in weights]), bits=w.bits, group=w.group,
+                           source_type=w.source_type)
+
+
+def from_file_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str) -> QuantizedWeight:
+    """A K-quant matrix as the GGUF reader decodes it, from random super-blocks with a random
+    float16 d (and dmin) each."""
+    raw = random_kquant_blocks(rng, rows, cols, type_name, 0.05).reshape(rows, cols // 256, -1)
+    half = (rng.standard_normal((rows, cols // 256, 2)) * 1e-3).astype(np.float16)  # d (and dmin) of each
+    if type_name == "Q6_K":
+        raw[..., 208:210] = half[..., :1].view(np.uint8)
+    else:
+        raw[..., 0:4] = np.abs(half).view(np.uint8).reshape(rows, cols // 256, 4)
+    q, scales, biases = decode(raw.reshape(rows, -1), type_name, cols)
+    return QuantizedWeight(q, scales, biases, bits=int(type_name[1]), group=GROUP[type_name], source_type=type_name)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +70,79 @@ def test_the_kernel_is_float32_math_on_the_dequantized_matrix(library: kernels.L
         y = kernels.run_in_session(library.path, x, blob, bits, 3072)
         want = x.astype(np.float64) @ w.T
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), m
+
+
+@pytest.mark.parametrize("type_name", KQUANTS)
+@pytest.mark.parametrize(("rows", "k"), [((33,), 256), ((40, 300), 768), ((70,), 4096)])
+def test_kquants_are_float32_math_on_their_dequantized_matrix(library: kernels.Library, type_name: str,
+                                                              rows: tuple[int, ...], k: int) -> None:
+    """Q4_K, Q5_K and Q6_K from their super-blocks' d and integer scales (N not whole tiles, one
+    super-block to sixteen along K, matrices stacked): as near the float64 product as GGUF's own
+    blocks of 32 are, in a session and called directly, the same numbers both ways."""
+    rng = np.random.default_rng(11 + k)
+    parts = [from_file_blocks(rng, n, k, type_name) if i else kernels.random_kquant(rng, n, k, type_name)
+             for i, n in enumerate(rows)]
+    n = sum(rows)
+    blob = kernels.pack(parts)
+    assert blob.shape == (-(-n // 32), k // 256, kernels.SUPER_BYTES[type_name]) and blob.dtype == np.uint8
+    attrs = kernels.op_attributes(parts[0])
+    assert attrs == {"bits": int(type_name[1]), "kquant": kernels.KQUANT[type_name]}
+    w = stacked(parts)
+    x = rng.standard_normal((33, k)).astype(np.float32)
+    want = kernels.float_reference(x, w)
+    for m in (1, 2, 7, 8, 9, 33):
+        y = kernels.run_in_session(library.path, x[:m], blob, n=n, **attrs)
+        assert np.abs(y - want[:m]).max() <= 1e-5 * np.abs(want).max(), m
+        assert np.array_equal(kernels.call(ctypes.CDLL(library.path), x[:m], blob, n=n, **attrs), y), m
+
+
+@pytest.mark.parametrize("type_name", KQUANTS)
+def test_kquant_tiles_stay_near_the_files_bytes(type_name: str) -> None:
+    """What a node holds for a K-quant matrix on the kernel, against its bytes in the file: Q4_K
+    within 1.1 times (4.625 bits a weight against 4.5), Q5_K too (5.63 against 5.5), Q6_K within
+    1.35 (8.56 against 6.56: its codes in bytes)."""
+    rng = np.random.default_rng(12)
+    w = kernels.random_kquant(rng, 256, 2048, type_name)
+    ratio = {"Q4_K": 1.03, "Q5_K": 1.02, "Q6_K": 1.31}[type_name]
+    for xbits in (0, 16, 8):
+        blob = kernels.pack([w], xbits)
+        assert blob.nbytes / w.nbytes == pytest.approx(ratio, abs=0.01), xbits
+
+
+@pytest.mark.parametrize("type_name", KQUANTS)
+@pytest.mark.parametrize(("xbits", "near"), [(16, (1e-7, 1e-3)), (8, (1e-4, 0.05))])
+def test_kquants_at_the_integer_precisions(integer_library: kernels.Library, type_name: str, xbits: int,
+                                           near: tuple[float, float]) -> None:
+    """The int16 and int8 products of K-quant blocks (Q6_K's groups of 16 two partial sums a block,
+    its codes' offset of 32 taken out in integers): as their float64 model, near the float32 result."""
+    rng = np.random.default_rng(13 + xbits)
+    parts = [kernels.random_kquant(rng, 40, 1280, type_name), from_file_blocks(rng, 61, 1280, type_name)]
+    blob = kernels.pack(parts, xbits)
+    w = stacked(parts)
+    for m in (1, 3, 4, 5, 9, 17):
+        x = rng.standard_normal((m, 1280)).astype(np.float32)
+        x[0, :32] = 0.0  # a block of zeros has scale 0
+        x[-1, 32:64] *= 1e4  # and a block's largest value takes the largest code
+        y = kernels.run_in_session(integer_library.path, x, blob, n=101, xbits=xbits, **kernels.op_attributes(w))
+        want = kernels.integer_reference(x, w, xbits)
+        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max(), m
+        exact = kernels.float_reference(x, w)
+        assert near[0] < np.abs(y - exact).max() / np.abs(exact).max() < near[1], m
+
+
+@pytest.mark.parametrize("xbits", [0, 16, 8])
+def test_kquant_rows_do_not_depend_on_their_batch(library: kernels.Library, xbits: int) -> None:
+    if xbits and not library.integer:
+        pytest.skip(f"this CPU's {library.isa} build has no integer products")
+    rng = np.random.default_rng(14)
+    for type_name in KQUANTS:
+        w = kernels.random_kquant(rng, 300, 512, type_name)
+        blob, attrs = kernels.pack([w], xbits), kernels.op_attributes(w)
+        x = rng.standard_normal((37, 512)).astype(np.float32)
+        together = kernels.run_in_session(library.path, x, blob, n=300, xbits=xbits, **attrs)
+        for i in (0, 5, 36):
+            alone = kernels.run_in_session(library.path, x[i : i + 1], blob, n=300, xbits=xbits, **attrs)[0]
+            assert np.array_equal(alone, together[i]), (type_name, i)
 
 
 def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> None:
@@ -215,7 +315,6 @@ def test_attention_refuses_positions_outside_the_cache(library: kernels.Library)
 def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     """This machine builds one of the kernel's three code paths; the others are built here with
     their flags and checked the same way (for the machines that run them)."""
-    import ctypes
     import platform
     import shutil
     import subprocess
@@ -245,9 +344,32 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
         together = kernels.call(lib, x, blob, bits, 70)  # and a row's bits whatever its batch
         for i in (0, 5, 10):
             assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, bits, 70)[0], together[i]), (bits, i)
+    for type_name in KQUANTS:  # the K-quants' super-blocks, float32 products
+        w = kernels.random_kquant(rng, 70, 768, type_name)
+        blob, attrs = kernels.pack([w]), kernels.op_attributes(w)
+        x = rng.standard_normal((11, 768)).astype(np.float32)
+        want = kernels.float_reference(x, w)
+        for m in (1, 2, 3, 8, 11):
+            y = kernels.call(lib, x[:m], blob, n=70, **attrs)
+            assert np.abs(y - want[:m]).max() <= 1e-5 * np.abs(want).max(), (type_name, m)
+        together = kernels.call(lib, x, blob, n=70, **attrs)
+        for i in (0, 5, 10):
+            assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, n=70, **attrs)[0], together[i]), (type_name, i)
     if isa == "avx2":  # the integer precisions: their float64 model, and the VNNI build's numbers bit for bit
         native = kernels.library()
         vnni = ctypes.CDLL(native.path) if native is not None and native.integer and native.isa == "avx512" else None
+        for type_name, xbits in itertools.product(KQUANTS, (16, 8)):
+            w = kernels.random_kquant(rng, 70, 768, type_name)
+            blob, attrs = kernels.pack([w], xbits), kernels.op_attributes(w)
+            x = rng.standard_normal((11, 768)).astype(np.float32)
+            x[3, :32] = 0.0
+            want = kernels.integer_reference(x, w, xbits)
+            got = kernels.call(lib, x, blob, n=70, xbits=xbits, **attrs)
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (type_name, xbits)
+            for i in (0, 3, 10):
+                assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, n=70, xbits=xbits, **attrs)[0], got[i])
+            if vnni is not None:
+                assert np.array_equal(kernels.call(vnni, x, blob, n=70, xbits=xbits, **attrs), got), (type_name, xbits)
         for bits, xbits in ((4, 16), (8, 16), (4, 8), (8, 8)):
             w = QuantizedWeight.random(rng, 70, 320, bits)
             blob = kernels.pack([w], xbits)
@@ -286,6 +408,88 @@ def test_only_blocks_of_32_with_half_precision_scales_take_the_kernel() -> None:
     assert not kernels.runs_on_kernel(QuantizedWeight(w.q, w.scales * np.float32(1.0001), w.biases, bits=4))
     assert not kernels.runs_on_kernel(QuantizedWeight(w.q[:, :48], w.scales[:, :3], w.biases[:, :3], bits=4, group=16))
     assert not kernels.runs_on_kernel(np.zeros((8, 64), np.float32))
+
+
+@pytest.mark.parametrize("type_name", KQUANTS)
+def test_kquants_take_the_kernel_when_their_scales_are_super_blocks(type_name: str) -> None:
+    """A K-quant matrix as the reader decodes it runs on the kernel, in its own format (never fused
+    with another); groups that are no super-blocks' ``d * sc`` (or, for Q6_K, biases not
+    ``-32 d sc``) stay on MatMulNBits."""
+    rng = np.random.default_rng(15)
+    w = from_file_blocks(rng, 8, 512, type_name)
+    assert kernels.runs_on_kernel(w) and kernels.kernel_format(w) == type_name
+    assert kernels.kernel_format(QuantizedWeight.random(rng, 8, 512, 4)) == "Q4"
+    odd = dataclasses.replace(w, scales=w.scales * np.float32(1.0 + 2**-20))
+    assert not kernels.runs_on_kernel(odd)
+    assert not kernels.runs_on_kernel(dataclasses.replace(w, biases=w.biases + np.float32(1e-3)))
+    assert not kernels.runs_on_kernel(dataclasses.replace(w, group=32 if type_name == "Q6_K" else 16,
+                                                          scales=w.scales[:, ::2], biases=w.biases[:, ::2]))
+
+
+def test_a_q4_k_m_model_runs_every_matrix_on_the_kernel(library: kernels.Library, tmp_path) -> None:
+    """Q4_K layers with a Q6_K output head (as a Q4_K_M file has them): q, k, v as one QLinear and
+    gate and up as one, every matrix and the head on QLinear (no MatMulNBits, no dense copy of the
+    head), the logits the reference's, split and whole."""
+    from backends.onnx import ONNXBackend
+    from backends.onnx.graph import build_shard_graph
+    from exo_tui.models.gguf_file import GGUFModel
+    from tests.factory import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "q4km.gguf", hidden=256, intermediate=512, n_layers=2, weight_type="Q4_K",
+                            embed_type="F32", tied=False)
+    model = GGUFModel(path)
+    cfg = model.config
+    rng = np.random.default_rng(16)
+    head = from_file_blocks(rng, cfg.vocab_size, cfg.hidden_size, "Q6_K")
+
+    def weights(start: int, end: int):
+        w = model.shard_weights(start, end)
+        return dataclasses.replace(w, output=head) if end == cfg.n_layers else w
+
+    for xbits in (0, 16, 8) if library.integer else (0,):
+        graph = build_shard_graph(cfg, weights(0, cfg.n_layers), 1, batch_head_rows=4, kernel=True, xbits=xbits)
+        ops = [n for n in graph.model.graph.node if n.domain == kernels.DOMAIN and n.op_type == kernels.OP]
+        kinds = [{a.name: a.i for a in n.attribute}.get("kquant", 0) for n in ops]
+        assert kinds == [4, 4, 4, 4] * cfg.n_layers + [6], xbits  # qkv, o, gate+up, down; the head
+        assert not any(n.op_type in ("MatMulNBits", "If") for n in graph.model.graph.node), xbits
+    tokens = np.arange(3, 40) % cfg.vocab_size
+    pos = np.arange(len(tokens))
+    want = ReferenceShard(cfg, weights(0, cfg.n_layers)).forward("r", tokens, pos, all_logits=True)
+    engine = ONNXBackend(threads=2, precision="float32")
+    whole = engine.load_shard(cfg, weights(0, cfg.n_layers))
+    first, last = engine.load_shard(cfg, weights(0, 1)), engine.load_shard(cfg, weights(1, cfg.n_layers))
+    try:
+        assert whole.kernel == library.isa
+        got = whole.forward("r", tokens, pos, all_logits=True)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        split = last.forward("r", first.forward("r", tokens, pos), pos, all_logits=True)
+        assert np.abs(split - want).max() <= 1e-4 * np.abs(want).max()
+    finally:
+        for shard in (whole, first, last):
+            shard.close()
+
+
+def test_a_build_that_gets_a_kquant_wrong_is_not_used(tmp_path) -> None:
+    """The check before use covers the K-quant formats: a build whose Q6_K biases are off (-31 d sc
+    for -32 d sc, a real build of changed source) is refused, the reason naming the format."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    for src in kernels.SOURCES + kernels.HEADERS:
+        text = src.read_text()
+        (tmp_path / src.name).write_text(text.replace("-32.0f", "-31.0f") if src.name == "qlinear.c" else text)
+    out = tmp_path / "broken.so"
+    for flags in (["-march=native"], []):  # this machine's code path where the compiler takes the flag
+        built = subprocess.run([cc, "-O1", *flags, "-shared", "-fPIC", "-std=c11", "-o", str(out),
+                                *(str(tmp_path / s.name) for s in kernels.SOURCES), "-lm"], capture_output=True)
+        if built.returncode == 0:
+            break
+    assert built.returncode == 0, built.stderr
+    with pytest.raises(kernels.KernelUnavailable, match=r"disagrees with NumPy \(Q6_K, float32, off by"):
+        kernels._check(out)
 
 
 def test_without_a_compiler_the_backend_says_so_and_uses_matmulnbits(

@@ -6,7 +6,12 @@
 float32 matmul of the input's block sums (see :mod:`backends.onnx.weights`) and float32 scales:
 24 bytes per 32 weights read per step, against 20 here (float16 scale and bias beside the codes,
 as the file has them), and three ops fewer per matrix; its float 8-bit path is slow, so a Q8_0
-matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here). The blocks are
+matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here). The K-quants
+(Q4_K, Q5_K, Q6_K) keep their super-blocks' float16 ``d`` (and ``dmin``) and small integer scales
+(and mins) beside the codes, and the kernel makes each group's float32 scale and bias from them
+as llama.cpp does: 4.625 bits a Q4_K weight (the file's 4.5; MatMulNBits' float32 scales and
+correction take 6), 5.63 a Q5_K weight (the file's 5.5, its fifth bits a plane beside 4-bit
+lines; MatMulNBits 11.1), 8.56 a Q6_K weight (the file's 6.56, codes in bytes; MatMulNBits 14.25). The blocks are
 regrouped at load in tiles of 32 output columns (:func:`pack`), so the kernel's vectors run along
 the columns: each product is one multiply-add into a column's sum, a tile's codes are widened
 once for up to 8 rows, and nothing is summed across vector lanes.
@@ -30,11 +35,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from backends import kquants
 from backends.base import BackendError, QuantizedWeight
 
 log = logging.getLogger("exo_tui.backends.onnx")
@@ -49,6 +56,12 @@ ATTENTION_F16 = "AttentionF16"  # the same on float16 caches
 BLOCK = 32  # weights per scale and bias, along K
 TILE = 32  # output columns per tile
 TILE_BLOCK_BYTES = {4: 640, 8: 1152}  # a tile's 32 float16 scales and biases, then 32 x 32 codes
+SUPER = 256  # weights per K-quant super-block, along K
+KQUANT = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the op's kquant attribute
+K_HEADER = {"Q4_K": 640, "Q5_K": 640, "Q6_K": 576}  # a tile's d (dmin) and sub-block scales (mins) per super-block
+K_CODE_BITS = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 8}  # the width of their codes' lines (Q5_K: and a plane of fifth bits)
+K_BLOCK_BYTES = {"Q4_K": 512, "Q5_K": 512 + 128, "Q6_K": 1024}  # a block's codes, 32 columns x 32 weights
+SUPER_BYTES = {t: K_HEADER[t] + 8 * K_BLOCK_BYTES[t] for t in KQUANT}  # 4736, 5760, 8768
 FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
 
 
@@ -67,10 +80,41 @@ class Library:
 
 def runs_on_kernel(w: object) -> bool:
     """Whether ``w`` is a matrix ``QLinear`` takes: 4- or 8-bit codes in blocks of 32 whose scale
-    and bias are exact in float16 (GGUF's Q4_0, Q4_1 and Q8_0 are)."""
-    if not isinstance(w, QuantizedWeight) or w.bits not in TILE_BLOCK_BYTES or w.group != BLOCK or w.q.shape[1] % BLOCK:
-        return False
-    return _exact_in_half(w.scales) and _exact_in_half(w.biases)
+    and bias are exact in float16 (GGUF's Q4_0, Q4_1 and Q8_0 are), or GGUF's K-quant super-blocks
+    (whose scales and biases are ``d * sc`` and ``-dmin * m``: :func:`backends.kquants.superblocks`)."""
+    return kernel_format(w) is not None
+
+
+def kernel_format(w: object) -> str | None:
+    """The tile format ``QLinear`` runs ``w`` in (``"Q4"``, ``"Q8"``, ``"Q4_K"``, ``"Q5_K"``,
+    ``"Q6_K"``), or None where it does not take it: matrices share one op only in one format."""
+    if not isinstance(w, QuantizedWeight):
+        return None
+    if w.source_type in KQUANT:
+        t = w.source_type
+        if w.bits != kquants.BITS[t] or w.group != kquants.GROUP[t] or w.q.shape[1] % SUPER:
+            return None
+        return t if _superblocks(w) is not None else None
+    if w.bits not in TILE_BLOCK_BYTES or w.group != BLOCK or w.q.shape[1] % BLOCK:
+        return None
+    return f"Q{w.bits}" if _exact_in_half(w.scales) and _exact_in_half(w.biases) else None
+
+
+def op_attributes(w: QuantizedWeight) -> dict[str, int]:
+    """``QLinear``'s ``bits`` and (for a K-quant) ``kquant`` attributes for ``w``'s format."""
+    return {"bits": w.bits, "kquant": KQUANT[w.source_type]} if w.source_type in KQUANT else {"bits": w.bits}
+
+
+_FIELDS: dict[int, tuple[np.ndarray, ...] | None] = {}
+
+
+def _superblocks(w: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
+    """``w``'s super-block fields (d, dmin, sc, m), found once per matrix while it lives."""
+    key = id(w)
+    if key not in _FIELDS:
+        _FIELDS[key] = kquants.superblocks(w.source_type, w.scales, w.biases)
+        weakref.finalize(w, _FIELDS.pop, key, None)
+    return _FIELDS[key]
 
 
 def _exact_in_half(a: np.ndarray) -> bool:
@@ -85,6 +129,8 @@ def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
     laid out for float32 products or (``xbits`` 16 or 8) for the int16 or int8 precision's (the
     layouts are in ``qlinear.c``); the last tile is padded with zero columns. Packed a few tiles at a time, so a
     large matrix (a vocabulary's head) costs little memory beyond the result."""
+    if weights[0].source_type in KQUANT:
+        return _pack_kquant(weights, xbits)
     n, k, bits = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1], weights[0].bits
     tiles, nb = -(-n // TILE), k // BLOCK
     out = np.empty((tiles, nb, TILE_BLOCK_BYTES[bits]), dtype=np.uint8)
@@ -110,6 +156,82 @@ def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
         lines = {0: _float_lines, 16: _int16_lines, 8: _int8_lines}[xbits]
         out[t0:t1, :, 128:] = lines(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits)
     return out
+
+
+def _stacked(arrays: list[np.ndarray], lo: int, hi: int, dtype: type) -> np.ndarray:
+    """Rows ``lo:hi`` of ``arrays`` stacked along their rows, zeros past the last."""
+    part = np.zeros((hi - lo, arrays[0].shape[1]), dtype)
+    start = 0
+    for a in arrays:
+        x, y = max(lo, start), min(hi, start + a.shape[0])
+        if x < y:
+            part[x - lo : y - lo] = a[x - start : y - start]
+        start += a.shape[0]
+    return part
+
+
+def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
+    """:func:`pack` for K-quant matrices of one type: ``(ceil(N / 32), K / 256, SUPER_BYTES[type])``,
+    per tile and super-block the columns' float16 ``d`` (and ``dmin``), the sub-blocks' scales (and
+    mins) a byte each, then the 8 blocks' codes in the lines of the precision (see ``qlinear.c``)."""
+    t = weights[0].source_type
+    if any(w.source_type != t for w in weights):
+        raise ValueError(f"one QLinear takes one format: {', '.join(sorted({w.source_type for w in weights}))}")
+    fields = [_superblocks(w) for w in weights]
+    if any(f is None for f in fields):
+        raise ValueError(f"a {t} matrix whose scales are not its super-blocks' d * sc (see kquants.superblocks)")
+    n, k = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1]
+    tiles, ns, nb = -(-n // TILE), k // SUPER, k // BLOCK
+    out = np.empty((tiles, ns, SUPER_BYTES[t]), dtype=np.uint8)
+    lines = {0: _float_lines, 16: _int16_lines, 8: _int8_lines}[xbits]
+    chunk = 64  # tiles
+    for t0 in range(0, tiles, chunk):
+        t1 = min(tiles, t0 + chunk)
+        lo, hi, count = t0 * TILE, t1 * TILE, t1 - t0
+
+        def columns(i: int, dtype: type, lo: int = lo, hi: int = hi, count: int = count) -> np.ndarray:
+            """Field ``i`` of the chunk's columns, ``(tile, super-block, ..., column)``."""
+            a = _stacked([f[i] for f in fields], lo, hi, dtype)  # type: ignore[index]
+            a = a.reshape(count, TILE, ns, -1).transpose(0, 2, 3, 1)
+            return np.ascontiguousarray(a).reshape(count, ns, -1)
+
+        out[t0:t1, :, 0:64] = columns(0, np.float16).view(np.uint8)
+        if t == "Q6_K":
+            out[t0:t1, :, 64:576] = columns(2, np.int8).view(np.uint8)
+        else:
+            out[t0:t1, :, 64:128] = columns(1, np.float16).view(np.uint8)
+            out[t0:t1, :, 128:384] = columns(2, np.uint8)
+            out[t0:t1, :, 384:640] = columns(3, np.uint8)
+        codes = _stacked([w.q for w in weights], lo, hi, np.uint8).reshape(count, TILE, nb, BLOCK)
+        if t == "Q6_K" and xbits == 16:  # the int16 products take Q6_K's codes signed, less 32
+            codes = (codes.astype(np.int16) - 32).astype(np.uint8)
+        blocks = lines(codes & 0x0F if t == "Q5_K" else codes, K_CODE_BITS[t])
+        if t == "Q5_K":  # the fifth bits after each block's lines
+            blocks = np.concatenate([blocks.reshape(count, nb, 512), _fifth_plane(codes >> 4, xbits)], axis=-1)
+        out[t0:t1, :, K_HEADER[t]:] = blocks.reshape(count, ns, -1)
+    return out
+
+
+def _fifth_plane(high: np.ndarray, xbits: int) -> np.ndarray:
+    """Q5_K's fifth bits ``(tile, column, block, k)`` (0 or 1) as ``qlinear.c`` reads them beside
+    the 4-bit lines of the precision: 128 bytes a block, little-endian masks of one bit a code:
+    float32: per line j two 32-bit words, bit c the code (k = j, column c), then (j + 16, c);
+    int8: per half h of 16 columns and line j two 64-bit words, bit 4 c + i the code (4 j + i,
+    16 h + c), then (16 + 4 j + i, 16 h + c); int16: per line j four 32-bit words for the lanes
+    the kernel widens the line to, bit 2 c + t the code (2 j + t, c), (2 j + 16 + t, c),
+    (2 j + t, c + 16), (2 j + 16 + t, c + 16)."""
+    tiles, _, nb, _ = high.shape
+    if xbits == 0:
+        by_k = high.transpose(0, 2, 3, 1)  # (tile, block, k, column)
+        bits = np.stack([by_k[:, :, :16], by_k[:, :, 16:]], axis=3)  # (tile, block, line, word, column)
+    elif xbits == 8:
+        h = high.reshape(tiles, 2, 16, nb, 2, 4, 4)  # (tile, half, column, block, k half, line, i)
+        bits = h.transpose(0, 3, 1, 5, 4, 2, 6)  # (tile, block, half, line, word, column, i)
+    else:
+        h = high.reshape(tiles, 2, 16, nb, 2, 8, 2)  # (tile, column half, column, block, k half, line, t)
+        bits = h.transpose(0, 3, 5, 1, 4, 2, 6)  # (tile, block, line, column half, k half, column, t)
+    words = np.ascontiguousarray(bits).reshape(tiles, nb, -1, 32 if xbits != 8 else 64)
+    return np.packbits(words, axis=-1, bitorder="little").reshape(tiles, nb, 128)
 
 
 def _float_lines(q: np.ndarray, bits: int) -> np.ndarray:
@@ -271,6 +393,21 @@ def _check(path: Path) -> Library:
                     )
                 if not np.array_equal(run_in_session(path, x, blob, bits, n, xbits), y):
                     raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
+    for type_name in KQUANT:  # the K-quants' super-blocks: 2 of them along K, N not whole tiles
+        w = random_kquant(rng, 40, 512, type_name)
+        for xbits in (0, 16, 8) if integer else (0,):
+            blob = pack([w], xbits)
+            for m in (1, 5):
+                x = rng.standard_normal((m, 512)).astype(np.float32)
+                want = integer_reference(x, w, xbits) if xbits else float_reference(x, w)
+                y = call(lib, x, blob, w.bits, 40, xbits, KQUANT[type_name])
+                if not np.allclose(y, want, rtol=1e-4, atol=1e-4):
+                    raise KernelUnavailable(
+                        f"the {isa} kernel built here disagrees with NumPy ({type_name}, "
+                        f"{f'int{xbits}' if xbits else 'float32'}, off by {np.abs(y - want).max():.3g})"
+                    )
+                if not np.array_equal(run_in_session(path, x, blob, w.bits, 40, xbits, KQUANT[type_name]), y):
+                    raise KernelUnavailable("the kernel gives other results inside ONNX Runtime than called directly")
     shapes = ((3, 1, 5, 0.0, 0), (1, 4, 1, 0.0, 0), (2, 3, 3, 0.3, 5))  # the last: a scale and a sliding window
     for (rows, tokens, slots, scale, window), half in itertools.product(shapes, (False, True)):
         case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12, half=half,
@@ -286,6 +423,27 @@ def _check(path: Path) -> Library:
     return Library(str(path), isa, integer)
 
 
+def random_kquant(rng: np.random.Generator, rows: int, cols: int, type_name: str) -> QuantizedWeight:
+    """A random Q4_K, Q5_K or Q6_K matrix as GGUF's reader gives it (:func:`backends.kquants.decode`'s
+    groups): per super-block a random float16 ``d`` (and ``dmin``), random sub-block scales (and
+    mins) over their whole range, random codes; weights about 0.05 in size."""
+    ns, group, bits = cols // SUPER, kquants.GROUP[type_name], kquants.BITS[type_name]
+    per = SUPER // group
+    q = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
+    if type_name == "Q6_K":
+        d = (rng.standard_normal((rows, ns)) * 2e-4).astype(np.float16)
+        sc = rng.integers(-128, 128, (rows, ns, per)).astype(np.float32)
+        scales = (d.astype(np.float32)[..., None] * sc).reshape(rows, -1)
+        return QuantizedWeight(q, scales, np.float32(-32.0) * scales, bits, group, type_name)
+    top = 2**bits - 1
+    d = (rng.random((rows, ns)) * 0.1 / (63 * top)).astype(np.float16)
+    dmin = (rng.random((rows, ns)) * 0.05 / 63).astype(np.float16)
+    sc, m = (rng.integers(0, 64, (rows, ns, per)).astype(np.float32) for _ in range(2))
+    scales = (d.astype(np.float32)[..., None] * sc).reshape(rows, -1)
+    biases = -(dmin.astype(np.float32)[..., None] * m).reshape(rows, -1)
+    return QuantizedWeight(q, scales, biases, bits, group, type_name)
+
+
 def float_reference(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
     """What ``QLinear`` computes in float32 (here in float64): x @ the dequantized matrix.T."""
     return x.astype(np.float64) @ w.dequantize().astype(np.float64).T
@@ -295,39 +453,50 @@ def integer_reference(x: np.ndarray, w: QuantizedWeight, xbits: int) -> np.ndarr
     """What ``QLinear`` computes at the int16 or int8 precision (``xbits``, in float64): each block
     of 32 values of a row of ``x`` rounded to integer codes with one scale (max |x| / 32767 or
     / 127), integer products with the matrix's codes, then scaled, plus the matrix's bias times the
-    block's float sum."""
+    block's float sum, per group of the matrix (32, or Q6_K's 16: there the codes less 32 and no
+    bias, as llama.cpp takes them)."""
     m, k = x.shape
     top = np.float32(2 ** (xbits - 1) - 1)
     xb = x.reshape(m, k // BLOCK, BLOCK).astype(np.float32)
     amax = np.abs(xb).max(-1)
     inv = np.divide(top, amax, out=np.zeros_like(amax), where=amax > 0)
-    xq = np.clip(np.rint(xb * inv[..., None]), -top, top).astype(np.float64)
-    d = (amax / top).astype(np.float64)
+    g = w.group
+    xq = np.clip(np.rint(xb * inv[..., None]), -top, top).astype(np.float64).reshape(m, k // g, g)
+    d = np.repeat((amax / top).astype(np.float64), BLOCK // g, axis=1)
     n = w.q.shape[0]
-    dots = np.einsum("mbk,nbk->mnb", xq, w.q.reshape(n, k // BLOCK, BLOCK).astype(np.float64))
+    codes = w.q.reshape(n, k // g, g).astype(np.float64)
     scales, biases = np.asarray(w.scales, np.float64), np.asarray(w.biases, np.float64)
-    return (dots * d[:, None, :] * scales[None]).sum(-1) + (xb.sum(-1, dtype=np.float64) @ biases.T)
+    if w.source_type == "Q6_K":
+        codes, biases = codes - 32.0, np.zeros_like(biases)
+    dots = np.einsum("mbk,nbk->mnb", xq, codes)
+    sums = xb.reshape(m, k // g, g).sum(-1, dtype=np.float64)
+    return (dots * d[:, None, :] * scales[None]).sum(-1) + (sums @ biases.T)
 
 
-def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int, xbits: int = 0) -> np.ndarray:
+def call(lib: ctypes.CDLL, x: np.ndarray, blob: np.ndarray, bits: int, n: int, xbits: int = 0,
+         kquant: int = 0) -> np.ndarray:
     """The library's computation called directly (one thread, no ONNX Runtime); ``n`` columns;
-    ``xbits`` 16 or 8: the int16 or int8 precision."""
+    ``xbits`` 16 or 8: the int16 or int8 precision; ``kquant`` 4, 5, 6: ``blob`` holds Q4_K, Q5_K
+    or Q6_K super-blocks (:func:`op_attributes`)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     y = np.empty((m, n), np.float32)
     p, i = ctypes.c_void_p, ctypes.c_int64
-    if lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits), i(xbits)):
+    if lib.exo_qlinear(p(x.ctypes.data), p(blob.ctypes.data), p(y.ctypes.data), i(m), i(k), i(n), i(bits), i(xbits),
+                       i(kquant)):
         raise KernelUnavailable("the kernel cannot run this (no integer products in this build, or out of memory)")
     return y
 
 
-def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int, n: int, xbits: int = 0) -> np.ndarray:
-    """``QLinear`` in a one-node ONNX Runtime session; ``n`` columns."""
+def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int, n: int, xbits: int = 0,
+                   kquant: int = 0) -> np.ndarray:
+    """``QLinear`` in a one-node ONNX Runtime session; ``n`` columns (``kquant``: as :func:`call`)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     k = x.shape[-1]
-    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits, xbits=xbits)
+    extra = {"kquant": kquant} if kquant else {}
+    node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits, xbits=xbits, **extra)
     graph = helper.make_graph(
         [node], "check", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])], [numpy_helper.from_array(blob, "w")],

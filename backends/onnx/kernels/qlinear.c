@@ -7,7 +7,10 @@
      bits 4, B = 640: 16 lines, the low nibble of byte c of line j being the code of (k = j, c) and
                       the high nibble that of (k = j + 16, c) (GGUF's Q4_1 blocks, transposed;
                       Q4_0 is b = -8 s);
-     bits 8, B = 1152: 32 lines (GGUF's Q8_0 is q = its signed code + 128, b = -128 s).
+     bits 8, B = 1152: 32 lines (GGUF's Q8_0 is q = its signed code + 128, b = -128 s);
+   or, with attribute kquant 4, 5 or 6, GGUF's Q4_K, Q5_K or Q6_K: W uint8 (ceil(N / 32), K / 256,
+   B), a tile's super-blocks of 256 weights: float16 d (and dmin) and the small integer scales (and
+   mins) of its columns, then the codes as above (8-bit lines for Q5_K and Q6_K): see FMT_Q4K.
    Columns past N in the last tile are padding. Attributes K, N, bits and xbits (0: X as it is, the
    float32 precision; 16 or 8: X rounded to integer codes, the int16 and int8 precisions, on builds
    with integer products, W's codes in their own layouts, below). Output Y float32 (..., N):
@@ -47,7 +50,127 @@
 #define ROWS 8  /* rows of X per pass over a tile */
 #define TILE_BLOCK_BYTES(bits) ((bits) == 4 ? 640 : 1152) /* 32 columns x 32 weights */
 
+/* The tile formats. GGUF's blocks of 32 (Q4_0, Q4_1, Q8_0) carry their float16 scale and bias in
+   each tile block (above). The K-quants' super-blocks of 256 weights keep what the file has: per
+   tile (32 columns) and super-block, a header, then its 8 blocks of 32 codes in the lines of the
+   block formats (4-bit lines for Q4_K and, with a plane of fifth bits, Q5_K; 8-bit lines for Q6_K):
+     Q4_K, Q5_K (header 640 bytes): the 32 columns' float16 d, their float16 dmin, then per block
+               j the 32 columns' 6-bit scales sc (a byte each, 8 x 32), then their mins m (8 x 32):
+               the block's weights are (d sc) q - (dmin m), scale and bias computed here in float32,
+               exactly (an 11-bit significand times a 6-bit integer), as llama.cpp computes them;
+     Q6_K (header 576 bytes): the columns' float16 d, then per group of 16 (two to a block) the
+               columns' int8 scales sc (16 x 32): weights (d sc) (q - 32).
+   Q5_K's block of codes is its low 4 bits in the 4-bit lines of the precision, then 128 bytes of
+   masks of the fifth bits, one bit a code, laid out for the lanes the precision's lines widen to
+   (the float32 lines: per line j two words, bit c the code (k = j, c) and (j + 16, c); the others
+   at their tile functions; _fifth_plane in __init__.py writes them). A tile of Q4_K is 4736 bytes
+   per 32 x 256 weights (4.625 bits a weight, the file's 4.5), Q5_K 5760 (5.63, the file's 5.5),
+   Q6_K 8768 (8.56, the file's 6.56). */
+#define FMT_Q4 0  /* GGUF's Q4_0 and Q4_1 */
+#define FMT_Q8 1  /* Q8_0 */
+#define FMT_Q4K 2
+#define FMT_Q5K 3
+#define FMT_Q6K 4
+#define IS_K(f) ((f) >= FMT_Q4K)
+#define CODE_BITS(f) ((f) == FMT_Q8 || (f) == FMT_Q6K ? 8 : 4) /* the lines' width (Q5_K: its low 4 bits) */
+#define FIFTH(f) ((f) == FMT_Q5K) /* Q5_K: each code's fifth bit in a plane after the block's 4-bit lines */
+#define CODE_BYTES(f) (CODE_BITS(f) == 4 ? 512 + (FIFTH(f) ? 128 : 0) : 1024) /* 32 columns x 32 weights */
+#define K_HEADER(f) ((f) == FMT_Q6K ? 576 : 640)
+#define SUPER_BYTES(f) (K_HEADER(f) + 8 * CODE_BYTES(f))
+#define HALVES(f) ((f) == FMT_Q6K ? 2 : 1) /* scales per block of 32: Q6_K's groups are 16 */
+
+/* The format of bits (4 or 8) and kquant (0, or 4, 5, 6 for Q4_K, Q5_K, Q6_K); -1 if none. */
+static int format_of(int64_t bits, int64_t kquant)
+{
+    if (kquant == 0)
+        return bits == 4 ? FMT_Q4 : bits == 8 ? FMT_Q8 : -1;
+    return kquant == 4 ? FMT_Q4K : kquant == 5 ? FMT_Q5K : kquant == 6 ? FMT_Q6K : -1;
+}
+
+/* A tile's bytes for nb blocks of 32 along K. */
+static inline int64_t tile_bytes(int fmt, int64_t nb)
+{
+    return IS_K(fmt) ? nb / 8 * SUPER_BYTES(fmt) : nb * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+}
+
+/* Block b's codes in the tile at w. */
+static inline __attribute__((always_inline)) const uint8_t *block_codes(const uint8_t *w, int64_t b, const int fmt)
+{
+    if (!IS_K(fmt))
+        return w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt)) + 128;
+    return w + (b >> 3) * SUPER_BYTES(fmt) + K_HEADER(fmt) + (b & 7) * CODE_BYTES(fmt);
+}
+
+/* At a super-block's first block, its header into the cache: it lies before the codes and is
+   read after the first block's, and the hardware prefetchers, following the codes forward, do
+   not fetch it (without this a Q4_K tile at the int16 precision took 2-3 times a Q4_1 tile's). */
+static inline __attribute__((always_inline)) void fetch_header(const uint8_t *w, int64_t b, const int fmt)
+{
+#if defined(QL_AVX512) || defined(QL_AVX2)
+    if (IS_K(fmt) && (b & 7) == 0) {
+        const uint8_t *sb = w + (b >> 3) * SUPER_BYTES(fmt);
+        for (int l = 0; l < K_HEADER(fmt) / 64; l++)
+            _mm_prefetch((const char *)(sb + 64 * l), _MM_HINT_T0);
+    }
+#else
+    (void)w, (void)b, (void)fmt;
+#endif
+}
+
+/* Column col's scale and bias in group h (0, or 1 for Q6_K's second 16) of block b. */
+static inline __attribute__((always_inline)) void scale1(const uint8_t *w, int64_t b, const int fmt, int col, int h,
+                                                          float *s, float *c)
+{
+    uint16_t hd, hm;
+    if (!IS_K(fmt)) {
+        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+        memcpy(&hd, wb + 2 * col, 2);
+        memcpy(&hm, wb + 64 + 2 * col, 2);
+        *s = half_to_float(hd);
+        *c = half_to_float(hm);
+        return;
+    }
+    const uint8_t *sb = w + (b >> 3) * SUPER_BYTES(fmt);
+    const int j = (int)(b & 7);
+    memcpy(&hd, sb + 2 * col, 2);
+    if (fmt == FMT_Q6K) {
+        *s = half_to_float(hd) * (float)(int8_t)sb[64 + 32 * (2 * j + h) + col];
+        *c = -32.0f * *s;
+    } else {
+        memcpy(&hm, sb + 64 + 2 * col, 2);
+        *s = half_to_float(hd) * (float)sb[128 + 32 * j + col];
+        *c = -half_to_float(hm) * (float)sb[384 + 32 * j + col];
+    }
+}
+
 #if defined(QL_AVX512)
+/* Columns col0 to col0 + 15's scales and biases in group h of block b. */
+static inline __attribute__((always_inline)) void scales16(const uint8_t *w, int64_t b, const int fmt, int col0, int h,
+                                                            __m512 *s, __m512 *c)
+{
+    if (!IS_K(fmt)) {
+        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+        *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 2 * col0)));
+        *c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 64 + 2 * col0)));
+        return;
+    }
+    const uint8_t *sb = w + (b >> 3) * SUPER_BYTES(fmt);
+    const int j = (int)(b & 7);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 2 * col0)));
+    if (fmt == FMT_Q6K) {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 64 + 32 * (2 * j + h) + col0));
+        *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        *c = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
+    } else {
+        const __m512 dm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 64 + 2 * col0))),
+                                        _mm512_set1_ps(-1.0f));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 128 + 32 * j + col0));
+        const __m128i m = _mm_loadu_si128((const __m128i *)(sb + 384 + 32 * j + col0));
+        *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+        *c = _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m)));
+    }
+}
+
 /* Each row's sums of a tile's 32 columns (a0: columns 0-15, a1: 16-31) to its row of Y, the
    columns below cols only. */
 static inline __attribute__((always_inline)) void store_tile(float *y, int64_t ldy, int cols, const int rows,
@@ -60,39 +183,99 @@ static inline __attribute__((always_inline)) void store_tile(float *y, int64_t l
         _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
     }
 }
+#elif defined(QL_AVX2)
+/* Columns col0 to col0 + 7's scales and biases in group h of block b. */
+static inline __attribute__((always_inline)) void scales8(const uint8_t *w, int64_t b, const int fmt, int col0, int h,
+                                                           __m256 *s, __m256 *c)
+{
+    if (!IS_K(fmt)) {
+        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+        *s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 2 * col0)));
+        *c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 2 * col0)));
+        return;
+    }
+    const uint8_t *sb = w + (b >> 3) * SUPER_BYTES(fmt);
+    const int j = (int)(b & 7);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 2 * col0)));
+    if (fmt == FMT_Q6K) {
+        const __m128i sc = _mm_loadl_epi64((const __m128i *)(sb + 64 + 32 * (2 * j + h) + col0));
+        *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        *c = _mm256_mul_ps(*s, _mm256_set1_ps(-32.0f));
+    } else {
+        const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 64 + 2 * col0))),
+                                        _mm256_set1_ps(-1.0f));
+        const __m128i sc = _mm_loadl_epi64((const __m128i *)(sb + 128 + 32 * j + col0));
+        const __m128i m = _mm_loadl_epi64((const __m128i *)(sb + 384 + 32 * j + col0));
+        *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+        *c = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+    }
+}
+
+/* Bits 0-7 of bits as 8 int32 lanes of 16 (set) or 0: Q5_K's fifth bits of 8 columns. */
+static inline __m256i fifth8(uint32_t bits)
+{
+    const __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32((int)bits), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_slli_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(1)), 4);
+}
+
+/* The same for 32 byte lanes (bits 0-31) and for 16 16-bit lanes (bits 0-15). */
+static inline __m256i fifth32(uint32_t bits)
+{
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i pick = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, pick), pick), _mm256_set1_epi8(16));
+}
+
+static inline __m256i fifth16(uint32_t bits)
+{
+    const __m256i pick = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)32768);
+    const __m256i b = _mm256_and_si256(_mm256_set1_epi16((short)bits), pick);
+    return _mm256_and_si256(_mm256_cmpeq_epi16(b, pick), _mm256_set1_epi16(16));
+}
 #endif
 
 /* y[r * ldy + c] = x[r] . w[c] for rows r < rows (rows <= ROWS) and the tile's columns c < cols.
-   A tile block is 32 scales, 32 biases (float16), then the codes a line per k: for 4 bits 16 lines
-   of 32 bytes, the low nibble of byte c being the code of (k, c) and the high nibble that of
-   (k + 16, c); for 8 bits 32 lines of 32 bytes. Vectors run along the columns, so every product
-   of the block is one multiply-add into a column's sum, in the order k = 0, 16, 1, 17, ... for
-   4 bits and 0, 1, 2, ... for 8: the same order whatever the number of rows. */
+   A block's codes are a line per k: for 4 bits 16 lines of 32 bytes, the low nibble of byte c
+   being the code of (k, c) and the high nibble that of (k + 16, c); for 8 bits 32 lines of 32
+   bytes. Vectors run along the columns, so every product of the block is one multiply-add into a
+   column's sum, in the order k = 0, 16, 1, 17, ... for 4 bits and 0, 1, 2, ... for 8: the same
+   order whatever the number of rows. */
 static inline __attribute__((always_inline)) void tile_rows(const float *x, int64_t k, const uint8_t *w, int64_t nb,
                                                              float *y, int64_t ldy, int cols, const int rows,
-                                                             const int bits)
+                                                             const int fmt)
 {
-    const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
 #if defined(QL_AVX512)
     const __m512i low = _mm512_set1_epi32(0x0F);
     __m512 a0[ROWS], a1[ROWS]; /* columns 0-15 and 16-31 */
     for (int r = 0; r < rows; r++)
         a0[r] = a1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
-        const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
-        const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
-        const uint8_t *q = w + 128;
+    for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
+        const uint8_t *q = block_codes(w, b, fmt);
         const float *xb = x + b * BLOCK;
-        if (bits == 4) {
+        __m512 s0, s1, c0, c1;
+        if (CODE_BITS(fmt) == 4) {
+            scales16(w, b, fmt, 0, 0, &s0, &c0);
+            scales16(w, b, fmt, 16, 0, &s1, &c1);
             for (int j = 0; j < 16; j++, q += 32) {
                 const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
                 const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q0, low)), s0, c0);
-                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q1, low)), s1, c1);
-                const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q0, 4)), s0, c0);
-                const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q1, 4)), s1, c1);
+                __m512i l0 = _mm512_and_si512(q0, low), l1 = _mm512_and_si512(q1, low);
+                __m512i h0 = _mm512_srli_epi32(q0, 4), h1 = _mm512_srli_epi32(q1, 4);
+                if (FIFTH(fmt)) {
+                    uint32_t m[2];
+                    memcpy(m, q - 32 * j + 512 + 8 * j, 8);
+                    const __m512i sixteen = _mm512_set1_epi32(16);
+                    l0 = _mm512_mask_or_epi32(l0, (__mmask16)m[0], l0, sixteen);
+                    l1 = _mm512_mask_or_epi32(l1, (__mmask16)(m[0] >> 16), l1, sixteen);
+                    h0 = _mm512_mask_or_epi32(h0, (__mmask16)m[1], h0, sixteen);
+                    h1 = _mm512_mask_or_epi32(h1, (__mmask16)(m[1] >> 16), h1, sixteen);
+                }
+                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l0), s0, c0);
+                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l1), s1, c1);
+                const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0), s0, c0);
+                const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), s1, c1);
                 for (int r = 0; r < rows; r++) {
                     const __m512 xu = _mm512_set1_ps(xb[r * k + j]), xv = _mm512_set1_ps(xb[r * k + j + 16]);
                     a0[r] = _mm512_fmadd_ps(xv, v0, _mm512_fmadd_ps(xu, u0, a0[r]));
@@ -100,15 +283,19 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
                 }
             }
         } else {
-            for (int j = 0; j < 32; j++, q += 32) {
-                const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-                const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, c0);
-                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, c1);
-                for (int r = 0; r < rows; r++) {
-                    const __m512 xu = _mm512_set1_ps(xb[r * k + j]);
-                    a0[r] = _mm512_fmadd_ps(xu, u0, a0[r]);
-                    a1[r] = _mm512_fmadd_ps(xu, u1, a1[r]);
+            for (int h = 0; h < HALVES(fmt); h++) {
+                scales16(w, b, fmt, 0, h, &s0, &c0);
+                scales16(w, b, fmt, 16, h, &s1, &c1);
+                for (int j = h * 32 / HALVES(fmt); j < (h + 1) * 32 / HALVES(fmt); j++, q += 32) {
+                    const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                    const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+                    const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, c0);
+                    const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, c1);
+                    for (int r = 0; r < rows; r++) {
+                        const __m512 xu = _mm512_set1_ps(xb[r * k + j]);
+                        a0[r] = _mm512_fmadd_ps(xu, u0, a0[r]);
+                        a1[r] = _mm512_fmadd_ps(xu, u1, a1[r]);
+                    }
                 }
             }
         }
@@ -125,28 +312,37 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
         for (int r = 0; r < rows; r++)
             for (int i = 0; i < gp; i++)
                 a[r][i] = _mm256_setzero_ps();
-        const uint8_t *wb = w;
-        for (int64_t b = 0; b < nb; b++, wb += block_bytes) {
-            __m256 sc[4][2];
-            for (int i = 0; i < gp; i++) {
-                sc[i][0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 16 * (g0 + i))));
-                sc[i][1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 16 * (g0 + i))));
-            }
-            const uint8_t *q = wb + 128 + 8 * g0;
+        for (int64_t b = 0; b < nb; b++) {
+            fetch_header(w, b, fmt);
+            const uint8_t *q = block_codes(w, b, fmt) + 8 * g0;
             const float *xb = x + b * BLOCK;
-            for (int j = 0; j < (bits == 4 ? 16 : 32); j++, q += 32) {
-                for (int i = 0; i < gp; i++) {
-                    const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
-                    if (bits == 4) {
-                        const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), sc[i][0], sc[i][1]);
-                        const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), sc[i][0], sc[i][1]);
-                        for (int r = 0; r < rows; r++)
-                            a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j + 16]), v,
-                                                      _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]));
-                    } else {
-                        const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), sc[i][0], sc[i][1]);
-                        for (int r = 0; r < rows; r++)
-                            a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]);
+            __m256 sc[4][2];
+            for (int h = 0; h < HALVES(fmt); h++) {
+                for (int i = 0; i < gp; i++)
+                    scales8(w, b, fmt, 8 * (g0 + i), h, &sc[i][0], &sc[i][1]);
+                const int lines = CODE_BITS(fmt) == 4 ? 16 : 32 / HALVES(fmt);
+                for (int j = h * lines; j < (h + 1) * lines; j++, q += 32) {
+                    for (int i = 0; i < gp; i++) {
+                        const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
+                        if (CODE_BITS(fmt) == 4) {
+                            __m256i l = _mm256_and_si256(q0, low), hv = _mm256_srli_epi32(q0, 4);
+                            if (FIFTH(fmt)) { /* the 8 columns' bits of line j's two words */
+                                uint32_t m[2];
+                                memcpy(m, block_codes(w, b, fmt) + 512 + 8 * j, 8);
+                                const int sh = 8 * (g0 + i);
+                                l = _mm256_or_si256(l, fifth8(m[0] >> sh));
+                                hv = _mm256_or_si256(hv, fifth8(m[1] >> sh));
+                            }
+                            const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), sc[i][0], sc[i][1]);
+                            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hv), sc[i][0], sc[i][1]);
+                            for (int r = 0; r < rows; r++)
+                                a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j + 16]), v,
+                                                          _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]));
+                        } else {
+                            const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), sc[i][0], sc[i][1]);
+                            for (int r = 0; r < rows; r++)
+                                a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]);
+                        }
                     }
                 }
             }
@@ -164,23 +360,30 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
     for (int r = 0; r < rows; r++) {
         for (int col = 0; col < cols; col++) {
             float sum = 0.0f;
-            const uint8_t *wb = w;
-            for (int64_t b = 0; b < nb; b++, wb += block_bytes) {
-                uint16_t hs, hc;
-                memcpy(&hs, wb + 2 * col, 2);
-                memcpy(&hc, wb + 64 + 2 * col, 2);
-                const float s = half_to_float(hs), c = half_to_float(hc);
-                const uint8_t *q = wb + 128 + col;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *q = block_codes(w, b, fmt) + col;
                 const float *xb = x + r * k + b * BLOCK;
-                if (bits == 4) {
+                float s, c;
+                if (CODE_BITS(fmt) == 4) {
+                    scale1(w, b, fmt, col, 0, &s, &c);
                     for (int j = 0; j < 16; j++) {
                         const int code = q[32 * j];
-                        sum += xb[j] * ((float)(code & 0x0F) * s + c);
-                        sum += xb[j + 16] * ((float)(code >> 4) * s + c);
+                        int lo = code & 0x0F, hi = code >> 4;
+                        if (FIFTH(fmt)) {
+                            uint32_t m[2];
+                            memcpy(m, q - col + 512 + 8 * j, 8);
+                            lo |= (int)((m[0] >> col) & 1) << 4;
+                            hi |= (int)((m[1] >> col) & 1) << 4;
+                        }
+                        sum += xb[j] * ((float)lo * s + c);
+                        sum += xb[j + 16] * ((float)hi * s + c);
                     }
                 } else {
-                    for (int j = 0; j < 32; j++)
-                        sum += xb[j] * ((float)q[32 * j] * s + c);
+                    for (int h = 0; h < HALVES(fmt); h++) {
+                        scale1(w, b, fmt, col, h, &s, &c);
+                        for (int j = h * 32 / HALVES(fmt); j < (h + 1) * 32 / HALVES(fmt); j++)
+                            sum += xb[j] * ((float)q[32 * j] * s + c);
+                    }
                 }
             }
             y[r * ldy + col] = sum;
@@ -190,20 +393,24 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
 }
 
 typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, int64_t, float *, int64_t, int);
-#define TILE_ROWS(R, BITS)                                                                                     \
-    static void tile_##BITS##_##R(const float *x, int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy, \
-                                  int cols)                                                                    \
+#define TILE_ROWS(R, NAME, FMT)                                                                                \
+    static void tile_##NAME##_##R(const float *x, int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy, \
+                                 int cols)                                                                     \
     {                                                                                                          \
-        tile_rows(x, k, w, nb, y, ldy, cols, R, BITS);                                                         \
+        tile_rows(x, k, w, nb, y, ldy, cols, R, FMT);                                                          \
     }
-#define TILES(BITS)                                                                                             \
-    TILE_ROWS(1, BITS) TILE_ROWS(2, BITS) TILE_ROWS(3, BITS) TILE_ROWS(4, BITS) TILE_ROWS(5, BITS)             \
-    TILE_ROWS(6, BITS) TILE_ROWS(7, BITS) TILE_ROWS(8, BITS)                                                   \
-    static const tile_fn tiles_##BITS[ROWS + 1] = {NULL,            tile_##BITS##_1, tile_##BITS##_2,        \
-                                                   tile_##BITS##_3, tile_##BITS##_4, tile_##BITS##_5,        \
-                                                   tile_##BITS##_6, tile_##BITS##_7, tile_##BITS##_8};
-TILES(4)
-TILES(8)
+#define TILES(NAME, FMT)                                                                                       \
+    TILE_ROWS(1, NAME, FMT) TILE_ROWS(2, NAME, FMT) TILE_ROWS(3, NAME, FMT) TILE_ROWS(4, NAME, FMT)            \
+    TILE_ROWS(5, NAME, FMT) TILE_ROWS(6, NAME, FMT) TILE_ROWS(7, NAME, FMT) TILE_ROWS(8, NAME, FMT)            \
+    static const tile_fn tiles_##NAME[ROWS + 1] = {NULL,            tile_##NAME##_1, tile_##NAME##_2,        \
+                                                   tile_##NAME##_3, tile_##NAME##_4, tile_##NAME##_5,        \
+                                                   tile_##NAME##_6, tile_##NAME##_7, tile_##NAME##_8};
+TILES(q4, FMT_Q4)
+TILES(q8, FMT_Q8)
+TILES(q4k, FMT_Q4K)
+TILES(q5k, FMT_Q5K)
+TILES(q6k, FMT_Q6K)
+static const tile_fn *const tiles_float[5] = {tiles_q4, tiles_q8, tiles_q4k, tiles_q5k, tiles_q6k};
 
 #if defined(QL_INT)
 /* The int8 precision: each block of 32 values of a row of X is rounded to int8 codes with one
@@ -211,9 +418,10 @@ TILES(8)
 
        y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
 
-   The tile layout differs: a line of the codes holds, for 16 columns, 4 bytes each (the codes of
-   4 consecutive k), as VPDPBUSD multiplies and adds four byte pairs into each 32-bit lane. After
-   the 128 bytes of scales and biases, half h (columns 16 h to 16 h + 15) of a tile block is:
+   (Q6_K: per group of 16, d * s * (xq . q - 32 * (sum of the group's xq)), the codes' offset taken
+   out in integers, as llama.cpp does). The codes' lines differ: a line holds, for 16 columns, 4
+   bytes each (the codes of 4 consecutive k), as VPDPBUSD multiplies and adds four byte pairs into
+   each 32-bit lane. Half h (columns 16 h to 16 h + 15) of a block's codes is:
      bits 4: 4 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c) in the low
              nibble, code (k = 16 + 4 j + i, column c) in the high nibble;
      bits 8: 8 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c). */
@@ -239,71 +447,98 @@ static inline float block_sum(__m256 a_lo, __m256 a_hi, __m256 b_lo, __m256 b_hi
 }
 
 #if defined(QL_INT_VNNI)
-/* A tile block's integer sums of each row (i0: columns 0-15, i1: 16-31) into its float sums f0,
-   f1: times the columns' scales and the row's scale (xd[r * nb]), plus the columns' biases times
-   the row's float sum (xs[r * nb]). The int8 and int16 precisions' last step of a block. */
-static inline __attribute__((always_inline)) void add_block(const uint8_t *w, const float *xd, const float *xs,
-                                                             int64_t nb, const int rows, const __m512i *i0,
-                                                             const __m512i *i1, __m512 *f0, __m512 *f1)
+/* Group h of block b: each row's integer sums (i0: columns 0-15, i1: 16-31) into its float sums
+   f0, f1: times the columns' scales and the row's scale (xd[r * nb]), plus the columns' biases
+   times the row's float sum (xs[r * nb]); for Q6_K no bias (its codes are offset by 32 in the
+   sums: xi, the int8 codes' sum of the group, row r's at xi[2 r nb], or none for the int16
+   precision's signed codes). The int8 and int16 precisions' last step of a block. */
+static inline __attribute__((always_inline)) void add_block(const uint8_t *w, int64_t b, const int fmt, int h,
+                                                             const float *xd, const float *xs, const int32_t *xi,
+                                                             int64_t nb, const int rows, __m512i *i0, __m512i *i1,
+                                                             __m512 *f0, __m512 *f1)
 {
-    const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-    const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
-    const __m512 c0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 64)));
-    const __m512 c1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 96)));
+    __m512 s0, s1, c0, c1;
+    scales16(w, b, fmt, 0, h, &s0, &c0);
+    scales16(w, b, fmt, 16, h, &s1, &c1);
     for (int r = 0; r < rows; r++) {
-        const __m512 d = _mm512_set1_ps(xd[r * nb]), sum = _mm512_set1_ps(xs[r * nb]);
-        f0[r] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]));
-        f1[r] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]));
+        const __m512 d = _mm512_set1_ps(xd[r * nb]);
+        if (fmt == FMT_Q6K) {
+            if (xi != NULL) {
+                const __m512i back = _mm512_set1_epi32(-32 * xi[r * 2 * nb]);
+                i0[r] = _mm512_add_epi32(i0[r], back);
+                i1[r] = _mm512_add_epi32(i1[r], back);
+            }
+            f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]);
+            f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]);
+        } else {
+            const __m512 sum = _mm512_set1_ps(xs[r * nb]);
+            f0[r] = _mm512_fmadd_ps(c0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(s0, d), f0[r]));
+            f1[r] = _mm512_fmadd_ps(c1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(s1, d), f1[r]));
+        }
     }
 }
 
 static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
                                                                   const int32_t *xi, int64_t k, const uint8_t *w,
                                                                   int64_t nb, float *y, int64_t ldy, int cols,
-                                                                  const int rows, const int bits)
+                                                                  const int rows, const int fmt)
 {
-    (void)xi; /* VPDPBUSD takes the stored codes as they are */
-    const int64_t block_bytes = TILE_BLOCK_BYTES(bits), half_bytes = (bits == 4 ? 256 : 512);
+    const int bits = CODE_BITS(fmt), half_bytes = (bits == 4 ? 256 : 512);
+    const int lines = (bits == 4 ? 4 : 8) / HALVES(fmt);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f0[ROWS_INT8], f1[ROWS_INT8];
     for (int r = 0; r < rows; r++)
         f0[r] = f1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        __m512i i0[ROWS_INT8], i1[ROWS_INT8];
-        for (int r = 0; r < rows; r++)
-            i0[r] = i1[r] = _mm512_setzero_si512();
-        const uint8_t *q = w + 128;
-        for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
-            const __m512i v0 = _mm512_loadu_si512(q + 64 * j), v1 = _mm512_loadu_si512(q + half_bytes + 64 * j);
-            if (bits == 4) {
-                const __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-                const __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *xr = xq + r * k + b * BLOCK;
-                    int32_t lo4, hi4;
-                    memcpy(&lo4, xr + 4 * j, 4);
-                    memcpy(&hi4, xr + 16 + 4 * j, 4);
-                    const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
-                    i0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0[r], l0, xl), h0, xh);
-                    i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], l1, xl), h1, xh);
-                }
-            } else {
-                for (int r = 0; r < rows; r++) {
-                    int32_t four;
-                    memcpy(&four, xq + r * k + b * BLOCK + 4 * j, 4);
-                    const __m512i xv = _mm512_set1_epi32(four);
-                    i0[r] = _mm512_dpbusd_epi32(i0[r], v0, xv);
-                    i1[r] = _mm512_dpbusd_epi32(i1[r], v1, xv);
+    for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
+        const uint8_t *q = block_codes(w, b, fmt);
+        for (int h = 0; h < HALVES(fmt); h++) {
+            __m512i i0[ROWS_INT8], i1[ROWS_INT8];
+            for (int r = 0; r < rows; r++)
+                i0[r] = i1[r] = _mm512_setzero_si512();
+            for (int j = h * lines; j < (h + 1) * lines; j++) {
+                const __m512i v0 = _mm512_loadu_si512(q + 64 * j), v1 = _mm512_loadu_si512(q + half_bytes + 64 * j);
+                if (bits == 4) {
+                    __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                    __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                    if (FIFTH(fmt)) { /* per half and line, two masks: bit 4 c + i the code of byte 4 c + i's low, high nibble */
+                        uint64_t m[4];
+                        memcpy(m, q + 512 + 16 * j, 16);
+                        memcpy(m + 2, q + 512 + 64 + 16 * j, 16);
+                        const __m512i sixteen = _mm512_set1_epi8(16);
+                        l0 = _mm512_mask_add_epi8(l0, (__mmask64)m[0], l0, sixteen);
+                        h0 = _mm512_mask_add_epi8(h0, (__mmask64)m[1], h0, sixteen);
+                        l1 = _mm512_mask_add_epi8(l1, (__mmask64)m[2], l1, sixteen);
+                        h1 = _mm512_mask_add_epi8(h1, (__mmask64)m[3], h1, sixteen);
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *xr = xq + r * k + b * BLOCK;
+                        int32_t lo4, hi4;
+                        memcpy(&lo4, xr + 4 * j, 4);
+                        memcpy(&hi4, xr + 16 + 4 * j, 4);
+                        const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+                        i0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0[r], l0, xl), h0, xh);
+                        i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], l1, xl), h1, xh);
+                    }
+                } else {
+                    for (int r = 0; r < rows; r++) {
+                        int32_t four;
+                        memcpy(&four, xq + r * k + b * BLOCK + 4 * j, 4);
+                        const __m512i xv = _mm512_set1_epi32(four);
+                        i0[r] = _mm512_dpbusd_epi32(i0[r], v0, xv);
+                        i1[r] = _mm512_dpbusd_epi32(i1[r], v1, xv);
+                    }
                 }
             }
+            add_block(w, b, fmt, h, xd + b, xs + b, xi + 2 * b + h, nb, rows, i0, i1, f0, f1);
         }
-        add_block(w, xd + b, xs + b, nb, rows, i0, i1, f0, f1);
     }
     store_tile(y, ldy, cols, rows, f0, f1);
 }
 
 
-/* Row r of X to int8 codes, a scale and a float sum per block (rounding to nearest, ties to even). */
+/* Row r of X to int8 codes, a scale and a float sum per block, and the codes' sum per 16
+   (rounding to nearest, ties to even). */
 static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi)
 {
     for (int64_t b = 0; b < k / BLOCK; b++) {
@@ -314,20 +549,27 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float
         const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
         _mm_storeu_si128((__m128i *)(xq + b * BLOCK), _mm512_cvtsepi32_epi8(c0));
         _mm_storeu_si128((__m128i *)(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(c1));
-        xi[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)); /* |codes| <= 127: nothing saturated */
+        xi[2 * b] = _mm512_reduce_add_epi32(c0); /* |codes| <= 127: nothing saturated */
+        xi[2 * b + 1] = _mm512_reduce_add_epi32(c1);
         xd[b] = d;
         xs[b] = block_sum(v0, v1);
     }
 }
 #else /* QL_INT_AVX2 */
 /* VPDPBUSD's sum of four byte products per 32-bit lane, from AVX2's 16-bit pair sums: codes of 4
-   bits times int8 values stay within 16 bits (2 x 15 x 127); a code of 8 bits (stored + 128) is
-   taken signed, its size times the value's sign, then 128 times the block's value sum added back
-   (dot8), all in exact integers, so the result is VPDPBUSD's. */
+   bits (or the K-quants' 8-bit lines, codes below 64) times int8 values stay within 16 bits
+   (2 x 63 x 127); a code of 8 bits (stored + 128) is taken signed, its size times the value's
+   sign, then 128 times the block's value sum added back (dot8), all in exact integers, so the
+   result is VPDPBUSD's. */
 static inline __m256i dot4(__m256i lo, __m256i xl, __m256i hi, __m256i xh)
 {
     const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+static inline __m256i dot_small(__m256i codes, __m256i x)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
 }
 
 static inline __m256i dot8(__m256i codes, __m256i x)
@@ -337,59 +579,77 @@ static inline __m256i dot8(__m256i codes, __m256i x)
 }
 
 /* The AVX-512 tile function's math 8 columns to a vector: per half of 16 columns two vectors a
-   line (bytes 0-31 columns 0-7, bytes 32-63 columns 8-15). */
+   line (bytes 0-31 columns 0-7, bytes 32-63 columns 8-15). xi: the int8 codes' sums per 16, two
+   a block. */
 static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *xq, const float *xd, const float *xs,
                                                                   const int32_t *xi, int64_t k, const uint8_t *w,
                                                                   int64_t nb, float *y, int64_t ldy, int cols,
-                                                                  const int rows, const int bits)
+                                                                  const int rows, const int fmt)
 {
-    const int64_t block_bytes = TILE_BLOCK_BYTES(bits), half_bytes = (bits == 4 ? 256 : 512);
+    const int bits = CODE_BITS(fmt), half_bytes = (bits == 4 ? 256 : 512);
+    const int lines = (bits == 4 ? 4 : 8) / HALVES(fmt);
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 f[ROWS_INT8][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < 4; c++)
             f[r][c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        __m256i acc[ROWS_INT8][4];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < 4; c++)
-                acc[r][c] = _mm256_setzero_si256();
-        const uint8_t *q = w + 128;
-        for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
-            __m256i v[4];
-            for (int c = 0; c < 4; c++) /* columns 8c to 8c + 7 */
-                v[c] = _mm256_loadu_si256((const __m256i *)(q + (c / 2) * half_bytes + 64 * j + 32 * (c % 2)));
-            for (int r = 0; r < rows; r++) {
-                const int8_t *xr = xq + r * k + b * BLOCK;
-                int32_t lo4, hi4;
-                memcpy(&lo4, xr + 4 * j, 4);
+    for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
+        const uint8_t *q = block_codes(w, b, fmt);
+        for (int h = 0; h < HALVES(fmt); h++) {
+            __m256i acc[ROWS_INT8][4];
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < 4; c++)
+                    acc[r][c] = _mm256_setzero_si256();
+            for (int j = h * lines; j < (h + 1) * lines; j++) {
+                __m256i v[4], lo[4], hi[4];
+                for (int c = 0; c < 4; c++) /* columns 8c to 8c + 7 */
+                    v[c] = _mm256_loadu_si256((const __m256i *)(q + (c / 2) * half_bytes + 64 * j + 32 * (c % 2)));
                 if (bits == 4) {
-                    memcpy(&hi4, xr + 16 + 4 * j, 4);
-                    const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
-                    for (int c = 0; c < 4; c++)
-                        acc[r][c] = _mm256_add_epi32(acc[r][c], dot4(_mm256_and_si256(v[c], low), xl,
-                                                                     _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low), xh));
-                } else {
-                    const __m256i xv = _mm256_set1_epi32(lo4);
-                    for (int c = 0; c < 4; c++)
-                        acc[r][c] = _mm256_add_epi32(acc[r][c], dot8(v[c], xv));
+                    for (int c = 0; c < 4; c++) {
+                        lo[c] = _mm256_and_si256(v[c], low);
+                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low);
+                        if (FIFTH(fmt)) { /* the AVX-512 code's masks, 32 bits of them a vector */
+                            uint64_t m[2];
+                            memcpy(m, q + 512 + 64 * (c / 2) + 16 * j, 16);
+                            lo[c] = _mm256_or_si256(lo[c], fifth32((uint32_t)(m[0] >> (32 * (c % 2)))));
+                            hi[c] = _mm256_or_si256(hi[c], fifth32((uint32_t)(m[1] >> (32 * (c % 2)))));
+                        }
+                    }
+                }
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xr = xq + r * k + b * BLOCK;
+                    int32_t lo4, hi4;
+                    memcpy(&lo4, xr + 4 * j, 4);
+                    if (bits == 4) {
+                        memcpy(&hi4, xr + 16 + 4 * j, 4);
+                        const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+                        for (int c = 0; c < 4; c++)
+                            acc[r][c] = _mm256_add_epi32(acc[r][c], dot4(lo[c], xl, hi[c], xh));
+                    } else {
+                        const __m256i xv = _mm256_set1_epi32(lo4);
+                        for (int c = 0; c < 4; c++)
+                            acc[r][c] = _mm256_add_epi32(acc[r][c], fmt == FMT_Q6K ? dot_small(v[c], xv) : dot8(v[c], xv));
+                    }
                 }
             }
-        }
-        __m256 sc[4], bc[4];
-        for (int c = 0; c < 4; c++) {
-            sc[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16 * c)));
-            bc[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 64 + 16 * c)));
-        }
-        for (int r = 0; r < rows; r++) {
-            if (bits == 8) { /* the codes were taken signed: 128 times the block's value sum back */
-                const __m256i back = _mm256_set1_epi32(128 * xi[r * nb + b]);
-                for (int c = 0; c < 4; c++)
-                    acc[r][c] = _mm256_add_epi32(acc[r][c], back);
-            }
-            const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
+            __m256 sc[4], bc[4];
             for (int c = 0; c < 4; c++)
-                f[r][c] = _mm256_fmadd_ps(bc[c], sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_mul_ps(sc[c], d), f[r][c]));
+                scales8(w, b, fmt, 8 * c, h, &sc[c], &bc[c]);
+            for (int r = 0; r < rows; r++) {
+                const int32_t *xr = xi + 2 * (r * nb + b);
+                if (fmt == FMT_Q8 || fmt == FMT_Q6K) { /* Q8_0's codes were taken signed: 128 times the block's sum back;
+                                                          Q6_K's offset of 32 out */
+                    const __m256i back = _mm256_set1_epi32(fmt == FMT_Q8 ? 128 * (xr[0] + xr[1]) : -32 * xr[h]);
+                    for (int c = 0; c < 4; c++)
+                        acc[r][c] = _mm256_add_epi32(acc[r][c], back);
+                }
+                const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
+                for (int c = 0; c < 4; c++) {
+                    const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_mul_ps(sc[c], d), f[r][c]);
+                    f[r][c] = fmt == FMT_Q6K ? p : _mm256_fmadd_ps(bc[c], sum, p);
+                }
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -411,7 +671,14 @@ static inline float block_amax(const __m256 v[4])
     return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 }
 
-/* quantize_row's AVX-512 math 8 wide: the same codes, scale and sum. */
+static inline int32_t sum8(__m256i v)
+{
+    __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* quantize_row's AVX-512 math 8 wide: the same codes, scale and sums. */
 static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi)
 {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -427,10 +694,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float
             c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
         _mm256_storeu_si256((__m256i *)(xq + b * BLOCK), _mm256_permutevar8x32_epi32(bytes, order));
-        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        xi[b] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+        xi[2 * b] = sum8(_mm256_add_epi32(c[0], c[1]));
+        xi[2 * b + 1] = sum8(_mm256_add_epi32(c[2], c[3]));
         xd[b] = d;
         xs[b] = block_sum(v[0], v[1], v[2], v[3]);
     }
@@ -439,16 +704,24 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float
 
 typedef void (*tile_int8_fn)(const int8_t *, const float *, const float *, const int32_t *, int64_t, const uint8_t *,
                              int64_t, float *, int64_t, int);
-#define TILE_ROWS_INT8(R, BITS)                                                                                \
-    static void tile_int8_##BITS##_##R(const int8_t *xq, const float *xd, const float *xs, const int32_t *xi,    \
-                                       int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols) \
+#define TILE_ROWS_INT8(R, NAME, FMT)                                                                           \
+    static void tile_int8_##NAME##_##R(const int8_t *xq, const float *xd, const float *xs, const int32_t *xi,     \
+                                      int64_t k, const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols) \
     {                                                                                                          \
-        tile_rows_int8(xq, xd, xs, xi, k, w, nb, y, ldy, cols, R, BITS);                                       \
+        tile_rows_int8(xq, xd, xs, xi, k, w, nb, y, ldy, cols, R, FMT);                                        \
     }
-TILE_ROWS_INT8(1, 4) TILE_ROWS_INT8(2, 4) TILE_ROWS_INT8(3, 4) TILE_ROWS_INT8(4, 4)
-TILE_ROWS_INT8(1, 8) TILE_ROWS_INT8(2, 8) TILE_ROWS_INT8(3, 8) TILE_ROWS_INT8(4, 8)
-static const tile_int8_fn tiles_int8_4[ROWS_INT8 + 1] = {NULL, tile_int8_4_1, tile_int8_4_2, tile_int8_4_3, tile_int8_4_4};
-static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, tile_int8_8_2, tile_int8_8_3, tile_int8_8_4};
+#define TILES_INT8(NAME, FMT)                                                                                  \
+    TILE_ROWS_INT8(1, NAME, FMT) TILE_ROWS_INT8(2, NAME, FMT) TILE_ROWS_INT8(3, NAME, FMT)                     \
+    TILE_ROWS_INT8(4, NAME, FMT)                                                                               \
+    static const tile_int8_fn tiles_int8_##NAME[ROWS_INT8 + 1] = {NULL, tile_int8_##NAME##_1, tile_int8_##NAME##_2, \
+                                                                  tile_int8_##NAME##_3, tile_int8_##NAME##_4};
+TILES_INT8(q4, FMT_Q4)
+TILES_INT8(q8, FMT_Q8)
+TILES_INT8(q4k, FMT_Q4K)
+TILES_INT8(q5k, FMT_Q5K)
+TILES_INT8(q6k, FMT_Q6K)
+static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, tiles_int8_q4k, tiles_int8_q5k,
+                                                  tiles_int8_q6k};
 
 /* The int16 precision: each block of 32 values of a row of X is rounded to int16 codes with one
    float scale d (|x| <= 32767 d), and a block's products are integers, as for int8:
@@ -456,17 +729,17 @@ static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, ti
        y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
 
    with 15 bits of each block's largest value where int8 keeps 7 (its logits stay within ~1e-2 of
-   float32's on the default model, int8's move by ~1). Its tile layout pairs k and interleaves the
-   tile's two halves of 16 columns, so that a 16-bit lane's code is one AND or shift away: after
-   the 128 bytes of scales and biases, a tile block is lines of 64 bytes, 4 bytes per column c of
-   the first half (c < 16):
+   float32's on the default model, int8's move by ~1). Its lines pair k and interleave the tile's
+   two halves of 16 columns, so that a 16-bit lane's code is one AND or shift away: a block's
+   codes are lines of 64 bytes, 4 bytes per column c of the first half (c < 16):
      bits 8: 16 lines; line j, bytes 4 c to 4 c + 3: the codes of (k = 2 j, column c),
              (2 j, c + 16), (2 j + 1, c), (2 j + 1, c + 16);
      bits 4: 8 lines, the same with the code of k in the low nibble and that of k + 16 in the high.
-   So the line's 32-bit lane c holds, in the low byte (nibble) of each 16-bit half, column c's pair
-   of codes, and column c + 16's one byte (nibble) up: VPDPWSSD (VPMADDWD) multiplies a pair by
-   X's and adds. Every sum of a block is exact (|xq . q| < 32 x 32767 x 255 < 2^31), whatever the
-   order of its products, so the builds agree bit for bit. */
+   (Q6_K's bytes are its codes less 32, signed, and no bias.) So the line's 32-bit lane c holds,
+   in the low byte (nibble) of each 16-bit half, column c's pair of codes, and column c + 16's one
+   byte (nibble) up: VPDPWSSD (VPMADDWD) multiplies a pair by X's and adds. Every sum of a block is
+   exact (|xq . q| < 32 x 32767 x 255 < 2^31), whatever the order of its products, so the builds
+   agree bit for bit. */
 
 #if defined(QL_INT_VNNI)
 #define ROWS_INT16 8
@@ -474,13 +747,22 @@ static const tile_int8_fn tiles_int8_8[ROWS_INT8 + 1] = {NULL, tile_int8_8_1, ti
 /* Line j of a block for rows rows of X (xr, rows k apart): i0 (columns 0-15) and i1 (16-31) of
    each row plus its products. */
 static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, const uint8_t *q, int j, const int rows,
-                                                              const int bits, __m512i *i0, __m512i *i1)
+                                                              const int fmt, __m512i *i0, __m512i *i1)
 {
     const __m512i v = _mm512_loadu_si512(q + 64 * j);
-    if (bits == 4) {
+    if (CODE_BITS(fmt) == 4) {
         const __m512i nibble = _mm512_set1_epi16(0x000F);
-        const __m512i a = _mm512_and_si512(v, nibble), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        const __m512i c = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), d = _mm512_srli_epi16(v, 12);
+        __m512i a = _mm512_and_si512(v, nibble), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512i c = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), d = _mm512_srli_epi16(v, 12);
+        if (FIFTH(fmt)) { /* line j's four masks, for a, b, c, d: bit i the code of their 16-bit lane i */
+            uint32_t m[4];
+            memcpy(m, q + 512 + 16 * j, 16);
+            const __m512i sixteen = _mm512_set1_epi16(16);
+            a = _mm512_mask_add_epi16(a, (__mmask32)m[0], a, sixteen);
+            b = _mm512_mask_add_epi16(b, (__mmask32)m[1], b, sixteen);
+            c = _mm512_mask_add_epi16(c, (__mmask32)m[2], c, sixteen);
+            d = _mm512_mask_add_epi16(d, (__mmask32)m[3], d, sixteen);
+        }
         for (int r = 0; r < rows; r++) {
             int32_t lo2, hi2;
             memcpy(&lo2, xb + r * BLOCK + 2 * j, 4);
@@ -490,7 +772,9 @@ static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, 
             i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], c, xl), d, xh);
         }
     } else {
-        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)), hi = _mm512_srli_epi16(v, 8);
+        const __m512i lo = fmt == FMT_Q6K ? _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8)
+                                          : _mm512_and_si512(v, _mm512_set1_epi16(0x00FF));
+        const __m512i hi = fmt == FMT_Q6K ? _mm512_srai_epi16(v, 8) : _mm512_srli_epi16(v, 8);
         for (int r = 0; r < rows; r++) {
             int32_t two;
             memcpy(&two, xb + r * BLOCK + 2 * j, 4);
@@ -506,29 +790,32 @@ static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, 
    latency does not set the pace. */
 static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
                                                                    const uint8_t *w, int64_t nb, float *y, int64_t ldy,
-                                                                   int cols, const int rows, const int bits)
+                                                                   int cols, const int rows, const int fmt)
 {
-    const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
-    const int lines = bits == 4 ? 8 : 16, sets = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    const int lines = (CODE_BITS(fmt) == 4 ? 8 : 16) / HALVES(fmt), sets = rows == 1 ? 4 : rows == 2 ? 2 : 1;
     __m512 f0[ROWS_INT16], f1[ROWS_INT16]; /* columns 0-15 and 16-31 */
     for (int r = 0; r < rows; r++)
         f0[r] = f1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        __m512i i0[4][ROWS_INT16], i1[4][ROWS_INT16];
-        for (int s = 0; s < sets; s++)
-            for (int r = 0; r < rows; r++)
-                i0[s][r] = i1[s][r] = _mm512_setzero_si512();
+    for (int64_t b = 0; b < nb; b++) {
+        fetch_header(w, b, fmt);
+        const uint8_t *q = block_codes(w, b, fmt);
         const int16_t *xb = xq + b * ROWS_INT16 * BLOCK;
-#pragma GCC unroll 16
-        for (int j = 0; j < lines; j += sets)
+        for (int h = 0; h < HALVES(fmt); h++) {
+            __m512i i0[4][ROWS_INT16], i1[4][ROWS_INT16];
             for (int s = 0; s < sets; s++)
-                line_int16(xb, w + 128, j + s, rows, bits, i0[s], i1[s]);
-        for (int s = 1; s < sets; s++)
-            for (int r = 0; r < rows; r++) {
-                i0[0][r] = _mm512_add_epi32(i0[0][r], i0[s][r]);
-                i1[0][r] = _mm512_add_epi32(i1[0][r], i1[s][r]);
-            }
-        add_block(w, xd + b, xs + b, nb, rows, i0[0], i1[0], f0, f1);
+                for (int r = 0; r < rows; r++)
+                    i0[s][r] = i1[s][r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int j = h * lines; j < (h + 1) * lines; j += sets)
+                for (int s = 0; s < sets; s++)
+                    line_int16(xb, q, j + s, rows, fmt, i0[s], i1[s]);
+            for (int s = 1; s < sets; s++)
+                for (int r = 0; r < rows; r++) {
+                    i0[0][r] = _mm512_add_epi32(i0[0][r], i0[s][r]);
+                    i1[0][r] = _mm512_add_epi32(i1[0][r], i1[s][r]);
+                }
+            add_block(w, b, fmt, h, xd + b, xs + b, NULL, nb, rows, i0[0], i1[0], f0, f1);
+        }
     }
     store_tile(y, ldy, cols, rows, f0, f1);
 }
@@ -557,9 +844,9 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
    (h = 0) or the high (h = 1) byte of each 16-bit lane's, as the VNNI build reads it. */
 static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
                                                                    const uint8_t *w, int64_t nb, float *y, int64_t ldy,
-                                                                   int cols, const int rows, const int bits)
+                                                                   int cols, const int rows, const int fmt)
 {
-    const int64_t block_bytes = TILE_BLOCK_BYTES(bits);
+    const int bits = CODE_BITS(fmt), lines = (bits == 4 ? 8 : 16) / HALVES(fmt);
     const __m256i nibble = _mm256_set1_epi16(0x000F), byte = _mm256_set1_epi16(0x00FF);
     for (int g = 0; g < TILE / 8; g++) {
         const int s = g & 1, h = g >> 1, c0 = 16 * h + 8 * s;
@@ -568,39 +855,49 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
         __m256 f[ROWS_INT16];
         for (int r = 0; r < rows; r++)
             f[r] = _mm256_setzero_ps();
-        const uint8_t *wb = w;
-        for (int64_t b = 0; b < nb; b++, wb += block_bytes) {
-            __m256i acc[ROWS_INT16];
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm256_setzero_si256();
-            const uint8_t *q = wb + 128 + 32 * s;
-            for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
-                const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
-                if (bits == 4) {
-                    const __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
-                    for (int r = 0; r < rows; r++) {
-                        const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
-                        int32_t lo2, hi2;
-                        memcpy(&lo2, xr + 2 * j, 4);
-                        memcpy(&hi2, xr + 16 + 2 * j, 4);
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(l, _mm256_set1_epi32(lo2)),
-                                                                           _mm256_madd_epi16(u, _mm256_set1_epi32(hi2))));
-                    }
-                } else {
-                    const __m256i c = _mm256_and_si256(half, byte);
-                    for (int r = 0; r < rows; r++) {
-                        int32_t two;
-                        memcpy(&two, xq + (b * ROWS_INT16 + r) * BLOCK + 2 * j, 4);
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
+        for (int64_t b = 0; b < nb; b++) {
+            fetch_header(w, b, fmt);
+            const uint8_t *q = block_codes(w, b, fmt) + 32 * s;
+            for (int hh = 0; hh < HALVES(fmt); hh++) {
+                __m256i acc[ROWS_INT16];
+                for (int r = 0; r < rows; r++)
+                    acc[r] = _mm256_setzero_si256();
+                for (int j = hh * lines; j < (hh + 1) * lines; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                    if (bits == 4) {
+                        const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
+                        __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
+                        if (FIFTH(fmt)) { /* the VNNI code's masks (a, b for the low byte, c, d for the high) */
+                            uint32_t m[4];
+                            memcpy(m, block_codes(w, b, fmt) + 512 + 16 * j, 16);
+                            l = _mm256_or_si256(l, fifth16(m[2 * h] >> (16 * s)));
+                            u = _mm256_or_si256(u, fifth16(m[2 * h + 1] >> (16 * s)));
+                        }
+                        for (int r = 0; r < rows; r++) {
+                            const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
+                            int32_t lo2, hi2;
+                            memcpy(&lo2, xr + 2 * j, 4);
+                            memcpy(&hi2, xr + 16 + 2 * j, 4);
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(l, _mm256_set1_epi32(lo2)),
+                                                                               _mm256_madd_epi16(u, _mm256_set1_epi32(hi2))));
+                        }
+                    } else {
+                        const __m256i c = fmt == FMT_Q6K ? _mm256_srai_epi16(h ? v : _mm256_slli_epi16(v, 8), 8)
+                                                         : _mm256_and_si256(h ? _mm256_srli_epi16(v, 8) : v, byte);
+                        for (int r = 0; r < rows; r++) {
+                            int32_t two;
+                            memcpy(&two, xq + (b * ROWS_INT16 + r) * BLOCK + 2 * j, 4);
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
+                        }
                     }
                 }
-            }
-            const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 2 * c0)));
-            const __m256 bc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 2 * c0)));
-            for (int r = 0; r < rows; r++) {
-                const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
-                f[r] = _mm256_fmadd_ps(bc, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(sc, d), f[r]));
+                __m256 sc, bc;
+                scales8(w, b, fmt, c0, hh, &sc, &bc);
+                for (int r = 0; r < rows; r++) {
+                    const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
+                    const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(sc, d), f[r]);
+                    f[r] = fmt == FMT_Q6K ? p : _mm256_fmadd_ps(bc, sum, p);
+                }
             }
         }
         const int n = cols - c0 < 8 ? cols - c0 : 8;
@@ -635,38 +932,45 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
 
 typedef void (*tile_int16_fn)(const int16_t *, const float *, const float *, const uint8_t *, int64_t, float *, int64_t,
                               int);
-#define TILE_ROWS_INT16(R, BITS)                                                                                    \
-    static void tile_int16_##BITS##_##R(const int16_t *xq, const float *xd, const float *xs, const uint8_t *w,       \
-                                        int64_t nb, float *y, int64_t ldy, int cols)                                 \
+#define TILE_ROWS_INT16(R, NAME, FMT)                                                                               \
+    static void tile_int16_##NAME##_##R(const int16_t *xq, const float *xd, const float *xs, const uint8_t *w,        \
+                                       int64_t nb, float *y, int64_t ldy, int cols)                                  \
     {                                                                                                               \
-        tile_rows_int16(xq, xd, xs, w, nb, y, ldy, cols, R, BITS);                                                  \
+        tile_rows_int16(xq, xd, xs, w, nb, y, ldy, cols, R, FMT);                                                   \
     }
-TILE_ROWS_INT16(1, 4) TILE_ROWS_INT16(2, 4) TILE_ROWS_INT16(3, 4) TILE_ROWS_INT16(4, 4)
-TILE_ROWS_INT16(1, 8) TILE_ROWS_INT16(2, 8) TILE_ROWS_INT16(3, 8) TILE_ROWS_INT16(4, 8)
 #if ROWS_INT16 == 8
-TILE_ROWS_INT16(5, 4) TILE_ROWS_INT16(6, 4) TILE_ROWS_INT16(7, 4) TILE_ROWS_INT16(8, 4)
-TILE_ROWS_INT16(5, 8) TILE_ROWS_INT16(6, 8) TILE_ROWS_INT16(7, 8) TILE_ROWS_INT16(8, 8)
-static const tile_int16_fn tiles_int16_4[ROWS_INT16 + 1] = {NULL, tile_int16_4_1, tile_int16_4_2, tile_int16_4_3,
-                                                            tile_int16_4_4, tile_int16_4_5, tile_int16_4_6,
-                                                            tile_int16_4_7, tile_int16_4_8};
-static const tile_int16_fn tiles_int16_8[ROWS_INT16 + 1] = {NULL, tile_int16_8_1, tile_int16_8_2, tile_int16_8_3,
-                                                            tile_int16_8_4, tile_int16_8_5, tile_int16_8_6,
-                                                            tile_int16_8_7, tile_int16_8_8};
+#define TILES_INT16(NAME, FMT)                                                                                      \
+    TILE_ROWS_INT16(1, NAME, FMT) TILE_ROWS_INT16(2, NAME, FMT) TILE_ROWS_INT16(3, NAME, FMT)                       \
+    TILE_ROWS_INT16(4, NAME, FMT) TILE_ROWS_INT16(5, NAME, FMT) TILE_ROWS_INT16(6, NAME, FMT)                       \
+    TILE_ROWS_INT16(7, NAME, FMT) TILE_ROWS_INT16(8, NAME, FMT)                                                     \
+    static const tile_int16_fn tiles_int16_##NAME[ROWS_INT16 + 1] = {                                               \
+        NULL, tile_int16_##NAME##_1, tile_int16_##NAME##_2, tile_int16_##NAME##_3, tile_int16_##NAME##_4,           \
+        tile_int16_##NAME##_5, tile_int16_##NAME##_6, tile_int16_##NAME##_7, tile_int16_##NAME##_8};
 #else
-static const tile_int16_fn tiles_int16_4[ROWS_INT16 + 1] = {NULL, tile_int16_4_1, tile_int16_4_2, tile_int16_4_3, tile_int16_4_4};
-static const tile_int16_fn tiles_int16_8[ROWS_INT16 + 1] = {NULL, tile_int16_8_1, tile_int16_8_2, tile_int16_8_3, tile_int16_8_4};
+#define TILES_INT16(NAME, FMT)                                                                                      \
+    TILE_ROWS_INT16(1, NAME, FMT) TILE_ROWS_INT16(2, NAME, FMT) TILE_ROWS_INT16(3, NAME, FMT)                       \
+    TILE_ROWS_INT16(4, NAME, FMT)                                                                                   \
+    static const tile_int16_fn tiles_int16_##NAME[ROWS_INT16 + 1] = {                                               \
+        NULL, tile_int16_##NAME##_1, tile_int16_##NAME##_2, tile_int16_##NAME##_3, tile_int16_##NAME##_4};
 #endif
+TILES_INT16(q4, FMT_Q4)
+TILES_INT16(q8, FMT_Q8)
+TILES_INT16(q4k, FMT_Q4K)
+TILES_INT16(q5k, FMT_Q5K)
+TILES_INT16(q6k, FMT_Q6K)
+static const tile_int16_fn *const tiles_int16[5] = {tiles_int16_q4, tiles_int16_q8, tiles_int16_q4k, tiles_int16_q5k,
+                                                    tiles_int16_q6k};
 #endif
-
 typedef struct {
     const float *x;
     const uint8_t *w;
     float *y;
-    int64_t m, k, n, bits;
+    int64_t m, k, n;
+    int fmt;         /* the tile format: FMT_Q4 ... FMT_Q6K */
     int64_t xbits;   /* 0: X as it is; 16 or 8: X as integer codes, in xq */
     const void *xq;  /* int16_t or int8_t codes, m * k */
     const float *xd, *xs; /* per block: the codes' scale, and the float sum of X */
-    const int32_t *xi;    /* per block, int8: the codes' sum */
+    const int32_t *xi;    /* per block, int8: the codes' sums of its two halves of 16 */
 } Job;
 
 /* Tile `task` of W (columns [task * TILE, ...) of Y), every row: the tile stays in the caches
@@ -676,10 +980,10 @@ static void run_task(void *arg, size_t task)
     const Job *job = (const Job *)arg;
     const int64_t nb = job->k / BLOCK, n0 = (int64_t)task * TILE;
     const int cols = job->n - n0 < TILE ? (int)(job->n - n0) : TILE;
-    const uint8_t *w = job->w + (int64_t)task * nb * TILE_BLOCK_BYTES(job->bits);
+    const uint8_t *w = job->w + (int64_t)task * tile_bytes(job->fmt, nb);
 #if defined(QL_INT)
     if (job->xbits == 16) {
-        const tile_int16_fn *tiles = job->bits == 4 ? tiles_int16_4 : tiles_int16_8;
+        const tile_int16_fn *tiles = tiles_int16[job->fmt];
         for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT16) {
             const int64_t rows = job->m - m0 < ROWS_INT16 ? job->m - m0 : ROWS_INT16;
             tiles[rows]((const int16_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, w, nb,
@@ -688,16 +992,16 @@ static void run_task(void *arg, size_t task)
         return;
     }
     if (job->xbits == 8) {
-        const tile_int8_fn *tiles = job->bits == 4 ? tiles_int8_4 : tiles_int8_8;
+        const tile_int8_fn *tiles = tiles_int8[job->fmt];
         for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT8) {
             const int64_t rows = job->m - m0 < ROWS_INT8 ? job->m - m0 : ROWS_INT8;
-            tiles[rows]((const int8_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->xi + m0 * nb,
+            tiles[rows]((const int8_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->xi + 2 * m0 * nb,
                         job->k, w, nb, job->y + m0 * job->n + n0, job->n, cols);
         }
         return;
     }
 #endif
-    const tile_fn *tiles = job->bits == 4 ? tiles_4 : tiles_8;
+    const tile_fn *tiles = tiles_float[job->fmt];
     for (int64_t m0 = 0; m0 < job->m; m0 += ROWS) {
         const int64_t rows = job->m - m0 < ROWS ? job->m - m0 : ROWS;
         tiles[rows](job->x + m0 * job->k, job->k, w, nb, job->y + m0 * job->n + n0, job->n, cols);
@@ -711,12 +1015,12 @@ static void *integer_scratch(Job *job)
 {
     const int64_t nb = job->k / BLOCK;
     const int64_t rows = job->xbits == 16 ? (job->m + ROWS_INT16 - 1) / ROWS_INT16 * ROWS_INT16 : job->m;
-    float *scratch = (float *)malloc((size_t)(3 * job->m * nb) * sizeof(float) + (size_t)(rows * job->k * (job->xbits / 8)));
+    float *scratch = (float *)malloc((size_t)(4 * job->m * nb) * sizeof(float) + (size_t)(rows * job->k * (job->xbits / 8)));
     if (scratch != NULL) {
         job->xd = scratch;
         job->xs = scratch + job->m * nb;
         job->xi = (const int32_t *)(scratch + 2 * job->m * nb);
-        job->xq = scratch + 3 * job->m * nb;
+        job->xq = scratch + 4 * job->m * nb;
     }
     return scratch;
 }
@@ -733,16 +1037,21 @@ static void quantize_task(void *arg, size_t row)
                        ROWS_INT16 * BLOCK, (float *)job->xd + row * nb, (float *)job->xs + row * nb);
     else
         quantize_row(job->x + row * job->k, job->k, (int8_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
-                     (float *)job->xs + row * nb, (int32_t *)job->xi + row * nb);
+                     (float *)job->xs + row * nb, (int32_t *)job->xi + 2 * row * nb);
 }
 #endif
 
 /* For the tests: the same computation without ONNX Runtime, on one thread; xbits 16 or 8: the
-   int16 or int8 precision (only where exo_qlinear_integer() says the build has them). Returns 0,
-   or -1 if it cannot. */
-int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t xbits)
+   int16 or int8 precision (only where exo_qlinear_integer() says the build has them); kquant 0
+   (bits 4 or 8: GGUF's blocks of 32) or 4, 5, 6 (Q4_K, Q5_K, Q6_K super-blocks). Returns 0, or
+   -1 if it cannot. */
+int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t xbits,
+                int64_t kquant)
 {
-    Job job = {x, w, y, m, k, n, bits, xbits, NULL, NULL, NULL, NULL};
+    const int fmt = format_of(bits, kquant);
+    if (fmt < 0 || k % (IS_K(fmt) ? 256 : BLOCK) != 0)
+        return -1;
+    Job job = {x, w, y, m, k, n, fmt, xbits, NULL, NULL, NULL, NULL};
     void *scratch = NULL;
     if (xbits) {
 #if defined(QL_INT)
@@ -783,7 +1092,8 @@ const char *exo_qlinear_isa(void)
 /* ------------------------------------------------------------------ the op */
 
 typedef struct {
-    int64_t k, n, bits, xbits;
+    int64_t k, n, bits, xbits, kquant;
+    int fmt;
 } Kernel;
 
 static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKernelInfo *info, void **out)
@@ -802,8 +1112,12 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
         status = fail("QLinear: K must be a positive multiple of 32 and N positive");
     if (status == NULL)
         status = int_attribute(info, "xbits", &kernel->xbits);
-    if (status == NULL && kernel->bits != 4 && kernel->bits != 8)
-        status = fail("QLinear: bits must be 4 or 8");
+    if (status == NULL)
+        optional_int_attribute(info, "kquant", &kernel->kquant);
+    if (status == NULL && (kernel->fmt = format_of(kernel->bits, kernel->kquant)) < 0)
+        status = fail("QLinear: bits must be 4 or 8, or kquant 4, 5 or 6 (Q4_K, Q5_K, Q6_K)");
+    if (status == NULL && IS_K(kernel->fmt) && kernel->k % 256 != 0)
+        status = fail("QLinear: K must be a multiple of 256 for K-quant super-blocks");
     if (status == NULL && kernel->xbits != 0 && kernel->xbits != 8 && kernel->xbits != 16)
         status = fail("QLinear: xbits must be 0 (float32), 8 or 16");
 #if !defined(QL_INT)
@@ -830,10 +1144,15 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(shape_of(w_value, w_dims, &w_rank));
     if (dims[rank - 1] != kernel->k)
         return fail("QLinear: the last dimension of X is not K");
-    if (w_rank != 3 || w_dims[0] != (kernel->n + TILE - 1) / TILE || w_dims[1] != kernel->k / BLOCK ||
-        w_dims[2] != TILE_BLOCK_BYTES(kernel->bits))
-        return fail(kernel->bits == 4 ? "QLinear: W must be (ceil(N / 32), K / 32, 640) for bits 4"
-                                      : "QLinear: W must be (ceil(N / 32), K / 32, 1152) for bits 8");
+    const int fmt = kernel->fmt;
+    if (w_rank != 3 || w_dims[0] != (kernel->n + TILE - 1) / TILE ||
+        w_dims[1] != kernel->k / (IS_K(fmt) ? 256 : BLOCK) ||
+        w_dims[2] != (IS_K(fmt) ? SUPER_BYTES(fmt) : TILE_BLOCK_BYTES(CODE_BITS(fmt))))
+        return fail(fmt == FMT_Q4    ? "QLinear: W must be (ceil(N / 32), K / 32, 640) for bits 4"
+                    : fmt == FMT_Q8  ? "QLinear: W must be (ceil(N / 32), K / 32, 1152) for bits 8"
+                    : fmt == FMT_Q6K ? "QLinear: W must be (ceil(N / 32), K / 256, 8768) for Q6_K"
+                    : fmt == FMT_Q5K ? "QLinear: W must be (ceil(N / 32), K / 256, 5760) for Q5_K"
+                                     : "QLinear: W must be (ceil(N / 32), K / 256, 4736) for Q4_K");
     int64_t m = 1;
     for (size_t i = 0; i + 1 < rank; i++)
         m *= dims[i];
@@ -846,7 +1165,7 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &y));
     if (m == 0)
         return NULL;
-    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, kernel->bits, kernel->xbits,
+    Job job = {(const float *)x, (const uint8_t *)w, (float *)y, m, kernel->k, kernel->n, fmt, kernel->xbits,
                NULL, NULL, NULL, NULL};
     const size_t tasks = (size_t)((kernel->n + TILE - 1) / TILE);
     if (!kernel->xbits)
