@@ -220,6 +220,10 @@ class GGUFModel:
 
     # ---------------------------------------------------------------- weights
 
+    def release_pages(self) -> None:
+        """The file's pages read so far leave this process's resident memory (see GGUFHeader)."""
+        self._header.release_pages()
+
     def raw_tensor(self, name: str) -> tuple[TensorInfo, np.ndarray]:
         """A tensor's bytes exactly as stored in the file (quantized blocks stay blocks)."""
         info = self.tensor_info(name)

@@ -42,6 +42,16 @@ class GGUFHeader:
     """The metadata (``fields``: key -> value; arrays of numbers as NumPy arrays, of strings as
     lists) and tensors (``tensors``: name -> :class:`TensorEntry`) of a GGUF file."""
 
+    def release_pages(self) -> None:
+        """Let go of the file's pages this process has read (the tensors' bytes once a backend has
+        its own form of them): they leave this process's resident memory, not the page cache, and
+        come back from there if read again. Where the platform cannot, nothing happens."""
+        import mmap
+
+        raw = getattr(self._map, "_mmap", None)
+        if raw is not None and hasattr(raw, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            raw.madvise(mmap.MADV_DONTNEED)
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._map = np.memmap(self.path, mode="r")

@@ -98,8 +98,11 @@ class ShardHost:
 
     def load_from_file(self, path: str, start: int, end: int, backend: str | None, model_key: str = "") -> HostedShard:
         model = self._open(path)
-        return self._install(model.config, lambda: model.shard_weights(start, end), backend,
-                             model_key or model.fingerprint)
+        try:
+            return self._install(model.config, lambda: model.shard_weights(start, end), backend,
+                                 model_key or model.fingerprint)
+        finally:
+            model.release_pages()  # the shard has its own copy: the file's pages need not stay resident
 
     def _open(self, path: str) -> GGUFModel:
         """The model file, opened once (parsing a GGUF's vocabulary takes seconds) while it is

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from backends import available_backends, get_backend
-from backends.base import BackendError
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "families"
