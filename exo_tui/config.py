@@ -135,6 +135,16 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = field(default=52415, metadata=_range(1, 65535))
     key: str | None = None
+    max_body_bytes: int = field(default=4 << 20, metadata=_range(1024))  # a bigger request body is a 413
+
+
+@dataclass
+class JoinConfig:
+    """The coordinator's join endpoint (``exo-tui node --join TOKEN``), served by ``serve`` and the console."""
+
+    enabled: bool = True
+    host: str = "0.0.0.0"  # nodes on other hosts join here; one-time tokens and TLS guard it
+    port: int = field(default=52417, metadata=_range(1, 65535))
 
 
 @dataclass
@@ -147,6 +157,7 @@ class NetworkConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     node_port: int = field(default=52416, metadata=_range(1, 65535))
     api: ApiConfig = field(default_factory=ApiConfig)
+    join: JoinConfig = field(default_factory=JoinConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
 

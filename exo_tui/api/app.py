@@ -31,6 +31,7 @@ from exo_tui import __version__
 from exo_tui.api import schemas as s
 from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
+from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
 from exo_tui.cluster.view import HostKeyUnknown
 from exo_tui.inference.generate import GenerationError, Listed
@@ -104,8 +105,13 @@ def model_ids(coordinator: Any) -> list[str]:
     return list(dict.fromkeys(n for n in names if n))
 
 
-def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
-    """The API over ``coordinator`` (an :class:`~exo_tui.cluster.coordinator.Coordinator`)."""
+def create_app(coordinator: Any, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The API over ``coordinator`` (an :class:`~exo_tui.cluster.coordinator.Coordinator`).
+
+    :class:`~exo_tui.api.guard.ApiGuard` wraps every path (``/docs`` and ``/openapi.json`` too): the
+    key is checked from the headers before any body byte is read, and bodies stop at
+    ``max_body_bytes`` (413). The key dependency below stays for the OpenAPI document's security
+    scheme."""
     async def check_key(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
         if not api_key:
             return
@@ -122,6 +128,7 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         description="OpenAI-compatible API and cluster control of an exo-tui coordinator.",
         dependencies=[Depends(check_key)],
     )
+    app.add_middleware(ApiGuard, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.coordinator = coordinator
     app.state.closing = asyncio.Event()  # set by the server as it stops: event streams end at once
     build_openapi = app.openapi

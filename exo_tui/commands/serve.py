@@ -74,7 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     coordinator = Coordinator(model=args.model, config=config, peers=list(args.peer), local_nodes=local,
                               local_backends=backends, strategy=args.strategy, discover=args.discover)
-    server = ApiServer(coordinator, host=host, port=port, api_key=key,
+    server = ApiServer(coordinator, host=host, port=port, api_key=key, max_body_bytes=config.network.api.max_body_bytes,
                        log_level="warning" if args.log_level != "debug" else "info")
     log = logging.getLogger("exo_tui.serve")
     await server.start()
