@@ -248,7 +248,8 @@ async def test_a_flood_before_the_tls_handshake_is_refused(
         writer.close()
         async with await connect(HOST, server.port, security=coord) as conn:
             assert (await conn.call("echo", {"ok": 1})).body == {"ok": 1}
-    assert any("bytes before the TLS handshake (not a TLS client)" in m for m in refusals(caplog)), refusals(caplog)
+    assert any("its first bytes are not TLS" in m or "bytes before the TLS handshake" in m
+               for m in refusals(caplog)), refusals(caplog)
 
 
 # ------------------------------------------------------------------ calls and one-way frames
@@ -603,7 +604,7 @@ async def test_silent_client_times_out_and_is_logged(coord, node, caplog):
         finally:
             writer.transport.abort()
         await until(lambda: refusals(caplog))
-        assert "no complete handshake within 0.3 s" in refusals(caplog)[0]
+        assert "within 0.3 s" in refusals(caplog)[0]  # no ClientHello within the (shorter) handshake timeout
 
 
 async def test_tls_on_one_side_only_is_refused_with_a_hint(coord, node, caplog):
@@ -826,7 +827,7 @@ def test_fuzz_generated_frames_and_bytes_at_a_live_server(cluster: Cluster, capl
 
         lt.run(settled())
         accepted = sum("accepted connection" in r.getMessage() for r in caplog.records)
-        refused = len(refusals(caplog))
+        refused = server.refused  # the log has 5 lines a kind per 10 s (rate-limited), the count all
         assert refused > 20 and accepted > 20  # both stages were exercised
         assert lt.run(canary.call("echo", tensor=np.ones(576, np.float32))).tensor.shape == (576,)
         bugs = [r for r in caplog.records if r.name == NET and r.levelno >= logging.ERROR]
