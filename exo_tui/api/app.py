@@ -31,7 +31,7 @@ from exo_tui import __version__
 from exo_tui.api import schemas as s
 from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
-from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard
+from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard, BodyTooLarge
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
 from exo_tui.cluster.view import HostKeyUnknown
 from exo_tui.inference.generate import GenerationError, Listed
@@ -185,7 +185,8 @@ def create_app(coordinator: Any, *, api_key: str | None = None, max_body_bytes: 
             message = "no such path: see /docs for the API"
         elif exc.status_code == 405:
             message = f"method not allowed here: {exc.detail}"
-        return error_response(exc.status_code, message, code=str(exc.status_code))
+        code = "body_too_large" if isinstance(exc, BodyTooLarge) else str(exc.status_code)
+        return error_response(exc.status_code, message, code=code)
 
     # ------------------------------------------------------------------ helpers
 

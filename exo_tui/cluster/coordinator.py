@@ -27,6 +27,7 @@ import numpy as np
 from backends import default_backend_name
 from backends.base import KVCache
 from exo_tui.cluster import events as ev
+from exo_tui.cluster.joining import JoinEndpoint, reaches_beyond_loopback
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
@@ -96,6 +97,7 @@ class Coordinator:
         home: Path | None = None,
         persist: bool = True,
         discover: bool = False,
+        join: bool = False,  # serve the join endpoint (network.join): exo-tui serve and the console do
     ) -> None:
         self.config = config or load_config()
         self.model_name = model
@@ -140,6 +142,8 @@ class Coordinator:
         self.discover = discover
         self.discovery: Any = None
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
+        self.join = join and self.config.network.join.enabled
+        self.joining: JoinEndpoint | None = None
 
     # ================================================================== lifecycle
 
@@ -160,6 +164,8 @@ class Coordinator:
                 self._notice("error", f"node {h}:{p} could not join: {r}")
         if self.discover:
             await self._start_discovery(cluster)
+        if self.join:
+            await self._start_join_endpoint()
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="coordinator-monitor"))
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
         if self.nodes:
@@ -168,6 +174,18 @@ class Coordinator:
                 self._notice("warning", f"the pin of {', '.join(broken)} cannot hold until the node joins")
             if not await self._adopt_saved_plan():
                 await self.replan("initial plan")
+
+    async def _start_join_endpoint(self) -> None:
+        endpoint = JoinEndpoint(self)
+        cfg = self.config.network.join
+        try:
+            await endpoint.start(cfg.host, cfg.port)
+        except OSError as exc:
+            self._notice("warning", f"the join endpoint cannot listen on {cfg.host}:{cfg.port} "
+                                    f"({exc.strerror or exc}): `exo-tui node --join` will not reach this coordinator; "
+                                    "set network.join.port, or stop what holds the port")
+            return
+        self.joining = endpoint
 
     def _restore_state(self) -> None:
         if self.store is None:
@@ -271,7 +289,8 @@ class Coordinator:
             extra = [] if self.config.network.security.enable_tls else ["--no-tls"]
             # Nodes on other hosts forward hidden states to this one: then it listens on every
             # interface (TLS and the cluster key guard it), else on loopback only.
-            listen = "0.0.0.0" if self.peers or self.discover else "127.0.0.1"
+            listen = "0.0.0.0" if self.peers or self.discover or (self.join and reaches_beyond_loopback(self.config)) \
+                else "127.0.0.1"
             self._local.append(
                 spawn_node(name, backend=backend, key_file=str(bundle), memory_limit_gb=limit, log_dir=log_dir,
                            env={"EXO_TUI_HOME": str(self.home)}, extra_args=extra, listen=listen)
@@ -280,6 +299,9 @@ class Coordinator:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self.joining is not None:
+            with contextlib.suppress(Exception):
+                await self.joining.close()
         if self.discovery is not None:
             with contextlib.suppress(Exception):
                 await self.discovery.stop()

@@ -150,6 +150,7 @@ def test_bodies_past_the_limit_are_413_with_or_without_a_length(idle: Coordinato
 
         streamed = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
         assert streamed.status_code == 413 and "4096 bytes" in streamed.json()["error"]["message"]
+        assert streamed.json()["error"]["code"] == "body_too_large"
         small = http.post("/v1/completions", content=b"[1,", headers={"content-type": "application/json"})
         assert small.status_code == 400  # under the limit the body reaches the app as before
 
