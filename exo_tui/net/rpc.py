@@ -932,6 +932,7 @@ async def serve(
     on_connect: Callable[[Connection], Any] | None = None,
     max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
     inline_types: Collection[str] = (),
+    gate: HandshakeGate | None = None,
 ) -> Server:
     """Listen on ``host:port`` (port 0: any free port, see ``Server.port``; host ``None`` or
     ``"0.0.0.0"``: every interface).
@@ -939,11 +940,12 @@ async def serve(
     Every accepted connection does TLS (unless ``security.enable_tls`` is false) and the HMAC
     handshake within ``security.handshake_timeout_s``; refusals are logged and closed. Then its
     frames go to ``handler`` and ``on_connect(conn)`` is called (it may be a coroutine function).
-    ``inline_types``: see the module doc.
+    ``inline_types``: see the module doc. ``gate``: who may hold handshake slots (default
+    :class:`~exo_tui.net.gate.HandshakeGate`'s limits).
     """
     server = Server(
         handler, security=security, limits=limits, on_connect=on_connect,
-        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types,
+        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types, gate=gate,
     )
     await server._start(host, port)
     log.info("listening on %s:%d (TLS %s)", server.host, server.port, "on" if security.enable_tls else "OFF")

@@ -33,7 +33,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
-import msgpack
 import psutil
 import pytest
 
@@ -44,6 +43,7 @@ from exo_tui.net.frame import PROTOCOL_VERSION, Frame, decode_frame, frame_bytes
 from exo_tui.net.rpc import connect, open_authenticated
 from exo_tui.net.security import _make_ca, ensure_cluster, load_chain, write_node_bundle
 from tests.factory import write_tiny_llama
+from tests.helpers.wire import raw_frame, read_to_eof
 
 pytestmark = pytest.mark.slow
 
@@ -233,11 +233,6 @@ def test_200_mb_bodies_are_answered_from_their_headers_and_cost_the_server_nothi
 # ====================================================================== probes of a node agent
 
 
-def _raw(header: dict, payload: bytes = b"") -> bytes:
-    h = msgpack.packb(header, use_bin_type=True)
-    return struct.pack(">I", len(h)) + h + payload
-
-
 def _frames(data: bytes) -> list[Frame]:
     out, pos = [], 0
     with contextlib.suppress(Exception):  # a trailing part frame is of no interest
@@ -246,15 +241,6 @@ def _frames(data: bytes) -> list[Frame]:
             out.append(frame)
             pos += n
     return out
-
-
-async def _read_to_eof(reader: asyncio.StreamReader, timeout: float = 10.0) -> bytes:
-    buf = bytearray()
-    async with asyncio.timeout(timeout):
-        with contextlib.suppress(ConnectionError, ssl.SSLError):
-            while chunk := await reader.read(65536):
-                buf += chunk
-    return bytes(buf)
 
 
 def _tls_client(cert_pem: bytes | None, key_pem: bytes | None, ca_pem: bytes) -> ssl.SSLContext:
@@ -272,19 +258,19 @@ MALFORMED: dict[str, bytes] = {
     "empty header": struct.pack(">I", 0),
     "header over the limit": struct.pack(">I", 0xFFFFFFFF),
     "not msgpack": struct.pack(">I", 3) + b"\xc1\xc1\xc1",
-    "not a map": _raw([1, 2, 3]),  # type: ignore[arg-type]
-    "wrong version": _raw({"v": 999, "type": "ping"}),
-    "type not a string": _raw({"v": V, "type": 7}),
+    "not a map": raw_frame([1, 2, 3]),  # type: ignore[arg-type]
+    "wrong version": raw_frame({"v": 999, "type": "ping"}),
+    "type not a string": raw_frame({"v": V, "type": 7}),
     "ext type": struct.pack(">I", 4) + b"\xd4\x05\x00\x00",
-    "map key not a string": _raw({"v": V, "type": "ping", "body": {1: 2}}),
-    "negative id": _raw({"v": V, "type": "ping", "id": -1}),
-    "unknown dtype": _raw({"v": V, "type": "forward", "dtype": "complex128", "shape": [1], "nbytes": 16}),
-    "negative dimension": _raw({"v": V, "type": "forward", "dtype": "float32", "shape": [-1, 4], "nbytes": 0}),
-    "zero dimension": _raw({"v": V, "type": "forward", "dtype": "float32", "shape": [0, 2**62], "nbytes": 0}),
-    "huge dimension": _raw({"v": V, "type": "forward", "dtype": "float32", "shape": [2**64 - 1], "nbytes": 0}),
-    "shape without dtype": _raw({"v": V, "type": "forward", "shape": [4]}),
-    "100 GB payload": _raw({"v": V, "type": "forward", "nbytes": 100 << 30}),
-    "tensor bytes mismatch": _raw({"v": V, "type": "forward", "dtype": "float32", "shape": [4], "nbytes": 8},
+    "map key not a string": raw_frame({"v": V, "type": "ping", "body": {1: 2}}),
+    "negative id": raw_frame({"v": V, "type": "ping", "id": -1}),
+    "unknown dtype": raw_frame({"v": V, "type": "forward", "dtype": "complex128", "shape": [1], "nbytes": 16}),
+    "negative dimension": raw_frame({"v": V, "type": "forward", "dtype": "float32", "shape": [-1, 4], "nbytes": 0}),
+    "zero dimension": raw_frame({"v": V, "type": "forward", "dtype": "float32", "shape": [0, 2**62], "nbytes": 0}),
+    "huge dimension": raw_frame({"v": V, "type": "forward", "dtype": "float32", "shape": [2**64 - 1], "nbytes": 0}),
+    "shape without dtype": raw_frame({"v": V, "type": "forward", "shape": [4]}),
+    "100 GB payload": raw_frame({"v": V, "type": "forward", "nbytes": 100 << 30}),
+    "tensor bytes mismatch": raw_frame({"v": V, "type": "forward", "dtype": "float32", "shape": [4], "nbytes": 8},
                                   b"\0" * 8),
 }
 
@@ -294,7 +280,7 @@ async def _malformed(c: Cluster, *, data: bytes) -> None:
     try:
         writer.write(data)
         await writer.drain()
-        frames = _frames(await _read_to_eof(reader))
+        frames = _frames(await read_to_eof(reader, timeout=10))
         assert frames and frames[-1].type == "error", frames  # said why, then closed
         assert frames[-1].body["code"] in ("bad_frame", "protocol_version")
     finally:
@@ -304,7 +290,7 @@ async def _malformed(c: Cluster, *, data: bytes) -> None:
 async def _plain_tcp(c: Cluster) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", c.node_port)
     writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert await _read_to_eof(reader) == b""
+    assert await read_to_eof(reader, timeout=10) == b""
     writer.transport.abort()
 
 
@@ -320,7 +306,7 @@ async def _refused_tls(c: Cluster, ctx: ssl.SSLContext) -> None:
         writer.write(auth.hello(os.urandom(32)))
         with contextlib.suppress(ssl.SSLError, ConnectionError):
             await writer.drain()
-        assert len(await _read_to_eof(reader)) < auth.CHALLENGE_SIZE
+        assert len(await read_to_eof(reader, timeout=10)) < auth.CHALLENGE_SIZE
     finally:
         writer.transport.abort()
 
@@ -351,7 +337,7 @@ async def _flood_before_tls(c: Cluster) -> None:
         writer.write(first + os.urandom(70 << 10))
         with contextlib.suppress(ConnectionError):
             await writer.drain()
-        assert await _read_to_eof(reader) == b""
+        assert await read_to_eof(reader, timeout=10) == b""
         writer.transport.abort()
 
 

@@ -45,7 +45,9 @@ from exo_tui.net import (
     write_node_bundle,
 )
 from exo_tui.net.frame import DTYPES, PROTOCOL_VERSION, FrameError, IncompleteFrame, decode_frame, frame_bytes
+from exo_tui.net.gate import HandshakeGate
 from exo_tui.net.rpc import _peer_identity, open_authenticated
+from tests.helpers.wire import raw_frame, read_to_eof
 
 NET = "exo_tui.net"
 V = PROTOCOL_VERSION
@@ -124,15 +126,6 @@ async def until(cond, timeout: float = 5.0) -> None:
             await asyncio.sleep(0.01)
 
 
-async def read_to_eof(reader: asyncio.StreamReader, timeout: float = 5.0) -> bytes:
-    buf = bytearray()
-    async with asyncio.timeout(timeout):
-        with contextlib.suppress(ConnectionError, ssl.SSLError):
-            while chunk := await reader.read(65536):
-                buf += chunk
-    return bytes(buf)
-
-
 def frames_in(data: bytes) -> list[Frame]:
     out, pos = [], 0
     while pos < len(data):
@@ -140,11 +133,6 @@ def frames_in(data: bytes) -> list[Frame]:
         out.append(f)
         pos += n
     return out
-
-
-def raw_frame(header: dict, payload: bytes = b"") -> bytes:
-    h = msgpack.packb(header, use_bin_type=True)
-    return struct.pack(">I", len(h)) + h + payload
 
 
 def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -250,6 +238,58 @@ async def test_a_flood_before_the_tls_handshake_is_refused(
             assert (await conn.call("echo", {"ok": 1})).body == {"ok": 1}
     assert any("its first bytes are not TLS" in m or "bytes before the TLS handshake" in m
                for m in refusals(caplog)), refusals(caplog)
+
+
+def _client_hello() -> bytes:
+    """A real TLS ClientHello, for a stranger that starts a handshake and then stalls."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return outgoing.read()
+
+
+async def _stalled_stranger(port: int, source: str) -> asyncio.StreamWriter:
+    _reader, writer = await asyncio.open_connection(HOST, port, local_addr=(source, 0))
+    writer.write(_client_hello())  # then never answers the server's hello
+    await writer.drain()
+    return writer
+
+
+async def test_strangers_in_handshake_leave_the_reserved_slots_to_known_peers(coord: Security, node: Security, caplog):
+    """Strangers that stall inside TLS fill their share of the slots; a peer that authenticated
+    before still gets in (a reserved slot); a fresh server tells a refused client the real cause."""
+    caplog.set_level(logging.WARNING, logger=NET)
+    gate = HandshakeGate(total=3, reserved=1, per_address=2)
+    async with running(node, gate=gate) as server:
+        async with await connect(HOST, server.port, security=coord) as conn:  # 127.0.0.1 is known now
+            assert (await conn.call("echo", {"n": 1})).body == {"n": 1}
+        strangers = [await _stalled_stranger(server.port, "127.0.0.2") for _ in range(2)]
+        try:
+            await until(lambda: len(gate) == 2 and all(t.hello for t in gate._tickets))
+            late = await _stalled_stranger(server.port, "127.0.0.3")  # no slot left for strangers
+            await until(lambda: server.refused >= 1)
+            late.transport.abort()
+            async with await connect(HOST, server.port, security=coord, timeout=3) as conn:
+                assert (await conn.call("echo", {"n": 2})).body == {"n": 2}
+        finally:
+            for w in strangers:
+                w.transport.abort()
+    assert any("handshakes are in progress from unknown addresses" in m for m in
+               [r.getMessage() for r in caplog.records])
+
+    async with running(node, gate=HandshakeGate(total=3, reserved=1, per_address=2)) as server:
+        strangers = [await _stalled_stranger(server.port, "127.0.0.2") for _ in range(2)]
+        try:
+            await until(lambda: len(server.gate) == 2 and all(t.hello for t in server.gate._tickets))
+            with pytest.raises(HandshakeError, match="busy refusing handshakes"):
+                await connect(HOST, server.port, security=coord, timeout=3)  # 127.0.0.1 is a stranger here
+        finally:
+            for w in strangers:
+                w.transport.abort()
 
 
 # ------------------------------------------------------------------ calls and one-way frames
