@@ -292,6 +292,38 @@ async def test_strangers_in_handshake_leave_the_reserved_slots_to_known_peers(co
                 w.transport.abort()
 
 
+async def test_large_frames_on_many_connections_share_the_receive_budget(coord, node, monkeypatch):
+    """With a 4 MiB budget for the whole loop (server and clients alike), 3 MiB tensors sent on
+    four connections at once are read a few at a time, in pieces, and all come back whole."""
+    from exo_tui.net import budget as budget_module
+
+    monkeypatch.setattr(budget_module, "RECEIVE_BUDGET_BYTES", 4 << 20)
+    b = budget_module.receive_budget()
+    assert b.capacity == 4 << 20
+    peak = 0
+    acquire = b.acquire
+
+    async def counted(n: int) -> int:
+        nonlocal peak
+        got = await acquire(n)
+        peak = max(peak, b.used)
+        return got
+
+    monkeypatch.setattr(b, "acquire", counted)
+    async with running(node) as server:
+        conns = [await connect(HOST, server.port, security=coord) for _ in range(4)]
+        try:
+            tensors = [np.full((3 << 20) // 4, i, np.float32) for i in range(4)]
+            replies = await asyncio.gather(*(c.call("echo", tensor=t) for c, t in zip(conns, tensors, strict=True)))
+            for i, r in enumerate(replies):
+                assert r.tensor.shape == tensors[i].shape and float(r.tensor[-1]) == i
+                assert not r.tensor.flags.writeable
+        finally:
+            for c in conns:
+                await c.aclose()
+    assert b.used == 0 and 0 < peak <= b.capacity
+
+
 # ------------------------------------------------------------------ calls and one-way frames
 
 
