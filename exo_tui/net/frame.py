@@ -200,7 +200,7 @@ def parse_header(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> H
     except FrameError:
         raise
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError...)
-        raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {e or 'malformed bytes'}") from None
+        raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {str(e) or 'malformed bytes'}") from None
     if type(h) is not dict:
         raise FrameError(f"header must be a map, got {type(h).__name__}")
     for k, val in h.items():  # known fields are type-checked one by one below; walk the rest
