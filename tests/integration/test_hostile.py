@@ -431,6 +431,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="sources 127.0.0.2-10 need Linux's whole 127/8 on loopback")
 def test_200_idle_strangers_lock_out_no_legitimate_connection(cluster: Cluster) -> None:
     """Another process holds 200 idle connections to the node (from nine other loopback addresses
     and 20 from the coordinator's own, 127.0.0.1) for 20 s, reopening each one the node drops."""

@@ -259,6 +259,7 @@ async def _stalled_stranger(port: int, source: str) -> asyncio.StreamWriter:
     return writer
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="sources 127.0.0.2-3 need Linux's whole 127/8 on loopback")
 async def test_strangers_in_handshake_leave_the_reserved_slots_to_known_peers(coord: Security, node: Security, caplog):
     """Strangers that stall inside TLS fill their share of the slots; a peer that authenticated
     before still gets in (a reserved slot); a fresh server tells a refused client the real cause."""
