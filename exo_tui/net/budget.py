@@ -1,7 +1,8 @@
 """The node-wide budget of frame bytes being received: :class:`ReceiveBudget`.
 
-Each frame's payload is counted from the moment its header is checked until it is read and handed
-to its handler's queue. Every connection of one event loop (a node agent's coordinator, peers and
+Each frame's payload is counted from the moment its header is checked until the frame is
+dispatched: handled, for an inline frame (a node's ``forward``); queued, or its call started, for
+the others (their queues and call slots bound those). Every connection of one event loop (a node agent's coordinator, peers and
 ring links) shares one budget (:func:`receive_budget`), so an authenticated peer sending 256 MiB
 frames on many connections at once gets them read one budget's worth at a time: the others wait
 (their sockets stop being read, TCP pushes back on the sender) instead of each taking its

@@ -180,6 +180,14 @@ def _why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+def _bare(e: BaseException) -> BaseException:
+    """``e`` without its traceback and context, to keep as a connection's close reason: a
+    traceback holds the frames of the read that failed, and so the payload buffer it was filling
+    (up to the payload limit), for as long as the reason is kept."""
+    e.__traceback__ = e.__context__ = e.__cause__ = None
+    return e
+
+
 def _local_name(sec: Security) -> str:
     if sec.name == "coordinator":
         return "this coordinator"
@@ -435,24 +443,32 @@ class Connection:
             raise IncompleteFrame(f"connection closed inside a frame's {what} ({len(e.partial)} of {n} bytes)") from None
 
     async def _read_payload(self, n: int) -> bytes | bytearray:
-        """``n`` payload bytes, counted against the node-wide :class:`ReceiveBudget` while they
-        arrive; a large payload is read in pieces into one buffer (the stream's buffer then never
-        holds a second copy of it)."""
+        """``n`` payload bytes; a large payload is read in pieces into one buffer (the stream's
+        buffer then never holds a second copy of it)."""
+        if n <= CHUNK:
+            return await self._read_exactly(n, "payload")
+        buf = bytearray(n)
+        view, pos, read = memoryview(buf), 0, self._reader.read
+        while pos < n:
+            chunk = await read(min(n - pos, CHUNK))
+            if not chunk:
+                raise IncompleteFrame(f"connection closed inside a frame's payload ({pos} of {n} bytes)")
+            view[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return buf
+
+    async def _receive(self, header: Any) -> None:
+        """Read a frame's payload and dispatch the frame, its bytes counted against the node-wide
+        :class:`ReceiveBudget` from before the read until the dispatch returns (an inline frame:
+        handled; another: queued or its call started)."""
         self._frame_since = None  # waiting for the budget is not the peer's stall
-        charged = await self._budget.acquire(n)
-        self._frame_since = self._loop.time()
+        charged = await self._budget.acquire(header.nbytes)
         try:
-            if n <= CHUNK:
-                return await self._read_exactly(n, "payload")
-            buf = bytearray(n)
-            view, pos, read = memoryview(buf), 0, self._reader.read
-            while pos < n:
-                chunk = await read(min(n - pos, CHUNK))
-                if not chunk:
-                    raise IncompleteFrame(f"connection closed inside a frame's payload ({pos} of {n} bytes)")
-                view[pos:pos + len(chunk)] = chunk
-                pos += len(chunk)
-            return buf
+            self._frame_since = self._loop.time()
+            frame = build_frame(header, await self._read_payload(header.nbytes))
+            self._frame_since = None
+            await self._dispatch(frame)
+            del frame  # not kept while the next frame is read: its handler owns it now
         finally:
             self._budget.release(charged)
 
@@ -473,9 +489,11 @@ class Connection:
                     n = header_length(prefix, limits)
                     self._frame_since = loop.time()  # the watchdog enforces limits.frame_timeout_s
                     header = parse_header(await self._read_exactly(n, "header"), limits)
-                    payload = await self._read_payload(header.nbytes) if header.nbytes else None
-                    self._frame_since = None
-                    await self._dispatch(build_frame(header, payload))
+                    if header.nbytes:
+                        await self._receive(header)
+                    else:
+                        self._frame_since = None
+                        await self._dispatch(build_frame(header, None))
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not self._frame_timed_out or task is None:
@@ -487,7 +505,7 @@ class Connection:
             with contextlib.suppress(Exception):
                 head, _ = encode_frame(error_frame(str(e), e.code))
                 self._hold(head)
-            reason = e
+            reason = _bare(e)
         except asyncio.CancelledError:
             raise
         except (ConnectionError, OSError, ssl.SSLError) as e:
@@ -495,7 +513,7 @@ class Connection:
             log.info("%s", reason)
         except Exception as e:  # a bug here must not leave a half-dead connection
             log.exception("read loop of %s failed", self.peer)
-            reason = e
+            reason = _bare(e)
         self._shutdown(reason)
 
     async def _dispatch(self, frame: Frame) -> None:
@@ -565,12 +583,13 @@ class Connection:
 
     async def _lane_worker(self, lane: str, q: asyncio.Queue[Frame]) -> None:
         while True:
-            frame = await q.get()
+            frame: Frame | None = await q.get()
             self._busy_lanes.add(lane)
             try:
-                await self._handle_one_way(frame)
+                await self._handle_one_way(frame)  # type: ignore[arg-type]
             finally:
                 self._busy_lanes.discard(lane)
+                frame = None  # not kept while waiting for the next one
 
     async def _handle_one_way(self, frame: Frame) -> None:
         try:
