@@ -13,6 +13,7 @@ A refused request's remaining body is read and thrown away, chunk by chunk, for 
 ``DRAIN_S`` seconds (``DRAIN_BYTES`` bytes), before the answer: a server that closes a connection
 with unread bytes makes the kernel reset it, and the reset destroys the answer before a client that
 is still sending can read it (on Linux, every time). Past those bounds the connection is closed.
+A client waiting for ``100 Continue`` is answered at once instead, and never sends the body.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ async def _answer(send: Any, status: int, message: str, code: str, extra: list[t
 
 
 def _has_body(scope: Scope) -> bool:
+    """Whether a body follows that must be drained before answering (not when the client waits
+    for ``100 Continue``: answered at once, it never sends the body)."""
+    if (_header(scope, b"expect") or b"").lower() == b"100-continue":
+        return False
     length = _header(scope, b"content-length")
     if length is not None:
         return length.strip() not in (b"0", b"")
@@ -125,7 +130,7 @@ class ApiGuard:
                 await _answer(send, 400, "the Content-Length header is not a number", "invalid_request")
                 return
             if declared > limit:
-                await drain(receive)
+                await drain(receive, _has_body(scope))
                 await _answer(send, 413, str(BodyTooLarge(limit).detail), "body_too_large")
                 return
         seen = 0
