@@ -171,6 +171,15 @@ class ApiConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, _range(1, 65535)] = 52415
     key: str | None = None
+    max_body_bytes: Annotated[int, _range(1024)] = 4 << 20  # a bigger request body is a 413
+
+
+class JoinConfig(_Section):
+    """The coordinator's join endpoint (``exo-tui node --join TOKEN``), served by ``serve`` and the console."""
+
+    enabled: bool = True
+    host: str = "0.0.0.0"  # nodes on other hosts join here; one-time tokens and TLS guard it
+    port: Annotated[int, _range(1, 65535)] = 52417
 
 
 class SecurityConfig(_Section):
@@ -181,6 +190,7 @@ class NetworkConfig(_Section):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     node_port: Annotated[int, _range(1, 65535)] = 52416
     api: ApiConfig = Field(default_factory=ApiConfig)
+    join: JoinConfig = Field(default_factory=JoinConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 
 

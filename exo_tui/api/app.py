@@ -31,6 +31,7 @@ from exo_tui import __version__
 from exo_tui.api import schemas as s
 from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
+from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard, BodyTooLarge
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
 from exo_tui.cluster.view import Command, HostKeyUnknown, ServingCluster, run_command
 from exo_tui.inference.generate import GenerationError, Listed
@@ -104,9 +105,15 @@ def model_ids(coordinator: ServingCluster) -> list[str]:
     return list(dict.fromkeys(n for n in names if n))
 
 
-def create_app(coordinator: ServingCluster, *, api_key: str | None = None) -> FastAPI:
+def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The API over ``coordinator`` (a :class:`~exo_tui.cluster.view.ServingCluster`: the embedded
-    :class:`~exo_tui.cluster.coordinator.Coordinator`); it reaches the cluster through nothing else."""
+    :class:`~exo_tui.cluster.coordinator.Coordinator`); it reaches the cluster through nothing else.
+
+    :class:`~exo_tui.api.guard.ApiGuard` wraps every path (``/docs`` and ``/openapi.json`` too): the
+    key is checked from the headers before any body byte is read, and bodies stop at
+    ``max_body_bytes`` (413). The key dependency below stays for the OpenAPI document's security
+    scheme."""
     async def check_key(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
         if not api_key:
             return
@@ -123,6 +130,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None) -> Fa
         description="OpenAI-compatible API and cluster control of an exo-tui coordinator.",
         dependencies=[Depends(check_key)],
     )
+    app.add_middleware(ApiGuard, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.coordinator = coordinator
     app.state.closing = asyncio.Event()  # set by the server as it stops: event streams end at once
     build_openapi = app.openapi
@@ -179,7 +187,8 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None) -> Fa
             message = "no such path: see /docs for the API"
         elif exc.status_code == 405:
             message = f"method not allowed here: {exc.detail}"
-        return error_response(exc.status_code, message, code=str(exc.status_code))
+        code = "body_too_large" if isinstance(exc, BodyTooLarge) else str(exc.status_code)
+        return error_response(exc.status_code, message, code=code)
 
     # ------------------------------------------------------------------ helpers
 

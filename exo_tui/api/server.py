@@ -16,6 +16,7 @@ from typing import Any
 import uvicorn
 
 from exo_tui.api.app import create_app
+from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES
 from exo_tui.net.address import is_loopback
 
 log = logging.getLogger("exo_tui.api")
@@ -41,10 +42,10 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 class ApiServer:
     def __init__(self, coordinator: Any, *, host: str = "127.0.0.1", port: int = 52415, api_key: str | None = None,
-                 log_level: str = "warning", graceful_s: float = 3.0) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", graceful_s: float = 3.0) -> None:
         self.coordinator = coordinator
         self.host, self.port, self.api_key = host, port, api_key
-        self.app = create_app(coordinator, api_key=api_key)
+        self.app = create_app(coordinator, api_key=api_key, max_body_bytes=max_body_bytes)
         self._config = uvicorn.Config(self.app, log_level=log_level, lifespan="off", access_log=False,
                                       timeout_graceful_shutdown=graceful_s, http="h11")
         self._server = _Server(self._config)

@@ -31,6 +31,7 @@ from typing import Any
 from backends import default_backend_name
 from exo_tui import events as ev
 from exo_tui.cluster.actions import OperatorActions
+from exo_tui.cluster.joining import JoinEndpoint, reaches_beyond_loopback
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.membership import Membership
 from exo_tui.cluster.node_handle import NodeHandle
@@ -73,6 +74,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         home: Path | None = None,
         persist: bool = True,
         discover: bool = False,
+        join: bool = False,  # serve the join endpoint (network.join): exo-tui serve and the console do
     ) -> None:
         self.config = config or load_config()
         self.model_name = model
@@ -117,6 +119,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.discover = discover
         self.discovery: Any = None
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
+        self.join = join and self.config.network.join.enabled
+        self.joining: JoinEndpoint | None = None
 
     # ================================================================== lifecycle
 
@@ -137,6 +141,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
                 self._notice("error", f"node {h}:{p} could not join: {r}")
         if self.discover:
             await self._start_discovery(cluster)
+        if self.join:
+            await self._start_join_endpoint()
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="coordinator-monitor"))
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
         if self.nodes:
@@ -145,6 +151,18 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
                 self._notice("warning", f"the pin of {', '.join(broken)} cannot hold until the node joins")
             if not await self._adopt_saved_plan():
                 await self.replan("initial plan")
+
+    async def _start_join_endpoint(self) -> None:
+        endpoint = JoinEndpoint(self)
+        cfg = self.config.network.join
+        try:
+            await endpoint.start(cfg.host, cfg.port)
+        except OSError as exc:
+            self._notice("warning", f"the join endpoint cannot listen on {cfg.host}:{cfg.port} "
+                                    f"({exc.strerror or exc}): `exo-tui node --join` will not reach this coordinator; "
+                                    "set network.join.port, or stop what holds the port")
+            return
+        self.joining = endpoint
 
     def _restore_state(self) -> None:
         if self.store is None:
@@ -189,7 +207,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
             extra = [] if self.config.network.security.enable_tls else ["--no-tls"]
             # Nodes on other hosts forward hidden states to this one: then it listens on every
             # interface (TLS and the cluster key guard it), else on loopback only.
-            listen = "0.0.0.0" if self.peers or self.discover else "127.0.0.1"
+            listen = "0.0.0.0" if self.peers or self.discover or (self.join and reaches_beyond_loopback(self.config)) \
+                else "127.0.0.1"
             self._local.append(
                 spawn_node(name, backend=backend, key_file=str(bundle), memory_limit_gb=limit, log_dir=log_dir,
                            env={"EXO_TUI_HOME": str(self.home)}, extra_args=extra, listen=listen)
@@ -198,6 +217,9 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
 
     async def stop(self) -> None:
         self._stopping = True
+        if self.joining is not None:
+            with contextlib.suppress(Exception):
+                await self.joining.close()
         if self.discovery is not None:
             with contextlib.suppress(Exception):  # stopping: a browser that fails to close changes nothing
                 await self.discovery.stop()

@@ -13,15 +13,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Make a one-time, expiring join token. On the new host run `exo-tui node --join TOKEN`: "
             "it fetches this cluster's key from the coordinator's join endpoint once. The running "
-            "coordinator serves that endpoint; without one, add --serve."
+            "coordinator (exo-tui serve, or the console) serves that endpoint on network.join.host:port "
+            "(default all interfaces, port 52417); without one running, add --serve."
         ),
     )
     p.add_argument("--ttl", type=float, default=60.0, metavar="MINUTES", help="minutes until it expires (default 60)")
     p.add_argument("--address", action="append", metavar="HOST[:PORT]",
                    help="address the node reaches this machine at (default: this host's addresses)")
-    p.add_argument("--port", type=int, default=None, help="join port (default 52417)")
+    p.add_argument("--port", type=int, default=None, help="join port (default network.join.port, 52417)")
+    p.add_argument("--config", default=None, metavar="F", help="config file (default ~/.config/exo-tui/config.yaml)")
     p.add_argument("--serve", action="store_true", help="serve the join endpoint here until the token is used or expires")
-    p.add_argument("--revoke-all", action="store_true", help="invalidate every unused token and exit")
+    p.add_argument("--revoke-all", action="store_true", help="invalidate every token and exit (says how many were still usable)")
     p.set_defaults(func=run)
 
 
@@ -29,19 +31,28 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import time
 
-    from exo_tui.discovery.join import DEFAULT_JOIN_PORT, JoinError, TokenStore, create_join_token, serve_join
+    from exo_tui.config import ConfigError, load_config
+    from exo_tui.discovery.join import JoinError, TokenStore, create_join_token, serve_join
     from exo_tui.discovery.mdns import host_addresses
     from exo_tui.net.address import split_host_port
     from exo_tui.net.security import SecurityError, home_dir
 
     if args.revoke_all:
         n = TokenStore(home_dir() / "join-tokens.json").revoke_all()
-        print(f"revoked {n} unused join token(s)")
+        print(f"revoked every join token ({n} still usable)")
         return 0
-    port = args.port or DEFAULT_JOIN_PORT
+    try:
+        join = load_config(args.config).network.join
+    except ConfigError as exc:
+        print(f"exo-tui join-token: {exc}", file=sys.stderr)
+        return 2
+    port = args.port or join.port
+    wildcard = join.host in ("0.0.0.0", "::", "")
     try:
         if args.address:
             addresses = [":".join(map(str, split_host_port(a, port))) for a in args.address]
+        elif not wildcard:
+            addresses = [f"[{join.host}]:{port}" if ":" in join.host else f"{join.host}:{port}"]
         else:
             addresses = [f"{a}:{port}" for a in host_addresses(ipv6=False)] or [f"127.0.0.1:{port}"]
         token = create_join_token(addresses, ttl_s=args.ttl * 60)
@@ -57,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> int:
         done = asyncio.Event()
-        server = await serve_join("0.0.0.0", port, on_join=lambda name: done.set())
-        print(f"serving the join endpoint on port {server.port}; waiting for the node…", file=sys.stderr)
+        server = await serve_join(join.host, port, on_join=lambda _joined: done.set())
+        print(f"serving the join endpoint on {join.host}:{server.port}; waiting for the node…", file=sys.stderr)
         try:
             async with asyncio.timeout(max(1.0, token.expires - time.time())):
                 await done.wait()

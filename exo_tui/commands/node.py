@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if args.join:
             from exo_tui.discovery.join import join_cluster
 
-            key_file = join_cluster(args.join, name=name)
+            key_file = join_cluster(args.join, name=name, port=args.port)
         else:
             key_file = args.key_file
         security = Security.from_bundle_file(key_file, enable_tls=not args.no_tls)

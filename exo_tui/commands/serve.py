@@ -73,8 +73,9 @@ async def _serve(args: argparse.Namespace) -> int:
     local = args.local_nodes if args.local_nodes is not None else (0 if args.peer else 1)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     coordinator = Coordinator(model=args.model, config=config, peers=list(args.peer), local_nodes=local,
-                              local_backends=backends, strategy=args.strategy, discover=args.discover)
-    server = ApiServer(coordinator, host=host, port=port, api_key=key,
+                              local_backends=backends, strategy=args.strategy, discover=args.discover,
+                              join=True)
+    server = ApiServer(coordinator, host=host, port=port, api_key=key, max_body_bytes=config.network.api.max_body_bytes,
                        log_level="warning" if args.log_level != "debug" else "info")
     log = logging.getLogger("exo_tui.serve")
     await server.start()
@@ -87,6 +88,9 @@ async def _serve(args: argparse.Namespace) -> int:
             state = f"{snap.model} on {snap.ready_count} node(s)"
         print(f"{READY_PREFIX}{server.url}/v1 — {state}", flush=True)
         log.info("API at %s/v1 (OpenAPI at %s/docs)%s", server.url, server.url, ", API key required" if key else "")
+        if coordinator.joining is not None:
+            log.info("join endpoint on %s:%d: `exo-tui join-token` here, then `exo-tui node --join TOKEN` on the "
+                     "new host", config.network.join.host, coordinator.joining.port)
         await asyncio.Event().wait()
     finally:
         log.info("stopping")

@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 local_nodes=1 + args.local_nodes,
                 readonly=args.readonly,
                 discover=not args.no_discover,
+                join=True,  # exo-tui node --join TOKEN reaches this console's coordinator (network.join)
             )
         except RuntimeError as exc:  # its state file cannot be opened (corrupt, a full disk)
             print(f"exo-tui: {exc}", file=sys.stderr)

@@ -13,8 +13,13 @@ A token: ``exo-join1.`` + base64url(JSON ``{"a": [HOST:PORT...], "i": id, "s": s
 expiry (unix s), "f": SHA-256 of the coordinator certificate, hex}``). It is a secret until used.
 
 Wire protocol of the join endpoint: the client sends one JSON line ``{"join": 1, "id", "secret",
-"name"}``; the server answers one JSON line, ``{"ok": true, "bundle": "<bundle text>"}`` or
-``{"ok": false, "error": "..."}``, and closes. Lines are at most 64 KiB.
+"name", "port"}`` (``port``: where its node agent will listen); the server answers one JSON line,
+``{"ok": true, "bundle": "<bundle text>"}`` or ``{"ok": false, "error": "..."}``, and closes.
+Lines are at most 64 KiB; the TLS handshake must finish within 5 s and the request within 10 s;
+at most ``MAX_JOINING`` connections are served at once (more are closed at once), so strangers
+cannot hold the endpoint. ``on_join`` then gets a :class:`Joined` (name, the address the request
+came from, the agent's port): the coordinator connects to the new node there
+(:meth:`exo_tui.cluster.coordinator.Coordinator` with ``join=True``).
 """
 
 from __future__ import annotations
@@ -40,11 +45,24 @@ PREFIX = "exo-join1."
 DEFAULT_JOIN_PORT = 52417
 DEFAULT_TTL_S = 3600.0
 MAX_LINE = 64 * 1024
+MAX_JOINING = 16
+TLS_HANDSHAKE_S = 5.0
+REQUEST_S = 10.0
 STORE_NAME = "join-tokens.json"
 
 
 class JoinError(Exception):
     """A token that cannot be used (malformed, expired, used, unknown) or a failed join."""
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A node that got its bundle: its name, the address its request came from, its agent's port
+    (``None`` when it did not say)."""
+
+    name: str
+    host: str
+    port: int | None
 
 
 @dataclass(frozen=True)
@@ -154,10 +172,12 @@ class TokenStore:
             data[token_id]["used_by"] = name
             self._write(data)
 
-    def revoke_all(self) -> int:
+    def revoke_all(self, *, now: float | None = None) -> int:
+        """Forget every token; returns how many were still usable (unused and unexpired)."""
+        now = time.time() if now is None else now
         with self._locked():
             data = self._read()
-            n = sum(1 for v in data.values() if not v.get("used"))
+            n = sum(1 for v in data.values() if not v.get("used") and v.get("expires", 0) > now)
             self._write({})
             return n
 
@@ -194,21 +214,17 @@ def create_join_token(
     return token
 
 
-def _server_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+def _server_context(cert_pem: bytes, key_pem: bytes, home: Path | None = None) -> ssl.SSLContext:
+    from exo_tui.net.security import load_chain
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    fd, tmp = tempfile.mkstemp(prefix="exo-tui-join-", suffix=".pem")  # 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(cert_pem.rstrip() + b"\n" + key_pem)
-        ctx.load_cert_chain(tmp)
-    finally:
-        os.unlink(tmp)
+    load_chain(ctx, cert_pem, key_pem, home)  # its temporary PEM lives in the 0700 exo-tui home, not /tmp
     return ctx
 
 
 class JoinServer:
-    """The join endpoint. ``on_join(name)`` is called after a bundle was handed out."""
+    """The join endpoint. ``on_join(joined)`` (a :class:`Joined`) is called after a bundle was handed out."""
 
     def __init__(self, home: Path | None = None, *, on_join=None) -> None:  # noqa: ANN001
         from exo_tui.net.security import ensure_cluster, home_dir
@@ -223,8 +239,9 @@ class JoinServer:
         self.port = 0
 
     async def start(self, host: str = "0.0.0.0", port: int = DEFAULT_JOIN_PORT) -> None:
-        ctx = _server_context(self.cluster.cert_pem, self.cluster.key_pem)
-        self._server = await asyncio.start_server(self._handle, host, port, ssl=ctx, limit=MAX_LINE)
+        ctx = _server_context(self.cluster.cert_pem, self.cluster.key_pem, self.home)
+        self._server = await asyncio.start_server(self._handle, host, port, ssl=ctx, limit=MAX_LINE,
+                                                  ssl_handshake_timeout=TLS_HANDSHAKE_S)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -247,11 +264,14 @@ class JoinServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._handlers) >= MAX_JOINING:
+            writer.transport.abort()  # busy: a real node retries; strangers get nothing to hold
+            return
         self._handlers.add(task)
         try:
             try:
-                async with asyncio.timeout(10):
-                    reply = await self._answer(reader)
+                async with asyncio.timeout(REQUEST_S):
+                    reply = await self._answer(reader, writer)
             except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError,
                     asyncio.LimitOverrunError):
                 reply = {"ok": False, "error": "bad join request"}
@@ -262,7 +282,7 @@ class JoinServer:
             self._handlers.discard(task)
             writer.transport.abort() if writer.transport.is_closing() else writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader) -> dict:
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict:
         line = await reader.readuntil(b"\n")
         req = json.loads(line)
         if not isinstance(req, dict) or req.get("join") != 1:
@@ -277,7 +297,10 @@ class JoinServer:
         bundle = self.cluster.node_bundle(name)
         self.joined.append(name)
         if self.on_join is not None:
-            self.on_join(name)
+            peer = writer.get_extra_info("peername")
+            port = req.get("port")
+            self.on_join(Joined(name, str(peer[0]) if peer else "",
+                                port if type(port) is int and 0 < port < 65536 else None))
         return {"ok": True, "bundle": bundle.decode()}
 
 
@@ -298,7 +321,8 @@ def _split(addr: str) -> tuple[str, int]:
     return split_host_port(addr, DEFAULT_JOIN_PORT)
 
 
-async def fetch_bundle(token: JoinToken | str, *, name: str, timeout_s: float = 10.0) -> bytes:
+async def fetch_bundle(token: JoinToken | str, *, name: str, agent_port: int | None = None,
+                       timeout_s: float = 10.0) -> bytes:
     """Use the token once: connect to the join endpoint, check its certificate, get a node bundle."""
     tok = JoinToken.decode(token) if isinstance(token, str) else token
     if tok.expired():
@@ -319,6 +343,8 @@ async def fetch_bundle(token: JoinToken | str, *, name: str, timeout_s: float = 
                     errors.append(f"{addr}: its certificate is not the coordinator's named in the token")
                     continue
                 req = {"join": 1, "id": tok.token_id, "secret": tok.secret, "name": name}
+                if agent_port is not None:
+                    req["port"] = agent_port
                 writer.write(json.dumps(req).encode() + b"\n")
                 await writer.drain()
                 reply = json.loads(await reader.readuntil(b"\n"))
@@ -342,12 +368,14 @@ async def fetch_bundle(token: JoinToken | str, *, name: str, timeout_s: float = 
     )
 
 
-def join_cluster(token: str, *, name: str, key_file: Path | None = None, timeout_s: float = 10.0) -> Path:
-    """For ``exo-tui node --join TOKEN``: fetch the bundle once, store it 0600, return its path."""
+def join_cluster(token: str, *, name: str, port: int | None = None, key_file: Path | None = None,
+                 timeout_s: float = 10.0) -> Path:
+    """For ``exo-tui node --join TOKEN``: fetch the bundle once, store it 0600, return its path.
+    ``port``: where this node's agent listens (the coordinator connects to it there)."""
     from exo_tui.net.security import SecurityError, default_bundle_path, write_node_bundle
 
     try:
-        bundle = asyncio.run(fetch_bundle(token, name=name, timeout_s=timeout_s))
+        bundle = asyncio.run(fetch_bundle(token, name=name, agent_port=port, timeout_s=timeout_s))
     except JoinError as exc:
         raise SecurityError(f"join: {exc}") from None
     return write_node_bundle(Path(key_file) if key_file else default_bundle_path(), bundle)

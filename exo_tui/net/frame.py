@@ -200,7 +200,7 @@ def parse_header(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> H
     except FrameError:
         raise
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ValueError...)
-        raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+        raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {str(e) or 'malformed bytes'}") from None
     if type(h) is not dict:
         raise FrameError(f"header must be a map, got {type(h).__name__}")
     for k, val in h.items():  # known fields are type-checked one by one below; walk the rest
@@ -236,8 +236,14 @@ def parse_header(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> H
             raise FrameError(f"tensor dtype {dname!r} is not supported (supported: {', '.join(DTYPES)})")
         s = h.get("shape")
         if not isinstance(s, list) or len(s) > MAX_NDIM or any(type(d) is not int or d < 0 for d in s):
-            raise FrameError(f"tensor shape must be a list of at most {MAX_NDIM} non-negative integers, got {s!r}")
+            raise FrameError(f"tensor shape must be a list of at most {MAX_NDIM} non-negative integers, "
+                             f"got {_short(s)}")
         shape = tuple(s)
+        # Zero dimensions make any product 0: bound the others as if they were 1, so that a shape
+        # like [0, 2**62] is refused here rather than by NumPy later.
+        spread = math.prod(d for d in shape if d) * dtype.itemsize
+        if spread > max(limits.payload_bytes, dtype.itemsize):
+            raise FrameError(f"tensor shape {_short(s)} exceeds the payload limit of {limits.payload_bytes} bytes")
         want = math.prod(shape) * dtype.itemsize
         if want != nbytes:
             raise FrameError(
@@ -248,11 +254,20 @@ def parse_header(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> H
     return Header(ftype, fid, response, plan, dtype, shape, nbytes, body, lane)
 
 
-def build_frame(header: Header, payload: bytes | None) -> Frame:
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def build_frame(header: Header, payload: bytes | bytearray | None) -> Frame:
     """Make the :class:`Frame` from a checked header and exactly ``header.nbytes`` bytes."""
     tensor = None
     if header.dtype is not None:
-        tensor = np.frombuffer(payload or b"", dtype=header.dtype).reshape(header.shape)
+        try:
+            tensor = np.frombuffer(payload or b"", dtype=header.dtype).reshape(header.shape)
+        except (ValueError, TypeError) as e:  # parse_header's checks make this unreachable; stay a bad frame
+            raise FrameError(f"tensor {header.dtype}{list(header.shape or ())} cannot be built: {e}") from None
+        tensor.flags.writeable = False  # read-only, whether the bytes came as bytes or a bytearray
         payload = None
     return Frame(header.type, header.body, tensor, payload, header.plan, header.id, header.response, header.lane)
 

@@ -70,6 +70,9 @@ from typing import Any
 import numpy as np
 
 from exo_tui.net import auth
+from exo_tui.net.budget import ReceiveBudget, receive_budget
+from exo_tui.net.gate import HandshakeGate, Refused
+from exo_tui.net.ratelog import RateLimitedLog
 
 try:  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
     import fcntl
@@ -110,7 +113,8 @@ LANE_QUEUE = 64
 CLOSE_TIMEOUT_S = 5.0
 SMALL_FRAME = 64 << 10  # a frame this small is copied into one write with its header ...
 OUTBOX_BYTES = 64 << 10  # ... and frames sent in one loop turn are held up to this many bytes
-MAX_HANDSHAKES = 128  # unauthenticated connections in progress at once; more are dropped
+PRE_TLS_S = 1.0  # a new connection's TLS ClientHello must arrive within this time
+CHUNK = STREAM_LIMIT  # a payload larger than this is read in pieces of this size into one buffer
 
 
 def _fmt_addr(addr: Any) -> str:
@@ -169,6 +173,21 @@ async def _start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
         await writer.start_tls(ctx)
 
 
+def _why(e: BaseException) -> str:
+    """An exception's text, never empty (``ssl`` and ``ConnectionResetError`` often have none)."""
+    if isinstance(e, ssl.SSLError) and getattr(e, "reason", None):
+        return str(e.reason).lower().replace("_", " ")
+    return str(e) or type(e).__name__
+
+
+def _bare(e: BaseException) -> BaseException:
+    """``e`` without its traceback and context, to keep as a connection's close reason: a
+    traceback holds the frames of the read that failed, and so the payload buffer it was filling
+    (up to the payload limit), for as long as the reason is kept."""
+    e.__traceback__ = e.__context__ = e.__cause__ = None
+    return e
+
+
 def _local_name(sec: Security) -> str:
     if sec.name == "coordinator":
         return "this coordinator"
@@ -211,6 +230,8 @@ class Connection:
         peer_name: str = "",
         max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
         inline_types: Collection[str] = (),
+        budget: ReceiveBudget | None = None,
+        ratelog: RateLimitedLog | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -221,6 +242,8 @@ class Connection:
         self.data: dict[str, Any] = {}
         loop = asyncio.get_running_loop()
         self._loop = loop
+        self._budget = budget if budget is not None else receive_budget()
+        self._limited = ratelog if ratelog is not None else RateLimitedLog(log)  # what the peer can repeat at will
         self.closed: asyncio.Future[BaseException | None] = loop.create_future()
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._ids = itertools.count(1)
@@ -419,6 +442,36 @@ class Connection:
         except asyncio.IncompleteReadError as e:
             raise IncompleteFrame(f"connection closed inside a frame's {what} ({len(e.partial)} of {n} bytes)") from None
 
+    async def _read_payload(self, n: int) -> bytes | bytearray:
+        """``n`` payload bytes; a large payload is read in pieces into one buffer (the stream's
+        buffer then never holds a second copy of it)."""
+        if n <= CHUNK:
+            return await self._read_exactly(n, "payload")
+        buf = bytearray(n)
+        view, pos, read = memoryview(buf), 0, self._reader.read
+        while pos < n:
+            chunk = await read(min(n - pos, CHUNK))
+            if not chunk:
+                raise IncompleteFrame(f"connection closed inside a frame's payload ({pos} of {n} bytes)")
+            view[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return buf
+
+    async def _receive(self, header: Any) -> None:
+        """Read a frame's payload and dispatch the frame, its bytes counted against the node-wide
+        :class:`ReceiveBudget` from before the read until the dispatch returns (an inline frame:
+        handled; another: queued or its call started)."""
+        self._frame_since = None  # waiting for the budget is not the peer's stall
+        charged = await self._budget.acquire(header.nbytes)
+        try:
+            self._frame_since = self._loop.time()
+            frame = build_frame(header, await self._read_payload(header.nbytes))
+            self._frame_since = None
+            await self._dispatch(frame)
+            del frame  # not kept while the next frame is read: its handler owns it now
+        finally:
+            self._budget.release(charged)
+
     async def _read_loop(self) -> None:
         reader, limits, loop = self._reader, self.limits, self._loop
         reason: BaseException | None = None
@@ -436,9 +489,11 @@ class Connection:
                     n = header_length(prefix, limits)
                     self._frame_since = loop.time()  # the watchdog enforces limits.frame_timeout_s
                     header = parse_header(await self._read_exactly(n, "header"), limits)
-                    payload = await self._read_exactly(header.nbytes, "payload") if header.nbytes else None
-                    self._frame_since = None
-                    await self._dispatch(build_frame(header, payload))
+                    if header.nbytes:
+                        await self._receive(header)
+                    else:
+                        self._frame_since = None
+                        await self._dispatch(build_frame(header, None))
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if not self._frame_timed_out or task is None:
@@ -446,11 +501,11 @@ class Connection:
                 task.uncancel()
                 raise IncompleteFrame(f"frame not completed within {limits.frame_timeout_s} s") from None
         except FrameError as e:
-            log.warning("closing connection with %s: bad frame: %s", self.peer, e)
+            self._limited.warning("bad_frame", "closing connection with %s: bad frame: %s", self.peer, e)
             with contextlib.suppress(Exception):
                 head, _ = encode_frame(error_frame(str(e), e.code))
                 self._hold(head)
-            reason = e
+            reason = _bare(e)
         except asyncio.CancelledError:
             raise
         except (ConnectionError, OSError, ssl.SSLError) as e:
@@ -458,7 +513,7 @@ class Connection:
             log.info("%s", reason)
         except Exception as e:  # a bug here must not leave a half-dead connection
             log.exception("read loop of %s failed", self.peer)
-            reason = e
+            reason = _bare(e)
         self._shutdown(reason)
 
     async def _dispatch(self, frame: Frame) -> None:
@@ -528,17 +583,19 @@ class Connection:
 
     async def _lane_worker(self, lane: str, q: asyncio.Queue[Frame]) -> None:
         while True:
-            frame = await q.get()
+            frame: Frame | None = await q.get()
             self._busy_lanes.add(lane)
             try:
-                await self._handle_one_way(frame)
+                await self._handle_one_way(frame)  # type: ignore[arg-type]
             finally:
                 self._busy_lanes.discard(lane)
+                frame = None  # not kept while waiting for the next one
 
     async def _handle_one_way(self, frame: Frame) -> None:
         try:
             if self.handler is None:
-                log.warning("dropping one-way %s from %s: this side has no handler", frame.type, self.peer)
+                self._limited.warning("one_way_dropped", "dropping one-way %s from %s: this side has no handler",
+                                frame.type, self.peer)
                 return
             await self.handler(self, frame)
         except asyncio.CancelledError:
@@ -546,7 +603,7 @@ class Connection:
         except ConnectionClosed:
             pass
         except RemoteError as e:
-            log.warning("one-way %s from %s refused: %s", frame.type, self.peer, e)
+            self._limited.warning(f"one_way_refused {e.code}", "one-way %s from %s refused: %s", frame.type, self.peer, e)
         except Exception:
             log.exception("handler for one-way %s from %s failed", frame.type, self.peer)
 
@@ -638,6 +695,8 @@ class _TLSFirst(asyncio.StreamReaderProtocol):
         super().__init__(*args, **kwargs)
         self._held: bytearray | None = bytearray()
         self._plain: asyncio.BaseTransport | None = None
+        self.hello = asyncio.Event()  # set when a whole first TLS record arrived, or it never will
+        self.not_tls = ""  # why the first bytes cannot be a TLS ClientHello
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._plain = transport
@@ -647,22 +706,46 @@ class _TLSFirst(asyncio.StreamReaderProtocol):
         if self._held is None:
             super().data_received(data)
             return
-        self._held += data
-        if len(self._held) > self.MAX_HELD and self._plain is not None:
-            log.warning("refused connection from %s: %d bytes before the TLS handshake (not a TLS client)",
-                        _fmt_addr(self._plain.get_extra_info("peername")), len(self._held))
-            self._plain.abort()  # type: ignore[attr-defined]
+        held = self._held
+        held += data
+        if self.hello.is_set():
+            if len(held) > self.MAX_HELD:  # TLS has not taken over yet and the peer keeps sending
+                self._refuse(f"{len(held)} bytes before the TLS handshake")
+            return
+        if held[0] != 0x16:  # a TLS handshake record starts with 22
+            self._refuse("TLS handshake failed: its first bytes are not TLS (plain TCP, or TLS is off on its side: "
+                         "network.security.enable_tls)")
+        elif len(held) >= 5 and len(held) >= 5 + int.from_bytes(held[3:5], "big"):
+            self.hello.set()
+        elif len(held) > self.MAX_HELD:
+            self._refuse(f"{len(held)} bytes before the TLS handshake (not a TLS client)")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.hello.is_set():
+            self.not_tls = self.not_tls or "it closed the connection before its TLS ClientHello"
+            self.hello.set()
+        super().connection_lost(exc)
+
+    def _refuse(self, why: str) -> None:
+        self.not_tls = why
+        self.hello.set()
+        self._held = bytearray()  # nothing of it is wanted
+        if self._plain is not None:
+            self._plain.pause_reading()  # type: ignore[attr-defined]  # the accept task closes it
 
     async def upgrade(self, writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
         """``writer.start_tls``, giving the held bytes to the TLS protocol as soon as ``start_tls``
         has put it on the socket (its first step does, before the handshake starts or reading
         resumes), so they come first, as they came."""
         transport = writer.transport
+        if self.not_tls or transport.is_closing():
+            raise ConnectionResetError(self.not_tls or "the connection closed before the TLS handshake")
         upgrade = asyncio.ensure_future(writer.start_tls(ctx))
         try:
             while transport.get_protocol() is self and not upgrade.done():
                 await asyncio.sleep(0)
-            self._hand_over(transport.get_protocol())
+            if not (upgrade.done() and (upgrade.cancelled() or upgrade.exception() is not None)):
+                self._hand_over(transport.get_protocol())
         except BaseException:
             upgrade.cancel()
             raise
@@ -672,7 +755,7 @@ class _TLSFirst(asyncio.StreamReaderProtocol):
         """Give the held bytes to ``tls`` (a buffered protocol, as asyncio's and uvloop's TLS
         protocols are); from now on bytes reaching this protocol are the decrypted stream."""
         held, self._held = self._held, None
-        if not held or tls is self:
+        if not held or tls is self or not hasattr(tls, "get_buffer"):
             return
         view = memoryview(held)
         while view:
@@ -696,6 +779,7 @@ class Server:
         on_connect: Callable[[Connection], Any] | None,
         max_concurrent_calls: int,
         inline_types: Collection[str] = (),
+        gate: HandshakeGate | None = None,
     ) -> None:
         self.handler = handler
         self.security = security
@@ -707,6 +791,9 @@ class Server:
         self.port = 0
         self.connections: set[Connection] = set()
         self._handshakes: set[asyncio.Task] = set()
+        self.gate = gate if gate is not None else HandshakeGate()
+        self.limited = RateLimitedLog(log)  # refusals and its connections' refused frames, per kind
+        self.refused = 0  # connections refused before or during their handshake
         self._server: asyncio.base_events.Server | None = None
         self._closed = False
 
@@ -729,9 +816,14 @@ class Server:
             writer.transport.abort()
             return
         assert task is not None
-        peer = _fmt_addr(writer.get_extra_info("peername"))
-        if len(self._handshakes) >= MAX_HANDSHAKES:
-            log.warning("refused connection from %s: %d handshakes already in progress", peer, MAX_HANDSHAKES)
+        peername = writer.get_extra_info("peername")
+        peer = _fmt_addr(peername)
+        address = str(peername[0]) if isinstance(peername, tuple) and peername else peer
+        try:
+            ticket = self.gate.admit(address, task.cancel)
+        except Refused as e:
+            self.refused += 1
+            self.limited.warning("busy", "refused connection from %s: %s (someone may be flooding this port)", peer, e)
             writer.transport.abort()
             return
         self._handshakes.add(task)
@@ -739,14 +831,18 @@ class Server:
         try:
             _tune_socket(writer)
             try:
+                fp_client, name = b"", ""
+                if sec.enable_tls:
+                    await self._wait_hello(writer, ticket)
+                else:
+                    ticket.hello = True
                 async with asyncio.timeout(sec.handshake_timeout_s):
-                    fp_client, name = b"", ""
                     if sec.enable_tls:
                         try:
                             await _start_tls(writer, sec.server_context())
                         except (ssl.SSLError, ConnectionError, OSError) as e:
                             raise AuthError(
-                                f"TLS handshake failed ({e}): the peer has no certificate of this "
+                                f"TLS handshake failed ({_why(e)}): the peer has no certificate of this "
                                 "cluster, or TLS is off on its side"
                             ) from None
                         fp_client, name = _peer_identity(writer)
@@ -759,23 +855,31 @@ class Server:
             except (ssl.SSLError, ConnectionError, OSError) as e:
                 if isinstance(e, HandshakeError):
                     raise
-                raise AuthError(f"connection failed during the handshake: {type(e).__name__}: {e}") from None
+                raise AuthError(f"connection failed during the handshake: {type(e).__name__}: {_why(e)}") from None
         except HandshakeError as e:
-            log.warning("refused connection from %s: %s", peer, e)
+            self.refused += 1
+            self.limited.warning("refused", "refused connection from %s: %s", peer, e)
             writer.transport.abort()
             return
         except asyncio.CancelledError:
             writer.transport.abort()
-            raise
+            if self._closed or self.gate.holds(ticket):  # a server closing, not an idle one dropped
+                raise
+            task.uncancel()
+            self.limited.log(logging.INFO, "idle", "dropped an idle connection from %s (no TLS ClientHello) to make room",
+                        peer)
+            return
         except Exception:
             log.exception("handshake with %s failed", peer)
             writer.transport.abort()
             return
         finally:
             self._handshakes.discard(task)
+            self.gate.release(ticket)
+        self.gate.authenticated(address)
         conn = Connection(
             reader, writer, handler=self.handler, limits=self.limits, peer=peer, peer_name=name,
-            max_concurrent_calls=self.max_concurrent_calls, inline_types=self.inline_types,
+            max_concurrent_calls=self.max_concurrent_calls, inline_types=self.inline_types, ratelog=self.limited,
         )
         if self._closed:
             conn.close()
@@ -791,6 +895,31 @@ class Server:
                     await r
             except Exception:
                 log.exception("on_connect for %s failed", peer)
+
+    async def _wait_hello(self, writer: asyncio.StreamWriter, ticket: Any) -> None:
+        """The TLS ClientHello within :data:`PRE_TLS_S`, or :class:`AuthError`; then the
+        connection is no longer idle (see :mod:`exo_tui.net.gate`)."""
+        protocol = getattr(writer, "_protocol", None)
+        if not isinstance(protocol, _TLSFirst):
+            ticket.hello = True
+            return
+        deadline_s = min(PRE_TLS_S, self.security.handshake_timeout_s)
+        try:
+            async with asyncio.timeout(deadline_s):
+                await protocol.hello.wait()
+        except TimeoutError:
+            # A client whose loop is busy (a console drawing, a coordinator loading a model) may
+            # be late: while the slots are not under pressure it gets the whole handshake time.
+            if len(self.gate) * 2 >= self.gate.total:
+                raise AuthError(f"no TLS ClientHello within {deadline_s} s") from None
+            try:
+                async with asyncio.timeout(self.security.handshake_timeout_s - deadline_s):
+                    await protocol.hello.wait()
+            except TimeoutError:
+                raise AuthError(f"no TLS ClientHello within {self.security.handshake_timeout_s} s") from None
+        if protocol.not_tls:
+            raise AuthError(protocol.not_tls)
+        ticket.hello = True
 
     def close(self) -> None:
         """Stop listening and close every connection (idempotent)."""
@@ -830,6 +959,7 @@ async def serve(
     on_connect: Callable[[Connection], Any] | None = None,
     max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
     inline_types: Collection[str] = (),
+    gate: HandshakeGate | None = None,
 ) -> Server:
     """Listen on ``host:port`` (port 0: any free port, see ``Server.port``; host ``None`` or
     ``"0.0.0.0"``: every interface).
@@ -837,11 +967,12 @@ async def serve(
     Every accepted connection does TLS (unless ``security.enable_tls`` is false) and the HMAC
     handshake within ``security.handshake_timeout_s``; refusals are logged and closed. Then its
     frames go to ``handler`` and ``on_connect(conn)`` is called (it may be a coroutine function).
-    ``inline_types``: see the module doc.
+    ``inline_types``: see the module doc. ``gate``: who may hold handshake slots (default
+    :class:`~exo_tui.net.gate.HandshakeGate`'s limits).
     """
     server = Server(
         handler, security=security, limits=limits, on_connect=on_connect,
-        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types,
+        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types, gate=gate,
     )
     await server._start(host, port)
     log.info("listening on %s:%d (TLS %s)", server.host, server.port, "on" if security.enable_tls else "OFF")
@@ -849,6 +980,30 @@ async def serve(
 
 
 # ------------------------------------------------------------------ client
+
+
+def _tls_refusal(peer: str, e: BaseException) -> HandshakeError:
+    """What a failed client-side TLS handshake means, from how it failed."""
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return HandshakeError(
+            f"TLS handshake with {peer} failed ({e.verify_message or _why(e)}): its certificate is not from "
+            "this cluster's CA (another cluster's node, or not a node of ours)"
+        )
+    if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError):
+        if "alert" in _why(e):
+            return AuthError(f"{peer} refused this side's certificate during TLS ({_why(e)}): it is not from "
+                             "that node's cluster CA")
+        return HandshakeError(
+            f"TLS handshake with {peer} failed ({_why(e)}): TLS is off on one side "
+            "(network.security.enable_tls), or it is not an exo-tui node agent"
+        )
+    # The peer closed or reset the connection before answering the ClientHello: what a node does
+    # to connections it has no handshake slot for (or a server that is not TLS at all).
+    return HandshakeError(
+        f"{peer} closed the connection before the TLS handshake ({_why(e)}): the node is busy refusing "
+        "handshakes (too many connections at once: someone may be flooding its port; see its log), "
+        "or it is not an exo-tui node agent"
+    )
 
 
 async def open_authenticated(
@@ -875,10 +1030,7 @@ async def open_authenticated(
                 try:
                     await _start_tls(writer, security.client_context())
                 except (ssl.SSLError, ConnectionError, OSError) as e:
-                    raise HandshakeError(
-                        f"TLS handshake with {peer} failed ({e}): its certificate is not from this "
-                        "cluster's CA, or TLS is off on one side (network.security.enable_tls)"
-                    ) from None
+                    raise _tls_refusal(peer, e) from None
                 fp_server, name = _peer_identity(writer)
             try:
                 await auth.client_handshake(

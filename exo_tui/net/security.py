@@ -467,16 +467,16 @@ class Security:
         ctx.check_hostname = False  # identity: the CA signature and the HMAC handshake, not names
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cadata=self.ca_cert_pem.decode())
-        _load_chain(ctx, self.cert_pem, self.key_pem)
+        load_chain(ctx, self.cert_pem, self.key_pem)
         self._cache[key] = ctx
         return ctx
 
 
-def _load_chain(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> None:
+def load_chain(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes, home: Path | None = None) -> None:
     """``load_cert_chain`` reads files only: write a private temporary file (0600, in the 0700
-    exo-tui home rather than a shared /tmp), load it, remove it."""
+    exo-tui home, ``home`` or :func:`home_dir`, rather than a shared /tmp), load it, remove it."""
     try:
-        where: Path | None = home_dir()
+        where: Path | None = Path(home) if home is not None else home_dir()
     except OSError:
         where = None
     fd, tmp = tempfile.mkstemp(prefix=".exo-tui-tls-", suffix=".pem", dir=where)  # mode 0600

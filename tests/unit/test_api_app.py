@@ -145,7 +145,27 @@ def test_key_required_when_set(idle: Coordinator) -> None:
         assert http.get("/v1/cluster", headers={"Authorization": "Bearer nope"}).status_code == 401
         ok = http.get("/v1/cluster", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["nodes"] == []
-        assert http.get("/openapi.json").status_code == 200  # the document itself is public
+        assert http.get("/openapi.json").status_code == 401  # the documents are behind the key too
+        assert http.get("/docs").status_code == 401
+        assert http.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert http.get("/docs", headers={"Authorization": "bearer s3cret"}).status_code == 200
+
+
+def test_bodies_past_the_limit_are_413_with_or_without_a_length(idle: Coordinator) -> None:
+    with TestClient(create_app(idle, max_body_bytes=4096)) as http:
+        big = http.post("/v1/completions", content=b"x" * 5000, headers={"content-type": "application/json"})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+        assert "network.api.max_body_bytes" in big.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(10):
+                yield b"y" * 1000
+
+        streamed = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert streamed.status_code == 413 and "4096 bytes" in streamed.json()["error"]["message"]
+        assert streamed.json()["error"]["code"] == "body_too_large"
+        small = http.post("/v1/completions", content=b"[1,", headers={"content-type": "application/json"})
+        assert small.status_code == 400  # under the limit the body reaches the app as before
 
 
 def test_busy_port_is_a_clear_error(idle: Coordinator) -> None:

@@ -51,7 +51,8 @@ network:
     browse_interval: 5
     connect_timeout: 3
   node_port: 52416
-  api: {host: 127.0.0.1, port: 52415, key: null}
+  api: {host: 127.0.0.1, port: 52415, key: null, max_body_bytes: 4194304}
+  join: {enabled: true, host: 0.0.0.0, port: 52417}
   security:
     enable_tls: true
 resources:

@@ -68,21 +68,22 @@ def test_expired_wrong_and_unknown_tokens_are_refused(home: Path) -> None:
     store.consume(tok.token_id, tok.secret, now=now + 59)  # still fine just before expiry
     assert store.outstanding() == 0
     t2 = create_join_token(["127.0.0.1:1"], home=home)
+    create_join_token(["127.0.0.1:1"], home=home, ttl_s=60, now=time.time() - 3600)  # expired: not counted
     assert store.outstanding() == 1 and store.revoke_all() == 1
     with pytest.raises(JoinError, match="unknown"):
         store.consume(t2.token_id, t2.secret)
 
 
 async def test_join_endpoint_hands_out_a_bundle_once(home: Path, tmp_path: Path) -> None:
-    joined: list[str] = []
+    joined: list = []
     server = await serve_join("127.0.0.1", 0, home=home, on_join=joined.append)
     try:
         tok = create_join_token([f"127.0.0.1:{server.port}"], home=home)
-        bundle = await fetch_bundle(tok.encode(), name="laptop")
+        bundle = await fetch_bundle(tok.encode(), name="laptop", agent_port=52499)
         b = parse_bundle(bundle)
         cluster = ensure_cluster(home)
         assert b["cluster_key"] == cluster.cluster_key and b["name"] == "laptop"
-        assert joined == ["laptop"]
+        assert [(j.name, j.host, j.port) for j in joined] == [("laptop", "127.0.0.1", 52499)]
         Security.from_bundle(bundle)  # usable as a node's security
 
         with pytest.raises(JoinError, match="already used"):

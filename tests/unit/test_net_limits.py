@@ -1,0 +1,110 @@
+"""The pieces that share out what strangers and peers can take: handshake slots, the receive
+budget, rate-limited warnings."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from exo_tui.net.budget import ReceiveBudget
+from exo_tui.net.gate import HandshakeGate, Refused
+from exo_tui.net.ratelog import RateLimitedLog
+
+
+def _admit(gate: HandshakeGate, address: str, dropped: list[str], *, hello: bool = False):
+    t = gate.admit(address, lambda: dropped.append(address))
+    t.hello = hello
+    return t
+
+
+def test_strangers_fill_only_their_share_and_known_peers_get_the_reserved_slots() -> None:
+    gate = HandshakeGate(total=8, reserved=3, per_address=2)
+    gate.authenticated("10.0.0.1")
+    dropped: list[str] = []
+    for i in range(5):  # five busy strangers (past their ClientHello): the strangers' share is full
+        _admit(gate, f"10.9.0.{i}", dropped, hello=True)
+    with pytest.raises(Refused, match="unknown addresses"):
+        _admit(gate, "10.9.0.99", dropped)
+    for _ in range(3):  # the coordinator still gets in, three times
+        _admit(gate, "10.0.0.1", dropped, hello=True)
+    with pytest.raises(Refused, match="none of them idle"):
+        _admit(gate, "10.0.0.1", dropped)
+    assert not dropped
+
+
+def test_idle_connections_make_room_oldest_first() -> None:
+    gate = HandshakeGate(total=4, reserved=1, per_address=10)
+    dropped: list[str] = []
+    for i in range(3):
+        _admit(gate, f"10.9.0.{i}", dropped)  # idle: no ClientHello yet
+    _admit(gate, "10.9.0.7", dropped)  # a fourth stranger: the oldest idle one goes
+    assert dropped == ["10.9.0.0"] and len(gate) == 3 and gate.dropped == 1
+
+
+def test_one_stranger_address_holds_at_most_per_address() -> None:
+    gate = HandshakeGate(total=100, reserved=10, per_address=2)
+    dropped: list[str] = []
+    a = _admit(gate, "10.9.0.1", dropped, hello=True)
+    _admit(gate, "10.9.0.1", dropped, hello=True)
+    with pytest.raises(Refused, match="from 10.9.0.1"):
+        _admit(gate, "10.9.0.1", dropped)
+    gate.release(a)
+    assert not gate.holds(a)
+    _admit(gate, "10.9.0.1", dropped)  # a slot freed
+    _admit(gate, "10.9.0.2", dropped)  # other addresses are not affected
+
+
+def test_addresses_remembered_are_bounded() -> None:
+    gate = HandshakeGate(total=4, reserved=1, remembered=2)
+    for a in ("a", "b", "c"):
+        gate.authenticated(a)
+    assert not gate.is_known("a") and gate.is_known("b") and gate.is_known("c")
+
+
+async def test_the_receive_budget_queues_in_order_and_never_starves_a_big_frame() -> None:
+    budget = ReceiveBudget(100)
+    first = await budget.acquire(60)
+    order: list[str] = []
+
+    async def take(name: str, n: int) -> None:
+        got = await budget.acquire(n)
+        order.append(name)
+        await asyncio.sleep(0)
+        budget.release(got)
+
+    waiters = [asyncio.create_task(take("big", 500)), asyncio.create_task(take("small", 10))]
+    await asyncio.sleep(0.01)
+    assert order == []  # the big one waits for everything; the small one waits behind it (fair)
+    budget.release(first)
+    await asyncio.gather(*waiters)
+    assert order == ["big", "small"] and budget.used == 0
+
+
+async def test_a_cancelled_wait_gives_its_place_back() -> None:
+    budget = ReceiveBudget(10)
+    held = await budget.acquire(10)
+    waiter = asyncio.create_task(budget.acquire(5))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    budget.release(held)
+    assert budget.used == 0 and await budget.acquire(10) == 10
+
+
+def test_repeated_warnings_are_counted_not_written(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    log = RateLimitedLog(logging.getLogger("test.ratelog"), burst=3, period_s=10, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.ratelog"):
+        for i in range(1000):
+            log.warning("refused", "refused %d", i)
+        log.warning("other", "another kind")
+        assert log.left_out("refused") == 997
+        now[0] = 11
+        log.warning("refused", "refused again")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:3] == ["refused 0", "refused 1", "refused 2"] and "another kind" in lines
+    assert any("997 more" in line for line in lines) and lines[-1] == "refused again"
+    assert len(lines) == 6
