@@ -29,6 +29,12 @@ Operations (frame ``type`` → what the node does):
 
 Nothing in a frame is ever executed: the type selects one of these functions, and the body holds
 plain values.
+
+Why one module of ~750 lines: its sections (lifecycle, the operations above, the worker, batch
+formation, heartbeats) all read and write one object's state: the queue, the worker thread, the
+peers, the samplers and the requests seen. What stands alone is elsewhere: the rules of batch
+formation in :mod:`exo_tui.node.batching` (pure), the shards, plans and weight transfers in
+:mod:`exo_tui.node.host`, the wire types in :mod:`exo_tui.net.protocol`.
 """
 
 from __future__ import annotations
