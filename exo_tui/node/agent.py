@@ -210,15 +210,15 @@ class NodeAgent:
                 await self._advertiser.stop()
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # stopping: the listener is closed either way
                 await self._server.wait_closed()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # each loop logged its own failure
                 await task
         for conn in list(self._peers.values()):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # stopping: a peer notices the closed socket anyway
                 await conn.aclose()
         while self._queue:
             step = self._queue.popleft()
