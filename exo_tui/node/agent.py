@@ -29,6 +29,12 @@ Operations (frame ``type`` → what the node does):
 
 Nothing in a frame is ever executed: the type selects one of these functions, and the body holds
 plain values.
+
+Why one module of ~750 lines: its sections (lifecycle, the operations above, the worker, batch
+formation, heartbeats) all read and write one object's state: the queue, the worker thread, the
+peers, the samplers and the requests seen. What stands alone is elsewhere: the rules of batch
+formation in :mod:`exo_tui.node.batching` (pure), the shards, plans and weight transfers in
+:mod:`exo_tui.node.host`, the wire types in :mod:`exo_tui.net.protocol`.
 """
 
 from __future__ import annotations
@@ -204,15 +210,15 @@ class NodeAgent:
                 await self._advertiser.stop()
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # stopping: the listener is closed either way
                 await self._server.wait_closed()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # each loop logged its own failure
                 await task
         for conn in list(self._peers.values()):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # stopping: a peer notices the closed socket anyway
                 await conn.aclose()
         while self._queue:
             step = self._queue.popleft()
