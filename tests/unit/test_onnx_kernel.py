@@ -103,7 +103,7 @@ def test_kquant_tiles_stay_near_the_files_bytes(type_name: str) -> None:
     1.35 (8.56 against 6.56: its codes in bytes)."""
     rng = np.random.default_rng(12)
     w = kernels.random_kquant(rng, 256, 2048, type_name)
-    ratio = {"Q4_K": 1.03, "Q5_K": 1.02, "Q6_K": 1.31}[type_name]
+    ratio = {"Q4_K": 1.03, "Q5_K": 1.02, "Q6_K": 1.0}[type_name]
     for xbits in (0, 16, 8):
         blob = kernels.pack([w], xbits)
         assert blob.nbytes / w.nbytes == pytest.approx(ratio, abs=0.01), xbits

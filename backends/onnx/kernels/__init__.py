@@ -10,8 +10,8 @@ matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here). The
 (Q4_K, Q5_K, Q6_K) keep their super-blocks' float16 ``d`` (and ``dmin``) and small integer scales
 (and mins) beside the codes, and the kernel makes each group's float32 scale and bias from them
 as llama.cpp does: 4.625 bits a Q4_K weight (the file's 4.5; MatMulNBits' float32 scales and
-correction take 6), 5.63 a Q5_K weight (the file's 5.5, its fifth bits a plane beside 4-bit
-lines; MatMulNBits 11.1), 8.56 a Q6_K weight (the file's 6.56, codes in bytes; MatMulNBits 14.25). The blocks are
+correction take 6), 5.63 a Q5_K weight (the file's 5.5; MatMulNBits 11.1) and 6.56 a Q6_K weight
+(the file's; MatMulNBits 14.25), their bits above the fourth in planes beside 4-bit lines. The blocks are
 regrouped at load in tiles of 32 output columns (:func:`pack`), so the kernel's vectors run along
 the columns: each product is one multiply-add into a column's sum, a tile's codes are widened
 once for up to 8 rows, and nothing is summed across vector lanes.
@@ -59,9 +59,9 @@ TILE_BLOCK_BYTES = {4: 640, 8: 1152}  # a tile's 32 float16 scales and biases, t
 SUPER = 256  # weights per K-quant super-block, along K
 KQUANT = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the op's kquant attribute
 K_HEADER = {"Q4_K": 640, "Q5_K": 640, "Q6_K": 576}  # a tile's d (dmin) and sub-block scales (mins) per super-block
-K_CODE_BITS = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 8}  # the width of their codes' lines (Q5_K: and a plane of fifth bits)
-K_BLOCK_BYTES = {"Q4_K": 512, "Q5_K": 512 + 128, "Q6_K": 1024}  # a block's codes, 32 columns x 32 weights
-SUPER_BYTES = {t: K_HEADER[t] + 8 * K_BLOCK_BYTES[t] for t in KQUANT}  # 4736, 5760, 8768
+K_PLANES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # planes of the codes' bits above the 4-bit lines
+K_BLOCK_BYTES = {t: 512 + 128 * K_PLANES[t] for t in KQUANT}  # a block's codes, 32 columns x 32 weights
+SUPER_BYTES = {t: K_HEADER[t] + 8 * K_BLOCK_BYTES[t] for t in KQUANT}  # 4736, 5760, 6720
 FLAG_SETS = (["-O3", "-march=native"], ["-O3", "-mcpu=native"], ["-O3"])
 
 
@@ -203,18 +203,16 @@ def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
             out[t0:t1, :, 128:384] = columns(2, np.uint8)
             out[t0:t1, :, 384:640] = columns(3, np.uint8)
         codes = _stacked([w.q for w in weights], lo, hi, np.uint8).reshape(count, TILE, nb, BLOCK)
-        if t == "Q6_K" and xbits == 16:  # the int16 products take Q6_K's codes signed, less 32
-            codes = (codes.astype(np.int16) - 32).astype(np.uint8)
-        blocks = lines(codes & 0x0F if t == "Q5_K" else codes, K_CODE_BITS[t])
-        if t == "Q5_K":  # the fifth bits after each block's lines
-            blocks = np.concatenate([blocks.reshape(count, nb, 512), _fifth_plane(codes >> 4, xbits)], axis=-1)
-        out[t0:t1, :, K_HEADER[t]:] = blocks.reshape(count, ns, -1)
+        parts = [lines(codes & 0x0F, 4).reshape(count, nb, 512)]  # the low 4 bits, then bits 4 (and 5)
+        parts += [_bit_plane((codes >> (4 + p)) & 1, xbits) for p in range(K_PLANES[t])]
+        out[t0:t1, :, K_HEADER[t]:] = np.concatenate(parts, axis=-1).reshape(count, ns, -1)
     return out
 
 
-def _fifth_plane(high: np.ndarray, xbits: int) -> np.ndarray:
-    """Q5_K's fifth bits ``(tile, column, block, k)`` (0 or 1) as ``qlinear.c`` reads them beside
-    the 4-bit lines of the precision: 128 bytes a block, little-endian masks of one bit a code:
+def _bit_plane(high: np.ndarray, xbits: int) -> np.ndarray:
+    """One bit plane of Q5_K's or Q6_K's codes (``high``: that bit, ``(tile, column, block, k)``) as
+    ``qlinear.c`` reads it beside the 4-bit lines of the precision: 128 bytes a block, little-endian
+    masks of one bit a code:
     float32: per line j two 32-bit words, bit c the code (k = j, column c), then (j + 16, c);
     int8: per half h of 16 columns and line j two 64-bit words, bit 4 c + i the code (4 j + i,
     16 h + c), then (16 + 4 j + i, 16 h + c); int16: per line j four 32-bit words for the lanes

@@ -52,32 +52,34 @@
 
 /* The tile formats. GGUF's blocks of 32 (Q4_0, Q4_1, Q8_0) carry their float16 scale and bias in
    each tile block (above). The K-quants' super-blocks of 256 weights keep what the file has: per
-   tile (32 columns) and super-block, a header, then its 8 blocks of 32 codes in the lines of the
-   block formats (4-bit lines for Q4_K and, with a plane of fifth bits, Q5_K; 8-bit lines for Q6_K):
+   tile (32 columns) and super-block, a header, then its 8 blocks of 32 codes, their low 4 bits in
+   the 4-bit lines of the precision (as Q4_0's), then for Q5_K one and for Q6_K two planes of 128
+   bytes of their higher bits (bit 4, then bit 5), one bit a code:
      Q4_K, Q5_K (header 640 bytes): the 32 columns' float16 d, their float16 dmin, then per block
                j the 32 columns' 6-bit scales sc (a byte each, 8 x 32), then their mins m (8 x 32):
                the block's weights are (d sc) q - (dmin m), scale and bias computed here in float32,
                exactly (an 11-bit significand times a 6-bit integer), as llama.cpp computes them;
-     Q6_K (header 576 bytes): the columns' float16 d, then per group of 16 (two to a block) the
-               columns' int8 scales sc (16 x 32): weights (d sc) (q - 32).
-   Q5_K's block of codes is its low 4 bits in the 4-bit lines of the precision, then 128 bytes of
-   masks of the fifth bits, one bit a code, laid out for the lanes the precision's lines widen to
-   (the float32 lines: per line j two words, bit c the code (k = j, c) and (j + 16, c); the others
-   at their tile functions; _fifth_plane in __init__.py writes them). A tile of Q4_K is 4736 bytes
-   per 32 x 256 weights (4.625 bits a weight, the file's 4.5), Q5_K 5760 (5.63, the file's 5.5),
-   Q6_K 8768 (8.56, the file's 6.56). */
+     Q6_K (header 576 bytes): the columns' float16 d, then per group of 16 (two to a block: k < 16
+               in the lines' low nibbles, k >= 16 in the high) the columns' int8 scales sc (16 x 32):
+               weights (d sc) (q - 32); the integer products take the 32 out in integers.
+   A plane is masks laid out for the lanes the precision's lines widen to (the float32 lines': per
+   line j two 32-bit words, bit c the code (k = j, c), then (j + 16, c); the others' at their tile
+   functions; _bit_plane in __init__.py writes them). A tile of Q4_K is 4736 bytes per 32 x 256
+   weights (4.625 bits a weight, the file's 4.5), Q5_K 5760 (5.625, the file's 5.5), Q6_K 6720
+   (6.5625, the file's). */
 #define FMT_Q4 0  /* GGUF's Q4_0 and Q4_1 */
 #define FMT_Q8 1  /* Q8_0 */
 #define FMT_Q4K 2
 #define FMT_Q5K 3
 #define FMT_Q6K 4
 #define IS_K(f) ((f) >= FMT_Q4K)
-#define CODE_BITS(f) ((f) == FMT_Q8 || (f) == FMT_Q6K ? 8 : 4) /* the lines' width (Q5_K: its low 4 bits) */
-#define FIFTH(f) ((f) == FMT_Q5K) /* Q5_K: each code's fifth bit in a plane after the block's 4-bit lines */
-#define CODE_BYTES(f) (CODE_BITS(f) == 4 ? 512 + (FIFTH(f) ? 128 : 0) : 1024) /* 32 columns x 32 weights */
+#define CODE_BITS(f) ((f) == FMT_Q8 ? 8 : 4) /* the lines' width (Q5_K, Q6_K: their codes' low 4 bits) */
+#define PLANES(f) ((f) == FMT_Q5K ? 1 : (f) == FMT_Q6K ? 2 : 0) /* planes of the codes' bits 4 (and 5) after the lines */
+#define CODE_BYTES(f) (CODE_BITS(f) == 4 ? 512 + 128 * PLANES(f) : 1024) /* 32 columns x 32 weights */
 #define K_HEADER(f) ((f) == FMT_Q6K ? 576 : 640)
 #define SUPER_BYTES(f) (K_HEADER(f) + 8 * CODE_BYTES(f))
-#define HALVES(f) ((f) == FMT_Q6K ? 2 : 1) /* scales per block of 32: Q6_K's groups are 16 */
+#define HALVES(f) ((f) == FMT_Q6K ? 2 : 1) /* scales per block of 32: Q6_K's groups are 16, k < 16 in the
+                                               lines' low nibbles, k >= 16 in the high */
 
 /* The format of bits (4 or 8) and kquant (0, or 4, 5, 6 for Q4_K, Q5_K, Q6_K); -1 if none. */
 static int format_of(int64_t bits, int64_t kquant)
@@ -211,27 +213,27 @@ static inline __attribute__((always_inline)) void scales8(const uint8_t *w, int6
     }
 }
 
-/* Bits 0-7 of bits as 8 int32 lanes of 16 (set) or 0: Q5_K's fifth bits of 8 columns. */
-static inline __m256i fifth8(uint32_t bits)
+/* Bits 0-7 of bits as 8 int32 lanes of 1 << shift (set) or 0: a plane's bits of 8 columns. */
+static inline __m256i plane8(uint32_t bits, int shift)
 {
     const __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32((int)bits), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    return _mm256_slli_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(1)), 4);
+    return _mm256_slli_epi32(_mm256_and_si256(lanes, _mm256_set1_epi32(1)), shift);
 }
 
 /* The same for 32 byte lanes (bits 0-31) and for 16 16-bit lanes (bits 0-15). */
-static inline __m256i fifth32(uint32_t bits)
+static inline __m256i plane32(uint32_t bits, int shift)
 {
     const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                                           _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
     const __m256i pick = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, pick), pick), _mm256_set1_epi8(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(b, pick), pick), _mm256_set1_epi8((char)(1 << shift)));
 }
 
-static inline __m256i fifth16(uint32_t bits)
+static inline __m256i plane16(uint32_t bits, int shift)
 {
     const __m256i pick = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)32768);
     const __m256i b = _mm256_and_si256(_mm256_set1_epi16((short)bits), pick);
-    return _mm256_and_si256(_mm256_cmpeq_epi16(b, pick), _mm256_set1_epi16(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi16(b, pick), _mm256_set1_epi16((short)(1 << shift)));
 }
 #endif
 
@@ -258,24 +260,29 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
         if (CODE_BITS(fmt) == 4) {
             scales16(w, b, fmt, 0, 0, &s0, &c0);
             scales16(w, b, fmt, 16, 0, &s1, &c1);
+            __m512 t0 = s0, t1 = s1, e0 = c0, e1 = c1; /* the high nibbles' (k + 16): Q6_K's second group */
+            if (HALVES(fmt) == 2) {
+                scales16(w, b, fmt, 0, 1, &t0, &e0);
+                scales16(w, b, fmt, 16, 1, &t1, &e1);
+            }
             for (int j = 0; j < 16; j++, q += 32) {
                 const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
                 const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
                 __m512i l0 = _mm512_and_si512(q0, low), l1 = _mm512_and_si512(q1, low);
                 __m512i h0 = _mm512_srli_epi32(q0, 4), h1 = _mm512_srli_epi32(q1, 4);
-                if (FIFTH(fmt)) {
+                for (int p = 0; p < PLANES(fmt); p++) {
                     uint32_t m[2];
-                    memcpy(m, q - 32 * j + 512 + 8 * j, 8);
-                    const __m512i sixteen = _mm512_set1_epi32(16);
-                    l0 = _mm512_mask_or_epi32(l0, (__mmask16)m[0], l0, sixteen);
-                    l1 = _mm512_mask_or_epi32(l1, (__mmask16)(m[0] >> 16), l1, sixteen);
-                    h0 = _mm512_mask_or_epi32(h0, (__mmask16)m[1], h0, sixteen);
-                    h1 = _mm512_mask_or_epi32(h1, (__mmask16)(m[1] >> 16), h1, sixteen);
+                    memcpy(m, q - 32 * j + 512 + 128 * p + 8 * j, 8);
+                    const __m512i bit = _mm512_set1_epi32(16 << p);
+                    l0 = _mm512_mask_or_epi32(l0, (__mmask16)m[0], l0, bit);
+                    l1 = _mm512_mask_or_epi32(l1, (__mmask16)(m[0] >> 16), l1, bit);
+                    h0 = _mm512_mask_or_epi32(h0, (__mmask16)m[1], h0, bit);
+                    h1 = _mm512_mask_or_epi32(h1, (__mmask16)(m[1] >> 16), h1, bit);
                 }
                 const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l0), s0, c0);
                 const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l1), s1, c1);
-                const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0), s0, c0);
-                const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), s1, c1);
+                const __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0), t0, e0);
+                const __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), t1, e1);
                 for (int r = 0; r < rows; r++) {
                     const __m512 xu = _mm512_set1_ps(xb[r * k + j]), xv = _mm512_set1_ps(xb[r * k + j + 16]);
                     a0[r] = _mm512_fmadd_ps(xv, v0, _mm512_fmadd_ps(xu, u0, a0[r]));
@@ -283,19 +290,17 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
                 }
             }
         } else {
-            for (int h = 0; h < HALVES(fmt); h++) {
-                scales16(w, b, fmt, 0, h, &s0, &c0);
-                scales16(w, b, fmt, 16, h, &s1, &c1);
-                for (int j = h * 32 / HALVES(fmt); j < (h + 1) * 32 / HALVES(fmt); j++, q += 32) {
-                    const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-                    const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-                    const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, c0);
-                    const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, c1);
-                    for (int r = 0; r < rows; r++) {
-                        const __m512 xu = _mm512_set1_ps(xb[r * k + j]);
-                        a0[r] = _mm512_fmadd_ps(xu, u0, a0[r]);
-                        a1[r] = _mm512_fmadd_ps(xu, u1, a1[r]);
-                    }
+            scales16(w, b, fmt, 0, 0, &s0, &c0);
+            scales16(w, b, fmt, 16, 0, &s1, &c1);
+            for (int j = 0; j < 32; j++, q += 32) {
+                const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+                const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, c0);
+                const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, c1);
+                for (int r = 0; r < rows; r++) {
+                    const __m512 xu = _mm512_set1_ps(xb[r * k + j]);
+                    a0[r] = _mm512_fmadd_ps(xu, u0, a0[r]);
+                    a1[r] = _mm512_fmadd_ps(xu, u1, a1[r]);
                 }
             }
         }
@@ -316,25 +321,28 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
             fetch_header(w, b, fmt);
             const uint8_t *q = block_codes(w, b, fmt) + 8 * g0;
             const float *xb = x + b * BLOCK;
-            __m256 sc[4][2];
-            for (int h = 0; h < HALVES(fmt); h++) {
-                for (int i = 0; i < gp; i++)
-                    scales8(w, b, fmt, 8 * (g0 + i), h, &sc[i][0], &sc[i][1]);
-                const int lines = CODE_BITS(fmt) == 4 ? 16 : 32 / HALVES(fmt);
-                for (int j = h * lines; j < (h + 1) * lines; j++, q += 32) {
+            __m256 sc[4][2], tc[4][2]; /* tc: the high nibbles' (Q6_K's second group) */
+            {
+                for (int i = 0; i < gp; i++) {
+                    scales8(w, b, fmt, 8 * (g0 + i), 0, &sc[i][0], &sc[i][1]);
+                    tc[i][0] = sc[i][0], tc[i][1] = sc[i][1];
+                    if (HALVES(fmt) == 2)
+                        scales8(w, b, fmt, 8 * (g0 + i), 1, &tc[i][0], &tc[i][1]);
+                }
+                for (int j = 0; j < (CODE_BITS(fmt) == 4 ? 16 : 32); j++, q += 32) {
                     for (int i = 0; i < gp; i++) {
                         const __m256i q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)));
                         if (CODE_BITS(fmt) == 4) {
                             __m256i l = _mm256_and_si256(q0, low), hv = _mm256_srli_epi32(q0, 4);
-                            if (FIFTH(fmt)) { /* the 8 columns' bits of line j's two words */
+                            for (int p = 0; p < PLANES(fmt); p++) { /* the 8 columns' bits of line j's two words */
                                 uint32_t m[2];
-                                memcpy(m, block_codes(w, b, fmt) + 512 + 8 * j, 8);
+                                memcpy(m, block_codes(w, b, fmt) + 512 + 128 * p + 8 * j, 8);
                                 const int sh = 8 * (g0 + i);
-                                l = _mm256_or_si256(l, fifth8(m[0] >> sh));
-                                hv = _mm256_or_si256(hv, fifth8(m[1] >> sh));
+                                l = _mm256_or_si256(l, plane8(m[0] >> sh, 4 + p));
+                                hv = _mm256_or_si256(hv, plane8(m[1] >> sh, 4 + p));
                             }
                             const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), sc[i][0], sc[i][1]);
-                            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hv), sc[i][0], sc[i][1]);
+                            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hv), tc[i][0], tc[i][1]);
                             for (int r = 0; r < rows; r++)
                                 a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j + 16]), v,
                                                           _mm256_fmadd_ps(_mm256_set1_ps(xb[r * k + j]), u, a[r][i]));
@@ -365,25 +373,25 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
                 const float *xb = x + r * k + b * BLOCK;
                 float s, c;
                 if (CODE_BITS(fmt) == 4) {
+                    float t, e; /* the high nibbles' (Q6_K's second group) */
                     scale1(w, b, fmt, col, 0, &s, &c);
+                    scale1(w, b, fmt, col, HALVES(fmt) - 1, &t, &e);
                     for (int j = 0; j < 16; j++) {
                         const int code = q[32 * j];
                         int lo = code & 0x0F, hi = code >> 4;
-                        if (FIFTH(fmt)) {
+                        for (int p = 0; p < PLANES(fmt); p++) {
                             uint32_t m[2];
-                            memcpy(m, q - col + 512 + 8 * j, 8);
-                            lo |= (int)((m[0] >> col) & 1) << 4;
-                            hi |= (int)((m[1] >> col) & 1) << 4;
+                            memcpy(m, q - col + 512 + 128 * p + 8 * j, 8);
+                            lo |= (int)((m[0] >> col) & 1) << (4 + p);
+                            hi |= (int)((m[1] >> col) & 1) << (4 + p);
                         }
                         sum += xb[j] * ((float)lo * s + c);
-                        sum += xb[j + 16] * ((float)hi * s + c);
+                        sum += xb[j + 16] * ((float)hi * t + e);
                     }
                 } else {
-                    for (int h = 0; h < HALVES(fmt); h++) {
-                        scale1(w, b, fmt, col, h, &s, &c);
-                        for (int j = h * 32 / HALVES(fmt); j < (h + 1) * 32 / HALVES(fmt); j++)
-                            sum += xb[j] * ((float)q[32 * j] * s + c);
-                    }
+                    scale1(w, b, fmt, col, 0, &s, &c);
+                    for (int j = 0; j < 32; j++)
+                        sum += xb[j] * ((float)q[32 * j] * s + c);
                 }
             }
             y[r * ldy + col] = sum;
@@ -418,8 +426,9 @@ static const tile_fn *const tiles_float[5] = {tiles_q4, tiles_q8, tiles_q4k, til
 
        y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
 
-   (Q6_K: per group of 16, d * s * (xq . q - 32 * (sum of the group's xq)), the codes' offset taken
-   out in integers, as llama.cpp does). The codes' lines differ: a line holds, for 16 columns, 4
+   (Q6_K: per group of 16, its low nibbles' and its high nibbles' sums apart, d * s * (xq . q -
+   32 * (sum of the group's xq)), the codes' offset taken out in integers, as llama.cpp does;
+   Q5_K's and Q6_K's bit planes added to the bytes). The codes' lines differ: a line holds, for 16 columns, 4
    bytes each (the codes of 4 consecutive k), as VPDPBUSD multiplies and adds four byte pairs into
    each 32-bit lane. Half h (columns 16 h to 16 h + 15) of a block's codes is:
      bits 4: 4 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c) in the low
@@ -483,8 +492,7 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
                                                                   int64_t nb, float *y, int64_t ldy, int cols,
                                                                   const int rows, const int fmt)
 {
-    const int bits = CODE_BITS(fmt), half_bytes = (bits == 4 ? 256 : 512);
-    const int lines = (bits == 4 ? 4 : 8) / HALVES(fmt);
+    const int bits = CODE_BITS(fmt), half_bytes = (bits == 4 ? 256 : 512), split = HALVES(fmt) == 2;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f0[ROWS_INT8], f1[ROWS_INT8];
     for (int r = 0; r < rows; r++)
@@ -492,46 +500,54 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
     for (int64_t b = 0; b < nb; b++) {
         fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
-        for (int h = 0; h < HALVES(fmt); h++) {
-            __m512i i0[ROWS_INT8], i1[ROWS_INT8];
-            for (int r = 0; r < rows; r++)
-                i0[r] = i1[r] = _mm512_setzero_si512();
-            for (int j = h * lines; j < (h + 1) * lines; j++) {
-                const __m512i v0 = _mm512_loadu_si512(q + 64 * j), v1 = _mm512_loadu_si512(q + half_bytes + 64 * j);
-                if (bits == 4) {
-                    __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-                    __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-                    if (FIFTH(fmt)) { /* per half and line, two masks: bit 4 c + i the code of byte 4 c + i's low, high nibble */
-                        uint64_t m[4];
-                        memcpy(m, q + 512 + 16 * j, 16);
-                        memcpy(m + 2, q + 512 + 64 + 16 * j, 16);
-                        const __m512i sixteen = _mm512_set1_epi8(16);
-                        l0 = _mm512_mask_add_epi8(l0, (__mmask64)m[0], l0, sixteen);
-                        h0 = _mm512_mask_add_epi8(h0, (__mmask64)m[1], h0, sixteen);
-                        l1 = _mm512_mask_add_epi8(l1, (__mmask64)m[2], l1, sixteen);
-                        h1 = _mm512_mask_add_epi8(h1, (__mmask64)m[3], h1, sixteen);
-                    }
-                    for (int r = 0; r < rows; r++) {
-                        const int8_t *xr = xq + r * k + b * BLOCK;
-                        int32_t lo4, hi4;
-                        memcpy(&lo4, xr + 4 * j, 4);
-                        memcpy(&hi4, xr + 16 + 4 * j, 4);
-                        const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+        __m512i i0[ROWS_INT8], i1[ROWS_INT8], k0[ROWS_INT8], k1[ROWS_INT8]; /* k: Q6_K's second group (high nibbles) */
+        for (int r = 0; r < rows; r++)
+            i0[r] = i1[r] = k0[r] = k1[r] = _mm512_setzero_si512();
+        for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
+            const __m512i v0 = _mm512_loadu_si512(q + 64 * j), v1 = _mm512_loadu_si512(q + half_bytes + 64 * j);
+            if (bits == 4) {
+                __m512i l0 = _mm512_and_si512(v0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                __m512i l1 = _mm512_and_si512(v1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                for (int p = 0; p < PLANES(fmt); p++) { /* per half and line two masks: bit 4 c + i the code of byte
+                                                           4 c + i's low, then high nibble */
+                    uint64_t m[4];
+                    memcpy(m, q + 512 + 128 * p + 16 * j, 16);
+                    memcpy(m + 2, q + 512 + 128 * p + 64 + 16 * j, 16);
+                    const __m512i bit = _mm512_set1_epi8((char)(16 << p));
+                    l0 = _mm512_mask_add_epi8(l0, (__mmask64)m[0], l0, bit);
+                    h0 = _mm512_mask_add_epi8(h0, (__mmask64)m[1], h0, bit);
+                    l1 = _mm512_mask_add_epi8(l1, (__mmask64)m[2], l1, bit);
+                    h1 = _mm512_mask_add_epi8(h1, (__mmask64)m[3], h1, bit);
+                }
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xr = xq + r * k + b * BLOCK;
+                    int32_t lo4, hi4;
+                    memcpy(&lo4, xr + 4 * j, 4);
+                    memcpy(&hi4, xr + 16 + 4 * j, 4);
+                    const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
+                    if (split) {
+                        i0[r] = _mm512_dpbusd_epi32(i0[r], l0, xl);
+                        i1[r] = _mm512_dpbusd_epi32(i1[r], l1, xl);
+                        k0[r] = _mm512_dpbusd_epi32(k0[r], h0, xh);
+                        k1[r] = _mm512_dpbusd_epi32(k1[r], h1, xh);
+                    } else {
                         i0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0[r], l0, xl), h0, xh);
                         i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], l1, xl), h1, xh);
                     }
-                } else {
-                    for (int r = 0; r < rows; r++) {
-                        int32_t four;
-                        memcpy(&four, xq + r * k + b * BLOCK + 4 * j, 4);
-                        const __m512i xv = _mm512_set1_epi32(four);
-                        i0[r] = _mm512_dpbusd_epi32(i0[r], v0, xv);
-                        i1[r] = _mm512_dpbusd_epi32(i1[r], v1, xv);
-                    }
+                }
+            } else {
+                for (int r = 0; r < rows; r++) {
+                    int32_t four;
+                    memcpy(&four, xq + r * k + b * BLOCK + 4 * j, 4);
+                    const __m512i xv = _mm512_set1_epi32(four);
+                    i0[r] = _mm512_dpbusd_epi32(i0[r], v0, xv);
+                    i1[r] = _mm512_dpbusd_epi32(i1[r], v1, xv);
                 }
             }
-            add_block(w, b, fmt, h, xd + b, xs + b, xi + 2 * b + h, nb, rows, i0, i1, f0, f1);
         }
+        add_block(w, b, fmt, 0, xd + b, xs + b, xi + 2 * b, nb, rows, i0, i1, f0, f1);
+        if (split)
+            add_block(w, b, fmt, 1, xd + b, xs + b, xi + 2 * b + 1, nb, rows, k0, k1, f0, f1);
     }
     store_tile(y, ldy, cols, rows, f0, f1);
 }
@@ -586,8 +602,7 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
                                                                   int64_t nb, float *y, int64_t ldy, int cols,
                                                                   const int rows, const int fmt)
 {
-    const int bits = CODE_BITS(fmt), half_bytes = (bits == 4 ? 256 : 512);
-    const int lines = (bits == 4 ? 4 : 8) / HALVES(fmt);
+    const int bits = CODE_BITS(fmt), half_bytes = (bits == 4 ? 256 : 512), split = HALVES(fmt) == 2;
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 f[ROWS_INT8][4];
     for (int r = 0; r < rows; r++)
@@ -596,57 +611,64 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
     for (int64_t b = 0; b < nb; b++) {
         fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
-        for (int h = 0; h < HALVES(fmt); h++) {
-            __m256i acc[ROWS_INT8][4];
+        __m256i acc[2][ROWS_INT8][4]; /* [1]: Q6_K's second group (high nibbles) */
+        for (int g = 0; g <= split; g++)
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < 4; c++)
-                    acc[r][c] = _mm256_setzero_si256();
-            for (int j = h * lines; j < (h + 1) * lines; j++) {
-                __m256i v[4], lo[4], hi[4];
-                for (int c = 0; c < 4; c++) /* columns 8c to 8c + 7 */
-                    v[c] = _mm256_loadu_si256((const __m256i *)(q + (c / 2) * half_bytes + 64 * j + 32 * (c % 2)));
-                if (bits == 4) {
-                    for (int c = 0; c < 4; c++) {
-                        lo[c] = _mm256_and_si256(v[c], low);
-                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low);
-                        if (FIFTH(fmt)) { /* the AVX-512 code's masks, 32 bits of them a vector */
-                            uint64_t m[2];
-                            memcpy(m, q + 512 + 64 * (c / 2) + 16 * j, 16);
-                            lo[c] = _mm256_or_si256(lo[c], fifth32((uint32_t)(m[0] >> (32 * (c % 2)))));
-                            hi[c] = _mm256_or_si256(hi[c], fifth32((uint32_t)(m[1] >> (32 * (c % 2)))));
-                        }
-                    }
-                }
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *xr = xq + r * k + b * BLOCK;
-                    int32_t lo4, hi4;
-                    memcpy(&lo4, xr + 4 * j, 4);
-                    if (bits == 4) {
-                        memcpy(&hi4, xr + 16 + 4 * j, 4);
-                        const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
-                        for (int c = 0; c < 4; c++)
-                            acc[r][c] = _mm256_add_epi32(acc[r][c], dot4(lo[c], xl, hi[c], xh));
-                    } else {
-                        const __m256i xv = _mm256_set1_epi32(lo4);
-                        for (int c = 0; c < 4; c++)
-                            acc[r][c] = _mm256_add_epi32(acc[r][c], fmt == FMT_Q6K ? dot_small(v[c], xv) : dot8(v[c], xv));
+                    acc[g][r][c] = _mm256_setzero_si256();
+        for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
+            __m256i v[4], lo[4], hi[4];
+            for (int c = 0; c < 4; c++) /* columns 8c to 8c + 7 */
+                v[c] = _mm256_loadu_si256((const __m256i *)(q + (c / 2) * half_bytes + 64 * j + 32 * (c % 2)));
+            if (bits == 4) {
+                for (int c = 0; c < 4; c++) {
+                    lo[c] = _mm256_and_si256(v[c], low);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low);
+                    for (int p = 0; p < PLANES(fmt); p++) { /* the AVX-512 code's masks, 32 bits of them a vector */
+                        uint64_t m[2];
+                        memcpy(m, q + 512 + 128 * p + 64 * (c / 2) + 16 * j, 16);
+                        lo[c] = _mm256_or_si256(lo[c], plane32((uint32_t)(m[0] >> (32 * (c % 2))), 4 + p));
+                        hi[c] = _mm256_or_si256(hi[c], plane32((uint32_t)(m[1] >> (32 * (c % 2))), 4 + p));
                     }
                 }
             }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = xq + r * k + b * BLOCK;
+                int32_t lo4, hi4;
+                memcpy(&lo4, xr + 4 * j, 4);
+                if (bits == 4) {
+                    memcpy(&hi4, xr + 16 + 4 * j, 4);
+                    const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+                    for (int c = 0; c < 4; c++) {
+                        if (split) {
+                            acc[0][r][c] = _mm256_add_epi32(acc[0][r][c], dot_small(lo[c], xl));
+                            acc[1][r][c] = _mm256_add_epi32(acc[1][r][c], dot_small(hi[c], xh));
+                        } else {
+                            acc[0][r][c] = _mm256_add_epi32(acc[0][r][c], dot4(lo[c], xl, hi[c], xh));
+                        }
+                    }
+                } else {
+                    const __m256i xv = _mm256_set1_epi32(lo4);
+                    for (int c = 0; c < 4; c++)
+                        acc[0][r][c] = _mm256_add_epi32(acc[0][r][c], dot8(v[c], xv));
+                }
+            }
+        }
+        for (int g = 0; g <= split; g++) {
             __m256 sc[4], bc[4];
             for (int c = 0; c < 4; c++)
-                scales8(w, b, fmt, 8 * c, h, &sc[c], &bc[c]);
+                scales8(w, b, fmt, 8 * c, g, &sc[c], &bc[c]);
             for (int r = 0; r < rows; r++) {
                 const int32_t *xr = xi + 2 * (r * nb + b);
                 if (fmt == FMT_Q8 || fmt == FMT_Q6K) { /* Q8_0's codes were taken signed: 128 times the block's sum back;
                                                           Q6_K's offset of 32 out */
-                    const __m256i back = _mm256_set1_epi32(fmt == FMT_Q8 ? 128 * (xr[0] + xr[1]) : -32 * xr[h]);
+                    const __m256i back = _mm256_set1_epi32(fmt == FMT_Q8 ? 128 * (xr[0] + xr[1]) : -32 * xr[g]);
                     for (int c = 0; c < 4; c++)
-                        acc[r][c] = _mm256_add_epi32(acc[r][c], back);
+                        acc[g][r][c] = _mm256_add_epi32(acc[g][r][c], back);
                 }
                 const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
                 for (int c = 0; c < 4; c++) {
-                    const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_mul_ps(sc[c], d), f[r][c]);
+                    const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[g][r][c]), _mm256_mul_ps(sc[c], d), f[r][c]);
                     f[r][c] = fmt == FMT_Q6K ? p : _mm256_fmadd_ps(bc[c], sum, p);
                 }
             }
@@ -735,7 +757,8 @@ static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, 
      bits 8: 16 lines; line j, bytes 4 c to 4 c + 3: the codes of (k = 2 j, column c),
              (2 j, c + 16), (2 j + 1, c), (2 j + 1, c + 16);
      bits 4: 8 lines, the same with the code of k in the low nibble and that of k + 16 in the high.
-   (Q6_K's bytes are its codes less 32, signed, and no bias.) So the line's 32-bit lane c holds,
+   (Q5_K's and Q6_K's bit planes added in the lanes; Q6_K's codes less 32 there, signed, and no
+   bias, its two groups' sums apart.) So the line's 32-bit lane c holds,
    in the low byte (nibble) of each 16-bit half, column c's pair of codes, and column c + 16's one
    byte (nibble) up: VPDPWSSD (VPMADDWD) multiplies a pair by X's and adds. Every sum of a block is
    exact (|xq . q| < 32 x 32767 x 255 < 2^31), whatever the order of its products, so the builds
@@ -747,34 +770,46 @@ static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, 
 /* Line j of a block for rows rows of X (xr, rows k apart): i0 (columns 0-15) and i1 (16-31) of
    each row plus its products. */
 static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, const uint8_t *q, int j, const int rows,
-                                                              const int fmt, __m512i *i0, __m512i *i1)
+                                                              const int fmt, __m512i *i0, __m512i *i1, __m512i *k0,
+                                                              __m512i *k1)
 {
     const __m512i v = _mm512_loadu_si512(q + 64 * j);
     if (CODE_BITS(fmt) == 4) {
         const __m512i nibble = _mm512_set1_epi16(0x000F);
         __m512i a = _mm512_and_si512(v, nibble), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
         __m512i c = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), d = _mm512_srli_epi16(v, 12);
-        if (FIFTH(fmt)) { /* line j's four masks, for a, b, c, d: bit i the code of their 16-bit lane i */
+        for (int p = 0; p < PLANES(fmt); p++) { /* line j's four masks, for a, b, c, d: bit i their 16-bit lane i's code */
             uint32_t m[4];
-            memcpy(m, q + 512 + 16 * j, 16);
-            const __m512i sixteen = _mm512_set1_epi16(16);
-            a = _mm512_mask_add_epi16(a, (__mmask32)m[0], a, sixteen);
-            b = _mm512_mask_add_epi16(b, (__mmask32)m[1], b, sixteen);
-            c = _mm512_mask_add_epi16(c, (__mmask32)m[2], c, sixteen);
-            d = _mm512_mask_add_epi16(d, (__mmask32)m[3], d, sixteen);
+            memcpy(m, q + 512 + 128 * p + 16 * j, 16);
+            const __m512i bit = _mm512_set1_epi16((short)(16 << p));
+            a = _mm512_mask_add_epi16(a, (__mmask32)m[0], a, bit);
+            b = _mm512_mask_add_epi16(b, (__mmask32)m[1], b, bit);
+            c = _mm512_mask_add_epi16(c, (__mmask32)m[2], c, bit);
+            d = _mm512_mask_add_epi16(d, (__mmask32)m[3], d, bit);
+        }
+        if (fmt == FMT_Q6K) { /* its codes less 32, signed: no bias; a and c its first group, b and d its second */
+            const __m512i offset = _mm512_set1_epi16(32);
+            a = _mm512_sub_epi16(a, offset), b = _mm512_sub_epi16(b, offset);
+            c = _mm512_sub_epi16(c, offset), d = _mm512_sub_epi16(d, offset);
         }
         for (int r = 0; r < rows; r++) {
             int32_t lo2, hi2;
             memcpy(&lo2, xb + r * BLOCK + 2 * j, 4);
             memcpy(&hi2, xb + r * BLOCK + 16 + 2 * j, 4);
             const __m512i xl = _mm512_set1_epi32(lo2), xh = _mm512_set1_epi32(hi2);
-            i0[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[r], a, xl), b, xh);
-            i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], c, xl), d, xh);
+            if (HALVES(fmt) == 2) {
+                i0[r] = _mm512_dpwssd_epi32(i0[r], a, xl);
+                k0[r] = _mm512_dpwssd_epi32(k0[r], b, xh);
+                i1[r] = _mm512_dpwssd_epi32(i1[r], c, xl);
+                k1[r] = _mm512_dpwssd_epi32(k1[r], d, xh);
+            } else {
+                i0[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[r], a, xl), b, xh);
+                i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], c, xl), d, xh);
+            }
         }
     } else {
-        const __m512i lo = fmt == FMT_Q6K ? _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8)
-                                          : _mm512_and_si512(v, _mm512_set1_epi16(0x00FF));
-        const __m512i hi = fmt == FMT_Q6K ? _mm512_srai_epi16(v, 8) : _mm512_srli_epi16(v, 8);
+        (void)k0, (void)k1;
+        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)), hi = _mm512_srli_epi16(v, 8);
         for (int r = 0; r < rows; r++) {
             int32_t two;
             memcpy(&two, xb + r * BLOCK + 2 * j, 4);
@@ -792,7 +827,8 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                                                                    const uint8_t *w, int64_t nb, float *y, int64_t ldy,
                                                                    int cols, const int rows, const int fmt)
 {
-    const int lines = (CODE_BITS(fmt) == 4 ? 8 : 16) / HALVES(fmt), sets = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    const int lines = CODE_BITS(fmt) == 4 ? 8 : 16, split = HALVES(fmt) == 2;
+    const int sets = rows == 1 ? (split ? 2 : 4) : rows == 2 && !split ? 2 : 1;
     __m512 f0[ROWS_INT16], f1[ROWS_INT16]; /* columns 0-15 and 16-31 */
     for (int r = 0; r < rows; r++)
         f0[r] = f1[r] = _mm512_setzero_ps();
@@ -800,22 +836,24 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
         fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
         const int16_t *xb = xq + b * ROWS_INT16 * BLOCK;
-        for (int h = 0; h < HALVES(fmt); h++) {
-            __m512i i0[4][ROWS_INT16], i1[4][ROWS_INT16];
-            for (int s = 0; s < sets; s++)
-                for (int r = 0; r < rows; r++)
-                    i0[s][r] = i1[s][r] = _mm512_setzero_si512();
+        __m512i i0[4][ROWS_INT16], i1[4][ROWS_INT16], k0[4][ROWS_INT16], k1[4][ROWS_INT16]; /* k: Q6_K's second group */
+        for (int s = 0; s < sets; s++)
+            for (int r = 0; r < rows; r++)
+                i0[s][r] = i1[s][r] = k0[s][r] = k1[s][r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
-            for (int j = h * lines; j < (h + 1) * lines; j += sets)
-                for (int s = 0; s < sets; s++)
-                    line_int16(xb, q, j + s, rows, fmt, i0[s], i1[s]);
-            for (int s = 1; s < sets; s++)
-                for (int r = 0; r < rows; r++) {
-                    i0[0][r] = _mm512_add_epi32(i0[0][r], i0[s][r]);
-                    i1[0][r] = _mm512_add_epi32(i1[0][r], i1[s][r]);
-                }
-            add_block(w, b, fmt, h, xd + b, xs + b, NULL, nb, rows, i0[0], i1[0], f0, f1);
-        }
+        for (int j = 0; j < lines; j += sets)
+            for (int s = 0; s < sets; s++)
+                line_int16(xb, q, j + s, rows, fmt, i0[s], i1[s], k0[s], k1[s]);
+        for (int s = 1; s < sets; s++)
+            for (int r = 0; r < rows; r++) {
+                i0[0][r] = _mm512_add_epi32(i0[0][r], i0[s][r]);
+                i1[0][r] = _mm512_add_epi32(i1[0][r], i1[s][r]);
+                k0[0][r] = _mm512_add_epi32(k0[0][r], k0[s][r]);
+                k1[0][r] = _mm512_add_epi32(k1[0][r], k1[s][r]);
+            }
+        add_block(w, b, fmt, 0, xd + b, xs + b, NULL, nb, rows, i0[0], i1[0], f0, f1);
+        if (split)
+            add_block(w, b, fmt, 1, xd + b, xs + b, NULL, nb, rows, k0[0], k1[0], f0, f1);
     }
     store_tile(y, ldy, cols, rows, f0, f1);
 }
@@ -846,7 +884,7 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                                                                    const uint8_t *w, int64_t nb, float *y, int64_t ldy,
                                                                    int cols, const int rows, const int fmt)
 {
-    const int bits = CODE_BITS(fmt), lines = (bits == 4 ? 8 : 16) / HALVES(fmt);
+    const int bits = CODE_BITS(fmt), lines = bits == 4 ? 8 : 16, split = HALVES(fmt) == 2;
     const __m256i nibble = _mm256_set1_epi16(0x000F), byte = _mm256_set1_epi16(0x00FF);
     for (int g = 0; g < TILE / 8; g++) {
         const int s = g & 1, h = g >> 1, c0 = 16 * h + 8 * s;
@@ -858,44 +896,53 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
         for (int64_t b = 0; b < nb; b++) {
             fetch_header(w, b, fmt);
             const uint8_t *q = block_codes(w, b, fmt) + 32 * s;
-            for (int hh = 0; hh < HALVES(fmt); hh++) {
-                __m256i acc[ROWS_INT16];
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm256_setzero_si256();
-                for (int j = hh * lines; j < (hh + 1) * lines; j++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
-                    if (bits == 4) {
-                        const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
-                        __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
-                        if (FIFTH(fmt)) { /* the VNNI code's masks (a, b for the low byte, c, d for the high) */
-                            uint32_t m[4];
-                            memcpy(m, block_codes(w, b, fmt) + 512 + 16 * j, 16);
-                            l = _mm256_or_si256(l, fifth16(m[2 * h] >> (16 * s)));
-                            u = _mm256_or_si256(u, fifth16(m[2 * h + 1] >> (16 * s)));
-                        }
-                        for (int r = 0; r < rows; r++) {
-                            const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
-                            int32_t lo2, hi2;
-                            memcpy(&lo2, xr + 2 * j, 4);
-                            memcpy(&hi2, xr + 16 + 2 * j, 4);
-                            acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(l, _mm256_set1_epi32(lo2)),
-                                                                               _mm256_madd_epi16(u, _mm256_set1_epi32(hi2))));
-                        }
-                    } else {
-                        const __m256i c = fmt == FMT_Q6K ? _mm256_srai_epi16(h ? v : _mm256_slli_epi16(v, 8), 8)
-                                                         : _mm256_and_si256(h ? _mm256_srli_epi16(v, 8) : v, byte);
-                        for (int r = 0; r < rows; r++) {
-                            int32_t two;
-                            memcpy(&two, xq + (b * ROWS_INT16 + r) * BLOCK + 2 * j, 4);
-                            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
+            __m256i acc[2][ROWS_INT16]; /* [1]: Q6_K's second group (the high nibbles) */
+            for (int r = 0; r < rows; r++)
+                acc[0][r] = acc[1][r] = _mm256_setzero_si256();
+            for (int j = 0; j < lines; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * j));
+                if (bits == 4) {
+                    const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
+                    __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
+                    for (int p = 0; p < PLANES(fmt); p++) { /* the VNNI code's masks (a, b for the low byte, c, d the high) */
+                        uint32_t m[4];
+                        memcpy(m, block_codes(w, b, fmt) + 512 + 128 * p + 16 * j, 16);
+                        l = _mm256_or_si256(l, plane16(m[2 * h] >> (16 * s), 4 + p));
+                        u = _mm256_or_si256(u, plane16(m[2 * h + 1] >> (16 * s), 4 + p));
+                    }
+                    if (fmt == FMT_Q6K) { /* signed, less 32 */
+                        l = _mm256_sub_epi16(l, _mm256_set1_epi16(32));
+                        u = _mm256_sub_epi16(u, _mm256_set1_epi16(32));
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
+                        int32_t lo2, hi2;
+                        memcpy(&lo2, xr + 2 * j, 4);
+                        memcpy(&hi2, xr + 16 + 2 * j, 4);
+                        const __m256i pl = _mm256_madd_epi16(l, _mm256_set1_epi32(lo2));
+                        const __m256i pu = _mm256_madd_epi16(u, _mm256_set1_epi32(hi2));
+                        if (split) {
+                            acc[0][r] = _mm256_add_epi32(acc[0][r], pl);
+                            acc[1][r] = _mm256_add_epi32(acc[1][r], pu);
+                        } else {
+                            acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_add_epi32(pl, pu));
                         }
                     }
+                } else {
+                    const __m256i c = _mm256_and_si256(h ? _mm256_srli_epi16(v, 8) : v, byte);
+                    for (int r = 0; r < rows; r++) {
+                        int32_t two;
+                        memcpy(&two, xq + (b * ROWS_INT16 + r) * BLOCK + 2 * j, 4);
+                        acc[0][r] = _mm256_add_epi32(acc[0][r], _mm256_madd_epi16(c, _mm256_set1_epi32(two)));
+                    }
                 }
+            }
+            for (int hh = 0; hh <= split; hh++) {
                 __m256 sc, bc;
                 scales8(w, b, fmt, c0, hh, &sc, &bc);
                 for (int r = 0; r < rows; r++) {
                     const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
-                    const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(sc, d), f[r]);
+                    const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[hh][r]), _mm256_mul_ps(sc, d), f[r]);
                     f[r] = fmt == FMT_Q6K ? p : _mm256_fmadd_ps(bc, sum, p);
                 }
             }
@@ -1150,7 +1197,7 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
         w_dims[2] != (IS_K(fmt) ? SUPER_BYTES(fmt) : TILE_BLOCK_BYTES(CODE_BITS(fmt))))
         return fail(fmt == FMT_Q4    ? "QLinear: W must be (ceil(N / 32), K / 32, 640) for bits 4"
                     : fmt == FMT_Q8  ? "QLinear: W must be (ceil(N / 32), K / 32, 1152) for bits 8"
-                    : fmt == FMT_Q6K ? "QLinear: W must be (ceil(N / 32), K / 256, 8768) for Q6_K"
+                    : fmt == FMT_Q6K ? "QLinear: W must be (ceil(N / 32), K / 256, 6720) for Q6_K"
                     : fmt == FMT_Q5K ? "QLinear: W must be (ceil(N / 32), K / 256, 5760) for Q5_K"
                                      : "QLinear: W must be (ceil(N / 32), K / 256, 4736) for Q4_K");
     int64_t m = 1;
