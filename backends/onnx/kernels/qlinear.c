@@ -266,18 +266,37 @@ static inline __attribute__((always_inline)) void tile_rows(const float *x, int6
                 scales16(w, b, fmt, 16, 1, &t1, &e1);
             }
             for (int j = 0; j < 16; j++, q += 32) {
-                const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-                const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-                __m512i l0 = _mm512_and_si512(q0, low), l1 = _mm512_and_si512(q1, low);
-                __m512i h0 = _mm512_srli_epi32(q0, 4), h1 = _mm512_srli_epi32(q1, 4);
-                for (int p = 0; p < PLANES(fmt); p++) {
-                    uint32_t m[2];
-                    memcpy(m, q - 32 * j + 512 + 128 * p + 8 * j, 8);
-                    const __m512i bit = _mm512_set1_epi32(16 << p);
-                    l0 = _mm512_mask_or_epi32(l0, (__mmask16)m[0], l0, bit);
-                    l1 = _mm512_mask_or_epi32(l1, (__mmask16)(m[0] >> 16), l1, bit);
-                    h0 = _mm512_mask_or_epi32(h0, (__mmask16)m[1], h0, bit);
-                    h1 = _mm512_mask_or_epi32(h1, (__mmask16)(m[1] >> 16), h1, bit);
+                __m512i l0, l1, h0, h1;
+#if defined(__AVX512BW__)
+                if (PLANES(fmt)) { /* the bits added to the line's 64 codes as bytes, then widened */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)q), nib = _mm256_set1_epi8(0x0F);
+                    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nib)),
+                                                      _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), 1);
+                    for (int p = 0; p < PLANES(fmt); p++) { /* line j's two words as one mask: k = j, then j + 16 */
+                        uint64_t m;
+                        memcpy(&m, q - 32 * j + 512 + 128 * p + 8 * j, 8);
+                        both = _mm512_mask_add_epi8(both, (__mmask64)m, both, _mm512_set1_epi8((char)(16 << p)));
+                    }
+                    l0 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(both));
+                    l1 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(both, 1));
+                    h0 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(both, 2));
+                    h1 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(both, 3));
+                } else
+#endif
+                {
+                    const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                    const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+                    l0 = _mm512_and_si512(q0, low), l1 = _mm512_and_si512(q1, low);
+                    h0 = _mm512_srli_epi32(q0, 4), h1 = _mm512_srli_epi32(q1, 4);
+                    for (int p = 0; p < PLANES(fmt); p++) {
+                        uint32_t m[2];
+                        memcpy(m, q - 32 * j + 512 + 128 * p + 8 * j, 8);
+                        const __m512i bit = _mm512_set1_epi32(16 << p);
+                        l0 = _mm512_mask_or_epi32(l0, (__mmask16)m[0], l0, bit);
+                        l1 = _mm512_mask_or_epi32(l1, (__mmask16)(m[0] >> 16), l1, bit);
+                        h0 = _mm512_mask_or_epi32(h0, (__mmask16)m[1], h0, bit);
+                        h1 = _mm512_mask_or_epi32(h1, (__mmask16)(m[1] >> 16), h1, bit);
+                    }
                 }
                 const __m512 u0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l0), s0, c0);
                 const __m512 u1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l1), s1, c1);
