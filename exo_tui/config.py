@@ -8,9 +8,9 @@ Where the file is:
 * ``platformdirs.user_config_dir("exo-tui")/config.yaml``.
 
 A missing file means all defaults. Keys and defaults follow ``SCHEDULER.md`` (``scheduler.*``,
-``network.*``, ``resources.*``) plus ``ui.theme`` and ``cluster.name``. Unknown keys and values of
-the wrong type or outside their range raise :class:`ConfigError`, whose message names the dotted
-key and what is allowed.
+``network.*``, ``resources.*``) plus ``ui.theme``, ``cluster.name`` and ``models.paths``. Unknown
+keys and values of the wrong type or outside their range raise :class:`ConfigError`, whose message
+names the dotted key and what is allowed.
 
 Environment overrides (applied after the file):
 
@@ -172,6 +172,13 @@ class UIConfig:
     theme: str = "exo-dark"
 
 
+@dataclass
+class ModelsConfig:
+    # Folders (searched for *.gguf, subfolders too) or files that the model catalog lists beside
+    # Ollama's, LM Studio's and the Hugging Face cache's models (see exo_tui/models/catalog.py).
+    paths: list[str] = field(default_factory=list)
+
+
 def _default_cluster_name() -> str:
     return socket.gethostname().split(".")[0] or "exo-tui"
 
@@ -188,6 +195,7 @@ class Config:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     ui: UIConfig = field(default_factory=UIConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -48,15 +48,20 @@ def write_tiny_llama(
     seed: int = 0,
     rope_theta: float = 10000.0,
     sampling: dict[str, float | int] | None = None,
+    architecture: str = "llama",
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write a random llama model; matrices in ``weight_type`` (F32, F16, Q8_0, Q4_0, Q4_1).
-    ``sampling``: recommended sampling fields, e.g. ``{"general.sampling.temp": 0.0}``."""
+    ``sampling``: recommended sampling fields, e.g. ``{"general.sampling.temp": 0.0}``.
+    ``architecture``: the family the file claims (its keys are named for it; the tensors stay
+    llama's). ``split_max_tensors``: split into ``stem-0000K-of-0000N.gguf`` parts of at most that
+    many tensors each (the path of the first part is returned)."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
     vocab = len(tokens)
     head_dim = hidden // n_heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), architecture, split_max_tensors=split_max_tensors)
     w.add_name("tiny-llama")
     w.add_block_count(n_layers)
     w.add_context_length(context_length)
@@ -115,4 +120,4 @@ def write_tiny_llama(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(path)[0] if split_max_tensors else path

@@ -11,7 +11,7 @@ from backends.base import ModelConfig
 from exo_tui.inference.sampling import GGUF_SAMPLING_KEYS, with_defaults
 from exo_tui.models.chat_template import ChatTemplate
 from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, resolve_model
+from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, looks_like_path, resolve_model
 from exo_tui.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -21,10 +21,11 @@ class Model:
     def __init__(self, name_or_path: str | Path | None = None) -> None:
         self.path = resolve_model(name_or_path)
         self.gguf = GGUFModel(self.path)
-        # What the operator knows it by: the registered name (the default one when none was given),
-        # or for a path the file's own name for its model (general.name).
+        # What the operator knows it by: the registered or catalog name (the default one when none
+        # was given), or for a path the file's own name for its model (general.name).
         given = str(name_or_path or DEFAULT_MODEL)
-        self.name = given if not Path(given).suffix else self.gguf.name
+        is_path = looks_like_path(given) or given.lower().endswith(".gguf") or Path(given).expanduser().exists()
+        self.name = self.gguf.name if is_path else given
         self._registered = REGISTRY.get(given.lower())
 
     @property
