@@ -10,8 +10,8 @@ from typing import Any
 from backends.base import ModelConfig
 from exo_tui.inference.sampling import GGUF_SAMPLING_KEYS, with_defaults
 from exo_tui.models.chat_template import ChatTemplate
-from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, looks_like_path, resolve_model
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError
+from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel, looks_like_path, resolve_model
 from exo_tui.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class Model:
         given = str(name_or_path or DEFAULT_MODEL)
         is_path = looks_like_path(given) or given.lower().endswith(".gguf") or Path(given).expanduser().exists()
         self.name = self.gguf.name if is_path else given
-        self._registered = REGISTRY.get(given.lower())
+        self._registered = REGISTRY.get(given.lower()) or _registered_file(self.path)
 
     @property
     def config(self) -> ModelConfig:
@@ -60,3 +60,14 @@ class Model:
         """Token ids of the rendered chat, ready for the assistant's answer."""
         text = self.template.render(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text)
+
+
+def _registered_file(path: Path) -> RegisteredModel | None:
+    """The registered model whose file ``path`` is (e.g. the default model linked into a store)."""
+    for entry in REGISTRY.values():
+        try:
+            if resolve_model(entry.name).samefile(path):
+                return entry
+        except (OSError, ModelFileError):
+            continue
+    return None
