@@ -119,3 +119,24 @@ def test_a_model_opened_by_its_ollama_name_keeps_that_name(home: Store) -> None:
     m = Model("someone/tiny:q8")
     assert m.name == "someone/tiny:q8" and m.path.samefile(home.tiny)
     assert Model(str(home.tiny)).name == "tiny-llama"  # a path: the file's own name for its model
+
+
+def test_the_models_command_lists_the_store(home: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    from exo_tui.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "FAMILY", "PARAMS", "QUANT", "SIZE", "CONTEXT", "WHERE"]
+    row = next(line for line in lines if line.startswith("smollm2:135m "))
+    assert row.split()[:7] == ["smollm2:135m", "llama", "135M", "Q4_1", "98.4", "MB", "8192"]
+    assert row.split()[7].startswith("~/.ollama/models/blobs/sha256-")
+    broken = lines.index(next(line for line in lines if line.startswith("✗ truncated ")))
+    assert lines[broken + 1].strip().startswith("cannot run:") and "truncated" in lines[broken + 1]
+    assert "6 usable, 5 not" in out
+
+    assert main(["models", "--json", "--usable"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {m["name"] for m in listed} == {"smollm2-135m", "smollm2:135m", "smollm2:latest", "someone/tiny:q8",
+                                           "SmolLM2-135M-Instruct-Q4_1-lms", "smollm2-135m-instruct-q4_1-hf"}
+    assert all(m["usable"] and m["family"] == "llama" for m in listed)
