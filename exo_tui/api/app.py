@@ -500,8 +500,10 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
             raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
         return {"model": model_ids(coordinator)[0]}
 
+    from exo_tui.api.model_routes import models_router
     from exo_tui.api.ollama import ollama_router  # Ollama's API (/api/*); it imports this module
 
+    app.include_router(models_router(coordinator))
     app.include_router(ollama_router(coordinator))
     return app
 

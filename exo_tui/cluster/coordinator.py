@@ -27,6 +27,7 @@ import numpy as np
 from backends import default_backend_name
 from backends.base import KVCache
 from exo_tui.cluster import events as ev
+from exo_tui.cluster import model_choices
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
@@ -38,6 +39,7 @@ from exo_tui.cluster.view import (
     HostView,
     LayerMove,
     LinkView,
+    ModelChoice,
     NodeView,
     PlanPreview,
     PlanView,
@@ -48,6 +50,7 @@ from exo_tui.config import GB, Config, load_config
 from exo_tui.inference.generate import GenerationError, generate
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
+from exo_tui.models.gguf_file import ModelFileError
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
 from exo_tui.net.address import is_loopback
@@ -140,13 +143,14 @@ class Coordinator:
         self.discover = discover
         self.discovery: Any = None
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
+        self._specs = model_choices.SpecCache()  # of the catalog's models, for the picker
 
     # ================================================================== lifecycle
 
     async def start(self) -> None:
         cluster = await asyncio.to_thread(ensure_cluster, self.home)
         self.security = cluster.security(enable_tls=self.config.network.security.enable_tls)
-        self.model = await asyncio.to_thread(Model, self.model_name)
+        self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: self.model.tokenizer)
         self.spec = spec_from_gguf(self.model.gguf)
         self._restore_state()
@@ -602,11 +606,14 @@ class Coordinator:
             strategy=self.strategy,
         )
 
-    def _even_preview(self, constraints: Constraints) -> ChangePreview:
+    def _even_preview(self, constraints: Constraints, *, spec: Any = None, current: Plan | None | bool = True) -> ChangePreview:
         """Layers split evenly over the live, undrained nodes in the order they joined
-        (``exo-tui chat --nodes``: the operator's order is the ring)."""
+        (``exo-tui chat --nodes``: the operator's order is the ring). ``spec``/``current``: another
+        model's and no plan (a model switch), instead of the served model's and its plan."""
+        spec = spec or self.spec
+        old = self.plan if current is True else current
         live = [h for h in self.nodes.values() if h.state != "failed" and h.node_id not in constraints.drained]
-        n_layers = self.spec.n_layers
+        n_layers = spec.n_layers
         if not live:
             return ChangePreview(None, None, error="no live node to hold layers: start a node agent or undrain one")
         by_id = {h.node_id: h for h in live}
@@ -627,11 +634,11 @@ class Coordinator:
             shards += [PlanShard(h.node_id, bounds[i], bounds[i + 1], self._node_backend(h)) for i, h in enumerate(group)]
         shards = tuple(sorted(shards, key=lambda s: s.start))
         profiles = {p.node_id: p for p in self.device_profiles()}
-        predictions = predict(shards, profiles, self.spec, self.config.scheduler)
-        version = (self.plan.version + 1) if self.plan else 1
-        plan = Plan(self.spec.name, n_layers, shards, "even", version, predictions, ("layers split evenly in node order",))
-        diff = plan_diff(self.plan, plan, self.spec, constraints.failed)
-        before = self.plan.predictions.tok_per_s_single if self.plan and self.plan.predictions else 0.0
+        predictions = predict(shards, profiles, spec, self.config.scheduler)
+        version = (old.version + 1) if old else 1
+        plan = Plan(spec.name, n_layers, shards, "even", version, predictions, ("layers split evenly in node order",))
+        diff = plan_diff(old, plan, spec, constraints.failed)
+        before = old.predictions.tok_per_s_single if old and old.predictions else 0.0
         return ChangePreview(plan, diff, (), before, predictions.tok_per_s_single)
 
     def _plan_alive(self) -> bool:
@@ -945,6 +952,9 @@ class Coordinator:
     async def preview(
         self, action: str, targets: tuple[str, ...] = (), layers: tuple[int, int] | None = None
     ) -> PlanPreview:
+        if action == "model":  # targets: the model's name
+            return await asyncio.to_thread(model_choices.preview, self, targets[0] if targets else "", self._specs,
+                                           _to_view_preview)
         return (await self._planned(action, targets, layers))[0]
 
     async def _planned(
@@ -971,6 +981,12 @@ class Coordinator:
         it is now (it may have changed since the preview); returns what was done."""
         if self.readonly:
             return replace(preview, error="read-only console: changes are disabled")
+        if preview.action == "model":
+            try:
+                await self.set_model(preview.targets[0])
+            except (ModelFileError, GenerationError, InfeasiblePlan, RemoteError, ConnectionError, TimeoutError) as exc:
+                return replace(preview, error=str(exc))
+            return preview
         action, layers = preview.action, preview.layers
         result, change, drained, pins = await self._planned(action, preview.targets, layers)
         ids = result.targets  # resolved to node ids
@@ -1036,7 +1052,7 @@ class Coordinator:
         self._touch()
 
     async def set_model(self, name_or_path: str) -> None:
-        model = await asyncio.to_thread(Model, name_or_path)
+        model = await asyncio.to_thread(lambda: Model(name_or_path, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: model.tokenizer)
         async with self._plan_lock:
             self.model, self.model_name, self.spec = model, name_or_path, spec_from_gguf(model.gguf)
@@ -1051,6 +1067,10 @@ class Coordinator:
                 h.shards = []
         await self.replan(f"model {model.name}")
         self._audit("model", model.name, "ok")
+
+    async def models(self) -> list[ModelChoice]:
+        """The machine's models, each planned on the cluster as it is (see cluster/model_choices.py)."""
+        return await asyncio.to_thread(model_choices.choices, self, self._specs)
 
     # ================================================================== views
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class Model:
-    def __init__(self, name_or_path: str | Path | None = None) -> None:
-        self.path = resolve_model(name_or_path)
+    def __init__(self, name_or_path: str | Path | None = None, *, paths: Sequence[str] | None = None) -> None:
+        """``paths``: the config's ``models.paths``, where catalog names are looked up too (None:
+        the user's config's)."""
+        self.path = resolve_model(name_or_path, paths)
         self.gguf = GGUFModel(self.path)
         # What the operator knows it by: the registered or catalog name (the default one when none
         # was given), or for a path the file's own name for its model (general.name).

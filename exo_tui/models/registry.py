@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,10 +54,11 @@ def looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or os.path.isabs(name)
 
 
-def resolve_model(name_or_path: str | Path | None = None) -> Path:
+def resolve_model(name_or_path: str | Path | None = None, paths: Sequence[str] | None = None) -> Path:
     """The GGUF file for a registered name (default ``smollm2-135m``), a name of the model
     catalog (:mod:`exo_tui.models.catalog`: Ollama's ``llama3.2:1b``, a file's stem from LM Studio,
-    the Hugging Face cache or ``models.paths``) or a path to a ``.gguf``."""
+    the Hugging Face cache or ``models.paths``) or a path to a ``.gguf``. ``paths``: the config's
+    ``models.paths`` (None: read from the user's config)."""
     name = str(name_or_path or DEFAULT_MODEL)
     entry = REGISTRY.get(name.lower())
     if entry is not None:
@@ -78,7 +79,7 @@ def resolve_model(name_or_path: str | Path | None = None) -> Path:
     if not path.exists() and not looks_like_path(name):
         from exo_tui.models import catalog
 
-        found = catalog.resolve(name)
+        found = catalog.resolve(name, paths)
         if found is not None:
             return found
     if path.suffix.lower() != ".gguf" and not path.exists():
