@@ -85,8 +85,8 @@ def preview(c: Any, name: str, specs: SpecCache, view: Any) -> PlanPreview:
     try:
         path = resolve_model(name, list(c.config.models.paths))
         spec = specs.get(path)
-    except (ModelFileError, OSError) as exc:
-        return PlanPreview("model", (name,), error=str(exc))
+    except (ModelFileError, OSError, ValueError) as exc:  # ValueError: a name no path can have (a NUL)
+        return PlanPreview("model", (name,), error=f"model {name!r}: {exc}" if isinstance(exc, ValueError) else str(exc))
     change = change_for(c, spec)
     before = c.plan.predictions.tok_per_s_single if c.plan is not None and c.plan.predictions else 0.0
     change = replace(change, tok_per_s_before=before)

@@ -171,3 +171,23 @@ def test_v1_models_lists_the_catalog_too(served: Served) -> None:
     oa = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=300)
     ids = [m.id for m in oa.models.list().data]
     assert ids[0] == MODEL and "someone/tiny:q8" in ids and "broken:latest" not in ids
+
+
+def test_the_cluster_s_model_choices_and_a_switch_preview(served: Served) -> None:
+    import asyncio
+
+    from exo_tui.api.client import ClusterClient
+
+    async def ask() -> tuple[list, object, object]:
+        async with ClusterClient(served.url) as control:
+            return (await control.models(), await control.preview("model", ("someone/tiny:q8",)),
+                    await control.preview("model", ("gone:7b",)))
+
+    choices, preview, broken = asyncio.run(ask())
+    by_name = {c.name: c for c in choices}
+    assert by_name[MODEL].current and by_name[MODEL].fits and by_name[MODEL].tok_per_s > 0
+    assert by_name["someone/tiny:q8"].fits and not by_name["someone/tiny:q8"].current
+    assert not by_name["truncated"].usable and by_name["truncated"].fits is None and "truncated" in by_name["truncated"].reason
+    assert preview.action == "model" and not preview.error and preview.moves and all(m.src is None for m in preview.moves)
+    assert preview.tok_per_s_before > 0 and preview.tok_per_s_after > 0
+    assert "is missing" in broken.error
