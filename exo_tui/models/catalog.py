@@ -168,7 +168,15 @@ def _folder(root: Path, source: str, qualify_depth: int = 1) -> list[Found]:
 
 
 def _walk(root: Path) -> Iterable[Path]:
+    """The files under ``root``, through symlinked folders too, each real folder once (a link
+    back up the tree does not loop); hidden folders are skipped."""
+    seen: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in filenames:
             yield Path(dirpath) / name

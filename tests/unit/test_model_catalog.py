@@ -140,3 +140,12 @@ def test_the_models_command_lists_the_store(home: Store, capsys: pytest.CaptureF
     assert {m["name"] for m in listed} == {"smollm2-135m", "smollm2:135m", "smollm2:latest", "someone/tiny:q8",
                                            "SmolLM2-135M-Instruct-Q4_1-lms", "smollm2-135m-instruct-q4_1-hf"}
     assert all(m["usable"] and m["family"] == "llama" for m in listed)
+
+
+def test_a_folder_linked_into_itself_is_walked_once(tmp_path: Path, default_model_path: Path) -> None:
+    folder = tmp_path / "models"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "m.gguf").symlink_to(default_model_path)
+    (folder / "sub" / "loop").symlink_to(folder)
+    found = [f for f in catalog.discover([str(folder)], env={"HOME": str(tmp_path / "nohome")}) if f.source == "config"]
+    assert [f.name for f in found] == ["m"]
