@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
 
 from exo_tui.api.app import MAX_STOPS, OPENAI_SAMPLING, _until_done_or_disconnect, model_ids
 from exo_tui.api.generation import Generation
@@ -57,6 +58,25 @@ UNSUPPORTED = {
     "template": "a request's own template is not supported: the model's chat template is used (or send raw: true "
                 "with the prompt already templated)",
 }
+
+
+class OllamaErrorBody(BaseModel):
+    error: str = Field(description="what went wrong and what to do")
+
+
+def _documented(*codes: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses of a route: 200 (NDJSON too when it streams) and Ollama's errors (401 is
+    the app's, in OpenAI's shape)."""
+    from exo_tui.api.schemas import ErrorResponse
+
+    text = {400: "a bad body or option, or what exo-tui cannot do", 404: "an unknown model, or one not loaded",
+            503: "the cluster cannot serve yet"}
+    out: dict[int | str, dict[str, Any]] = {c: {"model": OllamaErrorBody, "description": text[c]} for c in codes}
+    out[401] = {"model": ErrorResponse, "description": "missing or wrong API key"}
+    if stream:
+        out[200] = {"description": "one JSON object, or with stream (the default) one per line",
+                    "content": {"application/json": {}, NDJSON: {"schema": {"type": "object"}}}}
+    return out
 
 
 class OllamaError(Exception):
@@ -355,18 +375,18 @@ def ollama_router(coordinator: Any) -> APIRouter:
 
     # ------------------------------------------------------------------ routes
 
-    @router.get("/version")
+    @router.get("/version", responses=_documented())
     async def version() -> dict[str, Any]:
         from exo_tui import __version__
 
         return {"version": OLLAMA_VERSION, "exo_tui": __version__}
 
-    @router.get("/tags")
+    @router.get("/tags", responses=_documented())
     async def tags() -> dict[str, Any]:
         entries = await scan(coordinator)
         return {"models": [tag_of(e) for e in listed(coordinator, entries)]}
 
-    @router.get("/ps")
+    @router.get("/ps", responses=_documented())
     async def ps() -> dict[str, Any]:
         if coordinator.model is None or getattr(coordinator, "ring", None) is None:
             return {"models": []}
@@ -377,7 +397,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
         return {"models": [{**tag, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
                             "context_length": coordinator.model.config.context_length}]}
 
-    @router.post("/show")
+    @router.post("/show", responses=_documented(400, 404))
     async def show(http: Request) -> dict[str, Any]:
         body = await _body(http)
         name = _model_name(body)
@@ -405,7 +425,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
             "modified_at": _iso(entry.modified),
         }
 
-    @router.post("/chat")
+    @router.post("/chat", responses=_documented(400, 404, 503, stream=True))
     async def chat(http: Request) -> Response:
         began = time.monotonic()
         body = await _body(http)
@@ -430,7 +450,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
             return loaded(name, chat=True)
         return await answer(http, body, name, await prompt_ids(turns), True, began)
 
-    @router.post("/generate")
+    @router.post("/generate", responses=_documented(400, 404, 503, stream=True))
     async def generate(http: Request) -> Response:
         began = time.monotonic()
         body = await _body(http)
