@@ -23,6 +23,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -138,16 +139,10 @@ def served_entry(coordinator: Any, entries: list[catalog.CatalogEntry]) -> catal
             _DESCRIBED.clear()
             _DESCRIBED[key] = catalog.describe(catalog.Found(name, "path", Path(model.path), (Path(model.path),)))
         return _DESCRIBED[key]
-    return entry if entry.name == name else _renamed(entry, name)
+    return entry if entry.name == name else replace(entry, name=name)
 
 
 _DESCRIBED: dict[tuple[str, str], catalog.CatalogEntry] = {}
-
-
-def _renamed(entry: catalog.CatalogEntry, name: str) -> catalog.CatalogEntry:
-    from dataclasses import replace
-
-    return replace(entry, name=name)
 
 
 def listed(coordinator: Any, entries: list[catalog.CatalogEntry]) -> list[catalog.CatalogEntry]:
