@@ -92,6 +92,8 @@ def preview(c: Any, name: str, specs: SpecCache, view: Any) -> PlanPreview:
     change = replace(change, tok_per_s_before=before)
     streaming = f"{len(c._active)} answer(s) streaming now end with an error; " if c._active else ""
     result: PlanPreview = view("model", (name,), change, c, streaming + SWITCH_NOTE)
+    if result.new_plan is not None and c.plan is not None:  # planned from no plan: it would be v1
+        result = replace(result, new_plan=replace(result.new_plan, version=c.plan.version + 1))
     if c.model is not None and _same_file(path, Path(c.model.path)):
         result = replace(result, note=f"the cluster serves this file already; {result.note}")
     return result
