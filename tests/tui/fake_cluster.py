@@ -121,6 +121,7 @@ class FakeCluster:
             for i in range(hosts)
         }
         self.model = "smollm2-135m"
+        self.model_load_step: asyncio.Event | None = None  # set: a model load goes on past each progress event
         self.shards = self._split(self._eligible())
         self._sync_nodes()
         for n in self.nodes.values():
@@ -287,9 +288,11 @@ class FakeCluster:
         await asyncio.sleep(0)
         self.applied.append(preview)
         if preview.action == "model":
-            for m in preview.moves:
-                self.events.publish(ev.ShardProgress(node_id=m.dst, start=m.start, end=m.end, done_bytes=m.nbytes,
-                                                     total_bytes=m.nbytes, ts=T0 + self.version))
+            for m in preview.moves:  # half, then all of each node's layers
+                for done in (m.nbytes // 2, m.nbytes):
+                    self.events.publish(ev.ShardProgress(node_id=m.dst, start=m.start, end=m.end, done_bytes=done,
+                                                         total_bytes=m.nbytes, ts=T0 + self.version))
+                    await self.model_load_step.wait() if self.model_load_step is not None else asyncio.sleep(0)
             self.model = preview.targets[0]
         if preview.action == "drain":
             for t in preview.targets:
