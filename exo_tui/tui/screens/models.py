@@ -12,47 +12,36 @@ from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from exo_tui.cluster import events as ev
 from exo_tui.cluster.view import ModelChoice
 from exo_tui.tui import keymap
 from exo_tui.tui.format import fmt_bytes
+from exo_tui.tui.screens.filtered import FilteredScreen, KeyedTable
 from exo_tui.tui.widgets.style import theme_style
 
 MODEL_COLUMNS = (("mark", ""), ("name", "name"), ("family", "family"), ("params", "params"), ("quant", "quant"),
                  ("size", "size"), ("context", "context"), ("fits", "cluster"), ("where", "where"))
 
 
-class ModelsTable(DataTable):
+class ModelsTable(KeyedTable):
     HELP_SCOPE = "models"
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(cursor_type="row", **kwargs)
-
-    def on_mount(self) -> None:
-        for key, label in MODEL_COLUMNS:
-            self.add_column(label, key=key)
+    COLUMNS = MODEL_COLUMNS
 
     @property
     def selected_name(self) -> str | None:
-        if not self.row_count:
-            return None
-        try:
-            return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
-        except Exception:
-            return None
+        return self.selected_key
 
 
-class ModelsScreen(Screen):
+class ModelsScreen(FilteredScreen):
     HELP_SCOPE = "models"
     BINDINGS = keymap.bindings("models")
     DANGEROUS = keymap.dangerous_actions("models")
+    TABLE = ModelsTable
 
     def __init__(self) -> None:
         super().__init__()
-        self.filter_text = ""
         self.choices: list[ModelChoice] | None = None  # None: still looking
         self.error = ""
         self.loading: str | None = None  # the model being loaded from here
@@ -72,13 +61,6 @@ class ModelsScreen(Screen):
         self.query_one(ModelsTable).focus()
         self.render_all()
         self.reload()
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in self.DANGEROUS and getattr(self.app, "readonly", False):
-            return False
-        if action == "filter" and isinstance(self.focused, Input):
-            return False  # a '/' typed into the filter is just a '/'
-        return True
 
     # ------------------------------------------------------------------ data
 
@@ -256,26 +238,5 @@ class ModelsScreen(Screen):
             return
         self.app.request_change("model", (c.name,))  # type: ignore[attr-defined]
 
-    def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        box.display = True
-        box.focus()
-
-    @on(Input.Changed, "#filter")
-    def _filter_changed(self, event: Input.Changed) -> None:
-        self.filter_text = event.value.strip()
+    def refilter(self) -> None:
         self.render_all()
-
-    @on(Input.Submitted, "#filter")
-    def _filter_done(self, event: Input.Submitted) -> None:
-        event.stop()
-        self.query_one(ModelsTable).focus()
-
-    def action_back(self) -> None:
-        box = self.query_one("#filter", Input)
-        if self.focused is box:
-            box.value = ""
-            box.display = False
-            self.query_one(ModelsTable).focus()
-            return
-        self.app.pop_screen()
