@@ -846,10 +846,14 @@ class Coordinator:
     async def generate(self, request: Request) -> AsyncIterator[Any]:
         """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`)."""
         assert self.model is not None
+        model = self.model  # its prompt's tokens are this model's: a switch ends the answer
         self._active[request.id] = request
         try:
             async for chunk in generate(self.pipeline, self.model.tokenizer, request,
                                         context_length=self.model.config.context_length):
+                if chunk.token_id is not None and self.model is not model:
+                    raise GenerationError(f"the cluster switched from {model.name} to {self.model.name} during this "
+                                          "answer: ask again")
                 if chunk.token_id is not None:
                     self._tok_times.append(time.monotonic())
                     self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id, text=chunk.text))
