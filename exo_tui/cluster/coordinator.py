@@ -27,7 +27,7 @@ import numpy as np
 from backends import default_backend_name
 from backends.base import KVCache
 from exo_tui.cluster import events as ev
-from exo_tui.cluster import model_choices
+from exo_tui.cluster import model_choices, model_switch
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
@@ -144,6 +144,7 @@ class Coordinator:
         self.discovery: Any = None
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
         self._specs = model_choices.SpecCache()  # of the catalog's models, for the picker
+        self._model_key = ""  # the tag nodes keep the served model's shards under (model_switch.model_key)
 
     # ================================================================== lifecycle
 
@@ -153,6 +154,7 @@ class Coordinator:
         self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: self.model.tokenizer)
         self.spec = spec_from_gguf(self.model.gguf)
+        self._model_key = await asyncio.to_thread(model_switch.model_key, self.model.path)
         self._restore_state()
         await self._start_local_nodes(cluster)
         addresses = [n.address for n in self._local] + [_parse_peer(p, self.config.network.node_port) for p in self.peers]
@@ -325,8 +327,13 @@ class Coordinator:
         if existing is not None and existing.connected and existing.conn is not conn:
             await existing.conn.aclose()
         handle = NodeHandle(profile.node_id, profile.name, host, port, profile, conn)
-        handle.shards = list(reply.body.get("shards", []))
+        shards = list(reply.body.get("shards", []))
+        handle.shards = [s for s in shards if s.get("model", "") == self._model_key]
         handle.held = {(s["start"], s["end"]) for s in handle.shards}
+        for s in shards:  # another model's, left by a switch that did not finish
+            if s.get("model", "") != self._model_key:
+                with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
+                    await conn.call("unload", {"start": s["start"], "end": s["end"], "model": s.get("model", "")}, timeout=30)
         handle.drained = profile.node_id in self.drained
         handle.state = "drained" if handle.drained and not handle.held else "ready"
         if existing is not None:
@@ -715,7 +722,7 @@ class Coordinator:
                     h.state = wanted
                     self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state=wanted))
 
-    def _ring_for(self, plan: Plan) -> RingPlan:
+    def _ring_for(self, plan: Plan, model_key: str | None = None) -> RingPlan:
         """The ring as nodes see it. A node the coordinator reaches on loopback is named, for
         the others, by the address this host has on their network."""
         handles = [self.nodes[s.node_id] for s in plan.shards]
@@ -725,31 +732,38 @@ class Coordinator:
         for s, h in zip(plan.shards, handles, strict=True):
             host = outward if outward and is_loopback(h.host) else h.host
             entries.append(PlanEntry(s.node_id, host, h.port, s.start, s.end, s.backend or self._node_backend(h)))
-        return RingPlan(plan.version, plan.n_layers, tuple(entries))
+        return RingPlan(plan.version, plan.n_layers, tuple(entries), self._model_key if model_key is None else model_key)
 
     async def _ensure_shard(self, entry: PlanEntry) -> None:
+        assert self.model is not None
+        body = await self._load_shard(entry, self.model, self._model_key)
+        h = self.nodes[entry.node_id]
+        h.held.add((entry.start, entry.end))
+        h.shards = [s for s in h.shards if (s["start"], s["end"]) != (entry.start, entry.end)]
+        h.shards.append(_shard_record(entry, body, self._model_key))
+
+    async def _load_shard(self, entry: PlanEntry, model: Model, key: str) -> dict[str, Any]:
+        """Load ``entry``'s layers of ``model`` on its node, under the tag ``key`` (from the file
+        where the node can read it, else streamed), with the node's state and progress published."""
         h = self.nodes[entry.node_id]
         conn = self.connection(entry.node_id)
         prior = h.state
         h.state = "loading"
         self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state="loading", reason=f"layers {entry.start}-{entry.end - 1}"))
-        assert self.model is not None
         try:
             if self._use_path(h):
-                body = await load_from_path(conn, str(self.model.path), entry.start, entry.end, entry.backend)
+                body = await load_from_path(conn, str(model.path), entry.start, entry.end, entry.backend, key)
                 self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end,
                                                      done_bytes=int(body.get("nbytes", 0)), total_bytes=int(body.get("nbytes", 0))))
             else:
                 def progress(done: int, total: int) -> None:
                     self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end, done_bytes=done, total_bytes=total))
 
-                body = await stream_shard(conn, self.model.gguf, entry.start, entry.end, entry.backend, progress=progress)
+                body = await stream_shard(conn, model.gguf, entry.start, entry.end, entry.backend, progress=progress, tag=key)
         finally:
             if h.state == "loading":
                 h.state = prior if prior != "loading" else "ready"
-        h.held.add((entry.start, entry.end))
-        h.shards = [s for s in h.shards if (s["start"], s["end"]) != (entry.start, entry.end)]
-        h.shards.append({"start": entry.start, "end": entry.end, "backend": body.get("backend"), "nbytes": int(body.get("nbytes", 0))})
+        return body
 
     def _use_path(self, h: NodeHandle) -> bool:
         if self.weights_mode != "auto":
@@ -764,7 +778,7 @@ class Coordinator:
             for start, end in list(h.held):
                 if (h.node_id, start, end) not in keep:
                     with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
-                        await h.conn.call("unload", {"start": start, "end": end}, timeout=30)
+                        await h.conn.call("unload", {"start": start, "end": end, "model": self._model_key}, timeout=30)
                     h.held.discard((start, end))
                     h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
 
@@ -783,11 +797,13 @@ class Coordinator:
                         a, b = max(o.start, e.start), min(o.end, e.end)
                         if a >= b:
                             continue
-                        reply = await self.connection(o.node_id).call("kv_export", {"rid": rid, "start": a, "end": b}, timeout=30)
+                        reply = await self.connection(o.node_id).call(
+                            "kv_export", {"rid": rid, "start": a, "end": b, "model": old.model}, timeout=30)
                         parts.append(kv_from_array(a, b, np.asarray(reply.tensor)))
                     cache = _concat_kv(parts)
                     await self.connection(e.node_id).call(
-                        "kv_import", {"rid": rid, "start": e.start, "end": e.end}, tensor=kv_to_array(cache), timeout=30
+                        "kv_import", {"rid": rid, "start": e.start, "end": e.end, "model": new.model}, tensor=kv_to_array(cache),
+                        timeout=30
                     )
             except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError) as exc:
                 log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
@@ -846,14 +862,11 @@ class Coordinator:
     async def generate(self, request: Request) -> AsyncIterator[Any]:
         """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`)."""
         assert self.model is not None
-        model = self.model  # its prompt's tokens are this model's: a switch ends the answer
         self._active[request.id] = request
+        self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
         try:
             async for chunk in generate(self.pipeline, self.model.tokenizer, request,
                                         context_length=self.model.config.context_length):
-                if chunk.token_id is not None and self.model is not model:
-                    raise GenerationError(f"the cluster switched from {model.name} to {self.model.name} during this "
-                                          "answer: ask again")
                 if chunk.token_id is not None:
                     self._tok_times.append(time.monotonic())
                     self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id, text=chunk.text))
@@ -1056,10 +1069,18 @@ class Coordinator:
         self._touch()
 
     async def set_model(self, name_or_path: str) -> None:
+        """Serve another model: see :mod:`exo_tui.cluster.model_switch` (the current one serves
+        while the new one loads, where the nodes can hold both)."""
         model = await asyncio.to_thread(lambda: Model(name_or_path, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: model.tokenizer)
+        await model_switch.switch(self, model, name_or_path)
+        self._audit("model", model.name, "ok")
+
+    async def _replace_model(self, model: Model, name: str, spec: Any, key: str) -> None:
+        """The switch that unloads the current model first (nothing serves until the new one
+        is loaded)."""
         async with self._plan_lock:
-            self.model, self.model_name, self.spec = model, name_or_path, spec_from_gguf(model.gguf)
+            self.model, self.model_name, self.spec, self._model_key = model, name, spec, key
             self.plan, self.ring = None, None
             self.pins.clear()
             for h in self.nodes.values():
@@ -1070,7 +1091,6 @@ class Coordinator:
                 h.held.clear()
                 h.shards = []
         await self.replan(f"model {model.name}")
-        self._audit("model", model.name, "ok")
 
     async def models(self) -> list[ModelChoice]:
         """The machine's models, each planned on the cluster as it is (see cluster/model_choices.py)."""
@@ -1170,6 +1190,12 @@ def _concat_kv(parts: list[KVCache]) -> KVCache:
     keys = [k for p in parts for k in p.keys]
     values = [v for p in parts for v in p.values]
     return KVCache(parts[0].start, parts[-1].end, parts[0].length, keys, values)
+
+
+def _shard_record(entry: PlanEntry, body: dict[str, Any], key: str) -> dict[str, Any]:
+    """What the coordinator keeps of a shard a node loaded (as the node's describe() says it)."""
+    return {"start": entry.start, "end": entry.end, "backend": body.get("backend"), "nbytes": int(body.get("nbytes", 0)),
+            "model": key}
 
 
 def _moves(old: Plan | None, new: Plan, spec: Any) -> list[LayerMove]:

@@ -22,7 +22,8 @@ from exo_tui.models.spec import spec_from_gguf
 from exo_tui.scheduler.diff import ChangePreview, preview_change
 
 SWITCH_NOTE = ("every layer of the new model is loaded fresh (from the file where a node can read it, else "
-               "streamed to it); the cluster stops answering while it loads")
+               "streamed to it) while the current one answers, then the switch happens between two tokens; where "
+               "the nodes cannot hold both, the current model is unloaded first")
 
 
 class SpecCache:
@@ -90,7 +91,7 @@ def preview(c: Any, name: str, specs: SpecCache, view: Any) -> PlanPreview:
     change = change_for(c, spec)
     before = c.plan.predictions.tok_per_s_single if c.plan is not None and c.plan.predictions else 0.0
     change = replace(change, tok_per_s_before=before)
-    streaming = f"{len(c._active)} answer(s) streaming now end with an error; " if c._active else ""
+    streaming = f"{len(c._active)} answer(s) streaming at the switch end with an error; " if c._active else ""
     result: PlanPreview = view("model", (name,), change, c, streaming + SWITCH_NOTE)
     if result.new_plan is not None and c.plan is not None:  # planned from no plan: it would be v1
         result = replace(result, new_plan=replace(result.new_plan, version=c.plan.version + 1))

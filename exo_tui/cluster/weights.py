@@ -29,8 +29,10 @@ class WeightTransferError(RuntimeError):
     pass
 
 
-async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None) -> dict:
-    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend}, timeout=LOAD_TIMEOUT_S)
+async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None, model: str = "") -> dict:
+    """``model``: the tag the node keeps the shard under (a node may hold two models' shards)."""
+    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend, "model": model},
+                            timeout=LOAD_TIMEOUT_S)
     return reply.body
 
 
@@ -43,10 +45,12 @@ async def stream_shard(
     *,
     progress: Progress | None = None,
     corrupt: Callable[[int, bytes], bytes] | None = None,
+    tag: str = "",
 ) -> dict:
     """Stream layers ``[start, end)`` of ``model`` to the node on ``conn`` and load them there.
 
-    ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index.
+    ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index. ``tag``: the
+    model tag the node keeps the shard under.
     """
     names = model.shard_tensor_names(start, end)
     infos = [model.tensor_info(n) for n in names]
@@ -60,6 +64,7 @@ async def stream_shard(
             "start": start,
             "end": end,
             "backend": backend,
+            "model": tag,
             "tensors": [{"name": i.name, "type": i.type_name, "shape": list(i.shape), "nbytes": i.nbytes} for i in infos],
         },
         timeout=30,
