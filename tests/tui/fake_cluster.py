@@ -278,7 +278,8 @@ class FakeCluster:
         return PlanPreview("model", (name,), moves=moves, bytes_moved=sum(m.nbytes for m in moves),
                            tok_per_s_before=self._tok_per_s(self.shards), tok_per_s_after=choice.tok_per_s,
                            new_plan=PlanView(self.version + 1, self.n_layers, self.shards),
-                           note="every layer of the new model is loaded fresh; the cluster stops answering while it loads")
+                           note="every layer of the new model is loaded fresh while the current one answers, then the "
+                                "switch happens between two tokens")
 
     async def models(self) -> list[ModelChoice]:
         await asyncio.sleep(0)
