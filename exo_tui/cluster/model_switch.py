@@ -85,7 +85,13 @@ async def _swap(c: Any, model: Any, name: str, spec: Any, key: str, plan: Any,
         c._version = max(c._version, c.plan.version if c.plan else 0) + 1
         plan = plan.with_version(c._version)
         ring = c._ring_for(plan, key)
-        await asyncio.gather(*(c.connection(e.node_id).call("plan", {"plan": ring.to_dict()}, timeout=30) for e in ring.ring))
+        try:
+            await asyncio.gather(*(c.connection(e.node_id).call("plan", {"plan": ring.to_dict()}, timeout=30)
+                                   for e in ring.ring))
+        except LOAD_ERRORS as exc:  # a node went away meanwhile: the current model serves on
+            await _unload(c, [(e.node_id, e.start, e.end) for e, _ in loaded], key)
+            raise GenerationError(f"{model.name} could not come into force ({exc}): {c.model.name} serves on; "
+                                  "try again") from exc
         c._plan_ready.clear()
         await c._idle.wait()  # a token boundary: no step of the old plan runs now
         old_key = c._model_key
