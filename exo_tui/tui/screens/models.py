@@ -206,9 +206,8 @@ class ModelsScreen(FilteredScreen):
         self.render_detail()
 
     def load_finished(self, error: str = "") -> None:
+        """The load ended without the switch (the app shows ``error``): the list again, planned afresh."""
         self.loading = None
-        if error:
-            self.error = ""
         self.action_reload()
 
     @on(DataTable.RowHighlighted)
