@@ -8,9 +8,9 @@ Where the file is:
 * ``platformdirs.user_config_dir("exo-tui")/config.yaml``.
 
 A missing file means all defaults. Keys and defaults follow ``SCHEDULER.md`` (``scheduler.*``,
-``network.*``, ``resources.*``) plus ``ui.theme`` and ``cluster.name``. Unknown keys and values of
-the wrong type or outside their range raise :class:`ConfigError`, whose message names the dotted
-key and what is allowed.
+``network.*``, ``resources.*``) plus ``ui.theme``, ``cluster.name`` and ``models.paths``. Unknown
+keys and values of the wrong type or outside their range raise :class:`ConfigError`, whose message
+names the dotted key and what is allowed.
 
 Environment overrides (applied after the file):
 
@@ -212,6 +212,12 @@ class UIConfig(_Section):
     theme: str = "exo-dark"
 
 
+class ModelsConfig(_Section):
+    # Folders (searched for *.gguf, subfolders too) or files that the model catalog lists beside
+    # Ollama's, LM Studio's and the Hugging Face cache's models (see exo_tui/models/catalog.py).
+    paths: list[str] = Field(default_factory=list)
+
+
 def _default_cluster_name() -> str:
     return socket.gethostname().split(".")[0] or "exo-tui"
 
@@ -226,6 +232,7 @@ class Config(_Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     ui: UIConfig = Field(default_factory=UIConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

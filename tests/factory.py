@@ -52,17 +52,20 @@ def write_tiny_llama(
     arch: str = "llama",
     extra_tensors: dict[str, np.ndarray] | None = None,
     strings: dict[str, str] | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write a random llama model; matrices in ``weight_type`` (F32, F16, Q8_0, Q4_0, Q4_1).
     ``sampling``: recommended sampling fields, e.g. ``{"general.sampling.temp": 0.0}`` (any
     int/float metadata, in fact). ``arch``: the ``general.architecture`` written (the keys follow
-    it); ``extra_tensors``: more float32 tensors by name (to make files exo-tui must refuse)."""
+    it); ``extra_tensors``: more float32 tensors by name (to make files exo-tui must refuse).
+    ``split_max_tensors``: split into ``stem-0000K-of-0000N.gguf`` parts of at most that many
+    tensors each (the path of the first part is returned)."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     tokens, types, merges = tiny_vocab()
     vocab = len(tokens)
     head_dim = hidden // n_heads
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name("tiny-llama")
     w.add_block_count(n_layers)
     w.add_context_length(context_length)
@@ -131,7 +134,7 @@ def write_tiny_llama(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(path)[0] if split_max_tensors else path
 
 
 def random_kquant_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str, std: float) -> np.ndarray:

@@ -271,9 +271,9 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 
     @app.get("/v1/models", response_model=s.ModelList, responses=_errors(401), tags=["openai"])
     async def list_models() -> dict[str, Any]:
-        created = int(coordinator.model.path.stat().st_mtime) if coordinator.model is not None else 0
-        data = [{"id": model_ids(coordinator)[0], "object": "model", "created": created, "owned_by": "exo-tui"}]
-        return {"object": "list", "data": data if coordinator.model is not None else []}
+        from exo_tui.api.ollama import openai_models, scan  # the served model, then the catalog's others
+
+        return {"object": "list", "data": openai_models(coordinator, await scan(coordinator)) if coordinator.model is not None else []}
 
     @app.get("/v1/models/{model}", response_model=s.ModelCard, responses=_errors(401, 404, 503), tags=["openai"])
     async def get_model(model: str) -> dict[str, Any]:
@@ -506,6 +506,11 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
             raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
         return {"model": model_ids(coordinator)[0]}
 
+    from exo_tui.api.model_routes import models_router
+    from exo_tui.api.ollama import ollama_router  # Ollama's API (/api/*); it imports this module
+
+    app.include_router(models_router(coordinator))
+    app.include_router(ollama_router(coordinator))
     return app
 
 

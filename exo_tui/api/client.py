@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,15 @@ from typing import Any
 import httpx
 
 from exo_tui.api.convert import event_from_dict, preview_from_dict, snapshot_from_dict
-from exo_tui.cluster.view import ChatChunk, ChatParams, ClusterSnapshot, Command, HostKeyUnknown, PlanPreview
+from exo_tui.cluster.view import (
+    ChatChunk,
+    ChatParams,
+    ClusterSnapshot,
+    Command,
+    HostKeyUnknown,
+    ModelChoice,
+    PlanPreview,
+)
 from exo_tui.events import EventBus, Notice
 
 log = logging.getLogger("exo_tui.api.client")
@@ -191,6 +200,12 @@ class ClusterClient:
         """One plan change as the API answers it (raises :class:`ApiClientError`)."""
         action, targets, layers = command.action, command.targets, command.layers
         body: dict[str, Any] = {"dry_run": dry_run}
+        if action == "model":
+            name = command.model
+            preview = await self.request("POST", "/v1/cluster/models/preview", json={"model": name}, timeout=120)
+            if not dry_run and not preview.get("error"):
+                await self.set_model(name)
+            return preview
         if action in ("drain", "undrain", "remove"):
             results = [await self.request("POST", f"/v1/cluster/nodes/{_q(t)}/{action}", json=body) for t in targets]
             return _merge(action, results)
@@ -289,6 +304,13 @@ class ClusterClient:
     async def set_model(self, name_or_path: str) -> None:
         await self.request("POST", "/v1/cluster/model", json={"model": name_or_path}, timeout=600)
         self._refresh.set()
+
+    async def models(self) -> list[ModelChoice]:
+        data = await self.request("GET", "/v1/cluster/models", timeout=120)
+        return [ModelChoice(**{k: v for k, v in d.items() if k in _CHOICE_FIELDS}) for d in data]
+
+
+_CHOICE_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelChoice))
 
 
 def _q(part: str) -> str:

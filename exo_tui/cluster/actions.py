@@ -11,18 +11,21 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
+from typing import Any
 
 from exo_tui import events as ev
+from exo_tui.cluster import model_choices, model_switch
 from exo_tui.cluster.snapshots import _to_view_preview
 from exo_tui.cluster.view import (
     PLAN_ACTIONS,
     Command,
     HostView,
+    ModelChoice,
     PlanPreview,
 )
 from exo_tui.inference.generate import GenerationError
+from exo_tui.models.gguf_file import ModelFileError
 from exo_tui.models.model import Model
-from exo_tui.models.spec import spec_from_gguf
 from exo_tui.net.errors import RemoteError
 from exo_tui.scheduler.diff import ChangePreview
 from exo_tui.scheduler.partition import InfeasiblePlan
@@ -93,6 +96,9 @@ class OperatorActions:
         return {nid: Pin(nid, start, end)}
 
     async def preview(self, command: Command) -> PlanPreview:
+        if command.action == "model":  # the plan the model would have, its diff and bytes to load
+            return await asyncio.to_thread(model_choices.preview, self, command.model, self._specs,
+                                           _to_view_preview)
         if command.action not in PLAN_ACTIONS:
             return PlanPreview(command.action, command.targets, error=f"{command.action} is not a plan change: "
                                                                      "use set_model (or run_command)")
@@ -122,6 +128,12 @@ class OperatorActions:
         it is now (it may have changed since the preview); returns what was done."""
         if self.readonly:
             return replace(preview, error="read-only console: changes are disabled")
+        if preview.action == "model":
+            try:
+                await self.set_model(preview.targets[0])
+            except (ModelFileError, GenerationError, InfeasiblePlan, RemoteError, ConnectionError, TimeoutError) as exc:
+                return replace(preview, error=str(exc))
+            return preview
         action, layers = preview.action, preview.layers
         result, change, drained, pins = await self._planned(action, preview.targets, layers)
         ids = result.targets  # resolved to node ids
@@ -187,10 +199,22 @@ class OperatorActions:
         self._touch()
 
     async def set_model(self, name_or_path: str) -> None:
-        model = await asyncio.to_thread(Model, name_or_path)
+        """Serve another model: see :mod:`exo_tui.cluster.model_switch` (the current one serves
+        while the new one loads, where the nodes can hold both)."""
+        model = await asyncio.to_thread(lambda: Model(name_or_path, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: model.tokenizer)
+        await model_switch.switch(self, model, name_or_path)
+        self._audit("model", model.name, "ok")
+
+    async def models(self) -> list[ModelChoice]:
+        """The machine's models, each planned on the cluster as it is (see cluster/model_choices.py)."""
+        return await asyncio.to_thread(model_choices.choices, self, self._specs)
+
+    async def _replace_model(self, model: Model, name: str, spec: Any, key: str) -> None:
+        """The switch that unloads the current model first (nothing serves until the new one
+        is loaded)."""
         async with self._plan_lock:
-            self.model, self.model_name, self.spec = model, name_or_path, spec_from_gguf(model.gguf)
+            self.model, self.model_name, self.spec, self._model_key = model, name, spec, key
             self.plan, self.ring = None, None
             self.pins.clear()
             for h in self.nodes.values():
@@ -201,4 +225,3 @@ class OperatorActions:
                 h.held.clear()
                 h.shards = []
         await self.replan(f"model {model.name}")
-        self._audit("model", model.name, "ok")

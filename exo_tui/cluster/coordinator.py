@@ -30,6 +30,7 @@ from typing import Any
 
 from backends import default_backend_name
 from exo_tui import events as ev
+from exo_tui.cluster import model_choices, model_switch
 from exo_tui.cluster.actions import OperatorActions
 from exo_tui.cluster.joining import JoinEndpoint, reaches_beyond_loopback
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
@@ -121,15 +122,18 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
         self.join = join and self.config.network.join.enabled
         self.joining: JoinEndpoint | None = None
+        self._specs = model_choices.SpecCache()  # of the catalog's models, for the picker
+        self._model_key = ""  # the tag nodes keep the served model's shards under (model_switch.model_key)
 
     # ================================================================== lifecycle
 
     async def start(self) -> None:
         cluster = await asyncio.to_thread(ensure_cluster, self.home)
         self.security = cluster.security(enable_tls=self.config.network.security.enable_tls)
-        self.model = await asyncio.to_thread(Model, self.model_name)
+        self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: self.model.tokenizer)
         self.spec = spec_from_gguf(self.model.gguf)
+        self._model_key = await asyncio.to_thread(model_switch.model_key, self.model.path)
         self._restore_state()
         await self._start_local_nodes(cluster)
         addresses = [n.address for n in self._local] + [split_host_port(p, self.config.network.node_port) for p in self.peers]
@@ -261,6 +265,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`)."""
         assert self.model is not None
         self._active[request.id] = request
+        self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
         try:
             async for chunk in generate(self.pipeline, self.model.tokenizer, request,
                                         context_length=self.model.config.context_length):

@@ -8,6 +8,7 @@ A part of :class:`~exo_tui.cluster.coordinator.Coordinator`, which holds the sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -113,11 +114,16 @@ class Membership:
         if existing is not None and existing.connected and existing.conn is not conn:
             await existing.conn.aclose()
         handle = NodeHandle(profile.node_id, profile.name, host, port, profile, conn)
-        # Only shards of this coordinator's model count as held (a node may still hold another's,
-        # of the same layer ranges, from a coordinator before): the others are loaded over.
-        key = self.model.gguf.fingerprint if self.model is not None else None
-        handle.shards = [s for s in reply.body.get("shards", []) if s.get("model") == key]
+        # Only shards of this coordinator's model count as held: a node may still hold another
+        # model's, of the same layer ranges (left by an earlier coordinator, or a switch that did
+        # not finish), which are unloaded.
+        shards = list(reply.body.get("shards", []))
+        handle.shards = [s for s in shards if s.get("model", "") == self._model_key]
         handle.held = {(s["start"], s["end"]) for s in handle.shards}
+        for s in shards:
+            if s.get("model", "") != self._model_key:
+                with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):  # it goes with the node's next load
+                    await conn.call("unload", {"start": s["start"], "end": s["end"], "model": s.get("model", "")}, timeout=30)
         handle.drained = profile.node_id in self.drained
         handle.state = "drained" if handle.drained and not handle.held else "ready"
         if existing is not None:

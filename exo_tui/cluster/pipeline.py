@@ -118,6 +118,7 @@ class RemotePipeline:
         self._cached: dict[str, _Cached] = {}
         self._served: dict[str, tuple[str, ...]] = {}
         self._active_plans: dict[str, RingPlan] = {}
+        self._models: dict[str, str] = {}  # request id -> the model tag its tokens are of (pin_model)
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
 
     # ------------------------------------------------------------------ frames from nodes
@@ -153,10 +154,19 @@ class RemotePipeline:
     def in_flight(self) -> list[str]:
         return list(self._cached)
 
+    def pin_model(self, rid: str, model: str) -> None:
+        """The request's tokens are of the model tagged ``model``: a plan of another model (after
+        a model switch) ends it rather than running them there."""
+        self._models[rid] = model
+
     async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
         attempts = 0
         while True:
             plan = await self.host.plan_ready()
+            if self._models.get(request.id, plan.model) != plan.model:
+                self.host.step_done()
+                raise GenerationError("the cluster switched to another model during this answer (its tokens are the "
+                                      "old model's): ask again")
             cached = self._cached.get(request.id)
             if cached is not None and cached.version != plan.version:
                 old = self._active_plans.get(request.id)
@@ -286,6 +296,7 @@ class RemotePipeline:
         go); otherwise (cancelled, failed) they are dropped for good, everywhere, and a step of it
         still on its way is discarded by the nodes."""
         cached = self._cached.pop(request.id, None)
+        self._models.pop(request.id, None)
         in_flight = False
         for key, fut in list(self._pending.items()):
             if key[0] == request.id and not fut.done():

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from exo_tui.scheduler.even import even_plan
 from exo_tui.scheduler.partition import InfeasiblePlan
 from exo_tui.scheduler.plan import Constraints, Pin, Plan
 from exo_tui.scheduler.profile import DeviceProfile, Link
+
+if TYPE_CHECKING:
+    from exo_tui.models.model import Model
 
 log = logging.getLogger("exo_tui.cluster")
 
@@ -124,19 +127,23 @@ class PlanSwitching:
             strategy=self.strategy,
         )
 
-    def _even_preview(self, constraints: Constraints) -> ChangePreview:
+    def _even_preview(self, constraints: Constraints, *, spec: Any = None, current: Plan | None | bool = True) -> ChangePreview:
         """Layers split evenly over the live, undrained nodes in the order they joined
-        (``exo-tui chat --nodes``: the operator's order is the ring); see :mod:`exo_tui.scheduler.even`."""
+        (``exo-tui chat --nodes``: the operator's order is the ring); see :mod:`exo_tui.scheduler.even`.
+        ``spec``/``current``: another model's and no plan (a model switch), instead of the served
+        model's and its plan."""
+        spec = spec or self.spec
+        old = self.plan if current is True else current
         live = [h for h in self.nodes.values() if h.state != "failed" and h.node_id not in constraints.drained]
-        version = (self.plan.version + 1) if self.plan else 1
+        version = (old.version + 1) if old else 1
         try:
             plan = even_plan([h.node_id for h in live], {h.node_id: self._node_backend(h) for h in live},
-                             {p.node_id: p for p in self.device_profiles()}, self.spec, constraints,
+                             {p.node_id: p for p in self.device_profiles()}, spec, constraints,
                              self.config.scheduler, version)
         except InfeasiblePlan as exc:
             return ChangePreview(None, None, error=str(exc))
-        diff = plan_diff(self.plan, plan, self.spec, constraints.failed)
-        before = self.plan.predictions.tok_per_s_single if self.plan and self.plan.predictions else 0.0
+        diff = plan_diff(old, plan, spec, constraints.failed)
+        before = old.predictions.tok_per_s_single if old and old.predictions else 0.0
         after = plan.predictions.tok_per_s_single if plan.predictions else 0.0
         return ChangePreview(plan, diff, (), before, after)
 
@@ -214,7 +221,7 @@ class PlanSwitching:
                     h.state = wanted
                     self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state=wanted))
 
-    def _ring_for(self, plan: Plan) -> RingPlan:
+    def _ring_for(self, plan: Plan, model_key: str | None = None) -> RingPlan:
         """The ring as nodes see it. A node the coordinator reaches on loopback is named, for
         the others, by the address this host has on their network."""
         handles = [self.nodes[s.node_id] for s in plan.shards]
@@ -224,32 +231,38 @@ class PlanSwitching:
         for s, h in zip(plan.shards, handles, strict=True):
             host = outward if outward and is_loopback(h.host) else h.host
             entries.append(PlanEntry(s.node_id, host, h.port, s.start, s.end, s.backend or self._node_backend(h)))
-        return RingPlan(plan.version, plan.n_layers, tuple(entries))
+        return RingPlan(plan.version, plan.n_layers, tuple(entries), self._model_key if model_key is None else model_key)
 
     async def _ensure_shard(self, entry: PlanEntry) -> None:
+        assert self.model is not None
+        body = await self._load_shard(entry, self.model, self._model_key)
+        h = self.nodes[entry.node_id]
+        h.held.add((entry.start, entry.end))
+        h.shards = [s for s in h.shards if (s["start"], s["end"]) != (entry.start, entry.end)]
+        h.shards.append(_shard_record(entry, body, self._model_key))
+
+    async def _load_shard(self, entry: PlanEntry, model: Model, key: str) -> dict[str, Any]:
+        """Load ``entry``'s layers of ``model`` on its node, under the tag ``key`` (from the file
+        where the node can read it, else streamed), with the node's state and progress published."""
         h = self.nodes[entry.node_id]
         conn = self.connection(entry.node_id)
         prior = h.state
         h.state = "loading"
         self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state="loading", reason=f"layers {entry.start}-{entry.end - 1}"))
-        assert self.model is not None
         try:
             if self._use_path(h):
-                body = await load_from_path(conn, str(self.model.path), entry.start, entry.end, entry.backend,
-                                            self.model.gguf.fingerprint)
+                body = await load_from_path(conn, str(model.path), entry.start, entry.end, entry.backend, key)
                 self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end,
                                                      done_bytes=int(body.get("nbytes", 0)), total_bytes=int(body.get("nbytes", 0))))
             else:
                 def progress(done: int, total: int) -> None:
                     self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end, done_bytes=done, total_bytes=total))
 
-                body = await stream_shard(conn, self.model.gguf, entry.start, entry.end, entry.backend, progress=progress)
+                body = await stream_shard(conn, model.gguf, entry.start, entry.end, entry.backend, progress=progress, tag=key)
         finally:
             if h.state == "loading":
                 h.state = prior if prior != "loading" else "ready"
-        h.held.add((entry.start, entry.end))
-        h.shards = [s for s in h.shards if (s["start"], s["end"]) != (entry.start, entry.end)]
-        h.shards.append({"start": entry.start, "end": entry.end, "backend": body.get("backend"), "nbytes": int(body.get("nbytes", 0))})
+        return body
 
     def _use_path(self, h: NodeHandle) -> bool:
         if self.weights_mode != "auto":
@@ -264,7 +277,7 @@ class PlanSwitching:
             for start, end in list(h.held):
                 if (h.node_id, start, end) not in keep:
                     with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
-                        await h.conn.call("unload", {"start": start, "end": end}, timeout=30)
+                        await h.conn.call("unload", {"start": start, "end": end, "model": self._model_key}, timeout=30)
                     h.held.discard((start, end))
                     h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
 
@@ -283,11 +296,13 @@ class PlanSwitching:
                         a, b = max(o.start, e.start), min(o.end, e.end)
                         if a >= b:
                             continue
-                        reply = await self.connection(o.node_id).call("kv_export", {"rid": rid, "start": a, "end": b}, timeout=30)
+                        reply = await self.connection(o.node_id).call(
+                            "kv_export", {"rid": rid, "start": a, "end": b, "model": old.model}, timeout=30)
                         parts.append(kv_from_array(a, b, np.asarray(reply.tensor)))
                     cache = _concat_kv(parts)
                     await self.connection(e.node_id).call(
-                        "kv_import", {"rid": rid, "start": e.start, "end": e.end}, tensor=kv_to_array(cache), timeout=30
+                        "kv_import", {"rid": rid, "start": e.start, "end": e.end, "model": new.model}, tensor=kv_to_array(cache),
+                        timeout=30
                     )
             except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError) as exc:
                 log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
@@ -347,6 +362,12 @@ def _concat_kv(parts: list[KVCache]) -> KVCache:
     keys = [k for p in parts for k in p.keys]
     values = [v for p in parts for v in p.values]
     return KVCache(parts[0].start, parts[-1].end, parts[0].length, keys, values)
+
+
+def _shard_record(entry: PlanEntry, body: dict[str, Any], key: str) -> dict[str, Any]:
+    """What the coordinator keeps of a shard a node loaded (as the node's describe() says it)."""
+    return {"start": entry.start, "end": entry.end, "backend": body.get("backend"), "nbytes": int(body.get("nbytes", 0)),
+            "model": key}
 
 
 def _moves(old: Plan | None, new: Plan, spec: Any) -> list[LayerMove]:

@@ -174,6 +174,27 @@ class PlanPreview:
         return Command(self.action, self.targets, self.layers, self.targets[0] if self.action == "model" else "")
 
 
+@dataclass(frozen=True)
+class ModelChoice:
+    """A model of the machine's catalog, as the picker shows it: what it is, whether this runtime
+    can run it, and whether the cluster can hold it now (the scheduler's plan for it)."""
+
+    name: str  # what --model, :model and the APIs take
+    family: str = ""
+    params: str = ""  # "135M"
+    quant: str = ""
+    size_bytes: int = 0
+    context_length: int = 0
+    where: str = ""  # the file, ~ for the home folder
+    source: str = ""  # registry | config | ollama | lmstudio | huggingface
+    usable: bool = True  # the runtime can run it
+    reason: str = ""  # why not, and what to do
+    fits: bool | None = None  # the cluster can hold it now (None: not asked, it cannot run)
+    fit_reason: str = ""  # why it does not fit
+    tok_per_s: float = 0.0  # predicted, one stream
+    current: bool = False  # the file the cluster serves
+
+
 _SETTING_RULES: dict[str, tuple[type, Any, str]] = {  # name: (type, check, what is allowed)
     "temperature": (float, lambda x: 0.0 <= x <= 2.0, "0 up to 2"),
     "top_p": (float, lambda x: 0.0 < x <= 1.0, "above 0 up to 1"),
@@ -292,6 +313,12 @@ class ClusterControl(Protocol):
     async def add_host(self, host: str) -> None: ...
 
     async def set_model(self, name_or_path: str) -> None: ...
+
+    async def models(self) -> list[ModelChoice]:
+        """The models on the coordinator's machine, each with whether the cluster can hold it now.
+        ``preview(Command("model", model=name))`` shows what switching to one does; ``apply`` of
+        it switches."""
+        ...
 
 
 @runtime_checkable

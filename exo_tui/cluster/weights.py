@@ -29,10 +29,9 @@ class WeightTransferError(RuntimeError):
     pass
 
 
-async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None,
-                         model_key: str = "") -> dict:
-    """``model_key`` (the model's fingerprint) is what the node says its shards are of."""
-    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend, "model": model_key},
+async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None, model: str = "") -> dict:
+    """``model``: the tag the node keeps the shard under (a node may hold two models' shards)."""
+    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend, "model": model},
                             timeout=LOAD_TIMEOUT_S)
     return reply.body
 
@@ -46,10 +45,12 @@ async def stream_shard(
     *,
     progress: Progress | None = None,
     corrupt: Callable[[int, bytes], bytes] | None = None,
+    tag: str = "",
 ) -> dict:
     """Stream layers ``[start, end)`` of ``model`` to the node on ``conn`` and load them there.
 
-    ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index.
+    ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index. ``tag``: the
+    model tag the node keeps the shard under.
     """
     names = model.shard_tensor_names(start, end)
     infos = [model.tensor_info(n) for n in names]
@@ -59,11 +60,11 @@ async def stream_shard(
         "load_begin",
         {
             "transfer_id": transfer_id,
-            "model": model.fingerprint,
             "config": model.config.to_wire(),
             "start": start,
             "end": end,
             "backend": backend,
+            "model": tag,
             "tensors": [{"name": i.name, "type": i.type_name, "shape": list(i.shape), "nbytes": i.nbytes} for i in infos],
         },
         timeout=30,

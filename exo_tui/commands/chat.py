@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Answer one chat message, streaming the text as it comes.",
     )
     p.add_argument("prompt", help="the user's message")
-    p.add_argument("--model", default=None, help="registered model name or path to a .gguf (default smollm2-135m)")
+    p.add_argument("--model", default=None, help="a name `exo-tui models` lists (smollm2-135m, llama3.2:1b...) or a path to a .gguf (default smollm2-135m)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto", help="backend for a local run")
     p.add_argument(
         "--backends",

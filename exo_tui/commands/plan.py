@@ -22,7 +22,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--cluster", required=True, metavar="FILE", help="cluster description (YAML)")
     p.add_argument("--model", default="smollm2-135m", metavar="MODEL",
-                   help="smollm2-135m, a path to a .gguf, or synthetic:135m|1b|3b|8b|13b|70b|405b")
+                   help="smollm2-135m, a name `exo-tui models` lists, a path to a .gguf, or synthetic:135m|1b|3b|8b|13b|70b|405b")
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None, help="default: the config's (latency)")
     p.add_argument("--pin", action="append", default=[], metavar="NODE:START-END",
                    help="fix layers START..END-1 to NODE (repeatable)")

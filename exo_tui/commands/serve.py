@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "http://127.0.0.1:52415/v1 for OpenAI clients and `exo-tui status/drain/...`.",
     )
     p.add_argument("--config", default=None, metavar="F", help="config file (default ~/.config/exo-tui/config.yaml)")
-    p.add_argument("--model", default=None, metavar="M", help="registered model name or path to a .gguf (default smollm2-135m)")
+    p.add_argument("--model", default=None, metavar="M", help="a name `exo-tui models` lists (smollm2-135m, llama3.2:1b...) or a path to a .gguf (default smollm2-135m)")
     p.add_argument("--peer", action="append", default=[], metavar="HOST[:PORT]", help="a node agent to join (repeatable)")
     p.add_argument("--local-nodes", type=int, default=None, metavar="N",
                    help="node agents to start on this machine (default 1 without --peer, 0 with)")

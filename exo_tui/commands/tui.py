@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--local-nodes", type=int, default=0, metavar="N", help="start N extra node agents on this machine (loopback)"
     )
     p.add_argument("--readonly", action="store_true", help="watch only: no drain, rebalance, pin, bootstrap or model change")
-    p.add_argument("--model", default=None, metavar="M", help="registered model name or path to a .gguf (default smollm2-135m)")
+    p.add_argument("--model", default=None, metavar="M", help="a name `exo-tui models` lists (smollm2-135m, llama3.2:1b...) or a path to a .gguf (default smollm2-135m)")
     p.add_argument("--attach", default=None, metavar="URL", help="attach to a running `exo-tui serve` instead of embedding one")
     p.add_argument("--theme", default=None, help="theme for this run (default: ui.theme of the config)")
     p.add_argument(

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from backends.base import ModelConfig
 from exo_tui.models.chat_template import ChatTemplate
-from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, resolve_model
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError
+from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel, looks_like_path, resolve_model
 from exo_tui.models.sampling_params import GGUF_SAMPLING_KEYS, with_defaults
 from exo_tui.models.tokenizer import Tokenizer
 
@@ -18,14 +19,17 @@ log = logging.getLogger(__name__)
 
 
 class Model:
-    def __init__(self, name_or_path: str | Path | None = None) -> None:
-        self.path = resolve_model(name_or_path)
+    def __init__(self, name_or_path: str | Path | None = None, *, paths: Sequence[str] | None = None) -> None:
+        """``paths``: the config's ``models.paths``, where catalog names are looked up too (None:
+        the user's config's)."""
+        self.path = resolve_model(name_or_path, paths)
         self.gguf = GGUFModel(self.path)
-        # What the operator knows it by: the registered name (the default one when none was given),
-        # or for a path the file's own name for its model (general.name).
+        # What the operator knows it by: the registered or catalog name (the default one when none
+        # was given), or for a path the file's own name for its model (general.name).
         given = str(name_or_path or DEFAULT_MODEL)
-        self.name = given if not Path(given).suffix else self.gguf.name
-        self._registered = REGISTRY.get(given.lower())
+        is_path = looks_like_path(given) or given.lower().endswith(".gguf") or Path(given).expanduser().exists()
+        self.name = self.gguf.name if is_path else given
+        self._registered = REGISTRY.get(given.lower()) or _registered_file(self.path)
 
     @property
     def config(self) -> ModelConfig:
@@ -59,3 +63,14 @@ class Model:
         """Token ids of the rendered chat, ready for the assistant's answer."""
         text = self.template.render(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text)
+
+
+def _registered_file(path: Path) -> RegisteredModel | None:
+    """The registered model whose file ``path`` is (e.g. the default model linked into a store)."""
+    for entry in REGISTRY.values():
+        try:
+            if resolve_model(entry.name).samefile(path):
+                return entry
+        except (OSError, ModelFileError):
+            continue
+    return None

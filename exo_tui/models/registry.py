@@ -1,9 +1,11 @@
-"""Model names the operator can type, and how they resolve to GGUF files."""
+"""Model names the operator can type, and how they resolve to GGUF files (registered names here;
+the models already on the machine through :mod:`exo_tui.models.catalog`)."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +48,17 @@ def _package_dir(package: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def resolve_model(name_or_path: str | Path | None = None) -> Path:
-    """The GGUF file for a registered name (default ``smollm2-135m``) or a path to a ``.gguf``."""
+def looks_like_path(name: str) -> bool:
+    """A path the operator typed (``./m.gguf``, ``/srv/m.gguf``, ``~/m.gguf``), not a name
+    (``llama3.2:1b``, ``hf.co/org/repo:Q4_K_M``)."""
+    return name.startswith((".", "/", "~")) or os.path.isabs(name)
+
+
+def resolve_model(name_or_path: str | Path | None = None, paths: Sequence[str] | None = None) -> Path:
+    """The GGUF file for a registered name (default ``smollm2-135m``), a name of the model
+    catalog (:mod:`exo_tui.models.catalog`: Ollama's ``llama3.2:1b``, a file's stem from LM Studio,
+    the Hugging Face cache or ``models.paths``) or a path to a ``.gguf``. ``paths``: the config's
+    ``models.paths`` (None: read from the user's config)."""
     name = str(name_or_path or DEFAULT_MODEL)
     entry = REGISTRY.get(name.lower())
     if entry is not None:
@@ -65,9 +76,16 @@ def resolve_model(name_or_path: str | Path | None = None) -> Path:
             )
         return path
     path = Path(name).expanduser()
+    if not path.exists() and not looks_like_path(name):
+        from exo_tui.models import catalog
+
+        found = catalog.resolve(name, paths)
+        if found is not None:
+            return found
     if path.suffix.lower() != ".gguf" and not path.exists():
         known = ", ".join(sorted(REGISTRY))
-        raise ModelFileError(f"unknown model {name!r}: use one of {known} or a path to a .gguf file")
+        raise ModelFileError(f"unknown model {name!r}: use one of {known}, a name `exo-tui models` lists "
+                             "(e.g. llama3.2:1b from Ollama's store) or a path to a .gguf file")
     if not path.exists():
         raise ModelFileError(f"model file {path} does not exist: check the path")
     return path

@@ -47,11 +47,12 @@ class RingPlan:
     version: int
     n_layers: int
     ring: tuple[PlanEntry, ...]
+    model: str = ""  # the model whose shards it runs (their load's tag): two models' shards can be held at once
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RingPlan:
         ring = tuple(PlanEntry(**e) for e in d["ring"])
-        plan = cls(int(d["version"]), int(d["n_layers"]), ring)
+        plan = cls(int(d["version"]), int(d["n_layers"]), ring, str(d.get("model", "")))
         expected = 0
         for e in ring:
             if e.start != expected or e.end <= e.start:
@@ -70,6 +71,7 @@ class RingPlan:
             "version": self.version,
             "n_layers": self.n_layers,
             "ring": [e.__dict__ for e in self.ring],
+            "model": self.model,
         }
 
 

@@ -306,7 +306,9 @@ class NodeAgent:
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
 
     async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:
-        done = await self._in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]))
+        model = frame.body.get("model")
+        done = await self._in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]),
+                                     None if model is None else str(model))
         return Frame("ok", body={"unloaded": done})
 
     async def _op_plan(self, conn: Connection, frame: Frame) -> Frame:
@@ -346,7 +348,9 @@ class NodeAgent:
 
     async def _op_kv_export(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
-        cache = await self._in_worker(self.host.export_kv, b["rid"], int(b["start"]), int(b["end"]))
+        model = b.get("model")
+        cache = await self._in_worker(self.host.export_kv, b["rid"], int(b["start"]), int(b["end"]),
+                                      None if model is None else str(model))
         return Frame("kv", body={"length": cache.length}, tensor=kv_to_array(cache))
 
     async def _op_kv_import(self, conn: Connection, frame: Frame) -> Frame:
@@ -355,7 +359,8 @@ class NodeAgent:
         cache = kv_from_array(start, end, np.array(frame.tensor, copy=True))
 
         def install() -> None:
-            hosted = self.host.shard_for_layers(start, end)
+            model = b.get("model")
+            hosted = self.host.shard_for_layers(start, end, None if model is None else str(model))
             if (hosted.start, hosted.end) != (start, end):
                 raise HostError(f"KV for layers [{start}, {end}) must cover the whole shard [{hosted.start}, {hosted.end})")
             hosted.shard.import_kv(b["rid"], cache)

@@ -31,12 +31,12 @@ class Transfer:
 
     transfer_id: str
     config: ModelConfig
-    model_key: str
     start: int
     end: int
     backend: str
     tensors: list[TensorInfo]
     total_bytes: int
+    model: str = ""
     buffer: bytearray = field(default_factory=bytearray)
     received: int = 0
 
@@ -74,20 +74,24 @@ class HostedShard:
     start: int
     end: int
     nbytes: int
-    model_key: str = ""  # the fingerprint of the model the shard is of (the coordinator's word)
+    model: str = ""  # the tag its load came with: the plans that run it name it
 
     @property
-    def key(self) -> tuple[int, int]:
-        return (self.start, self.end)
+    def key(self) -> tuple[str, int, int]:
+        return (self.model, self.start, self.end)
 
 
 class ShardHost:
-    """A node's shards (by layer range), plans (by version) and transfers."""
+    """A node's shards (by model tag and layer range), plans (by version) and transfers.
+
+    A load tagged with a model keeps the other models' shards: the coordinator loads the next
+    model while the current one serves, then unloads the old one. An untagged load of another
+    model's layers replaces every shard (one model at a time)."""
 
     def __init__(self, node_id: str, default_backend: str) -> None:
         self.node_id = node_id
         self.default_backend = default_backend
-        self.shards: dict[tuple[int, int], HostedShard] = {}
+        self.shards: dict[tuple[str, int, int], HostedShard] = {}
         self.plans: dict[int, RingPlan] = {}
         self.transfers: dict[str, Transfer] = {}
         self.config: ModelConfig | None = None
@@ -96,13 +100,12 @@ class ShardHost:
 
     # ------------------------------------------------------------------ loading
 
-    def load_from_file(self, path: str, start: int, end: int, backend: str | None, model_key: str = "") -> HostedShard:
-        model = self._open(path)
+    def load_from_file(self, path: str, start: int, end: int, backend: str | None, model: str = "") -> HostedShard:
+        gguf = self._open(path)
         try:
-            return self._install(model.config, lambda: model.shard_weights(start, end), backend,
-                                 model_key or model.fingerprint)
+            return self._install(gguf.config, lambda: gguf.shard_weights(start, end), backend, model)
         finally:
-            model.release_pages()  # the shard has its own copy: the file's pages need not stay resident
+            gguf.release_pages()  # the shard has its own copy: the file's pages need not stay resident
 
     def _open(self, path: str) -> GGUFModel:
         """The model file, opened once (parsing a GGUF's vocabulary takes seconds) while it is
@@ -115,11 +118,11 @@ class ShardHost:
             model = GGUFModel(path)
         except (ModelFileError, OSError) as exc:
             raise HostError(str(exc)) from exc
-        self._files = {path: (stamp, model)}  # keep one: a node serves one model
+        self._files = {path: (stamp, model)}  # keep one: the newest model loaded
         return model
 
     def begin_transfer(self, transfer_id: str, config: ModelConfig, start: int, end: int, backend: str | None,
-                       tensors: list[TensorInfo], model_key: str = "") -> Transfer:
+                       tensors: list[TensorInfo], model: str = "") -> Transfer:
         total = sum(t.nbytes for t in tensors)
         if not tensors or any(t.nbytes <= 0 for t in tensors) or not 0 <= start < end <= config.n_layers:
             raise HostError(f"transfer {transfer_id}: an empty or malformed tensor list for layers [{start}, {end})")
@@ -131,7 +134,7 @@ class ShardHost:
                 f"transfer {transfer_id}: {total / 1e9:.2f} GB of weights do not fit in the {free / 1e9:.2f} GB free here: "
                 "give this node fewer layers or free memory"
             )
-        transfer = Transfer(transfer_id, config, model_key, start, end, backend or self.default_backend, tensors, total)
+        transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total, model)
         self.transfers[transfer_id] = transfer
         return transfer
 
@@ -145,24 +148,22 @@ class ShardHost:
             transfer.buffer = bytearray()
             return assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
 
-        return self._install(transfer.config, weights, transfer.backend, transfer.model_key)
+        return self._install(transfer.config, weights, transfer.backend, transfer.model)
 
     def _install(self, config: ModelConfig, make_weights: Callable[[], ShardWeights], backend: str | None,
-                 model_key: str = "") -> HostedShard:
+                 model: str = "") -> HostedShard:
         """Loads the weights ``make_weights`` makes; this is their only holder, so the backend may
         drop each layer once it has its own form of it (``disposable``) and everything the load
         freed goes back to the system afterwards."""
         name = backend or self.default_backend
-        others = any(h.model_key != model_key for h in self.shards.values())
-        if self.shards and (self.config != config or others):
-            # A different model (another shape, or the same shape with other weights): the old
-            # shards cannot be part of the same ring.
+        if not model and self.config is not None and self.config != config and self.shards:
+            # A different model, untagged: the old shards cannot be part of the same ring.
             self.unload_all()
         weights = make_weights()
         weights.disposable = True
         nbytes = weights.nbytes  # before the load, which drops the layers
         shard = get_backend(name).load_shard(config, weights)
-        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes, model_key)
+        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes, model)
         del weights
         with self.lock:
             old = self.shards.pop(hosted.key, None)
@@ -173,19 +174,21 @@ class ShardHost:
         return_freed_memory()
         return hosted
 
-    def unload(self, start: int, end: int) -> bool:
+    def unload(self, start: int, end: int, model: str | None = None) -> bool:
+        """Unload the shard of layers ``[start, end)`` of ``model`` (None: of any model)."""
         with self.lock:
-            hosted = self.shards.pop((start, end), None)
-        if hosted is None:
-            return False
-        hosted.shard.close()
-        del hosted
-        return_freed_memory()
-        return True
+            keys = [k for k in self.shards if k[1:] == (start, end) and (model is None or k[0] == model)]
+            gone = [self.shards.pop(k) for k in keys]
+        for hosted in gone:
+            hosted.shard.close()
+        del gone
+        if keys:
+            return_freed_memory()
+        return bool(keys)
 
     def unload_all(self) -> None:
-        for key in list(self.shards):
-            self.unload(*key)
+        for model, start, end in list(self.shards):
+            self.unload(start, end, model)
 
     # ------------------------------------------------------------------ plans
 
@@ -204,23 +207,24 @@ class ShardHost:
         entry = plan.ring[hop]
         if entry.node_id != self.node_id:
             raise HostError(f"hop {hop} of plan {version} belongs to {entry.node_id}, not {self.node_id}")
-        hosted = self.shards.get((entry.start, entry.end))
+        hosted = self.shards.get((plan.model, entry.start, entry.end))
         if hosted is None:
             raise HostError(f"node {self.node_id} has not loaded layers [{entry.start}, {entry.end}) of plan {version}")
         return plan, entry, hosted
 
     # ------------------------------------------------------------------ KV caches
 
-    def shard_for_layers(self, start: int, end: int) -> HostedShard:
+    def shard_for_layers(self, start: int, end: int, model: str | None = None) -> HostedShard:
+        """The shard (of ``model``; None: of any) that covers layers ``[start, end)``."""
         with self.lock:
             hosted_all = list(self.shards.values())
         for hosted in hosted_all:
-            if hosted.start <= start and end <= hosted.end:
+            if hosted.start <= start and end <= hosted.end and (model is None or hosted.model == model):
                 return hosted
         raise HostError(f"node {self.node_id} holds no shard covering layers [{start}, {end})")
 
-    def export_kv(self, request_id: str, start: int, end: int) -> KVCache:
-        return self.shard_for_layers(start, end).shard.export_kv(request_id).slice_layers(start, end)
+    def export_kv(self, request_id: str, start: int, end: int, model: str | None = None) -> KVCache:
+        return self.shard_for_layers(start, end, model).shard.export_kv(request_id).slice_layers(start, end)
 
     def drop(self, request_id: str) -> None:
         with self.lock:
@@ -233,8 +237,7 @@ class ShardHost:
         backend may be busy with a step on the worker thread (heartbeats must not wait)."""
         with self.lock:
             hosted = list(self.shards.values())
-        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model_key}
-                for h in hosted]
+        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model} for h in hosted]
 
 
 @functools.cache

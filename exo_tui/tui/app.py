@@ -28,7 +28,6 @@ from exo_tui.cluster.view import (
     HostKeyUnknown,
     PlanPreview,
     parse_layers,
-    run_command,
 )
 from exo_tui.tui import keymap
 from exo_tui.tui.messages import ActionDone, ClusterEventReceived, HostKeyQuestion, PreviewReady
@@ -36,12 +35,13 @@ from exo_tui.tui.screens.detail import NodeDetailScreen
 from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen, Prompt, Question
 from exo_tui.tui.screens.hosts import HostsScreen
 from exo_tui.tui.screens.main import MainScreen
+from exo_tui.tui.screens.models import ModelsScreen
 from exo_tui.tui.widgets.chat import ChatPane
 from exo_tui.tui.widgets.events import EventsLog
 from exo_tui.tui.widgets.nodes import NodesTable
 
 # Plan changes that open a confirmation (the others apply straight after their preview).
-CONFIRM_ACTIONS = frozenset({"drain", "rebalance", "remove"})
+CONFIRM_ACTIONS = frozenset({"drain", "rebalance", "remove", "model"})
 # Events after which the tables should refresh at once rather than at the next tick.
 STRUCTURAL = (
     ev.NodeJoined,
@@ -215,6 +215,8 @@ class ExoApp(App):
             self.bootstrap_steps.setdefault(event.host, {})[event.step] = (event.status, event.message, event.ts)
             if isinstance(self.screen, HostsScreen):
                 self.screen.render_progress()
+        if isinstance(event, ev.ShardProgress | ev.NodeStateChanged) and (picker := self._picker()) is not None:
+            picker.on_load_event(event)
         if self.main_screen is not None and self.main_screen.is_mounted:
             for log_view in self.main_screen.query(EventsLog):  # none while the app shuts down
                 log_view.add_event(event, self.node_names())
@@ -359,7 +361,7 @@ class ExoApp(App):
             self.open_hosts()
         elif name == "model":
             if arg:
-                self._set_model(arg)
+                self.request_change("model", (arg,))
             else:
                 self.action_choose_model()
         elif name == "theme":
@@ -434,7 +436,10 @@ class ExoApp(App):
         if action != "rebalance" and not targets:
             self.notify(f"No node selected to {action}.", severity="warning")
             return
-        self._preview(Command(action, targets, layers))
+        if action == "model":
+            self._preview(Command("model", model=targets[0]))
+        else:
+            self._preview(Command(action, targets, layers))
 
     def request_pin_layers(self, node: Any) -> None:
         """Ask for a range of layers (inclusive, as the table shows them) to pin to ``node``."""
@@ -479,6 +484,8 @@ class ExoApp(App):
             return
         if preview.note:
             self.notify(preview.note, title=preview.action.title())
+        if preview.action == "model" and (picker := self._picker()) is not None:
+            picker.load_started(target)
         self._apply(preview)
 
     @work(group="plan")
@@ -500,6 +507,11 @@ class ExoApp(App):
             self.notify(f"{what}: done" + (f" ({message.detail})" if message.detail else ""), title="exo-tui")
             if message.action in {"drain", "undrain", "remove"} and self.main_screen is not None:
                 self.main_screen.query_one(NodesTable).marked.clear()
+        if message.action == "model" and (picker := self._picker()) is not None:
+            if message.error:
+                picker.load_finished(message.error)
+            else:  # the new model serves: back to the chat
+                self._to_main()
         self.refresh_now()
 
     # ------------------------------------------------------------------ hosts, bootstrap, model
@@ -559,28 +571,10 @@ class ExoApp(App):
         self.post_message(ActionDone("add host", host))
 
     def action_choose_model(self) -> None:
-        from exo_tui.models.registry import REGISTRY
+        """The model picker (the machine's models, what the cluster can hold); enter previews a switch."""
+        if self._picker() is None:
+            self._to_main()
+            self.push_screen(ModelsScreen())
 
-        current = self.snapshot.model if self.snapshot else ""
-
-        def chosen(name: str | None) -> None:
-            if name and name != current:
-                self._set_model(name)
-
-        self.push_screen(Prompt("Model (a registered name or a .gguf path)", "smollm2-135m", sorted(REGISTRY), value=current), chosen)
-
-    def _set_model(self, name: str) -> None:
-        if self.readonly:
-            self.notify("Read-only console: changing the model is off.", severity="warning")
-            return
-        self.notify(f"Loading {name}…", title="Model")
-        self._load_model(name)
-
-    @work(group="model", exclusive=True)
-    async def _load_model(self, name: str) -> None:
-        try:
-            await run_command(self.control, Command("model", model=name))
-        except Exception as exc:  # told to the operator in a notice
-            self.post_message(ActionDone("model", name, error=str(exc) or type(exc).__name__))
-            return
-        self.post_message(ActionDone("model", name))
+    def _picker(self) -> ModelsScreen | None:
+        return next((s for s in self.screen_stack if isinstance(s, ModelsScreen)), None)

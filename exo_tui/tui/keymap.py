@@ -14,13 +14,14 @@ from textual.binding import Binding
 
 # Scopes: where a key works. "global" keys work on the main screen whatever pane has focus
 # (unless a text input takes the key).
-SCOPES = ("global", "nodes", "chat", "events", "hosts", "detail", "confirm")
+SCOPES = ("global", "nodes", "chat", "events", "hosts", "models", "detail", "confirm")
 SCOPE_TITLES = {
     "global": "Everywhere",
     "nodes": "Nodes table",
     "chat": "Chat",
     "events": "Events log",
     "hosts": "Hosts view",
+    "models": "Model picker",
     "detail": "Node detail",
     "confirm": "Confirmation",
 }
@@ -90,6 +91,11 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("exo.hosts.add", "a", "add_host", "Add host", "hosts", "Add a host by name or address", dangerous=True),
     KeySpec("exo.hosts.filter", "slash", "filter", "Filter", "hosts", "Show only matching hosts", key_display="/", priority=True),
     KeySpec("exo.hosts.back", "q,escape", "back", "Back", "hosts", "Back to the nodes"),
+    # ------------------------------------------------------------------ model picker
+    KeySpec("exo.models.choose", "enter", "choose", "Load", "models", "Show what loading the selected model changes, then load it across the cluster", dangerous=True),
+    KeySpec("exo.models.filter", "slash", "filter", "Filter", "models", "Show only models whose name, family, quant or place contains the text", key_display="/", priority=True),
+    KeySpec("exo.models.reload", "r", "reload", "Rescan", "models", "Look for models again and plan each on the cluster as it is now"),
+    KeySpec("exo.models.back", "q,escape", "back", "Back", "models", "Back to the nodes (a load goes on)"),
     # ------------------------------------------------------------------ node detail
     KeySpec("exo.detail.back", "q,escape", "back", "Back", "detail", "Back to the nodes"),
     # ------------------------------------------------------------------ confirmation

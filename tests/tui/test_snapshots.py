@@ -12,6 +12,7 @@ import pytest
 from exo_tui.tui.screens.detail import NodeDetailScreen
 from exo_tui.tui.screens.dialogs import ConfirmChange, HelpScreen
 from exo_tui.tui.screens.hosts import HostsScreen
+from exo_tui.tui.screens.models import ModelsScreen
 from exo_tui.tui.widgets.chat import Answer, ChatPane
 from exo_tui.tui.widgets.nodes import NodesTable
 from tests.tui.conftest import no_blink, wait_until
@@ -75,6 +76,25 @@ async def chat_answer(pilot) -> None:  # noqa: ANN001
     await pilot.pause()
 
 
+async def model_picker(pilot) -> None:  # noqa: ANN001
+    app = pilot.app
+    await _ready(pilot)
+    await pilot.press("m")
+    await wait_until(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.choices is not None)
+    await pilot.press("down", "down")  # onto the one that does not fit: its reason shows below
+    no_blink(app)
+    await pilot.pause()
+
+
+async def model_confirmation(pilot) -> None:  # noqa: ANN001
+    app = pilot.app
+    await model_picker(pilot)
+    await pilot.press("up", "enter")
+    await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
+    no_blink(app)
+    await pilot.pause()
+
+
 VIEWS = {
     "dashboard": dashboard,
     "node_detail": node_detail,
@@ -82,6 +102,8 @@ VIEWS = {
     "drain_confirmation": drain_confirmation,
     "hosts_bootstrap": hosts_bootstrap,
     "chat_answer": chat_answer,
+    "model_picker": model_picker,
+    "model_confirmation": model_confirmation,
 }
 
 

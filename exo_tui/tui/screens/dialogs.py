@@ -23,6 +23,7 @@ ACTION_TITLES = {
     "remove": "Remove",
     "pin": "Pin",
     "unpin": "Unpin",
+    "model": "Load model",
 }
 
 

@@ -7,46 +7,35 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from exo_tui.cluster.view import ClusterSnapshot, HostView
 from exo_tui.tui import keymap
 from exo_tui.tui.format import HOST_STATE_COLOR_VAR, HOST_STATE_GLYPH, STEP_COLOR_VAR, STEP_GLYPH, fmt_clock
+from exo_tui.tui.screens.filtered import FilteredScreen, KeyedTable
 from exo_tui.tui.widgets.style import theme_style
 
 BOOTSTRAP_STEPS = ("connect", "detect", "venv", "upload", "install", "key", "start", "handshake", "done")
 HOST_COLUMNS = (("state", "state"), ("host", "host"), ("port", "port"), ("user", "user"), ("source", "source"), ("detail", "detail"))
 
 
-class HostsTable(DataTable):
+class HostsTable(KeyedTable):
     HELP_SCOPE = "hosts"
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(cursor_type="row", **kwargs)
-
-    def on_mount(self) -> None:
-        for key, label in HOST_COLUMNS:
-            self.add_column(label, key=key)
+    COLUMNS = HOST_COLUMNS
 
     @property
     def selected_host(self) -> str | None:
-        if not self.row_count:
-            return None
-        try:
-            return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
-        except Exception:  # the rows are being replaced: no host is selected for this moment
-            return None
+        return self.selected_key
 
 
-class HostsScreen(Screen):
+class HostsScreen(FilteredScreen):
     HELP_SCOPE = "hosts"
     BINDINGS = keymap.bindings("hosts")
     DANGEROUS = keymap.dangerous_actions("hosts")
+    TABLE = HostsTable
 
     def __init__(self) -> None:
         super().__init__()
-        self.filter_text = ""
         self._hosts: list[HostView] = []
         self._order: list[str] = []
 
@@ -65,13 +54,6 @@ class HostsScreen(Screen):
         snapshot = getattr(self.app, "snapshot", None)
         if snapshot is not None:
             self.render_snapshot(snapshot)
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in self.DANGEROUS and getattr(self.app, "readonly", False):
-            return False
-        if action == "filter" and isinstance(self.focused, Input):
-            return False  # a '/' typed into the filter is just a '/'
-        return True
 
     # ------------------------------------------------------------------ rendering
 
@@ -170,28 +152,7 @@ class HostsScreen(Screen):
     def action_add_host(self) -> None:
         self.app.action_add_host()  # type: ignore[attr-defined]
 
-    def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        box.display = True
-        box.focus()
-
-    @on(Input.Changed, "#filter")
-    def _filter_changed(self, event: Input.Changed) -> None:
-        self.filter_text = event.value.strip()
+    def refilter(self) -> None:
         snapshot = getattr(self.app, "snapshot", None)
         if snapshot is not None:
             self.render_snapshot(snapshot)
-
-    @on(Input.Submitted, "#filter")
-    def _filter_done(self, event: Input.Submitted) -> None:
-        event.stop()
-        self.query_one(HostsTable).focus()
-
-    def action_back(self) -> None:
-        box = self.query_one("#filter", Input)
-        if self.focused is box:
-            box.value = ""
-            box.display = False
-            self.query_one(HostsTable).focus()
-            return
-        self.app.pop_screen()
