@@ -283,7 +283,10 @@ def _with_ends(config: ModelConfig, start: int, end: int, layers, get: Callable[
     norm = output = None
     if end == config.n_layers:
         norm = _dense_vector(get("output_norm.weight"))
-        output = get("token_embd.weight") if tied else get("output.weight")
+        if tied:  # one matrix, read once: the head is the embedding (ShardWeights counts it once)
+            output = embed if embed is not None else get("token_embd.weight")
+        else:
+            output = get("output.weight")
     return ShardWeights(start, end, layers, embed, norm, output)
 
 
