@@ -253,7 +253,7 @@ class FakeCluster:
             for t in targets:
                 pins.pop(t, None)
         elif action == "model":
-            return self._model_preview(targets[0])
+            return self._model_preview(command.model)
         elif action != "rebalance":
             return PlanPreview(action, targets, error=f"unknown action {action}")
         ids = self._eligible(drained, removed, undrained)

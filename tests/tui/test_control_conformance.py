@@ -26,7 +26,7 @@ def _parameters(fn: object) -> list[tuple[str, inspect._ParameterKind, object]]:
 
 
 def test_the_protocol_has_the_members_the_front_ends_use() -> None:
-    assert MEMBERS == ["add_host", "apply", "bootstrap", "chat", "preview", "set_model", "snapshot"]
+    assert MEMBERS == ["add_host", "apply", "bootstrap", "chat", "models", "preview", "set_model", "snapshot"]
 
 
 @pytest.mark.parametrize("implementation", [FakeCluster, Coordinator, ClusterClient], ids=lambda c: c.__name__)
