@@ -32,6 +32,7 @@ from exo_tui.api import schemas as s
 from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to_jsonable
 from exo_tui.api.generation import Generation
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
+from exo_tui.api.metrics import add_metrics_route
 from exo_tui.cluster.view import HostKeyUnknown
 from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
@@ -354,6 +355,8 @@ def create_app(coordinator: Any, *, api_key: str | None = None) -> FastAPI:
         }
 
     # ------------------------------------------------------------------ cluster
+
+    add_metrics_route(app, coordinator)
 
     @app.get("/health", tags=["cluster"], responses=_errors(401))
     async def health() -> dict[str, Any]:

@@ -27,7 +27,9 @@ import numpy as np
 from backends import default_backend_name
 from backends.base import KVCache
 from exo_tui import events as ev
+from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
+from exo_tui.cluster.metrics import ClusterMetrics
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
 from exo_tui.cluster.store import StateStore
@@ -119,6 +121,8 @@ class Coordinator:
         self.drained: set[str] = set()
         self.retry_limit = self.config.scheduler.fault_tolerance.task_retry_limit
         self.pipeline = RemotePipeline(self)
+        self.metrics = ClusterMetrics()  # measured figures (exo_tui/cluster/metrics.py)
+        self.pipeline.on_step_timed = self.metrics.step
         self.security: Security | None = None
         self._local: list[LocalNode] = []
         self._plan_ready = asyncio.Event()
@@ -163,6 +167,7 @@ class Coordinator:
             await self._start_discovery(cluster)
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="coordinator-monitor"))
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
+        self._tasks.append(asyncio.create_task(self.metrics.follow(self.events), name="coordinator-metrics"))
         if self.nodes:
             await self._probe_links()
             if broken := self.broken_pins():
@@ -423,7 +428,8 @@ class Coordinator:
             except ValueError as exc:  # the step fails (and is retried); the connection stays
                 self.pipeline.on_step_failed(b["rid"], b.get("step"), frame.plan, f"node {node_id}: {exc}", node_id)
                 return None
-            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs, scores)
+            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs, scores,
+                                   b.get("timing"))
         elif frame.type == "heartbeat":
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(b.get("metrics", {}))
@@ -524,7 +530,9 @@ class Coordinator:
             try:
                 reply = await a.conn.call("link_probe", {"host": b.host, "port": b.port, "pings": 3}, timeout=10)
             except (RemoteError, ConnectionError, TimeoutError):
+                self.metrics.link_probed(a.node_id, b.node_id, None)
                 return
+            self.metrics.link_probed(a.node_id, b.node_id, reply.body.get("rtt_s"))
             a.links[b.node_id] = float(reply.body["latency_s"])
             if "bandwidth_bytes_per_s" in reply.body:
                 a.link_bandwidth[b.node_id] = float(reply.body["bandwidth_bytes_per_s"])
@@ -825,15 +833,18 @@ class Coordinator:
         """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`)."""
         assert self.model is not None
         self._active[request.id] = request
+        self.metrics.started(request)
         try:
             async for chunk in generate(self.pipeline, self.model.tokenizer, request,
                                         context_length=self.model.config.context_length):
                 if chunk.token_id is not None:
                     self._tok_times.append(time.monotonic())
+                    self.metrics.token(request)
                     self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id, text=chunk.text))
                 yield chunk
         finally:
             self._active.pop(request.id, None)
+            self.metrics.ended(request)
 
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
         assert self.model is not None
@@ -1115,7 +1126,13 @@ class Coordinator:
             updated_at=self._last_update,
             readonly=self.readonly,
             sampling=dict(self.model.sampling) if self.model else {},
+            metrics=self.figures(),
         )
+
+    def figures(self) -> ClusterFigures:
+        pred = self.plan.predictions if self.plan is not None else None
+        return self.metrics.figures(self.nodes.values(), ring=self.ring, plan_version=self.ring.version if self.ring else None,
+                                    predicted_tok_per_s=pred.tok_per_s_single if pred else None)
 
 
 # ====================================================================== helpers
