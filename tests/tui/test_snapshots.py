@@ -75,6 +75,12 @@ async def chat_answer(pilot) -> None:  # noqa: ANN001
     await pilot.pause()
 
 
+async def cluster_strip(pilot) -> None:  # noqa: ANN001
+    await _ready(pilot)
+    await pilot.press("M")
+    await pilot.pause(0.1)
+
+
 VIEWS = {
     "dashboard": dashboard,
     "node_detail": node_detail,
@@ -82,6 +88,7 @@ VIEWS = {
     "drain_confirmation": drain_confirmation,
     "hosts_bootstrap": hosts_bootstrap,
     "chat_answer": chat_answer,
+    "cluster_strip": cluster_strip,
 }
 
 
