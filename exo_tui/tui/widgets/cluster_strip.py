@@ -9,10 +9,12 @@ The strip re-renders only when its figures changed: idle, it costs the console n
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Label, Sparkline, Static
+from textual.widget import Widget
 
 from exo_tui.cluster.figures import ClusterFigures, NodeFigures
 from exo_tui.tui.format import fmt_bytes, fmt_rate
@@ -31,17 +33,17 @@ def fmt_share(x: float | None) -> str:
     return "—" if x is None else f"{x * 100:.0f}%"
 
 
-def figure_lines(app: object, f: ClusterFigures, names: dict[str, str]) -> Text:
-    """The strip's figures, as text (also what ``exo-tui status`` shows, in words)."""
+def figure_lines(app: object, f: ClusterFigures, names: dict[str, str]) -> list[list[Text]]:
+    """The strip's figures: two rows of (label, value) items."""
     muted = theme_style(app, "foreground-muted")
     plain = theme_style(app, "foreground")
-    t = Text(no_wrap=False, overflow="fold")
+    rows: list[list[Text]] = [[]]
 
     def item(label: str, value: str, style: object = plain) -> None:
-        if t.cell_len and not t.plain.endswith("\n"):
-            t.append("  ")
+        t = Text()
         t.append(f"{label} ", muted)
         t.append(value, style)
+        rows[-1].append(t)
 
     item("mem", f"{fmt_bytes(f.memory_used_bytes)}/{fmt_bytes(f.memory_total_bytes)}")
     item("cpu", "—" if f.cpu_percent is None else f"{f.cpu_percent:.0f}%")
@@ -54,7 +56,7 @@ def figure_lines(app: object, f: ClusterFigures, names: dict[str, str]) -> Text:
     item(f"last {f.window_s:.0f}s", outcomes)
     ok = f.success_rate is None or f.success_rate >= 0.99
     item("success", fmt_share(f.success_rate), theme_style(app, "success" if ok else "error", bold=not ok))
-    t.append("\n")
+    rows.append([])
     item("TTFT p50/p95", f"{fmt_ms(f.ttft_p50_s)}/{fmt_ms(f.ttft_p95_s)}")
     item("ITL p50/p95", f"{fmt_ms(f.itl_p50_s)}/{fmt_ms(f.itl_p95_s)}")
     item("wait p95", fmt_ms(f.queue_wait_p95_s))
@@ -66,7 +68,93 @@ def figure_lines(app: object, f: ClusterFigures, names: dict[str, str]) -> Text:
         item("coord", fmt_ms(f.coordinator_s))
     bad = f.balance is not None and f.balance > 0.3
     item("balance", "—" if f.balance is None else f"{f.balance:.2f}", theme_style(app, "warning" if bad else "foreground"))
-    return t
+    return rows
+
+
+def lay_out(rows: list[list[Text]], width: int) -> list[Text]:
+    """Rows of items, each row's items two spaces apart, wrapped between items to ``width``
+    (cheap: no Rich wrapping, which cost the strip more than all else)."""
+    lines: list[Text] = []
+    for row in rows:
+        line = Text()
+        for item in row:
+            if line.cell_len and line.cell_len + 2 + item.cell_len > width:
+                lines.append(line)
+                line = Text()
+            if line.cell_len:
+                line.append("  ")
+            line.append_text(item)
+        lines.append(line)
+    return lines
+
+
+class StripText(Widget):
+    """Rows of items that repaint without a layout pass unless their line count changes (a
+    ``Static``'s update lays the whole screen out again: the strip's cost, every second)."""
+
+    DEFAULT_CSS = "StripText { height: auto; }"
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:  # noqa: A002
+        super().__init__(id=id, classes=classes)
+        self.rows: list[list[Text]] = []
+
+    @property
+    def text(self) -> Text:
+        return Text("\n").join(lay_out(self.rows, self.content_size.width or 10_000))
+
+    def set(self, rows: list[list[Text]] | Text) -> None:
+        rows = [[rows]] if isinstance(rows, Text) else rows
+        if rows == self.rows:
+            return
+        width = self.content_size.width or 80
+        relayout = len(lay_out(self.rows, width)) != len(lay_out(rows, width))
+        self.rows = rows
+        self.refresh(layout=relayout)
+
+    def get_content_height(self, container, viewport, width: int) -> int:  # noqa: ANN001
+        return len(lay_out(self.rows, width))
+
+    def render(self) -> Text:
+        return Text("\n").join(lay_out(self.rows, self.content_size.width or 80))
+
+
+BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def spark_rows(values: list[float], width: int) -> tuple[str, str]:
+    """Two rows of block characters, one column per bucket of ``values`` (its max), scaled to the
+    largest: sixteen levels, the newest at the right."""
+    width = max(1, width)
+    if not values:
+        return " " * width, " " * width
+    n = len(values)
+    cols = min(width, n)
+    buckets = [max(values[i * n // cols: max(i * n // cols + 1, (i + 1) * n // cols)]) for i in range(cols)]
+    top = max(buckets) or 1.0
+    levels = [round(16 * max(0.0, b) / top) for b in buckets]
+    low = "".join(BLOCKS[min(lv, 8)] for lv in levels)
+    high = "".join(BLOCKS[max(0, lv - 8)] for lv in levels)
+    return high.rjust(width), low.rjust(width)
+
+
+class Spark(Widget):
+    """A two-row sparkline drawn as text: it repaints without the gradient work of Textual's
+    ``Sparkline`` (which cost the strip most of its time, idle)."""
+
+    DEFAULT_CSS = "Spark { height: 2; color: $primary; }"
+
+    def __init__(self, *, id: str | None = None) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self.data: list[float] = []
+
+    def set(self, data: list[float]) -> None:
+        if data != self.data:
+            self.data = data
+            self.refresh()
+
+    def render(self) -> Text:
+        high, low = spark_rows(self.data, self.content_size.width or 40)
+        return Text(f"{high}\n{low}")
 
 
 class ClusterStrip(Vertical):
@@ -77,19 +165,18 @@ class ClusterStrip(Vertical):
     ClusterStrip.-shown { display: block; }
     ClusterStrip #strip-sparks { height: 3; }
     ClusterStrip .strip-spark { width: 1fr; padding: 0 1 0 0; }
-    ClusterStrip .strip-spark Sparkline { height: 2; }
-    ClusterStrip .strip-spark Label { color: $foreground-muted; }
+    ClusterStrip .strip-spark StripText { color: $foreground-muted; }
     """
 
     _last: tuple[object, ...] | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static(id="strip-figures")
+        yield StripText(id="strip-figures")
         with Horizontal(id="strip-sparks"):
             for key, _ in SPARKS:
                 with Vertical(classes="strip-spark"):
-                    yield Label("", id=f"strip-{key}-label")
-                    yield Sparkline([], id=f"strip-{key}")
+                    yield StripText(id=f"strip-{key}-label")
+                    yield Spark(id=f"strip-{key}")
 
     def on_mount(self) -> None:
         self.border_title = "Cluster · measured"
@@ -108,23 +195,26 @@ class ClusterStrip(Vertical):
     def show(self, figures: ClusterFigures | None, names: dict[str, str]) -> None:
         if not self.shown:
             return
-        key = (figures, tuple(sorted(names.items())))
-        if key == self._last:
-            return
-        self._last = key
-        box = self.query_one("#strip-figures", Static)
+        # the figures without their sparklines' samples: those change every second, the rest rarely when idle
+        key = (None if figures is None else dataclasses.replace(figures, series={}), tuple(sorted(names.items())))
+        box = self.query_one("#strip-figures", StripText)
         if figures is None:
-            box.update(Text("no figures yet: the coordinator has measured nothing", style=theme_style(self.app, "foreground-muted")))
+            box.set(Text("no figures yet: the coordinator has measured nothing", style=theme_style(self.app, "foreground-muted")))
+            self._last = key
             return
-        box.update(figure_lines(self.app, figures, names))
+        if key != self._last:
+            self._last = key
+            box.set(figure_lines(self.app, figures, names))
         n = max((len(v) for v in figures.series.values()), default=0)
-        self.border_subtitle = f"sparklines: last {n // 60} min" if n >= 60 else f"sparklines: last {n} s"
+        subtitle = f"sparklines: last {n // 60} min" if n >= 60 else f"sparklines: last {n} s"
+        if self.border_subtitle != subtitle:
+            self.border_subtitle = subtitle
         for k, label in SPARKS:
             values = list(figures.series.get(k, ()))
             last = values[-1] if values else None
             now = "—" if last is None else (fmt_ms(last) if k == "ttft_s" else f"{last:.1f}" if k == "tok_per_s" else f"{last:.0f}")
-            self.query_one(f"#strip-{k}-label", Label).update(f"{label} {now}")
-            self.query_one(f"#strip-{k}", Sparkline).data = values or [0.0]
+            self.query_one(f"#strip-{k}-label", StripText).set(Text(f"{label} {now}"))
+            self.query_one(f"#strip-{k}", Spark).set(values)
 
 
 def node_lines(app: object, f: ClusterFigures | None, node_id: str, names: dict[str, str]) -> Text:
