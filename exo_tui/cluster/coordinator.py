@@ -508,13 +508,9 @@ class Coordinator:
                     self._notice("info", f"stage times are imbalanced (std/mean {coefficient:.2f}): press R to rebalance")
 
     def _measured_balance(self) -> float:
-        """std/mean of the stages' busy fractions over the last heartbeat (0 when idle)."""
-        if self.ring is None:
-            return 0.0
-        busy = [self.nodes[e.node_id].metrics.get("busy_fraction", 0.0) for e in self.ring.ring if e.node_id in self.nodes]
-        if len(busy) < 2 or max(busy) < 0.05:
-            return 0.0
-        return float(np.std(busy) / max(np.mean(busy), 1e-9))
+        """std/mean of the stages' measured times per token on the plan in force, from the frames'
+        timing (exo_tui/cluster/metrics.py; the figure the console shows); 0 before any."""
+        return (self.metrics.balance(self.ring.version) if self.ring is not None else None) or 0.0
 
     async def _link_loop(self) -> None:
         while True:

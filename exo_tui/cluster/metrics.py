@@ -280,6 +280,14 @@ class ClusterMetrics:
 
     # ------------------------------------------------------------------ figures
 
+    def _tokens(self, now: float, plan_version: int | None) -> list[_Token]:
+        return [t for t in self.ring if t.ts >= now - self.window_s and (plan_version is None or t.plan_version == plan_version)]
+
+    def balance(self, plan_version: int | None) -> float | None:
+        """std/mean of the stages' measured compute times per token on plan ``plan_version``
+        (None before two stages were measured): what the rebalance threshold reads."""
+        return _balance(_stages(self._tokens(self.clock(), plan_version)))
+
     def figures(self, nodes: Iterable[Any], *, ring: Any = None, plan_version: int | None = None,
                 predicted_tok_per_s: float | None = None) -> ClusterFigures:
         """The figures of the window, with ``nodes`` (the coordinator's node handles) and the
@@ -287,11 +295,9 @@ class ClusterMetrics:
         now = self.clock()
         handles = list(nodes)
         live = [h for h in handles if h.state != "failed"]
-        tokens = [t for t in self.ring if t.ts >= now - self.window_s and (plan_version is None or t.plan_version == plan_version)]
+        tokens = self._tokens(now, plan_version)
         token_s = _mean([t.total_s for t in tokens])
-        stage = {h.node_id: _mean([t.compute[h.node_id] for t in tokens if h.node_id in t.compute]) for h in handles}
-        stages = [s for s in stage.values() if s is not None]
-        balance = float(np.std(stages) / np.mean(stages)) if len(stages) >= 2 and np.mean(stages) > 0 else None
+        stage = _stages(tokens)
         outcomes = {k: w.count(now) for k, w in self.outcomes.items()}
         judged = outcomes["completed"] + outcomes["failed"] + outcomes["rejected"]
         comm = _mean([sum(t.links.values()) / t.total_s for t in tokens if t.total_s > 0])
@@ -305,7 +311,7 @@ class ClusterMetrics:
             cpu_percent=_mean(cpus),
             vram_used_bytes=sum(u for u, _ in vram) if vram else None,
             vram_total_bytes=sum(t for _, t in vram) if vram else None,
-            balance=balance,
+            balance=_balance(stage),
             running=self.running,
             queued=self.queued,
             queue_wait_p50_s=self.wait.percentile(50, now),
@@ -358,6 +364,22 @@ class ClusterMetrics:
             ring_s = _mean([t.links.get((a, b), 0.0) for t in tokens]) if on_path else None
             out.append(LinkFigures(a, b, ring_s, rtt, loss))
         return tuple(out)
+
+
+def _stages(tokens: list[_Token]) -> dict[str, float]:
+    """Each node's mean compute time per token."""
+    spent: dict[str, list[float]] = defaultdict(list)
+    for t in tokens:
+        for node, s in t.compute.items():
+            spent[node].append(s)
+    return {node: sum(v) / len(v) for node, v in spent.items()}
+
+
+def _balance(stage: dict[str, float]) -> float | None:
+    values = list(stage.values())
+    if len(values) < 2 or np.mean(values) <= 0:
+        return None
+    return float(np.std(values) / np.mean(values))
 
 
 def _memory(h: Any) -> tuple[int | None, int | None]:
