@@ -40,6 +40,10 @@ WINDOW_S = 60.0  # percentiles, means and outcome counts are over this window
 TOK_RATE_S = 5.0  # tokens/s over this window (the header's figure too)
 SERIES_LEN = 300  # the sparklines' samples, one a second: five minutes
 PROBES_KEPT = 10  # a link's loss is over its last probes
+# At most this many samples a window keeps (the newest): figures are made at every snapshot, and
+# many streams make thousands of tokens a minute.
+WINDOW_MAX = 2048
+RING_MAX = 1024
 COORDINATOR = "coordinator"
 # Histogram buckets (seconds), upper bounds; Prometheus adds +Inf.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,7 +58,7 @@ class Window:
 
     def __init__(self, horizon_s: float = WINDOW_S) -> None:
         self.horizon_s = horizon_s
-        self._items: deque[tuple[float, float]] = deque()
+        self._items: deque[tuple[float, float]] = deque(maxlen=WINDOW_MAX)
 
     def add(self, value: float, now: float) -> None:
         self._items.append((now, value))
@@ -162,7 +166,7 @@ class ClusterMetrics:
         self.wait = Window(window_s)
         self.tokens = Window(TOK_RATE_S)
         self.outcomes: dict[str, Window] = {o: Window(window_s) for o in ("completed", "failed", "cancelled", "rejected")}
-        self.ring: deque[_Token] = deque()
+        self.ring: deque[_Token] = deque(maxlen=RING_MAX)
         # running totals (Prometheus)
         self.ttft_hist = Histogram(TTFT_BUCKETS)
         self.itl_hist = Histogram(ITL_BUCKETS)
