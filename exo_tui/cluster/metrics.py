@@ -12,7 +12,9 @@ already flows:
   coordinator's time since the request's previous token;
 * :meth:`~ClusterMetrics.link_probed` the link probes' round trips and failures;
 * :meth:`~ClusterMetrics.set_queued` and :meth:`~ClusterMetrics.queue_wait`: the one place the
-  admission queue reports to (``queued`` stays 0 until there is one).
+  admission queue reports to (``queued`` stays 0 until there is one; a request's wait is counted
+  from its creation to the start of its generation). A request it refuses counts as ``rejected``
+  when its ``RequestDone`` says ``finish_reason="rejected"`` (or by :meth:`~ClusterMetrics.outcome`).
 
 :meth:`~ClusterMetrics.figures` turns them, with the nodes' heartbeats, into the snapshot's
 :class:`~exo_tui.cluster.figures.ClusterFigures`; the running totals and histograms feed the API's
