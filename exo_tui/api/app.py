@@ -33,6 +33,7 @@ from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to
 from exo_tui.api.generation import Generation
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard, BodyTooLarge
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
+from exo_tui.api.metrics import add_metrics_route
 from exo_tui.cluster.view import Command, HostKeyUnknown, ServingCluster, run_command
 from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
@@ -361,6 +362,8 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         }
 
     # ------------------------------------------------------------------ cluster
+
+    add_metrics_route(app, coordinator)
 
     @app.get("/health", tags=["cluster"], responses=_errors(401))
     async def health() -> dict[str, Any]:

@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from exo_tui import events as ev
+from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.cluster.view import (
     ClusterSnapshot,
     HostView,
@@ -101,6 +102,7 @@ def snapshot_from_dict(d: dict[str, Any]) -> ClusterSnapshot:
         updated_at=float(d.get("updated_at") or 0.0),
         readonly=bool(d.get("readonly", False)),
         sampling=dict(d.get("sampling") or {}),
+        metrics=ClusterFigures.from_dict(d.get("metrics")),
     )
 
 

@@ -35,6 +35,7 @@ from exo_tui.cluster.actions import OperatorActions
 from exo_tui.cluster.joining import JoinEndpoint, reaches_beyond_loopback
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.membership import Membership
+from exo_tui.cluster.metrics import ClusterMetrics
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline
 from exo_tui.cluster.snapshots import Snapshots
@@ -98,6 +99,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.drained: set[str] = set()
         self.retry_limit = self.config.scheduler.fault_tolerance.task_retry_limit
         self.pipeline = RemotePipeline(self)
+        self.metrics = ClusterMetrics()  # measured figures (exo_tui/cluster/metrics.py)
+        self.pipeline.on_step_timed = self.metrics.step
         self.security: Security | None = None
         self._local: list[LocalNode] = []
         self._plan_ready = asyncio.Event()
@@ -149,6 +152,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
             await self._start_join_endpoint()
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="coordinator-monitor"))
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
+        self._tasks.append(asyncio.create_task(self.metrics.follow(self.events), name="coordinator-metrics"))
         if self.nodes:
             await self._probe_links()
             if broken := self.broken_pins():
@@ -266,15 +270,18 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         assert self.model is not None
         self._active[request.id] = request
         self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
+        self.metrics.started(request)
         try:
             async for chunk in generate(self.pipeline, self.model.tokenizer, request,
                                         context_length=self.model.config.context_length):
                 if chunk.token_id is not None:
                     self._tok_times.append(time.monotonic())
+                    self.metrics.token(request)
                     self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id, text=chunk.text))
                 yield chunk
         finally:
             self._active.pop(request.id, None)
+            self.metrics.ended(request)
 
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
         assert self.model is not None

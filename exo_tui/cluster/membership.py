@@ -14,8 +14,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.view import (
@@ -223,7 +221,8 @@ class Membership:
             except ValueError as exc:  # the step fails (and is retried); the connection stays
                 self.pipeline.on_step_failed(b["rid"], b.get("step"), frame.plan, f"node {node_id}: {exc}", node_id)
                 return None
-            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs, scores)
+            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs, scores,
+                                   b.get("timing"))
         elif frame.type == "heartbeat":
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(b.get("metrics", {}))
@@ -304,13 +303,9 @@ class Membership:
                     self._notice("info", f"stage times are imbalanced (std/mean {coefficient:.2f}): press R to rebalance")
 
     def _measured_balance(self) -> float:
-        """std/mean of the stages' busy fractions over the last heartbeat (0 when idle)."""
-        if self.ring is None:
-            return 0.0
-        busy = [self.nodes[e.node_id].metrics.get("busy_fraction", 0.0) for e in self.ring.ring if e.node_id in self.nodes]
-        if len(busy) < 2 or max(busy) < 0.05:
-            return 0.0
-        return float(np.std(busy) / max(np.mean(busy), 1e-9))
+        """std/mean of the stages' measured times per token on the plan in force, from the frames'
+        timing (exo_tui/cluster/metrics.py; the figure the console shows); 0 before any."""
+        return (self.metrics.balance(self.ring.version) if self.ring is not None else None) or 0.0
 
     async def _link_loop(self) -> None:
         while True:
@@ -328,7 +323,9 @@ class Membership:
             try:
                 reply = await a.conn.call("link_probe", {"host": b.host, "port": b.port, "pings": 3}, timeout=10)
             except (RemoteError, ConnectionError, TimeoutError):
+                self.metrics.link_probed(a.node_id, b.node_id, None)
                 return
+            self.metrics.link_probed(a.node_id, b.node_id, reply.body.get("rtt_s"))
             a.links[b.node_id] = float(reply.body["latency_s"])
             if "bandwidth_bytes_per_s" in reply.body:
                 a.link_bandwidth[b.node_id] = float(reply.body["bandwidth_bytes_per_s"])

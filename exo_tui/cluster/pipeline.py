@@ -23,18 +23,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 
+from exo_tui.cluster.metrics import StepSample
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.net.errors import ConnectionClosed, RemoteError
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.rpc import Connection
+from exo_tui.net.timing import HopTiming, timings_from_wire
 
 log = logging.getLogger("exo_tui.cluster")
 
@@ -120,13 +124,18 @@ class RemotePipeline:
         self._active_plans: dict[str, RingPlan] = {}
         self._models: dict[str, str] = {}  # request id -> the model tag its tokens are of (pin_model)
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        # Each step's timing goes to this, when set (the coordinator's metrics).
+        self.on_step_timed: Callable[[StepSample], None] | None = None
+        self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
+        self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
 
     # ------------------------------------------------------------------ frames from nodes
 
     def on_token(self, rid: str, step: int, plan_version: int, token: int, logprobs: TokenLogprobs | None,
-                 scores: list[TokenLogprobs] | None = None) -> None:
+                 scores: list[TokenLogprobs] | None = None, timing: Any = None) -> None:
         fut = self._pending.get((rid, step, plan_version))
         if fut is not None and not fut.done():
+            self._timing[(rid, step, plan_version)] = (timings_from_wire(timing), time.monotonic(), time.time())
             fut.set_result((token, logprobs, scores))
 
     def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None) -> None:
@@ -266,6 +275,9 @@ class RemotePipeline:
                 conn = self.host.connection(first)
             except KeyError as exc:
                 raise StepFailure(f"node {first} is not connected", first) from exc
+            sent_m = time.monotonic()
+            last = self._last_token_s.get(request.id)
+            sent = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 else None)
             try:
                 await conn.send("forward", body, tensor=np.asarray(request.tokens_from(pos), dtype=np.int64),
                                 plan=plan.version)
@@ -277,11 +289,26 @@ class RemotePipeline:
             # task cancels ``fut`` and comes out of the await as it is.
             timer = loop.call_later(STEP_TIMEOUT_S, _expire, fut)
             try:
-                return await fut
+                result = await fut
             finally:
                 timer.cancel()
+            self._timed(key, plan, request.n_tokens - pos, sent)
+            return result
         finally:
             self._pending.pop(key, None)
+            self._timing.pop(key, None)
+
+    def _timed(self, key: tuple[str, int, int], plan: RingPlan, rows: int, sent: tuple[float, float, float | None]) -> None:
+        """Hand the step's timing (the hops' records that came with its token) to ``on_step_timed``."""
+        got = self._timing.pop(key, None)
+        if got is None:
+            return
+        hops, recv_m, recv_w = got
+        self._last_token_s[key[0]] = recv_m
+        if self.on_step_timed is None or hops is None or [h.node_id for h in hops] != [e.node_id for e in plan.ring]:
+            return
+        sent_m, sent_w, coordinator_s = sent
+        self.on_step_timed(StepSample(key[0], plan.version, rows, sent_w, recv_w, recv_m - sent_m, coordinator_s, hops))
 
     async def _drop_on(self, plan: RingPlan, rid: str, *, final: bool = False) -> None:
         async def drop(node_id: str) -> None:
@@ -297,6 +324,7 @@ class RemotePipeline:
         still on its way is discarded by the nodes."""
         cached = self._cached.pop(request.id, None)
         self._models.pop(request.id, None)
+        self._last_token_s.pop(request.id, None)
         in_flight = False
         for key, fut in list(self._pending.items()):
             if key[0] == request.id and not fut.done():

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from exo_tui import events as ev
+from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.cluster.view import (
     ClusterSnapshot,
     LayerMove,
@@ -111,10 +112,17 @@ class Snapshots:
             updated_at=self._last_update,
             readonly=self.readonly,
             sampling=dict(self.model.sampling) if self.model else {},
+            metrics=self.figures(),
         )
 
 
 # ====================================================================== helpers
+
+    def figures(self) -> ClusterFigures:
+        """The measured figures (exo_tui/cluster/metrics.py) beside the plan's prediction."""
+        pred = self.plan.predictions if self.plan is not None else None
+        return self.metrics.figures(self.nodes.values(), ring=self.ring, plan_version=self.ring.version if self.ring else None,
+                                    predicted_tok_per_s=pred.tok_per_s_single if pred else None)
 
 
 def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:

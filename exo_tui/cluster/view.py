@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from exo_tui.bootstrap.errors import HostKeyUnknown as HostKeyUnknown  # the front ends catch it from here
+from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.events import EventBus
 from exo_tui.inference.sampling import SamplingParams, with_defaults
 
@@ -100,6 +101,7 @@ class ClusterSnapshot:
     updated_at: float = 0.0
     readonly: bool = False
     sampling: Mapping[str, Any] = field(default_factory=dict)  # the model's recommended sampling
+    metrics: ClusterFigures | None = None  # measured figures (exo_tui/cluster/metrics.py)
 
     @property
     def ready_count(self) -> int:

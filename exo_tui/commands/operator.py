@@ -28,7 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="show the cluster of a running coordinator",
-                       description="Nodes, their state, scores and layers, and the plan of a running coordinator.")
+                       description="Nodes, their state, scores and layers, the plan of a running coordinator, and the figures it measured.")
     _common(p)
     p.set_defaults(func=run, action="status")
 
@@ -124,6 +124,8 @@ def _print_status(d: dict[str, Any], url: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from exo_tui.commands._figures import print_figures
+
     console = Console(width=None if sys.stdout.isatty() else 150)
     plan = d.get("plan") or {}
     names = {n["node_id"]: n["name"] for n in d.get("nodes", [])}
@@ -163,6 +165,7 @@ def _print_status(d: dict[str, Any], url: str) -> None:
         console.print(t)
     else:
         console.print("no plan: no node serves the model")
+    print_figures(console, d.get("metrics") or {}, names)
 
 
 def _print_preview(p: dict[str, Any], names: dict[str, str], dry_run: bool) -> None:

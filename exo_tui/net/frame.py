@@ -42,8 +42,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2
-"""Version of the wire protocol (frames and handshake). Both ends must speak the same one."""
+PROTOCOL_VERSION = 3
+"""Version of the wire protocol (frames and handshake). Both ends must speak the same one.
+3: ``forward`` and ``token`` bodies carry each hop's timing (:mod:`exo_tui.net.timing`)."""
 
 MIB = 1 << 20
 

@@ -67,6 +67,8 @@ from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
 from exo_tui.net.protocol import HostError, RingPlan, kv_from_array, kv_to_array
 from exo_tui.net.rpc import Connection, connect, serve
+from exo_tui.net.timing import hop_timing
+from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
@@ -88,6 +90,8 @@ class _Step:
     hop: int
     received_s: float = field(default_factory=time.monotonic)
     deferred: bool = False  # a prompt that already let one run of decode steps go first
+    started_s: float = 0.0  # when the run that computed it started (monotonic)
+    compute_s: float = 0.0  # that run's time
 
     @property
     def rows(self) -> int:
@@ -144,6 +148,8 @@ class NodeAgent:
         self._burst: dict[Connection, int] = {}  # steps announced by a sender as following at once
         self.batch_sizes: Counter[int] = Counter()  # steps per forward run (inline runs count as 1)
         self.inline_steps = 0
+        self.decode_steps = 0  # one-position steps run, and their runs' time: this node's own timing
+        self.decode_compute_s = 0.0
         self.batching = Batching()  # visits, recent run time and the rules of batch formation
         # Loading weights takes seconds: it runs beside the worker, so the node keeps serving
         # its current shards while it loads the next plan's (a drain or rebalance does not stall).
@@ -443,7 +449,10 @@ class NodeAgent:
                 self.batch_sizes[len(batch)] += 1
                 t0 = time.monotonic()
                 results = await self._in_worker(self._run_batch, batch)
-                self.batching.ran(time.monotonic() - t0)
+                ran_s = time.monotonic() - t0
+                self.batching.ran(ran_s)
+                for step in batch:
+                    step.started_s, step.compute_s = t0, ran_s
                 following = self._following(batch, results)
                 for step, result, more in zip(batch, results, following, strict=True):
                     await self._deliver(step, result, more)
@@ -523,7 +532,8 @@ class NodeAgent:
         self.inline_steps += 1
         t0 = time.monotonic()
         result = self._run_batch([step])[0]
-        self.batching.ran(time.monotonic() - t0)
+        step.started_s, step.compute_s = t0, time.monotonic() - t0
+        self.batching.ran(step.compute_s)
         await self._deliver(step, result)
 
     def _run_batch(self, batch: list[_Step]) -> list[Any]:
@@ -625,12 +635,18 @@ class NodeAgent:
         if plan is None:
             await self._fail_step(step, f"plan {f.plan} was dropped during the step")
             return
+        if step.rows == 1:
+            self.decode_steps += 1
+            self.decode_compute_s += step.compute_s
+        timing = f.body.get("timing")
+        timing = [*(timing if type(timing) is list else ()),
+                  hop_timing(self.profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
         if isinstance(result, tuple):  # the last hop: a sampled token
             token, logprobs, scores = result
             stats = self._stats.setdefault(rid, _RequestStats())
             stats.tokens += 1
             stats.last_s = time.monotonic()
-            body = {"rid": rid, "step": f.body.get("step"), "token": int(token)}
+            body = {"rid": rid, "step": f.body.get("step"), "token": int(token), "timing": timing}
             if logprobs is not None:
                 body["logprobs"] = logprobs.to_wire()
             tensor = None
@@ -642,6 +658,7 @@ class NodeAgent:
         nxt = plan.ring[step.hop + 1]
         body = dict(f.body)
         body["hop"] = step.hop + 1
+        body["timing"] = timing
         if more:
             body["more"] = more
         else:
@@ -707,6 +724,8 @@ class NodeAgent:
             metrics["queue_depth"] = len(self._queue)
             metrics["batch_sizes"] = {str(k): v for k, v in sorted(self.batch_sizes.items())}
             metrics["inline_steps"] = self.inline_steps
+            metrics["decode_steps"], metrics["decode_compute_s"] = self.decode_steps, self.decode_compute_s
+            metrics.update(sensors.read())
             self.batching.prune(now)
             metrics["busy_fraction"] = (self.batching.busy_s - last_busy) / max(now - last_t, 1e-6)
             last_busy, last_t = self.batching.busy_s, now

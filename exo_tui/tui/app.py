@@ -296,6 +296,9 @@ class ExoApp(App):
                 self._take_event(event)
         self.refresh_now()
 
+    def action_toggle_strip(self) -> None:
+        self._on_main(lambda main: main.toggle_strip(self.snapshot, self.node_names()))
+
     def action_toggle_theme(self) -> None:
         self.theme = "exo-light" if self.theme == "exo-dark" else "exo-dark"
 
@@ -307,7 +310,7 @@ class ExoApp(App):
             except Exception as exc:
                 self.notify(f"Could not save the theme: {exc}", severity="warning")
         if self.main_screen is not None and self.main_screen.is_mounted:
-            for widget in self.main_screen.query("NodesTable, EventsLog, PartitionBar, Topology, ClusterHeader"):
+            for widget in self.main_screen.query("NodesTable, EventsLog, PartitionBar, Topology, ClusterHeader, ClusterStrip"):
                 widget.restyle()
         if self.snapshot is not None:
             self._render_screens(self.snapshot)
@@ -384,6 +387,8 @@ class ExoApp(App):
             else:
                 self.notify("Which node? :unpin NAME or :unpin ID (p on a selected node pins or unpins it)",
                             severity="warning")
+        elif name == "metrics":
+            self.action_toggle_strip()
         elif name == "pause":
             self.action_toggle_pause()
         elif name == "help":

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from exo_tui import events as ev
+from exo_tui.cluster.figures import ClusterFigures, LinkFigures, NodeFigures
 from exo_tui.cluster.view import (
     ChatChunk,
     ChatParams,
@@ -97,6 +98,41 @@ def make_nodes(count: int) -> list[NodeView]:
             )
         )
     return nodes
+
+
+def make_figures(nodes: dict[str, NodeView], shards: tuple[ShardView, ...], version: int, tok_per_s: float) -> ClusterFigures:
+    """Fixed measured figures: a stream running at 90 % of the plan's prediction."""
+    order = [s.node_id for s in shards]
+    token_s = 1.0 / (0.9 * tok_per_s) if tok_per_s else None
+    stage = {n: (s.end - s.start) * nodes[n].profile["benchmark"]["layer_s"] for s, n in zip(shards, order, strict=True)}
+    figs = tuple(
+        NodeFigures(node_id=n.node_id, name=n.name, state=n.state, up=n.state != "failed", cpu_percent=n.cpu_percent,
+                    memory_used_bytes=n.memory_used_bytes, memory_total_bytes=n.memory_total_bytes,
+                    temperature_c=48.0 + 3 * i if i % 2 == 0 else None, power_w=21.5 + i if i == 0 else None,
+                    stage_s=stage.get(n.node_id), queue_s=0.0002 if n.node_id in stage else None,
+                    token_share=stage[n.node_id] / token_s if n.node_id in stage and token_s else None,
+                    idle_share=1 - stage[n.node_id] / token_s if n.node_id in stage and token_s else None,
+                    steps=120 if n.node_id in stage else 0, own_stage_s=stage.get(n.node_id))
+        for i, n in enumerate(sorted(nodes.values(), key=lambda n: n.node_id))
+    )
+    ends = ["coordinator", *order, "coordinator"]
+    links = tuple(LinkFigures(a, b, ring_s=0.0009 + 0.0003 * i, rtt_s=0.0016 + 0.0014 * i if "coordinator" not in (a, b) else None,
+                              loss=0.0 if "coordinator" not in (a, b) else None) for i, (a, b) in enumerate(zip(ends, ends[1:], strict=False)))
+    comm = sum(x.ring_s or 0.0 for x in links)
+    return ClusterFigures(
+        memory_used_bytes=sum(n.memory_used_bytes for n in nodes.values()),
+        memory_total_bytes=sum(n.memory_total_bytes for n in nodes.values()),
+        cpu_percent=sum(n.cpu_percent for n in nodes.values()) / max(1, len(nodes)),
+        balance=0.21, running=1, queued=0, queue_wait_p50_s=0.0001, queue_wait_p95_s=0.0004,
+        ttft_p50_s=0.112, ttft_p95_s=0.180, itl_p50_s=token_s, itl_p95_s=token_s * 1.4 if token_s else None,
+        tok_per_s=round(0.9 * tok_per_s, 1), completed=14, failed=0, cancelled=1, rejected=0, success_rate=1.0,
+        token_s=token_s, coordinator_s=0.0003, comm_share=comm / token_s if token_s else None,
+        measured_tok_per_s=1.0 / token_s if token_s else None, predicted_tok_per_s=tok_per_s, plan_version=version,
+        nodes=figs, links=links,
+        series={"tok_per_s": tuple(float(18 + (j * 7) % 9) for j in range(90)),
+                "ttft_s": tuple(0.1 + 0.01 * (j % 5) for j in range(90)),
+                "queue_depth": tuple(float((j // 20) % 3) for j in range(90))},
+    )
 
 
 class FakeCluster:
@@ -226,6 +262,7 @@ class FakeCluster:
             hosts=tuple(self.hosts.values()),
             tok_per_s=plan.predicted_tok_per_s,
             updated_at=T0,
+            metrics=make_figures(self.nodes, self.shards, self.version, plan.predicted_tok_per_s),
         )
 
     async def preview(self, command: Command) -> PlanPreview:

@@ -93,6 +93,10 @@ async def model_confirmation(pilot) -> None:  # noqa: ANN001
     await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
     no_blink(app)
     await pilot.pause()
+async def cluster_strip(pilot) -> None:  # noqa: ANN001
+    await _ready(pilot)
+    await pilot.press("M")
+    await pilot.pause(0.1)
 
 
 VIEWS = {
@@ -104,6 +108,7 @@ VIEWS = {
     "chat_answer": chat_answer,
     "model_picker": model_picker,
     "model_confirmation": model_confirmation,
+    "cluster_strip": cluster_strip,
 }
 
 

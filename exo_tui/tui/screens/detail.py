@@ -23,6 +23,7 @@ from exo_tui.tui.format import (
     fmt_rate,
     fmt_seconds,
 )
+from exo_tui.tui.widgets.cluster_strip import node_lines
 from exo_tui.tui.widgets.style import theme_style
 
 
@@ -63,6 +64,7 @@ class NodeDetailScreen(Screen):
             with Horizontal(id="detail-top"):
                 yield Static(id="detail-summary", classes="card")
                 yield Static(id="detail-score", classes="card")
+            yield Static(id="detail-measured", classes="card")
             yield Vertical(id="detail-metrics", classes="card")
             yield Static(id="detail-shards", classes="card")
             yield Static(id="detail-profile", classes="card")
@@ -72,6 +74,7 @@ class NodeDetailScreen(Screen):
         for wid, title in (
             ("#detail-summary", "Node"),
             ("#detail-score", "Score"),
+            ("#detail-measured", "Measured"),
             ("#detail-metrics", "Metrics"),
             ("#detail-shards", "Shards"),
             ("#detail-profile", "Profile"),
@@ -99,6 +102,8 @@ class NodeDetailScreen(Screen):
         self.query_one("#detail-score", Static).update(self._score(node))
         self.query_one("#detail-shards", Static).update(self._shards(node, snapshot))
         self.query_one("#detail-profile", Static).update(self._profile(node))
+        names = {n.node_id: n.name for n in snapshot.nodes}
+        self.query_one("#detail-measured", Static).update(node_lines(app, snapshot.metrics, node.node_id, names))
         self._metrics(node)
 
     def _kv(self) -> Table:

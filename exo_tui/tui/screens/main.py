@@ -13,6 +13,7 @@ from exo_tui.cluster.view import ClusterSnapshot
 from exo_tui.tui import keymap
 from exo_tui.tui.widgets.chat import ChatPane
 from exo_tui.tui.widgets.cluster import ClusterHeader, PartitionBar, Topology
+from exo_tui.tui.widgets.cluster_strip import ClusterStrip
 from exo_tui.tui.widgets.events import EventsLog
 from exo_tui.tui.widgets.nodes import NodesTable
 
@@ -22,6 +23,7 @@ class MainScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield ClusterHeader(id="header")
+        yield ClusterStrip(id="strip")
         with Vertical(id="top"):
             yield Input(placeholder="filter nodes (esc clears)", id="filter")
             yield NodesTable(id="nodes")
@@ -61,6 +63,12 @@ class MainScreen(Screen):
         self.query_one(NodesTable).show(snapshot)
         self.query_one(PartitionBar).show(snapshot)
         self.query_one(Topology).show(snapshot)
+        self.query_one(ClusterStrip).show(snapshot.metrics, {n.node_id: n.name for n in snapshot.nodes})
+
+    def toggle_strip(self, snapshot: ClusterSnapshot | None, names: dict[str, str]) -> None:
+        strip = self.query_one(ClusterStrip)
+        strip.toggle()
+        strip.show(snapshot.metrics if snapshot else None, names)
 
     def render_header(self, snapshot: ClusterSnapshot | None, *, now: float, paused: bool, readonly: bool) -> None:
         self.query_one(ClusterHeader).show(snapshot, now=now, paused=paused, readonly=readonly)

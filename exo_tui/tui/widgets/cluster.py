@@ -8,6 +8,7 @@ from textual.widgets import Static
 
 from exo_tui.cluster.view import ClusterSnapshot
 from exo_tui.tui.format import NODE_COLOR_VARS, fmt_age, fmt_layers, fmt_rate
+from exo_tui.tui.widgets.cluster_strip import measured_vs_predicted
 from exo_tui.tui.widgets.style import theme_style
 
 
@@ -71,6 +72,8 @@ def _plan_key(snapshot: ClusterSnapshot) -> object:
         snapshot.plan,
         tuple((n.node_id, n.name, n.state) for n in snapshot.nodes),
         tuple((link.src, link.dst, None if link.latency_ms is None else round(link.latency_ms, 1), link.ok) for link in snapshot.links),
+        None if snapshot.metrics is None or snapshot.metrics.measured_tok_per_s is None
+        else (snapshot.metrics.plan_version, round(snapshot.metrics.measured_tok_per_s, 1)),
     )
 
 
@@ -156,6 +159,7 @@ class PartitionBar(Widget):
         head.append(f" · plan v{plan.version} · {plan.strategy}", muted)
         head.append(" · predicted ", muted)
         head.append(f"{plan.predicted_tok_per_s:.1f} tok/s", theme_style(app, "success", bold=True))
+        head.append_text(measured_vs_predicted(app, snap))
         if plan.predicted_ttft_s:
             head.append(f" · ttft {plan.predicted_ttft_s * 1000:.0f} ms{_for_prompt(plan.predicted_ttft_prompt_tokens)}", muted)
         bar = Text()
