@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exo_tui.api.server import ApiServer
 from exo_tui.cluster.coordinator import Coordinator
-from exo_tui.cluster.view import ChatParams
+from exo_tui.cluster.view import ChatParams, Command
 from tests.integration.cluster_helpers import coordinator, node_processes
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_stage_times_agree_with_the_nodes_own_and_the_heavier_stage_is_slowest(p
         async with coordinator(pair) as c:
             ids = [s.node_id for s in c.plan.shards]
             heavy = ids[0]
-            preview = await c.preview("pin", (heavy,), layers=(0, 28))
+            preview = await c.preview(Command("pin", (heavy,), (0, 28)))
             assert not preview.error, preview.error
             assert not (await c.apply(preview)).error
             before = {n: (c.nodes[n].metrics.get("decode_steps", 0), c.nodes[n].metrics.get("decode_compute_s", 0.0)) for n in ids}
