@@ -22,6 +22,7 @@ from exo_tui.cluster.view import (
     NodeView,
     PlanPreview,
     PlanView,
+    QueueView,
     ShardView,
 )
 
@@ -101,6 +102,7 @@ def snapshot_from_dict(d: dict[str, Any]) -> ClusterSnapshot:
         updated_at=float(d.get("updated_at") or 0.0),
         readonly=bool(d.get("readonly", False)),
         sampling=dict(d.get("sampling") or {}),
+        queue=_build(QueueView, d.get("queue")),
     )
 
 

@@ -93,6 +93,9 @@ class Generation:
     async def cancel(self, grace_s: float = CANCEL_GRACE_S) -> None:
         """Stop at the next token boundary (cancel outright after ``grace_s``) and wait for the end."""
         self._stop.set()
+        admission = getattr(self.coordinator, "admission", None)
+        if admission is not None and not self._task.done() and not admission.running(self.request.id):
+            self._task.cancel()  # still waiting for a plan or its turn: nothing runs on the nodes yet
         if not self._task.done():
             try:
                 async with asyncio.timeout(grace_s):

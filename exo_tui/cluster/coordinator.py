@@ -27,6 +27,13 @@ import numpy as np
 from backends import default_backend_name
 from backends.base import KVCache
 from exo_tui import events as ev
+from exo_tui.cluster.admission import (
+    Admission,
+    AdmittedRunner,
+    ring_kv_capacity,
+    wait_for_plan,
+    with_queue_notes,
+)
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline, StepFailure
@@ -41,6 +48,7 @@ from exo_tui.cluster.view import (
     NodeView,
     PlanPreview,
     PlanView,
+    QueueView,
     ShardView,
 )
 from exo_tui.cluster.weights import load_from_path, stream_shard
@@ -119,6 +127,10 @@ class Coordinator:
         self.drained: set[str] = set()
         self.retry_limit = self.config.scheduler.fault_tolerance.task_retry_limit
         self.pipeline = RemotePipeline(self)
+        adm = self.config.admission
+        self.admission = Admission(lambda: ring_kv_capacity(self.ring, self.nodes), queue_bound=adm.queue_bound,
+                                   kv_share=adm.kv_share, kept=self.pipeline.kept_positions,
+                                   forget_kept=self.pipeline.forget_kept)
         self.security: Security | None = None
         self._local: list[LocalNode] = []
         self._plan_ready = asyncio.Event()
@@ -427,11 +439,13 @@ class Coordinator:
         elif frame.type == "heartbeat":
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(b.get("metrics", {}))
+                self.admission.poke()  # its KV budget may have changed
                 self.events.publish(ev.NodeMetrics(node_id=node_id, metrics={k: v for k, v in handle.metrics.items() if k != "requests"}))
                 self._touch()
         elif frame.type == "step_failed":
             suspect = b.get("failed_node") or None
-            self.pipeline.on_step_failed(b.get("rid", ""), b.get("step"), frame.plan, str(b.get("error", "")), suspect)
+            self.pipeline.on_step_failed(b.get("rid", ""), b.get("step"), frame.plan, str(b.get("error", "")), suspect,
+                                         kv_budget=b.get("kv_budget") is True)
         else:
             raise RemoteError(f"the coordinator does not take {frame.type!r} frames")
         return None
@@ -821,19 +835,25 @@ class Coordinator:
 
     # ================================================================== generation
 
-    async def generate(self, request: Request) -> AsyncIterator[Any]:
-        """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`)."""
+    async def generate(self, request: Request, on_queued: Any = None) -> AsyncIterator[Any]:
+        """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`), once
+        admission lets it run (:mod:`exo_tui.cluster.admission`; ``on_queued(n)`` while it waits
+        with ``n`` requests ahead)."""
+        await wait_for_plan(self, self.config.admission.plan_wait_s)
         assert self.model is not None
+        ticket = self.admission.ticket(request, self.model.config.context_length)
+        await self.admission.enter(ticket, on_queued=on_queued)
         self._active[request.id] = request
         try:
-            async for chunk in generate(self.pipeline, self.model.tokenizer, request,
-                                        context_length=self.model.config.context_length):
+            async for chunk in generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer,
+                                        request, context_length=self.model.config.context_length):
                 if chunk.token_id is not None:
                     self._tok_times.append(time.monotonic())
                     self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id, text=chunk.text))
                 yield chunk
         finally:
             self._active.pop(request.id, None)
+            self.admission.leave(ticket)
 
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
         assert self.model is not None
@@ -843,8 +863,12 @@ class Coordinator:
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
         request = self.new_request(messages, params)
         finish, error = None, ""
+        notes: asyncio.Queue[int] = asyncio.Queue()
         try:
-            async for chunk in self.generate(request):
+            async for chunk in with_queue_notes(self.generate(request, on_queued=notes.put_nowait), notes):
+                if isinstance(chunk, int):
+                    yield ChatChunk(queued_ahead=chunk)
+                    continue
                 if chunk.finish_reason:
                     finish = chunk.finish_reason
                     break
@@ -1084,6 +1108,7 @@ class Coordinator:
                     heartbeat_age_s=None if h.state == "failed" else h.heartbeat_age_s(now),
                     profile=h.profile.to_dict(),
                     history={k: tuple(v) for k, v in h.history.items()},
+                    kv={k: int(v) for k, v in (h.metrics.get("kv") or {}).items()},
                 )
             )
         for d in self.discovered.values():
@@ -1115,6 +1140,7 @@ class Coordinator:
             updated_at=self._last_update,
             readonly=self.readonly,
             sampling=dict(self.model.sampling) if self.model else {},
+            queue=QueueView(**self.admission.stats().to_dict()),
         )
 
 

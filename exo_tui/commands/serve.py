@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer", action="append", default=[], metavar="HOST[:PORT]", help="a node agent to join (repeatable)")
     p.add_argument("--local-nodes", type=int, default=None, metavar="N",
                    help="node agents to start on this machine (default 1 without --peer, 0 with)")
+    add_local_memory_limit(p)
     p.add_argument("--backends", default=None, metavar="B,B",
                    help="comma list of backends for the local nodes, used in turn (e.g. onnx,mlx)")
     p.add_argument("--api-host", default=None, metavar="HOST", help="address to listen on (default network.api.host, 127.0.0.1)")
@@ -37,6 +38,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--discover", action="store_true", help="browse mDNS for node agents and hosts of this cluster")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
+
+
+def memory_gb(text: str) -> float:
+    """``--local-memory-limit``: a positive number of GB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB (e.g. 0.6)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a memory limit must be above 0 GB, got {text}")
+    return value
+
+
+def add_local_memory_limit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local-memory-limit", type=memory_gb, default=None, metavar="GB",
+                   help="each local node's whole memory budget (its --memory-limit): its shards, runtime and KV "
+                        "caches stay within it; requests beyond what it holds wait their turn")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +91,8 @@ async def _serve(args: argparse.Namespace) -> int:
     local = args.local_nodes if args.local_nodes is not None else (0 if args.peer else 1)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     coordinator = Coordinator(model=args.model, config=config, peers=list(args.peer), local_nodes=local,
-                              local_backends=backends, strategy=args.strategy, discover=args.discover)
+                              local_backends=backends, strategy=args.strategy, discover=args.discover,
+                              local_memory_limits_gb=[args.local_memory_limit] * local if args.local_memory_limit else None)
     server = ApiServer(coordinator, host=host, port=port, api_key=key,
                        log_level="warning" if args.log_level != "debug" else "info")
     log = logging.getLogger("exo_tui.serve")
