@@ -14,6 +14,9 @@ the finished ones whose caches are kept for a next turn, plus its own fit in tha
   most ``admission.queue_bound`` requests; past it a request is refused at once
   (:class:`QueueFull`: the API's 429 with ``Retry-After``).
 
+A request without ``max_tokens`` (up to the context) reserves ``OPEN_STEP`` positions at a time,
+with preemption, and ends where the ring's memory ends if that is before the context.
+
 Kept caches of finished requests go when a request needs their room. A node that refuses a step
 for want of memory anyway (its budget shrank: another process took memory) preempts the request
 the same way. Until every node of the ring has reported its budget, one request runs at a time.
@@ -33,6 +36,9 @@ from typing import Any
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
+
+OPEN_STEP = 256  # positions at a time for a request without max_tokens
+CAPACITY_WAIT_S = 3.0  # a first request waits this long for the nodes' budgets (heartbeats are 1 s apart)
 
 
 class QueueFull(GenerationError):
@@ -134,9 +140,28 @@ class Admission:
     # ------------------------------------------------------------------ entering and leaving
 
     def ticket(self, request: Request, context_length: int) -> Ticket:
-        full = min(context_length, len(request.prompt_ids) + max(1, request.max_tokens))
-        step = full if self.kv_share >= 1 else max(len(request.prompt_ids) + 1, math.ceil(self.kv_share * full))
+        """The request's place. One that runs up to the context (no ``max_tokens`` given) ends
+        where the ring's memory ends, if that comes first (``finish_reason`` length), and reserves
+        ``OPEN_STEP`` positions at a time (so it is preempted, not refused, when memory is short)."""
+        prompt = len(request.prompt_ids)
+        full = min(context_length, prompt + max(1, request.max_tokens))
+        open_ended = full >= context_length
+        cap = self.capacity()
+        if open_ended and cap is not None and full > cap > prompt:
+            request.max_tokens, full = cap - prompt, cap
+        if open_ended:
+            step = prompt + OPEN_STEP
+        elif self.kv_share < 1:
+            step = max(prompt + 1, math.ceil(self.kv_share * full))
+        else:
+            step = full
         return Ticket(request.id, full, min(step, full), min(step, full))
+
+    async def known(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every node of the ring has reported its budget."""
+        deadline = time.monotonic() + timeout_s
+        while self.capacity() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def enter(self, ticket: Ticket, *, front: bool = False,
                     on_queued: Callable[[int], None] | None = None) -> None:

@@ -28,6 +28,7 @@ from backends import default_backend_name
 from backends.base import KVCache
 from exo_tui import events as ev
 from exo_tui.cluster.admission import (
+    CAPACITY_WAIT_S,
     Admission,
     AdmittedRunner,
     ring_kv_capacity,
@@ -840,6 +841,7 @@ class Coordinator:
         admission lets it run (:mod:`exo_tui.cluster.admission`; ``on_queued(n)`` while it waits
         with ``n`` requests ahead)."""
         await wait_for_plan(self, self.config.admission.plan_wait_s)
+        await self.admission.known(CAPACITY_WAIT_S)
         assert self.model is not None
         ticket = self.admission.ticket(request, self.model.config.context_length)
         await self.admission.enter(ticket, on_queued=on_queued)

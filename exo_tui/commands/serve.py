@@ -59,7 +59,7 @@ def add_local_memory_limit(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from backends.base import BackendError
-    from exo_tui.api.server import ApiServerError
+    from exo_tui.api.listen import ApiServerError
     from exo_tui.commands._runtime import run_main
     from exo_tui.config import ConfigError
     from exo_tui.models.gguf_file import ModelFileError
@@ -77,13 +77,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from exo_tui.api.server import ApiServer, exposure_warning
-    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.api.listen import bind_api_socket
     from exo_tui.config import load_config
 
     config = load_config(args.config)
     host = args.api_host or config.network.api.host
     port = args.api_port if args.api_port is not None else config.network.api.port
+    # Listen before the heavy imports: a client's first request is queued by the kernel, then served.
+    sock = bind_api_socket(host, port)
+    from exo_tui.api.server import ApiServer, exposure_warning
+    from exo_tui.cluster.coordinator import Coordinator
+
     key = config.network.api.key
     warning = exposure_warning(host, key)
     if warning:
@@ -94,7 +98,7 @@ async def _serve(args: argparse.Namespace) -> int:
                               local_backends=backends, strategy=args.strategy, discover=args.discover,
                               local_memory_limits_gb=[args.local_memory_limit] * local if args.local_memory_limit else None)
     server = ApiServer(coordinator, host=host, port=port, api_key=key,
-                       log_level="warning" if args.log_level != "debug" else "info")
+                       log_level="warning" if args.log_level != "debug" else "info", sock=sock)
     log = logging.getLogger("exo_tui.serve")
     await server.start()
     try:

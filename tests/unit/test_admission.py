@@ -137,3 +137,13 @@ def test_without_a_limit_the_budget_follows_free_memory() -> None:
     b.set_shards({(0, 4): 100})
     b.observe(rss_bytes=100_000_000, available_bytes=2_000_000_000, settled=True)
     assert b.budget_bytes == int(0.8 * 2_000_000_000)
+
+
+async def test_a_request_without_max_tokens_ends_where_the_rings_memory_ends() -> None:
+    adm = Admission(lambda: 1000)
+    r = req(40, 8192 - 40)  # what the API makes of a request without max_tokens: up to the context
+    t = adm.ticket(r, 8192)
+    assert r.max_tokens == 1000 - 40 and t.full == 1000  # it ends at finish_reason "length" there
+    assert t.need == 40 + 256  # and reserves a step at a time: it is preempted, not refused, when short
+    await adm.enter(t)
+    assert adm.stats().reserved_positions == 296
