@@ -590,7 +590,9 @@ class NodeAgent:
         import psutil
 
         per_position = {}
-        for key, hosted in list(self.host.shards.items()):
+        with self.host.lock:  # the loader thread installs shards under it
+            hosted_all = list(self.host.shards.items())
+        for key, hosted in hosted_all:
             c = hosted.shard.config
             per_position[key] = shard_position_bytes(c.n_kv_heads, c.head_dim, hosted.start, hosted.end,
                                                      get_backend(hosted.backend).kv_value_bytes())

@@ -22,6 +22,7 @@ from exo_tui.cluster.view import (
     NodeView,
     PlanPreview,
     PlanView,
+    QueueView,
     ShardView,
 )
 
@@ -88,6 +89,10 @@ class FakeCluster:
         self.applied: list[PlanPreview] = []
         self.chats: list[list[dict[str, str]]] = []
         self.chat_params: list[ChatParams] = []
+        self.queue: QueueView | None = None  # admission's counts in the snapshot
+        self.queued_ahead: list[int] = []  # notes a chat yields before its answer, as while it waits its turn
+        self.admit = asyncio.Event()  # set: the waiting chat is admitted
+        self.admit.set()
         self.fail_next_chat = ""
         self.known_keys: set[str] = set()
         self.hosts: dict[str, HostView] = {
@@ -196,6 +201,7 @@ class FakeCluster:
             hosts=tuple(self.hosts.values()),
             tok_per_s=plan.predicted_tok_per_s,
             updated_at=T0,
+            queue=self.queue,
         )
 
     async def preview(
@@ -282,6 +288,9 @@ class FakeCluster:
         if self.fail_next_chat:
             error, self.fail_next_chat = self.fail_next_chat, ""
             raise RuntimeError(error)
+        for ahead in self.queued_ahead:
+            yield ChatChunk(queued_ahead=ahead)
+        await self.admit.wait()
         words = self.reply.split(" ")
         count = 0
         for i, word in enumerate(words):
