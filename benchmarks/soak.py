@@ -105,6 +105,21 @@ async def run(args: argparse.Namespace) -> None:
     server = ApiServer(c, port=port)
     await server.start()
     await c.start()
+    changes: list[str] = []  # what happened to the cluster, from its events
+
+    async def watch() -> None:
+        from exo_tui import events as ev
+
+        with c.events.subscribe() as sub:
+            async for e in sub:
+                if isinstance(e, ev.OperatorAction):
+                    changes.append(f"{e.action} {e.target}: {e.result}")
+                elif isinstance(e, ev.NodeFailed):
+                    changes.append(f"node {c.node_name(e.node_id)} failed: {e.reason}")
+                elif isinstance(e, ev.PlanChanged):
+                    changes.append(f"plan v{e.version} ({e.reason})")
+
+    watcher = asyncio.create_task(watch())
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(7)
     kinds = ["complete"] * args.requests
@@ -167,11 +182,13 @@ async def run(args: argparse.Namespace) -> None:
             rss_at["end"] = {k: p.memory_info().rss for k, p in procs.items() if p.is_running()}
             kv = {h.name: dict(h.metrics.get("kv") or {}) for h in c.nodes.values() if h.state != "failed"}
     finally:
+        watcher.cancel()
         await server.stop()
         await c.stop()
     wall = time.perf_counter() - t_start
     print(f"{args.requests} requests at {args.concurrency} concurrent in {wall:.0f} s: "
           f"{counts['complete']} completed, {counts['cancel']} cancelled midway, {counts['vanish']} disconnected")
+    print("cluster changes during the run:" + "".join(f"\n  {x}" for x in changes))
     print(f"lost: {len(lost)}" + "".join(f"\n  {x}" for x in lost[:10]))
     print(f"completed greedy answers unlike their solo run: {len(differ)} {differ[:10]}")
     print("resident memory, 200th request -> last:")

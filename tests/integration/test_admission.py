@@ -70,13 +70,14 @@ async def kv_report(c: Coordinator, *, fresh: bool = True) -> dict[str, Any]:
     return dict(h.metrics["kv"])
 
 
-def chat_body(prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = False) -> dict[str, Any]:
-    return {"model": "tiny-deep", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+def chat_body(prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = False, model: str = "tiny-deep") -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "stream": stream}
 
 
-async def answer(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> httpx.Response:
-    return await http.post(f"{url}/v1/chat/completions", json=chat_body(prompt, max_tokens), timeout=600)
+async def answer(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = MAX_TOKENS,
+                 model: str = "tiny-deep") -> httpx.Response:
+    return await http.post(f"{url}/v1/chat/completions", json=chat_body(prompt, max_tokens, model=model), timeout=600)
 
 
 def measured_runtime(home: Path, model: Path) -> tuple[int, int, int]:
@@ -210,4 +211,35 @@ def test_clients_that_go_away_mid_stream_leave_no_cache(tmp_path: Path, tiny: Pa
             assert c.admission.stats().running == 0
 
     with node_processes(tmp_path, ["onnx"], extra_args=["--no-benchmark"]) as nodes:
+        asyncio.run(run(nodes))
+
+
+def test_the_default_model_on_a_node_that_holds_two_answers(tmp_path: Path) -> None:
+    """The same on the real default model, smaller: six answers at once on a node whose limit
+    holds two; every one is its solo answer, the node stays under its limit."""
+    from exo_tui.models.model import Model
+    from exo_tui.models.registry import resolve_model
+
+    model = resolve_model(None)
+    mid = model.stem
+    questions = ["What is the capital of France?", "Name three primary colours.", "What is 2 + 2?"]
+    runtime, per_position, _ = measured_runtime(tmp_path, model)
+    m = Model(model)
+    positions = max(len(m.chat_prompt_ids([{"role": "user", "content": q}])) for q in questions) + 48
+    limit_gb = limit_for(runtime, per_position, positions, 2)
+
+    async def run(nodes: Any) -> None:
+        node = nodes.nodes[0]
+        async with serving(nodes.peers, tmp_path, model) as (c, url), httpx.AsyncClient() as http:
+            solo = {q: (await answer(http, url, q, 48, mid)).json()["choices"][0]["message"]["content"] for q in questions}
+            await kv_report(c)
+            with RssWatch(node.process.pid) as rss:
+                results = await asyncio.gather(*(answer(http, url, questions[i % 3], 48, mid) for i in range(6)))
+            assert [r.status_code for r in results] == [200] * 6
+            assert [r.json()["choices"][0]["message"]["content"] for r in results] == [solo[questions[i % 3]] for i in range(6)]
+            assert "Paris" in solo[questions[0]]
+            assert rss.peak < limit_gb * 1e9, (rss.peak, limit_gb)
+            assert (await kv_report(c))["refused"] == 0
+
+    with node_processes(tmp_path, ["onnx"], memory_limits_gb=[limit_gb], extra_args=["--no-benchmark"]) as nodes:
         asyncio.run(run(nodes))
