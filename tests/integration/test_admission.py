@@ -157,6 +157,9 @@ def test_64_requests_on_a_node_that_holds_8(tmp_path: Path, tiny: Path) -> None:
                 assert err["code"] == "rate_limit_exceeded" and "busy" in err["message"]
             stats = c.admission.stats()
             assert stats.rejected == len(refused) and stats.admitted == len(ok) + len(PROMPTS)
+            print(f"\n64 requests, limit {limit_gb * 1000:.0f} MB (runtime {runtime / 1e6:.0f} MB, a request "
+                  f"{positions * per_position / 1e6:.1f} MB of KV): {len(ok)} served, {len(refused)} refused; "
+                  f"peak RSS {rss.peak / 1e6:.0f} MB")
             assert rss.peak < limit_gb * 1e9, (rss.peak, limit_gb)
             after = await kv_report(c)
             assert after["refused"] == 0  # admission kept every step within the node's budget
