@@ -168,6 +168,9 @@ class Admission:
         """Wait until ``ticket`` is admitted (raises :class:`QueueFull` or :class:`TooLarge`).
         ``on_queued(n)``: called with the requests ahead while it waits, as that changes."""
         cap = self.capacity()
+        if cap == 0:
+            raise TooLarge("no node of the ring has memory left for KV caches beyond its runtime and shards "
+                           "(exo-tui status shows each node's KV MB): give the nodes a larger --memory-limit or more memory")
         if cap is not None and ticket.need > cap:
             raise TooLarge(
                 f"the request needs KV caches for {ticket.need} positions and the ring's nodes hold {cap} in all: "

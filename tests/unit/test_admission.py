@@ -147,3 +147,9 @@ async def test_a_request_without_max_tokens_ends_where_the_rings_memory_ends() -
     assert t.need == 40 + 256  # and reserves a step at a time: it is preempted, not refused, when short
     await adm.enter(t)
     assert adm.stats().reserved_positions == 296
+
+
+async def test_a_ring_with_no_memory_for_caches_says_what_to_do() -> None:
+    adm = Admission(lambda: 0)
+    with pytest.raises(TooLarge, match="larger --memory-limit"):
+        await adm.enter(adm.ticket(req(10, 10), 1000))
