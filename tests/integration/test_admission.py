@@ -171,7 +171,8 @@ def test_64_requests_on_a_node_that_holds_8(tmp_path: Path, tiny: Path) -> None:
 
 def test_a_preempted_request_gives_its_undisturbed_tokens(tmp_path: Path, tiny: Path) -> None:
     runtime, per_position, positions = measured_runtime(tmp_path, tiny)
-    limit_gb = limit_for(runtime, per_position, positions, 2)  # 2 whole requests; 4 half ones admitted
+    # 4 whole requests (what the scheduler needs to place the model fits too); 8 half ones admitted
+    limit_gb = limit_for(runtime, per_position, positions, 4)
 
     async def run(nodes: Any) -> None:
         async with serving(nodes.peers, tmp_path, tiny, kv_share=0.5) as (c, url), httpx.AsyncClient() as http:
@@ -180,8 +181,8 @@ def test_a_preempted_request_gives_its_undisturbed_tokens(tmp_path: Path, tiny: 
                 r = await answer(http, url, p)
                 solo[p] = r.json()["choices"][0]["message"]["content"]
             await kv_report(c)
-            results = await asyncio.gather(*(answer(http, url, p) for p in PROMPTS))
-            assert [r.json()["choices"][0]["message"]["content"] for r in results] == [solo[p] for p in PROMPTS]
+            results = await asyncio.gather(*(answer(http, url, p) for p in PROMPTS * 2))
+            assert [r.json()["choices"][0]["message"]["content"] for r in results] == [solo[p] for p in PROMPTS * 2]
             assert c.admission.stats().preempted >= 1
             assert (await kv_report(c))["refused"] == 0
 
