@@ -849,13 +849,17 @@ class Coordinator:
         ticket = self.admission.ticket(request, self.model.config.context_length)
         await self.admission.enter(ticket, on_queued=on_queued)
         self._active[request.id] = request
+        chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,
+                          context_length=self.model.config.context_length)
         try:
-            async for chunk in generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer,
-                                        request, context_length=self.model.config.context_length):
-                if chunk.token_id is not None:
-                    self._tok_times.append(time.monotonic())
-                    self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id, text=chunk.text))
-                yield chunk
+            # aclosing: the caches are released before the request's room goes to the next one
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if chunk.token_id is not None:
+                        self._tok_times.append(time.monotonic())
+                        self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id,
+                                                             text=chunk.text))
+                    yield chunk
         finally:
             self._active.pop(request.id, None)
             self.admission.leave(ticket)
