@@ -150,6 +150,12 @@ class ResourceReservationConfig(_Section):
     emergency_reserve: Annotated[float, _range(0, 0.9)] = 0.1  # fraction kept free
 
 
+class AdmissionConfig(_Section):
+    queue_bound: Annotated[int, _range(0)] = 64  # requests that may wait; past it: 429 with Retry-After
+    kv_share: Annotated[float, _range(0.01, 1.0)] = 1.0  # of prompt + max_tokens reserved at admission
+    plan_wait_s: Annotated[float, _range(0)] = 120.0  # a request waits this long for a plan, then 503
+
+
 class SchedulerConfig(_Section):
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
@@ -233,6 +239,7 @@ class Config(_Section):
     ui: UIConfig = Field(default_factory=UIConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     models: ModelsConfig = Field(default_factory=ModelsConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -6,8 +6,11 @@ it with uvicorn in the coordinator's own event loop, so handlers call the coordi
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 400 a request the server understood but cannot do (bad JSON, prompt too long), 401 a missing or
 wrong API key, 403 a change refused by a read-only coordinator, 404 an unknown model, node or
-path, 409 a cluster change that is impossible now, 422 parameters out of range, 503 the cluster
-cannot serve the model. A client that disconnects cancels its generation.
+path, 409 a cluster change that is impossible now, 422 parameters out of range, 429 too many
+requests waiting for the cluster's memory (with ``Retry-After``), 503 the cluster cannot serve the
+model (``Retry-After`` when it is still starting). A request sent before the first plan, or while
+a model loads, waits for it (``admission.plan_wait_s``). A client that disconnects
+cancels its generation.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from exo_tui.api.generation import Generation
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard, BodyTooLarge
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
 from exo_tui.api.metrics import add_metrics_route
+from exo_tui.cluster.admission import NotReady, QueueFull, TooLarge, wait_for_plan
 from exo_tui.cluster.view import Command, HostKeyUnknown, ServingCluster, run_command
 from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
@@ -50,21 +54,23 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # what a request leaves ou
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code)
+        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code,
+                              retry_after_s=self.retry_after_s)
 
 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
+                   param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> JSONResponse:
     headers = None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
-    elif status == 503:  # loading, no plan yet, no node reachable: clients that honour it retry then
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    elif status in (429, 503):  # busy; loading, no plan yet, no node reachable: clients that honour it retry then
+        headers = {"Retry-After": str(retry_after_s or RETRY_AFTER_S)}
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -74,6 +80,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         codes = (400, *codes)  # a body that is not JSON at all is a 400, as in OpenAI's API
     text = {400: "bad request", 401: "missing or wrong API key", 403: "read-only coordinator",
             404: "unknown model, node or host", 409: "the change is impossible now", 422: "invalid parameters",
+            429: "too many requests waiting: try again after Retry-After seconds",
             502: "the host could not be bootstrapped", 503: "the cluster cannot serve the model"}
     return {c: {"model": s.ErrorResponse, "description": text[c]} for c in codes}
 
@@ -203,10 +210,16 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
                                 f"(GET /v1/models)", param="model", code="model_not_found")
         return ids[0]
 
-    def check_ready() -> None:
-        why = coordinator.serve_error()
-        if why:
-            raise ApiError(503, why, type="server_error", code="cluster_unavailable")
+    async def ready() -> None:
+        """Wait (admission.plan_wait_s at most) for the model and a plan, as the console
+        does: a request sent while the server starts or loads a model is served once it can be."""
+        try:
+            await wait_for_plan(coordinator, coordinator.config.admission.plan_wait_s, RETRY_AFTER_S)
+        except NotReady as exc:
+            raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable",
+                           retry_after_s=exc.retry_after_s) from exc
+        except GenerationError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
 
     def sampling(body: s._Sampling) -> SamplingParams:
         given = {
@@ -245,10 +258,20 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 
     async def start(http: Request, request: GenRequest) -> Generation:
         """Start generating; wait for the first chunk so a cluster that cannot serve is a 503."""
-        check_ready()
         gen = Generation(coordinator, request)
         try:
             await _until_done_or_disconnect(http, gen, gen.first())
+        except QueueFull as exc:
+            await gen.cancel()
+            raise ApiError(429, str(exc), type="requests", code="rate_limit_exceeded",
+                           retry_after_s=exc.retry_after_s) from exc
+        except TooLarge as exc:
+            await gen.cancel()
+            raise ApiError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
+        except NotReady as exc:
+            await gen.cancel()
+            raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable",
+                           retry_after_s=exc.retry_after_s) from exc
         except GenerationError as exc:
             await gen.cancel()
             raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
@@ -284,8 +307,9 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
     # ------------------------------------------------------------------ chat completions
 
     @app.post("/v1/chat/completions", response_model=s.ChatCompletion, tags=["openai"],
-              responses={200: _SSE_200, **_errors(400, 401, 404, 422, 503)})
+              responses={200: _SSE_200, **_errors(400, 401, 404, 422, 429, 503)})
     async def chat_completions(body: s.ChatCompletionRequest, http: Request) -> Any:
+        await ready()
         mid = check_model(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
@@ -316,8 +340,9 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
     # ------------------------------------------------------------------ completions
 
     @app.post("/v1/completions", response_model=s.Completion, tags=["openai"],
-              responses={200: _SSE_200, **_errors(400, 401, 404, 422, 503)})
+              responses={200: _SSE_200, **_errors(400, 401, 404, 422, 429, 503)})
     async def completions(body: s.CompletionRequest, http: Request) -> Any:
+        await ready()
         mid = check_model(body.model)
         tokenizer = coordinator.model.tokenizer
         prompt = body.prompt

@@ -23,6 +23,7 @@ from exo_tui.cluster.view import (
     NodeView,
     PlanPreview,
     PlanView,
+    QueueView,
     ShardView,
 )
 
@@ -103,6 +104,7 @@ def snapshot_from_dict(d: dict[str, Any]) -> ClusterSnapshot:
         readonly=bool(d.get("readonly", False)),
         sampling=dict(d.get("sampling") or {}),
         metrics=ClusterFigures.from_dict(d.get("metrics")),
+        queue=_build(QueueView, d.get("queue")),
     )
 
 

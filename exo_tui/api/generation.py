@@ -16,6 +16,7 @@ import contextlib
 import time
 
 from exo_tui import events as ev
+from exo_tui.cluster.admission import QueueFull
 from exo_tui.cluster.view import ServingCluster
 from exo_tui.inference.generate import Chunk, GenerationError
 from exo_tui.inference.request import Request
@@ -50,6 +51,9 @@ class Generation:
         except asyncio.CancelledError:
             finish = "cancelled"
             raise
+        except QueueFull as exc:  # a 429: counted as rejected (metrics), not failed
+            finish, error = "rejected", str(exc)
+            self._queue.put_nowait(exc)
         except GenerationError as exc:
             finish, error = "error", str(exc)
             self._queue.put_nowait(exc)
@@ -93,6 +97,9 @@ class Generation:
     async def cancel(self, grace_s: float = CANCEL_GRACE_S) -> None:
         """Stop at the next token boundary (cancel outright after ``grace_s``) and wait for the end."""
         self._stop.set()
+        admission = getattr(self.coordinator, "admission", None)
+        if admission is not None and not self._task.done() and not admission.running(self.request.id):
+            self._task.cancel()  # still waiting for a plan or its turn: nothing runs on the nodes yet
         if not self._task.done():
             try:
                 async with asyncio.timeout(grace_s):

@@ -17,13 +17,10 @@ import uvicorn
 
 from exo_tui.api.app import create_app
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES
+from exo_tui.api.listen import ApiServerError, bind_api_socket
 from exo_tui.net.address import is_loopback
 
 log = logging.getLogger("exo_tui.api")
-
-
-class ApiServerError(RuntimeError):
-    """The API could not start; the message says why and what to do."""
 
 
 class _Server(uvicorn.Server):
@@ -42,7 +39,8 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 class ApiServer:
     def __init__(self, coordinator: Any, *, host: str = "127.0.0.1", port: int = 52415, api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", graceful_s: float = 3.0) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", graceful_s: float = 3.0,
+                 sock: socket.socket | None = None) -> None:
         self.coordinator = coordinator
         self.host, self.port, self.api_key = host, port, api_key
         self.app = create_app(coordinator, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -50,7 +48,7 @@ class ApiServer:
                                       timeout_graceful_shutdown=graceful_s, http="h11")
         self._server = _Server(self._config)
         self._task: asyncio.Task[None] | None = None
-        self._sock: socket.socket | None = None
+        self._sock: socket.socket | None = sock  # bound already (exo-tui serve binds it first thing)
 
     @property
     def url(self) -> str:
@@ -58,19 +56,7 @@ class ApiServer:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as exc:
-            sock.close()
-            raise ApiServerError(
-                f"cannot listen on {self.host}:{self.port} ({exc.strerror or exc}): another exo-tui serve may be "
-                f"running there (exo-tui status); pick another address with --api-host/--api-port"
-            ) from exc
-        sock.listen(128)
-        sock.set_inheritable(True)
+        sock = self._sock if self._sock is not None else bind_api_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         self._sock = sock
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="api-server")

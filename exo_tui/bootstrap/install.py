@@ -6,7 +6,8 @@ then ``ok`` or ``failed``):
 ``connect``   SSH with host-key checks (:mod:`exo_tui.bootstrap.ssh`)
 ``detect``    OS, architecture, Apple silicon, Python ≥ 3.11 with venv, free disk, systemd --user
 ``venv``      ``<data>/venv`` where ``<data>`` is ``${XDG_DATA_HOME:-~/.local/share}/exo-tui``
-``upload``    this project's wheel (and the ``--wheelhouse`` files) by SFTP
+``upload``    this project's wheel (and the ``--wheelhouse`` files) by SFTP, or over the SSH
+              channel where the host has no SFTP (:mod:`.files`)
 ``install``   ``pip install`` (dependencies from the host's index, or only the wheelhouse)
 ``key``       the node bundle (cluster key, CA, node certificate) written 0600
 ``start``     ``exo-tui node`` detached: a systemd user unit where systemd --user works, else a
@@ -30,6 +31,7 @@ from typing import Any
 import asyncssh
 
 import exo_tui
+from exo_tui.bootstrap.files import remote_files
 from exo_tui.bootstrap.remote import (
     RemoteHost,
     _detect_script,
@@ -271,21 +273,19 @@ async def _upload(
     wheel = await project_wheel(opts.wheelhouse)
     dist = f"{host.data_dir}/dist"
     remote_wh = f"{host.data_dir}/wheelhouse" if opts.wheelhouse else None
-    async with conn.start_sftp_client() as sftp:
-        await sftp.makedirs(dist, exist_ok=True)
+    async with remote_files(conn) as files:
+        await files.makedirs(dist)
         remote_wheel = f"{dist}/{wheel.name}"
-        await sftp.put(str(wheel), remote_wheel)
+        await files.put(wheel, remote_wheel)
         n = 0
         if remote_wh and opts.wheelhouse:
-            await sftp.makedirs(remote_wh, exist_ok=True)
-            present = {}
-            for entry in await sftp.readdir(remote_wh):
-                present[entry.filename] = entry.attrs.size
+            await files.makedirs(remote_wh)
+            present = await files.sizes(remote_wh)
             for f in sorted(Path(opts.wheelhouse).iterdir()):
                 if not f.is_file() or f.name.startswith("exo_tui-"):
                     continue
                 if present.get(f.name) != f.stat().st_size:
-                    await sftp.put(str(f), f"{remote_wh}/{f.name}")
+                    await files.put(f, f"{remote_wh}/{f.name}")
                 n += 1
     return remote_wheel, remote_wh, n
 
@@ -322,10 +322,8 @@ async def _write_bundle(
     bundle = cluster.node_bundle(name)
     path = f"{host.data_dir}/node.bundle"
     tmp = f"{path}.tmp"
-    async with conn.start_sftp_client() as sftp:
-        async with sftp.open(tmp, "wb", asyncssh.SFTPAttrs(permissions=0o600)) as f:
-            await f.write(bundle)
-        await sftp.chmod(tmp, 0o600)  # whatever the umask did
+    async with remote_files(conn) as files:
+        await files.write(tmp, bundle, 0o600)
     res = await run(conn, f"mv -f {_q(tmp)} {_q(path)} 2>/dev/null; chmod 600 {_q(path)}; ls -l {_q(path)}")
     if res.exit_status != 0 or not str(res.stdout).startswith("-rw-------"):
         raise BootstrapError("key", f"could not write {path} with mode 0600: {_tail(str(res.stderr) or str(res.stdout))}")
@@ -371,10 +369,9 @@ async def _start(
     use_systemd = host.systemd_user if opts.use_systemd is None else opts.use_systemd
     if use_systemd:
         unit_dir = f"{host.home}/.config/systemd/user"
-        async with conn.start_sftp_client() as sftp:
-            await sftp.makedirs(unit_dir, exist_ok=True)
-            async with sftp.open(f"{unit_dir}/{UNIT}.service", "w") as f:
-                await f.write(_unit_text(argv, host))
+        async with remote_files(conn) as files:
+            await files.makedirs(unit_dir)
+            await files.write(f"{unit_dir}/{UNIT}.service", _unit_text(argv, host).encode())
         res = await run(
             conn,
             f"systemctl --user daemon-reload && systemctl --user enable {UNIT} >/dev/null 2>&1; "

@@ -32,6 +32,15 @@ from backends import default_backend_name
 from exo_tui import events as ev
 from exo_tui.cluster import model_choices, model_switch
 from exo_tui.cluster.actions import OperatorActions
+from exo_tui.cluster.admission import (
+    CAPACITY_WAIT_S,
+    Admission,
+    AdmittedRunner,
+    QueueFull,
+    ring_kv_capacity,
+    wait_for_plan,
+    with_queue_notes,
+)
 from exo_tui.cluster.joining import JoinEndpoint, reaches_beyond_loopback
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.membership import Membership
@@ -99,6 +108,10 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.drained: set[str] = set()
         self.retry_limit = self.config.scheduler.fault_tolerance.task_retry_limit
         self.pipeline = RemotePipeline(self)
+        adm = self.config.admission
+        self.admission = Admission(lambda: ring_kv_capacity(self.ring, self.nodes), queue_bound=adm.queue_bound,
+                                   kv_share=adm.kv_share, kept=self.pipeline.kept_positions,
+                                   forget_kept=self.pipeline.forget_kept)
         self.metrics = ClusterMetrics()  # measured figures (exo_tui/cluster/metrics.py)
         self.pipeline.on_step_timed = self.metrics.step
         self.security: Security | None = None
@@ -265,22 +278,39 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
                     "add one with --peer, or undrain one)")
         return ""
 
-    async def generate(self, request: Request) -> AsyncIterator[Any]:
-        """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`)."""
+    async def generate(self, request: Request, on_queued: Any = None) -> AsyncIterator[Any]:
+        """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`), once
+        admission lets it run (:mod:`exo_tui.cluster.admission`; ``on_queued(n)`` while it waits
+        with ``n`` requests ahead)."""
+        await wait_for_plan(self, self.config.admission.plan_wait_s)
+        await self.admission.known(CAPACITY_WAIT_S)
         assert self.model is not None
+        ticket = self.admission.ticket(request, self.model.config.context_length)
+        self.metrics.started(request)
+        arrived = time.monotonic()
+        try:
+            await self.admission.enter(ticket, on_queued=on_queued)
+        except BaseException:
+            self.metrics.ended(request)
+            raise
+        self.metrics.queue_wait(time.monotonic() - arrived)
         self._active[request.id] = request
         self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
-        self.metrics.started(request)
+        chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,
+                          context_length=self.model.config.context_length)
         try:
-            async for chunk in generate(self.pipeline, self.model.tokenizer, request,
-                                        context_length=self.model.config.context_length):
-                if chunk.token_id is not None:
-                    self._tok_times.append(time.monotonic())
-                    self.metrics.token(request)
-                    self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id, text=chunk.text))
-                yield chunk
+            # aclosing: the caches are released before the request's room goes to the next one
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if chunk.token_id is not None:
+                        self._tok_times.append(time.monotonic())
+                        self.metrics.token(request)
+                        self.events.publish(ev.TokenStreamed(request_id=request.id, token_id=chunk.token_id,
+                                                             text=chunk.text))
+                    yield chunk
         finally:
             self._active.pop(request.id, None)
+            self.admission.leave(ticket)
             self.metrics.ended(request)
 
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
@@ -291,12 +321,18 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
         request = self.new_request(messages, params)
         finish, error = None, ""
+        notes: asyncio.Queue[int] = asyncio.Queue()
         try:
-            async for chunk in self.generate(request):
+            async for chunk in with_queue_notes(self.generate(request, on_queued=notes.put_nowait), notes):
+                if isinstance(chunk, int):
+                    yield ChatChunk(queued_ahead=chunk)
+                    continue
                 if chunk.finish_reason:
                     finish = chunk.finish_reason
                     break
                 yield ChatChunk(text=chunk.text, token_ids=chunk.token_ids)
+        except QueueFull as exc:  # counted as rejected (metrics), not failed
+            finish, error = "rejected", str(exc)
         except GenerationError as exc:
             finish, error = "error", str(exc)
         except (asyncio.CancelledError, GeneratorExit):

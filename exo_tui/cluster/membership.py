@@ -226,11 +226,13 @@ class Membership:
         elif frame.type == "heartbeat":
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(b.get("metrics", {}))
+                self.admission.poke()  # its KV budget may have changed
                 self.events.publish(ev.NodeMetrics(node_id=node_id, metrics={k: v for k, v in handle.metrics.items() if k != "requests"}))
                 self._touch()
         elif frame.type == "step_failed":
             suspect = b.get("failed_node") or None
-            self.pipeline.on_step_failed(b.get("rid", ""), b.get("step"), frame.plan, str(b.get("error", "")), suspect)
+            self.pipeline.on_step_failed(b.get("rid", ""), b.get("step"), frame.plan, str(b.get("error", "")), suspect,
+                                         kv_budget=b.get("kv_budget") is True)
         else:
             raise RemoteError(f"the coordinator does not take {frame.type!r} frames")
         return None

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from exo_tui.cluster.admission import KVBudgetExceeded
 from exo_tui.cluster.metrics import StepSample
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
@@ -50,9 +51,10 @@ MIN_ADOPTED = 16  # fewer shared tokens than this are run again rather than take
 class StepFailure(Exception):
     """A step could not complete; ``node_id`` is the node to suspect (None: unknown)."""
 
-    def __init__(self, message: str, node_id: str | None = None) -> None:
+    def __init__(self, message: str, node_id: str | None = None, *, kv_budget: bool = False) -> None:
         super().__init__(message)
         self.node_id = node_id
+        self.kv_budget = kv_budget  # refused for want of memory: no node is at fault
 
 
 class PipelineHost(Protocol):
@@ -138,10 +140,11 @@ class RemotePipeline:
             self._timing[(rid, step, plan_version)] = (timings_from_wire(timing), time.monotonic(), time.time())
             fut.set_result((token, logprobs, scores))
 
-    def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None) -> None:
+    def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None,
+                       *, kv_budget: bool = False) -> None:
         for key, fut in list(self._pending.items()):
             if key[0] == rid and (step is None or key[1] == step) and not fut.done():
-                fut.set_exception(StepFailure(error, node_id))
+                fut.set_exception(StepFailure(error, node_id, kv_budget=kv_budget))
 
     def fail_node(self, node_id: str, reason: str) -> None:
         """A node died: every step in flight on a plan that includes it fails now."""
@@ -207,6 +210,9 @@ class RemotePipeline:
                 if adopted is not None:  # whatever was not taken over yet goes; the retry runs it all
                     request.cached_tokens = 0
                     asyncio.create_task(self._drop_on(plan, adopted[0], final=True))
+                if isinstance(exc, StepFailure) and exc.kv_budget:
+                    self._cached.pop(request.id, None)
+                    raise KVBudgetExceeded(str(exc)) from exc  # admission decides: wait, or fail
                 attempts += 1
                 failure = exc if isinstance(exc, StepFailure) else StepFailure(str(exc) or type(exc).__name__)
                 log.warning("request %s: step failed on plan %d (%s); attempt %d", request.id, plan.version, failure, attempts)
@@ -238,6 +244,18 @@ class RemotePipeline:
         if best is not None:
             del self._kept[best[0]]
         return best
+
+    def kept_positions(self) -> int:
+        """Positions the kept caches of finished requests hold (on every node of their ring)."""
+        return sum(len(k.tokens) for k in self._kept.values())
+
+    async def evict(self, request: Request) -> None:
+        """Give back a request's caches between two of its steps (it was preempted for memory):
+        its next step rebuilds them from its tokens."""
+        self._cached.pop(request.id, None)
+        plan = self._active_plans.get(request.id)
+        if plan is not None:
+            await asyncio.shield(self._drop_on(plan, request.id))
 
     async def forget_kept(self) -> None:
         """Drop every finished request's caches left on the nodes (the coordinator is stopping)."""

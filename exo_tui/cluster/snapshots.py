@@ -19,6 +19,7 @@ from exo_tui.cluster.view import (
     NodeView,
     PlanPreview,
     PlanView,
+    QueueView,
     ShardView,
 )
 from exo_tui.scheduler.diff import ChangePreview
@@ -81,6 +82,7 @@ class Snapshots:
                     heartbeat_age_s=None if h.state == "failed" else h.heartbeat_age_s(now),
                     profile=h.profile.to_dict(),
                     history={k: tuple(v) for k, v in h.history.items()},
+                    kv={k: int(v) for k, v in (h.metrics.get("kv") or {}).items()},
                 )
             )
         for d in self.discovered.values():
@@ -113,6 +115,7 @@ class Snapshots:
             readonly=self.readonly,
             sampling=dict(self.model.sampling) if self.model else {},
             metrics=self.figures(),
+            queue=QueueView(**self.admission.stats().to_dict()),
         )
 
 
@@ -120,6 +123,7 @@ class Snapshots:
 
     def figures(self) -> ClusterFigures:
         """The measured figures (exo_tui/cluster/metrics.py) beside the plan's prediction."""
+        self.metrics.set_queued(self.admission.stats().queued)
         pred = self.plan.predictions if self.plan is not None else None
         return self.metrics.figures(self.nodes.values(), ring=self.ring, plan_version=self.ring.version if self.ring else None,
                                     predicted_tok_per_s=pred.tok_per_s_single if pred else None)

@@ -69,9 +69,12 @@ class PlanSwitching:
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
             total = p.ram_total_bytes
             if p.memory_limit_bytes:
-                # The limit is what the node offers: add the reserves back so the scheduler's
-                # usable memory equals the limit.
-                avail = int(min(avail, p.memory_limit_bytes) + rc.system_reserved_ram * GB + rc.emergency_reserve * total)
+                # The limit is the node process's whole budget: what it holds besides its shards'
+                # bytes (its runtime, measured: node/kv_budget.py) is not offered. Add the reserves
+                # back so the scheduler's usable memory equals what is left.
+                runtime = max(0, int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held)
+                avail = int(min(avail, p.memory_limit_bytes - runtime) + rc.system_reserved_ram * GB
+                            + rc.emergency_reserve * total)
             out.append(
                 DeviceProfile(
                     node_id=h.node_id,

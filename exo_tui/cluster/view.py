@@ -49,6 +49,7 @@ class NodeView:
     heartbeat_age_s: float | None = None
     profile: dict[str, Any] = field(default_factory=dict)  # the node's full profile (JSON-able)
     history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # metric -> recent values
+    kv: dict[str, int] = field(default_factory=dict)  # its KV budget: budget_bytes, used_bytes, requests, ...
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,25 @@ class ClusterSnapshot:
     readonly: bool = False
     sampling: Mapping[str, Any] = field(default_factory=dict)  # the model's recommended sampling
     metrics: ClusterFigures | None = None  # measured figures (exo_tui/cluster/metrics.py)
+    queue: QueueView | None = None  # admission: requests running and waiting for the ring's memory
 
     @property
     def ready_count(self) -> int:
         return sum(1 for n in self.nodes if n.state == "ready")
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """Admission (exo_tui.cluster.admission): what runs, what waits, and the counts so far."""
+
+    running: int = 0
+    queued: int = 0
+    admitted: int = 0
+    preempted: int = 0
+    rejected: int = 0
+    reserved_positions: int = 0
+    capacity_positions: int | None = None  # KV positions the ring holds (None: not reported yet)
+    queue_bound: int = 0
 
 
 @dataclass(frozen=True)
@@ -277,6 +293,7 @@ class ChatChunk:
     tok_per_s: float = 0.0
     nodes: tuple[str, ...] = ()
     error: str = ""
+    queued_ahead: int | None = None  # a note while the request waits its turn: requests ahead of it
 
 
 def parse_layers(text: str) -> tuple[int, int]:

@@ -120,6 +120,22 @@ def _gb(n: float | None) -> str:
     return f"{(n or 0) / 1e9:.1f}"
 
 
+def queue_line(q: dict[str, Any]) -> str:
+    """Admission at a glance: what runs and waits for the ring's memory, and the counts so far."""
+    cap = q.get("capacity_positions")
+    held = f"{q.get('reserved_positions', 0)}/{cap}" if cap is not None else "?"
+    return (f"requests: {q.get('running', 0)} running, {q.get('queued', 0)} queued (bound {q.get('queue_bound', 0)}) · "
+            f"admitted {q.get('admitted', 0)}, preempted {q.get('preempted', 0)}, rejected {q.get('rejected', 0)} · "
+            f"KV positions {held}")
+
+
+def _kv(kv: dict[str, Any]) -> str:
+    """A node's KV caches: MB used of its budget, and the requests holding them."""
+    if not kv.get("budget_bytes"):
+        return "—"
+    return f"{kv.get('used_bytes', 0) / 1e6:.0f}/{kv['budget_bytes'] / 1e6:.0f} ({kv.get('requests', 0)} req)"
+
+
 def _print_status(d: dict[str, Any], url: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -136,9 +152,12 @@ def _print_status(d: dict[str, Any], url: str) -> None:
     if d.get("readonly"):
         head += " · read-only"
     console.print(head)
+    if q := d.get("queue"):
+        console.print(queue_line(q))
     table = Table(title="nodes", title_justify="left")
-    for col in ("node", "id", "state", "backend", "layers", "pin", "score", "memory GB", "cpu %", "heartbeat"):
-        table.add_column(col, justify="right" if col in ("score", "memory GB", "cpu %", "heartbeat") else "left")
+    right = ("score", "memory GB", "KV MB", "cpu %", "heartbeat")
+    for col in ("node", "id", "state", "backend", "layers", "pin", "score", "memory GB", "KV MB", "cpu %", "heartbeat"):
+        table.add_column(col, justify="right" if col in right else "left")
     glyph = {"ready": "●", "loading": "◐", "draining": "◐", "drained": "○", "suspect": "▲", "failed": "✖"}
     for n in nodes:
         layers = f"{n['layers'][0]}-{n['layers'][1] - 1}" if n.get("layers") else "—"
@@ -149,7 +168,7 @@ def _print_status(d: dict[str, Any], url: str) -> None:
         if n.get("ineligible_reason") and n["state"] == "failed":
             state += f" ({n['ineligible_reason'][:40]})"
         table.add_row(n["name"], n["node_id"], state, n.get("backend", ""), layers, pin, score,
-                      f"{_gb(n.get('memory_used_bytes'))}/{_gb(n.get('memory_total_bytes'))}",
+                      f"{_gb(n.get('memory_used_bytes'))}/{_gb(n.get('memory_total_bytes'))}", _kv(n.get("kv") or {}),
                       f"{n.get('cpu_percent', 0.0):.0f}", hb)
     console.print(table)
     if plan:

@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer", action="append", default=[], metavar="HOST[:PORT]", help="a node agent to join (repeatable)")
     p.add_argument("--local-nodes", type=int, default=None, metavar="N",
                    help="node agents to start on this machine (default 1 without --peer, 0 with)")
+    add_local_memory_limit(p)
     p.add_argument("--backends", default=None, metavar="B,B",
                    help="comma list of backends for the local nodes, used in turn (e.g. onnx,mlx)")
     p.add_argument("--api-host", default=None, metavar="HOST", help="address to listen on (default network.api.host, 127.0.0.1)")
@@ -39,9 +40,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def memory_gb(text: str) -> float:
+    """``--local-memory-limit``: a positive number of GB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB (e.g. 0.6)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a memory limit must be above 0 GB, got {text}")
+    return value
+
+
+def add_local_memory_limit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local-memory-limit", type=memory_gb, default=None, metavar="GB",
+                   help="each local node's whole memory budget (its --memory-limit): its shards, runtime and KV "
+                        "caches stay within it; requests beyond what it holds wait their turn")
+
+
 def run(args: argparse.Namespace) -> int:
     from backends.base import BackendError
-    from exo_tui.api.server import ApiServerError
+    from exo_tui.api.listen import ApiServerError
     from exo_tui.commands._runtime import run_main
     from exo_tui.config import ConfigError
     from exo_tui.models.gguf_file import ModelFileError
@@ -59,13 +77,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from exo_tui.api.server import ApiServer, exposure_warning
-    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.api.listen import bind_api_socket
     from exo_tui.config import load_config
 
     config = load_config(args.config)
     host = args.api_host or config.network.api.host
     port = args.api_port if args.api_port is not None else config.network.api.port
+    # Listen before the heavy imports: a client's first request is queued by the kernel, then served.
+    sock = bind_api_socket(host, port)
+    from exo_tui.api.server import ApiServer, exposure_warning
+    from exo_tui.cluster.coordinator import Coordinator
+
     key = config.network.api.key
     warning = exposure_warning(host, key)
     if warning:
@@ -74,9 +96,10 @@ async def _serve(args: argparse.Namespace) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     coordinator = Coordinator(model=args.model, config=config, peers=list(args.peer), local_nodes=local,
                               local_backends=backends, strategy=args.strategy, discover=args.discover,
+                              local_memory_limits_gb=[args.local_memory_limit] * local if args.local_memory_limit else None,
                               join=True)
     server = ApiServer(coordinator, host=host, port=port, api_key=key, max_body_bytes=config.network.api.max_body_bytes,
-                       log_level="warning" if args.log_level != "debug" else "info")
+                       log_level="warning" if args.log_level != "debug" else "info", sock=sock)
     log = logging.getLogger("exo_tui.serve")
     await server.start()
     try:

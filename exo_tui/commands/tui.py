@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--local-nodes", type=int, default=0, metavar="N", help="start N extra node agents on this machine (loopback)"
     )
+    from exo_tui.commands.serve import add_local_memory_limit
+
+    add_local_memory_limit(p)
     p.add_argument("--readonly", action="store_true", help="watch only: no drain, rebalance, pin, bootstrap or model change")
     p.add_argument("--model", default=None, metavar="M", help="a name `exo-tui models` lists (smollm2-135m, llama3.2:1b...) or a path to a .gguf (default smollm2-135m)")
     p.add_argument("--attach", default=None, metavar="URL", help="attach to a running `exo-tui serve` instead of embedding one")
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
                 config=config,
                 peers=list(args.peer),
                 local_nodes=1 + args.local_nodes,
+                local_memory_limits_gb=[args.local_memory_limit] * (1 + args.local_nodes) if args.local_memory_limit else None,
                 readonly=args.readonly,
                 discover=not args.no_discover,
                 join=True,  # exo-tui node --join TOKEN reaches this console's coordinator (network.join)

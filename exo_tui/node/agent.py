@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import default_backend_name
+from backends import default_backend_name, get_backend
 from backends.base import BackendError, ModelConfig
 from exo_tui.inference.sampling import (
     Sampler,
@@ -71,6 +71,7 @@ from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
+from exo_tui.node.kv_budget import BudgetExceeded, KVBudget, shard_position_bytes
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")
@@ -161,6 +162,7 @@ class NodeAgent:
         self._stopping = asyncio.Event()
         self._advertiser: Any = None
         self._started_s = time.monotonic()
+        self.kv = KVBudget(memory_limit_bytes)  # the bytes KV caches may take here, and what they hold
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -176,6 +178,7 @@ class NodeAgent:
             profile = await loop.run_in_executor(None, lambda: benchmark(profile, backends=[self.backend]))
         self.profile = profile
         self.host = ShardHost(profile.node_id, self.backend)
+        self._shards_changed()
         # Forward frames are handled in the read loop (no hand-off to a lane task): _op_forward
         # either queues the step or runs a decode step at once, and never awaits anything slow.
         self._server = await serve(self._handle, self.bind_host, self.port, security=self.security,
@@ -289,6 +292,7 @@ class NodeAgent:
         b = frame.body
         hosted = await self._in_loader(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"),
                                        str(b.get("model", "")))
+        self._shards_changed()
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
 
     async def _op_load_begin(self, conn: Connection, frame: Frame) -> Frame:
@@ -309,12 +313,14 @@ class NodeAgent:
 
     async def _op_load_commit(self, conn: Connection, frame: Frame) -> Frame:
         hosted = await self._in_loader(self.host.commit_transfer, frame.body["transfer_id"])
+        self._shards_changed()
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
 
     async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:
         model = frame.body.get("model")
         done = await self._in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]),
                                      None if model is None else str(model))
+        self._shards_changed()
         return Frame("ok", body={"unloaded": done})
 
     async def _op_plan(self, conn: Connection, frame: Frame) -> Frame:
@@ -370,6 +376,7 @@ class NodeAgent:
             if (hosted.start, hosted.end) != (start, end):
                 raise HostError(f"KV for layers [{start}, {end}) must cover the whole shard [{hosted.start}, {hosted.end})")
             hosted.shard.import_kv(b["rid"], cache)
+            self.kv.record(b["rid"], hosted.key, cache.length)
 
         await self._in_worker(install)
         return Frame("ok")
@@ -386,6 +393,7 @@ class NodeAgent:
         self._stats.pop(rid, None)
         self.batching.forget(rid)
         await self._in_worker(self.host.drop, rid)
+        self.kv.drop(rid)
         return Frame("ok")
 
     async def _op_ping(self, conn: Connection, frame: Frame) -> Frame:
@@ -553,6 +561,7 @@ class NodeAgent:
             groups.setdefault(hosted.key, []).append(i)
         for key, idxs in groups.items():
             shard = self.host.shards[key].shard
+            idxs = self._within_budget(batch, key, idxs, results)
             items = []
             for i in idxs:
                 f = batch[i].frame
@@ -588,8 +597,9 @@ class NodeAgent:
                     outs[j], scores[idxs[j]] = forward_scored(shard, *items[j], ask["targets"], ask["top"])
                 except Exception as exc:  # noqa: BLE001
                     _failed(shard, items, outs, [j], exc)
-            for i, out in zip(idxs, outs, strict=True):
+            for i, out, (rid, _x, positions) in zip(idxs, outs, items, strict=True):
                 results[i] = out
+                self.kv.record(rid, key, 0 if isinstance(out, Exception) else int(positions[-1]) + 1)
             if shard.is_last:
                 for i in idxs:
                     if not isinstance(results[i], Exception):
@@ -598,6 +608,39 @@ class NodeAgent:
                         except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
                             results[i] = exc
         return results
+
+    def _shards_changed(self) -> None:
+        """The shards held changed: the bytes a cache position takes on each, and the memory the
+        process holds besides caches, measured again."""
+        import psutil
+
+        per_position = {}
+        with self.host.lock:  # the loader thread installs shards under it
+            hosted_all = list(self.host.shards.items())
+        for key, hosted in hosted_all:
+            c = hosted.shard.config
+            per_position[key] = shard_position_bytes(c.n_kv_heads, c.head_dim, hosted.start, hosted.end,
+                                                     get_backend(hosted.backend).kv_value_bytes())
+        self.kv.set_shards(per_position)
+        self.kv.observe(psutil.Process().memory_info().rss, psutil.virtual_memory().available, settled=True)
+
+    def _within_budget(self, batch: list[_Step], key: tuple[int, int], idxs: list[int], results: list[Any]) -> list[int]:
+        """The steps of ``idxs`` (on shard ``key``) whose caches fit this node's KV budget; the
+        others' result is the refusal (the coordinator admits them again later)."""
+        growth = {}
+        for i in idxs:
+            b = batch[i].frame.body
+            rid, adopt = b["rid"], b.get("adopt")
+            if type(adopt) is str and not self.kv.held(rid, key):
+                self.kv.rename(adopt, rid)
+            growth[(rid, key)] = int(b["pos"]) + batch[i].rows
+        refused = self.kv.check(growth)
+        if not refused:
+            return idxs
+        for i in idxs:
+            if (why := refused.get(batch[i].frame.body["rid"])) is not None:
+                results[i] = BudgetExceeded(why)
+        return [i for i in idxs if batch[i].frame.body["rid"] not in refused]
 
     def _sample(self, frame: Frame, logits: np.ndarray,
                 scores: list[TokenLogprobs] | None = None) -> tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]:
@@ -629,7 +672,7 @@ class NodeAgent:
             self._stats.pop(rid, None)
             return
         if isinstance(result, Exception):
-            await self._fail_step(step, str(result))
+            await self._fail_step(step, str(result), kv_budget=isinstance(result, BudgetExceeded))
             return
         plan = self.host.plans.get(f.plan)
         if plan is None:
@@ -669,9 +712,11 @@ class NodeAgent:
         except (TimeoutError, OSError, ConnectionError, RemoteError) as exc:
             await self._fail_step(step, f"cannot reach next hop {nxt.node_id} at {nxt.host}:{nxt.port}: {exc}", failed=nxt.node_id)
 
-    async def _fail_step(self, step: _Step, reason: str, failed: str | None = None) -> None:
+    async def _fail_step(self, step: _Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
         body = {"rid": step.frame.body.get("rid"), "step": step.frame.body.get("step"), "error": reason,
                 "node_id": self.profile.node_id if self.profile else "", "failed_node": failed}
+        if kv_budget:  # refused for want of memory: no node is at fault
+            body["kv_budget"] = True
         log.warning("step of %s failed: %s", body["rid"], reason)
         await self._to_coordinator(Frame("step_failed", body=body, plan=step.frame.plan))
 
@@ -721,6 +766,8 @@ class NodeAgent:
                 continue
             now = time.monotonic()
             metrics = live_metrics(self.memory_limit_bytes)
+            self.kv.observe(metrics["process_rss_bytes"], psutil.virtual_memory().available)
+            metrics["kv"] = self.kv.report()
             metrics["queue_depth"] = len(self._queue)
             metrics["batch_sizes"] = {str(k): v for k, v in sorted(self.batch_sizes.items())}
             metrics["inline_steps"] = self.inline_steps

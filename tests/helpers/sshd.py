@@ -163,6 +163,7 @@ class SshServer:
         netns: str | None = None,
         host_key: KeyPair | None = None,
         timeout_s: float = 10.0,
+        sftp: bool = True,
     ) -> SshServer:
         workdir.mkdir(parents=True, exist_ok=True)
         os.chmod(workdir, 0o755)
@@ -187,7 +188,7 @@ class SshServer:
                     f"AllowUsers {user.name}",
                     "StrictModes yes",
                     "PrintMotd no",
-                    "Subsystem sftp internal-sftp",
+                    "Subsystem sftp internal-sftp" if sftp else "",  # without: a host with no SFTP
                     "LogLevel VERBOSE",
                     "",
                 ]

@@ -3,6 +3,7 @@
 - ``ssh_client_keys``: an authorized and a wrong client key pair (session).
 - ``ssh_host``: a throwaway user with a real ``sshd`` on a loopback port (session).
 - ``fresh_ssh_host``: the same, for one test (to break things in).
+- ``sftpless_ssh_host``: a fresh one whose sshd has no SFTP subsystem.
 - ``wheelhouse``: this project's dependencies as wheels, built once (``--wheelhouse``).
 - ``exo_home``: an isolated ``EXO_TUI_HOME`` (the cluster CA and key live there).
 - ``bootstrap_options``: BootstrapOptions for ``ssh_host`` (its known_hosts, keys; no agent).
@@ -71,10 +72,10 @@ def ssh_client_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[KeyPair, 
     return KeyPair.generate(d / "id_ed25519"), KeyPair.generate(d / "wrong_ed25519", comment="wrong")
 
 
-def _start_host(workdir: Path, keys: tuple[KeyPair, KeyPair]) -> SshHost:
+def _start_host(workdir: Path, keys: tuple[KeyPair, KeyPair], *, sftp: bool = True) -> SshHost:
     user = ThrowawayUser.create()
     try:
-        server = SshServer.start(workdir, user, client_pubkeys=[keys[0].public_line])
+        server = SshServer.start(workdir, user, client_pubkeys=[keys[0].public_line], sftp=sftp)
     except BaseException:
         user.remove()
         raise
@@ -99,6 +100,14 @@ def ssh_host(tmp_path_factory: pytest.TempPathFactory, ssh_client_keys: tuple[Ke
 @pytest.fixture
 def fresh_ssh_host(tmp_path: Path, ssh_client_keys: tuple[KeyPair, KeyPair]) -> Iterator[SshHost]:
     host = _start_host(tmp_path / "sshd", ssh_client_keys)
+    yield host
+    _stop_host(host)
+
+
+@pytest.fixture
+def sftpless_ssh_host(tmp_path: Path, ssh_client_keys: tuple[KeyPair, KeyPair]) -> Iterator[SshHost]:
+    """A fresh host whose sshd has no ``Subsystem sftp`` (SFTP refused, as on some minimal hosts)."""
+    host = _start_host(tmp_path / "sshd", ssh_client_keys, sftp=False)
     yield host
     _stop_host(host)
 

@@ -323,3 +323,32 @@ def test_cli_refuses_an_unknown_key_without_a_terminal_and_says_what_to_do(ssh_h
     assert res.returncode == 0, res.stderr
     assert "no node agent was running" in res.stdout
     assert ssh_host.server.host_key.public_line.split()[1] in (tmp_path / "kh").read_text()
+
+
+async def test_a_host_without_sftp_gets_its_files_over_the_ssh_channel(
+    sftpless_ssh_host, wheelhouse: Path, exo_home: Path, tmp_path: Path
+) -> None:
+    host = sftpless_ssh_host
+    kh = host.known_hosts(tmp_path / "known_hosts")
+    conn = await _connect(host, kh)
+    try:
+        with pytest.raises(Exception):  # noqa: B017, PT011 - the host really refuses SFTP
+            await conn.start_sftp_client()
+    finally:
+        conn.close()
+        await conn.wait_closed()
+    port = free_port()
+    opts = host.options(kh, wheelhouse=wheelhouse, node_port=port, node_host="127.0.0.1",
+                        node_args=["--no-benchmark", "--threads", "1"], advertise=False, handshake_timeout_s=90)
+    result = await bootstrap(host.target, opts)
+    data = host.user.home / ".local/share/exo-tui"
+    bundle = data / "node.bundle"
+    assert stat.S_IMODE(bundle.stat().st_mode) == 0o600 and bundle.stat().st_uid == host.user.uid
+    assert not list(data.rglob("*.part"))  # every file arrived whole and was moved into place
+    from exo_tui.net.rpc import connect as net_connect
+    from exo_tui.net.security import ensure_cluster
+
+    node = await net_connect("127.0.0.1", port, security=ensure_cluster(exo_home).security(), timeout=5)
+    assert (await node.call("profile", timeout=5)).body["profile"]["node_id"] == result.node_id
+    await node.aclose()
+    assert await stop_node(host.target, opts)

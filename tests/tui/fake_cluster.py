@@ -25,6 +25,7 @@ from exo_tui.cluster.view import (
     NodeView,
     PlanPreview,
     PlanView,
+    QueueView,
     ShardView,
 )
 
@@ -151,6 +152,10 @@ class FakeCluster:
         self.applied: list[PlanPreview] = []
         self.chats: list[list[dict[str, str]]] = []
         self.chat_params: list[ChatParams] = []
+        self.queue: QueueView | None = None  # admission's counts in the snapshot
+        self.queued_ahead: list[int] = []  # notes a chat yields before its answer, as while it waits its turn
+        self.admit = asyncio.Event()  # set: the waiting chat is admitted
+        self.admit.set()
         self.fail_next_chat = ""
         self.known_keys: set[str] = set()
         self.hosts: dict[str, HostView] = {
@@ -263,6 +268,7 @@ class FakeCluster:
             tok_per_s=plan.predicted_tok_per_s,
             updated_at=T0,
             metrics=make_figures(self.nodes, self.shards, self.version, plan.predicted_tok_per_s),
+            queue=self.queue,
         )
 
     async def preview(self, command: Command) -> PlanPreview:
@@ -374,6 +380,9 @@ class FakeCluster:
         if self.fail_next_chat:
             error, self.fail_next_chat = self.fail_next_chat, ""
             raise RuntimeError(error)
+        for ahead in self.queued_ahead:
+            yield ChatChunk(queued_ahead=ahead)
+        await self.admit.wait()
         words = self.reply.split(" ")
         count = 0
         for i, word in enumerate(words):

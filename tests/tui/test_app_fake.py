@@ -496,3 +496,23 @@ async def test_c_moves_to_the_chat_and_the_question_typed_after_it_lands_there(m
         await pilot.press("escape")  # nothing streaming: back to the table, and the hint is back
         await wait_until(pilot, lambda: app.focused is table(app))
         assert "press c to chat" in chat.prompt_input.placeholder
+
+
+async def test_a_chat_waiting_for_memory_says_so_and_the_header_counts_the_queue(make_app, fake):
+    from exo_tui.cluster.view import QueueView
+
+    fake.queue = QueueView(running=8, queued=3, admitted=40, preempted=1, rejected=2, queue_bound=64)
+    fake.queued_ahead = [2, 1]
+    fake.admit.clear()
+    app = make_app()
+    async with app.run_test(size=(160, 40)) as pilot:
+        await wait_until(pilot, lambda: "3 queued" in plain(app.main_screen.query_one("#header")))
+        assert "8 running · 3 queued · 1 preempted · 2 refused" in plain(app.main_screen.query_one("#header"))
+        chat = app.main_screen.query_one(ChatPane)
+        await pilot.click("#chat-input")
+        await pilot.press(*"capital?")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: chat.query(Answer) and "queued (1 ahead)" in plain(chat.query_one(Answer).status))
+        fake.admit.set()
+        await wait_until(pilot, lambda: not chat.streaming)
+        assert "**Paris**" in chat.query_one(Answer).text and "tok/s" in plain(chat.query_one(Answer).status)

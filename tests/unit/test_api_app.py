@@ -100,8 +100,10 @@ def test_parse_layers_is_inclusive() -> None:
 
 @pytest.fixture
 def idle(tmp_path: Path) -> Coordinator:
-    """A coordinator that has not started: no model, no nodes."""
-    return Coordinator(config=Config(), home=tmp_path, persist=False)
+    """A coordinator that has not started: no model, no nodes (a request waits 0.3 s for a plan)."""
+    config = Config()
+    config.admission.plan_wait_s = 0.3
+    return Coordinator(config=config, home=tmp_path, persist=False)
 
 
 def test_before_the_model_is_loaded(idle: Coordinator) -> None:
@@ -109,6 +111,7 @@ def test_before_the_model_is_loaded(idle: Coordinator) -> None:
         assert http.get("/v1/models").json() == {"object": "list", "data": []}
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "cluster_unavailable"
+        assert "not ready after waiting" in r.json()["error"]["message"]
         assert r.headers["retry-after"] == "2"  # a client (the openai package does) tries again, not gives up
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "robot", "content": "hi"}]})
         assert r.status_code == 422 and r.json()["error"]["param"].startswith("messages")

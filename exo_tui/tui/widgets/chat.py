@@ -228,6 +228,9 @@ class ChatPane(Vertical):
         last_flush = 0.0
         try:
             async for chunk in agen:
+                if getattr(chunk, "queued_ahead", None) is not None:  # waiting for the cluster's memory
+                    answer.status.update(Text(f"queued ({chunk.queued_ahead} ahead)", style=theme_style(app, "foreground-muted")))
+                    continue
                 if chunk.text:
                     now = time.monotonic()
                     if first_token_s is None:

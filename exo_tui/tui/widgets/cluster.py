@@ -44,6 +44,14 @@ class ClusterHeader(Static):
         t.append(*sep)
         t.append(f"{fmt_rate(snapshot.tok_per_s)} tok/s", theme_style(app, "foreground"))
         t.append(*sep)
+        q = snapshot.queue
+        if q is not None and (q.queued or q.preempted or q.rejected):  # requests waiting for the nodes' memory
+            t.append(f"{q.running} running · {q.queued} queued", theme_style(app, "warning" if q.queued else "foreground"))
+            if q.preempted:
+                t.append(f" · {q.preempted} preempted", theme_style(app, "foreground-muted"))
+            if q.rejected:
+                t.append(f" · {q.rejected} refused", theme_style(app, "error"))
+            t.append(*sep)
         plan = (f"v{snapshot.plan.version}" if self.compact else f"plan v{snapshot.plan.version}") if snapshot.plan else "no plan"
         t.append(plan, theme_style(app, "foreground"))
         t.append(*sep)

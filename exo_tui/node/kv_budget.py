@@ -1,0 +1,173 @@
+"""A node's budget for KV caches: the bytes it may give them, and what its requests hold.
+
+The budget is the node's memory less what its process holds besides caches, less a reserve:
+
+- the memory is ``--memory-limit`` when given (the process's whole budget: its resident memory
+  stays under it), else the memory the machine has available;
+- what the process holds besides caches (the Python runtime, the backend's, the shards' weights)
+  is measured as its resident memory whenever no cache is held, and after every load and unload;
+- the reserve covers a step's temporaries and a backend's cache pool growing (it copies the
+  caches into larger arrays): ``RESERVE_FRACTION`` of what is left, at least ``RESERVE_MIN_BYTES``.
+
+Caches are counted in positions per request and shard, as steps run (``bytes_per_position`` of a
+shard: its layers' K and V for one token in the backend's cache dtype). A step that would take the
+caches past the budget is refused (:class:`BudgetExceeded`) before it runs; the coordinator's
+admission (:mod:`exo_tui.cluster.admission`) keeps that from happening by admitting no more than
+the ring's budgets hold. Pure and clock-free: the agent feeds it measurements.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+RESERVE_MIN_BYTES = 48 << 20
+RESERVE_FRACTION = 0.2
+
+ShardKey = tuple[int, int]
+
+
+class BudgetExceeded(Exception):
+    """A step would take this node's KV caches past its budget."""
+
+
+def bytes_per_position(n_layers: int, n_kv_heads: int, head_dim: int, value_bytes: int) -> int:
+    """Bytes one token's K and V take in ``n_layers`` layers."""
+    return n_layers * 2 * n_kv_heads * head_dim * value_bytes
+
+
+@dataclass
+class KVBudget:
+    limit_bytes: int | None  # --memory-limit; None: the machine's available memory
+    runtime_bytes: int = 0  # resident memory besides caches (measured)
+    available_bytes: int = 0  # memory the machine has available (measured; used without a limit)
+    per_position: dict[ShardKey, int] = field(default_factory=dict)
+    positions: dict[str, dict[ShardKey, int]] = field(default_factory=dict)
+    refused: int = 0  # steps refused for want of room
+    # Steps run on the node's worker thread, heartbeats on its event loop: one lock for both.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ measurements
+
+    def observe(self, rss_bytes: int, available_bytes: int, *, settled: bool = False) -> None:
+        """The process's resident memory and the machine's available memory now. ``settled``:
+        after a load or unload, or when no cache is held, the resident memory less the caches
+        counted is the runtime's."""
+        with self._lock:
+            self.available_bytes = int(available_bytes)
+            if settled or not self.positions:
+                self.runtime_bytes = max(0, int(rss_bytes) - self.used_bytes)
+
+    def set_shards(self, per_position: dict[ShardKey, int]) -> None:
+        """The shards held now and the bytes a position takes on each; requests' counts for
+        shards no longer held go."""
+        with self._lock:
+            self._set_shards(per_position)
+
+    def _set_shards(self, per_position: dict[ShardKey, int]) -> None:
+        self.per_position = dict(per_position)
+        for rid in list(self.positions):
+            kept = {k: n for k, n in self.positions[rid].items() if k in self.per_position}
+            if kept:
+                self.positions[rid] = kept
+            else:
+                del self.positions[rid]
+
+    # ------------------------------------------------------------------ the budget
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the process may hold in all (without a limit: what it holds plus what is free)."""
+        if self.limit_bytes:
+            return self.limit_bytes
+        return self.runtime_bytes + self.used_bytes + self.available_bytes
+
+    @property
+    def reserve_bytes(self) -> int:
+        room = max(0, self.memory_bytes - self.runtime_bytes)
+        return max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * room))
+
+    @property
+    def budget_bytes(self) -> int:
+        """The bytes KV caches may take here in all."""
+        return max(0, self.memory_bytes - self.runtime_bytes - self.reserve_bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.per_position.get(k, 0) * n for held in self.positions.values() for k, n in held.items())
+
+    @property
+    def ring_bytes_per_position(self) -> int:
+        """Bytes one position of a request takes on this node (over all its shards)."""
+        return sum(self.per_position.values())
+
+    # ------------------------------------------------------------------ steps
+
+    def check(self, growth: dict[tuple[str, ShardKey], int]) -> dict[str, str]:
+        """The requests among ``growth`` (request and shard -> positions it will hold after the
+        step) that must not run, with the reason: those whose new positions, counted in the order
+        given, would take the caches past the budget. Nothing is recorded."""
+        with self._lock:
+            room = self.budget_bytes - self.used_bytes
+            refused: dict[str, str] = {}
+            for (rid, key), length in growth.items():
+                extra = max(0, length - self.positions.get(rid, {}).get(key, 0)) * self.per_position.get(key, 0)
+                if extra > room:
+                    refused[rid] = self.refusal(rid, extra)
+                else:
+                    room -= extra
+            self.refused += len(refused)
+            return refused
+
+    def record(self, rid: str, key: ShardKey, length: int) -> None:
+        """Request ``rid`` holds ``length`` positions on shard ``key`` now."""
+        with self._lock:
+            if length > 0:
+                self.positions.setdefault(rid, {})[key] = length
+                return
+            held = self.positions.get(rid)
+            if held is not None:
+                held.pop(key, None)
+                if not held:
+                    del self.positions[rid]
+
+    def held(self, rid: str, key: ShardKey) -> int:
+        return self.positions.get(rid, {}).get(key, 0)
+
+    def drop(self, rid: str) -> None:
+        with self._lock:
+            self.positions.pop(rid, None)
+
+    def rename(self, old: str, new: str) -> None:
+        with self._lock:
+            if old in self.positions:
+                self.positions[new] = self.positions.pop(old)
+
+    def refusal(self, rid: str, need_bytes: int) -> str:
+        return (f"KV budget exceeded: request {rid} needs {need_bytes / 1e6:.1f} MB more of KV cache and this node has "
+                f"{max(0, self.budget_bytes - self.used_bytes) / 1e6:.1f} MB of its {self.budget_bytes / 1e6:.1f} MB "
+                f"left ({len(self.positions)} requests hold caches): the coordinator admits fewer requests at once, "
+                "or give the node more memory (--memory-limit)")
+
+    def report(self) -> dict[str, Any]:
+        """What the heartbeat carries (the coordinator admits against it)."""
+        with self._lock:
+            return self._report()
+
+    def _report(self) -> dict[str, Any]:
+        return {
+            "limit_bytes": self.limit_bytes or 0,
+            "budget_bytes": self.budget_bytes,
+            "used_bytes": self.used_bytes,
+            "runtime_bytes": self.runtime_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "bytes_per_position": self.ring_bytes_per_position,
+            "requests": len(self.positions),
+            "refused": self.refused,
+        }
+
+
+def shard_position_bytes(n_kv_heads: int, head_dim: int, start: int, end: int, value_bytes: int) -> int:
+    """Bytes one position of a request's cache takes on a shard of layers ``[start, end)``."""
+    return bytes_per_position(end - start, n_kv_heads, head_dim, value_bytes)
