@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from exo_tui.cluster import events as ev
+from exo_tui import events as ev
 from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.view import ChatParams
 from tests.factory import write_tiny_llama
