@@ -355,7 +355,7 @@ class ServingCluster(ClusterControl, Protocol):
         """Why a request cannot be served now and what to do; empty when it can."""
         ...
 
-    def generate(self, request: Request) -> AsyncIterator[Any]:
+    def generate(self, request: Request, on_queued: Any = None) -> AsyncIterator[Any]:
         """The request's chunks as they are generated (:class:`~exo_tui.inference.generate.Chunk`)."""
         ...
 
