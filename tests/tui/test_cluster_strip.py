@@ -61,7 +61,8 @@ async def test_live_figures_while_a_chat_streams(tiny_model: Path, tmp_path: Pat
             assert "token " in text and "links " in text  # the ring's split of a token
             names = [n.name for n in cluster.snapshot().nodes]
             assert all(name in text for name in names), text  # each node's share of a token
-            sparks = app.main_screen.query_one("#strip-tok_per_s", Spark).data
-            assert max(sparks) > 0  # the answer's tokens are in the tok/s sparkline
+            spark = app.main_screen.query_one("#strip-tok_per_s", Spark)
+            # the answer's tokens reach the tok/s sparkline at its next once-a-second sample
+            await wait_until(pilot, lambda: max(spark.data, default=0) > 0, timeout=10)
             bar = app.main_screen.query_one(PartitionBar)._lines(120)[0].plain
             assert "predicted" in bar and "measured" in bar, bar
