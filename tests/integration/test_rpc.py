@@ -216,28 +216,41 @@ async def test_first_bytes_sent_before_the_server_looks_are_not_lost(
                     c.close()
 
 
+# A flood that is not TLS from its first byte, and one that starts as a TLS record (so the server
+# waits for the handshake) and goes on sending: either is cut off, whichever way it first fails.
+FLOODS = {
+    "not-tls": (b"\x00" + os.urandom((1 << 20) - 1), ("its first bytes are not TLS",)),
+    "tls-record-then-more": (
+        b"\x16\x03\x01\x02\x00" + os.urandom((1 << 20) - 5),
+        ("bytes before the TLS handshake", "TLS handshake failed"),
+    ),
+}
+
+
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+@pytest.mark.parametrize("flood", FLOODS)
 async def test_a_flood_before_the_tls_handshake_is_refused(
-    coord: Security, node: Security, loop: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    coord: Security, node: Security, loop: str, flood: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ):
     """The bytes held for TLS before the handshake are bounded: a peer that sends 1 MiB at once
     (no TLS client does) is cut off and logged, and the server goes on serving."""
     from exo_tui.net import loop as event_loop
 
+    data, reasons = FLOODS[flood]
     monkeypatch.setenv(event_loop.ENV, loop)
     caplog.set_level(logging.WARNING, logger=NET)
     with HeldServer(node) as server:
         server.hold(0.3)
         reader, writer = await asyncio.open_connection(HOST, server.port)
-        writer.write(os.urandom(1 << 20))
+        writer.write(data)
         with contextlib.suppress(ConnectionError):
             await writer.drain()
         assert await read_to_eof(reader) == b""
         writer.close()
         async with await connect(HOST, server.port, security=coord) as conn:
             assert (await conn.call("echo", {"ok": 1})).body == {"ok": 1}
-    assert any("its first bytes are not TLS" in m or "bytes before the TLS handshake" in m
-               for m in refusals(caplog)), refusals(caplog)
+    assert any(r in m for m in refusals(caplog) for r in reasons), refusals(caplog)
 
 
 def _client_hello() -> bytes:

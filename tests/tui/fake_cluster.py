@@ -156,6 +156,8 @@ class FakeCluster:
         self.queued_ahead: list[int] = []  # notes a chat yields before its answer, as while it waits its turn
         self.admit = asyncio.Event()  # set: the waiting chat is admitted
         self.admit.set()
+        self.hold_before = ""  # the stream stops before the first word holding this, until ``resume`` is set
+        self.resume = asyncio.Event()
         self.fail_next_chat = ""
         self.known_keys: set[str] = set()
         self.hosts: dict[str, HostView] = {
@@ -387,6 +389,8 @@ class FakeCluster:
         count = 0
         for i, word in enumerate(words):
             await asyncio.sleep(self.chat_delay_s)
+            if self.hold_before and self.hold_before in word:
+                await self.resume.wait()
             count += 1
             yield ChatChunk(text=word if i == 0 else " " + word, token_ids=(i,))
         yield ChatChunk(

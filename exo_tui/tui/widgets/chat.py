@@ -22,6 +22,7 @@ from rich.markdown import Markdown as RichMarkdown
 from rich.text import Text
 from textual import on
 from textual.containers import Vertical, VerticalScroll
+from textual.timer import Timer
 from textual.widgets import Input, Static
 from textual.worker import Worker
 
@@ -226,6 +227,17 @@ class ChatPane(Vertical):
         completion = 0
         agen = control.chat(messages, self.params)
         last_flush = 0.0
+        trailing: Timer | None = None  # shows what came after the last update if no token follows it
+
+        def flush() -> None:
+            nonlocal last_flush, trailing
+            if trailing is not None:
+                trailing.stop()
+                trailing = None
+            if not answer.finished:
+                answer.show_streamed(self.log_view.size.height)
+            last_flush = time.monotonic()
+
         try:
             async for chunk in agen:
                 if getattr(chunk, "queued_ahead", None) is not None:  # waiting for the cluster's memory
@@ -236,10 +248,12 @@ class ChatPane(Vertical):
                     if first_token_s is None:
                         first_token_s = now - started
                     answer.text += chunk.text
-                    # at most FLUSH_S between screen updates, however fast the tokens come
+                    # at most FLUSH_S between screen updates, however fast the tokens come, and
+                    # the last tokens before a pause (a node failing over) shown when it is due
                     if now - last_flush >= FLUSH_S:
-                        answer.show_streamed(self.log_view.size.height)
-                        last_flush = now
+                        flush()
+                    elif trailing is None:
+                        trailing = self.set_timer(FLUSH_S - (now - last_flush), flush)
                 completion += len(chunk.token_ids)
                 if chunk.finish_reason:
                     final = chunk
@@ -251,6 +265,8 @@ class ChatPane(Vertical):
         except Exception as exc:  # the cluster said no: show it, give the prompt back
             error = str(exc) or type(exc).__name__
         finally:
+            if trailing is not None:
+                trailing.stop()
             try:
                 await agen.aclose()
             except Exception:  # the answer has ended either way; its error, if any, is shown below
