@@ -33,8 +33,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
-from exo_tui.api.app import MAX_STOPS, OPENAI_SAMPLING, _until_done_or_disconnect, model_ids
+from exo_tui.api.app import MAX_STOPS, OPENAI_SAMPLING, RETRY_AFTER_S, _until_done_or_disconnect, model_ids
 from exo_tui.api.generation import Generation
+from exo_tui.cluster.admission import wait_for_plan
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import with_defaults
@@ -257,10 +258,18 @@ def ollama_router(coordinator: Any) -> APIRouter:
     """The ``/api/*`` routes over ``coordinator``."""
     router = APIRouter(prefix="/api", tags=["ollama"], route_class=_OllamaRoute)
 
+    async def ready() -> None:
+        """Wait (admission.plan_wait_s at most) for the model and a plan, as the OpenAI routes and
+        the console do: a request sent while the server starts or switches models is served then."""
+        try:
+            await wait_for_plan(coordinator, coordinator.config.admission.plan_wait_s, RETRY_AFTER_S)
+        except GenerationError as exc:  # NotReady too: waited long enough, or the model cannot be served
+            raise OllamaError(503, str(exc)) from exc
+
     async def check_served(name: str) -> None:
-        """Nothing when ``name`` names the model the cluster serves; else the 404 or 503 that says why."""
-        if coordinator.model is None:
-            raise OllamaError(503, "the coordinator is still loading its model: try again in a moment")
+        """Nothing when ``name`` names the model the cluster serves (once it is ready); else the 404
+        or 503 that says why."""
+        await ready()
         wanted = set(catalog.candidates(name))
         if wanted & {i.lower() for i in model_ids(coordinator)}:
             return
@@ -275,14 +284,6 @@ def ollama_router(coordinator: Any) -> APIRouter:
         raise OllamaError(404, f"model '{name}' not found: this cluster serves '{served}' (GET /api/tags "
                                "lists the models on this machine)")
 
-    def check_ready() -> None:
-        why = getattr(coordinator, "_serve_error", "")
-        if why:
-            raise OllamaError(503, why)
-        if getattr(coordinator, "ring", None) is None:
-            raise OllamaError(503, "the cluster has no plan yet: no node serves the model (start a node agent, "
-                                   "add one with --peer, or undrain one)")
-
     def new_request(prompt_ids: list[int], options: Any) -> GenRequest:
         params, num_predict, stops = sampling_options(options, dict(coordinator.model.sampling))
         context = coordinator.model.config.context_length
@@ -293,7 +294,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
         return GenRequest(prompt_ids, params, min(num_predict or room, room), stops)
 
     async def start(http: Request, request: GenRequest) -> Generation:
-        check_ready()
+        await ready()  # at once, unless the plan changed since check_served
         gen = Generation(coordinator, request)
         try:
             await _until_done_or_disconnect(http, gen, gen.first())

@@ -1,5 +1,6 @@
-"""A script that starts ``exo-tui serve --local-nodes 2`` and sends a chat at once gets its answer:
-the request waits for the first plan (as the console's does), it is not refused with a 503."""
+"""A script that starts ``exo-tui serve --local-nodes 2`` and sends a chat at once gets its answer,
+on OpenAI's API and on Ollama's: the request waits for the first plan (as the console's does), it is
+not refused with a 503."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import ollama
 import pytest
 
 from exo_tui.cluster.local_nodes import free_port
@@ -42,9 +45,13 @@ def test_a_chat_sent_as_serve_starts_waits_for_the_plan_and_is_answered(tmp_path
         opened_s = time.monotonic() - t0
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health", timeout=10).json()["ready"] is False  # no plan yet
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
-            "model": "smollm2-135m", "temperature": 0, "max_tokens": 12,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        with ThreadPoolExecutor(2) as pool:  # both sent before the plan is ready
+            asked = pool.submit(ollama.Client(host=url, timeout=600).chat, model="smollm2-135m", messages=question,
+                                options={"temperature": 0, "num_predict": 12})
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+                "model": "smollm2-135m", "temperature": 0, "max_tokens": 12, "messages": question})
+            assert "Paris" in asked.result().message.content
         print(f"\nAPI open {opened_s:.2f} s after the start; answered {time.monotonic() - t0:.1f} s after it")
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["choices"][0]["message"]["content"]

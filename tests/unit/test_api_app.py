@@ -113,6 +113,9 @@ def test_before_the_model_is_loaded(idle: Coordinator) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "cluster_unavailable"
         assert "not ready after waiting" in r.json()["error"]["message"]
         assert r.headers["retry-after"] == "2"  # a client (the openai package does) tries again, not gives up
+        r = http.post("/api/chat", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "not ready after waiting" in r.json()["error"]  # Ollama's shape
+        assert r.headers["retry-after"] == "2"
         r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "robot", "content": "hi"}]})
         assert r.status_code == 422 and r.json()["error"]["param"].startswith("messages")
         r = http.post("/v1/completions", content=b"[1,", headers={"content-type": "application/json"})
