@@ -109,6 +109,8 @@ def plan_diff(old: Plan | None, new: Plan, spec: ModelSpec, failed: Iterable[str
             nbytes += spec.embed_bytes
         if end == L:
             nbytes += spec.head_bytes
+            if layer == 0 and spec.tied_embeddings:  # one matrix, carried once
+                nbytes -= min(spec.embed_bytes, spec.head_bytes)
         moves.append(LayerMove(layer, end, None if src in dead else src, dst, nbytes))
         layer = end
     moves.sort(key=lambda m: (m.src is not None, m.start))

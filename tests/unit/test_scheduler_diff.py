@@ -52,6 +52,16 @@ def test_moving_the_ends_carries_embedding_and_head() -> None:
     assert d2.moves == (LayerMove(9, 10, "b", "c", 100 * MB + 40 * MB),)
 
 
+def test_a_tied_embedding_moving_with_the_whole_model_is_carried_once() -> None:
+    import dataclasses
+
+    tied = dataclasses.replace(SPEC, tied_embeddings=True, head_bytes=31 * MB)  # head: the matrix + its norm
+    d = plan_diff(plan(("a", 0, 10)), plan(("b", 0, 10), version=2), tied)
+    assert d.moves == (LayerMove(0, 10, "a", "b", 10 * 100 * MB + 31 * MB),)
+    assert d.bytes_moved == tied.range_bytes(0, 10, 0)
+    assert plan_diff(plan(("a", 0, 10)), plan(("b", 0, 10), version=2), SPEC).bytes_moved == 1070 * MB
+
+
 def test_layers_of_failed_nodes_load_from_the_file_first() -> None:
     old = plan(("a", 0, 5), ("b", 5, 10))
     new = plan(("c", 0, 3), ("a", 3, 10), version=2)
