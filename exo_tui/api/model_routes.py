@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo_tui.api.app import _errors
 from exo_tui.api.convert import to_jsonable
+from exo_tui.api.errors import documented_errors
 from exo_tui.cluster.view import Command
 
 
@@ -22,15 +22,17 @@ class ModelPreviewRequest(BaseModel):
 def models_router(coordinator: Any) -> APIRouter:
     router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
 
-    @router.get("/models", responses=_errors(401), description="the GGUF models on the coordinator's machine (exo-tui models), each with "
-                                       "whether the runtime can run it, whether the cluster can hold it now and its "
-                                       "predicted tok/s (ModelChoice of exo_tui/cluster/view.py)")
+    @router.get("/models", responses=documented_errors(401),
+                description="the GGUF models on the coordinator's machine (exo-tui models), each with "
+                            "whether the runtime can run it, whether the cluster can hold it now and its "
+                            "predicted tok/s (ModelChoice of exo_tui/cluster/view.py)")
     async def cluster_models() -> list[dict[str, Any]]:
         return to_jsonable(await coordinator.models())
 
-    @router.post("/models/preview", responses=_errors(401, 422), description="what switching the cluster to a model would do (a PlanPreview: "
-                                                "every layer a fresh load, bytes, tok/s before and after); POST "
-                                                "/v1/cluster/model switches")
+    @router.post("/models/preview", responses=documented_errors(401, 422),
+                 description="what switching the cluster to a model would do (a PlanPreview: "
+                             "every layer a fresh load, bytes, tok/s before and after); POST "
+                             "/v1/cluster/model switches")
     async def preview_model(body: ModelPreviewRequest) -> dict[str, Any]:
         return to_jsonable(await coordinator.preview(Command("model", model=body.model)))
 

@@ -33,8 +33,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
-from exo_tui.api.app import MAX_STOPS, OPENAI_SAMPLING, RETRY_AFTER_S, _until_done_or_disconnect, model_ids
+from exo_tui.api.app import MAX_STOPS, OPENAI_SAMPLING, _until_done_or_disconnect
+from exo_tui.api.errors import RETRY_AFTER_S
 from exo_tui.api.generation import Generation
+from exo_tui.api.model_names import model_ids
 from exo_tui.cluster.admission import wait_for_plan
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request as GenRequest

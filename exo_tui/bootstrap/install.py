@@ -416,8 +416,8 @@ async def _start(
 async def _handshake(
     conn: asyncssh.SSHClientConnection, host: RemoteHost, result: BootstrapResult, opts: BootstrapOptions
 ) -> str:
+    from exo_tui.net.client import connect as net_connect
     from exo_tui.net.errors import AuthError, ConnectError, HandshakeError, ProtocolMismatch
-    from exo_tui.net.rpc import connect as net_connect
     from exo_tui.net.security import ensure_cluster
 
     security = ensure_cluster(opts.home).security()

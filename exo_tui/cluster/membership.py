@@ -22,9 +22,10 @@ from exo_tui.cluster.view import (
 )
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
+from exo_tui.net.client import connect
+from exo_tui.net.connection import Connection
 from exo_tui.net.errors import ConnectError, HandshakeError, RemoteError
 from exo_tui.net.frame import Frame
-from exo_tui.net.rpc import Connection, connect
 from exo_tui.node.profile import NodeProfile
 from exo_tui.scheduler.diff import should_rebalance
 

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from exo_tui.net.rpc import Connection
+from exo_tui.net.connection import Connection
 from exo_tui.node.profile import NodeProfile
 
 HISTORY_LEN = 60  # one minute of heartbeats for the console's sparklines

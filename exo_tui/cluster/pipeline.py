@@ -36,9 +36,9 @@ from exo_tui.cluster.metrics import StepSample
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.net.connection import Connection
 from exo_tui.net.errors import ConnectionClosed, RemoteError
 from exo_tui.net.protocol import RingPlan
-from exo_tui.net.rpc import Connection
 from exo_tui.net.timing import HopTiming, timings_from_wire
 
 log = logging.getLogger("exo_tui.cluster")

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import numpy as np
 
 from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import ChunkChecksumError
-from exo_tui.net.rpc import Connection
 
 CHUNK_BYTES = 4 << 20
 CHUNK_RETRIES = 3

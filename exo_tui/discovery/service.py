@@ -88,8 +88,8 @@ def net_probe(security: Any, cluster: str = "") -> PeerProbe:
     """
 
     async def probe(peer: Peer, timeout_s: float) -> NodeAdvertisement | None:
+        from exo_tui.net.client import connect
         from exo_tui.net.errors import ConnectError, HandshakeError
-        from exo_tui.net.rpc import connect
 
         try:
             conn = await connect(peer.host, peer.port, security=security, timeout=timeout_s)

@@ -6,15 +6,19 @@ The public API, importable from here:
 * secrets — :class:`Security` (what ``serve``/``connect`` need), :func:`ensure_cluster` /
   :class:`Cluster` (coordinator: CA, cluster key, node certificates and bundles),
   :func:`write_node_bundle`, :func:`home_dir`, :func:`default_bundle_path`
-* RPC — :func:`serve` → :class:`Server`, :func:`connect` → :class:`Connection`,
-  :class:`Dispatcher`
+* RPC — :func:`serve` → :class:`Server` (:mod:`exo_tui.net.server`), :func:`connect`
+  (:mod:`exo_tui.net.client`) → :class:`Connection` and :class:`Dispatcher`
+  (:mod:`exo_tui.net.connection`); the TCP and TLS setup both sides share is
+  :mod:`exo_tui.net.transport`
 * errors — :class:`ConnectError`, :class:`HandshakeError`, :class:`AuthError`,
   :class:`ProtocolMismatch`, :class:`ConnectionClosed`, :class:`RemoteError`,
   :class:`UnknownFrameType`, :class:`FrameError`, :class:`SecurityError`
 
-See :mod:`exo_tui.net.rpc` for an example.
+See :mod:`exo_tui.net.server` for an example.
 """
 
+from exo_tui.net.client import connect
+from exo_tui.net.connection import Connection, Dispatcher, error_frame
 from exo_tui.net.errors import (
     AuthError,
     ConnectError,
@@ -25,7 +29,6 @@ from exo_tui.net.errors import (
     UnknownFrameType,
 )
 from exo_tui.net.frame import DTYPES, PROTOCOL_VERSION, Frame, FrameError, Limits
-from exo_tui.net.rpc import Connection, Dispatcher, Server, connect, error_frame, serve
 from exo_tui.net.security import (
     Cluster,
     Security,
@@ -35,6 +38,7 @@ from exo_tui.net.security import (
     home_dir,
     write_node_bundle,
 )
+from exo_tui.net.server import Server, serve
 
 __all__ = [
     "DTYPES",

@@ -22,8 +22,8 @@ always tells a version mismatch apart from garbage::
 * A version mismatch is answered with status 1 and the server's version, so the client can say
   "node 10.0.0.7:52416 speaks exo-tui protocol 2, this coordinator speaks 1: upgrade ...".
 
-The caller (:mod:`exo_tui.net.rpc`) applies the handshake timeout, logs refusals with the peer's
-address and closes the connection.
+The callers (:mod:`exo_tui.net.server`, :mod:`exo_tui.net.client`) apply the handshake timeout,
+log refusals with the peer's address and close the connection.
 """
 
 from __future__ import annotations

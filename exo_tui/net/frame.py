@@ -19,7 +19,7 @@ Header keys (unknown keys are ignored, so later versions can add some):
 ``dtype`` tensor dtype name (one of :data:`DTYPES`), absent when the payload is not a tensor
 ``shape`` tensor shape (list of ints)
 ``nbytes`` number of raw bytes after the header; must equal ``prod(shape) * itemsize`` for a tensor
-``lane``  ordering lane of a one-way frame (str); see :mod:`exo_tui.net.rpc`
+``lane``  ordering lane of a one-way frame (str); see :mod:`exo_tui.net.connection`
 ``body``  free-form map of plain values (str keys; nil, bool, int, float, str, bin, arrays, maps)
 ========  =====================================================================
 
@@ -113,8 +113,8 @@ DEFAULT_LIMITS = Limits()
 class Frame:
     """One message. ``tensor`` and ``payload`` are mutually exclusive (or both ``None``).
 
-    ``id``, ``response`` and ``lane`` are filled in by :mod:`exo_tui.net.rpc`; applications set
-    ``type``, ``body``, ``tensor`` / ``payload`` and ``plan``.
+    ``id``, ``response`` and ``lane`` are filled in by :mod:`exo_tui.net.connection`; applications
+    set ``type``, ``body``, ``tensor`` / ``payload`` and ``plan``.
     """
 
     type: str

@@ -13,7 +13,7 @@ shared out so that strangers cannot lock out the node's coordinator and peers:
   at once, so an idle connection is cheap to drop and a flood of idle ones cannot refuse anyone).
   Only when no idle one is left is the newcomer refused.
 
-The server applies the deadlines (:data:`exo_tui.net.rpc.PRE_TLS_S` for the ClientHello while
+The server applies the deadlines (:data:`exo_tui.net.server.PRE_TLS_S` for the ClientHello while
 half the slots or more are taken, else the handshake timeout; the handshake timeout for the rest);
 this module only counts.
 """

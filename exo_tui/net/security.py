@@ -265,7 +265,7 @@ class Cluster:
         return make_bundle(self.cluster_key, self.ca_cert_pem, cert_pem, key_pem, name=name)
 
     def security(self, *, enable_tls: bool = True, **kw) -> Security:
-        """The coordinator's :class:`Security` for :func:`exo_tui.net.rpc.connect` / ``serve``."""
+        """The coordinator's :class:`Security` for :func:`exo_tui.net.client.connect` / ``serve``."""
         return Security(
             cluster_key=self.cluster_key, ca_cert_pem=self.ca_cert_pem, cert_pem=self.cert_pem,
             key_pem=self.key_pem, enable_tls=enable_tls, name="coordinator", **kw,

@@ -62,11 +62,13 @@ from exo_tui.inference.sampling import (
 )
 from exo_tui.inference.scoring import forward_scored
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
+from exo_tui.net.client import connect
+from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
 from exo_tui.net.protocol import HostError, RingPlan, kv_from_array, kv_to_array
-from exo_tui.net.rpc import Connection, connect, serve
+from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first

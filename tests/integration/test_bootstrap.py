@@ -220,7 +220,7 @@ async def test_bootstrap_installs_starts_upgrades_and_stops_a_node(
     assert int((data / "node.pid").read_text()) == pids[0]
 
     # The node holds our cluster: an authenticated connection works from here.
-    from exo_tui.net.rpc import connect as net_connect
+    from exo_tui.net.client import connect as net_connect
     from exo_tui.net.security import ensure_cluster
 
     conn = await net_connect("127.0.0.1", port, security=ensure_cluster(exo_home).security(), timeout=5)
@@ -345,7 +345,7 @@ async def test_a_host_without_sftp_gets_its_files_over_the_ssh_channel(
     bundle = data / "node.bundle"
     assert stat.S_IMODE(bundle.stat().st_mode) == 0o600 and bundle.stat().st_uid == host.user.uid
     assert not list(data.rglob("*.part"))  # every file arrived whole and was moved into place
-    from exo_tui.net.rpc import connect as net_connect
+    from exo_tui.net.client import connect as net_connect
     from exo_tui.net.security import ensure_cluster
 
     node = await net_connect("127.0.0.1", port, security=ensure_cluster(exo_home).security(), timeout=5)

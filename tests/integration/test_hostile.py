@@ -38,9 +38,9 @@ import pytest
 
 from exo_tui.cluster.local_nodes import READY_LINE, free_port
 from exo_tui.commands.serve import READY_PREFIX
+from exo_tui.net.client import connect, open_authenticated
 from exo_tui.net.errors import HandshakeError
 from exo_tui.net.frame import PROTOCOL_VERSION, Frame, decode_frame, frame_bytes
-from exo_tui.net.rpc import connect, open_authenticated
 from exo_tui.net.security import _make_ca, ensure_cluster, load_chain, write_node_bundle
 from tests.factory import write_tiny_llama
 from tests.helpers.wire import raw_frame, read_to_eof

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from exo_tui.discovery.join import serve_join
-from exo_tui.net.rpc import connect
+from exo_tui.net.client import connect
 from exo_tui.net.security import ensure_cluster
 from tests.helpers.sshd import free_port
 

@@ -172,8 +172,8 @@ def test_from_config_reads_the_discovery_section() -> None:
 async def test_net_probe_learns_a_peers_identity_and_spots_another_cluster(tmp_path: Path) -> None:
     from exo_tui.discovery import cluster_fingerprint, net_probe
     from exo_tui.net.frame import Frame
-    from exo_tui.net.rpc import serve
     from exo_tui.net.security import Security, ensure_cluster
+    from exo_tui.net.server import serve
 
     ours, theirs = ensure_cluster(tmp_path / "ours"), ensure_cluster(tmp_path / "theirs")
 

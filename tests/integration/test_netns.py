@@ -30,7 +30,7 @@ async def _events(sub, pred, n: int, timeout: float) -> list:  # noqa: ANN001
 
 async def test_bootstrapped_nodes_are_discovered_across_the_bridge_and_withdraw(netns_nodes) -> None:  # noqa: ANN001
     from exo_tui.bootstrap import stop_node
-    from exo_tui.net.rpc import connect as net_connect
+    from exo_tui.net.client import connect as net_connect
     from exo_tui.net.security import ensure_cluster
 
     lab = netns_nodes.lab

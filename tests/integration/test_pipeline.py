@@ -23,8 +23,8 @@ from exo_tui.cluster.local_nodes import spawn_node, stop_node, wait_ready
 from exo_tui.cluster.view import ChatParams
 from exo_tui.cluster.weights import WeightTransferError, stream_shard
 from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.net.client import connect
 from exo_tui.net.errors import AuthError, HandshakeError, RemoteError
-from exo_tui.net.rpc import connect
 from exo_tui.net.security import Security, ensure_cluster
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
 

@@ -44,9 +44,10 @@ from exo_tui.net import (
     serve,
     write_node_bundle,
 )
+from exo_tui.net.client import open_authenticated
 from exo_tui.net.frame import DTYPES, PROTOCOL_VERSION, FrameError, IncompleteFrame, decode_frame, frame_bytes
 from exo_tui.net.gate import HandshakeGate
-from exo_tui.net.rpc import _peer_identity, open_authenticated
+from exo_tui.net.transport import peer_identity
 from tests.helpers.wire import raw_frame, read_to_eof
 
 NET = "exo_tui.net"
@@ -626,7 +627,7 @@ async def test_replayed_handshake_is_refused_and_logged(coord, node, tls, caplog
     async with running(node) as server:
         reader, writer = await open_raw()
         rec = Recorder(writer)
-        fp_server = _peer_identity(writer)[0] if tls else b""
+        fp_server = peer_identity(writer)[0] if tls else b""
         await auth.client_handshake(
             reader, rec, coord.cluster_key, fp_server=fp_server,  # type: ignore[arg-type]
             fp_client=coord.fingerprint if tls else b"", peer="node",
@@ -715,7 +716,7 @@ async def test_other_protocol_version_is_refused_with_a_clear_error(coord, node,
         try:
             with pytest.raises(ProtocolMismatch, match=f"node 127.0.0.1 speaks exo-tui protocol {V}, this coordinator speaks {V + 1}: upgrade") as e:
                 await auth.client_handshake(
-                    reader, writer, coord.cluster_key, fp_server=_peer_identity(writer)[0],
+                    reader, writer, coord.cluster_key, fp_server=peer_identity(writer)[0],
                     fp_client=coord.fingerprint, peer="node 127.0.0.1", version=V + 1, local="this coordinator",
                 )
             assert e.value.peer_version == V

@@ -1,8 +1,10 @@
-"""Asyncio RPC over authenticated frames: :func:`serve`, :func:`connect`, :class:`Connection`.
+"""A :class:`Connection`: one authenticated, multiplexed connection, and :class:`Dispatcher`.
 
 A :class:`Connection` is bidirectional and multiplexed: either side may :meth:`~Connection.call`
 (request → response matched by id) or :meth:`~Connection.send` (one-way), and frames that are not
-responses go to the side's handler ``async def handler(conn, frame) -> Frame | None``.
+responses go to the side's handler ``async def handler(conn, frame) -> Frame | None``. It is made
+by :func:`exo_tui.net.client.connect` or handed to a server's handler
+(:func:`exo_tui.net.server.serve`); this module knows nothing of how the stream was opened.
 
 Ordering and concurrency (the choice made here):
 
@@ -15,11 +17,12 @@ Ordering and concurrency (the choice made here):
   same lane when their relative order matters. A lane's queue holds ``lane_queue`` frames; when it
   is full the read loop waits (backpressure). Don't make a one-way handler await a call on the same
   connection while that connection's lanes can fill up.
-* **Inline types** (``inline_types`` of :func:`serve` and :func:`connect`): a one-way frame of
-  one of these types whose lane is idle is handled right in the read loop, without the hand-off
-  to the lane's task (one event-loop turn less per frame: what a pipeline hop pays for every
-  token). Nothing else is read from that connection until such a handler returns, so give only
-  handlers that return quickly and never await a call on the same connection.
+* **Inline types** (``inline_types`` of :func:`~exo_tui.net.server.serve` and
+  :func:`~exo_tui.net.client.connect`): a one-way frame of one of these types whose lane is idle
+  is handled right in the read loop, without the hand-off to the lane's task (one event-loop turn
+  less per frame: what a pipeline hop pays for every token). Nothing else is read from that
+  connection until such a handler returns, so give only handlers that return quickly and never
+  await a call on the same connection.
 * **Responses** are delivered to the waiting caller right in the read loop.
 * **Writes coalesce**: small frames sent in one turn of the event loop leave in one write at the
   end of that turn (one TLS record, one system call, one wake-up of the peer). A node that ran
@@ -35,33 +38,15 @@ one-way handler is ignored and its exceptions are logged (report failures with a
 A broken frame (see :mod:`exo_tui.net.frame`) closes only its connection, after an ``error`` frame
 with code ``bad_frame``; the server keeps serving the others. Everything is logged on the
 ``exo_tui.net`` logger with the peer's address.
-
-Example::
-
-    security = Security.coordinator()          # or Security.from_bundle_file(path) on a node
-    dispatch = Dispatcher()
-
-    @dispatch.route("echo")
-    async def echo(conn, frame):
-        return Frame("echo", body=frame.body, tensor=frame.tensor)
-
-    server = await serve(dispatch, "127.0.0.1", 0, security=security)
-    conn = await connect("127.0.0.1", server.port, security=security)
-    reply = await conn.call("echo", {"n": 1}, tensor=np.zeros(576, np.float32))
-    await conn.aclose()
-    server.close()
-    await server.wait_closed()
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import inspect
 import itertools
 import logging
-import socket
 import ssl
 import struct
 from collections.abc import Awaitable, Callable, Collection
@@ -69,9 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from exo_tui.net import auth
 from exo_tui.net.budget import ReceiveBudget, receive_budget
-from exo_tui.net.gate import HandshakeGate, Refused
 from exo_tui.net.ratelog import RateLimitedLog
 
 try:  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
@@ -79,14 +62,7 @@ try:  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
     import termios
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = termios = None  # type: ignore[assignment]
-from exo_tui.net.errors import (
-    AuthError,
-    ConnectError,
-    ConnectionClosed,
-    HandshakeError,
-    RemoteError,
-    UnknownFrameType,
-)
+from exo_tui.net.errors import ConnectionClosed, RemoteError, UnknownFrameType
 from exo_tui.net.frame import (
     DEFAULT_LIMITS,
     PREFIX_SIZE,
@@ -99,7 +75,6 @@ from exo_tui.net.frame import (
     header_length,
     parse_header,
 )
-from exo_tui.net.security import Security
 
 log = logging.getLogger("exo_tui.net")
 
@@ -113,15 +88,7 @@ LANE_QUEUE = 64
 CLOSE_TIMEOUT_S = 5.0
 SMALL_FRAME = 64 << 10  # a frame this small is copied into one write with its header ...
 OUTBOX_BYTES = 64 << 10  # ... and frames sent in one loop turn are held up to this many bytes
-PRE_TLS_S = 1.0  # a new connection's TLS ClientHello must arrive within this time
 CHUNK = STREAM_LIMIT  # a payload larger than this is read in pieces of this size into one buffer
-
-
-def _fmt_addr(addr: Any) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        host = addr[0]
-        return f"[{host}]:{addr[1]}" if ":" in str(host) else f"{host}:{addr[1]}"
-    return str(addr or "?")
 
 
 def error_frame(message: str, code: str = "error") -> Frame:
@@ -139,47 +106,6 @@ def _remote_error(frame: Frame) -> RemoteError:
     )
 
 
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
-
-
-def _tune_socket(writer: asyncio.StreamWriter) -> None:
-    """TCP_NODELAY (small frames go out at once) and TCP keepalive, so a peer that vanished
-    without closing (power cut, cable) breaks the connection in ~25 s even when nothing is sent."""
-    sock = writer.get_extra_info("socket")
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # Linux / macOS
-        if idle is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, idle, KEEPALIVE_IDLE_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
-
-
-async def _start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
-    """``writer.start_tls``, marking the stream protocol as TLS first: on CPython 3.11 an EOF that
-    arrives right after the TLS handshake, before ``start_tls`` returns, otherwise makes asyncio
-    warn "returning true from eof_received() has no effect when using ssl". A server's stream
-    (:class:`_TLSFirst`) upgrades itself, with the bytes it held back."""
-    protocol = getattr(writer, "_protocol", None)
-    if protocol is not None and hasattr(protocol, "_over_ssl"):
-        protocol._over_ssl = True
-    if isinstance(protocol, _TLSFirst):
-        await protocol.upgrade(writer, ctx)
-    else:
-        await writer.start_tls(ctx)
-
-
-def _why(e: BaseException) -> str:
-    """An exception's text, never empty (``ssl`` and ``ConnectionResetError`` often have none)."""
-    if isinstance(e, ssl.SSLError) and getattr(e, "reason", None):
-        return str(e.reason).lower().replace("_", " ")
-    return str(e) or type(e).__name__
-
-
 def _bare(e: BaseException) -> BaseException:
     """``e`` without its traceback and context, to keep as a connection's close reason: a
     traceback holds the frames of the read that failed, and so the payload buffer it was filling
@@ -187,27 +113,6 @@ def _bare(e: BaseException) -> BaseException:
     e.__traceback__ = e.__context__ = e.__cause__ = None
     return e
 
-
-def _local_name(sec: Security) -> str:
-    if sec.name == "coordinator":
-        return "this coordinator"
-    return f"this node ({sec.name})" if sec.name else "this process"
-
-
-def _peer_identity(writer: asyncio.StreamWriter) -> tuple[bytes, str]:
-    """(SHA-256 of the peer's certificate, its common name) on a TLS connection."""
-    sslobj = writer.get_extra_info("ssl_object")
-    if sslobj is None:
-        return b"", ""
-    der = sslobj.getpeercert(binary_form=True)
-    if not der:
-        raise AuthError("the peer presented no certificate")
-    name = ""
-    for rdn in (sslobj.getpeercert() or {}).get("subject", ()):
-        for k, v in rdn:
-            if k == "commonName":
-                name = v
-    return hashlib.sha256(der).digest(), name
 
 
 class Connection:
@@ -673,410 +578,3 @@ class Dispatcher:
         if fn is None:
             raise UnknownFrameType(f"unknown frame type {frame.type!r}")
         return await fn(conn, frame)
-
-
-# ------------------------------------------------------------------ server
-
-
-class _TLSFirst(asyncio.StreamReaderProtocol):
-    """A server-side stream whose first bytes belong to TLS: it holds them back from the reader
-    and hands them to the TLS protocol when it upgrades (:meth:`upgrade`).
-
-    ``start_tls`` puts a TLS protocol on the socket, but bytes the plain stream has already read
-    would stay in the reader's buffer, lost to TLS: a ClientHello that arrives before the accept
-    task runs left the handshake waiting until its timeout (uvloop reads as soon as a connection
-    is accepted, so under load this happened to about half the connections; asyncio's loop does
-    the same when it is busy; MagicStack/uvloop#707, CPython gh-142352). What is held is bounded
-    (``MAX_HELD``): a TLS client sends one ClientHello and waits."""
-
-    MAX_HELD = 1 << 16  # a ClientHello is a few hundred bytes; a peer sending more first is not TLS
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._held: bytearray | None = bytearray()
-        self._plain: asyncio.BaseTransport | None = None
-        self.hello = asyncio.Event()  # set when a whole first TLS record arrived, or it never will
-        self.not_tls = ""  # why the first bytes cannot be a TLS ClientHello
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._plain = transport
-        super().connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self._held is None:
-            super().data_received(data)
-            return
-        held = self._held
-        held += data
-        if self.hello.is_set():
-            if len(held) > self.MAX_HELD:  # TLS has not taken over yet and the peer keeps sending
-                self._refuse(f"{len(held)} bytes before the TLS handshake")
-            return
-        if held[0] != 0x16:  # a TLS handshake record starts with 22
-            self._refuse("TLS handshake failed: its first bytes are not TLS (plain TCP, or TLS is off on its side: "
-                         "network.security.enable_tls)")
-        elif len(held) >= 5 and len(held) >= 5 + int.from_bytes(held[3:5], "big"):
-            self.hello.set()
-        elif len(held) > self.MAX_HELD:
-            self._refuse(f"{len(held)} bytes before the TLS handshake (not a TLS client)")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.hello.is_set():
-            self.not_tls = self.not_tls or "it closed the connection before its TLS ClientHello"
-            self.hello.set()
-        super().connection_lost(exc)
-
-    def _refuse(self, why: str) -> None:
-        self.not_tls = why
-        self.hello.set()
-        self._held = bytearray()  # nothing of it is wanted
-        if self._plain is not None:
-            self._plain.pause_reading()  # type: ignore[attr-defined]  # the accept task closes it
-
-    async def upgrade(self, writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
-        """``writer.start_tls``, giving the held bytes to the TLS protocol as soon as ``start_tls``
-        has put it on the socket (its first step does, before the handshake starts or reading
-        resumes), so they come first, as they came."""
-        transport = writer.transport
-        if self.not_tls or transport.is_closing():
-            raise ConnectionResetError(self.not_tls or "the connection closed before the TLS handshake")
-        upgrade = asyncio.ensure_future(writer.start_tls(ctx))
-        try:
-            while transport.get_protocol() is self and not upgrade.done():
-                await asyncio.sleep(0)
-            if not (upgrade.done() and (upgrade.cancelled() or upgrade.exception() is not None)):
-                self._hand_over(transport.get_protocol())
-        except BaseException:
-            upgrade.cancel()
-            raise
-        await upgrade
-
-    def _hand_over(self, tls: asyncio.BaseProtocol) -> None:
-        """Give the held bytes to ``tls`` (a buffered protocol, as asyncio's and uvloop's TLS
-        protocols are); from now on bytes reaching this protocol are the decrypted stream."""
-        held, self._held = self._held, None
-        if not held or tls is self or not hasattr(tls, "get_buffer"):
-            return
-        view = memoryview(held)
-        while view:
-            buf = tls.get_buffer(len(view))  # type: ignore[attr-defined]
-            n = min(len(buf), len(view))
-            buf[:n] = view[:n]
-            tls.buffer_updated(n)  # type: ignore[attr-defined]
-            view = view[n:]
-
-
-class Server:
-    """A listening server (see :func:`serve`). ``port`` is the bound port (useful with port 0);
-    ``connections`` the authenticated connections now open."""
-
-    def __init__(
-        self,
-        handler: Handler | None,
-        *,
-        security: Security,
-        limits: Limits,
-        on_connect: Callable[[Connection], Any] | None,
-        max_concurrent_calls: int,
-        inline_types: Collection[str] = (),
-        gate: HandshakeGate | None = None,
-    ) -> None:
-        self.handler = handler
-        self.security = security
-        self.limits = limits
-        self.on_connect = on_connect
-        self.max_concurrent_calls = max_concurrent_calls
-        self.inline_types = frozenset(inline_types)
-        self.host = ""
-        self.port = 0
-        self.connections: set[Connection] = set()
-        self._handshakes: set[asyncio.Task] = set()
-        self.gate = gate if gate is not None else HandshakeGate()
-        self.limited = RateLimitedLog(log)  # refusals and its connections' refused frames, per kind
-        self.refused = 0  # connections refused before or during their handshake
-        self._server: asyncio.base_events.Server | None = None
-        self._closed = False
-
-    async def _start(self, host: str | None, port: int) -> None:
-        loop = asyncio.get_running_loop()
-        tls_first = self.security.enable_tls
-
-        def protocol() -> asyncio.StreamReaderProtocol:  # asyncio.start_server's, but see _TLSFirst
-            reader = asyncio.StreamReader(limit=STREAM_LIMIT, loop=loop)
-            cls = _TLSFirst if tls_first else asyncio.StreamReaderProtocol
-            return cls(reader, self._accept, loop=loop)
-
-        self._server = await loop.create_server(protocol, host, port)
-        sockname = self._server.sockets[0].getsockname()
-        self.host, self.port = sockname[0], sockname[1]
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if self._closed:
-            writer.transport.abort()
-            return
-        assert task is not None
-        peername = writer.get_extra_info("peername")
-        peer = _fmt_addr(peername)
-        address = str(peername[0]) if isinstance(peername, tuple) and peername else peer
-        try:
-            ticket = self.gate.admit(address, task.cancel)
-        except Refused as e:
-            self.refused += 1
-            self.limited.warning("busy", "refused connection from %s: %s (someone may be flooding this port)", peer, e)
-            writer.transport.abort()
-            return
-        self._handshakes.add(task)
-        sec = self.security
-        try:
-            _tune_socket(writer)
-            try:
-                fp_client, name = b"", ""
-                if sec.enable_tls:
-                    await self._wait_hello(writer, ticket)
-                else:
-                    ticket.hello = True
-                async with asyncio.timeout(sec.handshake_timeout_s):
-                    if sec.enable_tls:
-                        try:
-                            await _start_tls(writer, sec.server_context())
-                        except (ssl.SSLError, ConnectionError, OSError) as e:
-                            raise AuthError(
-                                f"TLS handshake failed ({_why(e)}): the peer has no certificate of this "
-                                "cluster, or TLS is off on its side"
-                            ) from None
-                        fp_client, name = _peer_identity(writer)
-                    await auth.server_handshake(
-                        reader, writer, sec.cluster_key, fp_server=sec.fingerprint if sec.enable_tls else b"",
-                        fp_client=fp_client, local=_local_name(sec),
-                    )
-            except TimeoutError:
-                raise AuthError(f"no complete handshake within {sec.handshake_timeout_s} s") from None
-            except (ssl.SSLError, ConnectionError, OSError) as e:
-                if isinstance(e, HandshakeError):
-                    raise
-                raise AuthError(f"connection failed during the handshake: {type(e).__name__}: {_why(e)}") from None
-        except HandshakeError as e:
-            self.refused += 1
-            self.limited.warning("refused", "refused connection from %s: %s", peer, e)
-            writer.transport.abort()
-            return
-        except asyncio.CancelledError:
-            writer.transport.abort()
-            if self._closed or self.gate.holds(ticket):  # a server closing, not an idle one dropped
-                raise
-            task.uncancel()
-            self.limited.log(logging.INFO, "idle", "dropped an idle connection from %s (no TLS ClientHello) to make room",
-                        peer)
-            return
-        except Exception:
-            log.exception("handshake with %s failed", peer)
-            writer.transport.abort()
-            return
-        finally:
-            self._handshakes.discard(task)
-            self.gate.release(ticket)
-        self.gate.authenticated(address)
-        conn = Connection(
-            reader, writer, handler=self.handler, limits=self.limits, peer=peer, peer_name=name,
-            max_concurrent_calls=self.max_concurrent_calls, inline_types=self.inline_types, ratelog=self.limited,
-        )
-        if self._closed:
-            conn.close()
-            return
-        self.connections.add(conn)
-        conn.on_close(lambda c, _r: self.connections.discard(c))
-        log.info("accepted connection from %s (%s)", peer, name or "no certificate")
-        conn.start()
-        if self.on_connect is not None:
-            try:
-                r = self.on_connect(conn)
-                if inspect.isawaitable(r):
-                    await r
-            except Exception:
-                log.exception("on_connect for %s failed", peer)
-
-    async def _wait_hello(self, writer: asyncio.StreamWriter, ticket: Any) -> None:
-        """The TLS ClientHello within :data:`PRE_TLS_S`, or :class:`AuthError`; then the
-        connection is no longer idle (see :mod:`exo_tui.net.gate`)."""
-        protocol = getattr(writer, "_protocol", None)
-        if not isinstance(protocol, _TLSFirst):
-            ticket.hello = True
-            return
-        deadline_s = min(PRE_TLS_S, self.security.handshake_timeout_s)
-        try:
-            async with asyncio.timeout(deadline_s):
-                await protocol.hello.wait()
-        except TimeoutError:
-            # A client whose loop is busy (a console drawing, a coordinator loading a model) may
-            # be late: while the slots are not under pressure it gets the whole handshake time.
-            if len(self.gate) * 2 >= self.gate.total:
-                raise AuthError(f"no TLS ClientHello within {deadline_s} s") from None
-            try:
-                async with asyncio.timeout(self.security.handshake_timeout_s - deadline_s):
-                    await protocol.hello.wait()
-            except TimeoutError:
-                raise AuthError(f"no TLS ClientHello within {self.security.handshake_timeout_s} s") from None
-        if protocol.not_tls:
-            raise AuthError(protocol.not_tls)
-        ticket.hello = True
-
-    def close(self) -> None:
-        """Stop listening and close every connection (idempotent)."""
-        self._closed = True
-        if self._server is not None:
-            self._server.close()
-        for t in list(self._handshakes):
-            t.cancel()
-        for c in list(self.connections):
-            c.close(ConnectionClosed("server closed"))
-
-    async def wait_closed(self) -> None:
-        conns = list(self.connections)
-        pending = [c.wait_closed() for c in conns]
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        if self._handshakes:
-            await asyncio.wait(list(self._handshakes), timeout=CLOSE_TIMEOUT_S)
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def __aenter__(self) -> Server:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-        await self.wait_closed()
-
-
-async def serve(
-    handler: Handler | None,
-    host: str | None,
-    port: int,
-    *,
-    security: Security,
-    limits: Limits = DEFAULT_LIMITS,
-    on_connect: Callable[[Connection], Any] | None = None,
-    max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
-    inline_types: Collection[str] = (),
-    gate: HandshakeGate | None = None,
-) -> Server:
-    """Listen on ``host:port`` (port 0: any free port, see ``Server.port``; host ``None`` or
-    ``"0.0.0.0"``: every interface).
-
-    Every accepted connection does TLS (unless ``security.enable_tls`` is false) and the HMAC
-    handshake within ``security.handshake_timeout_s``; refusals are logged and closed. Then its
-    frames go to ``handler`` and ``on_connect(conn)`` is called (it may be a coroutine function).
-    ``inline_types``: see the module doc. ``gate``: who may hold handshake slots (default
-    :class:`~exo_tui.net.gate.HandshakeGate`'s limits).
-    """
-    server = Server(
-        handler, security=security, limits=limits, on_connect=on_connect,
-        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types, gate=gate,
-    )
-    await server._start(host, port)
-    log.info("listening on %s:%d (TLS %s)", server.host, server.port, "on" if security.enable_tls else "OFF")
-    return server
-
-
-# ------------------------------------------------------------------ client
-
-
-def _tls_refusal(peer: str, e: BaseException) -> HandshakeError:
-    """What a failed client-side TLS handshake means, from how it failed."""
-    if isinstance(e, ssl.SSLCertVerificationError):
-        return HandshakeError(
-            f"TLS handshake with {peer} failed ({e.verify_message or _why(e)}): its certificate is not from "
-            "this cluster's CA (another cluster's node, or not a node of ours)"
-        )
-    if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError):
-        if "alert" in _why(e):
-            return AuthError(f"{peer} refused this side's certificate during TLS ({_why(e)}): it is not from "
-                             "that node's cluster CA")
-        return HandshakeError(
-            f"TLS handshake with {peer} failed ({_why(e)}): TLS is off on one side "
-            "(network.security.enable_tls), or it is not an exo-tui node agent"
-        )
-    # The peer closed or reset the connection before answering the ClientHello: what a node does
-    # to connections it has no handshake slot for (or a server that is not TLS at all).
-    return HandshakeError(
-        f"{peer} closed the connection before the TLS handshake ({_why(e)}): the node is busy refusing "
-        "handshakes (too many connections at once: someone may be flooding its port; see its log), "
-        "or it is not an exo-tui node agent"
-    )
-
-
-async def open_authenticated(
-    host: str, port: int, *, security: Security, timeout: float = 5.0
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
-    """TCP, TLS and the HMAC handshake, without the frame layer: ``(reader, writer, peer_name)``.
-
-    For tools and tests that speak raw bytes; applications use :func:`connect`. Raises like it.
-    """
-    peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    writer: asyncio.StreamWriter | None = None
-    try:
-        async with asyncio.timeout(timeout):
-            try:
-                reader, writer = await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
-            except OSError as e:
-                raise ConnectError(
-                    f"cannot connect to {peer}: {e.strerror or e}: is the node agent running there "
-                    "(exo-tui node) and the port reachable?"
-                ) from None
-            _tune_socket(writer)
-            fp_server, name = b"", ""
-            if security.enable_tls:
-                try:
-                    await _start_tls(writer, security.client_context())
-                except (ssl.SSLError, ConnectionError, OSError) as e:
-                    raise _tls_refusal(peer, e) from None
-                fp_server, name = _peer_identity(writer)
-            try:
-                await auth.client_handshake(
-                    reader, writer, security.cluster_key, fp_server=fp_server,
-                    fp_client=security.fingerprint if security.enable_tls else b"",
-                    peer=f"node {peer}" if security.name == "coordinator" else peer, local=_local_name(security),
-                )
-            except (ssl.SSLError, ConnectionResetError, BrokenPipeError) as e:
-                raise AuthError(
-                    f"{peer} refused the connection during the handshake ({e}): "
-                    "this side's certificate is not from its cluster's CA"
-                ) from None
-    except TimeoutError:
-        if writer is not None:
-            writer.transport.abort()
-        raise ConnectError(f"no complete connection to {peer} within {timeout} s (host down or firewalled?)") from None
-    except BaseException:
-        if writer is not None:
-            writer.transport.abort()
-        raise
-    return reader, writer, name
-
-
-async def connect(
-    host: str,
-    port: int,
-    *,
-    security: Security,
-    timeout: float = 5.0,
-    handler: Handler | None = None,
-    limits: Limits = DEFAULT_LIMITS,
-    max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
-    inline_types: Collection[str] = (),
-) -> Connection:
-    """Open an authenticated connection to a server (TCP, TLS, HMAC handshake within ``timeout``).
-
-    ``handler`` serves frames the server sends on its own initiative (calls and one-way frames).
-    ``inline_types``: see the module doc.
-    Raises :class:`ConnectError` (not reachable), :class:`AuthError` (wrong cluster, refused),
-    :class:`ProtocolMismatch` (other protocol version) or :class:`HandshakeError`.
-    """
-    reader, writer, name = await open_authenticated(host, port, security=security, timeout=timeout)
-    conn = Connection(
-        reader, writer, handler=handler, limits=limits,
-        peer=f"[{host}]:{port}" if ":" in host else f"{host}:{port}", peer_name=name,
-        max_concurrent_calls=max_concurrent_calls, inline_types=inline_types,
-    )
-    conn.start()
-    return conn
