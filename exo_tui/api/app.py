@@ -21,7 +21,6 @@ cancels its generation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -34,13 +33,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from exo_tui import __version__
 from exo_tui.api import schemas as s
 from exo_tui.api.cluster_routes import cluster_router
-from exo_tui.api.errors import RETRY_AFTER_S, ApiError, ClientGone, add_error_handlers, documented_errors
-from exo_tui.api.generation import Generation
+from exo_tui.api.errors import RETRY_AFTER_S, ApiError, add_error_handlers, documented_errors
+from exo_tui.api.generation import MAX_STOPS, OPENAI_SAMPLING, Generation, until_done_or_disconnect
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
 from exo_tui.api.metrics import add_metrics_route
 from exo_tui.api.model_names import model_ids
 from exo_tui.api.model_routes import models_router
+from exo_tui.api.ollama import ollama_router, openai_models, scan
 from exo_tui.api.sse import SSE_200, SSE_HEADERS, sse, sse_template
 from exo_tui.cluster.admission import NotReady, QueueFull, TooLarge, wait_for_plan
 from exo_tui.cluster.view import ServingCluster
@@ -49,9 +49,6 @@ from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import SamplingParams, with_defaults
 
 log = logging.getLogger("exo_tui.api")
-
-MAX_STOPS = 4
-OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # what a request leaves out, after the model's own
 
 # Module level: FastAPI resolves the (string) annotations of dependencies in this module's globals.
 bearer = HTTPBearer(auto_error=False, description="the API key (network.api.key or EXO_TUI_API_KEY), when one is set")
@@ -164,7 +161,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         """Start generating; wait for the first chunk so a cluster that cannot serve is a 503."""
         gen = Generation(coordinator, request)
         try:
-            await _until_done_or_disconnect(http, gen, gen.first())
+            await until_done_or_disconnect(http, gen, gen.first())
         except QueueFull as exc:
             await gen.cancel()
             raise ApiError(429, str(exc), type="requests", code="rate_limit_exceeded",
@@ -186,7 +183,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 
     async def collect(http: Request, gen: Generation) -> tuple[str, list[Listed]]:
         try:
-            return await _until_done_or_disconnect(http, gen, _collect(gen))
+            return await until_done_or_disconnect(http, gen, _collect(gen))
         except GenerationError as exc:  # the cluster lost the ability to serve mid-answer
             raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
 
@@ -199,7 +196,6 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 
     @app.get("/v1/models", response_model=s.ModelList, responses=documented_errors(401), tags=["openai"])
     async def list_models() -> dict[str, Any]:
-        from exo_tui.api.ollama import openai_models, scan  # the served model, then the catalog's others
 
         return {"object": "list", "data": openai_models(coordinator, await scan(coordinator)) if coordinator.model is not None else []}
 
@@ -295,7 +291,6 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
     add_metrics_route(app, coordinator)
     app.include_router(cluster_router(coordinator, app.state.closing))
 
-    from exo_tui.api.ollama import ollama_router  # Ollama's API (/api/*); it imports this module
 
     app.include_router(models_router(coordinator))
     app.include_router(ollama_router(coordinator))
@@ -305,31 +300,6 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 # ---------------------------------------------------------------------- streaming
 
 
-async def _until_done_or_disconnect(http: Request, gen: Generation, work: Any) -> Any:
-    """Run ``work``; if the client goes away first, cancel the generation (its caches are dropped)."""
-    work_task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(http))
-    try:
-        done, _ = await asyncio.wait({work_task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work_task in done:
-            return work_task.result()
-        log.info("client went away: cancelling %s", gen.request.id)
-        await gen.cancel()
-        raise ClientGone()
-    finally:
-        for t in (work_task, gone):
-            if not t.done():
-                t.cancel()
-        for t in (work_task, gone):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-
-
-async def _disconnected(http: Request) -> None:
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _collect(gen: Generation) -> tuple[str, list[Listed]]:

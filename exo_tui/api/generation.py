@@ -13,15 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+from typing import Any
+
+from fastapi import Request as HTTPRequest
 
 from exo_tui import events as ev
+from exo_tui.api.errors import ClientGone
 from exo_tui.cluster.admission import QueueFull
 from exo_tui.cluster.view import ServingCluster
 from exo_tui.inference.generate import Chunk, GenerationError
 from exo_tui.inference.request import Request
 
 CANCEL_GRACE_S = 30.0
+
+log = logging.getLogger("exo_tui.api")
+
+MAX_STOPS = 4  # stop strings a request may give (OpenAI's limit)
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # what a request leaves out, after the model's own
 
 
 class Generation:
@@ -117,3 +127,30 @@ class Generation:
     @property
     def done(self) -> bool:
         return self._task.done()
+
+
+async def until_done_or_disconnect(http: HTTPRequest, gen: Generation, work: Any) -> Any:
+    """Run ``work``; if the client goes away first, cancel the generation (its caches are dropped)."""
+    work_task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        done, _ = await asyncio.wait({work_task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        log.info("client went away: cancelling %s", gen.request.id)
+        await gen.cancel()
+        raise ClientGone()
+    finally:
+        for t in (work_task, gone):
+            if not t.done():
+                t.cancel()
+        for t in (work_task, gone):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -33,9 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
-from exo_tui.api.app import MAX_STOPS, OPENAI_SAMPLING, _until_done_or_disconnect
 from exo_tui.api.errors import RETRY_AFTER_S
-from exo_tui.api.generation import Generation
+from exo_tui.api.generation import MAX_STOPS, OPENAI_SAMPLING, Generation, until_done_or_disconnect
 from exo_tui.api.model_names import model_ids
 from exo_tui.cluster.admission import wait_for_plan
 from exo_tui.inference.generate import GenerationError
@@ -299,7 +298,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
         await ready()  # at once, unless the plan changed since check_served
         gen = Generation(coordinator, request)
         try:
-            await _until_done_or_disconnect(http, gen, gen.first())
+            await until_done_or_disconnect(http, gen, gen.first())
         except GenerationError as exc:
             await gen.cancel()
             raise OllamaError(503, str(exc)) from exc
@@ -336,7 +335,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
         if body.get("stream", True) is False:
             pieces = []
             try:
-                pieces = await _until_done_or_disconnect(http, gen, _texts(gen))
+                pieces = await until_done_or_disconnect(http, gen, _texts(gen))
             except GenerationError as exc:
                 raise OllamaError(503, str(exc)) from exc
             whole = last()
