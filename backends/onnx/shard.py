@@ -24,7 +24,7 @@ of a shard's requests are in one pool and any set of them decodes in one run (wi
 capacity, requests at 150 and at 300 positions took two runs: 10.8 ms for eight of them against
 6.4-8.4 ms in one). Every slot has the longest request's capacity, but the arrays are anonymous
 memory maps: a page is resident only once a position in it is written. On the kernel a windowed
-layer's caches are rings of its window's positions beside those (``rings.py``), which never grow.
+layer's caches are rings of its window's positions beside those (``backends/rings.py``), which never grow.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from backends.base import (
 from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
-from backends.onnx.rings import RingLayout
 from backends.onnx.weights import embedding_rows
+from backends.rings import RingLayout
 
 CAPACITY_STEP = 256  # pools hold multiples of this many positions
 FIRST_SLOTS = 4  # slots of a new pool; it doubles when full
@@ -85,7 +85,7 @@ class _Pool:
     values: np.ndarray
     owners: list[str | None]
     bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = field(default_factory=dict)
-    ring_keys: np.ndarray | None = None  # (windowed layers, slots, n_kv_heads, window, head_dim): rings.py
+    ring_keys: np.ndarray | None = None  # (windowed layers, slots, n_kv_heads, window, head_dim): backends/rings.py
     ring_values: np.ndarray | None = None
 
     def layer(self, rings: RingLayout, i: int) -> tuple[np.ndarray, np.ndarray]:

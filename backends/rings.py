@@ -1,16 +1,17 @@
-"""Windowed layers' KV caches on the ONNX backend: rings of ``window`` positions.
+"""Windowed layers' KV caches: rings of ``window`` positions (ONNX's kernel and MLX keep them so).
 
 A windowed layer's query at position ``p`` sees the keys at ``p - window + 1 .. p`` only, so its
-cache needs no more than the last ``window`` positions. On exo-tui's ``Attention`` kernel such a
-layer's caches are rings (``attention.c``: position ``p`` in row ``p % window``): a shard's pool
-holds them beside its full-length caches, ``(windowed layers, slots, n_kv_heads, window,
-head_dim)``, and they never grow, however long a request gets (Gemma 3: five layers of six).
-Until a request reaches ``window`` positions a ring is an ordinary cache (row ``p`` holds ``p``).
+cache needs no more than the last ``window`` positions, however long a request gets (Gemma 3: five
+layers of six). Such a layer's cache is a ring: position ``p`` in row ``p % window``; until a
+request reaches ``window`` positions a ring is an ordinary cache (row ``p`` holds ``p``). On ONNX
+(``backends/onnx/kernels/attention.c``) a shard's pool holds the rings beside its full-length
+caches, ``(windowed layers, slots, n_kv_heads, window, head_dim)``; on MLX each request's windowed
+layers have ring buffers (``backends/mlx/shard.py``).
 
 Exported (:class:`~backends.base.KVCache`), a ring is its last ``min(length, window)`` positions,
 oldest first; imported, any cache that holds at least those is taken (a full-length one too).
-``GroupQueryAttention`` (no kernel library) reads full-length caches only: there windowed layers
-keep the pool's full length, as every layer does.
+``GroupQueryAttention`` (ONNX without the kernel library) reads full-length caches only: there
+windowed layers keep full-length caches, as every layer does.
 """
 
 from __future__ import annotations
