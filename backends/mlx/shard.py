@@ -232,6 +232,10 @@ class MLXShard(Shard):
         cache.capacity = capacity
         mx.eval(cache.keys, cache.values)
 
+    @property
+    def ring_layers(self) -> int:
+        return self.rings.n_ring
+
     def kv_length(self, request_id: str) -> int:
         with self._lock:
             cache = self._caches.get(request_id)

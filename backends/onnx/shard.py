@@ -513,6 +513,10 @@ class ONNXShard(Shard):
         entry.length = cached + t
         return out[0]
 
+    @property
+    def ring_layers(self) -> int:
+        return self.rings.n_ring
+
     def kv_length(self, request_id: str) -> int:
         entry = self._caches.get(request_id)
         return entry.length if entry is not None else 0
