@@ -84,3 +84,37 @@ def test_a_drain_past_the_window_moves_the_rings_and_the_answer_goes_on(tmp_path
                 assert not [r for r in caplog.records if "not moved" in r.getMessage()], "a cache was rebuilt, not moved"
 
         asyncio.run(run())
+
+
+def test_a_next_turn_takes_over_only_caches_that_can_be_cut_back(tmp_path: Path, caplog) -> None:
+    """A chat's second turn after an answer past the window: a kept cache is taken over only where
+    its windowed layers still hold what the first new position's query sees (which of a turn's
+    cases this is depends on how the fixture's tokens render again: the choice itself is tested in
+    tests/unit/test_window_caches.py), no step fails, and the answer is a fresh coordinator's."""
+    from tests.integration.test_pipeline import _turn
+
+    params = ChatParams(temperature=0.0, max_tokens=32, seed=1)
+    first = [{"role": "user", "content": PROMPT}]
+    os.environ["EXO_TUI_HOME"] = str(tmp_path)
+    with node_processes(tmp_path, ["mlx", "onnx"] if MIXED else ["onnx", "onnx"]) as ns:
+
+        async def run() -> None:
+            caplog.set_level(logging.INFO, logger="exo_tui")
+            async with coordinator(ns, model=MODEL) as c:
+                r1, _, a1 = await _turn(c, first, params)
+                second = [*first, {"role": "assistant", "content": a1}, {"role": "user", "content": "And a car?"}]
+                for _ in range(100):
+                    if c.pipeline.kept_positions():
+                        break
+                    await asyncio.sleep(0.1)
+                kept = c.pipeline.kept_positions()
+                r2, ids2, _ = await _turn(c, second, params)
+                shared = r2.cached_tokens
+                assert shared == 0 or shared >= kept - 1 or kept <= WINDOW, (kept, shared)
+            assert not [r for r in caplog.records if "step failed" in r.getMessage()]
+            async with coordinator(ns, model=MODEL) as fresh:
+                r2b, ids2b, _ = await _turn(fresh, second, params)
+                assert r2b.cached_tokens == 0
+            assert ids2 == ids2b
+
+        asyncio.run(run())

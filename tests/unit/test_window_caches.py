@@ -290,3 +290,23 @@ def test_the_node_budget_counts_a_windowed_layer_at_its_window() -> None:
     room = budget.budget_bytes - budget.used_bytes
     assert not budget.check({("long", (0, 6)): 4096 + room // layer})
     assert budget.check({("long", (0, 6)): 4096 + room // layer + 1})
+
+
+@pytest.mark.parametrize(("window", "shared", "taken"), [(0, 50, True), (8, 50, False), (8, 59, True), (8, 60, True),
+                                                         (64, 50, True)])
+def test_a_kept_cache_is_taken_over_only_where_its_rings_can_be_cut_back(window: int, shared: int, taken: bool) -> None:
+    """A finished request's 60 kept positions and a next turn sharing ``shared`` of them: with
+    rings of ``window``, the nodes hold positions 52..59 only, so the turn may start at 59 or 60
+    (its first query sees 52.. or 53..), not at 50 (it would need 43..)."""
+    from exo_tui.cluster.pipeline import RemotePipeline, _Kept
+    from exo_tui.inference.request import Request
+    from exo_tui.inference.sampling import SamplingParams
+    from exo_tui.net.protocol import PlanEntry, RingPlan
+
+    plan = RingPlan(1, 6, (PlanEntry("n", "127.0.0.1", 1, 0, 6),))
+    pipeline = RemotePipeline(host=None)  # type: ignore[arg-type]  # _take_kept touches no host
+    pipeline.window = lambda: window
+    kept = tuple(range(100, 160))
+    pipeline._kept["old"] = _Kept(kept, 20, plan)
+    request = Request([*kept[:shared], 7, 8, 9], SamplingParams(temperature=0.0), 4)
+    assert pipeline._take_kept(request, plan) == (("old", shared) if taken else None)
