@@ -68,8 +68,15 @@ static inline int64_t first_key(const Attn *a, int64_t pos) { return a->window >
    same index while p < cap, so a ring that has not wrapped is an ordinary cache). */
 static inline int64_t slot_of(const Attn *a, int64_t pos) { return a->window > 0 ? pos % a->cap : pos; }
 
-/* The row of the j-th key of a window that starts at row first of a ring of cap rows (j < cap). */
-static inline int64_t wrap(int64_t first, int64_t j, int64_t cap) { const int64_t r = first + j; return r < cap ? r : r - cap; }
+/* The rows a query sees, in order: n1 rows from a, then the rest from b (a ring's window that runs
+   past its last row goes on at its first; n1 is all of them where it does not). Keys and values
+   each have one; the loops over them run over the two parts in turn. */
+typedef struct {
+    const void *a, *b;
+    int64_t n1;
+} Span;
+
+static inline const void *span_part(Span sp, int part) { return part ? sp.b : sp.a; }
 
 #if defined(AT_AVX512)
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r in [-ln2/2, ln2/2], ~1 ulp */
@@ -131,6 +138,15 @@ static inline int64_t position(const Attn *a, int64_t b, int64_t t) { return (in
 
 /* Where row b's key/value head g starts in the caches, in elements. */
 static inline int64_t cache_at(const Attn *a, int64_t b, int64_t g) { return ((int64_t)a->slots[b] * a->g + g) * a->cap * a->d; }
+
+/* The rows of row b's kv head g in `cache` (keys or values) that a query sees: positions lo ..
+   lo + n - 1, from slot_of(lo) on, wrapping to the ring's first row where they run past its end. */
+static inline Span span(const Attn *a, const void *cache, int64_t b, int64_t g, int64_t lo, int64_t n, int half)
+{
+    const int64_t first = slot_of(a, lo), head = cache_at(a, b, g);
+    const int64_t n1 = first + n <= a->cap ? n : a->cap - first;
+    return (Span){kv_row(cache, (head + first * a->d), half), kv_row(cache, head, half), n1};
+}
 
 /* x (D) rotated in place by the angle of position pos, adjacent pairs (x[2i], x[2i + 1]). */
 static void rotate(float *x, const Attn *a, int64_t pos)
@@ -220,27 +236,30 @@ static inline float hsum8(__m256 v)
 /* One head on AVX2, D (a multiple of 8) floats: attend_task's AVX-512 loop 8 wide. Without it the
    plain loops run, whose dot products the compiler cannot vectorize (a float sum may not be
    reordered): ~42 ns a position and head, against ~6 here (one thread, 1000 positions). */
-static inline __attribute__((always_inline)) void attend8(const float *q, const void *keys, const void *values,
-                                                          int64_t n, int64_t first, int64_t cap, float *s, float *y,
-                                                          const int64_t D, const int half)
+static inline __attribute__((always_inline)) void attend8(const float *q, const Span keys, const Span values,
+                                                          int64_t n, float *s, float *y, const int64_t D, const int half)
 {
     const int64_t C = D / 8;
     __m256 qv[MAX_D / 8];
     for (int64_t i = 0; i < C; i++)
         qv[i] = _mm256_loadu_ps(q + 8 * i);
     float top = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        const void *k = kv_row(keys, wrap(first, j, cap) * D, half);
-        __m256 even = _mm256_mul_ps(qv[0], kv_load8(k, 0, half)), odd = _mm256_setzero_ps();
-        int64_t i = 1;
-        for (; i + 1 < C; i += 2) { /* two chains of multiply-adds, not one eight long */
-            odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
-            even = _mm256_fmadd_ps(qv[i + 1], kv_load8(k, 8 * (i + 1), half), even);
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(keys, part);
+        const int64_t lo = part ? keys.n1 : 0, hi = part ? n : keys.n1;
+        for (int64_t j = lo; j < hi; j++) {
+            const void *k = kv_row(rows, (j - lo) * D, half);
+            __m256 even = _mm256_mul_ps(qv[0], kv_load8(k, 0, half)), odd = _mm256_setzero_ps();
+            int64_t i = 1;
+            for (; i + 1 < C; i += 2) { /* two chains of multiply-adds, not one eight long */
+                odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
+                even = _mm256_fmadd_ps(qv[i + 1], kv_load8(k, 8 * (i + 1), half), even);
+            }
+            if (i < C)
+                odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
+            s[j] = hsum8(_mm256_add_ps(even, odd));
+            top = s[j] > top ? s[j] : top;
         }
-        if (i < C)
-            odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
-        s[j] = hsum8(_mm256_add_ps(even, odd));
-        top = s[j] > top ? s[j] : top;
     }
     __m256 sum = _mm256_setzero_ps();
     const __m256 m = _mm256_set1_ps(top);
@@ -259,11 +278,15 @@ static inline __attribute__((always_inline)) void attend8(const float *q, const 
     __m256 o[MAX_D / 8];
     for (int64_t i = 0; i < C; i++)
         o[i] = _mm256_setzero_ps();
-    for (j = 0; j < n; j++) {
-        const __m256 p = _mm256_set1_ps(s[j]);
-        const void *v = kv_row(values, wrap(first, j, cap) * D, half);
-        for (int64_t i = 0; i < C; i++)
-            o[i] = _mm256_fmadd_ps(p, kv_load8(v, 8 * i, half), o[i]);
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(values, part);
+        const int64_t lo = part ? values.n1 : 0, hi = part ? n : values.n1;
+        for (j = lo; j < hi; j++) {
+            const __m256 p = _mm256_set1_ps(s[j]);
+            const void *v = kv_row(rows, (j - lo) * D, half);
+            for (int64_t i = 0; i < C; i++)
+                o[i] = _mm256_fmadd_ps(p, kv_load8(v, 8 * i, half), o[i]);
+        }
     }
     for (int64_t i = 0; i < C; i++)
         _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(o[i], inv));
@@ -298,9 +321,8 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d)
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), x));
 }
 
-static inline __attribute__((always_inline)) void attend_heads(const float *q, const void *keys, const void *values,
-                                                               int64_t n, int64_t first, int64_t cap, float *s,
-                                                               float *y, const int64_t R,
+static inline __attribute__((always_inline)) void attend_heads(const float *q, const Span keys, const Span values,
+                                                               int64_t n, float *s, float *y, const int64_t R,
                                                                const int64_t D, const int half)
 {
     const int64_t C = D / 16;
@@ -308,25 +330,29 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < C; i++)
             qv[r][i] = _mm512_loadu_ps(q + r * D + 16 * i);
-    for (int64_t j = 0; j < n; j += 4) { /* four keys at a time: their sums share the shuffles (sum4) */
-        __m512 acc[4][4];
-        for (int64_t e = 0; e < 4; e++) {
-            const void *k = kv_row(keys, wrap(first, j + e < n ? j + e : n - 1, cap) * D, half); /* past the end: the last again */
-            __m512 kv[MAX_D / 16];
-            for (int64_t i = 0; i < C; i++)
-                kv[i] = kv_load16(k, 16 * i, half);
-            for (int64_t r = 0; r < R; r++) {
-                __m512 a = _mm512_setzero_ps(); /* + 0: the product itself */
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(keys, part);
+        const int64_t lo = part ? keys.n1 : 0, hi = part ? n : keys.n1;
+        for (int64_t j = lo; j < hi; j += 4) { /* four keys at a time: their sums share the shuffles (sum4) */
+            __m512 acc[4][4];
+            for (int64_t e = 0; e < 4; e++) {
+                const void *k = kv_row(rows, ((j + e < hi ? j + e : hi - 1) - lo) * D, half); /* past the end: the last again */
+                __m512 kv[MAX_D / 16];
                 for (int64_t i = 0; i < C; i++)
-                    a = _mm512_fmadd_ps(qv[r][i], kv[i], a);
-                acc[r][e] = a;
+                    kv[i] = kv_load16(k, 16 * i, half);
+                for (int64_t r = 0; r < R; r++) {
+                    __m512 a = _mm512_setzero_ps(); /* + 0: the product itself */
+                    for (int64_t i = 0; i < C; i++)
+                        a = _mm512_fmadd_ps(qv[r][i], kv[i], a);
+                    acc[r][e] = a;
+                }
             }
-        }
-        for (int64_t r = 0; r < R; r++) {
-            float four[4];
-            _mm_storeu_ps(four, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-            for (int64_t e = 0; e < 4 && j + e < n; e++)
-                s[r * n + j + e] = four[e];
+            for (int64_t r = 0; r < R; r++) {
+                float four[4];
+                _mm_storeu_ps(four, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+                for (int64_t e = 0; e < 4 && j + e < hi; e++)
+                    s[r * n + j + e] = four[e];
+            }
         }
     }
     float inv[4];
@@ -340,15 +366,19 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < C; i++)
             o[r][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        const void *v = kv_row(values, wrap(first, j, cap) * D, half);
-        __m512 vv[MAX_D / 16];
-        for (int64_t i = 0; i < C; i++)
-            vv[i] = kv_load16(v, 16 * i, half);
-        for (int64_t r = 0; r < R; r++) {
-            const __m512 p = _mm512_set1_ps(s[r * n + j]);
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(values, part);
+        const int64_t lo = part ? values.n1 : 0, hi = part ? n : values.n1;
+        for (int64_t j = lo; j < hi; j++) {
+            const void *v = kv_row(rows, (j - lo) * D, half);
+            __m512 vv[MAX_D / 16];
             for (int64_t i = 0; i < C; i++)
-                o[r][i] = _mm512_fmadd_ps(p, vv[i], o[r][i]);
+                vv[i] = kv_load16(v, 16 * i, half);
+            for (int64_t r = 0; r < R; r++) {
+                const __m512 p = _mm512_set1_ps(s[r * n + j]);
+                for (int64_t i = 0; i < C; i++)
+                    o[r][i] = _mm512_fmadd_ps(p, vv[i], o[r][i]);
+            }
         }
     }
     for (int64_t r = 0; r < R; r++)
@@ -374,9 +404,7 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     for (int64_t i = 0; i < d; i++)
         q[i] *= a->scale;
     const int64_t lo = first_key(a, pos), n = pos + 1 - lo;
-    const int64_t first = slot_of(a, lo), cap = a->cap; /* the window's first row; it may wrap */
-    const void *keys = kv_row(a->keys, cache_at(a, b, g), half);
-    const void *values = kv_row(a->values, cache_at(a, b, g), half);
+    const Span keys = span(a, a->keys, b, g, lo, n, half), values = span(a, a->values, b, g, lo, n, half);
     float stack[1024], *s = n <= 1024 ? stack : (float *)malloc((size_t)n * sizeof(float));
     if (s == NULL) {
         memset(y, 0, (size_t)d * sizeof(float));
@@ -385,7 +413,7 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     float top = -INFINITY;
 #if defined(AT_AVX512)
     if (d % 16 == 0) { /* a head size other than 64 and 128 (those are grouped: attend_group_task) */
-        attend_heads(q, keys, values, n, first, cap, s, y, 1, d, half);
+        attend_heads(q, keys, values, n, s, y, 1, d, half);
         if (s != stack)
             free(s);
         return;
@@ -393,16 +421,16 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
 #elif defined(AT_AVX2)
     if (d % 8 == 0) {
         if (d == 64) /* the constant lets the compiler keep the query and the sums in registers */
-            attend8(q, keys, values, n, first, cap, s, y, 64, half);
+            attend8(q, keys, values, n, s, y, 64, half);
         else
-            attend8(q, keys, values, n, first, cap, s, y, d, half);
+            attend8(q, keys, values, n, s, y, d, half);
         if (s != stack)
             free(s);
         return;
     }
 #endif
     for (int64_t j = 0; j < n; j++) {
-        const void *k = kv_row(keys, wrap(first, j, cap) * d, half);
+        const void *k = j < keys.n1 ? kv_row(keys.a, j * d, half) : kv_row(keys.b, (j - keys.n1) * d, half);
         float dot = 0.0f;
         for (int64_t i = 0; i < d; i++)
             dot += q[i] * kv_at(k, i, half);
@@ -417,7 +445,7 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     for (int64_t i = 0; i < d; i++)
         y[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        const void *v = kv_row(values, wrap(first, j, cap) * d, half);
+        const void *v = j < values.n1 ? kv_row(values.a, j * d, half) : kv_row(values.b, (j - values.n1) * d, half);
         for (int64_t i = 0; i < d; i++)
             y[i] += s[j] * kv_at(v, i, half);
     }
@@ -446,9 +474,7 @@ static inline __attribute__((always_inline)) void attend_group(void *arg, size_t
         return;
     }
     float q[4 * 128];
-    const int64_t first = slot_of(a, lo), cap = a->cap; /* the window's first row; it may wrap */
-    const void *keys = kv_row(a->keys, cache_at(a, b, g), half);
-    const void *values = kv_row(a->values, cache_at(a, b, g), half);
+    const Span keys = span(a, a->keys, b, g, lo, n, half), values = span(a, a->values, b, g, lo, n, half);
     for (int64_t h0 = 0; h0 < per; h0 += chunk) {
         const int64_t r = per - h0 < chunk ? per - h0 : chunk;
         for (int64_t i = 0; i < r; i++) {
@@ -461,17 +487,17 @@ static inline __attribute__((always_inline)) void attend_group(void *arg, size_t
         float *yh = y + h0 * d;
         if (d == 64) { /* constants: the compiler keeps queries and sums in registers */
             if (r == 4)
-                attend_heads(q, keys, values, n, first, cap, s, yh, 4, 64, half);
+                attend_heads(q, keys, values, n, s, yh, 4, 64, half);
             else if (r == 3)
-                attend_heads(q, keys, values, n, first, cap, s, yh, 3, 64, half);
+                attend_heads(q, keys, values, n, s, yh, 3, 64, half);
             else if (r == 2)
-                attend_heads(q, keys, values, n, first, cap, s, yh, 2, 64, half);
+                attend_heads(q, keys, values, n, s, yh, 2, 64, half);
             else
-                attend_heads(q, keys, values, n, first, cap, s, yh, 1, 64, half);
+                attend_heads(q, keys, values, n, s, yh, 1, 64, half);
         } else if (r == 2) {
-            attend_heads(q, keys, values, n, first, cap, s, yh, 2, 128, half);
+            attend_heads(q, keys, values, n, s, yh, 2, 128, half);
         } else {
-            attend_heads(q, keys, values, n, first, cap, s, yh, 1, 128, half);
+            attend_heads(q, keys, values, n, s, yh, 1, 128, half);
         }
     }
     if (s != stack)
