@@ -310,3 +310,23 @@ def test_a_kept_cache_is_taken_over_only_where_its_rings_can_be_cut_back(window:
     pipeline._kept["old"] = _Kept(kept, 20, plan)
     request = Request([*kept[:shared], 7, 8, 9], SamplingParams(temperature=0.0), 4)
     assert pipeline._take_kept(request, plan) == (("old", shared) if taken else None)
+
+
+def test_a_plan_counts_windowed_layers_at_their_window() -> None:
+    """One 8 GB node: six 10 MB layers with 2 GB of KV each at the full context do not fit it;
+    with five of them windowed (1024 positions of 32768) they do, on every partition strategy."""
+    from dataclasses import replace
+
+    from exo_tui.scheduler import DeviceProfile, InfeasiblePlan, ModelSpec, make_plan
+    from exo_tui.scheduler.context import STRATEGIES
+
+    mb, gb = 1 << 20, 1 << 30
+    full = ModelSpec("m", 6, 10 * mb, 10 * mb, 10 * mb, 64 * 1024, 64, context_length=32768)
+    windowed = replace(full, kv_windows=(1024,) * 5 + (0,))
+    assert full.total_bytes - windowed.total_bytes == 5 * (32768 - 1024) * 64 * 1024
+    node = [DeviceProfile("a", ram_total_bytes=8 * gb, ram_available_bytes=8 * gb)]
+    for strategy in STRATEGIES:
+        with pytest.raises(InfeasiblePlan):
+            make_plan(node, full, strategy, now=0.0)
+        plan = make_plan(node, windowed, strategy, now=0.0)
+        assert [(s.start, s.end) for s in plan.shards] == [(0, 6)], strategy
