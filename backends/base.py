@@ -125,6 +125,13 @@ class ModelConfig:
         """Positions a query of ``layer`` sees, itself included (0: all of them)."""
         return self.sliding_window if self.windowed(layer) else 0
 
+    @property
+    def ring_window(self) -> int:
+        """Positions a windowed layer's KV cache holds at most (:mod:`backends.rings`); 0: no
+        layer's cache is bounded (no windows, or none shorter than the context)."""
+        bounded = self.sliding_window and self.sliding_window < self.context_length and any(self.window_layers)
+        return self.sliding_window if bounded else 0
+
     def to_wire(self) -> dict:
         """Plain values (msgpack and JSON carry them; :meth:`from_wire` makes the config again)."""
         return {f.name: (list(v) if isinstance(v, tuple) else v)
@@ -351,7 +358,10 @@ class KVCache:
     """A request's KV cache for a layer range, as plain arrays (portable across backends).
 
     ``keys[i]`` and ``values[i]`` belong to layer ``start + i`` and have shape
-    ``(n_kv_heads, length, head_dim)``, float32, keys already rotated (RoPE applied).
+    ``(n_kv_heads, held, head_dim)``, float32, keys already rotated (RoPE applied): the cache's
+    last ``held`` positions, which is all ``length`` of them, except on a windowed layer
+    (``ModelConfig.window``), whose backends keep only its last ``min(length, window)`` (what its
+    next queries see: :mod:`backends.rings`); an importer takes any ``held`` from that to ``length``.
     """
 
     start: int
@@ -477,15 +487,19 @@ class Shard(abc.ABC):
         """Forget the request's cache (no error when there is none)."""
 
     def truncate_kv(self, request_id: str, length: int) -> None:
-        """Keep only the first ``length`` positions of the request's cache."""
+        """Keep only the first ``length`` positions of the request's cache. A windowed layer
+        that no longer holds the keys position ``length``'s query sees cannot: BackendError
+        (drop the cache and run the tokens again)."""
         cache = self.export_kv(request_id)
-        cache = KVCache(
-            cache.start,
-            cache.end,
-            min(length, cache.length),
-            [k[:, :length] for k in cache.keys],
-            [v[:, :length] for v in cache.values],
-        )
+        n = min(length, cache.length)
+        cut = [k.shape[1] - (cache.length - n) for k in cache.keys]  # each layer holds the last positions
+        for i, k in enumerate(cut):
+            window = self.config.window(cache.start + i)
+            if k < (min(n, window) if window else n):
+                raise BackendError(f"request {request_id}'s layer {cache.start + i} no longer holds the keys of "
+                                   f"positions before {n}: drop its cache and run its tokens again")
+        cache = KVCache(cache.start, cache.end, n, [k[:, : max(0, c)] for k, c in zip(cache.keys, cut, strict=True)],
+                        [v[:, : max(0, c)] for v, c in zip(cache.values, cut, strict=True)])
         self.import_kv(request_id, cache)
 
     def rename_kv(self, old: str, new: str) -> None:
@@ -501,6 +515,12 @@ class Shard(abc.ABC):
     def requests(self) -> list[str]:
         """Requests that hold a cache here."""
         return []
+
+    @property
+    def ring_layers(self) -> int:
+        """How many of this shard's layers keep only their last ``config.ring_window`` positions
+        (a ring, :mod:`backends.rings`) rather than a request's whole cache."""
+        return 0
 
     def close(self) -> None:  # noqa: B027 - optional: shards with nothing to free inherit this
         """Free what the shard holds."""

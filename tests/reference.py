@@ -92,7 +92,7 @@ class ReferenceShard:
             kk, vv = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)
             scores = (q.astype(np.float64) @ kk.transpose(0, 2, 1)) * c.query_scale
             qpos = positions[:, None]
-            kpos = np.arange(total)[None, :]
+            kpos = np.arange(int(positions[-1]) + 1 - total, int(positions[-1]) + 1)[None, :]  # a cache's last positions
             seen = kpos <= qpos
             if c.window(layer):
                 seen &= kpos > qpos - c.window(layer)

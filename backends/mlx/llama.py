@@ -16,6 +16,12 @@ MLX does in place when the old buffer has no other owner). A query at position `
 at positions ``<= p`` (and, on a windowed layer, ``> p - window``), which is both the causal mask
 and the mask that hides the unused tail of the buffer, so a decode step can attend over the whole
 buffer and keep fixed shapes (what lets ``mx.compile`` reuse one trace for every decode step).
+
+A windowed layer's buffer is a ring of at most ``window`` positions instead (mlx-lm's
+``RotatingKVCache``; :mod:`backends.rings`): a decode step writes row ``p % window`` and sees every
+row written (each holds one of the window's positions); a prompt's chunk attends over the ring's
+rows and its own keys side by side, masked by their positions, and the ring keeps the last of
+them (:class:`Ring`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class Kinds:
     windows: tuple[int, ...]  # each distinct window, at least one
     table_of: tuple[int, ...]  # per layer of the shard: the index of its table
     window_of: tuple[int, ...]  # per layer of the shard: the index of its window
+    rings: tuple[bool, ...] = ()  # per window: its layers' caches are rings (shorter than the context)
 
     @classmethod
     def of(cls, config: ModelConfig, layers: Sequence[int]) -> Kinds:
@@ -56,7 +63,19 @@ class Kinds:
             windows=tuple(windows),
             table_of=tuple(keys.index(table_key(config, i)) for i in layers),
             window_of=tuple(windows.index(config.window(i)) for i in layers),
+            rings=tuple(bool(w) and w < config.context_length for w in windows),
         )
+
+
+@dataclass(frozen=True)
+class Ring:
+    """How a windowed layer's ring takes one step: a decode writes its token at row ``offset``;
+    a chunk of several (``gather`` given) attends over the ring's first ``old`` rows and its own
+    keys, and the ring becomes ``take(those, gather)``: each row's position, the last kept."""
+
+    offset: mx.array  # int32 (1,): the row a single token is written to
+    old: int = 0  # a chunk: the ring's rows (positions) written before it
+    gather: mx.array | None = None  # a chunk: int32 (ring rows,), each new row's source among old + new
 
 
 @dataclass(frozen=True)
@@ -70,6 +89,7 @@ class Step:
     sin: tuple[mx.array, ...]  # float32 (T, 1, head_dim) per table: -sin for a pair's first element, +sin for its second
     n_keys: int  # attend over the first n_keys cache positions
     eager: bool = False  # run eagerly (a prompt's chunk, not a compiled decode step): layers may read values back
+    rings: tuple[Ring | None, ...] = ()  # per window: its layers' rings (None: full-length caches)
 
 
 def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -81,9 +101,11 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return x * cos + swapped * sin
 
 
-def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kinds | None = None) -> Step:
+def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kinds | None = None,
+                capacity: int | None = None) -> Step:
     """The :class:`Step` of ``t`` new tokens at positions ``start ..``, attending over ``n_keys``
-    cache positions, for the layer kinds ``kinds`` (default: the whole model's)."""
+    cache positions, for the layer kinds ``kinds`` (default: the whole model's); ``capacity``: the
+    full-length buffers' (default ``n_keys``), whose first ``window`` a windowed layer's ring has."""
     kinds = kinds or Kinds.of(config, range(config.n_layers))
     positions = np.arange(start, start + t)
     cos, sin = [], []
@@ -94,14 +116,43 @@ def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kin
         cos.append(mx.array(c[:, None, :].astype(np.float32)))
         sin.append(mx.array(s[:, None, :].astype(np.float32)))
     keys, queries = np.arange(n_keys)[None, :], positions[:, None]
-    masks = []
-    for window in kinds.windows:
+    masks, rings = [], []
+    for window, ring in zip(kinds.windows, kinds.rings, strict=True):
+        if ring:
+            mask, ring = ring_inputs(window, start, t, min(window, capacity or n_keys))
+            masks.append(mask)
+            rings.append(ring)
+            continue
         seen = keys <= queries
         if window:
             seen &= keys > queries - window
         masks.append(mx.array(seen))
+        rings.append(None)
     return Step(mx.array(np.array([start], dtype=np.int32)), tuple(masks), tuple(cos), tuple(sin), n_keys,
-                eager=True)
+                eager=True, rings=tuple(rings))
+
+
+def ring_positions(end: int, window: int, rows: int) -> np.ndarray:
+    """The position each of a ring's ``rows`` holds once positions ``.. end - 1`` are written
+    (row r: the last position ``= r`` mod ``window``; negative: not written yet)."""
+    r = np.arange(rows)
+    return (end - 1) - ((end - 1 - r) % window)
+
+
+def ring_inputs(window: int, start: int, t: int, rows: int) -> tuple[mx.array, Ring]:
+    """The mask and :class:`Ring` of ``t`` tokens at ``start ..`` on a ring of ``rows`` rows (at
+    most ``window``; fewer while the request is shorter than it)."""
+    queries = np.arange(start, start + t)[:, None]
+    if t == 1:  # row p % window; every row written holds a position the query sees
+        seen = np.arange(rows)[None, :] <= start
+        return mx.array(seen), Ring(mx.array(np.array([start % window], dtype=np.int32)))
+    old = min(start, window)
+    held = np.concatenate([ring_positions(start, window, old), np.arange(start, start + t)])
+    seen = (held[None, :] <= queries) & (held[None, :] > queries - window) & (held[None, :] >= 0)
+    kept = ring_positions(start + t, window, rows)
+    source = np.where(kept >= start, old + kept - start, np.maximum(kept, 0) % window)
+    return mx.array(seen), Ring(mx.array(np.array([start % window], dtype=np.int32)), old,
+                                mx.array(source.astype(np.int32)))
 
 
 def vector(w: np.ndarray | None) -> mx.array | None:
@@ -177,14 +228,23 @@ class Attention:
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, step: Step, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """Write k, v into the cache at ``step.offset`` and attend over its first ``step.n_keys``."""
-        keys = mx.slice_update(keys, k, step.offset, axes=(2,))
-        values = mx.slice_update(values, v, step.offset, axes=(2,))
-        if step.n_keys < keys.shape[2]:
-            k_seen, v_seen = keys[:, :, : step.n_keys], values[:, :, : step.n_keys]
+        """Write k, v into the cache at ``step.offset`` and attend over its first ``step.n_keys``
+        (a windowed layer's ring: see :class:`Ring`)."""
+        mask = step.masks[self.window]
+        ring = step.rings[self.window] if step.rings else None
+        if ring is not None and ring.gather is not None:
+            k_all = mx.concatenate([keys[:, :, : ring.old], k], axis=2)
+            v_all = mx.concatenate([values[:, :, : ring.old], v], axis=2)
+            o = mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=self.scale, mask=mask)
+            return o, mx.take(k_all, ring.gather, axis=2), mx.take(v_all, ring.gather, axis=2)
+        offset = ring.offset if ring is not None else step.offset
+        keys = mx.slice_update(keys, k, offset, axes=(2,))
+        values = mx.slice_update(values, v, offset, axes=(2,))
+        n_keys = mask.shape[-1]
+        if n_keys < keys.shape[2]:
+            k_seen, v_seen = keys[:, :, :n_keys], values[:, :, :n_keys]
         else:
             k_seen, v_seen = keys, values
-        mask = step.masks[self.window]
         o = mx.fast.scaled_dot_product_attention(q, k_seen, v_seen, scale=self.scale, mask=mask)
         return o, keys, values
 

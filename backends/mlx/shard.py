@@ -9,6 +9,9 @@ cache is written in place. On MLX's CPU build the matmul kernels, not op dispatc
 (single-threaded scalar loops), so each matmul is also cut into row blocks run at once on several
 CPU streams (``threads``).
 
+A windowed layer's buffer is a ring of at most its window's positions (:mod:`backends.rings`), so
+a long request costs such a layer no more than the window.
+
 Several requests' decode steps go through :meth:`MLXShard.forward_batch` together: one matmul
 per weight for all of them (a mixture of experts' layer: one gathered product per kind of expert
 matrix for all their rows, :mod:`backends.mlx.experts`), attention per request over its own cache.
@@ -25,8 +28,9 @@ import mlx.core as mx
 import numpy as np
 
 from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeights, validate_forward_input
-from backends.mlx.llama import ShardModel, Step, step_inputs
+from backends.mlx.llama import Kinds, Ring, ShardModel, Step, step_inputs
 from backends.mlx.quant import MLXWeight
+from backends.rings import RingLayout
 
 CACHE_STEP = 256
 """KV cache buffers grow by this many positions at a time."""
@@ -37,15 +41,13 @@ PREFILL_CHUNK = 512
 
 @dataclass
 class RequestCache:
-    """One request's KV buffers ``(1, n_kv_heads, capacity, head_dim)`` per layer."""
+    """One request's KV buffers ``(1, n_kv_heads, capacity, head_dim)`` per layer (a windowed
+    layer's: ``min(window, capacity)`` rows, a ring)."""
 
     keys: list[mx.array]
     values: list[mx.array]
     length: int
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 1 << 62
+    capacity: int = 1 << 62  # the full-length buffers' positions
 
 
 class MLXShard(Shard):
@@ -64,6 +66,7 @@ class MLXShard(Shard):
         if self.is_last and self.model.lm_head is None:
             raise BackendError(f"shard [{self.start}, {self.end}) ends the model but has no norm/output head")
         mx.eval(self._arrays())
+        self.rings = RingLayout.of(config, self.start, self.end, rings=True)
         self._caches: dict[str, RequestCache] = {}
         self._lock = threading.RLock()
         self.compile_decode = compile_decode
@@ -75,16 +78,16 @@ class MLXShard(Shard):
         self, x: mx.array, step: list[mx.array], keys: list[mx.array], values: list[mx.array]
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """One token through the shard, attending over the whole cache buffer (fixed shapes)."""
-        return self.model(x, _step(step), keys, values)
+        return self.model(x, _step(step, self.model.kinds), keys, values)
 
     def _batch_step(
         self, x: mx.array, steps: list[list[mx.array]], keys: list[list[mx.array]], values: list[list[mx.array]]
     ) -> tuple[mx.array, list[list[mx.array]], list[list[mx.array]]]:
         """One token of each of several requests, each attending over its whole cache buffer."""
-        return self.model.decode_batch(x, [_step(s) for s in steps], keys, values)
+        return self.model.decode_batch(x, [_step(s, self.model.kinds) for s in steps], keys, values)
 
-    def _step_inputs(self, start: int, t: int, n_keys: int) -> Step:
-        return step_inputs(self.config, start, t, n_keys, self.model.kinds)
+    def _step_inputs(self, start: int, t: int, n_keys: int, capacity: int | None = None) -> Step:
+        return step_inputs(self.config, start, t, n_keys, self.model.kinds, capacity)
 
     def _compiled(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` compiled, once per thread (compiled traces hold the thread's MLX streams)."""
@@ -144,7 +147,7 @@ class MLXShard(Shard):
             outs = []
             for a in range(0, t, PREFILL_CHUNK):  # chunks bound the (heads, T, keys) attention scores
                 b = min(t, a + PREFILL_CHUNK)
-                step = self._step_inputs(cached + a, b - a, cached + b)
+                step = self._step_inputs(cached + a, b - a, cached + b, cache.capacity)
                 out, keys, values = self.model(
                     self._inputs(x[a:b]), step, cache.keys, cache.values, last_only=not all_logits
                 )
@@ -197,12 +200,15 @@ class MLXShard(Shard):
     def _empty_cache(self) -> RequestCache:
         return RequestCache([], [], 0) if not self.model.layers else self._alloc(0)
 
+    def _rows(self, layer: int, capacity: int) -> int:
+        """Rows shard layer ``layer``'s buffer has in a cache of ``capacity`` positions."""
+        return min(capacity, self.rings.window) if self.rings.ring_of[layer] >= 0 else capacity
+
     def _alloc(self, capacity: int) -> RequestCache:
         c = self.config
-        shape = (1, c.n_kv_heads, capacity, c.head_dim)
-        n = len(self.model.layers)
-        return RequestCache([mx.zeros(shape, mx.float32) for _ in range(n)],
-                            [mx.zeros(shape, mx.float32) for _ in range(n)], 0)
+        shapes = [(1, c.n_kv_heads, self._rows(i, capacity), c.head_dim) for i in range(len(self.model.layers))]
+        return RequestCache([mx.zeros(shape, mx.float32) for shape in shapes],
+                            [mx.zeros(shape, mx.float32) for shape in shapes], 0, capacity)
 
     def _capacity_for(self, length: int) -> int:
         step = -(-length // CACHE_STEP) * CACHE_STEP
@@ -213,11 +219,22 @@ class MLXShard(Shard):
         if not self.model.layers or length <= cache.capacity:
             return
         c = self.config
-        extra = self._capacity_for(length) - cache.capacity
-        pad = mx.zeros((1, c.n_kv_heads, extra, c.head_dim), mx.float32)
-        cache.keys = [mx.concatenate([k, pad], axis=2) for k in cache.keys]
-        cache.values = [mx.concatenate([v, pad], axis=2) for v in cache.values]
+        capacity = self._capacity_for(length)
+
+        def grown(buf: mx.array, layer: int) -> mx.array:
+            extra = self._rows(layer, capacity) - buf.shape[2]
+            if not extra:
+                return buf
+            return mx.concatenate([buf, mx.zeros((1, c.n_kv_heads, extra, c.head_dim), mx.float32)], axis=2)
+
+        cache.keys = [grown(k, i) for i, k in enumerate(cache.keys)]
+        cache.values = [grown(v, i) for i, v in enumerate(cache.values)]
+        cache.capacity = capacity
         mx.eval(cache.keys, cache.values)
+
+    @property
+    def ring_layers(self) -> int:
+        return self.rings.n_ring
 
     def kv_length(self, request_id: str) -> int:
         with self._lock:
@@ -232,8 +249,9 @@ class MLXShard(Shard):
                 return KVCache(self.start, self.end, 0, [self._zeros_np(0) for _ in range(n_layers)],
                                [self._zeros_np(0) for _ in range(n_layers)])
             n = cache.length
-            keys = [np.array(k[0, :, :n], dtype=np.float32) for k in cache.keys]
-            values = [np.array(v[0, :, :n], dtype=np.float32) for v in cache.values]
+            rows = [self.rings.rows(n) if self.rings.ring_of[i] >= 0 else np.arange(n) for i in range(len(cache.keys))]
+            keys = [np.array(k[0], dtype=np.float32)[:, r] for k, r in zip(cache.keys, rows, strict=True)]
+            values = [np.array(v[0], dtype=np.float32)[:, r] for v, r in zip(cache.values, rows, strict=True)]
             return KVCache(self.start, self.end, n, keys, values)
 
     def _zeros_np(self, length: int) -> np.ndarray:
@@ -253,24 +271,25 @@ class MLXShard(Shard):
         if not 0 <= cache.length <= c.context_length:
             raise BackendError(f"KV cache length {cache.length} is outside 0..{c.context_length}")
         part = cache.slice_layers(self.start, self.end)
-        want = (c.n_kv_heads, cache.length, c.head_dim)
-        for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True)):
-            if np.shape(k) != want or np.shape(v) != want:
-                raise BackendError(
-                    f"KV cache of layer {self.start + i} has shapes {np.shape(k)} / {np.shape(v)}, expected {want} "
-                    "(n_kv_heads, length, head_dim): it was made for another model"
-                )
+        n = cache.length
+        kept = [self.rings.check_import(i, n, k, v, c.n_kv_heads, c.head_dim, self.start)
+                for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True))]
         with self._lock:
             self._check_open()
             self._caches.pop(request_id, None)
-            new = self._alloc(self._capacity_for(cache.length)) if self.model.layers else RequestCache([], [], 0)
-            if cache.length:
-                start = mx.array([0], dtype=mx.int32)
-                new.keys = [mx.slice_update(buf, mx.array(np.asarray(k, np.float32))[None], start, axes=(2,))
-                            for buf, k in zip(new.keys, part.keys, strict=True)]
-                new.values = [mx.slice_update(buf, mx.array(np.asarray(v, np.float32))[None], start, axes=(2,))
-                              for buf, v in zip(new.values, part.values, strict=True)]
-            new.length = cache.length
+            capacity = self._capacity_for(n)
+            new = self._alloc(capacity) if self.model.layers else RequestCache([], [], 0)
+            if n:
+                keys, values = [], []
+                for i, (first, k, v) in enumerate(kept):
+                    rows = self.rings.rows(n) if self.rings.ring_of[i] >= 0 else np.arange(first, n)
+                    buf_k = np.zeros((c.n_kv_heads, self._rows(i, capacity), c.head_dim), np.float32)
+                    buf_v = np.zeros_like(buf_k)
+                    buf_k[:, rows], buf_v[:, rows] = k, v
+                    keys.append(mx.array(buf_k)[None])
+                    values.append(mx.array(buf_v)[None])
+                new.keys, new.values = keys, values
+            new.length = n
             mx.eval(new.keys, new.values)
             self._caches[request_id] = new
 
@@ -281,6 +300,11 @@ class MLXShard(Shard):
         with self._lock:
             cache = self._caches.get(request_id)
             if cache is not None:
+                if not self.rings.can_truncate(cache.length, length):
+                    raise BackendError(
+                        f"request {request_id}'s windowed layers hold positions {cache.length - self.rings.window} to "
+                        f"{cache.length - 1} only: its cache cannot go back to {length}; drop it and run its tokens again"
+                    )
                 cache.length = min(cache.length, length)
 
     def drop(self, request_id: str) -> None:
@@ -327,13 +351,16 @@ class MLXShard(Shard):
 
 def _flat(step: Step) -> list[Any]:
     """A step's arrays as a compiled function takes them (arrays and lists of arrays)."""
-    return [step.offset, list(step.masks), list(step.cos), list(step.sin)]
+    return [step.offset, list(step.masks), list(step.cos), list(step.sin),
+            [ring.offset if ring is not None else step.offset for ring in step.rings]]
 
 
-def _step(flat: list[Any]) -> Step:
+def _step(flat: list[Any], kinds: Kinds) -> Step:
     """:func:`_flat`'s inverse; a decode step attends over the whole buffer (its masks' width)."""
-    offset, masks, cos, sin = flat
-    return Step(offset, tuple(masks), tuple(cos), tuple(sin), masks[0].shape[1])
+    offset, masks, cos, sin, offsets = flat
+    rings = tuple(Ring(o) if ring else None for o, ring in zip(offsets, kinds.rings, strict=True))
+    width = next((m.shape[1] for m, ring in zip(masks, kinds.rings, strict=True) if not ring), masks[0].shape[1])
+    return Step(offset, tuple(masks), tuple(cos), tuple(sin), width, rings=rings)
 
 
 def _weight_arrays(w: MLXWeight | None) -> list[mx.array]:

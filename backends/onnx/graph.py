@@ -22,7 +22,8 @@ read once for all of them), ``seqlens_k`` ``(B,)`` int32 (each row's cached + T 
 at different positions), ``total_seq_len`` scalar int32 (the largest cached + T),
 ``past_key_i`` / ``past_value_i`` ``(B, n_kv_heads, capacity, head_dim)`` (on exo-tui's kernel
 ``(S, n_kv_heads, capacity, head_dim)``, a whole pool of S cache slots, with ``slots`` ``(B,)``
-int32 naming each row's: a batch is any set of the pool's requests); on the last shard also
+int32 naming each row's: a batch is any set of the pool's requests; a windowed layer's caches
+there are rings of ``window`` positions, ``(S, n_kv_heads, window, head_dim)``); on the last shard also
 ``logits_start`` ``(1,)`` int64 (the first position whose logits are wanted). Outputs:
 ``hidden_out`` or ``logits``, and ``present_key_i`` / ``present_value_i``, which the shard binds to
 the same buffers as the past ones so attention appends to the cache in place.
@@ -314,8 +315,9 @@ def build_shard_graph(
         if lw.q_norm is not None:
             qkv = b.head_norms(qkv, lw.q_norm, lw.k_norm, f"l{i}_qk")
         pk, pv, ok, ov = f"past_key_{i}", f"past_value_{i}", f"present_key_{i}", f"present_value_{i}"
-        inputs += [helper.make_tensor_value_info(n, kv_type, kv_shape) for n in (pk, pv)]
-        outputs += [helper.make_tensor_value_info(n, kv_type, kv_shape) for n in (ok, ov)]
+        shape = kv_shape if not (kernel and c.windowed(layer)) else [kv_shape[0], c.n_kv_heads, "window", c.head_dim]
+        inputs += [helper.make_tensor_value_info(n, kv_type, shape) for n in (pk, pv)]
+        outputs += [helper.make_tensor_value_info(n, kv_type, shape) for n in (ok, ov)]
         graph.kv_inputs.append((pk, pv))
         graph.kv_outputs.append((ok, ov))
         attn = b.name(f"l{i}_attn")

@@ -23,7 +23,8 @@ positions copied into its slot of the new arrays; when its slots are full it dou
 of a shard's requests are in one pool and any set of them decodes in one run (with one pool per
 capacity, requests at 150 and at 300 positions took two runs: 10.8 ms for eight of them against
 6.4-8.4 ms in one). Every slot has the longest request's capacity, but the arrays are anonymous
-memory maps: a page is resident only once a position in it is written.
+memory maps: a page is resident only once a position in it is written. On the kernel a windowed
+layer's caches are rings of its window's positions beside those (``backends/rings.py``), which never grow.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import embedding_rows
+from backends.rings import RingLayout
 
 CAPACITY_STEP = 256  # pools hold multiples of this many positions
 FIRST_SLOTS = 4  # slots of a new pool; it doubles when full
@@ -79,10 +81,18 @@ class _Pool:
     """Slots of one capacity; ``owners[s]`` is the request in slot ``s`` or None."""
 
     capacity: int
-    keys: np.ndarray  # (layers, slots, n_kv_heads, capacity, head_dim)
+    keys: np.ndarray  # (full-length layers, slots, n_kv_heads, capacity, head_dim)
     values: np.ndarray
     owners: list[str | None]
     bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = field(default_factory=dict)
+    ring_keys: np.ndarray | None = None  # (windowed layers, slots, n_kv_heads, window, head_dim): backends/rings.py
+    ring_values: np.ndarray | None = None
+
+    def layer(self, rings: RingLayout, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shard layer ``i``'s keys and values, ``(slots, n_kv_heads, positions, head_dim)``."""
+        if rings.ring_of[i] >= 0:
+            return self.ring_keys[rings.ring_of[i]], self.ring_values[rings.ring_of[i]]  # type: ignore[index]
+        return self.keys[rings.full_of[i]], self.values[rings.full_of[i]]
 
     @property
     def slots(self) -> int:
@@ -136,6 +146,7 @@ class ONNXShard(Shard):
         half_kv = caches_half(library, self.xbits)
         self._slot_map = library is not None  # Attention takes each row's slot; GroupQueryAttention row b = slot b
         self.kv_dtype = np.dtype(np.float16 if half_kv else np.float32)
+        self.rings = RingLayout.of(config, self.start, self.end, rings=library is not None)
         accuracy_level = ACCURACY_LEVEL[precision]
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library),
                                   xbits=self.xbits, half_kv=half_kv)
@@ -237,25 +248,31 @@ class ONNXShard(Shard):
         twice its capacity) with every request in its slot."""
         pool = self._kv_pool
         if pool is None:
-            keys, values = self._kv_arrays(FIRST_SLOTS, capacity)
-            pool = self._kv_pool = _Pool(capacity, keys, values, [None] * FIRST_SLOTS)
+            keys, values, ring_keys, ring_values = self._kv_arrays(FIRST_SLOTS, capacity)
+            pool = self._kv_pool = _Pool(capacity, keys, values, [None] * FIRST_SLOTS,
+                                         ring_keys=ring_keys, ring_values=ring_values)
         elif pool.capacity < capacity:
             self._remake(pool, pool.slots, max(capacity, self._capacity_for(2 * pool.capacity)))
         return pool
 
-    def _kv_arrays(self, slots: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    def _kv_arrays(self, slots: int, capacity: int) -> tuple[np.ndarray, ...]:
+        """Keys and values of the full-length layers, then the windowed layers' rings."""
         c = self.config
-        shape = (self.n_layers, slots, c.n_kv_heads, capacity, c.head_dim)
-        return _zeroed(shape, self.kv_dtype), _zeroed(shape, self.kv_dtype)
+        shape = (self.rings.n_full, slots, c.n_kv_heads, capacity, c.head_dim)
+        ring = (self.rings.n_ring, slots, c.n_kv_heads, self.rings.window, c.head_dim)
+        return (_zeroed(shape, self.kv_dtype), _zeroed(shape, self.kv_dtype),
+                _zeroed(ring, self.kv_dtype), _zeroed(ring, self.kv_dtype))
 
     def _remake(self, pool: _Pool, slots: int, capacity: int) -> None:
         """New arrays for ``pool``, of ``slots`` slots of ``capacity`` positions; each request's
         positions in use are copied (the rest of the new pages stay untouched)."""
-        keys, values = self._kv_arrays(slots, capacity)
+        keys, values, ring_keys, ring_values = self._kv_arrays(slots, capacity)
         for entry in self._caches.values():  # every cache is in the one pool
-            s, n = entry.slot, entry.length
+            s, n, m = entry.slot, entry.length, min(entry.length, self.rings.window)
             keys[:, s, :, :n], values[:, s, :, :n] = pool.keys[:, s, :, :n], pool.values[:, s, :, :n]
+            ring_keys[:, s, :, :m], ring_values[:, s, :, :m] = pool.ring_keys[:, s, :, :m], pool.ring_values[:, s, :, :m]
         pool.keys, pool.values, pool.capacity = keys, values, capacity
+        pool.ring_keys, pool.ring_values = ring_keys, ring_values
         pool.owners += [None] * (slots - pool.slots)
         pool.bindings.clear()  # they point at the old arrays
 
@@ -295,8 +312,9 @@ class ONNXShard(Shard):
         binding = self._session.io_binding()
         ortvalues = []
         for i, ((pk, pv), (ok, ov)) in enumerate(zip(self._kv_inputs, self._kv_outputs, strict=True)):
-            k_val = ort.OrtValue.ortvalue_from_numpy(pool.keys[i, a:b])
-            v_val = ort.OrtValue.ortvalue_from_numpy(pool.values[i, a:b])
+            layer_keys, layer_values = pool.layer(self.rings, i)
+            k_val = ort.OrtValue.ortvalue_from_numpy(layer_keys[a:b])
+            v_val = ort.OrtValue.ortvalue_from_numpy(layer_values[a:b])
             binding.bind_ortvalue_input(pk, k_val)
             binding.bind_ortvalue_output(ok, k_val)
             binding.bind_ortvalue_input(pv, v_val)
@@ -495,6 +513,10 @@ class ONNXShard(Shard):
         entry.length = cached + t
         return out[0]
 
+    @property
+    def ring_layers(self) -> int:
+        return self.rings.n_ring
+
     def kv_length(self, request_id: str) -> int:
         entry = self._caches.get(request_id)
         return entry.length if entry is not None else 0
@@ -508,8 +530,12 @@ class ONNXShard(Shard):
                 return KVCache(self.start, self.end, 0, [empty.copy() for _ in range(self.n_layers)],
                                [empty.copy() for _ in range(self.n_layers)])
             n, s, pool = entry.length, entry.slot, entry.pool
-            keys = [pool.keys[i, s, :, :n].astype(np.float32) for i in range(self.n_layers)]
-            values = [pool.values[i, s, :, :n].astype(np.float32) for i in range(self.n_layers)]
+            keys, values = [], []
+            for i in range(self.n_layers):  # a ring: its last positions, oldest first
+                rows = self.rings.rows(n) if self.rings.ring_of[i] >= 0 else slice(0, n)
+                layer_keys, layer_values = pool.layer(self.rings, i)
+                keys.append(layer_keys[s][:, rows].astype(np.float32))
+                values.append(layer_values[s][:, rows].astype(np.float32))
             return KVCache(self.start, self.end, n, keys, values)
 
     def import_kv(self, request_id: str, cache: KVCache) -> None:
@@ -522,28 +548,30 @@ class ONNXShard(Shard):
         n = int(part.length)
         if n > c.context_length:
             raise BackendError(f"cache of {n} tokens exceeds the model's context of {c.context_length}")
-        expected = (c.n_kv_heads, n, c.head_dim)
         if len(part.keys) != self.n_layers or len(part.values) != self.n_layers:
             raise BackendError(f"cache has {len(part.keys)} key / {len(part.values)} value layers, expected {self.n_layers}")
-        for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True)):
-            if np.shape(k) != expected or np.shape(v) != expected:
-                raise BackendError(
-                    f"cache layer {self.start + i} has keys {np.shape(k)} / values {np.shape(v)}, expected {expected} "
-                    "(n_kv_heads, length, head_dim)"
-                )
+        kept = [self.rings.check_import(i, n, k, v, c.n_kv_heads, c.head_dim, self.start)
+                for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True))]
         with self._lock:
             self._check_open()
             self._release(request_id)
             entry = self._cache_with_room(request_id, n)
-            for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True)):
-                entry.pool.keys[i, entry.slot, :, :n] = k
-                entry.pool.values[i, entry.slot, :, :n] = v
+            for i, (first, k, v) in enumerate(kept):
+                layer_keys, layer_values = entry.pool.layer(self.rings, i)
+                rows = self.rings.rows(n) if self.rings.ring_of[i] >= 0 else slice(first, n)
+                layer_keys[entry.slot][:, rows] = k
+                layer_values[entry.slot][:, rows] = v
             entry.length = n
 
     def truncate_kv(self, request_id: str, length: int) -> None:
         with self._lock:
             entry = self._caches.get(request_id)
             if entry is not None:
+                if not self.rings.can_truncate(entry.length, int(length)):
+                    raise BackendError(
+                        f"request {request_id}'s windowed layers hold positions {entry.length - self.rings.window} to "
+                        f"{entry.length - 1} only: its cache cannot go back to {length}; drop it and run its tokens again"
+                    )
                 entry.length = max(0, min(int(length), entry.length))
 
     def drop(self, request_id: str) -> None:

@@ -108,6 +108,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.drained: set[str] = set()
         self.retry_limit = self.config.scheduler.fault_tolerance.task_retry_limit
         self.pipeline = RemotePipeline(self)
+        self.pipeline.window = lambda: self.model.config.ring_window if self.model is not None else 0
         adm = self.config.admission
         self.admission = Admission(lambda: ring_kv_capacity(self.ring, self.nodes), queue_bound=adm.queue_bound,
                                    kv_share=adm.kv_share, kept=self.pipeline.kept_positions,

@@ -130,6 +130,9 @@ class RemotePipeline:
         self.on_step_timed: Callable[[StepSample], None] | None = None
         self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
+        # The model's windowed layers' cache bound (ModelConfig.ring_window; 0: none): a kept
+        # cache past it can be cut back by one position only.
+        self.window: Callable[[], int] = lambda: 0
 
     # ------------------------------------------------------------------ frames from nodes
 
@@ -231,15 +234,20 @@ class RemotePipeline:
     def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
         """The kept request whose caches this one's first step can take over, and how many of its
         positions: at least MIN_ADOPTED tokens shared, more than that request's prompt, and at
-        least one token of this request left to run. Kept caches of an older plan go."""
+        least one token of this request left to run, and where the model's windowed layers keep
+        only their last positions, a cut back that leaves them what the next query sees (else
+        the nodes could not cut them back). Kept caches of an older plan go."""
         best: tuple[str, int] | None = None
+        window = self.window()
         for rid, kept in list(self._kept.items()):
             if kept.plan.version != plan.version:
                 del self._kept[rid]
                 asyncio.create_task(self._drop_on(kept.plan, rid, final=True))
                 continue
             n = _shared_prefix(request.tokens, kept.tokens)
-            if n > kept.prompt and MIN_ADOPTED <= n < len(request.tokens) and (best is None or n > best[1]):
+            held = len(kept.tokens)
+            cuttable = not window or max(0, held - window) <= max(0, n - window + 1)
+            if cuttable and n > kept.prompt and MIN_ADOPTED <= n < len(request.tokens) and (best is None or n > best[1]):
                 best = (rid, n)
         if best is not None:
             del self._kept[best[0]]

@@ -29,7 +29,7 @@ from exo_tui.config import GB
 from exo_tui.inference.generate import GenerationError
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
-from exo_tui.net.protocol import PlanEntry, RingPlan, kv_from_array, kv_to_array
+from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
 from exo_tui.node.profile import BENCH_CONFIG
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
@@ -301,13 +301,13 @@ class PlanSwitching:
                             continue
                         reply = await self.connection(o.node_id).call(
                             "kv_export", {"rid": rid, "start": a, "end": b, "model": old.model}, timeout=30)
-                        parts.append(kv_from_array(a, b, np.asarray(reply.tensor)))
+                        parts.append(kv_from_array(a, b, np.asarray(reply.tensor), reply.body))
                     cache = _concat_kv(parts)
                     await self.connection(e.node_id).call(
-                        "kv_import", {"rid": rid, "start": e.start, "end": e.end, "model": new.model}, tensor=kv_to_array(cache),
-                        timeout=30
+                        "kv_import", {"rid": rid, "start": e.start, "end": e.end, "model": new.model, **kv_fields(cache)},
+                        tensor=kv_to_array(cache), timeout=30
                     )
-            except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError) as exc:
+            except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError, HostError) as exc:
                 log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
                 continue
             self.pipeline.set_cached(rid, new.version, cached[1])

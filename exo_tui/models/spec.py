@@ -31,6 +31,7 @@ def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: in
         hidden_size=cfg.hidden_size,
         context_length=context_length or cfg.context_length,
         tied_embeddings=m.tied_embeddings,
+        kv_windows=tuple(cfg.ring_window if cfg.windowed(i) else 0 for i in range(cfg.n_layers)),
     )
 
 

@@ -2,8 +2,9 @@
 
 The coordinator builds a :class:`RingPlan` and sends it as a dict; each node checks it
 (:meth:`RingPlan.from_dict`) and forwards hidden states along it. A request's KV cache travels as
-one float32 array (:func:`kv_to_array` / :func:`kv_from_array`). These types sit below both sides
-so neither imports the other for them.
+one float32 array (:func:`kv_to_array` / :func:`kv_from_array`) and the fields of
+:func:`kv_fields` beside it in the frame's body. These types sit below both sides so neither
+imports the other for them.
 """
 
 from __future__ import annotations
@@ -75,15 +76,45 @@ class RingPlan:
         }
 
 
+def kv_held(cache: KVCache) -> list[int]:
+    """Positions each layer of a cache holds: ``length``, or a windowed layer's last ones."""
+    return [int(np.shape(k)[1]) for k in cache.keys]
+
+
 def kv_to_array(cache: KVCache) -> np.ndarray:
-    """A cache as one float32 array ``(2, layers, n_kv_heads, length, head_dim)`` for the wire."""
+    """A cache as one float32 array for the wire: ``(2, layers, n_kv_heads, length, head_dim)``
+    when every layer holds ``length`` positions, else (windowed layers hold their last ones only)
+    the layers side by side along the positions, ``(2, n_kv_heads, sum of held, head_dim)``, with
+    :func:`kv_fields`' ``held`` saying how many each has."""
     if not cache.keys:
         return np.zeros((2, 0, 0, 0, 0), np.float32)
-    return np.stack([np.stack(cache.keys), np.stack(cache.values)]).astype(np.float32, copy=False)
+    if all(n == cache.length for n in kv_held(cache)):
+        return np.stack([np.stack(cache.keys), np.stack(cache.values)]).astype(np.float32, copy=False)
+    return np.stack([np.concatenate(cache.keys, axis=1), np.concatenate(cache.values, axis=1)]).astype(np.float32, copy=False)
 
 
-def kv_from_array(start: int, end: int, array: np.ndarray) -> KVCache:
-    if array.ndim != 5 or array.shape[0] != 2 or array.shape[1] != end - start:
-        raise HostError(f"KV array of shape {array.shape} does not fit layers [{start}, {end})")
-    length = array.shape[3]
-    return KVCache(start, end, length, [array[0, i] for i in range(end - start)], [array[1, i] for i in range(end - start)])
+def kv_fields(cache: KVCache) -> dict[str, Any]:
+    """The frame body's fields that go with :func:`kv_to_array`'s array."""
+    held = kv_held(cache)
+    return {"length": cache.length, **({"held": held} if any(n != cache.length for n in held) else {})}
+
+
+def kv_from_array(start: int, end: int, array: np.ndarray, fields: dict[str, Any] | None = None) -> KVCache:
+    """:func:`kv_to_array`'s inverse; ``fields``: the frame body's (:func:`kv_fields`)."""
+    fields = fields or {}
+    held, n_layers = fields.get("held"), end - start
+    if held is None:
+        if array.ndim != 5 or array.shape[0] != 2 or array.shape[1] != n_layers:
+            raise HostError(f"KV array of shape {array.shape} does not fit layers [{start}, {end})")
+        length = array.shape[3]
+        return KVCache(start, end, length, [array[0, i] for i in range(n_layers)], [array[1, i] for i in range(n_layers)])
+    length = fields.get("length")
+    if (type(length) is not int or type(held) is not list or len(held) != n_layers
+            or any(type(n) is not int or not 0 <= n <= length for n in held)):
+        raise HostError(f"KV fields length={length!r:.20} held={held!r:.80} do not describe layers [{start}, {end})")
+    if array.ndim != 4 or array.shape[0] != 2 or array.shape[2] != sum(held):
+        raise HostError(f"KV array of shape {array.shape} does not hold {sum(held)} positions of layers [{start}, {end})")
+    bounds = np.cumsum([0, *held])
+    keys = [array[0, :, a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    values = [array[1, :, a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return KVCache(start, end, length, keys, values)

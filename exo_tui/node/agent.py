@@ -67,13 +67,13 @@ from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
-from exo_tui.net.protocol import HostError, RingPlan, kv_from_array, kv_to_array
+from exo_tui.net.protocol import HostError, RingPlan, kv_fields, kv_from_array, kv_to_array
 from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
-from exo_tui.node.kv_budget import BudgetExceeded, KVBudget, shard_position_bytes
+from exo_tui.node.kv_budget import BudgetExceeded, KVBudget, shard_cost
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")
@@ -365,12 +365,12 @@ class NodeAgent:
         model = b.get("model")
         cache = await self._in_worker(self.host.export_kv, b["rid"], int(b["start"]), int(b["end"]),
                                       None if model is None else str(model))
-        return Frame("kv", body={"length": cache.length}, tensor=kv_to_array(cache))
+        return Frame("kv", body=kv_fields(cache), tensor=kv_to_array(cache))
 
     async def _op_kv_import(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
         start, end = int(b["start"]), int(b["end"])
-        cache = kv_from_array(start, end, np.array(frame.tensor, copy=True))
+        cache = kv_from_array(start, end, np.array(frame.tensor, copy=True), b)
 
         def install() -> None:
             model = b.get("model")
@@ -577,7 +577,11 @@ class NodeAgent:
                     if start == 0:
                         shard.drop(rid)
                     else:
-                        shard.truncate_kv(rid, start)
+                        try:
+                            shard.truncate_kv(rid, start)
+                        except BackendError as exc:  # windowed layers hold less: the step fails, it runs again whole
+                            log.info("cache of %s not cut back to %d (%s)", rid, start, exc)
+                            shard.drop(rid)
                 x = np.asarray(f.tensor)
                 items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
             # a prompt to score needs every row's logits: it runs on its own
@@ -621,8 +625,9 @@ class NodeAgent:
             hosted_all = list(self.host.shards.items())
         for key, hosted in hosted_all:
             c = hosted.shard.config
-            per_position[key] = shard_position_bytes(c.n_kv_heads, c.head_dim, hosted.start, hosted.end,
-                                                     get_backend(hosted.backend).kv_value_bytes())
+            per_position[key] = shard_cost(c.n_kv_heads, c.head_dim, hosted.start, hosted.end,
+                                           get_backend(hosted.backend).kv_value_bytes(), hosted.shard.ring_layers,
+                                           c.ring_window)
         self.kv.set_shards(per_position)
         self.kv.observe(psutil.Process().memory_info().rss, psutil.virtual_memory().available, settled=True)
 

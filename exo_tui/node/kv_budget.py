@@ -9,8 +9,9 @@ The budget is the node's memory less what its process holds besides caches, less
 - the reserve covers a step's temporaries and a backend's cache pool growing (it copies the
   caches into larger arrays): ``RESERVE_FRACTION`` of what is left, at least ``RESERVE_MIN_BYTES``.
 
-Caches are counted in positions per request and shard, as steps run (``bytes_per_position`` of a
-shard: its layers' K and V for one token in the backend's cache dtype). A step that would take the
+Caches are counted in positions per request and shard, as steps run (a shard's :class:`ShardCost`:
+its layers' K and V for one token in the backend's cache dtype, a windowed layer's for at most its
+window's positions, which is all its ring holds). A step that would take the
 caches past the budget is refused (:class:`BudgetExceeded`) before it runs; the coordinator's
 admission (:mod:`exo_tui.cluster.admission`) keeps that from happening by admitting no more than
 the ring's budgets hold. Pure and clock-free: the agent feeds it measurements.
@@ -37,12 +38,31 @@ def bytes_per_position(n_layers: int, n_kv_heads: int, head_dim: int, value_byte
     return n_layers * 2 * n_kv_heads * head_dim * value_bytes
 
 
+@dataclass(frozen=True)
+class ShardCost:
+    """The bytes a request's cache of ``n`` positions takes on a shard: ``per_position`` for each
+    of them in its full-length layers, ``window_per_position`` for at most ``window`` of them in
+    its windowed layers (rings: :mod:`backends.rings`)."""
+
+    per_position: int
+    window_per_position: int = 0
+    window: int = 0
+
+    def bytes(self, n: int) -> int:
+        return self.per_position * n + self.window_per_position * min(n, self.window)
+
+    @property
+    def first_position(self) -> int:
+        """The bytes of a request's first position (each of its first ``window`` costs this)."""
+        return self.per_position + self.window_per_position
+
+
 @dataclass
 class KVBudget:
     limit_bytes: int | None  # --memory-limit; None: the machine's available memory
     runtime_bytes: int = 0  # resident memory besides caches (measured)
     available_bytes: int = 0  # memory the machine has available (measured; used without a limit)
-    per_position: dict[ShardKey, int] = field(default_factory=dict)
+    per_position: dict[ShardKey, ShardCost] = field(default_factory=dict)
     positions: dict[str, dict[ShardKey, int]] = field(default_factory=dict)
     refused: int = 0  # steps refused for want of room
     # Steps run on the node's worker thread, heartbeats on its event loop: one lock for both.
@@ -59,14 +79,14 @@ class KVBudget:
             if settled or not self.positions:
                 self.runtime_bytes = max(0, int(rss_bytes) - self.used_bytes)
 
-    def set_shards(self, per_position: dict[ShardKey, int]) -> None:
-        """The shards held now and the bytes a position takes on each; requests' counts for
-        shards no longer held go."""
+    def set_shards(self, per_position: dict[ShardKey, ShardCost | int]) -> None:
+        """The shards held now and the bytes a request's positions take on each (an int: that
+        many each); requests' counts for shards no longer held go."""
         with self._lock:
             self._set_shards(per_position)
 
-    def _set_shards(self, per_position: dict[ShardKey, int]) -> None:
-        self.per_position = dict(per_position)
+    def _set_shards(self, per_position: dict[ShardKey, ShardCost | int]) -> None:
+        self.per_position = {k: c if isinstance(c, ShardCost) else ShardCost(int(c)) for k, c in per_position.items()}
         for rid in list(self.positions):
             kept = {k: n for k, n in self.positions[rid].items() if k in self.per_position}
             if kept:
@@ -95,12 +115,16 @@ class KVBudget:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self.per_position.get(k, 0) * n for held in self.positions.values() for k, n in held.items())
+        return sum(self._cost(k).bytes(n) for held in self.positions.values() for k, n in held.items())
+
+    def _cost(self, key: ShardKey) -> ShardCost:
+        return self.per_position.get(key, ShardCost(0))
 
     @property
     def ring_bytes_per_position(self) -> int:
-        """Bytes one position of a request takes on this node (over all its shards)."""
-        return sum(self.per_position.values())
+        """Bytes one position of a request takes on this node (over all its shards) at most: its
+        first ones' (a windowed layer's past its window cost nothing more)."""
+        return sum(c.first_position for c in self.per_position.values())
 
     # ------------------------------------------------------------------ steps
 
@@ -112,7 +136,8 @@ class KVBudget:
             room = self.budget_bytes - self.used_bytes
             refused: dict[str, str] = {}
             for (rid, key), length in growth.items():
-                extra = max(0, length - self.positions.get(rid, {}).get(key, 0)) * self.per_position.get(key, 0)
+                cost = self._cost(key)
+                extra = max(0, cost.bytes(length) - cost.bytes(self.positions.get(rid, {}).get(key, 0)))
                 if extra > room:
                     refused[rid] = self.refusal(rid, extra)
                 else:
@@ -171,3 +196,12 @@ class KVBudget:
 def shard_position_bytes(n_kv_heads: int, head_dim: int, start: int, end: int, value_bytes: int) -> int:
     """Bytes one position of a request's cache takes on a shard of layers ``[start, end)``."""
     return bytes_per_position(end - start, n_kv_heads, head_dim, value_bytes)
+
+
+def shard_cost(n_kv_heads: int, head_dim: int, start: int, end: int, value_bytes: int, ring_layers: int = 0,
+               window: int = 0) -> ShardCost:
+    """:class:`ShardCost` of a shard of layers ``[start, end)`` of which ``ring_layers`` keep
+    rings of ``window`` positions."""
+    ring_layers = ring_layers if window else 0
+    return ShardCost(bytes_per_position(end - start - ring_layers, n_kv_heads, head_dim, value_bytes),
+                     bytes_per_position(ring_layers, n_kv_heads, head_dim, value_bytes), window if ring_layers else 0)

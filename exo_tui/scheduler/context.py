@@ -66,7 +66,7 @@ class _Ctx:
 
     def per_layer(self, nid: str) -> float:
         """An average layer with its KV cache on node ``nid``."""
-        return self.spec.mean_layer_bytes + self.kv[nid]
+        return self.spec.mean_layer_bytes + self.kv[nid] * self.spec.kv_layers(0, self.spec.n_layers) / self.spec.n_layers
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:

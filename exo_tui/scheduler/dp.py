@@ -36,6 +36,8 @@ class _Mats:
     N: np.ndarray  # n, float
     gt0: np.ndarray  # 1.0 where the range starts after layer 0
     min_layer_bytes: float
+    K: np.ndarray  # the range's KV caches in full layers' caches (a windowed layer's is a fraction: ModelSpec.kv_layers)
+    min_kv_share: float  # the smallest layer's KV cache, in full layers' caches
 
 
 @lru_cache(maxsize=64)
@@ -53,6 +55,7 @@ def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int) -> _Mats:
     crosses = (pp[e] - pp[S]) > 0
     valid = (start >= 0) & (n >= max(1, min_layers)) & ~crosses
     B = np.concatenate([[0.0], np.cumsum(np.array(spec.layers, dtype=np.float64))])
+    kv_prefix = np.array([spec.kv_layers(0, i) for i in range(L + 1)])
     nf = np.broadcast_to(n, (L + 1, L + 1)).astype(np.float64)
     mem = B[e] - B[S]
     mem = mem + np.where(start == 0, float(spec.embed_bytes), 0.0)
@@ -66,6 +69,8 @@ def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int) -> _Mats:
         N=nf,
         gt0=(start > 0).astype(np.float64),
         min_layer_bytes=float(min(spec.layers)),
+        K=kv_prefix[e] - kv_prefix[S],
+        min_kv_share=float(np.diff(kv_prefix).min()),
     )
 
 
@@ -128,7 +133,7 @@ def _dp(
     nseq = len(seq)
     for i, nid in enumerate(seq):
         room = ctx.usable[nid]
-        smallest = mats.min_layer_bytes + ctx.kv[nid]
+        smallest = mats.min_layer_bytes + ctx.kv[nid] * mats.min_kv_share
         k = min(L, int(room // smallest)) if smallest > 0 else L
         if k < max(1, ctx.min_layers):
             if not skip:
@@ -140,7 +145,7 @@ def _dp(
             continue
         cols = slice(0, k + 1)
         prior = cur[mats.S[:, cols]]
-        feasible = mats.M[:, cols] + ctx.kv[nid] * mats.N[:, cols] <= room
+        feasible = mats.M[:, cols] + ctx.kv[nid] * mats.K[:, cols] <= room
         if mode == "dev":
             target = (targets or {}).get(nid, 0.0)
             cost = (mats.N[:, cols] - target) ** 2 + prior

@@ -7,6 +7,7 @@ planning clusters without the file.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,8 @@ class ModelSpec:
     constructor means "every layer this size"). The first shard also holds ``embed_bytes``; the
     last holds ``head_bytes`` (final norm and output matrix; with tied embeddings that matrix is
     the embedding, so a single node holding the whole model stores it once). Each layer of a
-    shard also keeps a KV cache of ``kv_bytes_per_token_per_layer * context_length`` bytes. A hop
+    shard also keeps a KV cache of ``kv_bytes_per_token_per_layer * context_length`` bytes, a
+    windowed layer (``kv_windows``) of its window's positions only (its cache is a ring). A hop
     between stages carries ``hidden_size * 4`` bytes per token (float32 hidden state).
     """
 
@@ -39,8 +41,12 @@ class ModelSpec:
     # () means all of ``layer_bytes``. Memory counts ``layer_bytes``, time these.
     active_layer_bytes: tuple[int, ...] = ()
     experts: tuple[int, int] = (0, 0)  # (experts per layer, used per token), (0, 0) for a dense model
+    # Per layer: the positions its KV cache holds at most (a sliding window's), 0 all of the
+    # context; () every layer holds the whole context.
+    kv_windows: tuple[int, ...] = ()
     _mean: float = field(default=0.0, init=False, repr=False, compare=False)
     _active_mean: float = field(default=0.0, init=False, repr=False, compare=False)
+    _kv_prefix: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -60,6 +66,12 @@ class ModelSpec:
             raise ValueError(f"model {self.name}: active layer bytes must be one per layer, at most the layer's")
         object.__setattr__(self, "active_layer_bytes", active if active != lb else ())
         object.__setattr__(self, "_active_mean", sum(active) / len(active))
+        windows = tuple(int(w) for w in self.kv_windows)
+        if windows and (len(windows) != self.n_layers or any(w < 0 for w in windows)):
+            raise ValueError(f"model {self.name}: KV windows must be one per layer, 0 or positive")
+        object.__setattr__(self, "kv_windows", windows if any(windows) else ())
+        shares = [min(w, self.context_length) / self.context_length if w else 1.0 for w in windows or (0,) * self.n_layers]
+        object.__setattr__(self, "_kv_prefix", (0.0, *itertools.accumulate(shares)))
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -80,8 +92,14 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_layer(self) -> int:
-        """KV cache of one layer at the full context length."""
+        """KV cache of one layer at the full context length (a windowed layer holds
+        :meth:`kv_layers`' share of it)."""
         return self.kv_bytes_per_token_per_layer * self.context_length
+
+    def kv_layers(self, start: int, end: int) -> float:
+        """Layers ``[start, end)``'s KV caches at the full context, in full layers' caches: a
+        windowed layer counts ``window / context_length`` of one."""
+        return self._kv_prefix[end] - self._kv_prefix[start]
 
     @property
     def weight_bytes(self) -> int:
@@ -93,13 +111,13 @@ class ModelSpec:
     @property
     def total_bytes(self) -> int:
         """Weights plus the KV cache of every layer at the full context."""
-        return self.weight_bytes + self.kv_bytes_per_layer * self.n_layers
+        return self.weight_bytes + int(self.kv_bytes_per_layer * self.kv_layers(0, self.n_layers))
 
     def range_bytes(self, start: int, end: int, kv_bytes_per_layer: float | None = None) -> int:
         """Memory a shard ``[start, end)`` needs: weights, KV cache (``kv_bytes_per_layer`` a layer,
         default float32's), embedding/head at the ends."""
         kv = self.kv_bytes_per_layer if kv_bytes_per_layer is None else kv_bytes_per_layer
-        b = sum(self.layers[start:end]) + int(kv * (end - start))
+        b = sum(self.layers[start:end]) + int(kv * self.kv_layers(start, end))
         if start == 0:
             b += self.embed_bytes
         if end == self.n_layers:
@@ -122,6 +140,7 @@ class ModelSpec:
             "tied_embeddings": self.tied_embeddings,
             **({"active_layer_bytes": list(self.active_layer_bytes)} if self.active_layer_bytes else {}),
             **({"experts": list(self.experts)} if self.experts[0] else {}),
+            **({"kv_windows": list(self.kv_windows)} if self.kv_windows else {}),
         }
 
     @classmethod
@@ -139,6 +158,7 @@ class ModelSpec:
             tied_embeddings=bool(d.get("tied_embeddings", False)),
             active_layer_bytes=tuple(int(x) for x in d.get("active_layer_bytes", ())),
             experts=tuple(int(x) for x in d.get("experts", (0, 0))),  # type: ignore[arg-type]
+            kv_windows=tuple(int(x) for x in d.get("kv_windows", ())),
         )
 
 

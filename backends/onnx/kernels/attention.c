@@ -13,7 +13,10 @@
    (S, G, cap, D): row b reads and appends to slot slots[b], so a batch is any set of requests of a
    pool of caches, with no padding rows for the slots between them (each slot at most once).
    Attributes num_heads (H) and kv_num_heads (G); optional scale (the queries' factor, default
-   1 / sqrt(D)) and window (> 0: a query at p sees only the keys at p - window + 1 .. p). Outputs: float32 (B, T, H D),
+   1 / sqrt(D)) and window (> 0: a query at p sees only the keys at p - window + 1 .. p, and the
+   caches are rings: position p lives at p % cap, so a cache of cap >= window positions holds a
+   request however long it grows; see ring_chunk for chunks that would overwrite keys their own
+   queries still need). Outputs: float32 (B, T, H D),
    then present_key, present_value (the caches, of the past's type, with the T new positions
    written in: bound to the same buffers as the past ones, they are appended to in place;
    otherwise the past is copied first).
@@ -31,6 +34,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "half.h"
@@ -59,6 +63,20 @@ typedef struct {
 
 /* The first key a query at pos sees. */
 static inline int64_t first_key(const Attn *a, int64_t pos) { return a->window > 0 && pos >= a->window ? pos - a->window + 1 : 0; }
+
+/* Where position pos sits in a cache row: p % cap on a windowed layer's ring, else p itself (the
+   same index while p < cap, so a ring that has not wrapped is an ordinary cache). */
+static inline int64_t slot_of(const Attn *a, int64_t pos) { return a->window > 0 ? pos % a->cap : pos; }
+
+/* The rows a query sees, in order: n1 rows from a, then the rest from b (a ring's window that runs
+   past its last row goes on at its first; n1 is all of them where it does not). Keys and values
+   each have one; the loops over them run over the two parts in turn. */
+typedef struct {
+    const void *a, *b;
+    int64_t n1;
+} Span;
+
+static inline const void *span_part(Span sp, int part) { return part ? sp.b : sp.a; }
 
 #if defined(AT_AVX512)
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r in [-ln2/2, ln2/2], ~1 ulp */
@@ -121,6 +139,15 @@ static inline int64_t position(const Attn *a, int64_t b, int64_t t) { return (in
 /* Where row b's key/value head g starts in the caches, in elements. */
 static inline int64_t cache_at(const Attn *a, int64_t b, int64_t g) { return ((int64_t)a->slots[b] * a->g + g) * a->cap * a->d; }
 
+/* The rows of row b's kv head g in `cache` (keys or values) that a query sees: positions lo ..
+   lo + n - 1, from slot_of(lo) on, wrapping to the ring's first row where they run past its end. */
+static inline Span span(const Attn *a, const void *cache, int64_t b, int64_t g, int64_t lo, int64_t n, int half)
+{
+    const int64_t first = slot_of(a, lo), head = cache_at(a, b, g);
+    const int64_t n1 = first + n <= a->cap ? n : a->cap - first;
+    return (Span){kv_row(cache, (head + first * a->d), half), kv_row(cache, head, half), n1};
+}
+
 /* x (D) rotated in place by the angle of position pos, adjacent pairs (x[2i], x[2i + 1]). */
 static void rotate(float *x, const Attn *a, int64_t pos)
 {
@@ -139,13 +166,13 @@ static void append_task(void *arg, size_t task)
     const int64_t b = (int64_t)task / a->g, g = (int64_t)task % a->g, width = (a->h + 2 * a->g) * a->d;
     for (int64_t t = 0; t < a->t; t++) {
         const int64_t pos = position(a, b, t);
-        if (pos < 0 || pos >= a->cap || pos >= a->max_pos)
+        if (pos < 0 || (a->window <= 0 && pos >= a->cap) || pos >= a->max_pos)
             continue; /* checked before: cannot happen */
         const float *row = a->qkv + (b * a->t + t) * width;
         float k[MAX_D];
         memcpy(k, row + (a->h + g) * a->d, (size_t)a->d * sizeof(float));
         rotate(k, a, pos);
-        const int64_t at = cache_at(a, b, g) + pos * a->d;
+        const int64_t at = cache_at(a, b, g) + slot_of(a, pos) * a->d;
         kv_store(a->keys, at, k, a->d, a->half);
         kv_store(a->values, at, row + (a->h + a->g + g) * a->d, a->d, a->half);
     }
@@ -209,7 +236,7 @@ static inline float hsum8(__m256 v)
 /* One head on AVX2, D (a multiple of 8) floats: attend_task's AVX-512 loop 8 wide. Without it the
    plain loops run, whose dot products the compiler cannot vectorize (a float sum may not be
    reordered): ~42 ns a position and head, against ~6 here (one thread, 1000 positions). */
-static inline __attribute__((always_inline)) void attend8(const float *q, const void *keys, const void *values,
+static inline __attribute__((always_inline)) void attend8(const float *q, const Span keys, const Span values,
                                                           int64_t n, float *s, float *y, const int64_t D, const int half)
 {
     const int64_t C = D / 8;
@@ -217,18 +244,22 @@ static inline __attribute__((always_inline)) void attend8(const float *q, const 
     for (int64_t i = 0; i < C; i++)
         qv[i] = _mm256_loadu_ps(q + 8 * i);
     float top = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        const void *k = kv_row(keys, j * D, half);
-        __m256 even = _mm256_mul_ps(qv[0], kv_load8(k, 0, half)), odd = _mm256_setzero_ps();
-        int64_t i = 1;
-        for (; i + 1 < C; i += 2) { /* two chains of multiply-adds, not one eight long */
-            odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
-            even = _mm256_fmadd_ps(qv[i + 1], kv_load8(k, 8 * (i + 1), half), even);
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(keys, part);
+        const int64_t lo = part ? keys.n1 : 0, hi = part ? n : keys.n1;
+        for (int64_t j = lo; j < hi; j++) {
+            const void *k = kv_row(rows, (j - lo) * D, half);
+            __m256 even = _mm256_mul_ps(qv[0], kv_load8(k, 0, half)), odd = _mm256_setzero_ps();
+            int64_t i = 1;
+            for (; i + 1 < C; i += 2) { /* two chains of multiply-adds, not one eight long */
+                odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
+                even = _mm256_fmadd_ps(qv[i + 1], kv_load8(k, 8 * (i + 1), half), even);
+            }
+            if (i < C)
+                odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
+            s[j] = hsum8(_mm256_add_ps(even, odd));
+            top = s[j] > top ? s[j] : top;
         }
-        if (i < C)
-            odd = _mm256_fmadd_ps(qv[i], kv_load8(k, 8 * i, half), odd);
-        s[j] = hsum8(_mm256_add_ps(even, odd));
-        top = s[j] > top ? s[j] : top;
     }
     __m256 sum = _mm256_setzero_ps();
     const __m256 m = _mm256_set1_ps(top);
@@ -247,11 +278,15 @@ static inline __attribute__((always_inline)) void attend8(const float *q, const 
     __m256 o[MAX_D / 8];
     for (int64_t i = 0; i < C; i++)
         o[i] = _mm256_setzero_ps();
-    for (j = 0; j < n; j++) {
-        const __m256 p = _mm256_set1_ps(s[j]);
-        const void *v = kv_row(values, j * D, half);
-        for (int64_t i = 0; i < C; i++)
-            o[i] = _mm256_fmadd_ps(p, kv_load8(v, 8 * i, half), o[i]);
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(values, part);
+        const int64_t lo = part ? values.n1 : 0, hi = part ? n : values.n1;
+        for (j = lo; j < hi; j++) {
+            const __m256 p = _mm256_set1_ps(s[j]);
+            const void *v = kv_row(rows, (j - lo) * D, half);
+            for (int64_t i = 0; i < C; i++)
+                o[i] = _mm256_fmadd_ps(p, kv_load8(v, 8 * i, half), o[i]);
+        }
     }
     for (int64_t i = 0; i < C; i++)
         _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(o[i], inv));
@@ -286,7 +321,7 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d)
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), x));
 }
 
-static inline __attribute__((always_inline)) void attend_heads(const float *q, const void *keys, const void *values,
+static inline __attribute__((always_inline)) void attend_heads(const float *q, const Span keys, const Span values,
                                                                int64_t n, float *s, float *y, const int64_t R,
                                                                const int64_t D, const int half)
 {
@@ -295,25 +330,29 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < C; i++)
             qv[r][i] = _mm512_loadu_ps(q + r * D + 16 * i);
-    for (int64_t j = 0; j < n; j += 4) { /* four keys at a time: their sums share the shuffles (sum4) */
-        __m512 acc[4][4];
-        for (int64_t e = 0; e < 4; e++) {
-            const void *k = kv_row(keys, (j + e < n ? j + e : n - 1) * D, half); /* past the end: the last again */
-            __m512 kv[MAX_D / 16];
-            for (int64_t i = 0; i < C; i++)
-                kv[i] = kv_load16(k, 16 * i, half);
-            for (int64_t r = 0; r < R; r++) {
-                __m512 a = _mm512_setzero_ps(); /* + 0: the product itself */
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(keys, part);
+        const int64_t lo = part ? keys.n1 : 0, hi = part ? n : keys.n1;
+        for (int64_t j = lo; j < hi; j += 4) { /* four keys at a time: their sums share the shuffles (sum4) */
+            __m512 acc[4][4];
+            for (int64_t e = 0; e < 4; e++) {
+                const void *k = kv_row(rows, ((j + e < hi ? j + e : hi - 1) - lo) * D, half); /* past the end: the last again */
+                __m512 kv[MAX_D / 16];
                 for (int64_t i = 0; i < C; i++)
-                    a = _mm512_fmadd_ps(qv[r][i], kv[i], a);
-                acc[r][e] = a;
+                    kv[i] = kv_load16(k, 16 * i, half);
+                for (int64_t r = 0; r < R; r++) {
+                    __m512 a = _mm512_setzero_ps(); /* + 0: the product itself */
+                    for (int64_t i = 0; i < C; i++)
+                        a = _mm512_fmadd_ps(qv[r][i], kv[i], a);
+                    acc[r][e] = a;
+                }
             }
-        }
-        for (int64_t r = 0; r < R; r++) {
-            float four[4];
-            _mm_storeu_ps(four, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-            for (int64_t e = 0; e < 4 && j + e < n; e++)
-                s[r * n + j + e] = four[e];
+            for (int64_t r = 0; r < R; r++) {
+                float four[4];
+                _mm_storeu_ps(four, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+                for (int64_t e = 0; e < 4 && j + e < hi; e++)
+                    s[r * n + j + e] = four[e];
+            }
         }
     }
     float inv[4];
@@ -327,15 +366,19 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, c
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < C; i++)
             o[r][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        const void *v = kv_row(values, j * D, half);
-        __m512 vv[MAX_D / 16];
-        for (int64_t i = 0; i < C; i++)
-            vv[i] = kv_load16(v, 16 * i, half);
-        for (int64_t r = 0; r < R; r++) {
-            const __m512 p = _mm512_set1_ps(s[r * n + j]);
+    for (int part = 0; part < 2; part++) {
+        const void *rows = span_part(values, part);
+        const int64_t lo = part ? values.n1 : 0, hi = part ? n : values.n1;
+        for (int64_t j = lo; j < hi; j++) {
+            const void *v = kv_row(rows, (j - lo) * D, half);
+            __m512 vv[MAX_D / 16];
             for (int64_t i = 0; i < C; i++)
-                o[r][i] = _mm512_fmadd_ps(p, vv[i], o[r][i]);
+                vv[i] = kv_load16(v, 16 * i, half);
+            for (int64_t r = 0; r < R; r++) {
+                const __m512 p = _mm512_set1_ps(s[r * n + j]);
+                for (int64_t i = 0; i < C; i++)
+                    o[r][i] = _mm512_fmadd_ps(p, vv[i], o[r][i]);
+            }
         }
     }
     for (int64_t r = 0; r < R; r++)
@@ -351,7 +394,7 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     const int64_t t = (int64_t)task % a->t, h = ((int64_t)task / a->t) % a->h, b = (int64_t)task / (a->t * a->h);
     const int64_t d = a->d, g = h / (a->h / a->g), width = (a->h + 2 * a->g) * d, pos = position(a, b, t);
     float *y = a->out + ((b * a->t + t) * a->h + h) * d;
-    if (pos < 0 || pos >= a->cap) {
+    if (pos < 0 || (a->window <= 0 && pos >= a->cap)) {
         memset(y, 0, (size_t)d * sizeof(float));
         return;
     }
@@ -361,8 +404,7 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     for (int64_t i = 0; i < d; i++)
         q[i] *= a->scale;
     const int64_t lo = first_key(a, pos), n = pos + 1 - lo;
-    const void *keys = kv_row(a->keys, cache_at(a, b, g) + lo * d, half);
-    const void *values = kv_row(a->values, cache_at(a, b, g) + lo * d, half);
+    const Span keys = span(a, a->keys, b, g, lo, n, half), values = span(a, a->values, b, g, lo, n, half);
     float stack[1024], *s = n <= 1024 ? stack : (float *)malloc((size_t)n * sizeof(float));
     if (s == NULL) {
         memset(y, 0, (size_t)d * sizeof(float));
@@ -388,7 +430,7 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     }
 #endif
     for (int64_t j = 0; j < n; j++) {
-        const void *k = kv_row(keys, j * d, half);
+        const void *k = j < keys.n1 ? kv_row(keys.a, j * d, half) : kv_row(keys.b, (j - keys.n1) * d, half);
         float dot = 0.0f;
         for (int64_t i = 0; i < d; i++)
             dot += q[i] * kv_at(k, i, half);
@@ -403,7 +445,7 @@ static inline __attribute__((always_inline)) void attend_one(void *arg, size_t t
     for (int64_t i = 0; i < d; i++)
         y[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        const void *v = kv_row(values, j * d, half);
+        const void *v = j < values.n1 ? kv_row(values.a, j * d, half) : kv_row(values.b, (j - values.n1) * d, half);
         for (int64_t i = 0; i < d; i++)
             y[i] += s[j] * kv_at(v, i, half);
     }
@@ -427,13 +469,12 @@ static inline __attribute__((always_inline)) void attend_group(void *arg, size_t
     float *y = a->out + ((b * a->t + t) * a->h + g * per) * d;
     const int64_t lo = first_key(a, pos), n = pos + 1 - lo;
     float stack[4096], *s = chunk * n <= 4096 ? stack : (float *)malloc((size_t)(chunk * n) * sizeof(float));
-    if (pos < 0 || pos >= a->cap || s == NULL) {
+    if (pos < 0 || (a->window <= 0 && pos >= a->cap) || s == NULL) {
         memset(y, 0, (size_t)(per * d) * sizeof(float));
         return;
     }
     float q[4 * 128];
-    const void *keys = kv_row(a->keys, cache_at(a, b, g) + lo * d, half);
-    const void *values = kv_row(a->values, cache_at(a, b, g) + lo * d, half);
+    const Span keys = span(a, a->keys, b, g, lo, n, half), values = span(a, a->values, b, g, lo, n, half);
     for (int64_t h0 = 0; h0 < per; h0 += chunk) {
         const int64_t r = per - h0 < chunk ? per - h0 : chunk;
         for (int64_t i = 0; i < r; i++) {
@@ -483,6 +524,112 @@ static Phase attend_phase(const Attn *a)
     return (Phase){a->half ? attend_task_half : attend_task, (size_t)(a->b * a->h * a->t)};
 }
 
+/* Runs fn over tasks 0 .. n - 1: ONNX Runtime's intra-op pool in the op, a plain loop in the tests. */
+typedef OrtStatus *(*Runner)(void *context, void (*fn)(void *, size_t), size_t n, void *arg);
+
+/* A windowed layer's chunk of T > 1 tokens on a ring too short to take them in place (cap <
+   window + T - 1: writing its last keys would overwrite keys its first queries still see). The
+   chunk runs on a temporary ring of window - 1 + T rows a row of the batch: the window's keys
+   before the chunk are copied in (ring_in), the chunk appends and attends there as usual, and its
+   new keys go back into the caches (ring_out). The numbers are those of a cache long enough. */
+typedef struct {
+    const Attn *cache; /* the op's caches */
+    Attn *temp; /* the temporary rings, row b in slot b */
+} Chunk;
+
+static int64_t elem_size(const Attn *a) { return a->half ? 2 : 4; }
+
+/* Copy positions [lo, hi) of kv head g from ring `from` (of row fb) to ring `to` (of row tb). */
+static void copy_positions(const Attn *from, int64_t fb, const Attn *to, int64_t tb, int64_t g, int64_t lo, int64_t hi)
+{
+    const int64_t e = elem_size(from), row = from->d * e;
+    for (int64_t pos = lo; pos < hi; pos++) {
+        const int64_t src = (cache_at(from, fb, g) + slot_of(from, pos) * from->d) * e;
+        const int64_t dst = (cache_at(to, tb, g) + slot_of(to, pos) * to->d) * e;
+        memcpy((char *)to->keys + dst, (const char *)from->keys + src, (size_t)row);
+        memcpy((char *)to->values + dst, (const char *)from->values + src, (size_t)row);
+    }
+}
+
+/* Task (b, g): the window's keys before the chunk, from the caches into the temporary ring. */
+static void ring_in(void *arg, size_t task)
+{
+    const Chunk *c = (const Chunk *)arg;
+    const Attn *a = c->cache;
+    const int64_t b = (int64_t)task / a->g, g = (int64_t)task % a->g, p0 = position(a, b, 0);
+    copy_positions(a, b, c->temp, b, g, p0 - a->window + 1 > 0 ? p0 - a->window + 1 : 0, p0);
+}
+
+/* Task (b, g): the chunk's new keys that the caches keep (their last cap), back into them. */
+static void ring_out(void *arg, size_t task)
+{
+    const Chunk *c = (const Chunk *)arg;
+    const Attn *a = c->cache;
+    const int64_t b = (int64_t)task / a->g, g = (int64_t)task % a->g, p0 = position(a, b, 0), end = position(a, b, a->t - 1) + 1;
+    copy_positions(c->temp, b, a, b, g, end - a->cap > p0 ? end - a->cap : p0, end);
+}
+
+static int needs_chunk_ring(const Attn *a)
+{
+    if (a->window <= 0 || a->t <= 1 || a->cap >= a->window + a->t - 1)
+        return 0;
+    for (int64_t i = 0; i < a->b; i++)
+        if ((int64_t)a->seqlens[i] >= a->cap) /* this row's chunk wraps the ring */
+            return 1;
+    return 0;
+}
+
+/* Append the rows' new keys and values, then attend (both phases through `run`). */
+static OrtStatus *run_attention(Attn *a, Runner run, void *context)
+{
+    if (!needs_chunk_ring(a)) {
+        CHECK(run(context, append_task, (size_t)(a->b * a->g), a));
+        const Phase phase = attend_phase(a);
+        return run(context, phase.run, phase.tasks, a);
+    }
+    Attn temp = *a;
+    temp.cap = a->window + a->t - 1;
+    const size_t bytes = (size_t)(a->b * a->g * temp.cap * a->d * elem_size(a));
+    int32_t *slots = (int32_t *)malloc((size_t)a->b * sizeof(int32_t));
+    temp.keys = malloc(bytes);
+    temp.values = malloc(bytes);
+    OrtStatus *status = NULL;
+    if (slots == NULL || temp.keys == NULL || temp.values == NULL) {
+        status = api != NULL ? fail("Attention: out of memory for a windowed chunk's keys") : NULL;
+    } else {
+        for (int64_t i = 0; i < a->b; i++)
+            slots[i] = (int32_t)i;
+        temp.slots = slots;
+        Chunk chunk = {a, &temp};
+        status = run(context, ring_in, (size_t)(a->b * a->g), &chunk);
+        if (status == NULL)
+            status = run(context, append_task, (size_t)(a->b * a->g), &temp);
+        if (status == NULL) {
+            const Phase phase = attend_phase(&temp);
+            status = run(context, phase.run, phase.tasks, &temp);
+        }
+        if (status == NULL)
+            status = run(context, ring_out, (size_t)(a->b * a->g), &chunk);
+    }
+    free(slots);
+    free(temp.keys);
+    free(temp.values);
+    return status;
+}
+
+static OrtStatus *run_here(void *context, void (*fn)(void *, size_t), size_t n, void *arg)
+{
+    (void)context;
+    for (size_t i = 0; i < n; i++)
+        fn(arg, i);
+    return NULL;
+}
+
+static OrtStatus *run_in_pool(void *context, void (*fn)(void *, size_t), size_t n, void *arg)
+{
+    return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)((const OrtKernelContext *)context, fn, n, 0, arg);
+}
+
 /* For the tests: the caches' rounding to float16 (to_half) of n floats. */
 void exo_to_half(const float *x, uint16_t *out, int64_t n) { to_half(out, x, n); }
 
@@ -495,11 +642,8 @@ void exo_attention(const float *qkv, void *keys, void *values, const int32_t *se
 {
     Attn a = {qkv, keys, values, seqlens, slots, cos, sin, out, b, t, h, g, d, cap, max_pos,
               scale > 0.0f ? scale : 1.0f / sqrtf((float)d), half != 0, window};
-    for (size_t i = 0; i < (size_t)(b * g); i++)
-        append_task(&a, i);
-    const Phase phase = attend_phase(&a);
-    for (size_t i = 0; i < phase.tasks; i++)
-        phase.run(&a, i);
+    OrtStatus *status = run_attention(&a, run_here, NULL);
+    (void)status; /* NULL, or out of memory: the tests' outputs then disagree */
 }
 
 /* ------------------------------------------------------------------ the op */
@@ -595,11 +739,12 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     const int32_t *seqlens = (const int32_t *)seq;
     for (int64_t i = 0; i < b; i++) {
         const int64_t last = seqlens[i];
-        if (last - (t - 1) < 0 || last >= cap || last >= max_pos || last >= limit) {
+        if (last - (t - 1) < 0 || (last >= cap && (kernel->window <= 0 || cap < kernel->window)) || last >= max_pos
+            || last >= limit) {
             char message[200];
             snprintf(message, sizeof message,
-                     "Attention: row %lld's positions %lld..%lld are outside the cache (%lld), the rotary tables (%lld) "
-                     "or total_seq_len (%lld)", (long long)i, (long long)(last - (t - 1)), (long long)last,
+                     "Attention: row %lld's positions %lld..%lld are outside the cache (%lld; a windowed layer's ring "
+                     "holds at least its window), the rotary tables (%lld) or total_seq_len (%lld)", (long long)i, (long long)(last - (t - 1)), (long long)last,
                      (long long)cap, (long long)max_pos, (long long)limit);
             return fail(message);
         }
@@ -623,9 +768,7 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     Attn a = {(const float *)qkv, ok, ov, seqlens, slots, (const float *)cos, (const float *)sin, (float *)y,
               b, t, h, g, d, cap, max_pos, kernel->scale > 0.0f ? kernel->scale : 1.0f / sqrtf((float)d), kernel->half,
               kernel->window};
-    CHECK(API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, append_task, (size_t)(b * g), 0, &a));
-    const Phase phase = attend_phase(&a);
-    return API(API_KernelContext_ParallelFor, KernelContext_ParallelFor_t)(context, phase.run, phase.tasks, 0, &a);
+    return run_attention(&a, run_in_pool, context);
 }
 
 /* Two ops, one kernel: Attention on float32 caches, AttentionF16 on float16 ones. */
