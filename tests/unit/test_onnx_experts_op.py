@@ -68,6 +68,20 @@ def test_a_row_gives_the_same_output_alone_and_in_a_batch(library):  # noqa: F81
         assert len({int(e) for e in chosen.ravel()}) == 4  # the batch used every expert, several rows each
 
 
+def test_nan_logits_stay_in_their_row(library):  # noqa: F811
+    """A row whose router gives NaN still gets k experts (no index past the experts) and NaN out;
+    the other rows are untouched."""
+    lib = ctypes.CDLL(library.path)
+    rng = np.random.default_rng(2)
+    gate, up, down, x, logits = case(rng, "Q4_0", "Q4_0", m=3)
+    attrs = X.attributes(gate[0], down[0])
+    w1, w2 = X.pack_experts(gate, up, down)
+    clean = X.call(lib, x, logits, w1, w2, 2, True, attrs)
+    logits[1, :] = np.nan
+    got = X.call(lib, x, logits, w1, w2, 2, True, attrs)
+    assert np.isnan(got[1]).all() and np.array_equal(got[[0, 2]], clean[[0, 2]])
+
+
 def test_a_shape_the_op_cannot_take_is_refused_in_the_session(library):  # noqa: F811
     rng = np.random.default_rng(0)
     gate, up, down, x, logits = case(rng, "Q8_0", "Q8_0", m=2)

@@ -65,7 +65,7 @@ static void route(const float *logits, int64_t e, int64_t k, int64_t norm, float
     for (int64_t j = 0; j < k; j++) {
         int64_t best = -1;
         for (int64_t i = 0; i < e; i++)
-            if (p[i] >= 0.0f && (best < 0 || p[i] > p[best]))
+            if (p[i] != -1.0f && (best < 0 || p[i] > p[best])) /* NaN logits too: each row gets k experts */
                 best = i;
         c[j] = best;
         w[j] = p[best];
