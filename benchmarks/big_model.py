@@ -33,6 +33,11 @@ SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocab, tied
     "1b": (16, 2048, 8192, 32, 8, 128256, True),
     "8b": (32, 4096, 14336, 32, 8, 128256, False),
 }
+MOE_SHAPES = {  # layers, hidden, heads, kv heads, head_dim, experts, used, expert width, vocab
+    # Qwen3-30B-A3B's layers (hidden 2048, 128 experts of width 768, top 8), 4 of its 48; a
+    # vocabulary whose Q6_K head is about the same share of a token's bytes as the real one's
+    "moe": (4, 2048, 32, 4, 128, 128, 8, 768, 16384),
+}
 
 
 def _more_bits(layer: int, n_layers: int) -> bool:
@@ -40,41 +45,30 @@ def _more_bits(layer: int, n_layers: int) -> bool:
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
-def write_model(path: Path, shape: str) -> Path:
-    """The random Q4_K_M file of ``shape`` (written once; an existing file is kept)."""
-    import gguf
+def model_path(cache: Path, shape: str) -> Path:
+    arch = "qwen3moe" if shape in MOE_SHAPES else "llama"
+    return cache / f"random-{arch}-{shape}-Q4_K_M.gguf"
 
-    from backends.base import KQUANT_BLOCK_BYTES
-    from tests.factory import CHAT_TEMPLATE, random_kquant_blocks, tiny_vocab
+
+def write_model(path: Path, shape: str) -> Path:
+    """The random Q4_K_M file of ``shape`` (a dense llama of :data:`SHAPES` or a qwen3moe of
+    :data:`MOE_SHAPES`; written once, an existing file is kept)."""
+    import gguf
 
     if path.exists():
         return path
-    n_layers, hidden, ffn, heads, kv_heads, vocab, tied = SHAPES[shape]
-    head_dim = hidden // heads
-    rng = np.random.default_rng(0)
-    tokens, types, merges = tiny_vocab()
-    tokens = tokens + [f"<unused_{i}>" for i in range(vocab - len(tokens))]
-    types = types + [1] * (vocab - len(types))
-    tmp = path.with_suffix(".part")
-    w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name(f"random-llama-{shape}-Q4_K_M")
-    for add, value in ((w.add_block_count, n_layers), (w.add_context_length, 8192), (w.add_embedding_length, hidden),
-                       (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
-                       (w.add_rope_dimension_count, head_dim), (w.add_vocab_size, vocab)):
-        add(value)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    plan: list[tuple[str, tuple[int, int] | tuple[int], str]] = [("token_embd.weight", (vocab, hidden), "Q4_K")]
+    if shape in MOE_SHAPES:
+        n_layers, hidden, heads, kv_heads, head_dim, experts, used, width, vocab = MOE_SHAPES[shape]
+        arch, tied, ffn = "qwen3moe", False, width
+        fields = {"expert_count": experts, "expert_used_count": used, "expert_feed_forward_length": width,
+                  "attention.key_length": head_dim, "attention.value_length": head_dim}
+    else:
+        n_layers, hidden, ffn, heads, kv_heads, vocab, tied = SHAPES[shape]
+        arch, head_dim, experts = "llama", hidden // heads, 0
+        fields = {"rope.dimension_count": head_dim, "vocab_size": vocab}
+    fields |= {"block_count": n_layers, "context_length": 8192, "embedding_length": hidden,
+               "feed_forward_length": ffn, "attention.head_count": heads, "attention.head_count_kv": kv_heads}
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, hidden), "Q4_K")]
     for i in range(n_layers):
         more = _more_bits(i, n_layers)
         plan += [
@@ -84,36 +78,86 @@ def write_model(path: Path, shape: str) -> Path:
             (f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden), "Q6_K" if more else "Q4_K"),
             (f"blk.{i}.attn_output.weight", (hidden, heads * head_dim), "Q4_K"),
             (f"blk.{i}.ffn_norm.weight", (hidden,), "F32"),
-            (f"blk.{i}.ffn_gate.weight", (ffn, hidden), "Q4_K"),
-            (f"blk.{i}.ffn_up.weight", (ffn, hidden), "Q4_K"),
-            (f"blk.{i}.ffn_down.weight", (hidden, ffn), "Q6_K" if more else "Q4_K"),
         ]
+        if experts:  # qwen3's head norms, the router, the experts stacked (llama.cpp's Q4_K_M of a MoE)
+            plan += [
+                (f"blk.{i}.attn_q_norm.weight", (head_dim,), "F32"),
+                (f"blk.{i}.attn_k_norm.weight", (head_dim,), "F32"),
+                (f"blk.{i}.ffn_gate_inp.weight", (experts, hidden), "F32"),
+                (f"blk.{i}.ffn_gate_exps.weight", (experts, ffn, hidden), "Q4_K"),
+                (f"blk.{i}.ffn_up_exps.weight", (experts, ffn, hidden), "Q4_K"),
+                (f"blk.{i}.ffn_down_exps.weight", (experts, hidden, ffn), "Q6_K" if more else "Q4_K"),
+            ]
+        else:
+            plan += [
+                (f"blk.{i}.ffn_gate.weight", (ffn, hidden), "Q4_K"),
+                (f"blk.{i}.ffn_up.weight", (ffn, hidden), "Q4_K"),
+                (f"blk.{i}.ffn_down.weight", (hidden, ffn), "Q6_K" if more else "Q4_K"),
+            ]
     plan.append(("output_norm.weight", (hidden,), "F32"))
     if not tied:
         plan.append(("output.weight", (vocab, hidden), "Q6_K"))
-    for name, dims, kind in plan:
+    _write(path, arch, f"random-{arch}-{shape}-Q4_K_M", fields, plan, vocab, gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    return path
+
+
+def _write(path: Path, arch: str, name: str, fields: dict[str, int], plan: list[tuple[str, tuple[int, ...], str]],
+           vocab: int, file_type: int) -> None:
+    """A GGUF of ``arch`` with the integer metadata ``fields`` (keys after ``arch.``) and the
+    tensors of ``plan`` (name, dims, type: F32 vectors and matrices, random K-quant blocks for
+    matrices and stacks of matrices), a byte-level vocabulary of ``vocab`` tokens."""
+    import gguf
+
+    from backends.base import KQUANT_BLOCK_BYTES
+    from tests.factory import CHAT_TEMPLATE, random_kquant_blocks, tiny_vocab
+
+    rng = np.random.default_rng(0)
+    tokens, types, merges = tiny_vocab()
+    tokens = tokens + [f"<unused_{i}>" for i in range(vocab - len(tokens))]
+    types = types + [1] * (vocab - len(types))
+    tmp = path.with_suffix(".part")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(name)
+    for key, value in fields.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(file_type)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name_, dims, kind in plan:
         if kind == "F32":
-            w.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
+            w.add_tensor_info(name_, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
-            rows, cols = dims
-            nbytes = rows * cols // 256 * KQUANT_BLOCK_BYTES[kind]
-            w.add_tensor_info(name, (rows, cols // 256 * KQUANT_BLOCK_BYTES[kind]), np.dtype(np.uint8), nbytes,
+            *lead, cols = dims
+            nbytes = int(np.prod(lead)) * cols // 256 * KQUANT_BLOCK_BYTES[kind]
+            w.add_tensor_info(name_, (*lead, cols // 256 * KQUANT_BLOCK_BYTES[kind]), np.dtype(np.uint8), nbytes,
                               raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, dims, kind in plan:
+    for name_, dims, kind in plan:
         if kind == "F32":
-            w.write_tensor_data((1 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32))
+            if len(dims) == 1:
+                w.write_tensor_data((1 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32))
+            else:  # a router: logits of a few units, so the softmax picks among the experts
+                w.write_tensor_data((rng.standard_normal(dims) / np.sqrt(dims[1])).astype(np.float32))
         else:
-            rows, cols = dims
-            std = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(cols)
-            # one matrix at a time in memory (the largest, the 8B's head: 431 MB of Q6_K blocks)
+            *lead, cols = dims
+            rows = int(np.prod(lead))
+            std = 1.0 if name_ == "token_embd.weight" else 1.0 / np.sqrt(cols)
+            # a few thousand rows at a time in memory (the largest, the 8B's head: 431 MB of Q6_K blocks)
             pieces = [random_kquant_blocks(rng, min(4096, rows - a), cols, kind, std) for a in range(0, rows, 4096)]
-            w.write_tensor_data(np.concatenate(pieces))
+            w.write_tensor_data(np.concatenate(pieces).reshape(*lead, -1))
     w.close()
     tmp.rename(path)
-    return path
 
 
 def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int) -> None:
@@ -192,7 +236,7 @@ def main() -> None:
         _engine_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES) + sorted(MOE_SHAPES))
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
@@ -204,7 +248,7 @@ def main() -> None:
     cache = args.cache or Path(platformdirs.user_cache_dir("exo-tui")) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    path = write_model(cache / f"random-llama-{args.shape}-Q4_K_M.gguf", args.shape)
+    path = write_model(model_path(cache, args.shape), args.shape)
     print(f"model {path} ({path.stat().st_size / 1e9:.2f} GB, ready in {time.perf_counter() - t0:.0f} s)")
 
     from exo_tui.models.gguf_file import GGUFModel

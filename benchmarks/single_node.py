@@ -8,7 +8,11 @@ ratios to llama.cpp.
     python benchmarks/single_node.py [--threads 2] [--reps 7] [--prompt 64] [--decode 64] [--model PATH]
 
 ``--model`` (a path or a registered name) measures another file, e.g. a family fixture from
-tests/fixtures/families/, with only each backend's default engine beside llama.cpp.
+tests/fixtures/families/, with only each backend's default engine beside llama.cpp; ``bench:SHAPE``
+names a random-weight file of one of ``benchmarks/big_model.py``'s shapes, written once into the
+cache folder (``bench:moe``: a qwen3moe of Qwen3-30B-A3B's width, 128 experts, top 8, 4 layers).
+For a mixture of experts it also prints the bytes a decoded token reads (its chosen experts',
+not all of them) and the GB/s each engine's decode makes of them, next to a NumPy copy's.
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ def _ours(
     model = GGUFModel(model_path)
     custom = spin is not None or pin or precision is not None
     engine = ONNXBackend(threads=threads, spin=spin, pin=pin, precision=precision) if custom else get_backend(backend)
-    shard = engine.load_shard(model.config, model.shard_weights(0, model.config.n_layers))
+    weights = model.shard_weights(0, model.config.n_layers)
+    weights.disposable = True  # as a node loads: each layer goes once the backend has its own form of it
+    shard = engine.load_shard(model.config, weights)
+    del weights
     counter = [0]
 
     def prefill(tokens: list[int]) -> float:
@@ -107,7 +114,7 @@ def main() -> None:
     from exo_tui.models.gguf_file import GGUFModel
     from exo_tui.models.registry import resolve_model
 
-    path = resolve_model(args.model)
+    path = _bench_model(args.model[len("bench:"):]) if args.model and args.model.startswith("bench:") else resolve_model(args.model)
     vocab = GGUFModel(path).config.vocab_size
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(min(100, vocab // 4), min(40000, vocab - 16), size=args.prompt)]
@@ -150,6 +157,42 @@ def main() -> None:
         rp = f"{p / base['prefill']:.2f}" if base else "–"
         rd = f"{d / base['decode']:.2f}" if base else "–"
         print(f"| {name} | {p:.1f} | {d:.1f} | {rp} | {rd} |")
+    if GGUFModel(path).config.n_experts:
+        _expert_bytes(path, {name: statistics.median(r["decode"]) for name, r in results.items()})
+
+
+def _bench_model(shape: str) -> Path:
+    import platformdirs
+
+    from benchmarks.big_model import MOE_SHAPES, SHAPES, model_path, write_model
+
+    if shape not in SHAPES and shape not in MOE_SHAPES:
+        raise SystemExit(f"bench:{shape}: no such shape; choose one of {', '.join([*SHAPES, *MOE_SHAPES])}")
+    cache = Path(platformdirs.user_cache_dir("exo-tui")) / "bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    return write_model(model_path(cache, shape), shape)
+
+
+def _expert_bytes(path: Path, decode_tok_s: dict[str, float]) -> None:
+    """A mixture's bytes per decoded token: the layers' dense part, the chosen experts' share of
+    the experts (k of E, one row's top-k being distinct experts) and the head."""
+    from benchmarks.big_model import copy_gbps
+    from exo_tui.models.gguf_file import GGUFModel
+    from exo_tui.models.spec import spec_from_gguf
+
+    model = GGUFModel(path)
+    cfg, spec = model.config, spec_from_gguf(model)
+    experts = sum(model.expert_nbytes(i) for i in range(cfg.n_layers))
+    active_experts = experts * cfg.n_experts_used // cfg.n_experts
+    token = sum(spec.active_layer_bytes) + spec.head_bytes
+    gbps = copy_gbps()
+    print(f"\n{cfg.n_experts} experts, {cfg.n_experts_used} used: a decoded token reads {token / 1e6:.0f} MB, "
+          f"of them {active_experts / 1e6:.0f} MB of its chosen experts' (all experts: {experts / 1e6:.0f} MB); "
+          f"NumPy copy {gbps:.1f} GB/s, a bound of {gbps * 1e9 / token:.0f} tok/s\n")
+    print("| engine | decode tok/s | decode GB/s of the active bytes | ÷ copy GB/s |")
+    print("|---|---:|---:|---:|")
+    for name, tok_s in decode_tok_s.items():
+        print(f"| {name} | {tok_s:.1f} | {tok_s * token / 1e9:.2f} | {tok_s * token / 1e9 / gbps:.2f} |")
 
 
 if __name__ == "__main__":

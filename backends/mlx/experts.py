@@ -12,10 +12,20 @@ affine groups, Q6_K's packed groups of 16, or float32) and run with ``mx.gather_
 ``mx.gather_mm``, which read only the chosen experts' matrices. With more than one row (a prompt,
 or a batch of decode steps) the (row, expert) pairs are sorted by expert first, as mlx-lm does
 (``sorted_indices``): on a GPU each expert's matrix is then read once for all the rows routed to
-it; MLX's CPU kernels run each pair as its own product whatever the order. Q6_K's experts (whose
+it. MLX's CPU kernels run each pair of a gathered product as its own product whatever the order,
+so on the CPU an eager step with several rows (a prompt, or a batch of decode steps, which the
+shard runs eagerly there for a mixture) reads the routing back and runs each chosen expert once,
+one product on all the rows routed to it (:meth:`StackedExperts.grouped`). Q6_K's experts (whose
 groups of 16 MLX's gathered products do not take) are unpacked to float32 only for the distinct
-experts chosen: in a compiled decode step at most ``min(pairs, n_experts)`` of them; in a prompt
-(eager) one at a time, each then multiplying all its rows at once.
+experts chosen: in a compiled decode step at most ``min(pairs, n_experts)`` of them; in an eager
+step one at a time, each then multiplying all its rows at once.
+
+On this CPU build (MLX 0.32) the grouped products give the same numbers as the pairs, to the bit,
+and take about as long: a quantized product's cost there grows with its rows. A batch of 8 decode
+steps through one layer of ``benchmarks/big_model.py``'s ``moe`` shape (top 8 of 128 experts of
+width 768; 53 distinct experts for 64 pairs) took 0.78-0.91 s grouped against 0.82-1.06 s as
+compiled pairs (one run each, a loaded 2-core machine), and the grouped batch has no trace to
+compile first (7.5 s). On the CPU the grouping saves kernel calls, not bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +44,11 @@ from backends.mlx.quant import (
     thread_streams,
     to_mlx,
 )
+
+
+def on_cpu() -> bool:
+    """Whether MLX runs on the CPU here (its gathered products then run pair by pair)."""
+    return mx.default_device() == mx.cpu
 
 
 class StackedExperts:
@@ -62,12 +77,13 @@ class StackedExperts:
         belongs to the loading thread's stream, which another thread cannot run)."""
         return [a for part in [self.arrays_, *self.parts] for a in part if a is not None]
 
-    def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool, eager: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool,
+                 runs: list[tuple[int, int, int]] | None = None) -> mx.array:
         """``x`` ``(P, 1, in)``, one row for each (row, expert) pair; ``experts`` ``(P,)`` uint32:
-        each pair's expert; ``eager``: the pairs are sorted and this is no compiled step (a prompt).
-        Returns ``(P, 1, out)``."""
-        if eager and self.kind is MLXSmallGroups:
-            return self._per_expert(x, experts)
+        each pair's expert; ``runs``: the pairs are sorted and this is no compiled step, and these
+        are its runs of one expert, ``(expert, first pair, end)`` (:meth:`grouped`). Returns ``(P, 1, out)``."""
+        if runs is not None:
+            return self.grouped(x, runs)
         if len(self.parts) == 1:
             return self._run(x, experts, sorted_indices, self.parts[0], None)
         outs = [self._run(x, experts, sorted_indices, part, st)
@@ -92,21 +108,31 @@ class StackedExperts:
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=slot, sorted_indices=sorted_indices, stream=stream)
 
 
-    def _per_expert(self, x: mx.array, experts: mx.array) -> mx.array:
-        """A prompt's pairs (sorted) on Q6_K's experts: each run of one expert's rows times that
-        expert alone, unpacked by itself and evaluated before the next (one expert's float32 at a
-        time, not the layer's: 128 experts of 2048 x 768 would be 800 MB)."""
-        ids = np.array(experts)  # the routing, read back (an eager step may)
-        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-        ends = np.r_[starts[1:], len(ids)]
-        packed, scales, biases = self.arrays_
+    def grouped(self, x: mx.array, runs: list[tuple[int, int, int]]) -> mx.array:
+        """Each run of one expert's pairs ``(expert, a, b)`` times that expert once: one product
+        of rows ``a:b`` (each row block on its CPU stream). Q6_K's are unpacked one expert at a
+        time and evaluated before the next (one expert's float32 at a time, not the layer's: 128
+        experts of 2048 x 768 would be 800 MB)."""
+        streams = thread_streams(len(self.parts)) if len(self.parts) > 1 else [None]
         outs = []
-        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-            e = int(ids[a])
-            w = small_group_weights(packed[e], scales[e], None if biases is None else biases[e], self.bits, self.group)
-            outs.append(x[a:b, 0] @ w.T)
-            mx.eval(outs[-1])
+        for e, a, b in runs:
+            rows = x[a:b, 0]
+            parts = [self._expert(rows, e, part, st) for part, st in zip(self.parts, streams, strict=True)]
+            outs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
+            if self.kind is MLXSmallGroups:
+                mx.eval(outs[-1])
         return mx.concatenate(outs)[:, None]
+
+    def _expert(self, rows: mx.array, e: int, part: list, stream) -> mx.array:
+        if self.kind is MLXQuantized:
+            packed, scales, biases = part
+            return mx.quantized_matmul(rows, packed[e], scales[e], None if biases is None else biases[e],
+                                       transpose=True, group_size=self.group, bits=self.bits, stream=stream)
+        if self.kind is MLXDense:
+            return mx.matmul(rows, part[0][e].T, stream=stream)
+        packed, scales, biases = part
+        w = small_group_weights(packed[e], scales[e], None if biases is None else biases[e], self.bits, self.group)
+        return mx.matmul(rows, w.T, stream=stream)
 
 
 def distinct(experts: mx.array, sorted_indices: bool, n_experts: int) -> tuple[mx.array | None, mx.array]:
@@ -149,6 +175,9 @@ class SwitchGLU:
         parts = [self.gate_up, self.gate, self.up, self.down]
         return self.router.arrays() + [a for p in parts if p is not None for a in p.arrays()]
 
+    def kinds(self) -> set[type]:
+        return {m.kind for m in (self.gate_up, self.gate, self.up, self.down) if m is not None}
+
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """The chosen experts ``(N, k)`` uint32 of rows ``x`` ``(N, hidden)`` and their weights ``(N, k)``."""
         scores = mx.softmax(self.router.matmul(x), axis=-1, precise=True)
@@ -159,8 +188,9 @@ class SwitchGLU:
         return chosen.astype(mx.uint32), weights
 
     def __call__(self, x: mx.array, eager: bool = False) -> mx.array:
-        """``x`` ``(..., hidden)``; ``eager``: no compiled step (a prompt), so Q6_K's experts may
-        run one by one on their rows, which reads the routing back to the host."""
+        """``x`` ``(..., hidden)``; ``eager``: no compiled step (a prompt, or a batch of decode
+        steps on the CPU), so with several rows the routing may be read back to the host and each
+        chosen expert run once on its rows (on the CPU; Q6_K's experts on any device)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k = x.shape[0], self.k
@@ -173,12 +203,21 @@ class SwitchGLU:
         else:
             rows = mx.zeros((k,), mx.uint32)
         xs = x[rows][:, None, :]  # (N * k, 1, hidden)
-        one_by_one = eager and many
+        runs = None
+        if eager and many and (on_cpu() or MLXSmallGroups in self.kinds()):
+            ids = np.array(pairs)  # the routing, read back (an eager step may)
+            starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+            runs = list(zip(ids[starts].tolist(), starts.tolist(), np.r_[starts[1:], len(ids)].tolist(), strict=True))
+
+        def grouping(m: StackedExperts) -> list[tuple[int, int, int]] | None:
+            """The runs where ``m`` runs expert by expert: all kinds on the CPU, else Q6_K's."""
+            return runs if on_cpu() or m.kind is MLXSmallGroups else None
+
         if self.gate_up is not None:
-            gate, up = mx.split(self.gate_up(xs, pairs, many, one_by_one), [self.width], axis=-1)
+            gate, up = mx.split(self.gate_up(xs, pairs, many, grouping(self.gate_up)), [self.width], axis=-1)
         else:
-            gate, up = self.gate(xs, pairs, many, one_by_one), self.up(xs, pairs, many, one_by_one)
-        y = self.down(self.act(gate) * up, pairs, many, one_by_one)[:, 0]  # (N * k, hidden)
+            gate, up = self.gate(xs, pairs, many, grouping(self.gate)), self.up(xs, pairs, many, grouping(self.up))
+        y = self.down(self.act(gate) * up, pairs, many, grouping(self.down))[:, 0]  # (N * k, hidden)
         if many:
             y = y[back]
         y = (y.reshape(n, k, -1) * weights[..., None]).sum(axis=1)

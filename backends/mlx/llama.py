@@ -316,7 +316,7 @@ class TransformerBlock:
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         a = mx.fast.rms_norm(x, self.input_layernorm, self.eps)
         r, keys, values = self.self_attn.decode_batch(a, steps, cos, sin, keys, values)
-        return self.feed_forward(x, r), keys, values
+        return self.feed_forward(x, r, steps[0].eager), keys, values
 
     def feed_forward(self, x: mx.array, r: mx.array, eager: bool = False) -> mx.array:
         """The residual adds around the attention's output ``r`` and the MLP (``eager``: :class:`Step`'s)."""

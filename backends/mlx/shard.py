@@ -14,7 +14,8 @@ a long request costs such a layer no more than the window.
 
 Several requests' decode steps go through :meth:`MLXShard.forward_batch` together: one matmul
 per weight for all of them (a mixture of experts' layer: one gathered product per kind of expert
-matrix for all their rows, :mod:`backends.mlx.experts`), attention per request over its own cache.
+matrix for all their rows, :mod:`backends.mlx.experts`; on the CPU such a batch runs eagerly, each
+chosen expert once on its rows), attention per request over its own cache.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeights, validate_forward_input
+from backends.mlx.experts import on_cpu
 from backends.mlx.llama import Kinds, Ring, ShardModel, Step, step_inputs
 from backends.mlx.quant import MLXWeight
 from backends.rings import RingLayout
@@ -169,12 +171,13 @@ class MLXShard(Shard):
             cached = [self._begin(rid, x, p) for rid, x, p in items]
             caches = [self._cache_for(rid, n + 1) for (rid, _, _), n in zip(items, cached, strict=True)]
             steps = [self._step_inputs(n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
-            out, keys, values = self._compiled("decode_batch", self._batch_step)(
-                self._inputs(np.concatenate([x for _, x, _ in items])),
-                [_flat(s) for s in steps],
-                [c.keys for c in caches],
-                [c.values for c in caches],
-            )
+            x = self._inputs(np.concatenate([x for _, x, _ in items]))
+            if self.config.n_experts and on_cpu():  # eager: each chosen expert once on its rows (backends.mlx.experts)
+                out, keys, values = self.model.decode_batch(x, steps, [c.keys for c in caches], [c.values for c in caches])
+            else:
+                out, keys, values = self._compiled("decode_batch", self._batch_step)(
+                    x, [_flat(s) for s in steps], [c.keys for c in caches], [c.values for c in caches],
+                )
             for cache, n, ks, vs in zip(caches, cached, keys, values, strict=True):
                 cache.keys, cache.values, cache.length = ks, vs, n + 1
             self._evaluate([rid for rid, _, _ in items], out, keys, values)

@@ -86,7 +86,7 @@ class ONNXBackend(Backend):
     """
 
     name = "onnx"
-    experts = True  # ONNX Runtime's MoE op (graph.py)
+    experts = True  # exo-tui's Experts op on quantized experts, ONNX Runtime's MoE on float ones (graph.py)
 
     def __init__(
         self,

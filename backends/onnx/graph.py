@@ -52,6 +52,9 @@ from backends.onnx.kernels import (
     pack,
     runs_on_kernel,
 )
+from backends.onnx.kernels.experts import OP as EXPERTS
+from backends.onnx.kernels.experts import attributes as expert_attributes
+from backends.onnx.kernels.experts import expert_codes, pack_experts, runs_on_experts_op
 from backends.onnx.weights import (
     dense_linear,
     packed_zero_points,
@@ -148,16 +151,27 @@ class _Builder:
         return self.node("Concat", [*parts, v], f"{stem}_normed", axis=-1)[0]
 
     def experts(self, x: str, lw, stem: str) -> str:
-        """A mixture of experts over ``x`` ``(B, T, H)``: ONNX Runtime's ``MoE`` (softmax over the
-        router's logits, the top k, renormalised when the config says; each chosen expert's
-        SwiGLU MLP once for all the rows routed to it). Its CPU kernel takes float32 experts, its
-        gate and up rows interleaved (``swiglu_fusion=1``): quantized experts are dequantized here,
-        one layer at a time."""
+        """A mixture of experts over ``x`` ``(B, T, H)``: the router's logits, then on the kernel
+        exo-tui's ``Experts`` with the experts in their file's blocks (:mod:`backends.onnx.kernels.experts`),
+        else ONNX Runtime's ``MoE`` (softmax over the router's logits, the top k, renormalised
+        when the config says; each chosen expert's SwiGLU MLP once for all the rows routed to it),
+        whose CPU kernel takes float32 experts, gate and up rows interleaved (``swiglu_fusion=1``):
+        quantized experts are dequantized there, one layer at a time (a float file's are float32
+        already)."""
         c = self.c
         h, f = c.hidden_size, c.expert_width
+        router = self.weight(f"{stem}_router", dense_linear([lw.router]))
+        if self.kernel and runs_on_experts_op(lw.experts_gate, lw.experts_up, lw.experts_down):
+            (logits,) = self.node("MatMul", [x, router], f"{stem}_router_logits")
+            xbits = expert_codes(self.xbits)
+            w1, w2 = pack_experts(lw.experts_gate, lw.experts_up, lw.experts_down, xbits)
+            attrs = expert_attributes(lw.experts_gate[0], lw.experts_down[0])
+            return self.node(EXPERTS, [x, logits, self.weight(f"{stem}_exps_gate_up", w1),
+                                       self.weight(f"{stem}_exps_down", w2)], f"{stem}_experts", domain=DOMAIN,
+                             H=h, F=f, k=c.n_experts_used, norm=int(c.expert_weights_norm), xbits=xbits,
+                             **attrs)[0]
         rows = self.const("moe_rows", np.array([-1, h], dtype=np.int64))
         (flat,) = self.node("Reshape", [x, rows], f"{stem}_moe_in")
-        router = self.weight(f"{stem}_router", dense_linear([lw.router]))
         (logits,) = self.node("MatMul", [flat, router], f"{stem}_router_logits")
         fc1 = np.empty((c.n_experts, 2 * f, h), np.float32)
         fc2 = np.empty((c.n_experts, h, f), np.float32)

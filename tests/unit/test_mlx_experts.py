@@ -208,3 +208,48 @@ def test_experts_in_different_formats_are_refused():
     cfg = dataclasses.replace(MOE, n_experts_used=7)
     with pytest.raises(BackendError, match="7 experts used of 6"):
         MLXBackend(threads=1).load_shard(cfg, with_experts(MOE))
+
+
+@pytest.mark.parametrize("fmt", ["dense", "q4", "Q6_K"])
+def test_each_expert_once_on_its_rows_equals_the_pairs_to_the_bit(fmt):
+    """The eager step's grouping (one product per chosen expert, on all its rows) gives what the
+    gathered product of every (row, expert) pair gives, to the bit, in each kind of matrix."""
+    rng = np.random.default_rng(5)
+    cols = 256
+    make = {"dense": lambda: (rng.standard_normal((64, cols)) * 0.1).astype(np.float32),
+            "q4": lambda: QuantizedWeight.random(rng, 64, cols, bits=4), "Q6_K": lambda: kquant(rng, 64, cols, "Q6_K")}
+    stacked = StackedExperts([make[fmt]() for _ in range(6)], "test", n_parts=2)
+    ids = np.sort(rng.integers(0, 6, 20)).astype(np.uint32)
+    x = mx.array(rng.standard_normal((20, 1, cols)).astype(np.float32))
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    runs = list(zip(ids[starts].tolist(), starts.tolist(), np.r_[starts[1:], len(ids)].tolist(), strict=True))
+    assert len(runs) < len(ids)  # some experts have several rows
+    pairs = stacked(x, mx.array(ids), True)
+    grouped = stacked(x, mx.array(ids), True, runs)
+    assert np.array_equal(np.array(pairs), np.array(grouped))
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the grouping is the CPU's (a GPU's gathered product reads an expert once)")
+def test_a_batch_on_the_cpu_runs_each_chosen_expert_once(monkeypatch):
+    """Eight decode steps in one batch: each kind of expert matrix runs once per chosen expert
+    (not once per row), every expert named in one run."""
+    cfg = WIDE
+    w = with_experts(cfg, ("Q4_K", "Q4_K", "Q6_K"))
+    shard = MLXBackend(threads=2).load_shard(cfg, w)
+    lengths = {f"r{i}": n for i, n in enumerate((1, 2, 3, 5, 8, 11, 14, 20))}
+    for rid, n in lengths.items():
+        shard.forward(rid, TOKENS[:n], np.arange(n))
+    seen: list[list[int]] = []
+    real = StackedExperts.grouped
+
+    def recording(self, x, runs):
+        seen.append([e for e, _, _ in runs])
+        assert sum(b - a for _, a, b in runs) == x.shape[0]  # every pair in exactly one run
+        return real(self, x, runs)
+
+    monkeypatch.setattr(StackedExperts, "grouped", recording)
+    items = [(rid, np.array([3 * n % 90]), np.array([n])) for rid, n in lengths.items()]
+    shard.forward_batch(items)
+    assert len(seen) == 2 * cfg.n_layers  # gate/up fused, and down, in each layer
+    assert all(len(set(experts)) == len(experts) for experts in seen)
+    assert any(len(experts) < len(items) * cfg.n_experts_used for experts in seen)  # rows shared an expert

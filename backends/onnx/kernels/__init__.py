@@ -1,6 +1,7 @@
 """exo-tui's own ONNX Runtime kernels, one library in the custom-op domain ``exo.tui``:
-``QLinear`` (``qlinear.c``), a 4- or 8-bit matrix in GGUF's own blocks times float32 rows, and
-``Attention`` (``attention.c``), rotary causal attention over the in-place KV cache.
+``QLinear`` (``qlinear.c``), a 4- or 8-bit matrix in GGUF's own blocks times float32 rows,
+``Attention`` (``attention.c``), rotary causal attention over the in-place KV cache, and
+``Experts`` (``experts.c``, :mod:`backends.onnx.kernels.experts`), a mixture of experts on QLinear's tiles.
 
 ``MatMulNBits`` has no float zero point on its fast path, so a Q4_1 matrix there costs a second,
 float32 matmul of the input's block sums (see :mod:`backends.onnx.weights`) and float32 scales:
@@ -47,8 +48,8 @@ from backends.base import BackendError, QuantizedWeight
 log = logging.getLogger("exo_tui.backends.onnx")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "register.c", HERE / "qlinear.c", HERE / "attention.c"]  # one library
-HEADERS = [HERE / "ort.h", HERE / "half.h"]
+SOURCES = [HERE / "register.c", HERE / "qlinear.c", HERE / "attention.c", HERE / "experts.c"]  # one library
+HEADERS = [HERE / "ort.h", HERE / "half.h", HERE / "qlinear.h"]
 DOMAIN = "exo.tui"
 OP = "QLinear"
 ATTENTION = "Attention"  # the cached, rotary, causal attention (attention.c), float32 caches
@@ -418,6 +419,9 @@ def _check(path: Path) -> Library:
                                     f"tokens, {'float16' if half else 'float32'} caches)")
         if not all(np.array_equal(g, s) for g, s in zip(case.in_session(path), got, strict=True)):
             raise KernelUnavailable("the attention gives other results inside ONNX Runtime than called directly")
+    from backends.onnx.kernels import experts
+
+    experts.check(lib, path, integer)
     return Library(str(path), isa, integer)
 
 

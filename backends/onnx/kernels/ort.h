@@ -159,6 +159,6 @@ static inline int op_since_version(const void *op) { (void)op; return 1; }
         .KernelComputeV2 = compute_fn, .GetStartVersion = op_since_version, .GetEndVersion = NULL,                  \
     }
 
-extern const CustomOp exo_qlinear_op, exo_attention_op, exo_attention_f16_op;
+extern const CustomOp exo_qlinear_op, exo_attention_op, exo_attention_f16_op, exo_experts_op;
 
 #endif

@@ -28,6 +28,7 @@
 
 #include "half.h"
 #include "ort.h"
+#include "qlinear.h"
 
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
@@ -1027,17 +1028,7 @@ TILES_INT16(q6k, FMT_Q6K)
 static const tile_int16_fn *const tiles_int16[5] = {tiles_int16_q4, tiles_int16_q8, tiles_int16_q4k, tiles_int16_q5k,
                                                     tiles_int16_q6k};
 #endif
-typedef struct {
-    const float *x;
-    const uint8_t *w;
-    float *y;
-    int64_t m, k, n;
-    int fmt;         /* the tile format: FMT_Q4 ... FMT_Q6K */
-    int64_t xbits;   /* 0: X as it is; 16 or 8: X as integer codes, in xq */
-    const void *xq;  /* int16_t or int8_t codes, m * k */
-    const float *xd, *xs; /* per block: the codes' scale, and the float sum of X */
-    const int32_t *xi;    /* per block, int8: the codes' sums of its two halves of 16 */
-} Job;
+typedef QLJob Job; /* qlinear.h */
 
 /* Tile `task` of W (columns [task * TILE, ...) of Y), every row: the tile stays in the caches
    while the rows pass over it, a few rows at a time. */
@@ -1133,6 +1124,32 @@ int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k
         run_task(&job, t);
     free(scratch);
     return 0;
+}
+
+/* qlinear.h: the kernel for other ops of the library */
+int ql_format(int64_t bits, int64_t kquant) { return format_of(bits, kquant); }
+int ql_is_kquant(int fmt) { return IS_K(fmt); }
+int64_t ql_tile_bytes(int fmt, int64_t k) { return tile_bytes(fmt, k / BLOCK); }
+void ql_tile(const QLJob *job, int64_t tile) { run_task((void *)job, (size_t)tile); }
+
+void *ql_integer_scratch(QLJob *job)
+{
+#if defined(QL_INT)
+    return (job->xbits == 8 || job->xbits == 16) ? integer_scratch(job) : NULL;
+#else
+    (void)job;
+    return NULL;
+#endif
+}
+
+void ql_quantize_row(const QLJob *job, int64_t row)
+{
+#if defined(QL_INT)
+    quantize_task((void *)job, (size_t)row);
+#else
+    (void)job;
+    (void)row;
+#endif
 }
 
 int exo_qlinear_integer(void)

@@ -1,5 +1,5 @@
 /* The entry point ONNX Runtime calls when a session registers this library: the domain "exo.tui"
-   with its ops, QLinear (qlinear.c), Attention and AttentionF16 (attention.c). */
+   with its ops, QLinear (qlinear.c), Attention and AttentionF16 (attention.c), Experts (experts.c). */
 
 #include "ort.h"
 
@@ -15,5 +15,6 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &exo_qlinear_op));
     CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &exo_attention_op));
     CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &exo_attention_f16_op));
+    CHECK(API(API_CustomOpDomain_Add, CustomOpDomain_Add_t)(domain, &exo_experts_op));
     return API(API_AddCustomOpDomain, AddCustomOpDomain_t)(options, domain);
 }
