@@ -15,6 +15,7 @@ import pytest
 from backends import available_backends
 from exo_tui.cluster.view import ChatParams, Command
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
+from tests.integration.test_admission import kv_report
 from tests.integration.test_live_ops import _disturbed
 
 pytestmark = pytest.mark.slow
@@ -22,17 +23,6 @@ MODEL = Path(__file__).parents[1] / "fixtures" / "families" / "gemma3.gguf"
 PROMPT = "Explain how a bicycle works."
 MIXED = "mlx" in available_backends() and os.environ.get("EXO_TUI_TEST_RING") != "onnx"
 WINDOW = 8  # the fixture's sliding window; layers 0-4 are windowed, 5 is global
-
-
-async def kv_report(c, node_id: str) -> dict:
-    """The node's KV report from a heartbeat sent after now."""
-    h = c.nodes[node_id]
-    seen = h.last_heartbeat_s
-    for _ in range(100):
-        await asyncio.sleep(0.1)
-        if h.last_heartbeat_s != seen and "kv" in h.metrics:
-            break
-    return dict(h.metrics["kv"])
 
 
 def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Path) -> None:
@@ -50,7 +40,7 @@ def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Pa
                     await asyncio.sleep(0.1)
                 assert n > 4 * WINDOW
                 for shard in c.plan.shards:
-                    report = await kv_report(c, shard.node_id)
+                    report = await kv_report(c, node_id=shard.node_id)
                     layers = range(shard.start, shard.end)
                     ring = sum(layer < 5 for layer in layers)
                     per_layer = report["bytes_per_position"] // len(layers)  # one position of one layer
