@@ -1,5 +1,6 @@
 """Gemma 3's windowed layers across node processes: the KV bytes each node counts (and reports)
-for a request past the window are the window's on those layers, and a drain that moves a
+for a request past the window are the window's on those layers (and admission counts them so),
+and a drain that moves a
 request's caches past the window to another node (another backend, in a mixed ring) moves them,
 rings and all, and the answer goes on token for token as one undisturbed process's."""
 
@@ -39,6 +40,7 @@ def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Pa
                         break
                     await asyncio.sleep(0.1)
                 assert n > 4 * WINDOW
+                plain = []
                 for shard in c.plan.shards:
                     report = await kv_report(c, node_id=shard.node_id)
                     layers = range(shard.start, shard.end)
@@ -46,6 +48,9 @@ def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Pa
                     per_layer = report["bytes_per_position"] // len(layers)  # one position of one layer
                     assert report["used_bytes"] == per_layer * ((len(layers) - ring) * n + ring * WINDOW), shard
                     assert report["used_bytes"] < report["bytes_per_position"] * n  # full-length caches' bytes
+                    plain.append(report["budget_bytes"] // report["bytes_per_position"])
+                # admission counts the rings at their window too: more positions than a position's bytes say
+                assert c.admission.capacity_alone() > min(plain)
 
         asyncio.run(run())
 
