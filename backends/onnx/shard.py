@@ -368,7 +368,7 @@ class ONNXShard(Shard):
                     if all_logits or not self.is_last or a + len(chunk) == t:
                         outs.append(out)
             except BackendError:  # all or nothing: forget the chunks that did run
-                if cached == 0:
+                if cached == 0 or self.rings.n_ring:  # (a ring's rows are overwritten by them: it goes)
                     self._release(request_id)
                 elif request_id in self._caches:
                     self._caches[request_id].length = cached

@@ -2,7 +2,7 @@
 
 Each node reports the bytes its KV caches may take (:mod:`exo_tui.node.kv_budget`) and the bytes a
 position of a request takes there; the ring holds ``min(budget / bytes per position)`` positions
-over its nodes. A request is admitted when the positions reserved by the requests running, plus
+over its nodes, more where windowed layers keep rings (:func:`ring_kv_capacity`). A request is admitted when the positions reserved by the requests running, plus
 the finished ones whose caches are kept for a next turn, plus its own fit in that:
 
 - its own are its prompt plus ``max_tokens`` (within the context), or, with
@@ -97,11 +97,18 @@ class AdmissionStats:
 class Admission:
     """The coordinator's admission queue (see the module doc). ``capacity()``: the positions the
     ring holds now (None: unknown); ``kept()``: positions held by kept caches of finished requests;
-    ``forget_kept()``: drop them (a coroutine)."""
+    ``forget_kept()``: drop them (a coroutine). ``capacity_for(n)``, when given: the positions the
+    ring holds for ``n`` requests' caches (windowed layers' rings take a request's window at most,
+    so it depends on how many), in place of ``capacity()``; ``kept_requests()``: how many kept
+    caches there are."""
 
     def __init__(self, capacity: Callable[[], int | None], *, queue_bound: int = 64, kv_share: float = 1.0,
-                 kept: Callable[[], int] = lambda: 0, forget_kept: Callable[[], Any] | None = None) -> None:
-        self.capacity = capacity
+                 kept: Callable[[], int] = lambda: 0, forget_kept: Callable[[], Any] | None = None,
+                 capacity_for: Callable[[int], int | None] | None = None,
+                 kept_requests: Callable[[], int] = lambda: 0) -> None:
+        self._capacity_now = capacity
+        self.capacity_for = capacity_for
+        self.kept_requests = kept_requests
         self.queue_bound = queue_bound
         self.kv_share = kv_share
         self.kept = kept
@@ -113,6 +120,17 @@ class Admission:
         self._service_s = 10.0  # a request's mean time running (smoothed), for Retry-After
 
     # ------------------------------------------------------------------ state
+
+    def capacity(self, more: int = 0) -> int | None:
+        """The positions the ring holds for the caches held now (running requests' and kept ones')
+        and ``more`` requests' besides (at least one)."""
+        if self.capacity_for is None:
+            return self._capacity_now()
+        return self.capacity_for(max(1, len(self._running) + self.kept_requests() + more))
+
+    def capacity_alone(self) -> int | None:
+        """The positions the ring holds for one request's caches and nothing else."""
+        return self._capacity_now() if self.capacity_for is None else self.capacity_for(1)
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(len(self._running), len(self._waiting), self.admitted, self.preempted, self.rejected,
@@ -146,7 +164,7 @@ class Admission:
         prompt = len(request.prompt_ids)
         full = min(context_length, prompt + max(1, request.max_tokens))
         open_ended = full >= context_length
-        cap = self.capacity()
+        cap = self.capacity_alone()
         if open_ended and cap is not None and full > cap > prompt:
             request.max_tokens, full = cap - prompt, cap
         if open_ended:
@@ -160,14 +178,14 @@ class Admission:
     async def known(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until every node of the ring has reported its budget."""
         deadline = time.monotonic() + timeout_s
-        while self.capacity() is None and time.monotonic() < deadline:
+        while self.capacity_alone() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def enter(self, ticket: Ticket, *, front: bool = False,
                     on_queued: Callable[[int], None] | None = None) -> None:
         """Wait until ``ticket`` is admitted (raises :class:`QueueFull` or :class:`TooLarge`).
         ``on_queued(n)``: called with the requests ahead while it waits, as that changes."""
-        cap = self.capacity()
+        cap = self.capacity_alone()
         if cap == 0:
             raise TooLarge("no node of the ring has memory left for KV caches beyond its runtime and shards "
                            "(exo-tui status shows each node's KV MB): give the nodes a larger --memory-limit or more memory")
@@ -251,7 +269,7 @@ class Admission:
     # ------------------------------------------------------------------ internals
 
     def _fits(self, need: int) -> bool:
-        cap = self.capacity()
+        cap = self.capacity(more=1)
         if cap is None:
             return not self._running  # unknown: one at a time
         if self.reserved() + self.kept() + need <= cap:
@@ -339,9 +357,18 @@ async def wait_for_plan(coordinator: Any, timeout_s: float, retry_after_s: int =
         await asyncio.sleep(0.05)
 
 
-def ring_kv_capacity(ring: Any, nodes: dict[str, Any]) -> int | None:
-    """Positions the ring's KV budgets hold: over its nodes, the least of budget / bytes a position
-    takes there. None until every node of the ring has reported its budget."""
+UNBOUNDED = 1 << 40  # positions a node holds whose every layer keeps a ring (its caches never grow past them)
+
+
+def ring_kv_capacity(ring: Any, nodes: dict[str, Any], requests: int = 1) -> int | None:
+    """Positions the ring's KV budgets hold for ``requests`` requests' caches: over its nodes, the
+    least of budget / bytes a position takes there. None until every node of the ring has
+    reported its budget.
+
+    Where windowed layers keep rings, a request of ``n`` positions takes at most ``n`` times a
+    position's bytes, and at most ``n`` times the full-length layers' bytes plus the rings' whole
+    (``window_bytes``): so ``requests`` requests fit in the larger of ``budget / bytes per
+    position`` and ``(budget - requests * window_bytes) / full-length bytes per position``."""
     if ring is None:
         return None
     caps = []
@@ -350,7 +377,12 @@ def ring_kv_capacity(ring: Any, nodes: dict[str, Any]) -> int | None:
         kv = handle.metrics.get("kv") if handle is not None else None
         if not isinstance(kv, dict) or not kv.get("bytes_per_position"):
             return None
-        caps.append(int(kv.get("budget_bytes", 0)) // int(kv["bytes_per_position"]))
+        budget, per = int(kv.get("budget_bytes", 0)), int(kv["bytes_per_position"])
+        cap = budget // per
+        window, full = int(kv.get("window_bytes", 0)), int(kv.get("full_bytes_per_position", per))
+        if window and budget >= requests * window:
+            cap = max(cap, (budget - requests * window) // full if full else UNBOUNDED)
+        caps.append(cap)
     return min(caps) if caps else None
 
 

@@ -112,7 +112,9 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         adm = self.config.admission
         self.admission = Admission(lambda: ring_kv_capacity(self.ring, self.nodes), queue_bound=adm.queue_bound,
                                    kv_share=adm.kv_share, kept=self.pipeline.kept_positions,
-                                   forget_kept=self.pipeline.forget_kept)
+                                   forget_kept=self.pipeline.forget_kept,
+                                   capacity_for=lambda n: ring_kv_capacity(self.ring, self.nodes, n),
+                                   kept_requests=self.pipeline.kept_requests)
         self.metrics = ClusterMetrics()  # measured figures (exo_tui/cluster/metrics.py)
         self.pipeline.on_step_timed = self.metrics.step
         self.security: Security | None = None

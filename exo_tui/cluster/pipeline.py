@@ -253,6 +253,10 @@ class RemotePipeline:
             del self._kept[best[0]]
         return best
 
+    def kept_requests(self) -> int:
+        """Finished requests whose caches are kept (on every node of their ring)."""
+        return len(self._kept)
+
     def kept_positions(self) -> int:
         """Positions the kept caches of finished requests hold (on every node of their ring)."""
         return sum(len(k.tokens) for k in self._kept.values())

@@ -188,6 +188,9 @@ class KVBudget:
             "runtime_bytes": self.runtime_bytes,
             "reserve_bytes": self.reserve_bytes,
             "bytes_per_position": self.ring_bytes_per_position,
+            # windowed layers' rings: their bytes for a whole window, and the other layers' a position
+            "window_bytes": sum(c.window_per_position * c.window for c in self.per_position.values()),
+            "full_bytes_per_position": sum(c.per_position for c in self.per_position.values()),
             "requests": len(self.positions),
             "refused": self.refused,
         }

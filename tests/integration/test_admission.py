@@ -58,9 +58,9 @@ async def serving(peers: list[str], home: Path, model: Path, **admission: Any) -
         await c.stop()
 
 
-async def kv_report(c: Coordinator, *, fresh: bool = True) -> dict[str, Any]:
-    """The node's KV report from a heartbeat sent after now (``fresh``)."""
-    h = next(iter(c.nodes.values()))
+async def kv_report(c: Coordinator, *, fresh: bool = True, node_id: str | None = None) -> dict[str, Any]:
+    """The node's (``node_id``'s, default the first's) KV report from a heartbeat sent after now (``fresh``)."""
+    h = c.nodes[node_id] if node_id is not None else next(iter(c.nodes.values()))
     if fresh:
         seen = h.last_heartbeat_s
         for _ in range(100):

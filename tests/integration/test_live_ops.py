@@ -56,7 +56,7 @@ def references(default_model_path: Path) -> dict[tuple[str, int], list[int]]:
 
 
 async def _disturbed(c: Coordinator, prompts: list[str], n: int, action: Callable[[], Awaitable[None]],
-                     after_tokens: int = 15) -> list[list[int]]:
+                     after_tokens: int = 15, temperature: float = 0.0) -> list[list[int]]:
     """Run ``prompts`` concurrently; call ``action`` once the first has ``after_tokens`` tokens.
 
     A stream that reaches its last ``HELD_BACK`` tokens while the action runs waits for it there
@@ -67,7 +67,7 @@ async def _disturbed(c: Coordinator, prompts: list[str], n: int, action: Callabl
     results: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int, prompt: str) -> None:
-        async for chunk in c.chat(_messages(prompt), ChatParams(temperature=0.0, max_tokens=n, seed=7)):
+        async for chunk in c.chat(_messages(prompt), ChatParams(temperature=temperature, max_tokens=n, seed=7)):
             results[i].extend(chunk.token_ids)
             counts[i] += len(chunk.token_ids)
             if chunk.finish_reason:

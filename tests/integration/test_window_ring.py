@@ -1,5 +1,6 @@
 """Gemma 3's windowed layers across node processes: the KV bytes each node counts (and reports)
-for a request past the window are the window's on those layers, and a drain that moves a
+for a request past the window are the window's on those layers (and admission counts them so),
+and a drain that moves a
 request's caches past the window to another node (another backend, in a mixed ring) moves them,
 rings and all, and the answer goes on token for token as one undisturbed process's."""
 
@@ -15,6 +16,7 @@ import pytest
 from backends import available_backends
 from exo_tui.cluster.view import ChatParams, Command
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
+from tests.integration.test_admission import kv_report
 from tests.integration.test_live_ops import _disturbed
 
 pytestmark = pytest.mark.slow
@@ -22,17 +24,6 @@ MODEL = Path(__file__).parents[1] / "fixtures" / "families" / "gemma3.gguf"
 PROMPT = "Explain how a bicycle works."
 MIXED = "mlx" in available_backends() and os.environ.get("EXO_TUI_TEST_RING") != "onnx"
 WINDOW = 8  # the fixture's sliding window; layers 0-4 are windowed, 5 is global
-
-
-async def kv_report(c, node_id: str) -> dict:
-    """The node's KV report from a heartbeat sent after now."""
-    h = c.nodes[node_id]
-    seen = h.last_heartbeat_s
-    for _ in range(100):
-        await asyncio.sleep(0.1)
-        if h.last_heartbeat_s != seen and "kv" in h.metrics:
-            break
-    return dict(h.metrics["kv"])
 
 
 def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Path) -> None:
@@ -49,21 +40,28 @@ def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Pa
                         break
                     await asyncio.sleep(0.1)
                 assert n > 4 * WINDOW
+                plain = []
                 for shard in c.plan.shards:
-                    report = await kv_report(c, shard.node_id)
+                    report = await kv_report(c, node_id=shard.node_id)
                     layers = range(shard.start, shard.end)
                     ring = sum(layer < 5 for layer in layers)
                     per_layer = report["bytes_per_position"] // len(layers)  # one position of one layer
                     assert report["used_bytes"] == per_layer * ((len(layers) - ring) * n + ring * WINDOW), shard
                     assert report["used_bytes"] < report["bytes_per_position"] * n  # full-length caches' bytes
+                    plain.append(report["budget_bytes"] // report["bytes_per_position"])
+                # admission counts the rings at their window too: more positions than a position's bytes say
+                assert c.admission.capacity_alone() > min(plain)
 
         asyncio.run(run())
 
 
-def test_a_drain_past_the_window_moves_the_rings_and_the_answer_goes_on(tmp_path: Path, caplog) -> None:
+def test_a_drain_past_the_window_moves_the_rings_and_the_answer_goes_on(tmp_path: Path, caplog, monkeypatch) -> None:
+    """Sampled hot (seeded, temperature 4): the fixture's greedy answer repeats one token, which
+    would hide a wrong cache; every backend at float32, so the samples hang on no rounding."""
     n = 40
-    reference = reference_answer(MODEL, PROMPT, n)
-    assert len(reference) >= 24, "the fixture's answer ends before the window is passed"
+    monkeypatch.setenv("EXO_TUI_ONNX_PRECISION", "float32")
+    reference = reference_answer(MODEL, PROMPT, n, temperature=4.0)
+    assert len(reference) >= 24 and len(set(reference)) > 8, reference
     os.environ["EXO_TUI_HOME"] = str(tmp_path)
     with node_processes(tmp_path, ["mlx", "onnx", "onnx"] if MIXED else ["onnx", "onnx", "onnx"]) as ns:
 
@@ -78,7 +76,7 @@ def test_a_drain_past_the_window_moves_the_rings_and_the_answer_goes_on(tmp_path
                     assert not done.error, done.error
 
                 caplog.set_level(logging.INFO, logger="exo_tui")
-                [tokens] = await _disturbed(c, [PROMPT], n, drain, after_tokens=2 * WINDOW)
+                [tokens] = await _disturbed(c, [PROMPT], n, drain, after_tokens=2 * WINDOW, temperature=4.0)
                 assert tokens == reference
                 assert victim not in c.plan.node_ids
                 assert not [r for r in caplog.records if "not moved" in r.getMessage()], "a cache was rebuilt, not moved"

@@ -7,6 +7,7 @@ memory a request's cache is counted at (node budget, scheduler) is bounded by th
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 
 import numpy as np
@@ -330,3 +331,51 @@ def test_a_plan_counts_windowed_layers_at_their_window() -> None:
             make_plan(node, full, strategy, now=0.0)
         plan = make_plan(node, windowed, strategy, now=0.0)
         assert [(s.start, s.end) for s in plan.shards] == [(0, 6)], strategy
+
+
+def test_the_ring_holds_more_long_requests_where_windowed_layers_keep_rings() -> None:
+    """A node's report (its budget, a position's bytes, the rings' bytes for a whole window, the
+    full-length layers' for a position): ``r`` requests fit in the larger of budget / a position's
+    bytes and (budget - r windows) / a full-length position's."""
+    from types import SimpleNamespace
+
+    from exo_tui.cluster.admission import ring_kv_capacity
+    from exo_tui.node.kv_budget import KVBudget, shard_cost
+
+    def ring_of(cost) -> tuple:
+        budget = KVBudget(limit_bytes=1 << 30, runtime_bytes=0)
+        budget.set_shards({(0, 6): cost})
+        ring = SimpleNamespace(ring=[SimpleNamespace(node_id="a")])
+        return ring, {"a": SimpleNamespace(metrics={"kv": budget.report()})}, budget.budget_bytes
+
+    ring, nodes, b = ring_of(shard_cost(1, 32, 0, 6, 4, ring_layers=5, window=8))
+    layer = 2 * 32 * 4
+    assert ring_kv_capacity(ring, nodes) == (b - 5 * 8 * layer) // layer  # one request: 6x a full-length count
+    assert ring_kv_capacity(ring, nodes, 10) == (b - 10 * 5 * 8 * layer) // layer
+    assert ring_kv_capacity(ring, nodes, b // (5 * 8 * layer) + 1) == b // (6 * layer)  # windows past the budget
+    ring, nodes, b = ring_of(shard_cost(1, 32, 0, 6, 4))
+    assert ring_kv_capacity(ring, nodes) == ring_kv_capacity(ring, nodes, 10) == b // (6 * layer)
+    ring, nodes, b = ring_of(shard_cost(1, 32, 0, 5, 4, ring_layers=5, window=8))  # rings only: never full
+    assert ring_kv_capacity(ring, nodes, 3) > 1 << 30
+
+
+async def test_admission_counts_the_requests_whose_windows_the_ring_holds() -> None:
+    """``capacity_for(n)``: 1000 positions less 100 for each request's rings; running requests and
+    kept caches count."""
+    from exo_tui.cluster.admission import Admission
+    from exo_tui.inference.request import Request
+
+    kept = {"n": 0}
+    adm = Admission(lambda: 0, capacity_for=lambda n: 1000 - 100 * n, kept_requests=lambda: kept["n"])
+    a, b, c = (adm.ticket(Request(list(range(1, 11)), max_tokens=390), 10000) for _ in range(3))
+    assert a.need == 400 and adm.capacity_alone() == 900
+    await adm.enter(a)
+    await adm.enter(b)  # 800 positions for two: 800 reserved
+    assert adm.stats().capacity_positions == 800
+    waiting = asyncio.create_task(adm.enter(c))
+    await asyncio.sleep(0)
+    assert adm.ahead(c.rid) == 0
+    adm.leave(a)
+    await waiting
+    kept["n"] = 1  # a kept cache's window: 700 for the two running and it
+    assert adm.stats().capacity_positions == 700

@@ -15,7 +15,7 @@
    Attributes num_heads (H) and kv_num_heads (G); optional scale (the queries' factor, default
    1 / sqrt(D)) and window (> 0: a query at p sees only the keys at p - window + 1 .. p, and the
    caches are rings: position p lives at p % cap, so a cache of cap >= window positions holds a
-   request however long it grows; see ring_chunk for chunks that would overwrite keys their own
+   request however long it grows; see run_attention for chunks that would overwrite keys their own
    queries still need). Outputs: float32 (B, T, H D),
    then present_key, present_value (the caches, of the past's type, with the T new positions
    written in: bound to the same buffers as the past ones, they are appended to in place;
