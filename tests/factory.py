@@ -95,6 +95,11 @@ def write_tiny_llama(
             w.add_float32(key, value)
 
     def matrix(name: str, rows: int, cols: int, qtype: str, scale: float) -> None:
+        if qtype in KQUANT_BLOCK_BYTES:  # random blocks straight away (no float matrix to quantize)
+            w.add_tensor(name, random_kquant_blocks(rng, rows, cols, qtype, scale),
+                         raw_dtype=getattr(gguf.GGMLQuantizationType, qtype),
+                         raw_shape=(rows, cols // 256 * KQUANT_BLOCK_BYTES[qtype]))
+            return
         values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         add(name, values, qtype)
 
