@@ -432,7 +432,9 @@ def check_shard_layers(config: ModelConfig, weights: ShardWeights) -> None:
     if isinstance(weights.layers, LazyLayers):
         for i, lw in weights.layers.made():
             check_layer_weights(config, weights.start + i, lw)
-        weights.layers.check = lambda i, lw: check_layer_weights(config, weights.start + i, lw)
+        start = weights.start  # (not ``weights`` in the closure: a cycle through its layers would keep the
+        # whole ShardWeights, the decoded embedding with it, alive until the cyclic collector ran)
+        weights.layers.check = lambda i, lw: check_layer_weights(config, start + i, lw)
         return
     for i, lw in enumerate(weights.layers):
         check_layer_weights(config, weights.start + i, lw)
