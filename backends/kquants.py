@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from backends.base import KQUANT_BLOCK_BYTES as BLOCK_BYTES
+from backends.base import QuantizedWeight
 
 QK_K = 256
 GROUP = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
@@ -26,7 +27,11 @@ BITS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+    return _half16(raw).astype(np.float32)
+
+
+def _half16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.ascontiguousarray(raw).view(np.float16)[..., 0])
 
 
 def _scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -45,6 +50,20 @@ def decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, np.n
     """``(codes, scales, biases)`` of K-quant rows ``raw`` uint8 ``(rows, cols / 256 * block)``:
     codes uint8 ``(rows, cols)``, scales and biases float32 ``(rows, cols / group)``, with
     ``weight = scale * code + bias``."""
+    return _decode(raw, type_name, cols)[:3]
+
+
+def weight(raw: np.ndarray, type_name: str, cols: int) -> QuantizedWeight:
+    """K-quant rows ``raw`` as a :class:`~backends.base.QuantizedWeight` (see :func:`decode`) that
+    carries its super-blocks' own fields (``superblocks``, as :func:`superblocks` describes them),
+    so a kernel that reads them need not search for them."""
+    q, scales, biases, fields = _decode(raw, type_name, cols)
+    return QuantizedWeight(q=q, scales=scales, biases=biases, bits=BITS[type_name], group=GROUP[type_name],
+                           source_type=type_name, superblocks=fields)
+
+
+def _decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...]:
+    """:func:`decode`'s three arrays, then the super-blocks' fields ``(d, dmin, sc, m)``."""
     if type_name not in BLOCK_BYTES:
         raise ValueError(f"{type_name} is not a K-quant type ({', '.join(BLOCK_BYTES)})")
     if cols % QK_K:
@@ -63,9 +82,13 @@ def decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, np.n
             codes[:, :, n, 2] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
             codes[:, :, n, 3] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
         scales = d[..., None] * sc.astype(np.float32)  # (rows, nb, 16), group g covers weights 16g..16g+15
-        return codes.reshape(rows, cols), scales.reshape(rows, -1), (-32.0 * scales).reshape(rows, -1)
-    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+        fields = (_half16(b[..., 208:210]), np.zeros((rows, nb), np.float16), np.ascontiguousarray(sc).reshape(rows, -1),
+                  np.zeros((rows, nb * 16), np.uint8))
+        return codes.reshape(rows, cols), scales.reshape(rows, -1), (-32.0 * scales).reshape(rows, -1), fields
+    d16, dmin16 = _half16(b[..., 0:2]), _half16(b[..., 2:4])
+    d, dmin = d16.astype(np.float32), dmin16.astype(np.float32)
     sc, m = _scales_mins(b[..., 4:16])
+    fields = (d16, dmin16, sc.reshape(rows, -1), m.reshape(rows, -1))
     scales = d[..., None] * sc.astype(np.float32)  # (rows, nb, 8)
     biases = -(dmin[..., None] * m.astype(np.float32))
     if type_name == "Q4_K":
@@ -77,7 +100,7 @@ def decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, np.n
         high_lo = ((qh[:, :, None, :] >> (2 * j)) & 1) << 4
         high_hi = ((qh[:, :, None, :] >> (2 * j + 1)) & 1) << 4
         codes = np.stack([(qs & 0x0F) | high_lo, (qs >> 4) | high_hi], axis=3)
-    return codes.reshape(rows, cols).astype(np.uint8), scales.reshape(rows, -1), biases.reshape(rows, -1)
+    return codes.reshape(rows, cols).astype(np.uint8), scales.reshape(rows, -1), biases.reshape(rows, -1), fields
 
 
 def superblocks(type_name: str, scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -85,7 +108,8 @@ def superblocks(type_name: str, scales: np.ndarray, biases: np.ndarray) -> tuple
     :func:`decode` gives them): ``(d, dmin, sc, m)``, ``d`` and ``dmin`` float16 ``(rows, cols / 256)``,
     ``sc`` and ``m`` ``(rows, cols / group)`` (uint8 0..63, or for Q6_K ``sc`` int8 and ``dmin``, ``m``
     zero), such that ``scale = d * sc`` and ``bias = -dmin * m`` (Q6_K: ``-32 d sc``) exactly in
-    float32, as a kernel that computes them from these fields does. Not always the file's own
+    float32, as a kernel that computes them from these fields does: found by a search, for
+    matrices that come without them (the GGUF reader's carry the file's: :func:`weight`). Not always the file's own
     (``d`` and ``sc`` of even codes are also ``2 d`` and ``sc / 2``), but always its values; None
     when the groups are no such super-blocks."""
     if type_name not in BLOCK_BYTES:

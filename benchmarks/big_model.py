@@ -9,15 +9,21 @@ Then reports, side by side with llama.cpp on the same file and threads:
 
 * one node: prefill and decode tok/s and the peak RSS of each engine, measured in a process of its
   own; the bytes a decoded token reads and the GB/s that makes, next to a NumPy copy's GB/s;
-* ``--nodes 3``: three node processes with ``--memory-limit`` below the model's size, the plan's
-  shares, decode tok/s, and the stall when one node is drained mid-answer.
+* ``--local-nodes 3``: three node processes on this machine, each with a ``--memory-limit`` below
+  the model's size (its whole budget, enforced by the node; by default what lets the other two take
+  a drained node's layers), the plan's shares (layers, their bytes, each node's resident memory
+  against its limit), decode tok/s through the ring, and the stall when the middle node is drained
+  mid-answer (the longest gap between two streamed tokens after the drain, against the usual one).
+  The machine's cores are shared out between the nodes (``--threads`` in all).
 
-    python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--nodes 3] [--tokens 32]
+    python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--tokens 32] [--local-nodes 3]
+                                   [--memory-limit GB] [--no-one-node]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -231,6 +237,128 @@ def copy_gbps() -> float:
     return best
 
 
+RUNTIME_GB = 0.25  # a node's runtime and its reserve for a step, roughly (node/kv_budget.py)
+
+
+def plan_need_bytes(model) -> int:  # noqa: ANN001
+    """What a plan counts the whole model needs: its bytes and every layer's float16 KV caches at
+    its context (the scheduler's count, on the ONNX backend's integer precisions)."""
+    c = model.config
+    return model.nbytes + c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2 * c.context_length
+
+
+def default_limit_gb(model_bytes: int, need_bytes: int, nodes: int) -> tuple[float, bool]:
+    """A per-node limit below the model's size that lets ``nodes - 1`` nodes hold it (its need),
+    and whether it does: capped below the model's size, it may not."""
+    wanted = RUNTIME_GB + 1.2 * need_bytes / max(1, nodes - 1) / 1e9
+    cap = 0.95 * model_bytes / 1e9
+    return round(min(wanted, cap), 2), wanted <= cap
+
+
+async def _ring(path: Path, nodes: int, limit_gb: float, threads: int, tokens: int, at: int, home: Path) -> dict:
+    import statistics
+
+    import psutil
+
+    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.cluster.view import Command
+    from exo_tui.config import Config
+    from exo_tui.inference.request import Request
+    from exo_tui.inference.sampling import SamplingParams
+
+    config = Config()
+    config.scheduler.fault_tolerance.heartbeat_timeout = 30.0  # nodes loading on shared cores answer late
+    os.environ["EXO_TUI_THREADS"] = str(max(1, threads // nodes))
+    t0 = time.perf_counter()
+    c = Coordinator(model=str(path), local_nodes=nodes, local_backends=["onnx"], local_memory_limits_gb=[limit_gb] * nodes,
+                    strategy="memory", config=config, home=home, persist=False)
+    await c.start()
+    try:
+        ready_s = time.perf_counter() - t0
+
+        def shares() -> list[tuple[str, int, int, int, int, int]]:
+            out = []
+            for s in c.plan.shards:
+                h = c.nodes[s.node_id]
+                rss = psutil.Process(h.local_process.pid).memory_info().rss if h.local_process else 0
+                budget = int((h.metrics.get("kv") or {}).get("budget_bytes", 0))
+                out.append((h.name, s.start, s.end, c.spec.range_bytes(s.start, s.end, 0), rss, budget))
+            return out
+
+        plan_before = shares()
+        rng = np.random.default_rng(0)
+        prompt = [int(t) for t in rng.integers(300, 5000, 32)]
+        request = Request(prompt, SamplingParams(temperature=0.0, seed=1), tokens)
+        stamps: list[float] = []
+        drain_at: float | None = None
+        drain: asyncio.Task | None = None
+
+        async def drain_middle() -> str:
+            victim = c.plan.shards[len(c.plan.shards) // 2].node_id
+            result = await c.apply(await c.preview(Command("drain", (victim,))))
+            return result.error
+
+        failed = ""
+        try:
+            async for chunk in c.generate(request):
+                if chunk.token_id is None:
+                    continue
+                stamps.append(time.perf_counter())
+                if len(stamps) == at:
+                    drain_at = time.perf_counter()
+                    drain = asyncio.create_task(drain_middle())
+        except Exception as exc:  # the answer's failure is a result here: reported with the numbers
+            failed = f"{type(exc).__name__}: {exc}"
+        if failed and len(stamps) < 3:
+            return {"ready_s": ready_s, "before": plan_before, "after": shares(), "failed": failed}
+        error = await drain if drain is not None else "the answer ended before the drain"
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        usual = statistics.median(gaps[1 : at - 1]) if at > 3 else float("nan")
+        after = [g for t, g in zip(stamps[1:], gaps, strict=False) if drain_at is not None and t > drain_at]
+        late = after[len(after) // 2 :]
+        return {"ready_s": ready_s, "before": plan_before, "after": shares(), "decode": 1 / usual if usual else 0.0,
+                "stall": max(after) if after else 0.0, "usual_gap": usual, "error": error,
+                "decode_after": 1 / statistics.median(late) if late else 0.0, "tokens": len(stamps), "failed": failed}
+    finally:
+        await c.stop()
+
+
+def local_nodes(path: Path, nodes: int, limit_gb: float | None, threads: int, tokens: int) -> None:
+    import tempfile
+
+    from exo_tui.models.gguf_file import GGUFModel
+    from exo_tui.net import loop as event_loop
+
+    model = GGUFModel(path)
+    size, need = model.nbytes, plan_need_bytes(model)
+    note = ""
+    if not limit_gb:
+        limit_gb, drainable = default_limit_gb(size, need, nodes)
+        if not drainable:
+            note = (f" (below the model's size, {nodes - 1} nodes cannot hold its {need / 1e9:.2f} GB with the "
+                    f"caches at its context: the drain is refused; more nodes or --memory-limit let it move)")
+    at = max(4, tokens // 3)
+    with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
+        r = event_loop.run(_ring(path, nodes, limit_gb, threads, tokens, at, Path(d)))
+    print(f"\n{nodes} local nodes, --memory-limit {limit_gb:g} GB each (the model: {size / 1e9:.2f} GB){note}, "
+          f"{max(1, threads // nodes)} thread(s) a node, ready in {r['ready_s']:.0f} s\n")
+    print("| plan | node | layers | layer bytes GB | resident GB | of the limit | KV budget MB |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for when in ("before", "after"):
+        for name, start, end, nbytes, rss, budget in r[when]:
+            print(f"| {when} the drain | {name} | {start}–{end - 1} | {nbytes / 1e9:.2f} | {rss / 1e9:.2f} | "
+                  f"{rss / (limit_gb * 1e9):.0%} | {budget / 1e6:.0f} |")
+    if "decode" not in r:
+        print(f"\nthe answer failed: {r['failed']}")
+        return
+    print(f"\ndecode through the ring {r['decode']:.2f} tok/s (a token every {r['usual_gap'] * 1000:.0f} ms); "
+          f"middle node drained at token {at}: "
+          + (f"refused ({r['error']})" if r["error"] else
+             f"longest gap after it {r['stall']:.2f} s ({r['stall'] / r['usual_gap']:.0f}x the usual), "
+             f"then {r['decode_after']:.2f} tok/s on {len(r['after'])} nodes")
+          + f"; {r['tokens']} tokens streamed" + (f"; then it failed: {r['failed']}" if r["failed"] else ""))
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _engine_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
@@ -241,7 +369,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--cache", type=Path, default=None, help="where the model files go (default: exo-tui's cache)")
+    ap.add_argument("--local-nodes", type=int, default=0, metavar="N", help="also run N node processes here (3)")
+    ap.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                    help="each local node's --memory-limit (default: below the model, enough for N - 1 nodes)")
+    ap.add_argument("--ring-tokens", type=int, default=120,
+                    help="tokens of the answer across the local nodes (the drain comes at a third of them)")
+    ap.add_argument("--no-one-node", action="store_true", help="skip the one-node comparison with llama.cpp")
     args = ap.parse_args()
+    if args.local_nodes == 1:
+        ap.error("--local-nodes needs at least 2 nodes (one is drained)")
 
     import platformdirs
 
@@ -257,6 +393,14 @@ def main() -> None:
     layer_bytes = sum(model.layer_nbytes(i) for i in range(model.config.n_layers))
     token_bytes = layer_bytes + (model.tensor_info("output.weight").nbytes if not model.tied_embeddings
                                  else model.embed_nbytes)
+    if not args.no_one_node:
+        one_node_table(args, model, token_bytes)
+    if args.local_nodes:
+        local_nodes(path, args.local_nodes, args.memory_limit, args.threads, args.ring_tokens)
+
+
+def one_node_table(args: argparse.Namespace, model, token_bytes: int) -> None:  # noqa: ANN001
+    path = model.path
     results = one_node(path, args.threads, args.prompt, args.tokens)
     gbps = copy_gbps()
     print(f"\n{args.shape} shape, {args.threads} threads, prompt {args.prompt}, decode {args.tokens}; "

@@ -95,6 +95,11 @@ def write_tiny_llama(
             w.add_float32(key, value)
 
     def matrix(name: str, rows: int, cols: int, qtype: str, scale: float) -> None:
+        if qtype in KQUANT_BLOCK_BYTES:  # random blocks straight away (no float matrix to quantize)
+            w.add_tensor(name, random_kquant_blocks(rng, rows, cols, qtype, scale),
+                         raw_dtype=getattr(gguf.GGMLQuantizationType, qtype),
+                         raw_shape=(rows, cols // 256 * KQUANT_BLOCK_BYTES[qtype]))
+            return
         values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         add(name, values, qtype)
 
@@ -154,4 +159,9 @@ def random_kquant_blocks(rng: np.random.Generator, rows: int, cols: int, type_na
         top = 15 if type_name == "Q4_K" else 31
         raw[..., 0:2] = half(np.full((rows, nb), 2 * std / (45 * top)))
         raw[..., 2:4] = half(np.full((rows, nb), std / 45))
+        # each sub-block's min its scale (m = sc): weights sc * dmin * (2 q / top - 1), centred on 0
+        # (independent random mins gave every sub-block its own mean: a deep random model then
+        # answers one token over and over)
+        raw[..., 8:12] = (raw[..., 8:12] & 0x0F) * 0x11
+        raw[..., 4:8] = raw[..., 0:4]
     return raw.reshape(rows, nb * size)

@@ -16,7 +16,7 @@ from backends.base import (
     ModelConfig,
     Shard,
     ShardWeights,
-    check_layer_weights,
+    check_shard_layers,
     physical_cores,
     unsupported_features,
 )
@@ -82,8 +82,7 @@ class MLXBackend(Backend):
         problems = unsupported_features(config, experts=True)
         if problems:
             raise BackendError(f"this {config.arch} model uses {problems[0]}, which this backend does not run")
-        for i, lw in enumerate(weights.layers):
-            check_layer_weights(config, weights.start + i, lw)
+        check_shard_layers(config, weights)
         from backends.mlx.shard import MLXShard
 
         return MLXShard(config, weights, compile_decode=self.compile_decode, threads=self.threads)

@@ -14,7 +14,7 @@ from backends.base import (
     ModelConfig,
     Shard,
     ShardWeights,
-    check_layer_weights,
+    check_shard_layers,
     physical_cores,
     unsupported_features,
 )
@@ -241,8 +241,7 @@ def check_shard(config: ModelConfig, weights: ShardWeights) -> None:
     if weights.end == c.n_layers and (weights.norm is None or weights.output is None):
         raise BackendError("the last shard needs the final norm and the output matrix")
     h = c.hidden_size
-    for i, lw in enumerate(weights.layers):
-        check_layer_weights(c, weights.start + i, lw)
+    check_shard_layers(c, weights)
     for name in ("embed", "output"):
         w = getattr(weights, name)
         if w is not None and tuple(w.shape) != (c.vocab_size, h):

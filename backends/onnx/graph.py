@@ -71,10 +71,18 @@ DENSE_HEAD_MAX_BYTES = 256 << 20  # a larger quantized head keeps one path (see 
 
 @dataclass
 class ShardGraph:
-    """The model proto and the arrays of its external initializers."""
+    """The model proto and the arrays of its external initializers.
+
+    ``in_place``: the initializers (exo-tui's ``QLinear`` tiles: nearly all of a shard's bytes) that
+    the session must read where they are, given to it with ``SessionOptions.add_initializer``;
+    the proto has a one-byte placeholder for each (ONNX Runtime copies external initializers into
+    buffers of its own at session creation, and those arrays would be held twice while it does,
+    then once more than needed if ours stayed). ONNX Runtime's graph optimizers see placeholders
+    there, which is safe only for a custom op's inputs: no optimizer of its reads them."""
 
     model: onnx.ModelProto
     initializers: dict[str, np.ndarray] = field(default_factory=dict)
+    in_place: frozenset[str] = frozenset()
     kv_inputs: list[tuple[str, str]] = field(default_factory=list)  # (past_key_i, past_value_i)
     kv_outputs: list[tuple[str, str]] = field(default_factory=list)  # (present_key_i, present_value_i)
     output: str = "hidden_out"
@@ -93,6 +101,7 @@ class _Builder:
         self.xbits = xbits  # QLinear's activations as int16 or int8 codes (0: float32 products)
         self.nodes: list[onnx.NodeProto] = []
         self.arrays: dict[str, np.ndarray] = {}
+        self.in_place: set[str] = set()  # arrays the session reads where they are (see ShardGraph)
         self.small: list[onnx.TensorProto] = []
         self._n = 0
         self._blocksums: dict[tuple[str, int], str] = {}
@@ -206,6 +215,7 @@ class _Builder:
             n, k = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1]  # type: ignore[union-attr]
             attributes = op_attributes(weights[0])  # type: ignore[arg-type]
             w = self.weight(f"{stem}_{kernel_format(weights[0]).lower()}", blocks)  # type: ignore[union-attr]
+            self.in_place.add(w)
             return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, xbits=self.xbits, **attributes)[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
@@ -401,6 +411,9 @@ def build_shard_graph(
 
     external = []
     for name, arr in b.arrays.items():
+        if name in b.in_place:
+            external.append(onnx.numpy_helper.from_array(np.zeros(1, arr.dtype), name))
+            continue
         t = onnx.TensorProto()
         t.name = name
         t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
@@ -419,4 +432,5 @@ def build_shard_graph(
     )
     graph.model.ir_version = 10
     graph.initializers = b.arrays
+    graph.in_place = frozenset(b.in_place)
     return graph

@@ -51,7 +51,7 @@ from backends.base import (
 from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
-from backends.onnx.weights import embedding_rows
+from backends.onnx.weights import compact_embedding, embedding_rows
 from backends.rings import RingLayout
 
 CAPACITY_STEP = 256  # pools hold multiples of this many positions
@@ -139,7 +139,7 @@ class ONNXShard(Shard):
         self.threads = threads
         self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
         self.precision = precision
-        self._embed = weights.embed if self.is_first else None
+        self._embed = compact_embedding(weights.embed) if self.is_first else None
         library = kernel_for(precision)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
@@ -151,6 +151,7 @@ class ONNXShard(Shard):
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library),
                                   xbits=self.xbits, half_kv=half_kv)
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
+        model_bytes = graph.model.SerializeToString()
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -161,14 +162,19 @@ class ONNXShard(Shard):
             options.add_session_config_entry(key, value)
         if library is not None:
             options.register_custom_ops_library(library.path)
-        # Weights reach the session as OrtValues over our NumPy arrays (see _release_weight_copies).
-        self._weight_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in graph.initializers.items()}
-        self._weight_arrays = graph.initializers
+        # Weights reach the session as OrtValues over our NumPy arrays: QLinear's tiles to be read
+        # where they are (kept for the session's life), the rest copied by ONNX Runtime (see
+        # ShardGraph.in_place and _release_weight_copies).
+        self._in_place = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in graph.initializers.items()
+                          if n in graph.in_place}
+        for name, value in self._in_place.items():
+            options.add_initializer(name, value)
+        self._weight_arrays = {n: a for n, a in graph.initializers.items() if n not in graph.in_place}
+        self._weight_values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._weight_arrays.items()}
         options.add_external_initializers(list(self._weight_values), list(self._weight_values.values()))
+        del graph
         try:
-            self._session = ort.InferenceSession(
-                graph.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
+            self._session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
             raise BackendError(
                 f"ONNX Runtime cannot build layers [{self.start}, {self.end}) ({exc}); "
@@ -193,7 +199,8 @@ class ONNXShard(Shard):
 
     @property
     def weight_arrays_nbytes(self) -> int:
-        """Bytes of weight arrays this shard holds besides ONNX Runtime's own buffers."""
+        """Bytes of weight arrays this shard holds besides ONNX Runtime's own buffers (and besides
+        the ``QLinear`` tiles it reads in place: those are its only copy)."""
         return sum(a.nbytes for a in self._weight_arrays.values())
 
     def _release_weight_copies(self, rebuild: Callable[[], dict[str, np.ndarray]]) -> None:
@@ -215,7 +222,8 @@ class ONNXShard(Shard):
             self._weight_values = {}
         else:
             for n, fresh in rebuild().items():
-                self._weight_arrays[n][...] = fresh
+                if n in self._weight_arrays:  # (not QLinear's tiles: never zeroed)
+                    self._weight_arrays[n][...] = fresh
 
     def _probe(self) -> np.ndarray:
         """Outputs of a fixed random prompt and one decode step (no cache kept): the prompt's
@@ -603,6 +611,7 @@ class ONNXShard(Shard):
             self._session = None  # type: ignore[assignment]
             self._weight_values.clear()
             self._weight_arrays = {}
+            self._in_place = {}
             self._embed = None
 
 

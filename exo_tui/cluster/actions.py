@@ -60,6 +60,9 @@ class OperatorActions:
         if action in ("drain", "remove"):
             drained |= set(ids)
         elif action == "undrain":
+            idle = [self.nodes[n].name for n in ids if n not in drained]
+            if idle:  # (not a fresh plan in disguise: on tight memory that moves every shard)
+                raise ValueError(f"node {', '.join(idle)} is not drained: nothing to undrain")
             drained -= set(ids)
         elif action == "pin" and layers is not None:
             pins.update(self._ranged_pin(ids, layers, pins))

@@ -124,6 +124,6 @@ async def _unload(c: Any, shards: list[tuple[str, int, int]], key: str) -> None:
         h = c.nodes.get(node_id)
         if h is not None and h.connected:
             with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
-                await h.conn.call("unload", {"start": start, "end": end, "model": key}, timeout=30)
+                h.note_kv((await h.conn.call("unload", {"start": start, "end": end, "model": key}, timeout=30)).body)
 
     await asyncio.gather(*(one(*s) for s in shards))

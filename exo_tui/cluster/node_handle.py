@@ -56,6 +56,12 @@ class NodeHandle:
             if value is not None:
                 self.history.setdefault(key, deque(maxlen=HISTORY_LEN)).append(float(value))
 
+    def note_kv(self, body: dict[str, Any]) -> None:
+        """The KV budget a load or unload reply carries (measured after it): admission uses it at
+        once, where the last heartbeat may have been taken mid-load, with no budget left."""
+        if isinstance(body.get("kv"), dict):
+            self.metrics["kv"] = body["kv"]
+
     @property
     def tok_per_s(self) -> float:
         return sum(r.get("tok_per_s", 0.0) for r in self.metrics.get("requests", {}).values())

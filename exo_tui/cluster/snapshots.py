@@ -129,12 +129,21 @@ class Snapshots:
                                     predicted_tok_per_s=pred.tok_per_s_single if pred else None)
 
 
+def _shard_view(s: Any, pins: dict[str, Pin], spec: Any, pred: Any) -> ShardView:
+    """A shard with its bytes: the file's (quantized) and, from the plan's prediction, what it
+    needs on its node beside what that node offers."""
+    node = pred.node(s.node_id) if pred is not None else None
+    return ShardView(s.node_id, s.start, s.end, pinned=s.node_id in pins,
+                     weight_bytes=int(spec.range_bytes(s.start, s.end, 0)) if spec is not None else 0,
+                     memory_bytes=node.memory_bytes if node else 0, usable_bytes=node.usable_bytes if node else 0)
+
+
 def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:
     pred = plan.predictions
     return PlanView(
         version=plan.version,
         n_layers=plan.n_layers,
-        shards=tuple(ShardView(s.node_id, s.start, s.end, pinned=s.node_id in pins) for s in plan.shards),
+        shards=tuple(_shard_view(s, pins, spec, pred) for s in plan.shards),
         strategy=plan.strategy,
         predicted_tok_per_s=pred.tok_per_s_single if pred else 0.0,
         predicted_ttft_s=pred.ttft_s if pred else 0.0,

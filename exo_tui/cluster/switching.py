@@ -265,6 +265,7 @@ class PlanSwitching:
         finally:
             if h.state == "loading":
                 h.state = prior if prior != "loading" else "ready"
+        h.note_kv(body)
         return body
 
     def _use_path(self, h: NodeHandle) -> bool:
@@ -280,7 +281,8 @@ class PlanSwitching:
             for start, end in list(h.held):
                 if (h.node_id, start, end) not in keep:
                     with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
-                        await h.conn.call("unload", {"start": start, "end": end, "model": self._model_key}, timeout=30)
+                        h.note_kv((await h.conn.call("unload", {"start": start, "end": end, "model": self._model_key},
+                                                     timeout=30)).body)
                     h.held.discard((start, end))
                     h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
 

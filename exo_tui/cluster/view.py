@@ -66,6 +66,9 @@ class ShardView:
     start: int
     end: int
     pinned: bool = False
+    weight_bytes: int = 0  # its layers' bytes as the file has them (quantized), embedding / head included
+    memory_bytes: int = 0  # what the plan counts it needs there: weights and KV caches at the context
+    usable_bytes: int = 0  # what its node offers after reserves (0: unknown)
 
 
 @dataclass(frozen=True)

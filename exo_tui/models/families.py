@@ -277,9 +277,7 @@ def permute_heads(w: Weight | np.ndarray, n_heads: int, head_dim: int) -> Weight
     """Rows of each of ``n_heads`` heads of ``w`` (a matrix or a vector) in adjacent-pair order."""
     order = (np.arange(n_heads)[:, None] * head_dim + neox_to_adjacent(head_dim)[None, :]).reshape(-1)
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(q=np.ascontiguousarray(w.q[order]), scales=np.ascontiguousarray(w.scales[order]),
-                               biases=np.ascontiguousarray(w.biases[order]), bits=w.bits, group=w.group,
-                               source_type=w.source_type)
+        return w.take_rows(order)
     return np.ascontiguousarray(np.asarray(w)[order])
 
 
@@ -291,8 +289,7 @@ def split_rows(w: Weight, sizes: list[int]) -> list[Weight]:
     parts = []
     for a, b in zip(edges[:-1], edges[1:], strict=True):
         if isinstance(w, QuantizedWeight):
-            parts.append(QuantizedWeight(q=w.q[a:b], scales=w.scales[a:b], biases=w.biases[a:b], bits=w.bits,
-                                         group=w.group, source_type=w.source_type))
+            parts.append(w.take_rows(slice(a, b)))
         else:
             parts.append(np.asarray(w)[a:b])
     return parts

@@ -233,11 +233,15 @@ class GGUFModel:
         """A tensor as a float32 vector/matrix or a :class:`QuantizedWeight`."""
         info, raw = self.raw_tensor(name)
         try:
-            return tensor_from_raw(info, raw)
+            weight = tensor_from_raw(info, raw)
         except ModelFileError:
             raise
         except Exception as exc:
             raise ModelFileError(f"{self.path}: tensor {name} cannot be read ({exc}); the file may be corrupt") from exc
+        # What comes back is in its own memory: the file's pages for it go, so a shard's load does
+        # not hold the bytes of every tensor read so far (GGUFHeader.release_pages).
+        self._header.release_pages(self._tensors[name])
+        return weight
 
     def shard_tensor_names(self, start: int, end: int) -> list[str]:
         """The names of the tensors a shard of layers ``[start, end)`` needs."""
@@ -344,9 +348,7 @@ def tensor_from_raw(info: TensorInfo, raw: np.ndarray) -> Weight:
         rows = info.shape[0] if len(info.shape) > 1 else 1
         return unpack_blocks(raw.reshape(rows, -1), info.type_name, info.shape)
     if info.type_name in kquants.BLOCK_BYTES and len(info.shape) == 2:
-        q, scales, biases = kquants.decode(raw.reshape(info.shape[0], -1), info.type_name, info.shape[1])
-        return QuantizedWeight(q=q, scales=scales, biases=biases, bits=kquants.BITS[info.type_name],
-                               group=kquants.GROUP[info.type_name], source_type=info.type_name)
+        return kquants.weight(raw.reshape(info.shape[0], -1), info.type_name, info.shape[1])
     qtype = getattr(gguf.GGMLQuantizationType, info.type_name)
     rows = info.shape[0] if len(info.shape) > 1 else 1
     return _dequantize_other(raw.reshape(rows, -1), qtype, info)

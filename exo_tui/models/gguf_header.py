@@ -42,15 +42,23 @@ class GGUFHeader:
     """The metadata (``fields``: key -> value; arrays of numbers as NumPy arrays, of strings as
     lists) and tensors (``tensors``: name -> :class:`TensorEntry`) of a GGUF file."""
 
-    def release_pages(self) -> None:
+    def release_pages(self, entry: TensorEntry | None = None) -> None:
         """Let go of the file's pages this process has read (the tensors' bytes once a backend has
-        its own form of them): they leave this process's resident memory, not the page cache, and
-        come back from there if read again. Where the platform cannot, nothing happens."""
+        its own form of them), or only ``entry``'s: they leave this process's resident memory, not
+        the page cache, and come back from there if read again (the map is read-only: nothing is
+        lost). Where the platform cannot, nothing happens."""
         import mmap
 
         raw = getattr(self._map, "_mmap", None)
-        if raw is not None and hasattr(raw, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        if raw is None or not hasattr(raw, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        if entry is None:
             raw.madvise(mmap.MADV_DONTNEED)
+            return
+        start = entry.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(raw), entry.offset + entry.n_bytes)
+        if end > start:
+            raw.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

@@ -295,7 +295,7 @@ class NodeAgent:
         hosted = await self._in_loader(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"),
                                        str(b.get("model", "")))
         self._shards_changed()
-        return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
+        return self._loaded(hosted)
 
     async def _op_load_begin(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
@@ -316,14 +316,21 @@ class NodeAgent:
     async def _op_load_commit(self, conn: Connection, frame: Frame) -> Frame:
         hosted = await self._in_loader(self.host.commit_transfer, frame.body["transfer_id"])
         self._shards_changed()
-        return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend, "nbytes": hosted.nbytes})
+        return self._loaded(hosted)
+
+    def _loaded(self, hosted: Any) -> Frame:
+        """The reply to a load: the shard, and the KV budget measured after it (the coordinator
+        admits against it at once, not after the next heartbeat: the last one may have been
+        taken mid-load, when the budget was nil)."""
+        return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend,
+                                     "nbytes": hosted.nbytes, "kv": self.kv.report()})
 
     async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:
         model = frame.body.get("model")
         done = await self._in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]),
                                      None if model is None else str(model))
         self._shards_changed()
-        return Frame("ok", body={"unloaded": done})
+        return Frame("ok", body={"unloaded": done, "kv": self.kv.report()})
 
     async def _op_plan(self, conn: Connection, frame: Frame) -> Frame:
         plan = RingPlan.from_dict(frame.body["plan"])

@@ -75,7 +75,8 @@ async def coordinator(nodes: NodeSet, *, model: str | Path | None = None, peers:
         await c.stop()
 
 
-def reference_answer(model_path: Path, prompt: str, max_tokens: int, seed: int = 7, temperature: float = 0.0) -> list[int]:
+def reference_answer(model_path: Path, prompt: str, max_tokens: int, seed: int = 7, temperature: float = 0.0,
+                     repetition_penalty: float = 1.0) -> list[int]:
     """The undisturbed single-process answer, greedy by default (ONNX, the whole model in one shard)."""
     from exo_tui.inference.generate import generate
     from exo_tui.inference.local import LocalPipeline, even_split
@@ -86,7 +87,8 @@ def reference_answer(model_path: Path, prompt: str, max_tokens: int, seed: int =
     async def run() -> list[int]:
         model = Model(model_path)
         messages = [{"role": "user", "content": prompt}]
-        request = Request(model.chat_prompt_ids(messages), SamplingParams(temperature=temperature, seed=seed), max_tokens)
+        request = Request(model.chat_prompt_ids(messages), SamplingParams(temperature=temperature, seed=seed,
+                                                                    repetition_penalty=repetition_penalty), max_tokens)
         pipeline = LocalPipeline()
         await pipeline.load(model.gguf, even_split(model.config.n_layers, ["onnx"]))
         try:

@@ -145,6 +145,7 @@ class FakeCluster:
         self.reply = reply
         self.events = ev.EventBus()
         self.n_layers = n_layers
+        self.layer_bytes = 0  # set: each shard shows its bytes (a layer this many, with KV 10 % more)
         self.nodes: dict[str, NodeView] = {n.node_id: n for n in make_nodes(n_nodes)}
         self.version = 1
         self.pins: dict[str, tuple[int, int]] = {}
@@ -205,7 +206,9 @@ class FakeCluster:
             if layer == self.n_layers or owner.get(layer) != owner.get(start):
                 node_id = owner.get(start)
                 if node_id is not None:
-                    shards.append(ShardView(node_id, start, layer, pinned=node_id in pins))
+                    nbytes = (layer - start) * self.layer_bytes
+                    shards.append(ShardView(node_id, start, layer, pinned=node_id in pins, weight_bytes=nbytes,
+                                            memory_bytes=nbytes * 11 // 10, usable_bytes=2 * nbytes))
                 start = layer
         return tuple(shards)
 

@@ -109,6 +109,18 @@ async def test_drain_opens_confirmation_defaulting_to_cancel(make_app, fake):
         assert "plan v2" in bar
 
 
+async def test_the_partition_view_shows_each_shards_bytes(make_app, fake):
+    """Each node's part of the plan with its bytes (the file's, quantized), and what the plan
+    counts it needs with its KV caches against what the node offers."""
+    fake.layer_bytes = 25_000_000
+    fake.shards = fake._split(fake._eligible())
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: "MB" in partition_text(app))
+        legend = partition_text(app)
+        assert "mac-studio 0–9 (10) 250.0 MB (275.0 MB with KV of 500.0 MB)" in legend, legend
+
+
 async def test_unpin_command_takes_off_a_pin_by_id(make_app, fake):
     """:unpin ID reaches a pinned node the table cannot show (not in the cluster now: its pin is
     kept with the cluster's state); :unpin alone asks which node."""

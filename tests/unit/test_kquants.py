@@ -66,6 +66,30 @@ def test_the_super_block_fields_come_back_from_the_groups(type_name: str) -> Non
     assert superblocks(type_name, scales, biases - np.float32(1e-3)) is None
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_reader_hands_over_the_files_own_super_block_fields(type_name: str) -> None:
+    """The GGUF reader's K-quant matrices carry their blocks' ``d``, ``dmin``, scales and mins as
+    the file has them (no search at load), in the form ``superblocks`` gives, row slices too."""
+    from backends.kquants import superblocks, weight
+
+    rng = np.random.default_rng(5)
+    raw = random_kquant_blocks(rng, 6, 512, type_name, 0.02)
+    w = weight(raw, type_name, 512)
+    d, dmin, sc, m = w.superblocks
+    per = 256 // GROUP[type_name]
+    blocks = raw.reshape(6, 2, -1)
+    at = slice(208, 210) if type_name == "Q6_K" else slice(0, 2)
+    assert np.array_equal(d, np.ascontiguousarray(blocks[..., at]).view(np.float16)[..., 0])
+    assert np.array_equal(np.repeat(d.astype(np.float32), per, axis=1) * sc.astype(np.float32), w.scales)
+    if type_name != "Q6_K":
+        assert np.array_equal(-(np.repeat(dmin.astype(np.float32), per, axis=1) * m.astype(np.float32)), w.biases)
+    searched = superblocks(type_name, w.scales, w.biases)
+    assert [f.dtype for f in searched] == [f.dtype for f in w.superblocks]
+    assert [f.shape for f in searched] == [f.shape for f in w.superblocks]
+    part = w.take_rows(np.array([4, 1]))
+    assert np.array_equal(part.q, w.q[[4, 1]]) and np.array_equal(part.superblocks[2], sc[[4, 1]])
+
+
 def test_a_row_that_is_not_whole_super_blocks_is_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         decode(np.zeros((1, 144), np.uint8), "Q4_K", 128)

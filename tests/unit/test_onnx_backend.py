@@ -794,7 +794,8 @@ def test_weight_arrays_are_made_again_when_the_session_reads_them(tiny_models, m
     monkeypatch.setattr(ONNXShard, "_probe", probe_sees_zeroed_weights)
     cfg, weights, shard = load(tiny_models["Q4_1"])
     assert shard.weight_arrays_nbytes > 0
-    fresh = build_shard_graph(cfg, weights, 1, batch_head_rows=MIN_BATCH, kernel=bool(shard.kernel)).initializers
+    graph = build_shard_graph(cfg, weights, 1, batch_head_rows=MIN_BATCH, kernel=bool(shard.kernel))
+    fresh = {n: a for n, a in graph.initializers.items() if n not in graph.in_place}  # the tiles are never zeroed
     assert shard._weight_arrays.keys() == fresh.keys()
     assert all(np.array_equal(shard._weight_arrays[n], a) for n, a in fresh.items())
     ref = ReferenceShard(cfg, weights)
@@ -811,3 +812,29 @@ def test_the_backend_tells_the_scheduler_the_cache_precision_its_shards_keep(tin
     library = kernels.library()
     integer = kernel == "1" and library is not None and library.integer  # the kernel's integer products run here
     assert shard.kv_dtype.itemsize == (2 if precision == "int16" and integer else 4)
+
+
+def test_qlinear_tiles_are_the_sessions_only_copy_of_the_weights(tmp_path):
+    """ONNX Runtime reads a K-quant shard's QLinear tiles where the shard made them (no copy at
+    session creation, which held the shard's bytes twice while loading): zeroing them changes the
+    logits. The embedding is kept as packed codes with the file's super-block fields, its rows
+    exactly the matrix's."""
+    from backends.onnx.weights import EmbeddingRows
+
+    if kernels.library() is None:
+        pytest.skip("no QLinear kernel here")
+    path = write_tiny_llama(tmp_path / "q4k.gguf", hidden=256, intermediate=512, n_layers=2, weight_type="Q4_K",
+                            embed_type="Q6_K", tied=True)
+    model = GGUFModel(path)
+    embed = model.tensor("token_embd.weight")
+    cfg, weights, shard = load(path)
+    assert shard._in_place and shard.weight_arrays_nbytes == 0
+    tiles = sum(v.numpy().nbytes for v in shard._in_place.values())
+    assert tiles >= 0.9 * model.nbytes - embed.nbytes  # nearly all of the shard's bytes (the head too)
+    before = shard.forward("a", PROMPT, np.arange(len(PROMPT)))
+    assert isinstance(shard._embed, EmbeddingRows) and shard._embed.nbytes < 1.2 * embed.nbytes
+    ids = np.array([0, 7, 3, cfg.vocab_size - 1])
+    assert np.array_equal(shard._embed.rows(ids), embed.dequantize()[ids])
+    for value in shard._in_place.values():
+        value.numpy()[...] = 0  # a view of the array the session reads
+    assert not np.array_equal(shard.forward("b", PROMPT, np.arange(len(PROMPT))), before)

@@ -110,7 +110,10 @@ _FIELDS: dict[int, tuple[np.ndarray, ...] | None] = {}
 
 
 def _superblocks(w: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
-    """``w``'s super-block fields (d, dmin, sc, m), found once per matrix while it lives."""
+    """``w``'s super-block fields (d, dmin, sc, m): its own (the GGUF reader's carry them), else
+    found once per matrix while it lives."""
+    if w.superblocks is not None:
+        return w.superblocks
     key = id(w)
     if key not in _FIELDS:
         _FIELDS[key] = kquants.superblocks(w.source_type, w.scales, w.biases)

@@ -7,7 +7,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from exo_tui.cluster.view import ClusterSnapshot
-from exo_tui.tui.format import NODE_COLOR_VARS, fmt_age, fmt_layers, fmt_rate
+from exo_tui.tui.format import NODE_COLOR_VARS, fmt_age, fmt_bytes, fmt_layers, fmt_rate
 from exo_tui.tui.widgets.cluster_strip import measured_vs_predicted
 from exo_tui.tui.widgets.style import theme_style
 
@@ -196,6 +196,10 @@ class PartitionBar(Widget):
             item.append("■ ", theme_style(app, var))
             item.append(node.name if node else shard.node_id, theme_style(app, "foreground"))
             item.append(f" {fmt_layers((shard.start, shard.end))} ({shard.end - shard.start})", muted)
+            if shard.weight_bytes:  # the shard's bytes, and what the plan counts with its caches of what the node has
+                item.append(f" {fmt_bytes(shard.weight_bytes)}", theme_style(app, "foreground"))
+                if shard.usable_bytes:
+                    item.append(f" ({fmt_bytes(shard.memory_bytes)} with KV of {fmt_bytes(shard.usable_bytes)})", muted)
             if shard.pinned:
                 item.append(" ⚑pinned", theme_style(app, "accent"))
             if node is not None and node.state in ("draining", "drained"):

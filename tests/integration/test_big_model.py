@@ -1,0 +1,122 @@
+"""A model larger than any node runs across three node processes: the answer is token for token one
+unlimited process's, every node stays inside its ``--memory-limit``, a drain the other two cannot
+absorb is refused with the numbers (nothing moves), and an undrain of the node (never drained) says
+so and moves nothing either.
+
+A node's ``--memory-limit`` is its process's whole budget, its runtime included (Python, NumPy,
+ONNX Runtime: 140-190 MB), and the node keeps a reserve for a step's temporaries
+(``node/kv_budget.py``: at least 48 MB). So the model is sized from what the nodes offer once they
+run (the scheduler's usable bytes under each limit, measured with the default model loaded): its
+layers and their caches at the model's context more than the two largest rooms, and a share of it
+by room leaving each node its reserve. At 0.45 GB limits: rooms of 266-313 MB, a 620 MB Q4_K file
+(1.4x each node's whole limit, 2.1x the smallest room), nodes at 377-404 MB resident while they
+answer. Deterministic: fixed seeds, greedy decoding; only the layer count follows the measured
+runtimes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from exo_tui.cluster.view import ChatParams, Command
+from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
+from tests.factory import write_tiny_llama
+from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
+
+pytestmark = pytest.mark.slow
+LIMIT_GB = 0.45
+PROMPT = "Tell me about the lighthouse."
+# Greedy, with a repetition penalty: a random model's greedy answer soon repeats one token, and a
+# comparison of twelve equal tokens would tell little.
+GREEDY = ChatParams(temperature=0.0, max_tokens=12, seed=3, stop=(), repetition_penalty=1.5)
+SHAPE = dict(hidden=2048, intermediate=5632, n_heads=16, n_kv_heads=2, weight_type="Q4_K", embed_type="Q6_K",
+             tied=False, context_length=1024)
+GROWTH_BYTES = 16 << 20  # what a node's runtime adds once it holds shards (sessions, a step's buffers)
+
+
+def write_model(path: Path, n_layers: int) -> Path:
+    return write_tiny_llama(path, n_layers=n_layers, seed=5, **SHAPE)
+
+
+def rooms(c) -> list[int]:  # noqa: ANN001
+    """Each node's memory for shards as the scheduler counts it (its limit less its runtime)."""
+    rr = c.config.scheduler.resource_reservation
+    return sorted(p.usable_bytes(rr.system_reserved_ram * 1024**3, rr.system_reserved_vram * 1024**3,
+                                 rr.emergency_reserve) for p in c.device_profiles())
+
+
+def kv_layer_bytes(model: GGUFModel) -> int:
+    """A layer's float16 KV caches at the model's context: what the scheduler plans room for."""
+    cfg = model.config
+    return 2 * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.context_length
+
+
+def need_bytes(model: GGUFModel) -> int:
+    """The memory the whole model needs in a plan: its bytes and its layers' caches."""
+    return model.nbytes + model.config.n_layers * kv_layer_bytes(model)
+
+
+def layers_for(room: list[int], probe: GGUFModel) -> int:
+    """A layer count whose model the two largest rooms cannot hold (:func:`need_bytes`) and whose
+    share on each node (split by room, as the ``memory`` strategy does) leaves that node its
+    reserve and its runtime's growth."""
+    per_layer = probe.layer_nbytes(0) + kv_layer_bytes(probe)
+    ends = need_bytes(probe) - per_layer
+    low = (room[-1] + room[-2] - ends) / per_layer + 1
+    high = min((r - RESERVE_MIN_BYTES - GROWTH_BYTES) * sum(room) / r for r in room) / per_layer
+    assert low < high, (f"at {LIMIT_GB} GB the nodes offer {[r // 10**6 for r in room]} MB to shards: too little "
+                        "for a model two of them cannot hold and three can; raise LIMIT_GB")
+    return int((low + high) / 2)
+
+
+def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
+    os.environ["EXO_TUI_HOME"] = str(tmp_path)
+    probe = GGUFModel(write_model(tmp_path / "probe.gguf", 1))
+    with node_processes(tmp_path, ["onnx"] * 3, memory_limits_gb=[LIMIT_GB] * 3) as ns:
+        procs = [psutil.Process(n.pid) for n in ns.nodes]
+
+        async def answer(c) -> list[int]:  # noqa: ANN001
+            ids: list[int] = []
+            async for chunk in c.chat([{"role": "user", "content": PROMPT}], GREEDY):
+                assert not chunk.error, chunk.error
+                ids.extend(chunk.token_ids)
+            return [t for t in ids if t not in c.model.tokenizer.eos_ids]
+
+        async def run() -> None:
+            async with coordinator(ns, strategy="memory") as c:
+                room = rooms(c)
+                big = write_model(tmp_path / "big.gguf", layers_for(room, probe))
+                size, need = GGUFModel(big).nbytes, need_bytes(GGUFModel(big))
+                assert size > LIMIT_GB * 1e9 and need > room[-1] + room[-2], (room, size, need)
+                want = await asyncio.to_thread(reference_answer, big, PROMPT, GREEDY.max_tokens, GREEDY.seed,
+                                              GREEDY.repetition_penalty)
+                assert len(set(want)) > 3, want  # an answer to tell apart from another
+                await c.set_model(str(big))
+                assert len(c.plan.shards) == 3, c.plan.layout
+                assert await answer(c) == want
+                rss = [p.memory_info().rss for p in procs]
+                assert max(rss) <= LIMIT_GB * 1e9, (rss, room, size)  # the whole process, not only the plan
+
+                victim = c.plan.shards[1].node_id
+                layout = c.plan.layout
+                preview = await c.preview(Command("drain", (victim,)))
+                assert preview.error and "GB" in preview.error, preview
+                done = await c.apply(preview)
+                assert done.error, done
+                assert c.plan.layout == layout and victim not in c.drained  # nothing moved
+                assert await answer(c) == want
+
+                # The node was never drained: an undrain says so, and nothing moves either.
+                undrain = await c.preview(Command("undrain", (victim,)))
+                assert "not drained" in undrain.error, undrain
+                assert (await c.apply(undrain)).error
+                assert c.plan.layout == layout
+                assert await answer(c) == want
+
+        asyncio.run(run())
