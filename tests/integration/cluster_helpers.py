@@ -75,7 +75,7 @@ async def coordinator(nodes: NodeSet, *, model: str | Path | None = None, peers:
         await c.stop()
 
 
-def reference_answer(model_path: Path, prompt: str, max_tokens: int, seed: int = 7, temperature: float = 0.0,
+def reference_answer(model_path: Path, prompt: str, max_tokens: int, *, seed: int = 7, temperature: float = 0.0,
                      repetition_penalty: float = 1.0) -> list[int]:
     """The undisturbed single-process answer, greedy by default (ONNX, the whole model in one shard)."""
     from exo_tui.inference.generate import generate
