@@ -193,8 +193,9 @@ def test_bad_input_raises_clear_errors(tiny_models):
     _, _, last = load(path, 2)
     with pytest.raises(BackendError, match="integer token ids"):
         first.forward("r", np.zeros(3, np.float32), np.arange(3))
-    with pytest.raises(BackendError, match="token id out of range"):
-        first.forward("r", np.array([cfg.vocab_size]), np.array([0]))
+    for ids in ([cfg.vocab_size], [-1], [3, cfg.vocab_size, 4], [3, -2]):  # one id (a decode step) or several
+        with pytest.raises(BackendError, match="token id out of range"):
+            first.forward("r", np.array(ids), np.arange(len(ids)))
     with pytest.raises(BackendError, match="expects hidden"):
         last.forward("r", np.zeros((2, cfg.hidden_size + 1), np.float32), np.arange(2))
     with pytest.raises(BackendError, match="non-empty"):
