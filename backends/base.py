@@ -593,9 +593,10 @@ def validate_forward_input(shard: Shard, x: np.ndarray, positions: np.ndarray, c
     if t <= 0:
         raise BackendError(f"positions must be a non-empty 1-D array, got shape {positions.shape}")
     if shard.is_first:
-        if x.ndim != 1 or x.shape[0] != t or not np.issubdtype(x.dtype, np.integer):
+        if x.ndim != 1 or x.shape[0] != t or x.dtype.kind not in "iu":  # signed or unsigned integers
             raise BackendError(f"first shard expects {t} integer token ids, got {x.dtype} {x.shape}")
-        if x.size and (x.min() < 0 or x.max() >= shard.config.vocab_size):
+        lo, hi = (int(x[0]),) * 2 if t == 1 else (int(x.min()), int(x.max()))  # a decode step: no reductions
+        if lo < 0 or hi >= shard.config.vocab_size:
             raise BackendError(f"token id out of range 0..{shard.config.vocab_size - 1}")
     elif x.shape != (t, shard.config.hidden_size):
         raise BackendError(

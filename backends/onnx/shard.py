@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import mmap
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -110,6 +111,20 @@ class _Step:
 
 
 @dataclass
+class _StepInputs:
+    """A decode step's small inputs and its output, bound once to an IOBinding and refilled in
+    place at each step of the same shape (binding them anew, an OrtValue made and looked up per
+    input and the output's buffer bound, was most of the Python between two steps' runs)."""
+
+    shape: tuple[int, int]  # (rows of the batch, logits rows)
+    slots: np.ndarray  # (B,) int32
+    hidden: np.ndarray  # (B, 1, hidden) float32
+    seqlens: np.ndarray  # (B,) int32
+    total: np.ndarray  # () int32
+    out: np.ndarray  # (B, rows, vocab) or (B, 1, hidden) float32
+
+
+@dataclass
 class _Entry:
     """Where a request's cache lives and how many positions it holds."""
 
@@ -181,6 +196,7 @@ class ONNXShard(Shard):
                 "check that onnxruntime >= 1.20 is installed"
             ) from exc
         self._kv_pool: _Pool | None = None
+        self._step_inputs: weakref.WeakKeyDictionary[ort.IOBinding, _StepInputs] = weakref.WeakKeyDictionary()
         self._caches: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self.prefill_chunk = PREFILL_CHUNK
@@ -479,9 +495,13 @@ class ONNXShard(Shard):
         n, t = hidden.shape[0], hidden.shape[1]
         if self._slot_map:
             io = self._binding(pool, 0, pool.slots)
-            io.bind_cpu_input("slots", slots)
         else:
             io = self._binding(pool, int(slots[0]), int(slots[-1]) + 1)
+        if t == 1:
+            return self._decode_run(io, slots, hidden, seqlens, rows)
+        self._step_inputs.pop(io, None)  # rebound below: the next decode step binds its inputs again
+        if self._slot_map:
+            io.bind_cpu_input("slots", slots)
         io.bind_cpu_input("hidden_in", hidden)
         io.bind_cpu_input("seqlens_k", (seqlens + (t - 1)).astype(np.int32))
         io.bind_cpu_input("total_seq_len", np.array(int(seqlens.max()) + t, dtype=np.int32))
@@ -491,15 +511,47 @@ class ONNXShard(Shard):
         else:
             out = np.empty((n, t, c.hidden_size), dtype=np.float32)
         io.bind_output(self._output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        self._run_bound(io)
+        return out
+
+    def _decode_run(
+        self, io: ort.IOBinding, slots: np.ndarray, hidden: np.ndarray, seqlens: np.ndarray, rows: int
+    ) -> np.ndarray:
+        """:meth:`_session_run` of one token a row, into the inputs bound to ``io`` for this shape
+        (:class:`_StepInputs`, bound at its first such step); returns a copy of the output."""
+        n = hidden.shape[0]
+        step = self._step_inputs.get(io)
+        if step is None or step.shape != (n, rows):
+            width = self.config.vocab_size if self.is_last else self.config.hidden_size
+            step = _StepInputs(
+                (n, rows), np.zeros(n, np.int32), np.zeros((n, 1, self.config.hidden_size), np.float32),
+                np.zeros(n, np.int32), np.zeros((), np.int32), np.empty((n, rows, width), np.float32),
+            )
+            if self._slot_map:
+                io.bind_cpu_input("slots", step.slots)
+            io.bind_cpu_input("hidden_in", step.hidden)
+            io.bind_cpu_input("seqlens_k", step.seqlens)
+            io.bind_cpu_input("total_seq_len", step.total)
+            if self.is_last:
+                io.bind_cpu_input("logits_start", np.array([1 - rows], dtype=np.int64))
+            io.bind_output(self._output, "cpu", 0, np.float32, list(step.out.shape), step.out.ctypes.data)
+            self._step_inputs[io] = step
+        step.slots[:] = slots
+        step.hidden[...] = hidden
+        step.seqlens[:] = seqlens
+        step.total[...] = int(seqlens.max()) + 1
+        self._run_bound(io)
+        return step.out.copy()
+
+    def _run_bound(self, io: ort.IOBinding) -> None:
         if self._cores is None:
             self._session.run_with_iobinding(io)
-            return out
+            return
         before = self._cores.enter()
         try:
             self._session.run_with_iobinding(io)
         finally:
             self._cores.leave(before)
-        return out
 
     def _run(self, request_id: str, hidden: np.ndarray, cached: int, all_logits: bool) -> np.ndarray:
         """One ``session.run`` of ``hidden`` ``(T, hidden)`` after ``cached`` positions."""

@@ -193,8 +193,9 @@ def test_bad_input_raises_clear_errors(tiny_models):
     _, _, last = load(path, 2)
     with pytest.raises(BackendError, match="integer token ids"):
         first.forward("r", np.zeros(3, np.float32), np.arange(3))
-    with pytest.raises(BackendError, match="token id out of range"):
-        first.forward("r", np.array([cfg.vocab_size]), np.array([0]))
+    for ids in ([cfg.vocab_size], [-1], [3, cfg.vocab_size, 4], [3, -2]):  # one id (a decode step) or several
+        with pytest.raises(BackendError, match="token id out of range"):
+            first.forward("r", np.array(ids), np.arange(len(ids)))
     with pytest.raises(BackendError, match="expects hidden"):
         last.forward("r", np.zeros((2, cfg.hidden_size + 1), np.float32), np.arange(2))
     with pytest.raises(BackendError, match="non-empty"):
@@ -612,6 +613,40 @@ def test_forward_batch(tiny_models):
     with pytest.raises(BackendError, match="twice"):
         shard.forward_batch([("a", np.array([1]), np.array([4])), ("a", np.array([1]), np.array([5]))])
     assert shard.kv_length("a") == 4 and shard.kv_length("b") == 10  # nothing ran
+
+
+@pytest.mark.parametrize("layers", [(0, None), (0, 2), (2, None)], ids=["whole", "first", "last"])
+def test_decode_steps_outputs_are_their_own_whatever_runs_next(tiny_models, layers):
+    """A decode step's inputs stay bound between steps of one shape and are refilled in place: a
+    step's output is still its own after later steps, and steps of other shapes (a batch, a
+    prefill) in between leave the next ones right."""
+    start, end = layers
+    cfg, weights, shard = load(tiny_models["Q4_1"], start, end)
+    ref = ReferenceShard(cfg, weights)
+
+    def rows(seed: int, n: int) -> np.ndarray:  # token ids for a first shard, else hidden states
+        if start == 0:
+            return np.random.default_rng(seed).integers(0, 250, n)
+        return np.random.default_rng(seed).standard_normal((n, cfg.hidden_size)).astype(np.float32)
+
+    def both(rid: str, seed: int, n: int, first: int) -> np.ndarray:
+        x, pos = rows(seed, n), np.arange(first, first + n)
+        got = shard.forward(rid, x, pos)
+        close(got, ref.forward(rid, x, pos))
+        return got
+
+    both("a", 1, 3, 0)
+    both("b", 2, 5, 0)
+    kept = [(out, out.copy()) for out in (both("a", 10 + i, 1, 3 + i) for i in range(3))]
+    both("c", 3, 4, 0)  # a prefill between two steps of one row
+    both("a", 20, 1, 6)
+    items = [("a", rows(21, 1), np.array([7])), ("b", rows(22, 1), np.array([5]))]  # two rows, then one
+    for (rid, x, pos), got in zip(items, shard.forward_batch(items), strict=True):
+        close(got, ref.forward(rid, x, pos))
+    for rid, first in (("b", 6), ("c", 4), ("a", 8)):
+        both(rid, 30 + first, 1, first)
+    for out, copy in kept:
+        assert np.array_equal(out, copy)
 
 
 def _prefill_both(shard, ref, lengths: dict[str, int]) -> None:
