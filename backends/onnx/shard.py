@@ -25,6 +25,10 @@ capacity, requests at 150 and at 300 positions took two runs: 10.8 ms for eight 
 6.4-8.4 ms in one). Every slot has the longest request's capacity, but the arrays are anonymous
 memory maps: a page is resident only once a position in it is written. On the kernel a windowed
 layer's caches are rings of its window's positions beside those (``backends/rings.py``), which never grow.
+
+Over ~600 lines on purpose, for now: the pool's slots and the session's bindings are one concern
+(a run binds the pool's arrays in place; a pool that grows drops the bindings). The next step is the
+pool (its slots, growth, export and import) as a class of its own that the shard binds.
 """
 
 from __future__ import annotations
