@@ -12,6 +12,7 @@ from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.config import Config
 from exo_tui.net.security import ensure_cluster, write_node_bundle
+from tests.helpers.benchmarks import share_benchmarks
 
 
 @dataclass
@@ -29,6 +30,7 @@ def node_processes(home: Path, backends: list[str], *, memory_limits_gb: list[fl
                    extra_args: list[str] | None = None) -> Iterator[NodeSet]:
     """Start one node agent process per backend (bundles issued by ``home``'s cluster)."""
     cluster = ensure_cluster(home)
+    share_benchmarks(home)
     nodes: list[LocalNode] = []
     try:
         for i, backend in enumerate(backends):
@@ -38,6 +40,7 @@ def node_processes(home: Path, backends: list[str], *, memory_limits_gb: list[fl
             nodes.append(spawn_node(name, backend=backend, key_file=str(bundle), memory_limit_gb=limit,
                                     log_dir=home / "logs", env={"EXO_TUI_HOME": str(home)}, extra_args=extra_args))
         asyncio.run(_wait_all(nodes))
+        share_benchmarks(home)
         yield NodeSet(home, nodes)
     finally:
         for node in nodes:
