@@ -27,10 +27,13 @@ class NodeSet:
 
 @contextlib.contextmanager
 def node_processes(home: Path, backends: list[str], *, memory_limits_gb: list[float | None] | None = None,
-                   extra_args: list[str] | None = None) -> Iterator[NodeSet]:
-    """Start one node agent process per backend (bundles issued by ``home``'s cluster)."""
+                   extra_args: list[str] | None = None, shared_benchmark: bool = True) -> Iterator[NodeSet]:
+    """Start one node agent process per backend (bundles issued by ``home``'s cluster).
+    ``shared_benchmark``: the nodes take the start-up benchmark earlier nodes of the session
+    measured (see :func:`~tests.helpers.benchmarks.share_benchmarks`) rather than measuring it."""
     cluster = ensure_cluster(home)
-    share_benchmarks(home)
+    if shared_benchmark:
+        share_benchmarks(home)
     nodes: list[LocalNode] = []
     try:
         for i, backend in enumerate(backends):
