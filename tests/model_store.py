@@ -1,7 +1,9 @@
 """A machine's model stores, built in a temporary HOME: Ollama's (manifests and blobs), LM Studio's,
 a Hugging Face cache snapshot whose file is a symlink to its blob, and a ``models.paths`` folder
 with a split GGUF, a truncated one and one of a family the runtime lacks. The default model
-(SmolLM2) is linked in, not copied."""
+(SmolLM2) is linked in, not copied. exo-tui's build cache stays the one of the process that built
+the store (``Store.cache``): under the store's HOME each process would build the ONNX kernel again,
+about a minute on a busy 2-core machine."""
 
 from __future__ import annotations
 
@@ -22,13 +24,22 @@ class Store:
     folder: Path  # the models.paths folder
     default_model: Path
     tiny: Path  # a tiny llama model (its blob in Ollama's store)
+    cache: str  # EXO_TUI_CACHE: the built kernels of the process that built the store
 
     @property
     def env(self) -> dict[str, str]:
-        """HOME and no store-moving variables (a developer's own would leak in)."""
+        """HOME and no store-moving variables (a developer's own would leak in); the build cache kept."""
         env = {k: v for k, v in os.environ.items() if k not in ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE")}
         env["HOME"] = str(self.home)
+        env["EXO_TUI_CACHE"] = self.cache
         return env
+
+
+def build_cache() -> str:
+    """The folder exo-tui keeps its built kernels in for this process (before HOME moves)."""
+    import platformdirs
+
+    return os.environ.get("EXO_TUI_CACHE", "").strip() or platformdirs.user_cache_dir("exo-tui")
 
 
 def link(src: Path, dst: Path) -> Path:
@@ -97,4 +108,4 @@ def build_store(base: Path, default_model: Path) -> Store:
     data = tiny.read_bytes()
     (folder / "truncated.gguf").write_bytes(data[: len(data) // 2])
     write_tiny_llama(folder / "odd-family.gguf", arch="mamba", seed=5)
-    return Store(home, folder, default_model, tiny)
+    return Store(home, folder, default_model, tiny, build_cache())

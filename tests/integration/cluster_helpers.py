@@ -12,6 +12,7 @@ from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.config import Config
 from exo_tui.net.security import ensure_cluster, write_node_bundle
+from tests.helpers.benchmarks import share_benchmarks
 
 
 @dataclass
@@ -26,9 +27,13 @@ class NodeSet:
 
 @contextlib.contextmanager
 def node_processes(home: Path, backends: list[str], *, memory_limits_gb: list[float | None] | None = None,
-                   extra_args: list[str] | None = None) -> Iterator[NodeSet]:
-    """Start one node agent process per backend (bundles issued by ``home``'s cluster)."""
+                   extra_args: list[str] | None = None, shared_benchmark: bool = True) -> Iterator[NodeSet]:
+    """Start one node agent process per backend (bundles issued by ``home``'s cluster).
+    ``shared_benchmark``: the nodes take the start-up benchmark earlier nodes of the session
+    measured (see :func:`~tests.helpers.benchmarks.share_benchmarks`) rather than measuring it."""
     cluster = ensure_cluster(home)
+    if shared_benchmark:
+        share_benchmarks(home)
     nodes: list[LocalNode] = []
     try:
         for i, backend in enumerate(backends):
@@ -38,6 +43,7 @@ def node_processes(home: Path, backends: list[str], *, memory_limits_gb: list[fl
             nodes.append(spawn_node(name, backend=backend, key_file=str(bundle), memory_limit_gb=limit,
                                     log_dir=home / "logs", env={"EXO_TUI_HOME": str(home)}, extra_args=extra_args))
         asyncio.run(_wait_all(nodes))
+        share_benchmarks(home)
         yield NodeSet(home, nodes)
     finally:
         for node in nodes:

@@ -43,6 +43,7 @@ from exo_tui.net.errors import HandshakeError
 from exo_tui.net.frame import PROTOCOL_VERSION, Frame, decode_frame, frame_bytes
 from exo_tui.net.security import _make_ca, ensure_cluster, load_chain, write_node_bundle
 from tests.factory import write_tiny_llama
+from tests.helpers.benchmarks import share_benchmarks
 from tests.helpers.wire import raw_frame, read_to_eof
 
 pytestmark = pytest.mark.slow
@@ -73,6 +74,7 @@ class Cluster:
         self.d = d
         self.home = d / "home"
         self.home.mkdir(mode=0o700)
+        share_benchmarks(self.home)  # the serve's local node's start-up benchmark, once a session
         self.config = d / "config.yaml"
         self.api_port, self.join_port, self.node_port = free_port(), free_port(), free_port()
         # a 2-core machine running several processes can starve one for a moment

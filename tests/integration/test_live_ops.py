@@ -220,8 +220,10 @@ def test_kill_9_during_generation(home: Path, references, position: str) -> None
                 async def kill() -> None:
                     os.kill(proc.pid, signal.SIGKILL)
 
-                [tokens] = await _disturbed(c, [PROMPTS[0]], LONG, kill)
-                assert tokens == _expected(references, PROMPTS[0], LONG)
+                # killed at token 15 of 60: the next step finds the node gone, the rest is rebuilt
+                # and decoded on the survivors (the ring's MLX node makes each token slow here)
+                [tokens] = await _disturbed(c, [PROMPTS[0]], SHORT, kill)
+                assert tokens == _expected(references, PROMPTS[0], SHORT)
                 assert c.nodes[victim].state == "failed"
                 assert victim not in c.plan.node_ids
                 assert any(e.kind == "node_failed" and e.node_id == victim for e in c.events.history)

@@ -28,7 +28,9 @@ def test_a_k_quant_models_resident_memory_is_its_file_bytes(tmp_path: Path) -> N
     shard_bytes = model.nbytes
     assert {model.tensor_info("blk.0.attn_q.weight").type_name, model.tensor_info("token_embd.weight").type_name} == \
         {"Q4_K", "Q6_K"}
-    with node_processes(tmp_path, ["onnx"]) as ns:
+    # the node measures its start-up benchmark as a fresh one does: with the benchmark taken from a
+    # cache its resident memory before the load is lower, and the load added 85 MB (over the bound)
+    with node_processes(tmp_path, ["onnx"], shared_benchmark=False) as ns:
         proc = psutil.Process(ns.nodes[0].pid)
 
         async def run() -> None:

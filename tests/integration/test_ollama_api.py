@@ -23,6 +23,7 @@ import pytest
 from exo_tui.cluster.local_nodes import free_port
 from exo_tui.cluster.view import Command
 from exo_tui.commands.serve import READY_PREFIX
+from tests.helpers.benchmarks import share_benchmarks
 from tests.model_store import Store, build_store
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -
     store = build_store(d, default_model_path)
     exo_home = d / "exo"
     exo_home.mkdir(mode=0o700)
+    share_benchmarks(exo_home)  # the local node's start-up benchmark, once a session
     config = d / "config.yaml"
     config.write_text("scheduler:\n  fault_tolerance:\n    heartbeat_timeout: 10\n"
                       f"models:\n  paths: [{json.dumps(str(store.folder))}]\n")

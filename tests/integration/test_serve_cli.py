@@ -26,6 +26,7 @@ import pytest
 from exo_tui.cluster.local_nodes import free_port
 from exo_tui.commands.serve import READY_PREFIX
 from tests.factory import write_tiny_llama
+from tests.helpers.benchmarks import share_benchmarks
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +54,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("serve")
     home = d / "home"
     home.mkdir(mode=0o700)
+    share_benchmarks(home)  # the local nodes' start-up benchmark, once a session
     model = write_tiny_llama(d / f"{MODEL_ID}.gguf", weight_type="Q8_0", seed=5)
     port = free_port()
     stderr = d / "serve.err"

@@ -19,6 +19,7 @@ from exo_tui.tui.screens.dialogs import ConfirmChange
 from exo_tui.tui.widgets.chat import Answer, ChatPane
 from exo_tui.tui.widgets.cluster import PartitionBar
 from exo_tui.tui.widgets.nodes import NodesTable
+from tests.helpers.benchmarks import share_benchmarks
 from tests.tui.conftest import plain, wait_until
 
 pytestmark = pytest.mark.slow
@@ -32,8 +33,10 @@ async def local_cluster(model: Path | str, home: Path, nodes: int, strategy: str
     # the test machine is shared and small: a busy node must not be declared failed mid-test
     config.scheduler.fault_tolerance.heartbeat_timeout = 20
     coordinator = Coordinator(model=str(model), local_nodes=nodes, home=home, config=config, strategy=strategy)
+    share_benchmarks(home)  # the nodes' start-up benchmark, once a session
     try:
         await coordinator.start()
+        share_benchmarks(home)
         yield coordinator
     finally:
         await coordinator.stop()

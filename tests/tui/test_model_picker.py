@@ -15,6 +15,7 @@ from exo_tui.tui.screens.dialogs import ConfirmChange
 from exo_tui.tui.screens.models import ModelsScreen, ModelsTable
 from exo_tui.tui.widgets.chat import Answer, ChatPane
 from tests.factory import write_tiny_llama
+from tests.helpers.benchmarks import share_benchmarks
 from tests.model_store import build_store
 from tests.tui.conftest import plain, wait_until
 
@@ -29,8 +30,10 @@ async def cluster_on(model: str, home: Path, paths: list[str]):
     config.scheduler.fault_tolerance.heartbeat_timeout = 20
     config.models.paths = paths
     coordinator = Coordinator(model=model, local_nodes=1, home=home, config=config, persist=False)
+    share_benchmarks(home)  # the node's start-up benchmark, once a session
     try:
         await coordinator.start()
+        share_benchmarks(home)
         yield coordinator
     finally:
         await coordinator.stop()
@@ -48,6 +51,7 @@ async def test_the_picker_lists_the_store_and_switches_the_model(default_model_p
     write_tiny_llama(store.folder / "huge-context.gguf", context_length=2_000_000_000, seed=6)
     for key in ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE"):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("EXO_TUI_CACHE", store.cache)  # the node process builds no kernel under the store's HOME
     monkeypatch.setenv("HOME", str(store.home))
     async with cluster_on("someone/tiny:q8", tmp_path / "exo", [str(store.folder)]) as cluster:
         app = ExoApp(cluster, refresh_s=0.5)
