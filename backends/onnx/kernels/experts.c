@@ -20,8 +20,12 @@
    way whatever else is in the step (QLinear's property), so a request's output does not depend
    on its batch. */
 
+#define _DEFAULT_SOURCE /* madvise's advice under -std=c11 */
 #include <math.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ort.h"
 #include "qlinear.h"
@@ -29,7 +33,32 @@
 typedef struct {
     int64_t h, f, k, norm, xbits;
     int fmt1, fmt2;
+    int advised; /* the weights' pages asked to be huge (huge_pages), once per kernel */
 } Experts;
+
+/* Asks Linux to back [p, p + n) with 2 MiB pages and to make them now (MADV_COLLAPSE, 6.1+):
+   ONNX Runtime copies the experts into buffers of its own on 4 KiB pages (the bench's qwen3moe
+   file: 1.4 GB of its 2.0 GB of anonymous memory), and a step reads its k experts from all over
+   them. Measured on that file's shape (128 Q4_K experts, H 2048, F 768, k 8, one row, one
+   thread, called directly, 400 alternating calls): 1.065 ms on 2 MiB pages against 1.095 ms on
+   4 KiB ones (p10), about 3 %; the collapse costs about 0.4 s at the first step (1.4 GB).
+   Advice only (the contents stay as they are); where the kernel cannot, nothing changes. */
+static void huge_pages(const void *p, size_t n)
+{
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)2 << 20, lo = ((uintptr_t)p + huge - 1) & ~(huge - 1);
+    const uintptr_t hi = ((uintptr_t)p + n) & ~(huge - 1);
+    if (hi <= lo)
+        return;
+    madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+    madvise((void *)lo, hi - lo, MADV_COLLAPSE);
+#else
+    (void)p, (void)n;
+#endif
+}
 
 typedef struct {
     QLJob *jobs;      /* one per chosen expert, in expert order */
@@ -221,6 +250,10 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     CHECK(API(API_GetTensorMutableData, GetTensorMutableData_t)(y_value, &data[4]));
     if (m == 0)
         return NULL;
+    if (__atomic_exchange_n(&((Experts *)op)->advised, 1, __ATOMIC_RELAXED) == 0) {
+        huge_pages(data[2], (size_t)(w1_dims[0] * w1_dims[1] * w1_dims[2]));
+        huge_pages(data[3], (size_t)(w2_dims[0] * w2_dims[1] * w2_dims[2]));
+    }
     OrtStatus *status = NULL;
     const int rc = forward(op, (const float *)data[0], (const float *)data[1], (const uint8_t *)data[2],
                            (const uint8_t *)data[3], (float *)data[4], m, e, context, &status);
@@ -292,7 +325,7 @@ int exo_experts(const float *x, const float *logits, const uint8_t *w1, const ui
                 int64_t e, int64_t h, int64_t f, int64_t k, int64_t norm, int64_t bits1, int64_t kquant1, int64_t bits2,
                 int64_t kquant2, int64_t xbits)
 {
-    const Experts op = {h, f, k, norm, xbits, ql_format(bits1, kquant1), ql_format(bits2, kquant2)};
+    const Experts op = {h, f, k, norm, xbits, ql_format(bits1, kquant1), ql_format(bits2, kquant2), 1};
     if (op.fmt1 < 0 || op.fmt2 < 0 || k > e || h % 32 || f % 32)
         return -1;
     if (xbits) {

@@ -1,0 +1,115 @@
+"""Where an ONNX shard's decode step goes, per op type, from ONNX Runtime's own profiler.
+
+Loads the whole model as one shard (``EXO_TUI_THREADS`` threads), decodes ``--decode`` tokens
+after a 16-token prompt with ``SessionOptions.enable_profiling`` on, and prints per op type the
+sum over its nodes of each node's median time in a decode step (medians, because on a shared
+machine other work preempts a step anywhere), the slowest nodes, and the median gap between a
+whole run and its nodes (ONNX Runtime's own work in a run).
+
+    python benchmarks/onnx_profile.py [--model bench:moe] [--threads 1] [--decode 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def profiled_decode(path: Path, threads: int, n: int, prefix: str) -> tuple[str, float]:
+    """Decodes ``n`` tokens with profiling on; ``(profile file, tok/s)``."""
+    os.environ["EXO_TUI_THREADS"] = str(threads)
+    import onnxruntime as ort
+
+    from backends import get_backend
+    from exo_tui.models.gguf_file import GGUFModel
+
+    plain = ort.SessionOptions
+
+    def profiling() -> ort.SessionOptions:
+        options = plain()
+        options.enable_profiling = True
+        options.profile_file_prefix = prefix
+        return options
+
+    ort.SessionOptions = profiling  # the shard's session, made below, profiles itself
+    try:
+        model = GGUFModel(path)
+        weights = model.shard_weights(0, model.config.n_layers)
+        weights.disposable = True
+        shard = get_backend("onnx").load_shard(model.config, weights)
+    finally:
+        ort.SessionOptions = plain
+    prompt = np.random.default_rng(0).integers(100, min(16000, model.config.vocab_size - 1), size=16)
+    logits = shard.forward("p", prompt, np.arange(16))
+    t0 = time.perf_counter()
+    for pos in range(16, 16 + n):
+        logits = shard.forward("p", np.array([int(np.argmax(logits[-1]))]), np.array([pos]))
+    tok_s = n / (time.perf_counter() - t0)
+    return shard._session.end_profiling(), tok_s
+
+
+def summarize(profile: str) -> None:
+    events = json.loads(Path(profile).read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+    median_run = statistics.median(b - a for a, b in runs)
+    steps = [(a, b) for a, b in runs if b - a < 1.6 * median_run]  # the prompt's runs are longer
+    starts = [a for a, _ in steps]
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    op_of: dict[str, str] = {}
+    in_run = [0.0] * len(steps)
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if i >= 0 and e["ts"] <= steps[i][1]:
+            node = e["name"].removesuffix("_kernel_time")
+            times[node].append(e["dur"])
+            op_of[node] = e["args"].get("op_name", "?")
+            in_run[i] += e["dur"]
+    per_op: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter[str] = collections.Counter()
+    for node, t in times.items():
+        per_op[op_of[node]] += statistics.median(t)
+        count[op_of[node]] += 1
+    print(f"{len(steps)} decode runs, a run's median {median_run / 1e3:.2f} ms\n")
+    print("| op | µs a step (its nodes' medians) | nodes |")
+    print("|---|---:|---:|")
+    for op, t in sorted(per_op.items(), key=lambda kv: -kv[1]):
+        print(f"| {op} | {t:.0f} | {count[op]} |")
+    print(f"| all nodes | {sum(per_op.values()):.0f} | |\n")
+    for node in sorted(times, key=lambda k: -statistics.median(times[k]))[:8]:
+        print(f"{node}: median {statistics.median(times[node]):.0f} µs")
+    gaps = [b - a - n for (a, b), n in zip(steps, in_run, strict=True)]
+    print(f"\na run less its nodes: median {statistics.median(gaps):.0f} µs")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bench:moe")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=64)
+    args = ap.parse_args()
+    from benchmarks.single_node import _bench_model
+    from exo_tui.models.registry import resolve_model
+
+    path = _bench_model(args.model[len("bench:"):]) if args.model.startswith("bench:") else resolve_model(args.model)
+    folder = Path(tempfile.mkdtemp(prefix="exo-onnx-profile-"))  # every session's profile, kept
+    profile, tok_s = profiled_decode(path, args.threads, args.decode, str(folder / "ort"))
+    print(f"{path.name}, {args.threads} threads: {tok_s:.1f} tok/s with the profiler on (profile: {profile})\n")
+    summarize(profile)
+
+
+if __name__ == "__main__":
+    main()
