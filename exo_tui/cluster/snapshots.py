@@ -135,7 +135,8 @@ def _shard_view(s: Any, pins: dict[str, Pin], spec: Any, pred: Any) -> ShardView
     node = pred.node(s.node_id) if pred is not None else None
     return ShardView(s.node_id, s.start, s.end, pinned=s.node_id in pins,
                      weight_bytes=int(spec.range_bytes(s.start, s.end, 0)) if spec is not None else 0,
-                     memory_bytes=node.memory_bytes if node else 0, usable_bytes=node.usable_bytes if node else 0)
+                     memory_bytes=node.memory_bytes if node else 0, usable_bytes=node.usable_bytes if node else 0,
+                     experts=tuple(spec.experts) if spec is not None else (0, 0))
 
 
 def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:

@@ -69,6 +69,7 @@ class ShardView:
     weight_bytes: int = 0  # its layers' bytes as the file has them (quantized), embedding / head included
     memory_bytes: int = 0  # what the plan counts it needs there: weights and KV caches at the context
     usable_bytes: int = 0  # what its node offers after reserves (0: unknown)
+    experts: tuple[int, int] = (0, 0)  # a mixture of experts: (experts per layer, chosen per token); (0, 0) dense
 
 
 @dataclass(frozen=True)

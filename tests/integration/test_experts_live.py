@@ -33,6 +33,7 @@ def test_a_mixture_of_experts_survives_a_drain_and_a_kill(tmp_path: Path, refere
         async def run() -> None:
             async with coordinator(ns, model=MODEL) as c:
                 assert c.spec.experts == (8, 2)
+                assert {s.experts for s in c.snapshot().plan.shards} == {(8, 2)}  # the node detail shows them
                 victim = c.plan.shards[0].node_id
                 proc = next(n for n in ns.nodes if n.port == c.nodes[victim].port)
 

@@ -157,6 +157,7 @@ class FakeCluster:
         self.queued_ahead: list[int] = []  # notes a chat yields before its answer, as while it waits its turn
         self.admit = asyncio.Event()  # set: the waiting chat is admitted
         self.admit.set()
+        self.experts = (0, 0)  # the model's (experts a layer, chosen a token); (0, 0) dense
         self.hold_before = ""  # the stream stops before the first word holding this, until ``resume`` is set
         self.resume = asyncio.Event()
         self.fail_next_chat = ""
@@ -208,7 +209,8 @@ class FakeCluster:
                 if node_id is not None:
                     nbytes = (layer - start) * self.layer_bytes
                     shards.append(ShardView(node_id, start, layer, pinned=node_id in pins, weight_bytes=nbytes,
-                                            memory_bytes=nbytes * 11 // 10, usable_bytes=2 * nbytes))
+                                            memory_bytes=nbytes * 11 // 10, usable_bytes=2 * nbytes,
+                                            experts=self.experts))
                 start = layer
         return tuple(shards)
 

@@ -406,8 +406,19 @@ async def test_node_detail_shows_score_breakdown(make_app):
         score = plain(screen.query_one("#detail-score"))
         assert "vram_fit" in score and "performance" in score and "112.5" in score
         assert "layers 0–9" in plain(screen.query_one("#detail-shards"))
+        assert "experts" not in plain(screen.query_one("#detail-shards"))  # a dense model
         await pilot.press("q")
         await wait_until(pilot, lambda: app.screen is app.main_screen)
+
+
+async def test_node_detail_shows_a_mixtures_experts_per_layer(make_app, fake):
+    fake.experts = (128, 8)
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("down", "enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, NodeDetailScreen))
+        await wait_until(pilot, lambda: "128 experts a layer, 8 chosen a token" in plain(app.screen.query_one("#detail-shards")))
 
 
 async def test_bootstrap_asks_for_the_host_key_then_shows_steps(make_app, fake):
