@@ -92,7 +92,7 @@ def preview(c: Any, name: str, specs: SpecCache, view: Any) -> PlanPreview:
     before = c.plan.predictions.tok_per_s_single if c.plan is not None and c.plan.predictions else 0.0
     change = replace(change, tok_per_s_before=before)
     streaming = f"{len(c._active)} answer(s) streaming at the switch end with an error; " if c._active else ""
-    result: PlanPreview = view("model", (name,), change, c, streaming + SWITCH_NOTE)
+    result: PlanPreview = view("model", (name,), change, c, streaming + SWITCH_NOTE, spec)
     if result.new_plan is not None and c.plan is not None:  # planned from no plan: it would be v1
         result = replace(result, new_plan=replace(result.new_plan, version=c.plan.version + 1))
     if c.model is not None and _same_file(path, Path(c.model.path)):

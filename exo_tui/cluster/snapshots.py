@@ -153,7 +153,10 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:
     )
 
 
-def _to_view_preview(action: str, ids: tuple[str, ...], change: ChangePreview, c: Coordinator, note: str) -> PlanPreview:
+def _to_view_preview(action: str, ids: tuple[str, ...], change: ChangePreview, c: Coordinator, note: str,
+                     spec: Any = None) -> PlanPreview:
+    """The operator's view of ``change``; ``spec``: the model its new plan is for (another model's,
+    when it previews a switch), else the one served."""
     moves = tuple(LayerMove(m.start, m.end, m.src, m.dst, m.nbytes) for m in (change.diff.moves if change.diff else ()))
     notes = [n for n in (note, *change.notes) if n]
     return PlanPreview(
@@ -163,7 +166,7 @@ def _to_view_preview(action: str, ids: tuple[str, ...], change: ChangePreview, c
         bytes_moved=change.bytes_moved,
         tok_per_s_before=change.tok_per_s_before,
         tok_per_s_after=change.tok_per_s_after,
-        new_plan=_plan_view(change.new_plan, c.pins, c.spec) if change.new_plan else None,
+        new_plan=_plan_view(change.new_plan, c.pins, spec if spec is not None else c.spec) if change.new_plan else None,
         error=change.error,
         note="; ".join(notes),
     )

@@ -8,6 +8,7 @@ working while an answer streams.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
@@ -55,6 +56,8 @@ STRUCTURAL = (
     ev.BootstrapProgress,
 )
 GLOBAL_ACTIONS = frozenset(k.action for k in keymap.specs("global"))
+
+log = logging.getLogger("exo_tui.tui")
 
 
 class ExoApp(App):
@@ -470,6 +473,7 @@ class ExoApp(App):
         try:
             preview = await self.control.preview(command)
         except Exception as exc:  # shown to the operator in the confirmation, which says it cannot be done
+            log.warning("preview of %s failed", command.action, exc_info=True)
             preview = PlanPreview(action=command.action, targets=command.targets, error=str(exc) or type(exc).__name__,
                                   layers=command.layers)
         self.post_message(PreviewReady(preview))

@@ -140,6 +140,11 @@ def test_scrape_during_a_stream_then_a_drain_and_a_kill_9(pair, home: Path) -> N
                                         await during()
                         return usage["completion_tokens"]
 
+                    # a node's figures are its heartbeats' (left out until the first): wait for one each
+                    for _ in range(600):
+                        if all("cpu_percent" in c.nodes[n].metrics for n in ids):
+                            break
+                        await asyncio.sleep(0.05)
                     n1 = await stream(40)
                     mid1, mid2 = scrapes[-2:]
                     assert _value(mid2, "exo_tui_generation_tokens_total") > _value(mid1, "exo_tui_generation_tokens_total")

@@ -92,7 +92,7 @@ async def test_the_picker_lists_the_store_and_switches_the_model(default_model_p
             await pilot.press("enter")
             await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange), timeout=60)
             preview = app.screen.preview
-            assert preview.action == "model" and preview.targets == ("smollm2:135m",) and not preview.error
+            assert preview.action == "model" and preview.targets == ("smollm2:135m",) and not preview.error, preview
             assert preview.moves and all(m.src is None for m in preview.moves)
             assert sum(m.end - m.start for m in preview.moves) == 30
             assert preview.bytes_moved == sum(m.nbytes for m in preview.moves) > 90e6
