@@ -413,6 +413,7 @@ async def test_node_detail_shows_score_breakdown(make_app):
 
 async def test_node_detail_shows_a_mixtures_experts_per_layer(make_app, fake):
     fake.experts = (128, 8)
+    fake.shards = fake._split(fake._eligible())  # the plan it serves, of a mixture now
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: table(app).row_count == 3)
