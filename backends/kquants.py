@@ -100,7 +100,7 @@ def _decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...
         high_lo = ((qh[:, :, None, :] >> (2 * j)) & 1) << 4
         high_hi = ((qh[:, :, None, :] >> (2 * j + 1)) & 1) << 4
         codes = np.stack([(qs & 0x0F) | high_lo, (qs >> 4) | high_hi], axis=3)
-    return codes.reshape(rows, cols).astype(np.uint8), scales.reshape(rows, -1), biases.reshape(rows, -1), fields
+    return codes.reshape(rows, cols).astype(np.uint8, copy=False), scales.reshape(rows, -1), biases.reshape(rows, -1), fields
 
 
 def superblocks(type_name: str, scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, ...] | None:

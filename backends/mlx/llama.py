@@ -337,11 +337,14 @@ class ShardModel:
     def __init__(self, config: ModelConfig, weights: ShardWeights, n_parts: int = 1) -> None:
         self.config = config
         self.kinds = Kinds.of(config, range(weights.start, weights.end))
-        self.layers = [
-            TransformerBlock(config, lw, f"blk.{weights.start + i}", n_parts,
-                             self.kinds.table_of[i], self.kinds.window_of[i])
-            for i, lw in enumerate(weights.layers)
-        ]
+        self.layers = []
+        for i in range(len(weights.layers)):  # by index: an iterator would hold the last layer while it makes the next
+            lw = weights.layers[i]
+            self.layers.append(TransformerBlock(config, lw, f"blk.{weights.start + i}", n_parts,
+                                                self.kinds.table_of[i], self.kinds.window_of[i]))
+            if weights.disposable:  # its arrays are MLX's now (see ShardWeights.disposable)
+                weights.layers[i] = None
+            del lw
         self.embed_tokens: MLXWeight | None = (
             to_mlx(weights.embed, "token_embd", n_parts) if weights.embed is not None else None
         )

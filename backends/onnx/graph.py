@@ -324,7 +324,8 @@ def build_shard_graph(
     kv_type = TensorProto.FLOAT16 if half_kv else f32
 
     h, skip = "hidden_in", None
-    for i, lw in enumerate(weights.layers):
+    for i in range(len(weights.layers)):  # by index: an iterator would hold the last layer while it makes the next
+        lw = weights.layers[i]
         layer = weights.start + i
         key = table_key(c, layer)
         if key not in tables:
@@ -365,6 +366,7 @@ def build_shard_graph(
                 skip = b.norm(skip, lw.ffn_post_norm)
             if weights.disposable:
                 weights.layers[i] = None  # type: ignore[call-overload]
+                del lw
             continue
         gu = b.linear(m, [lw.w_gate, lw.w_up], f"l{i}_gateup")
         split = b.const("split", np.array([c.intermediate_size, c.intermediate_size], dtype=np.int64))
@@ -379,6 +381,7 @@ def build_shard_graph(
             skip = b.norm(skip, lw.ffn_post_norm)
         if weights.disposable:
             weights.layers[i] = None  # type: ignore[call-overload]  # its arrays are built; see ShardWeights
+            del lw  # else it lives on while the next layer is read (a decoded K-quant layer is ~2.3x its file bytes)
 
     if is_last:
         if weights.norm is None or weights.output is None:

@@ -65,8 +65,11 @@ async def switch(c: Any, model: Any, name: str) -> None:
         limit = max(1, c.config.scheduler.load_balancing.max_task_migration)
         for i in range(0, len(ring.ring), limit):
             batch = ring.ring[i : i + limit]
-            bodies = await asyncio.gather(*(c._load_shard(e, model, key) for e in batch))
-            loaded += zip(batch, bodies, strict=True)
+            bodies = await asyncio.gather(*(c._load_shard(e, model, key) for e in batch), return_exceptions=True)
+            loaded += [(e, b) for e, b in zip(batch, bodies, strict=True) if not isinstance(b, BaseException)]
+            failed = next((b for b in bodies if isinstance(b, BaseException)), None)
+            if failed is not None:  # what did load in this batch is in ``loaded``: unloaded below
+                raise failed
     except LOAD_ERRORS as exc:
         log.info("the nodes cannot hold %s beside %s (%s): unloading %s first", model.name, c.model.name, exc, c.model.name)
         c._notice("info", f"the nodes cannot hold {model.name} beside {c.model.name} ({exc}): "

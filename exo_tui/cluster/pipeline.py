@@ -166,6 +166,11 @@ class RemotePipeline:
         """Record that a request's caches now live on plan ``version`` (after a KV move)."""
         self._cached[rid] = _Cached(version, length)
 
+    def forget_cached(self, rid: str) -> None:
+        """The request's caches are gone (a node unloaded their shard): its next step rebuilds them
+        from its tokens."""
+        self._cached.pop(rid, None)
+
     def in_flight(self) -> list[str]:
         return list(self._cached)
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +30,9 @@ from exo_tui.config import GB
 from exo_tui.inference.generate import GenerationError
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
-from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
+from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
+from exo_tui.node.host import LOAD_PEAK_LAYERS
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
 from exo_tui.node.profile import BENCH_CONFIG
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
@@ -43,13 +46,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("exo_tui.cluster")
 
 # Bytes of one benchmark layer (Q4_1 blocks of SmolLM2-135M's shape): node timings scale from it.
-# Bytes of one benchmark layer (Q4_1 blocks of SmolLM2-135M's shape): node timings scale from it.
 _BENCH_PARAMS = (
     2 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.n_heads * BENCH_CONFIG.head_dim
     + 2 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.n_kv_heads * BENCH_CONFIG.head_dim
     + 3 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.intermediate_size
 )
 BENCH_LAYER_BYTES = _BENCH_PARAMS * 20 // 32
+
+KV_HOLD_BYTES = 1 << 30  # in-flight caches the coordinator holds while short nodes swap their shards
 
 
 class PlanSwitching:
@@ -72,7 +76,9 @@ class PlanSwitching:
                 # The limit is the node process's whole budget: what it holds besides its shards'
                 # bytes (its runtime, measured: node/kv_budget.py) is not offered. Add the reserves
                 # back so the scheduler's usable memory equals what is left.
+                # A load's peak beside its shard's arrays (node/host.py) is not offered either.
                 runtime = max(0, int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held)
+                runtime += int(LOAD_PEAK_LAYERS * max(self.spec.layers, default=0)) if self.spec is not None else 0
                 avail = int(min(avail, p.memory_limit_bytes - runtime) + rc.system_reserved_ram * GB
                             + rc.emergency_reserve * total)
             out.append(
@@ -174,7 +180,12 @@ class PlanSwitching:
         self._notice("error", self._serve_error)
 
     async def _switch(self, new: Plan, reason: str, *, move_kv: bool = True) -> None:
-        """Load, switch at a token boundary, move KV, unload (see the module doc)."""
+        """Load, switch at a token boundary, move KV, unload (see the module doc).
+
+        A node whose memory limit cannot hold its new shards beside the ones it serves now is
+        *short*: it swaps them during the pause instead (the in-flight caches are read from its
+        old shards first, then those unload, then the new ones load), so the pause lasts its load;
+        its limit is never passed, and the answer goes on."""
         async with self._plan_lock:
             old_plan, old_ring = self.plan, self.ring
             same = old_plan is not None and self._plan_alive() and old_plan.shards == new.shards
@@ -187,30 +198,93 @@ class PlanSwitching:
             ring = self._ring_for(new)
             moves = _moves(old_plan, new, self.spec)
             # 1. load what is missing, max_task_migration at a time, while the old plan serves
-            limit = max(1, self.config.scheduler.load_balancing.max_task_migration)
             missing = [e for e in ring.ring if (e.start, e.end) not in self.nodes[e.node_id].held]
-            for i in range(0, len(missing), limit):
-                await asyncio.gather(*(self._ensure_shard(e) for e in missing[i : i + limit]))
+            short = self._short_of_room(missing)
+            await self._load_entries([e for e in missing if e.node_id not in short], short)
+            swapped = [e for e in missing if e.node_id in short]
             conns = [self.connection(e.node_id) for e in ring.ring]
             await asyncio.gather(*(conn.call("plan", {"plan": ring.to_dict()}, timeout=30) for conn in conns))
             # 2. switch at a token boundary: no new step starts; wait for the ones running
             self._plan_ready.clear()
-            await self._idle.wait()
-            # 3. move the KV caches of requests in flight
-            if move_kv and old_ring is not None and self._plan_alive():
-                await self._move_kv(old_ring, ring)
-            self.plan, self.ring = new, ring
-            self._serve_error = ""
-            self._plan_ready.set()
-            # 4. unload what the new plan does not use; drained nodes become drained
-            await self._unload_unused(ring)
+            try:
+                await self._idle.wait()
+                swap = (lambda: self._swap_shards(swapped, ring, old_ring)) if swapped else None
+                # 3. move the KV caches of requests in flight (short nodes swap their shards between
+                # reading and writing them)
+                if move_kv and old_ring is not None and self._plan_alive():
+                    await self._move_kv(old_ring, ring, swap)
+                elif swap is not None:
+                    await swap()
+                self.plan, self.ring = new, ring
+                self._serve_error = ""
+                # 4. unload what the new plan does not use before steps resume: the nodes' memory
+                # and KV budgets are the new plan's when they do; drained nodes become drained
+                await self._unload_unused(ring)
+            finally:
+                self._plan_ready.set()
             self._refresh_states()
             if self.store is not None:
                 self.store.save_plan(new.version, str(self.model.path) if self.model else "", new.to_dict())
-            diff = {"moves": [m.__dict__ for m in moves], "bytes_moved": sum(m.nbytes for m in moves)}
+            diff = {"moves": [m.__dict__ for m in moves], "bytes_moved": sum(m.nbytes for m in moves),
+                    "swapped": sorted({e.node_id for e in swapped})}
             self.events.publish(ev.PlanChanged(version=new.version, plan=new.to_dict(), diff=diff, reason=reason))
             self._touch()
-            log.info("plan %d in force (%s): %s", new.version, reason, new.layout)
+            log.info("plan %d in force (%s): %s%s", new.version, reason, new.layout,
+                     f"; swapped on {', '.join(diff['swapped'])} (short of memory)" if swapped else "")
+
+    def _short_of_room(self, missing: list[PlanEntry]) -> set[str]:
+        """The nodes whose missing shards do not fit beside the shards they hold, under their memory
+        limit as their last KV report gives it (what the process holds besides caches, the caches,
+        the budget's least reserve)."""
+        need: dict[str, int] = {}
+        for e in missing:
+            need[e.node_id] = need.get(e.node_id, 0) + self.spec.range_bytes(e.start, e.end, 0)
+        short = set()
+        for node_id, nbytes in need.items():
+            h = self.nodes[node_id]
+            kv = h.metrics.get("kv") or {}
+            limit = int(kv.get("limit_bytes") or 0)
+            if not h.held or not limit:
+                continue
+            room = limit - int(kv.get("runtime_bytes", 0)) - int(kv.get("used_bytes", 0)) - RESERVE_MIN_BYTES
+            if nbytes + LOAD_PEAK_LAYERS * max(self.spec.layers, default=0) > room:
+                short.add(node_id)
+        return short
+
+    async def _load_entries(self, entries: list[PlanEntry], short: set[str] | None = None) -> None:
+        """Load ``entries``, max_task_migration at a time. A node that refuses for want of room
+        (its memory grew since its report) joins ``short`` where one is given; any other failure
+        (and without ``short``, that one too) is raised once the batch's other loads are done."""
+        limit = max(1, self.config.scheduler.load_balancing.max_task_migration)
+        for i in range(0, len(entries), limit):
+            batch = entries[i : i + limit]
+            results = await asyncio.gather(*(self._ensure_shard(e) for e in batch), return_exceptions=True)
+            for e, result in zip(batch, results, strict=True):
+                if short is not None and isinstance(result, RemoteError) and result.code == NoRoom.code:
+                    log.info("node %s: %s; it swaps its shards during the pause", e.node_id, result)
+                    short.add(e.node_id)
+                elif isinstance(result, BaseException):
+                    raise result
+
+    async def _swap_shards(self, entries: list[PlanEntry], ring: RingPlan, old_ring: RingPlan | None) -> None:
+        """On nodes short of memory: unload what ``ring`` does not use, then load ``entries``. If a
+        load fails, the old shards load again (the old plan serves on) and the error is raised."""
+        nodes = {e.node_id for e in entries}
+        await self._unload_unused(ring, nodes)
+        try:
+            await self._load_entries(entries)
+        except BaseException:
+            back = [e for e in (old_ring.ring if old_ring else ()) if e.node_id in nodes
+                    and (e.start, e.end) not in self.nodes[e.node_id].held]
+            keep = {(e.node_id, e.start, e.end) for e in (old_ring.ring if old_ring else ())}
+            for e in entries:  # what did load makes room for the old shards
+                if (e.node_id, e.start, e.end) not in keep and (e.start, e.end) in self.nodes[e.node_id].held:
+                    await self._unload(self.nodes[e.node_id], e.start, e.end)
+            with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
+                await self._load_entries(back)
+            for rid in self.pipeline.in_flight():  # their caches on those nodes went with the old shards
+                self.pipeline.forget_cached(rid)
+            raise
 
     def _refresh_states(self) -> None:
         """Drained when a drained node holds nothing, draining while it still does, else ready."""
@@ -273,46 +347,84 @@ class PlanSwitching:
             return self.weights_mode == "path"
         return is_loopback(h.host) and h.profile.hostname == socket.gethostname()
 
-    async def _unload_unused(self, ring: RingPlan) -> None:
+    async def _unload_unused(self, ring: RingPlan, nodes: set[str] | None = None) -> None:
+        """Unload every shard ``ring`` does not use (on ``nodes`` only, when given), all nodes at once."""
         keep = {(e.node_id, e.start, e.end) for e in ring.ring}
-        for h in self.nodes.values():
-            if not h.connected:
-                continue
-            for start, end in list(h.held):
-                if (h.node_id, start, end) not in keep:
-                    with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
-                        h.note_kv((await h.conn.call("unload", {"start": start, "end": end, "model": self._model_key},
-                                                     timeout=30)).body)
-                    h.held.discard((start, end))
-                    h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
+        await asyncio.gather(*(
+            self._unload(h, start, end)
+            for h in self.nodes.values() if h.connected and (nodes is None or h.node_id in nodes)
+            for start, end in list(h.held) if (h.node_id, start, end) not in keep
+        ))
 
-    async def _move_kv(self, old: RingPlan, new: RingPlan) -> None:
-        """Move every in-flight request's caches from the old ring's shards to the new ones."""
+    async def _unload(self, h: NodeHandle, start: int, end: int) -> None:
+        with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
+            assert h.conn is not None
+            h.note_kv((await h.conn.call("unload", {"start": start, "end": end, "model": self._model_key}, timeout=30)).body)
+        h.held.discard((start, end))
+        h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
+
+    async def _move_kv(self, old: RingPlan, new: RingPlan, swap: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Move every in-flight request's caches from the old ring's shards to the new ones, a
+        request at a time. With ``swap`` (nodes short of memory swap their shards), every cache is
+        read first and held here (up to ``KV_HOLD_BYTES``; the others are rebuilt from their
+        tokens), then ``swap`` runs, then the caches are written."""
+        held: list[tuple[str, int, list[tuple[PlanEntry, KVCache]]]] = []
+        held_bytes = 0
         for rid in self.pipeline.in_flight():
             cached = self.pipeline.cached(rid)
             if cached is None or cached[0] != old.version:
                 continue
             try:
-                for e in new.ring:
-                    if any(o.node_id == e.node_id and (o.start, o.end) == (e.start, e.end) for o in old.ring):
-                        continue  # the same shard on the same node keeps its cache
-                    parts = []
-                    for o in old.ring:
-                        a, b = max(o.start, e.start), min(o.end, e.end)
-                        if a >= b:
-                            continue
-                        reply = await self.connection(o.node_id).call(
-                            "kv_export", {"rid": rid, "start": a, "end": b, "model": old.model}, timeout=30)
-                        parts.append(kv_from_array(a, b, np.asarray(reply.tensor), reply.body))
-                    cache = _concat_kv(parts)
-                    await self.connection(e.node_id).call(
-                        "kv_import", {"rid": rid, "start": e.start, "end": e.end, "model": new.model, **kv_fields(cache)},
-                        tensor=kv_to_array(cache), timeout=30
-                    )
+                moved = await self._export_kv(rid, old, new)
+                if swap is None:
+                    await self._import_kv(rid, new, moved)
             except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError, HostError) as exc:
                 log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
                 continue
-            self.pipeline.set_cached(rid, new.version, cached[1])
+            if swap is None:
+                self.pipeline.set_cached(rid, new.version, cached[1])
+                continue
+            nbytes = sum(k.nbytes + v.nbytes for _, c in moved for k, v in zip(c.keys, c.values, strict=True))
+            if held_bytes + nbytes > KV_HOLD_BYTES:
+                log.info("KV of %s not held through the swap (%d MB held already): it will be rebuilt from its tokens",
+                         rid, held_bytes >> 20)
+                continue
+            held.append((rid, cached[1], moved))
+            held_bytes += nbytes
+        if swap is None:
+            return
+        await swap()
+        for rid, n, moved in held:
+            try:
+                await self._import_kv(rid, new, moved)
+            except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError, HostError) as exc:
+                log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
+                continue
+            self.pipeline.set_cached(rid, new.version, n)
+
+    async def _export_kv(self, rid: str, old: RingPlan, new: RingPlan) -> list[tuple[PlanEntry, KVCache]]:
+        """Request ``rid``'s caches for each shard of ``new`` that is not already where it was."""
+        moved = []
+        for e in new.ring:
+            if any(o.node_id == e.node_id and (o.start, o.end) == (e.start, e.end) for o in old.ring):
+                continue  # the same shard on the same node keeps its cache
+            parts = []
+            for o in old.ring:
+                a, b = max(o.start, e.start), min(o.end, e.end)
+                if a >= b:
+                    continue
+                reply = await self.connection(o.node_id).call(
+                    "kv_export", {"rid": rid, "start": a, "end": b, "model": old.model}, timeout=30)
+                parts.append(kv_from_array(a, b, np.asarray(reply.tensor), reply.body))
+            moved.append((e, _concat_kv(parts)))
+        return moved
+
+    async def _import_kv(self, rid: str, new: RingPlan, moved: list[tuple[PlanEntry, KVCache]]) -> None:
+        for e, cache in moved:
+            await self.connection(e.node_id).call(
+                "kv_import", {"rid": rid, "start": e.start, "end": e.end, "model": new.model, **kv_fields(cache)},
+                tensor=kv_to_array(cache), timeout=30
+            )
 
     # ================================================================== PipelineHost
 

@@ -29,7 +29,7 @@ from exo_tui.models.families import (
 from exo_tui.models.gguf_header import GGUFHeader, type_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "UnsupportedModelError",
-           "assemble_shard", "tensor_from_raw"]
+           "lazy_shard", "tensor_from_raw"]
 # Block formats kept quantized (affine blocks of 32; the K-quants' groups through backends/kquants.py);
 # other types are dequantized at load.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -260,24 +260,18 @@ class GGUFModel:
         n = self.config.n_layers
         if not 0 <= start < end <= n:
             raise ModelFileError(f"layer range [{start}, {end}) is not within [0, {n}) of {self.path}")
-        cfg = self.config
-        layers = LazyLayers(lambda j: assemble_layer(cfg, start + j, self.tensor), end - start)
-        weights = _with_ends(cfg, start, end, layers, self.tensor, tied=self.tied_embeddings)
+        weights = lazy_shard(self.config, start, end, self.tensor, tied=self.tied_embeddings)
         weights.stored_nbytes = sum(self.tensor_info(n).nbytes for n in self.shard_tensor_names(start, end))
         return weights
 
 
-def assemble_shard(config: ModelConfig, start: int, end: int, tensors: dict[str, Weight]) -> ShardWeights:
-    """Shard weights from tensors by GGUF name (read from a file or streamed over the wire), in the
-    backends' layout: fused matrices split, NeoX heads permuted to adjacent pairs."""
-
-    def get(name: str) -> Weight:
-        if name not in tensors:
-            raise ModelFileError(f"shard [{start}, {end}) is missing tensor {name}")
-        return tensors[name]
-
-    layers = [assemble_layer(config, i, get) for i in range(start, end)]
-    return _with_ends(config, start, end, layers, get, tied="output.weight" not in tensors)
+def lazy_shard(config: ModelConfig, start: int, end: int, get: Callable[[str], Weight], *, tied: bool) -> ShardWeights:
+    """Shard weights whose layers are read (``get`` by GGUF name) when a backend first reads each,
+    in the backends' layout: fused matrices split, NeoX heads permuted to adjacent pairs. A backend
+    that drops each layer once built holds one decoded layer at a time (a decoded K-quant layer is
+    ~2.3x its file bytes: codes a byte each, float32 scales and biases)."""
+    layers = LazyLayers(lambda j: assemble_layer(config, start + j, get), end - start)
+    return _with_ends(config, start, end, layers, get, tied=tied)
 
 
 def _with_ends(config: ModelConfig, start: int, end: int, layers, get: Callable[[str], Weight],  # noqa: ANN001

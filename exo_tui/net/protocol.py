@@ -25,6 +25,13 @@ class HostError(Exception):
     code = "error"
 
 
+class NoRoom(HostError):
+    """A load would take the node past its ``--memory-limit``: the coordinator frees the node's
+    old shards first (a switch with a longer pause) or plans around it."""
+
+    code = "no_room"
+
+
 class ChunkChecksumError(HostError):
     """A chunk of weights arrived corrupted: the sender may send it again."""
 

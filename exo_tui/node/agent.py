@@ -73,7 +73,7 @@ from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
-from exo_tui.node.kv_budget import BudgetExceeded, KVBudget, shard_cost
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")
@@ -179,7 +179,7 @@ class NodeAgent:
         if self.run_benchmark:
             profile = await loop.run_in_executor(None, lambda: benchmark(profile, backends=[self.backend]))
         self.profile = profile
-        self.host = ShardHost(profile.node_id, self.backend)
+        self.host = ShardHost(profile.node_id, self.backend, room=self._load_room)
         self._shards_changed()
         # Forward frames are handled in the read loop (no hand-off to a lane task): _op_forward
         # either queues the step or runs a decode step at once, and never awaits anything slow.
@@ -637,6 +637,15 @@ class NodeAgent:
                                            c.ring_window)
         self.kv.set_shards(per_position)
         self.kv.observe(psutil.Process().memory_info().rss, psutil.virtual_memory().available, settled=True)
+
+    def _load_room(self) -> int | None:
+        """The bytes a shard's load may take here: the memory limit less what the process holds
+        now (weights, runtime, caches) and the KV budget's least reserve; None without a limit."""
+        if not self.memory_limit_bytes:
+            return None
+        import psutil
+
+        return self.memory_limit_bytes - psutil.Process().memory_info().rss - RESERVE_MIN_BYTES
 
     def _within_budget(self, batch: list[_Step], key: tuple[int, int], idxs: list[int], results: list[Any]) -> list[int]:
         """The steps of ``idxs`` (on shard ``key``) whose caches fit this node's KV budget; the

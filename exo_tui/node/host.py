@@ -21,8 +21,13 @@ import numpy as np
 
 from backends import get_backend
 from backends.base import KVCache, ModelConfig, Shard, ShardWeights
-from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, assemble_shard, tensor_from_raw
-from exo_tui.net.protocol import ChunkChecksumError, HostError, PlanEntry, RingPlan
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, lazy_shard, tensor_from_raw
+from exo_tui.net.protocol import ChunkChecksumError, HostError, NoRoom, PlanEntry, RingPlan
+
+# A load's peak beyond the shard's own arrays, in its largest layer's file bytes: the layer being
+# built, decoded (a K-quant layer's codes a byte each with float32 scales and biases, ~2.3x its
+# file bytes), and the packing's temporaries. Measured: 3.0 for a 2048-wide Q4_K_M layer.
+LOAD_PEAK_LAYERS = 3.5
 
 
 @dataclass
@@ -55,16 +60,27 @@ class Transfer:
         self.buffer[offset : offset + len(data)] = data
         self.received += len(data)
 
-    def tensors_by_name(self) -> dict[str, Any]:
+    def shard_weights(self) -> ShardWeights:
+        """The shard, each tensor decoded from the received bytes when the backend reads its layer
+        (one decoded layer at a time beside the bytes, not all of them)."""
         if self.received != self.total_bytes:
             raise HostError(f"transfer {self.transfer_id}: got {self.received} of {self.total_bytes} bytes")
         raw = np.frombuffer(self.buffer, dtype=np.uint8)
-        out: dict[str, Any] = {}
+        spans: dict[str, tuple[TensorInfo, int]] = {}
         offset = 0
         for info in self.tensors:
-            out[info.name] = tensor_from_raw(info, raw[offset : offset + info.nbytes])
+            spans[info.name] = (info, offset)
             offset += info.nbytes
-        return out
+
+        def get(name: str) -> Any:
+            if name not in spans:
+                raise ModelFileError(f"shard [{self.start}, {self.end}) is missing tensor {name}")
+            info, at = spans[name]
+            return tensor_from_raw(info, raw[at : at + info.nbytes])
+
+        weights = lazy_shard(self.config, self.start, self.end, get, tied="output.weight" not in spans)
+        weights.stored_nbytes = self.total_bytes
+        return weights
 
 
 @dataclass
@@ -88,8 +104,9 @@ class ShardHost:
     model while the current one serves, then unloads the old one. An untagged load of another
     model's layers replaces every shard (one model at a time)."""
 
-    def __init__(self, node_id: str, default_backend: str) -> None:
+    def __init__(self, node_id: str, default_backend: str, room: Callable[[], int | None] = lambda: None) -> None:
         self.node_id = node_id
+        self.room = room  # bytes a load may still take (its --memory-limit less what the process holds); None: no limit
         self.default_backend = default_backend
         self.shards: dict[tuple[str, int, int], HostedShard] = {}
         self.plans: dict[int, RingPlan] = {}
@@ -102,10 +119,25 @@ class ShardHost:
 
     def load_from_file(self, path: str, start: int, end: int, backend: str | None, model: str = "") -> HostedShard:
         gguf = self._open(path)
+        self._check_room(sum(gguf.tensor_info(n).nbytes for n in gguf.shard_tensor_names(start, end)),
+                         max(gguf.layer_nbytes(i) for i in range(start, end)), start, end)
         try:
             return self._install(gguf.config, lambda: gguf.shard_weights(start, end), backend, model)
         finally:
             gguf.release_pages()  # the shard has its own copy: the file's pages need not stay resident
+
+    def _check_room(self, nbytes: int, layer_bytes: int, start: int, end: int) -> None:
+        """Refuse a load of ``nbytes`` (its largest layer ``layer_bytes`` in the file) that would take
+        the process past its memory limit at its peak: it is enforced here, not only planned around.
+        A shard is about its file's bytes once loaded; while it loads, one layer at a time is
+        decoded beside it (``LOAD_PEAK_LAYERS``)."""
+        room = self.room()
+        need = nbytes + int(LOAD_PEAK_LAYERS * layer_bytes)
+        if room is not None and need > room:
+            raise NoRoom(
+                f"loading layers [{start}, {end}) needs {need / 1e6:.0f} MB and this node has {max(0, room) / 1e6:.0f} MB "
+                f"left under its --memory-limit ({len(self.shards)} shards held): unload a shard first, or give it more memory"
+            )
 
     def _open(self, path: str) -> GGUFModel:
         """The model file, opened once (parsing a GGUF's vocabulary takes seconds) while it is
@@ -134,6 +166,12 @@ class ShardHost:
                 f"transfer {transfer_id}: {total / 1e9:.2f} GB of weights do not fit in the {free / 1e9:.2f} GB free here: "
                 "give this node fewer layers or free memory"
             )
+        layers: dict[str, int] = {}
+        for t in tensors:  # a layer's bytes by its tensors' "blk.N." prefix
+            if t.name.startswith("blk."):
+                layers[t.name.split(".")[1]] = layers.get(t.name.split(".")[1], 0) + t.nbytes
+        # the bytes received stay until the shard is built from them
+        self._check_room(2 * total, max(layers.values(), default=0), start, end)
         transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total, model)
         self.transfers[transfer_id] = transfer
         return transfer
@@ -143,12 +181,10 @@ class ShardHost:
         if transfer is None:
             raise HostError(f"no transfer {transfer_id} in progress here: begin it first")
 
-        def weights() -> ShardWeights:
-            tensors = transfer.tensors_by_name()
-            transfer.buffer = bytearray()
-            return assemble_shard(transfer.config, transfer.start, transfer.end, tensors)
-
-        return self._install(transfer.config, weights, transfer.backend, transfer.model)
+        try:
+            return self._install(transfer.config, transfer.shard_weights, transfer.backend, transfer.model)
+        finally:
+            transfer.buffer = bytearray()  # the shard has its own form of the bytes
 
     def _install(self, config: ModelConfig, make_weights: Callable[[], ShardWeights], backend: str | None,
                  model: str = "") -> HostedShard:

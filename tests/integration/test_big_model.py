@@ -23,14 +23,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from exo_tui import events as ev
 from exo_tui.cluster.view import ChatParams, Command
 from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.node.host import LOAD_PEAK_LAYERS
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
 from tests.factory import write_tiny_llama
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
 
 pytestmark = pytest.mark.slow
-LIMIT_GB = 0.45
+LIMIT_GB = 0.5
 PROMPT = "Tell me about the lighthouse."
 # Greedy, with a repetition penalty: a random model's greedy answer soon repeats one token, and a
 # comparison of twelve equal tokens would tell little.
@@ -40,15 +42,30 @@ SHAPE = dict(hidden=2048, intermediate=5632, n_heads=16, n_kv_heads=2, weight_ty
 GROWTH_BYTES = 16 << 20  # what a node's runtime adds once it holds shards (sessions, a step's buffers)
 
 
-def write_model(path: Path, n_layers: int) -> Path:
-    return write_tiny_llama(path, n_layers=n_layers, seed=5, **SHAPE)
+def write_model(path: Path, n_layers: int, seed: int = 5) -> Path:
+    return write_tiny_llama(path, n_layers=n_layers, seed=seed, **SHAPE)
 
 
-def rooms(c) -> list[int]:  # noqa: ANN001
-    """Each node's memory for shards as the scheduler counts it (its limit less its runtime)."""
+async def answering_model(path: Path, n_layers: int, params: ChatParams) -> tuple[Path, list[int]]:
+    """A model of ``n_layers`` and its undisturbed greedy answer to PROMPT, of all of
+    ``params.max_tokens``: random weights may end an answer at once, so seeds are tried in turn."""
+    for seed in range(5, 12):
+        write_model(path, n_layers, seed)
+        want = await asyncio.to_thread(reference_answer, path, PROMPT, params.max_tokens, seed=params.seed,
+                                      repetition_penalty=params.repetition_penalty)
+        if len(want) == params.max_tokens:
+            return path, want
+    raise AssertionError(f"no seed gave a {n_layers}-layer model an answer of {params.max_tokens} tokens")
+
+
+def rooms(c, probe: GGUFModel) -> list[int]:  # noqa: ANN001
+    """Each node's memory for shards of ``probe``'s shape as the scheduler counts it: its limit less
+    its runtime and a load's peak beside its shard (a few of the model's layers: the served model's
+    now, ``probe``'s once it serves that)."""
     rr = c.config.scheduler.resource_reservation
+    peak = int(LOAD_PEAK_LAYERS * probe.layer_nbytes(0)) - int(LOAD_PEAK_LAYERS * max(c.spec.layers))
     return sorted(p.usable_bytes(rr.system_reserved_ram * 1024**3, rr.system_reserved_vram * 1024**3,
-                                 rr.emergency_reserve) for p in c.device_profiles())
+                                 rr.emergency_reserve) - peak for p in c.device_profiles())
 
 
 def kv_layer_bytes(model: GGUFModel) -> int:
@@ -90,12 +107,10 @@ def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
 
         async def run() -> None:
             async with coordinator(ns, strategy="memory") as c:
-                room = rooms(c)
-                big = write_model(tmp_path / "big.gguf", layers_for(room, probe))
+                room = rooms(c, probe)
+                big, want = await answering_model(tmp_path / "big.gguf", layers_for(room, probe), GREEDY)
                 size, need = GGUFModel(big).nbytes, need_bytes(GGUFModel(big))
                 assert size > LIMIT_GB * 1e9 and need > room[-1] + room[-2], (room, size, need)
-                want = await asyncio.to_thread(reference_answer, big, PROMPT, GREEDY.max_tokens, seed=GREEDY.seed,
-                                              repetition_penalty=GREEDY.repetition_penalty)
                 assert len(set(want)) > 3, want  # an answer to tell apart from another
                 await c.set_model(str(big))
                 assert len(c.plan.shards) == 3, c.plan.layout
@@ -120,3 +135,87 @@ def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
                 assert await answer(c) == want
 
         asyncio.run(run())
+
+
+# The answer a drain lands in: it holds at its last HELD_BACK tokens until the drain is done, so the
+# drain is mid-answer however long its pause takes on a loaded machine.
+LONG = ChatParams(temperature=0.0, max_tokens=24, seed=3, stop=(), repetition_penalty=1.5)
+HELD_BACK = 4
+
+
+def test_a_drain_onto_nodes_too_small_for_two_shards_swaps_them_mid_answer(tmp_path: Path) -> None:
+    """Four nodes; the drain's new shards do not fit beside the old ones on any of the other three
+    (each would hold about 1/4 + 1/3 of the model for a moment): they swap their shards during the
+    pause (the caches read first, held by the coordinator, written to the new shards), so the
+    answer goes on token for token and no node passes its limit, a sampled peak included."""
+    os.environ["EXO_TUI_HOME"] = str(tmp_path)
+    probe = GGUFModel(write_model(tmp_path / "probe.gguf", 1))
+    per_layer = probe.layer_nbytes(0) + kv_layer_bytes(probe)
+    ends = need_bytes(probe) - per_layer
+    with node_processes(tmp_path, ["onnx"] * 4, memory_limits_gb=[LIMIT_GB] * 4) as ns:
+        procs = [psutil.Process(n.pid) for n in ns.nodes]
+        peak = [0] * len(procs)
+
+        async def sample_peaks(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                for i, p in enumerate(procs):
+                    peak[i] = max(peak[i], p.memory_info().rss)
+                await asyncio.sleep(0.02)
+
+        async def run() -> None:
+            async with coordinator(ns, strategy="memory") as c:
+                room = rooms(c, probe)
+                three = room[:3]  # whichever node drains, the others have at least these
+                high = min((r - RESERVE_MIN_BYTES - GROWTH_BYTES) * sum(three) / r for r in three)
+                # 0.85: a node's runtime after it unloads is above what it was before its first
+                # load (its sessions' arenas), which the scheduler's rooms do not know
+                big, want = await answering_model(tmp_path / "big.gguf", int((0.85 * high - ends) / per_layer), LONG)
+                need = need_bytes(GGUFModel(big))  # about 1/4 + 1/3 of it on a node is more than its room
+                await c.set_model(str(big))
+                assert len(c.plan.shards) == 4, c.plan.layout
+                victim = c.plan.shards[1].node_id
+
+                got: list[int] = []
+                drained = asyncio.Event()
+                stop = asyncio.Event()
+                sampler = asyncio.create_task(sample_peaks(stop))
+
+                async def drain() -> None:
+                    while len(got) < 4:
+                        await asyncio.sleep(0.01)
+                    done = await c.apply(await c.preview(Command("drain", (victim,))))
+                    assert not done.error, done
+                    drained.set()
+
+                actor = asyncio.create_task(drain())
+                async for chunk in c.chat([{"role": "user", "content": PROMPT}], LONG):
+                    assert not chunk.error, (chunk.error, {n: h.metrics.get("kv") for n, h in c.nodes.items()})
+                    got.extend(t for t in chunk.token_ids if t not in c.model.tokenizer.eos_ids)
+                    if len(got) >= LONG.max_tokens - HELD_BACK and not drained.is_set():
+                        await drained.wait()
+                await actor
+                stop.set()
+                await sampler
+                assert got == want
+                assert victim not in c.plan.node_ids and c.nodes[victim].state == "drained"
+                changes = [e for e in c.events.history if isinstance(e, ev.PlanChanged)]
+                assert changes and changes[-1].diff["swapped"], changes  # the others swapped
+                assert max(peak) <= LIMIT_GB * 1e9, (peak, room, need)
+
+                # Back: undrained, then given the first quarter of the layers by a pin: the others
+                # shrink (old beside new is too much for them again) and the victim loads.
+                done = await c.apply(await c.preview(Command("undrain", (victim,))))
+                assert not done.error, done
+                assert victim not in c.drained
+                done = await c.apply(await c.preview(Command("pin", (victim,), (0, c.plan.n_layers // 4))))
+                assert not done.error, done
+                assert len(c.plan.shards) == 4 and c.plan.shards[0].node_id == victim, c.plan.layout
+                ids: list[int] = []
+                async for chunk in c.chat([{"role": "user", "content": PROMPT}], LONG):
+                    assert not chunk.error, chunk.error
+                    ids.extend(t for t in chunk.token_ids if t not in c.model.tokenizer.eos_ids)
+                assert ids == want
+                assert max(p.memory_info().rss for p in procs) <= LIMIT_GB * 1e9
+
+        asyncio.run(run())
+

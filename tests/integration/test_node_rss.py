@@ -18,32 +18,40 @@ from tests.integration.cluster_helpers import coordinator, node_processes
 pytestmark = pytest.mark.slow
 
 
+SHAPE = dict(hidden=1024, intermediate=2816, n_heads=8, n_kv_heads=2, weight_type="Q4_K", embed_type="Q6_K", tied=True,
+             context_length=512)
+PROMPT = "hello " * 40
+
+
 def test_a_k_quant_models_resident_memory_is_its_file_bytes(tmp_path: Path) -> None:
+    """Measured against the same node warmed up on a one-layer model of the same shape (loaded and
+    run: ONNX Runtime's sessions, arenas and threads, the kernel library), so what the node holds
+    whatever it runs is out of the figure: the sixteen-layer model's resident memory beyond that is
+    within 1.2x of its extra file bytes and KV caches."""
     os.environ["EXO_TUI_HOME"] = str(tmp_path)
-    # 16 layers (102 MB): a node's fixed costs (a step's buffers in ONNX Runtime's arena, ~20 MB)
-    # are then well inside the 20 % (at 8 layers they took most of it: 1.19-1.2x)
-    path = write_tiny_llama(tmp_path / "q4k.gguf", n_layers=16, hidden=1024, intermediate=2816, n_heads=8,
-                            n_kv_heads=2, weight_type="Q4_K", embed_type="Q6_K", tied=True, context_length=512)
-    model = GGUFModel(path)
-    shard_bytes = model.nbytes
+    # 16 layers (102 MB) against 1: a step's buffers in ONNX Runtime's arena (~20 MB) grow a little
+    # with the model, and stay well inside the 20 %
+    small = GGUFModel(write_tiny_llama(tmp_path / "q4k-1.gguf", n_layers=1, **SHAPE))
+    model = GGUFModel(write_tiny_llama(tmp_path / "q4k.gguf", n_layers=16, **SHAPE))
     assert {model.tensor_info("blk.0.attn_q.weight").type_name, model.tensor_info("token_embd.weight").type_name} == \
         {"Q4_K", "Q6_K"}
-    # the node measures its start-up benchmark as a fresh one does: with the benchmark taken from a
-    # cache its resident memory before the load is lower, and the load added 85 MB (over the bound)
-    with node_processes(tmp_path, ["onnx"], shared_benchmark=False) as ns:
+    with node_processes(tmp_path, ["onnx"]) as ns:
         proc = psutil.Process(ns.nodes[0].pid)
 
-        async def run() -> None:
-            before = proc.memory_info().rss
-            async with coordinator(ns, model=path) as c:
+        async def resident(m: GGUFModel) -> int:
+            async with coordinator(ns, model=m.path) as c:
                 assert len(c.plan.shards) == 1
-                async for _ in c.chat([{"role": "user", "content": "hello " * 40}],
-                                      ChatParams(temperature=0.0, max_tokens=8)):
+                async for _ in c.chat([{"role": "user", "content": PROMPT}], ChatParams(temperature=0.0, max_tokens=8)):
                     pass
-                added = proc.memory_info().rss - before
-                cfg = model.config
-                kv = 2 * cfg.n_kv_heads * cfg.head_dim * 2 * cfg.n_layers * 512  # float16 caches, a pool's 512 positions
-                assert added <= 1.2 * (shard_bytes + kv), (added, shard_bytes, kv)
-                assert added >= 0.5 * shard_bytes  # it did load the model
+                return proc.memory_info().rss
+
+        async def run() -> None:
+            before = await resident(small)
+            added = await resident(model) - before
+            cfg = model.config
+            kv = 2 * cfg.n_kv_heads * cfg.head_dim * 2 * (cfg.n_layers - 1) * 512  # float16 caches, a pool's 512 positions
+            extra = model.nbytes - small.nbytes
+            assert added <= 1.2 * (extra + kv), (added, extra, kv)
+            assert added >= 0.5 * extra  # it did load the model
 
         asyncio.run(run())

@@ -66,12 +66,12 @@ LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 @LINUX_ONLY
 @pytest.mark.skipif(_malloc_trim() is None, reason="this C library has no malloc_trim (not glibc)")
 def test_a_shard_load_gives_its_temporaries_back() -> None:
-    """Loading the whole default model on a node leaves temporaries (weights as received,
-    unpacked, repacked) that glibc would keep for reuse; the node hands them back. Measured, 92 MB
-    received: 63 MB left resident against 150 MB kept (QLinear); 190 against ~490 on MatMulNBits."""
+    """Loading the whole default model on a node leaves temporaries (each layer decoded, then
+    repacked) that glibc would keep for reuse; the node hands them back. Measured, 92 MB received:
+    65 MB left resident against 83 MB kept (QLinear; 150 kept when every layer was decoded at once)."""
     kept = load_in_a_node("keep", 0, 30)
     returned = load_in_a_node("return", 0, 30)
-    assert returned["after_mb"] < kept["after_mb"] - 0.5 * kept["raw_mb"], (returned, kept)
+    assert returned["after_mb"] < kept["after_mb"] - 0.1 * kept["raw_mb"], (returned, kept)
 
 
 @LINUX_ONLY
@@ -118,3 +118,30 @@ def test_a_shards_layers_are_read_one_at_a_time(tiny_models, monkeypatch) -> Non
     assert {n.split(".")[1] for n in read if n.startswith("blk.")} == {"1"}
     weights.layers[1] = None
     assert weights.layers[1] is None  # dropped stays dropped
+
+
+def test_a_load_past_the_memory_limit_is_refused_before_anything_loads(default_model_path) -> None:  # noqa: ANN001
+    """The node enforces its limit, not only the scheduler: a load (from the file or streamed)
+    whose peak (its bytes, a layer being decoded beside them; a streamed one's received bytes too)
+    exceeds the room left is refused with the numbers, and nothing is held."""
+    from exo_tui.net.protocol import NoRoom
+    from exo_tui.node.host import LOAD_PEAK_LAYERS
+
+    model = GGUFModel(default_model_path)
+    nbytes = sum(model.tensor_info(n).nbytes for n in model.shard_tensor_names(0, 4))
+    peak = nbytes + int(LOAD_PEAK_LAYERS * max(model.layer_nbytes(i) for i in range(4)))
+    with pytest.raises(NoRoom, match=r"needs \d+ MB and this node has \d+ MB left under its --memory-limit"):
+        shard_host(room=peak - 1).load_from_file(str(default_model_path), 0, 4, "onnx")
+    infos = [model.tensor_info(n) for n in model.shard_tensor_names(0, 4)]
+    host = shard_host(room=peak + nbytes - 1)
+    with pytest.raises(NoRoom):
+        host.begin_transfer("t", model.config, 0, 4, "onnx", infos)
+    assert not host.shards and not host.transfers
+    assert shard_host(room=peak).load_from_file(str(default_model_path), 0, 4, "onnx").end == 4
+    assert shard_host(room=peak + nbytes).begin_transfer("t", model.config, 0, 4, "onnx", infos).total_bytes == nbytes
+
+
+def shard_host(room: int):  # noqa: ANN201
+    from exo_tui.node.host import ShardHost
+
+    return ShardHost("n-test", "onnx", room=lambda: room)
