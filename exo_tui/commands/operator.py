@@ -172,10 +172,12 @@ def _print_status(d: dict[str, Any], url: str) -> None:
                       f"{n.get('cpu_percent', 0.0):.0f}", hb)
     console.print(table)
     if plan:
-        t = Table(title=f"plan v{plan['version']} · {plan.get('strategy', '')} · predicted "
-                        f"{plan.get('predicted_tok_per_s', 0.0):.1f} tok/s, ttft {plan.get('predicted_ttft_s', 0.0) * 1000:.0f} ms"
-                        + (f" for a {n}-token prompt" if (n := plan.get("predicted_ttft_prompt_tokens")) else ""),
-                  title_justify="left")
+        # the heading as a line of its own: a table's title wraps to the (narrow) table's width
+        console.print(f"plan v{plan['version']} · {plan.get('strategy', '')} · predicted "
+                      f"{plan.get('predicted_tok_per_s', 0.0):.1f} tok/s, ttft {plan.get('predicted_ttft_s', 0.0) * 1000:.0f} ms"
+                      + (f" for a {n}-token prompt" if (n := plan.get("predicted_ttft_prompt_tokens")) else ""),
+                      highlight=False, markup=False)
+        t = Table()
         for col in ("stage", "node", "layers", "pinned"):
             t.add_column(col)
         for i, sh in enumerate(plan.get("shards", [])):

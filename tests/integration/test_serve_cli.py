@@ -94,6 +94,8 @@ def test_status_shows_the_cluster(served: Served) -> None:
     for n in data["nodes"]:
         assert n["name"] in table
     assert f"plan v{data['plan']['version']}" in table
+    heading = next(line for line in table.splitlines() if line.startswith("plan v"))
+    assert "tok/s, ttft" in heading, table  # on one line, not wrapped to the stage table's width
 
 
 def test_drain_undrain_pin_unpin_rebalance_change_the_cluster(served: Served) -> None:
