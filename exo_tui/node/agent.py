@@ -108,6 +108,9 @@ class _Step:
         return str(self.frame.body.get("rid")), self.hop
 
 
+STREAMING_S = 3.0  # a request is streaming while its last token is this recent
+
+
 @dataclass
 class _RequestStats:
     tokens: int = 0
@@ -799,8 +802,11 @@ class NodeAgent:
             self.batching.prune(now)
             metrics["busy_fraction"] = (self.batching.busy_s - last_busy) / max(now - last_t, 1e-6)
             last_busy, last_t = self.batching.busy_s, now
+            # A request that has streamed no token for STREAMING_S (ended, its cache kept for a next
+            # turn) makes no tok/s now: its average would show on a node long after (a drained one too).
             metrics["requests"] = {
-                rid: {"tokens": s.tokens, "tok_per_s": (s.tokens - 1) / max(s.last_s - s.first_s, 1e-6) if s.tokens > 1 else 0.0}
+                rid: {"tokens": s.tokens, "tok_per_s": (s.tokens - 1) / max(s.last_s - s.first_s, 1e-6)
+                      if s.tokens > 1 and now - s.last_s < STREAMING_S else 0.0}
                 for rid, s in self._stats.items()
             }
             metrics["shards"] = self.host.describe() if self.host else []

@@ -103,6 +103,18 @@ def test_stage_times_agree_with_the_nodes_own_and_the_heavier_stage_is_slowest(p
             on_path = [x for x in figures.links if x.ring_s is not None]
             assert [(x.src, x.dst) for x in on_path] == [("coordinator", ids[0]), (ids[0], ids[1]), (ids[1], "coordinator")]
 
+            # The answer has ended, its caches kept for a next turn: the last node (which sampled
+            # its tokens) still lists the request, and within a few heartbeats shows no tok/s for
+            # it (its average stayed on the node, a drained one too, until the cache went).
+            def idle() -> bool:
+                return bool(c.nodes[ids[-1]].metrics.get("requests")) and all(c.nodes[n].tok_per_s == 0.0 for n in ids)
+
+            for _ in range(200):
+                if idle():
+                    break
+                await asyncio.sleep(0.1)
+            assert idle(), {n: c.nodes[n].metrics.get("requests") for n in ids}
+
     asyncio.run(run())
 
 
