@@ -165,8 +165,9 @@ static inline __attribute__((always_inline)) void scales16(const uint8_t *w, int
         *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
         *c = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
     } else {
-        const __m512 dm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 64 + 2 * col0))),
-                                        _mm512_set1_ps(-1.0f));
+        const __m512 dm = _mm512_castsi512_ps(_mm512_xor_si512( /* -dmin: its sign flipped, off the multipliers */
+            _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 64 + 2 * col0)))),
+            _mm512_set1_epi32((int)0x80000000u)));
         const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 128 + 32 * j + col0));
         const __m128i m = _mm_loadu_si128((const __m128i *)(sb + 384 + 32 * j + col0));
         *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
@@ -205,8 +206,8 @@ static inline __attribute__((always_inline)) void scales8(const uint8_t *w, int6
         *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
         *c = _mm256_mul_ps(*s, _mm256_set1_ps(-32.0f));
     } else {
-        const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 64 + 2 * col0))),
-                                        _mm256_set1_ps(-1.0f));
+        const __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 64 + 2 * col0))),
+                                        _mm256_set1_ps(-0.0f)); /* -dmin */
         const __m128i sc = _mm_loadl_epi64((const __m128i *)(sb + 128 + 32 * j + col0));
         const __m128i m = _mm_loadl_epi64((const __m128i *)(sb + 384 + 32 * j + col0));
         *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
