@@ -237,6 +237,22 @@ static inline __m256i plane16(uint32_t bits, int shift)
     const __m256i b = _mm256_and_si256(_mm256_set1_epi16((short)bits), pick);
     return _mm256_and_si256(_mm256_cmpeq_epi16(b, pick), _mm256_set1_epi16((short)(1 << shift)));
 }
+
+/* Q6_K's two planes at once: 16 16-bit lanes of 16 (bit i of the 16 bits at m) plus 32 (bit i of
+   the 16 bits at m + 128, the next plane): each lane's two bits in its two bytes, then summed. */
+static inline __m256i planes16(const uint8_t *m)
+{
+    uint16_t p4, p5;
+    memcpy(&p4, m, 2);
+    memcpy(&p5, m + 128, 2);
+    const __m256i both = _mm256_set1_epi32((int)(p4 | (uint32_t)p5 << 16)); /* bytes: p4's low, high, p5's low, high */
+    const __m256i bytes = _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                                                     1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3));
+    const __m256i pick = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, (char)128, (char)128,
+                                          1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, (char)128, (char)128);
+    const __m256i set = _mm256_min_epu8(_mm256_and_si256(bytes, pick), _mm256_set1_epi8(1)); /* 0 or 1 a byte */
+    return _mm256_maddubs_epi16(set, _mm256_set1_epi16(32 << 8 | 16));
+}
 #endif
 
 /* y[r * ldy + c] = x[r] . w[c] for rows r < rows (rows <= ROWS) and the tile's columns c < cols.
@@ -938,14 +954,13 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
 
 /* The same sums 8 columns at a time: a pass over every block per group of 8 columns, c0 to
    c0 + 7 = 16 h + 8 s: half s of each line (bytes 32 s to 32 s + 31) holds them in the low
-   (h = 0) or the high (h = 1) byte of each 16-bit lane's, as the VNNI build reads it. Q6_K's
-   codes less 32 in the lanes (xi: unused). */
+   (h = 0) or the high (h = 1) byte of each 16-bit lane's, as the VNNI build reads it; Q6_K's
+   offset of 32 out of the sums, as there (xi). */
 static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
                                                                    const int32_t *xi, const uint8_t *w, int64_t nb,
                                                                    float *y, int64_t ldy, int cols, const int rows,
                                                                    const int fmt)
 {
-    (void)xi;
     const int bits = CODE_BITS(fmt), lines = bits == 4 ? 8 : 16, split = HALVES(fmt) == 2;
     const __m256i nibble = _mm256_set1_epi16(0x000F), byte = _mm256_set1_epi16(0x00FF);
     for (int g = 0; g < TILE / 8; g++) {
@@ -966,15 +981,16 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                 if (bits == 4) {
                     const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
                     __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
-                    for (int p = 0; p < PLANES(fmt); p++) { /* the VNNI code's masks (a, b for the low byte, c, d the high) */
-                        uint32_t m[4];
-                        memcpy(m, block_codes(w, b, fmt) + 512 + 128 * p + 16 * j, 16);
-                        l = _mm256_or_si256(l, plane16(m[2 * h] >> (16 * s), 4 + p));
-                        u = _mm256_or_si256(u, plane16(m[2 * h + 1] >> (16 * s), 4 + p));
-                    }
-                    if (fmt == FMT_Q6K) { /* signed, less 32 */
-                        l = _mm256_sub_epi16(l, _mm256_set1_epi16(32));
-                        u = _mm256_sub_epi16(u, _mm256_set1_epi16(32));
+                    const uint8_t *planes = block_codes(w, b, fmt) + 512 + 16 * j + 4 * (2 * h) + 2 * s;
+                    if (fmt == FMT_Q6K) { /* the VNNI code's masks of a, b (low byte) or c, d (high), both planes at once */
+                        l = _mm256_or_si256(l, planes16(planes));
+                        u = _mm256_or_si256(u, planes16(planes + 4));
+                    } else if (fmt == FMT_Q5K) {
+                        uint16_t m[2];
+                        memcpy(&m[0], planes, 2);
+                        memcpy(&m[1], planes + 4, 2);
+                        l = _mm256_or_si256(l, plane16(m[0], 4));
+                        u = _mm256_or_si256(u, plane16(m[1], 4));
                     }
                     for (int r = 0; r < rows; r++) {
                         const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
@@ -1003,6 +1019,8 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                 __m256 sc, bc;
                 scales8(w, b, fmt, c0, hh, &sc, &bc);
                 for (int r = 0; r < rows; r++) {
+                    if (fmt == FMT_Q6K) /* its codes' offset of 32 out (xi: the group's codes of X) */
+                        acc[hh][r] = _mm256_add_epi32(acc[hh][r], _mm256_set1_epi32(-32 * xi[2 * (r * nb + b) + hh]));
                     const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
                     const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[hh][r]), _mm256_mul_ps(sc, d), f[r]);
                     f[r] = fmt == FMT_Q6K ? p : _mm256_fmadd_ps(bc, sum, p);
