@@ -17,7 +17,10 @@ Then reports, side by side with llama.cpp on the same file and threads:
   The machine's cores are shared out between the nodes (``--threads`` in all).
 
     python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--tokens 32] [--local-nodes 3]
-                                   [--memory-limit GB] [--no-one-node]
+                                   [--memory-limit GB] [--no-one-node] [--reps 3]
+
+``--reps 3`` measures each engine three times, alternated, and reports the medians and each
+round's ratios (on a shared machine only ratios of one round mean much).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -207,8 +211,9 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
     print(json.dumps({"prefill": prefill, "decode": decode, "peak_rss": peak, "load_s": load_s}))
 
 
-def one_node(path: Path, threads: int, prompt: int, tokens: int) -> dict[str, dict]:
-    out = {}
+def one_node(path: Path, threads: int, prompt: int, tokens: int, reps: int = 1) -> dict[str, list[dict]]:
+    """Each engine's measurements, ``reps`` rounds with the engines alternated in each."""
+    out: dict[str, list[dict]] = {}
     engines = ["exo-tui onnx"]
     try:
         import llama_cpp  # noqa: F401
@@ -216,13 +221,15 @@ def one_node(path: Path, threads: int, prompt: int, tokens: int) -> dict[str, di
         engines.append("llama.cpp")
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp column (make bench builds it)", file=sys.stderr)
-    for engine in engines:
-        r = subprocess.run([sys.executable, __file__, "--child", engine, str(path), str(threads), str(prompt), str(tokens)],
-                           capture_output=True, text=True, env={**os.environ, "EXO_TUI_THREADS": str(threads)})
-        if r.returncode:
-            print(f"{engine} failed:\n{r.stderr[-3000:]}", file=sys.stderr)
-            continue
-        out[engine] = json.loads(r.stdout.strip().splitlines()[-1])
+    for _ in range(reps):
+        for engine in engines:
+            r = subprocess.run([sys.executable, __file__, "--child", engine, str(path), str(threads), str(prompt),
+                                str(tokens)], capture_output=True, text=True,
+                               env={**os.environ, "EXO_TUI_THREADS": str(threads)})
+            if r.returncode:
+                print(f"{engine} failed:\n{r.stderr[-3000:]}", file=sys.stderr)
+                continue
+            out.setdefault(engine, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
     return out
 
 
@@ -375,6 +382,8 @@ def main() -> None:
     ap.add_argument("--ring-tokens", type=int, default=120,
                     help="tokens of the answer across the local nodes (the drain comes at a third of them)")
     ap.add_argument("--no-one-node", action="store_true", help="skip the one-node comparison with llama.cpp")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="one node: rounds of every engine, alternated (medians, and each round's ratios)")
     args = ap.parse_args()
     if args.local_nodes == 1:
         ap.error("--local-nodes needs at least 2 nodes (one is drained)")
@@ -401,9 +410,11 @@ def main() -> None:
 
 def one_node_table(args: argparse.Namespace, model, token_bytes: int) -> None:  # noqa: ANN001
     path = model.path
-    results = one_node(path, args.threads, args.prompt, args.tokens)
+    rounds = one_node(path, args.threads, args.prompt, args.tokens, args.reps)
+    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
     gbps = copy_gbps()
-    print(f"\n{args.shape} shape, {args.threads} threads, prompt {args.prompt}, decode {args.tokens}; "
+    print(f"\n{args.shape} shape, {args.threads} threads, prompt {args.prompt}, decode {args.tokens}"
+          f"{f', medians of {args.reps} alternated rounds' if args.reps > 1 else ''}; "
           f"a decoded token reads {token_bytes / 1e9:.2f} GB; NumPy copy {gbps:.1f} GB/s\n")
     base = results.get("llama.cpp")
     print("| engine | prefill tok/s | decode tok/s | decode GB/s | peak RSS GB | prefill ÷ llama.cpp | decode ÷ llama.cpp | RSS ÷ llama.cpp |")
@@ -414,6 +425,10 @@ def one_node_table(args: argparse.Namespace, model, token_bytes: int) -> None:  
             f"{r['peak_rss'] / base['peak_rss']:.2f}")
         print(f"| {name} | {r['prefill']:.1f} | {r['decode']:.2f} | {r['decode'] * token_bytes / 1e9:.1f} | "
               f"{r['peak_rss'] / 1e9:.2f} | {' | '.join(ratios)} |")
+    if args.reps > 1 and "llama.cpp" in rounds and "exo-tui onnx" in rounds:
+        pairs = zip(rounds["exo-tui onnx"], rounds["llama.cpp"], strict=False)
+        print("\neach round's prefill / decode ÷ llama.cpp: "
+              + ", ".join(f"{a['prefill'] / b['prefill']:.2f} / {a['decode'] / b['decode']:.2f}" for a, b in pairs))
 
 
 if __name__ == "__main__":

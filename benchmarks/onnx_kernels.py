@@ -8,13 +8,14 @@ which stays meaningful when other work shares the machine; then, for each ``--ro
 time of one batched decode step of that many requests (each with a 64-token context): what
 batching concurrent streams costs a node.
 
-    .venv/bin/python benchmarks/onnx_kernels.py --matmul 4096x4096 [--threads 1 2]
+    .venv/bin/python benchmarks/onnx_kernels.py --matmul 4096x4096 [--threads 1 2] [--matmul-rows 64]
 
 times instead one matrix of that shape (N x K) per decode step (one row), in each block format
 the kernel runs (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): on ``QLinear`` at each precision and on
 ``MatMulNBits`` (what runs without the kernel), with the bytes each reads per step (the matrix's
 own arrays; MatMulNBits' correction also multiplies a block-indicator matrix shared by all layers,
-not counted) against the file's.
+not counted) against the file's. ``--matmul-rows 64`` times runs of 64 rows instead (a prompt's
+product) and adds each precision's GFLOP/s.
 """
 
 from __future__ import annotations
@@ -134,12 +135,12 @@ def matmul_session(w, threads: int, kernel: bool, xbits: int = 0):
     return session, own, used
 
 
-def step_ms(session, k: int, repeats: int = 200) -> float:
-    """Process CPU milliseconds per run on one row (all threads; steadier than the wall clock
+def step_ms(session, k: int, repeats: int = 200, rows: int = 1) -> float:
+    """Process CPU milliseconds per run on ``rows`` rows (all threads; steadier than the wall clock
     where other work shares the machine: with one thread it is that thread's time), the
     least of 5 rounds of ``repeats // 5``."""
-    x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
-    for _ in range(20):
+    x = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
+    for _ in range(max(2, 20 // rows)):
         session.run(None, {"x": x})
     rounds = []
     for _ in range(5):
@@ -150,10 +151,10 @@ def step_ms(session, k: int, repeats: int = 200) -> float:
     return min(rounds) * 1e3
 
 
-def matmul_table(shapes: list[str], threads: list[int], formats: tuple[str, ...] = FORMATS) -> None:
+def matmul_table(shapes: list[str], threads: list[int], formats: tuple[str, ...] = FORMATS, rows: int = 1) -> None:
     """For each shape and thread count, a row per block format: bits read per weight (file,
-    QLinear, MatMulNBits) and ms per decode step, with the ratios against Q4_1 on QLinear and
-    against MatMulNBits for the same matrix."""
+    QLinear, MatMulNBits) and ms per decode step (or run of ``rows`` rows, then QLinear's GFLOP/s
+    too), with the ratios against Q4_1 on QLinear and against MatMulNBits for the same matrix."""
     from backends.onnx import kernels
 
     lib = kernels.library()
@@ -162,7 +163,9 @@ def matmul_table(shapes: list[str], threads: list[int], formats: tuple[str, ...]
     xbits_list = (0, 16, 8) if lib.integer else (0,)
     names = {0: "float32", 16: "int16", 8: "int8"}
     rng = np.random.default_rng(0)
-    print(f"QLinear build {lib.build} ({lib.isa}); one row a step, CPU ms per step (least of 5 rounds of 40)")
+    repeats = max(25, 200 // rows)
+    what = "one row a step, CPU ms per step" if rows == 1 else f"{rows} rows a run, CPU ms per run"
+    print(f"QLinear build {lib.build} ({lib.isa}); {what} (least of 5 rounds of {repeats // 5})")
     for shape in shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
         weights = {f: random_matrix(rng, n, k, f) for f in formats}
@@ -170,7 +173,8 @@ def matmul_table(shapes: list[str], threads: list[int], formats: tuple[str, ...]
             print(f"\n{n} x {k}, {t} thread(s)")
             head = f"{'format':<7}{'file b/w':>9}{'QLinear b/w':>12}{'MatMulNBits b/w':>16}"
             head += "".join(f"{'QL ' + names[x] + ' ms':>16}" for x in xbits_list)
-            print(head + f"{'MatMulNBits ms':>15}{'float32 vs Q4_1':>17}{'float32 vs MNB':>16}")
+            head += f"{'MatMulNBits ms':>15}{'float32 vs Q4_1':>17}{'float32 vs MNB':>16}"
+            print(head + ("".join(f"{'QL ' + names[x] + ' GFLOP/s':>21}" for x in xbits_list) if rows > 1 else ""))
             base = None
             for f, w in weights.items():
                 per = 8 / (n * k)
@@ -178,15 +182,16 @@ def matmul_table(shapes: list[str], threads: list[int], formats: tuple[str, ...]
                 for x in xbits_list:
                     session, ql_bytes, used = matmul_session(w, t, True, x)
                     assert used == {kernels.OP}, used
-                    ql[x] = step_ms(session, k)
+                    ql[x] = step_ms(session, k, repeats, rows)
                 mnb_session, mnb_bytes, used = matmul_session(w, t, False)
                 assert "MatMulNBits" in used, used
-                mnb = step_ms(mnb_session, k)
+                mnb = step_ms(mnb_session, k, repeats, rows)
                 base = ql[0] if f == "Q4_1" else base
                 row = f"{f:<7}{w.nbytes * per:>9.3f}{ql_bytes * per:>12.3f}{mnb_bytes * per:>16.3f}"
                 row += "".join(f"{ql[x]:>16.3f}" for x in xbits_list)
                 ratio = f"{ql[0] / base:>17.2f}" if base else f"{'':>17}"
-                print(row + f"{mnb:>15.3f}" + ratio + f"{ql[0] / mnb:>16.2f}")
+                gflops = "".join(f"{2 * rows * n * k / (ql[x] * 1e6):>21.1f}" for x in xbits_list) if rows > 1 else ""
+                print(row + f"{mnb:>15.3f}" + ratio + f"{ql[0] / mnb:>16.2f}" + gflops)
 
 
 def main() -> None:
@@ -201,9 +206,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16], help="batched decode steps to time")
     ap.add_argument("--matmul", nargs="*", default=[], metavar="NxK",
                     help="time one N x K matrix per decode step in each block format instead of the model")
+    ap.add_argument("--matmul-rows", type=int, default=1, metavar="M",
+                    help="--matmul: runs of M rows (a prompt's product) instead of one, with GFLOP/s")
     args = ap.parse_args()
     if args.matmul:
-        matmul_table(args.matmul, args.threads)
+        matmul_table(args.matmul, args.threads, rows=args.matmul_rows)
         return
     model = GGUFModel(resolve_model())
     config = model.config

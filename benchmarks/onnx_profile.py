@@ -1,12 +1,13 @@
-"""Where an ONNX shard's decode step goes, per op type, from ONNX Runtime's own profiler.
+"""Where an ONNX shard's decode step (or prefill) goes, per op type, from ONNX Runtime's own profiler.
 
 Loads the whole model as one shard (``EXO_TUI_THREADS`` threads), decodes ``--decode`` tokens
 after a 16-token prompt with ``SessionOptions.enable_profiling`` on, and prints per op type the
 sum over its nodes of each node's median time in a decode step (medians, because on a shared
 machine other work preempts a step anywhere), the slowest nodes, and the median gap between a
-whole run and its nodes (ONNX Runtime's own work in a run).
+whole run and its nodes (ONNX Runtime's own work in a run). ``--prefill N`` times instead
+prompts of N tokens (5 of them, each a new request): a prefill run's ops.
 
-    python benchmarks/onnx_profile.py [--model bench:moe] [--threads 1] [--decode 64]
+    python benchmarks/onnx_profile.py [--model bench:moe] [--threads 1] [--decode 64] [--prefill 64]
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def profiled_decode(path: Path, threads: int, n: int, prefix: str) -> tuple[str, float]:
-    """Decodes ``n`` tokens with profiling on; ``(profile file, tok/s)``."""
+def _profiled_shard(path: Path, threads: int, prefix: str):  # noqa: ANN202 - an ONNXShard
+    """The whole model as one shard whose session profiles itself; ``(shard, vocabulary size)``."""
     os.environ["EXO_TUI_THREADS"] = str(threads)
     import onnxruntime as ort
 
@@ -51,7 +52,13 @@ def profiled_decode(path: Path, threads: int, n: int, prefix: str) -> tuple[str,
         shard = get_backend("onnx").load_shard(model.config, weights)
     finally:
         ort.SessionOptions = plain
-    prompt = np.random.default_rng(0).integers(100, min(16000, model.config.vocab_size - 1), size=16)
+    return shard, model.config.vocab_size
+
+
+def profiled_decode(path: Path, threads: int, n: int, prefix: str) -> tuple[str, float]:
+    """Decodes ``n`` tokens with profiling on; ``(profile file, tok/s)``."""
+    shard, vocab = _profiled_shard(path, threads, prefix)
+    prompt = np.random.default_rng(0).integers(100, min(16000, vocab - 1), size=16)
     logits = shard.forward("p", prompt, np.arange(16))
     t0 = time.perf_counter()
     for pos in range(16, 16 + n):
@@ -60,11 +67,28 @@ def profiled_decode(path: Path, threads: int, n: int, prefix: str) -> tuple[str,
     return shard._session.end_profiling(), tok_s
 
 
-def summarize(profile: str) -> None:
+def profiled_prefill(path: Path, threads: int, n: int, prefix: str) -> tuple[str, float]:
+    """Prefills 5 prompts of ``n`` tokens (after one to warm up) with profiling on; ``(profile
+    file, the best prompt's tok/s)``."""
+    shard, vocab = _profiled_shard(path, threads, prefix)
+    rng = np.random.default_rng(0)
+    best = 0.0
+    for i in range(6):
+        prompt = rng.integers(100, min(16000, vocab - 1), size=n)
+        t0 = time.perf_counter()
+        shard.forward(f"p{i}", prompt, np.arange(n))
+        best = max(best, n / (time.perf_counter() - t0)) if i else best
+        shard.drop(f"p{i}")
+    return shard._session.end_profiling(), best
+
+
+def summarize(profile: str, prefill: bool = False) -> None:
     events = json.loads(Path(profile).read_text())
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+    if prefill:
+        runs = runs[1:]  # the first prompt warms up
     median_run = statistics.median(b - a for a, b in runs)
-    steps = [(a, b) for a, b in runs if b - a < 1.6 * median_run]  # the prompt's runs are longer
+    steps = runs if prefill else [(a, b) for a, b in runs if b - a < 1.6 * median_run]  # the prompt's runs are longer
     starts = [a for a, _ in steps]
     times: dict[str, list[float]] = collections.defaultdict(list)
     op_of: dict[str, str] = {}
@@ -83,8 +107,8 @@ def summarize(profile: str) -> None:
     for node, t in times.items():
         per_op[op_of[node]] += statistics.median(t)
         count[op_of[node]] += 1
-    print(f"{len(steps)} decode runs, a run's median {median_run / 1e3:.2f} ms\n")
-    print("| op | µs a step (its nodes' medians) | nodes |")
+    print(f"{len(steps)} {'prefill' if prefill else 'decode'} runs, a run's median {median_run / 1e3:.2f} ms\n")
+    print(f"| op | µs a {'prompt' if prefill else 'step'} (its nodes' medians) | nodes |")
     print("|---|---:|---:|")
     for op, t in sorted(per_op.items(), key=lambda kv: -kv[1]):
         print(f"| {op} | {t:.0f} | {count[op]} |")
@@ -100,15 +124,20 @@ def main() -> None:
     ap.add_argument("--model", default="bench:moe")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=0, help="profile prompts of this many tokens instead of decode")
     args = ap.parse_args()
     from benchmarks.single_node import _bench_model
     from exo_tui.models.registry import resolve_model
 
     path = _bench_model(args.model[len("bench:"):]) if args.model.startswith("bench:") else resolve_model(args.model)
     folder = Path(tempfile.mkdtemp(prefix="exo-onnx-profile-"))  # every session's profile, kept
-    profile, tok_s = profiled_decode(path, args.threads, args.decode, str(folder / "ort"))
-    print(f"{path.name}, {args.threads} threads: {tok_s:.1f} tok/s with the profiler on (profile: {profile})\n")
-    summarize(profile)
+    if args.prefill:
+        profile, tok_s = profiled_prefill(path, args.threads, args.prefill, str(folder / "ort"))
+    else:
+        profile, tok_s = profiled_decode(path, args.threads, args.decode, str(folder / "ort"))
+    what = f"prefill of {args.prefill} tokens" if args.prefill else "decode"
+    print(f"{path.name}, {args.threads} threads: {what} {tok_s:.1f} tok/s with the profiler on (profile: {profile})\n")
+    summarize(profile, prefill=bool(args.prefill))
 
 
 if __name__ == "__main__":

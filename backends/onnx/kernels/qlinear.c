@@ -165,8 +165,9 @@ static inline __attribute__((always_inline)) void scales16(const uint8_t *w, int
         *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
         *c = _mm512_mul_ps(*s, _mm512_set1_ps(-32.0f));
     } else {
-        const __m512 dm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 64 + 2 * col0))),
-                                        _mm512_set1_ps(-1.0f));
+        const __m512 dm = _mm512_castsi512_ps(_mm512_xor_si512( /* -dmin: its sign flipped, off the multipliers */
+            _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 64 + 2 * col0)))),
+            _mm512_set1_epi32((int)0x80000000u)));
         const __m128i sc = _mm_loadu_si128((const __m128i *)(sb + 128 + 32 * j + col0));
         const __m128i m = _mm_loadu_si128((const __m128i *)(sb + 384 + 32 * j + col0));
         *s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
@@ -205,8 +206,8 @@ static inline __attribute__((always_inline)) void scales8(const uint8_t *w, int6
         *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
         *c = _mm256_mul_ps(*s, _mm256_set1_ps(-32.0f));
     } else {
-        const __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 64 + 2 * col0))),
-                                        _mm256_set1_ps(-1.0f));
+        const __m256 dm = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 64 + 2 * col0))),
+                                        _mm256_set1_ps(-0.0f)); /* -dmin */
         const __m128i sc = _mm_loadl_epi64((const __m128i *)(sb + 128 + 32 * j + col0));
         const __m128i m = _mm_loadl_epi64((const __m128i *)(sb + 384 + 32 * j + col0));
         *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
@@ -235,6 +236,22 @@ static inline __m256i plane16(uint32_t bits, int shift)
     const __m256i pick = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, (short)32768);
     const __m256i b = _mm256_and_si256(_mm256_set1_epi16((short)bits), pick);
     return _mm256_and_si256(_mm256_cmpeq_epi16(b, pick), _mm256_set1_epi16((short)(1 << shift)));
+}
+
+/* Q6_K's two planes at once: 16 16-bit lanes of 16 (bit i of the 16 bits at m) plus 32 (bit i of
+   the 16 bits at m + 128, the next plane): each lane's two bits in its two bytes, then summed. */
+static inline __m256i planes16(const uint8_t *m)
+{
+    uint16_t p4, p5;
+    memcpy(&p4, m, 2);
+    memcpy(&p5, m + 128, 2);
+    const __m256i both = _mm256_set1_epi32((int)(p4 | (uint32_t)p5 << 16)); /* bytes: p4's low, high, p5's low, high */
+    const __m256i bytes = _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                                                     1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3));
+    const __m256i pick = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, (char)128, (char)128,
+                                          1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, (char)128, (char)128);
+    const __m256i set = _mm256_min_epu8(_mm256_and_si256(bytes, pick), _mm256_set1_epi8(1)); /* 0 or 1 a byte */
+    return _mm256_maddubs_epi16(set, _mm256_set1_epi16(32 << 8 | 16));
 }
 #endif
 
@@ -777,8 +794,8 @@ static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, 
      bits 8: 16 lines; line j, bytes 4 c to 4 c + 3: the codes of (k = 2 j, column c),
              (2 j, c + 16), (2 j + 1, c), (2 j + 1, c + 16);
      bits 4: 8 lines, the same with the code of k in the low nibble and that of k + 16 in the high.
-   (Q5_K's and Q6_K's bit planes added in the lanes; Q6_K's codes less 32 there, signed, and no
-   bias, its two groups' sums apart.) So the line's 32-bit lane c holds,
+   (Q5_K's and Q6_K's bit planes added in the lanes; Q6_K has no bias, its two groups' sums apart,
+   its codes less 32: in the lanes on AVX2, in the sums on VNNI, the same integers.) So the line's 32-bit lane c holds,
    in the low byte (nibble) of each 16-bit half, column c's pair of codes, and column c + 16's one
    byte (nibble) up: VPDPWSSD (VPMADDWD) multiplies a pair by X's and adds. Every sum of a block is
    exact (|xq . q| < 32 x 32767 x 255 < 2^31), whatever the order of its products, so the builds
@@ -787,11 +804,10 @@ static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, 
 #if defined(QL_INT_VNNI)
 #define ROWS_INT16 8
 
-/* Line j of a block for rows rows of X (xr, rows k apart): i0 (columns 0-15) and i1 (16-31) of
-   each row plus its products. */
+/* Line j of a block (not Q6_K's: group_line_int16) for rows rows of X (xb, the pass's rows a
+   block apart): i0 (columns 0-15) and i1 (16-31) of each row plus its products. */
 static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, const uint8_t *q, int j, const int rows,
-                                                              const int fmt, __m512i *i0, __m512i *i1, __m512i *k0,
-                                                              __m512i *k1)
+                                                              const int fmt, __m512i *i0, __m512i *i1)
 {
     const __m512i v = _mm512_loadu_si512(q + 64 * j);
     if (CODE_BITS(fmt) == 4) {
@@ -807,28 +823,15 @@ static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, 
             c = _mm512_mask_add_epi16(c, (__mmask32)m[2], c, bit);
             d = _mm512_mask_add_epi16(d, (__mmask32)m[3], d, bit);
         }
-        if (fmt == FMT_Q6K) { /* its codes less 32, signed: no bias; a and c its first group, b and d its second */
-            const __m512i offset = _mm512_set1_epi16(32);
-            a = _mm512_sub_epi16(a, offset), b = _mm512_sub_epi16(b, offset);
-            c = _mm512_sub_epi16(c, offset), d = _mm512_sub_epi16(d, offset);
-        }
         for (int r = 0; r < rows; r++) {
             int32_t lo2, hi2;
             memcpy(&lo2, xb + r * BLOCK + 2 * j, 4);
             memcpy(&hi2, xb + r * BLOCK + 16 + 2 * j, 4);
             const __m512i xl = _mm512_set1_epi32(lo2), xh = _mm512_set1_epi32(hi2);
-            if (HALVES(fmt) == 2) {
-                i0[r] = _mm512_dpwssd_epi32(i0[r], a, xl);
-                k0[r] = _mm512_dpwssd_epi32(k0[r], b, xh);
-                i1[r] = _mm512_dpwssd_epi32(i1[r], c, xl);
-                k1[r] = _mm512_dpwssd_epi32(k1[r], d, xh);
-            } else {
-                i0[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[r], a, xl), b, xh);
-                i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], c, xl), d, xh);
-            }
+            i0[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[r], a, xl), b, xh);
+            i1[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[r], c, xl), d, xh);
         }
     } else {
-        (void)k0, (void)k1;
         const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)), hi = _mm512_srli_epi16(v, 8);
         for (int r = 0; r < rows; r++) {
             int32_t two;
@@ -840,15 +843,45 @@ static inline __attribute__((always_inline)) void line_int16(const int16_t *xb, 
     }
 }
 
+/* Line j of a Q6_K block, its group h only (h = 0: k < 16, the lines' low nibbles of each byte,
+   a and c of line_int16; h = 1: k >= 16, b and d), for rows rows: i0 (columns 0-15) and i1
+   (16-31) of each row plus its products, the codes taken unsigned (0-63; the offset of 32 comes
+   out of the sums at the group's end). Half the sums of line_int16's at a time: a row's two
+   groups' four in registers, for 8 rows, are all of AVX-512's 32. */
+static inline __attribute__((always_inline)) void group_line_int16(const int16_t *xb, const uint8_t *q, int j, int h,
+                                                                    const int rows, __m512i *i0, __m512i *i1)
+{
+    const __m512i v = _mm512_loadu_si512(q + 64 * j), nibble = _mm512_set1_epi16(0x000F);
+    __m512i lo = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, nibble), hi = _mm512_srli_epi16(v, h ? 12 : 8);
+    if (!h)
+        hi = _mm512_and_si512(hi, nibble);
+    for (int p = 0; p < 2; p++) { /* line j's masks of columns 0-15 (word h) and 16-31 (word 2 + h) */
+        const uint8_t *m = q + 512 + 128 * p + 16 * j;
+        const __m512i bit = _mm512_set1_epi16((short)(16 << p));
+        lo = _mm512_mask_add_epi16(lo, _load_mask32((__mmask32 *)(m + 4 * h)), lo, bit);
+        hi = _mm512_mask_add_epi16(hi, _load_mask32((__mmask32 *)(m + 8 + 4 * h)), hi, bit);
+    }
+    for (int r = 0; r < rows; r++) {
+        int32_t two;
+        memcpy(&two, xb + r * BLOCK + 16 * h + 2 * j, 4);
+        const __m512i xv = _mm512_set1_epi32(two);
+        i0[r] = _mm512_dpwssd_epi32(i0[r], lo, xv);
+        i1[r] = _mm512_dpwssd_epi32(i1[r], hi, xv);
+    }
+}
+
 /* A tile for up to 8 rows. Few rows take the lines of a block in several sets of sums (line j
    into set j mod sets), added at the block's end: enough chains of VPDPWSSD in flight that their
-   latency does not set the pace. */
+   latency does not set the pace. Q6_K's blocks go a group at a time (group_line_int16), and its
+   integer sums less 32 times the group's codes of X (xi: a row's two a block, xi[2 r nb]) make
+   line_int16's sums of the codes less 32. */
 static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
-                                                                   const uint8_t *w, int64_t nb, float *y, int64_t ldy,
-                                                                   int cols, const int rows, const int fmt)
+                                                                   const int32_t *xi, const uint8_t *w, int64_t nb,
+                                                                   float *y, int64_t ldy, int cols, const int rows,
+                                                                   const int fmt)
 {
     const int lines = CODE_BITS(fmt) == 4 ? 8 : 16, split = HALVES(fmt) == 2;
-    const int sets = rows == 1 ? (split ? 2 : 4) : rows == 2 && !split ? 2 : 1;
+    const int sets = rows == 1 ? 4 : rows == 2 ? 2 : 1;
     __m512 f0[ROWS_INT16], f1[ROWS_INT16]; /* columns 0-15 and 16-31 */
     for (int r = 0; r < rows; r++)
         f0[r] = f1[r] = _mm512_setzero_ps();
@@ -856,40 +889,62 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
         fetch_header(w, b, fmt);
         const uint8_t *q = block_codes(w, b, fmt);
         const int16_t *xb = xq + b * ROWS_INT16 * BLOCK;
-        __m512i i0[4][ROWS_INT16], i1[4][ROWS_INT16], k0[4][ROWS_INT16], k1[4][ROWS_INT16]; /* k: Q6_K's second group */
+        if (split) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m512i g0[4][ROWS_INT16], g1[4][ROWS_INT16];
+                for (int s = 0; s < sets; s++)
+                    for (int r = 0; r < rows; r++)
+                        g0[s][r] = g1[s][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j += sets)
+                    for (int s = 0; s < sets; s++)
+                        group_line_int16(xb, q, j + s, h, rows, g0[s], g1[s]);
+                for (int s = 1; s < sets; s++)
+                    for (int r = 0; r < rows; r++) {
+                        g0[0][r] = _mm512_add_epi32(g0[0][r], g0[s][r]);
+                        g1[0][r] = _mm512_add_epi32(g1[0][r], g1[s][r]);
+                    }
+                add_block(w, b, fmt, h, xd + b, xs + b, xi + 2 * b + h, nb, rows, g0[0], g1[0], f0, f1);
+                __asm__ volatile("" ::: "memory"); /* each group loads its lines: kept from the other's, they
+                                                     would be spilled (no registers are left) */
+            }
+            continue;
+        }
+        __m512i i0[4][ROWS_INT16], i1[4][ROWS_INT16];
         for (int s = 0; s < sets; s++)
             for (int r = 0; r < rows; r++)
-                i0[s][r] = i1[s][r] = k0[s][r] = k1[s][r] = _mm512_setzero_si512();
+                i0[s][r] = i1[s][r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int j = 0; j < lines; j += sets)
             for (int s = 0; s < sets; s++)
-                line_int16(xb, q, j + s, rows, fmt, i0[s], i1[s], k0[s], k1[s]);
+                line_int16(xb, q, j + s, rows, fmt, i0[s], i1[s]);
         for (int s = 1; s < sets; s++)
             for (int r = 0; r < rows; r++) {
                 i0[0][r] = _mm512_add_epi32(i0[0][r], i0[s][r]);
                 i1[0][r] = _mm512_add_epi32(i1[0][r], i1[s][r]);
-                k0[0][r] = _mm512_add_epi32(k0[0][r], k0[s][r]);
-                k1[0][r] = _mm512_add_epi32(k1[0][r], k1[s][r]);
             }
         add_block(w, b, fmt, 0, xd + b, xs + b, NULL, nb, rows, i0[0], i1[0], f0, f1);
-        if (split)
-            add_block(w, b, fmt, 1, xd + b, xs + b, NULL, nb, rows, k0[0], k1[0], f0, f1);
     }
     store_tile(y, ldy, cols, rows, f0, f1);
 }
 
-/* Row r of X to int16 codes, a scale and a float sum per block (rounding to nearest, ties to even);
-   block b's codes at xq + b * stride (the rows of a tile's pass are interleaved by block: see
-   quantize_task). */
-static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t stride, float *xd, float *xs)
+/* Row r of X to int16 codes, a scale and a float sum per block (rounding to nearest, ties to even),
+   and the codes' sum per 16 (xi, two a block: Q6_K's offset); block b's codes at xq + b * stride
+   (the rows of a tile's pass are interleaved by block: see quantize_task). */
+static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t stride, float *xd, float *xs, int32_t *xi)
 {
     for (int64_t b = 0; b < k / BLOCK; b++) {
         const __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
         const __m512 iv = _mm512_set1_ps(inv);
-        _mm256_storeu_si256((__m256i *)(xq + b * stride), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv))));
-        _mm256_storeu_si256((__m256i *)(xq + b * stride + 16), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv))));
+        const __m256i c0 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)));
+        const __m256i c1 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v1, iv)));
+        _mm256_storeu_si256((__m256i *)(xq + b * stride), c0);
+        _mm256_storeu_si256((__m256i *)(xq + b * stride + 16), c1);
+        xi[2 * b] = _mm512_reduce_add_epi32(_mm512_cvtepi16_epi32(c0));
+        xi[2 * b + 1] = _mm512_reduce_add_epi32(_mm512_cvtepi16_epi32(c1));
         xd[b] = d;
         xs[b] = block_sum(v0, v1);
     }
@@ -899,10 +954,12 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
 
 /* The same sums 8 columns at a time: a pass over every block per group of 8 columns, c0 to
    c0 + 7 = 16 h + 8 s: half s of each line (bytes 32 s to 32 s + 31) holds them in the low
-   (h = 0) or the high (h = 1) byte of each 16-bit lane's, as the VNNI build reads it. */
+   (h = 0) or the high (h = 1) byte of each 16-bit lane's, as the VNNI build reads it; Q6_K's
+   offset of 32 out of the sums, as there (xi). */
 static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t *xq, const float *xd, const float *xs,
-                                                                   const uint8_t *w, int64_t nb, float *y, int64_t ldy,
-                                                                   int cols, const int rows, const int fmt)
+                                                                   const int32_t *xi, const uint8_t *w, int64_t nb,
+                                                                   float *y, int64_t ldy, int cols, const int rows,
+                                                                   const int fmt)
 {
     const int bits = CODE_BITS(fmt), lines = bits == 4 ? 8 : 16, split = HALVES(fmt) == 2;
     const __m256i nibble = _mm256_set1_epi16(0x000F), byte = _mm256_set1_epi16(0x00FF);
@@ -924,15 +981,16 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                 if (bits == 4) {
                     const __m256i half = h ? _mm256_srli_epi16(v, 8) : v;
                     __m256i l = _mm256_and_si256(half, nibble), u = _mm256_and_si256(_mm256_srli_epi16(half, 4), nibble);
-                    for (int p = 0; p < PLANES(fmt); p++) { /* the VNNI code's masks (a, b for the low byte, c, d the high) */
-                        uint32_t m[4];
-                        memcpy(m, block_codes(w, b, fmt) + 512 + 128 * p + 16 * j, 16);
-                        l = _mm256_or_si256(l, plane16(m[2 * h] >> (16 * s), 4 + p));
-                        u = _mm256_or_si256(u, plane16(m[2 * h + 1] >> (16 * s), 4 + p));
-                    }
-                    if (fmt == FMT_Q6K) { /* signed, less 32 */
-                        l = _mm256_sub_epi16(l, _mm256_set1_epi16(32));
-                        u = _mm256_sub_epi16(u, _mm256_set1_epi16(32));
+                    const uint8_t *planes = block_codes(w, b, fmt) + 512 + 16 * j + 4 * (2 * h) + 2 * s;
+                    if (fmt == FMT_Q6K) { /* the VNNI code's masks of a, b (low byte) or c, d (high), both planes at once */
+                        l = _mm256_or_si256(l, planes16(planes));
+                        u = _mm256_or_si256(u, planes16(planes + 4));
+                    } else if (fmt == FMT_Q5K) {
+                        uint16_t m[2];
+                        memcpy(&m[0], planes, 2);
+                        memcpy(&m[1], planes + 4, 2);
+                        l = _mm256_or_si256(l, plane16(m[0], 4));
+                        u = _mm256_or_si256(u, plane16(m[1], 4));
                     }
                     for (int r = 0; r < rows; r++) {
                         const int16_t *xr = xq + (b * ROWS_INT16 + r) * BLOCK;
@@ -961,6 +1019,8 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                 __m256 sc, bc;
                 scales8(w, b, fmt, c0, hh, &sc, &bc);
                 for (int r = 0; r < rows; r++) {
+                    if (fmt == FMT_Q6K) /* its codes' offset of 32 out (xi: the group's codes of X) */
+                        acc[hh][r] = _mm256_add_epi32(acc[hh][r], _mm256_set1_epi32(-32 * xi[2 * (r * nb + b) + hh]));
                     const __m256 d = _mm256_set1_ps(xd[r * nb + b]), sum = _mm256_set1_ps(xs[r * nb + b]);
                     const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[hh][r]), _mm256_mul_ps(sc, d), f[r]);
                     f[r] = fmt == FMT_Q6K ? p : _mm256_fmadd_ps(bc, sum, p);
@@ -976,8 +1036,8 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
     }
 }
 
-/* quantize_row16's AVX-512 math 8 wide: the same codes, scale and sum. */
-static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t stride, float *xd, float *xs)
+/* quantize_row16's AVX-512 math 8 wide: the same codes, scale and sums. */
+static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t stride, float *xd, float *xs, int32_t *xi)
 {
     for (int64_t b = 0; b < k / BLOCK; b++) {
         __m256 v[4];
@@ -990,6 +1050,7 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
             const __m256i c = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv)),
                                                  _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], iv)));
             _mm256_storeu_si256((__m256i *)(xq + b * stride + 8 * i), _mm256_permute4x64_epi64(c, _MM_SHUFFLE(3, 1, 2, 0)));
+            xi[2 * b + i / 2] = sum8(_mm256_madd_epi16(c, _mm256_set1_epi16(1)));
         }
         xd[b] = d;
         xs[b] = block_sum(v[0], v[1], v[2], v[3]);
@@ -997,13 +1058,13 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
 }
 #endif
 
-typedef void (*tile_int16_fn)(const int16_t *, const float *, const float *, const uint8_t *, int64_t, float *, int64_t,
-                              int);
+typedef void (*tile_int16_fn)(const int16_t *, const float *, const float *, const int32_t *, const uint8_t *, int64_t,
+                              float *, int64_t, int);
 #define TILE_ROWS_INT16(R, NAME, FMT)                                                                               \
-    static void tile_int16_##NAME##_##R(const int16_t *xq, const float *xd, const float *xs, const uint8_t *w,        \
-                                       int64_t nb, float *y, int64_t ldy, int cols)                                  \
+    static void tile_int16_##NAME##_##R(const int16_t *xq, const float *xd, const float *xs, const int32_t *xi,     \
+                                       const uint8_t *w, int64_t nb, float *y, int64_t ldy, int cols)                \
     {                                                                                                               \
-        tile_rows_int16(xq, xd, xs, w, nb, y, ldy, cols, R, FMT);                                                   \
+        tile_rows_int16(xq, xd, xs, xi, w, nb, y, ldy, cols, R, FMT);                                               \
     }
 #if ROWS_INT16 == 8
 #define TILES_INT16(NAME, FMT)                                                                                      \
@@ -1043,8 +1104,8 @@ static void run_task(void *arg, size_t task)
         const tile_int16_fn *tiles = tiles_int16[job->fmt];
         for (int64_t m0 = 0; m0 < job->m; m0 += ROWS_INT16) {
             const int64_t rows = job->m - m0 < ROWS_INT16 ? job->m - m0 : ROWS_INT16;
-            tiles[rows]((const int16_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, w, nb,
-                        job->y + m0 * job->n + n0, job->n, cols);
+            tiles[rows]((const int16_t *)job->xq + m0 * job->k, job->xd + m0 * nb, job->xs + m0 * nb, job->xi + 2 * m0 * nb,
+                        w, nb, job->y + m0 * job->n + n0, job->n, cols);
         }
         return;
     }
@@ -1091,7 +1152,8 @@ static void quantize_task(void *arg, size_t row)
     const int64_t nb = job->k / BLOCK, r = (int64_t)row % ROWS_INT16;
     if (job->xbits == 16)
         quantize_row16(job->x + row * job->k, job->k, (int16_t *)job->xq + ((int64_t)row - r) * job->k + r * BLOCK,
-                       ROWS_INT16 * BLOCK, (float *)job->xd + row * nb, (float *)job->xs + row * nb);
+                       ROWS_INT16 * BLOCK, (float *)job->xd + row * nb, (float *)job->xs + row * nb,
+                       (int32_t *)job->xi + 2 * row * nb);
     else
         quantize_row(job->x + row * job->k, job->k, (int8_t *)job->xq + row * job->k, (float *)job->xd + row * nb,
                      (float *)job->xs + row * nb, (int32_t *)job->xi + 2 * row * nb);
