@@ -3,7 +3,8 @@ given less memory than the model.
 
 Writes (once, into the cache folder; no download) random-weight GGUFs with Llama-3.1-8B's and
 Llama-3.2-1B's shapes in llama.cpp's Q4_K_M layout (Q4_K matrices; Q6_K for ``attn_v`` and
-``ffn_down`` in the first and last eighths and every third layer between, and for the output head),
+``ffn_down`` in the first and last eighths and every third layer between, and for the 8B's output head;
+the 1B's head is its tied Q4_K embedding, as in Llama-3.2-1B),
 their blocks random codes with sane float16 scales, and a byte-level vocabulary of the real size.
 Then reports, side by side with llama.cpp on the same file and threads:
 
