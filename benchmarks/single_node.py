@@ -13,6 +13,14 @@ names a random-weight file of one of ``benchmarks/big_model.py``'s shapes, writt
 cache folder (``bench:moe``: a qwen3moe of Qwen3-30B-A3B's width, 128 experts, top 8, 4 layers).
 For a mixture of experts it also prints the bytes a decoded token reads (its chosen experts',
 not all of them) and the GB/s each engine's decode makes of them, next to a NumPy copy's.
+
+Several models, comma-separated (``bench:families``: the family shapes ``llama-2048``,
+``qwen2-2048``, ``qwen3-2048``, ``gemma3-2048``, ``phi3-2048``), run side by side: each in
+exo-tui's ONNX engine and in llama.cpp, all alternated in each repetition, with each one's ratios
+to llama.cpp and the time a token each engine spends on it beyond the first model (at one width,
+a family's extra ops):
+
+    python benchmarks/single_node.py --model bench:families --threads 2
 """
 
 from __future__ import annotations
@@ -107,17 +115,22 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--backends", default="onnx,mlx")
-    ap.add_argument("--model", default=None, help="a GGUF path or registered name (default: the default model)")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF path or registered name (default: the default model); several, comma-separated, "
+                         "are measured side by side against the first; bench:families is every family shape")
     args = ap.parse_args()
 
     from backends import available_backends
     from exo_tui.models.gguf_file import GGUFModel
-    from exo_tui.models.registry import resolve_model
 
-    path = _bench_model(args.model[len("bench:"):]) if args.model and args.model.startswith("bench:") else resolve_model(args.model)
-    vocab = GGUFModel(path).config.vocab_size
+    paths = [_model_path(name) for name in _model_names(args.model)]
+    path = paths[0]
+    vocab = min(GGUFModel(p).config.vocab_size for p in paths)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(min(100, vocab // 4), min(40000, vocab - 16), size=args.prompt)]
+    if len(paths) > 1:
+        _side_by_side(paths, args, prompt)
+        return
     engines: dict[str, tuple[Callable, Callable]] = {}
     for b in args.backends.split(","):
         if b in available_backends():
@@ -138,15 +151,7 @@ def main() -> None:
     else:
         print("llama-cpp-python is not installed: no llama.cpp column (make bench builds it)", file=sys.stderr)
 
-    for pf, dc in engines.values():  # warm up
-        pf(prompt)
-        dc(prompt[:8], 4)
-    results: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in engines}
-    for _ in range(args.reps):
-        for name, (pf, dc) in engines.items():  # alternate engines within each repetition
-            results[name]["prefill"].append(pf(prompt))
-            results[name]["decode"].append(dc(prompt[:16], args.decode))
-
+    results = _alternate(engines, prompt, args.reps, args.decode)
     print(f"\n{'Default model' if args.model is None else 'Model'} ({path.name}), {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
           f"median of {args.reps} alternating repetitions\n")
     base = {k: statistics.median(v) for k, v in results.get("llama.cpp", {}).items()}
@@ -161,13 +166,87 @@ def main() -> None:
         _expert_bytes(path, {name: statistics.median(r["decode"]) for name, r in results.items()})
 
 
+def _alternate(engines: dict, prompt: list[int], reps: int, decode: int) -> dict[str, dict[str, list[float]]]:
+    """Each engine's prefill and decode tok/s of each repetition, the engines alternated within it."""
+    for pf, dc in engines.values():  # warm up
+        pf(prompt)
+        dc(prompt[:8], 4)
+    results: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in engines}
+    for _ in range(reps):
+        for name, (pf, dc) in engines.items():
+            results[name]["prefill"].append(pf(prompt))
+            results[name]["decode"].append(dc(prompt[:16], decode))
+    return results
+
+
+def _model_names(model: str | None) -> list[str | None]:
+    if model is None:
+        return [None]
+    if model == "bench:families":
+        from benchmarks.big_model import FAMILY_SHAPES
+
+        return [f"bench:{shape}" for shape in FAMILY_SHAPES]
+    return model.split(",")
+
+
+def _model_path(name: str | None) -> Path:
+    from exo_tui.models.registry import resolve_model
+
+    return _bench_model(name[len("bench:"):]) if name and name.startswith("bench:") else resolve_model(name)
+
+
+def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]) -> None:
+    """Several models, each in exo-tui's default ONNX engine and in llama.cpp, all alternated in
+    each repetition; each one's ratios to llama.cpp beside the first model's, and the time a token
+    each engine spends on it beyond the first model's (a family's extra ops, at one width)."""
+    engines: dict[str, tuple[Callable, Callable]] = {}
+    for path in paths:
+        engines[f"{path.name} exo-tui"] = _ours("onnx", path, args.threads)
+        ref = _llama_cpp(path, args.threads)
+        if ref is None:
+            raise SystemExit("llama-cpp-python is not installed: nothing to compare with (make bench builds it)")
+        engines[f"{path.name} llama.cpp"] = ref
+    r = _alternate(engines, prompt, args.reps, args.decode)
+    med = statistics.median
+
+    def per_rep(path: Path, engine: str, what: str) -> list[float]:
+        return r[f"{path.name} {engine}"][what]
+
+    def ratios(path: Path, what: str) -> list[float]:  # exo-tui ÷ llama.cpp, each repetition's
+        return [a / b for a, b in zip(per_rep(path, "exo-tui", what), per_rep(path, "llama.cpp", what), strict=True)]
+
+    def extra_s(path: Path, engine: str, what: str) -> list[float]:  # seconds a token beyond the first model's
+        return [1 / a - 1 / b for a, b in zip(per_rep(path, engine, what), per_rep(paths[0], engine, what), strict=True)]
+
+    def spread(values: list[float], fmt: str) -> str:
+        return f"{format(med(values), fmt)} ({format(min(values), fmt)} to {format(max(values), fmt)})"
+
+    print(f"\n{len(paths)} models side by side, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
+          f"{args.reps} repetitions, the {2 * len(paths)} engines alternated in each; medians of each repetition's "
+          f"figures (their range in brackets)\n")
+    print("| model | exo-tui prefill / decode tok/s | llama.cpp prefill / decode tok/s | prefill ÷ llama.cpp | decode ÷ llama.cpp |")
+    print("|---|---:|---:|---:|---:|")
+    for path in paths:
+        tok_s = [f"{med(per_rep(path, e, 'prefill')):.1f} / {med(per_rep(path, e, 'decode')):.2f}"
+                 for e in ("exo-tui", "llama.cpp")]
+        print(f"| {path.name} | {tok_s[0]} | {tok_s[1]} | {spread(ratios(path, 'prefill'), '.2f')} | "
+              f"{spread(ratios(path, 'decode'), '.2f')} |")
+    print(f"\nbeyond {paths[0].name}: the time a token each engine spends on the model's extra ops\n")
+    print("| model | decode ms a token, exo-tui | decode ms a token, llama.cpp | prefill µs a token, exo-tui | prefill µs a token, llama.cpp |")
+    print("|---|---:|---:|---:|---:|")
+    for path in paths[1:]:
+        cells = [spread([1e3 * x for x in extra_s(path, e, "decode")], "+.2f") for e in ("exo-tui", "llama.cpp")]
+        cells += [spread([1e6 * x for x in extra_s(path, e, "prefill")], "+.0f") for e in ("exo-tui", "llama.cpp")]
+        print(f"| {path.name} | {' | '.join(cells)} |")
+
+
 def _bench_model(shape: str) -> Path:
     import platformdirs
 
-    from benchmarks.big_model import MOE_SHAPES, SHAPES, model_path, write_model
+    from benchmarks.big_model import model_path, shape_names, write_model
 
-    if shape not in SHAPES and shape not in MOE_SHAPES:
-        raise SystemExit(f"bench:{shape}: no such shape; choose one of {', '.join([*SHAPES, *MOE_SHAPES])}")
+    if shape not in shape_names():
+        raise SystemExit(f"bench:{shape}: no such shape; choose one of {', '.join(shape_names())}")
     cache = Path(platformdirs.user_cache_dir("exo-tui")) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     return write_model(model_path(cache, shape), shape)
