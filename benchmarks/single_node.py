@@ -26,6 +26,7 @@ a family's extra ops):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -118,6 +119,7 @@ def main() -> None:
     ap.add_argument("--model", default=None,
                     help="a GGUF path or registered name (default: the default model); several, comma-separated, "
                          "are measured side by side against the first; bench:families is every family shape")
+    ap.add_argument("--raw", type=Path, default=None, help="with several models: each repetition's tok/s, as JSON, here")
     args = ap.parse_args()
 
     from backends import available_backends
@@ -198,7 +200,11 @@ def _model_path(name: str | None) -> Path:
 def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]) -> None:
     """Several models, each in exo-tui's default ONNX engine and in llama.cpp, all alternated in
     each repetition; each one's ratios to llama.cpp beside the first model's, and the time a token
-    each engine spends on it beyond the first model's (a family's extra ops, at one width)."""
+    each engine spends on it beyond the first model's (a family's extra ops, at one width).
+
+    Other work on the machine only ever slows a repetition, and llama.cpp's threads by far the
+    most (each op waits for its slowest thread), so the figures are the fastest repetition's,
+    with the median of each repetition's own ratio and that ratio's range beside them."""
     engines: dict[str, tuple[Callable, Callable]] = {}
     for path in paths:
         engines[f"{path.name} exo-tui"] = _ours("onnx", path, args.threads)
@@ -207,36 +213,38 @@ def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]
             raise SystemExit("llama-cpp-python is not installed: nothing to compare with (make bench builds it)")
         engines[f"{path.name} llama.cpp"] = ref
     r = _alternate(engines, prompt, args.reps, args.decode)
-    med = statistics.median
+    if args.raw:
+        args.raw.write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
+                                        "tok_s": r}, indent=1))
 
-    def per_rep(path: Path, engine: str, what: str) -> list[float]:
+    def reps(path: Path, engine: str, what: str) -> list[float]:
         return r[f"{path.name} {engine}"][what]
 
-    def ratios(path: Path, what: str) -> list[float]:  # exo-tui ÷ llama.cpp, each repetition's
-        return [a / b for a, b in zip(per_rep(path, "exo-tui", what), per_rep(path, "llama.cpp", what), strict=True)]
+    def best(path: Path, engine: str, what: str) -> float:
+        return max(reps(path, engine, what))
 
-    def extra_s(path: Path, engine: str, what: str) -> list[float]:  # seconds a token beyond the first model's
-        return [1 / a - 1 / b for a, b in zip(per_rep(path, engine, what), per_rep(paths[0], engine, what), strict=True)]
+    def ratio(path: Path, what: str) -> str:
+        each = [a / b for a, b in zip(reps(path, "exo-tui", what), reps(path, "llama.cpp", what), strict=True)]
+        return (f"{best(path, 'exo-tui', what) / best(path, 'llama.cpp', what):.2f}; "
+                f"{statistics.median(each):.2f} ({min(each):.2f}-{max(each):.2f})")
 
-    def spread(values: list[float], fmt: str) -> str:
-        return f"{format(med(values), fmt)} ({format(min(values), fmt)} to {format(max(values), fmt)})"
+    def extra(path: Path, engine: str, what: str, unit: float) -> str:  # a token's time beyond the first model's
+        return f"{unit * (1 / best(path, engine, what) - 1 / best(paths[0], engine, what)):+.2f}"
 
     print(f"\n{len(paths)} models side by side, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
-          f"{args.reps} repetitions, the {2 * len(paths)} engines alternated in each; medians of each repetition's "
-          f"figures (their range in brackets)\n")
+          f"{args.reps} repetitions, the {2 * len(paths)} engines alternated in each. tok/s: the fastest "
+          f"repetition's; ratios: the fastest's, then the median of each repetition's (its range)\n")
     print("| model | exo-tui prefill / decode tok/s | llama.cpp prefill / decode tok/s | prefill ÷ llama.cpp | decode ÷ llama.cpp |")
     print("|---|---:|---:|---:|---:|")
     for path in paths:
-        tok_s = [f"{med(per_rep(path, e, 'prefill')):.1f} / {med(per_rep(path, e, 'decode')):.2f}"
-                 for e in ("exo-tui", "llama.cpp")]
-        print(f"| {path.name} | {tok_s[0]} | {tok_s[1]} | {spread(ratios(path, 'prefill'), '.2f')} | "
-              f"{spread(ratios(path, 'decode'), '.2f')} |")
-    print(f"\nbeyond {paths[0].name}: the time a token each engine spends on the model's extra ops\n")
-    print("| model | decode ms a token, exo-tui | decode ms a token, llama.cpp | prefill µs a token, exo-tui | prefill µs a token, llama.cpp |")
+        tok_s = [f"{best(path, e, 'prefill'):.1f} / {best(path, e, 'decode'):.2f}" for e in ("exo-tui", "llama.cpp")]
+        print(f"| {path.name} | {tok_s[0]} | {tok_s[1]} | {ratio(path, 'prefill')} | {ratio(path, 'decode')} |")
+    print(f"\nbeyond {paths[0].name}: the time a token each engine spends on the model's extra ops "
+          f"(fastest repetitions)\n")
+    print("| model | decode ms a token, exo-tui | decode ms a token, llama.cpp | prefill ms a token, exo-tui | prefill ms a token, llama.cpp |")
     print("|---|---:|---:|---:|---:|")
     for path in paths[1:]:
-        cells = [spread([1e3 * x for x in extra_s(path, e, "decode")], "+.2f") for e in ("exo-tui", "llama.cpp")]
-        cells += [spread([1e6 * x for x in extra_s(path, e, "prefill")], "+.0f") for e in ("exo-tui", "llama.cpp")]
+        cells = [extra(path, e, w, 1e3) for w in ("decode", "prefill") for e in ("exo-tui", "llama.cpp")]
         print(f"| {path.name} | {' | '.join(cells)} |")
 
 
