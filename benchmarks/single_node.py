@@ -39,6 +39,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _clock() -> Callable[[int], tuple[float, float]]:
+    """Started now: ``rate(n)``, n tokens' tok/s by wall time and by this process's CPU time (all
+    its threads: at one thread the time the engine ran, whatever else ran on the machine)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    return lambda n: (n / (time.perf_counter() - wall), n / max(time.process_time() - cpu, 1e-9))
+
+
 def _ours(
     backend: str, model_path: Path, threads: int, spin: bool | int | None = None, pin: bool = False,
     kernel: bool = True, precision: str | None = None,
@@ -58,28 +65,28 @@ def _ours(
     del weights
     counter = [0]
 
-    def prefill(tokens: list[int]) -> float:
+    def prefill(tokens: list[int]) -> tuple[float, float]:
         counter[0] += 1
         rid = f"p{counter[0]}"
-        t0 = time.perf_counter()
+        rate = _clock()
         shard.forward(rid, np.asarray(tokens), np.arange(len(tokens)))
-        dt = time.perf_counter() - t0
+        tok_s = rate(len(tokens))
         shard.drop(rid)
-        return len(tokens) / dt
+        return tok_s
 
-    def decode(tokens: list[int], n: int) -> float:
+    def decode(tokens: list[int], n: int) -> tuple[float, float]:
         counter[0] += 1
         rid = f"d{counter[0]}"
         logits = shard.forward(rid, np.asarray(tokens), np.arange(len(tokens)))
         pos = len(tokens)
-        t0 = time.perf_counter()
+        rate = _clock()
         for _ in range(n):
             nxt = int(np.argmax(logits[-1]))
             logits = shard.forward(rid, np.array([nxt]), np.array([pos]))
             pos += 1
-        dt = time.perf_counter() - t0
+        tok_s = rate(n)
         shard.drop(rid)
-        return n / dt
+        return tok_s
 
     return prefill, decode
 
@@ -91,20 +98,20 @@ def _llama_cpp(model_path: Path, threads: int) -> tuple[Callable[[list[int]], fl
         return None
     llm = Llama(str(model_path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
 
-    def prefill(tokens: list[int]) -> float:
+    def prefill(tokens: list[int]) -> tuple[float, float]:
         llm.reset()
-        t0 = time.perf_counter()
+        rate = _clock()
         llm.eval(tokens)
-        return len(tokens) / (time.perf_counter() - t0)
+        return rate(len(tokens))
 
-    def decode(tokens: list[int], n: int) -> float:
+    def decode(tokens: list[int], n: int) -> tuple[float, float]:
         llm.reset()
         llm.eval(tokens)
-        t0 = time.perf_counter()
+        rate = _clock()
         for _ in range(n):
             nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             llm.eval([nxt])
-        return n / (time.perf_counter() - t0)
+        return rate(n)
 
     return prefill, decode
 
@@ -169,26 +176,30 @@ def main() -> None:
 
 
 def _alternate(engines: dict, prompt: list[int], reps: int, decode: int) -> dict[str, dict[str, list[float]]]:
-    """Each engine's prefill and decode tok/s of each repetition, the engines alternated within it."""
+    """Each engine's prefill and decode tok/s of each repetition (``prefill``, ``decode``: by wall
+    time; ``prefill_cpu``, ``decode_cpu``: by CPU time), the engines alternated within it."""
     for pf, dc in engines.values():  # warm up
         pf(prompt)
         dc(prompt[:8], 4)
-    results: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in engines}
+    results: dict[str, dict[str, list[float]]] = {
+        name: {k: [] for k in ("prefill", "decode", "prefill_cpu", "decode_cpu")} for name in engines}
     for _ in range(reps):
         for name, (pf, dc) in engines.items():
-            results[name]["prefill"].append(pf(prompt))
-            results[name]["decode"].append(dc(prompt[:16], decode))
+            for what, (wall, cpu) in (("prefill", pf(prompt)), ("decode", dc(prompt[:16], decode))):
+                results[name][what].append(wall)
+                results[name][f"{what}_cpu"].append(cpu)
     return results
 
 
 def _model_names(model: str | None) -> list[str | None]:
     if model is None:
         return [None]
-    if model == "bench:families":
-        from benchmarks.big_model import FAMILY_SHAPES
+    from benchmarks.big_model import FAMILY_SHAPES
 
-        return [f"bench:{shape}" for shape in FAMILY_SHAPES]
-    return model.split(",")
+    names: list[str | None] = []
+    for name in model.split(","):
+        names += [f"bench:{shape}" for shape in FAMILY_SHAPES] if name == "bench:families" else [name]
+    return names
 
 
 def _model_path(name: str | None) -> Path:
@@ -217,8 +228,14 @@ def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]
         args.raw.write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
                                         "tok_s": r}, indent=1))
 
+    for clock in ("", "_cpu"):
+        _side_by_side_tables(paths, r, args, clock)
+
+
+def _side_by_side_tables(paths: list[Path], r: dict[str, dict[str, list[float]]], args: argparse.Namespace,
+                         clock: str) -> None:
     def reps(path: Path, engine: str, what: str) -> list[float]:
-        return r[f"{path.name} {engine}"][what]
+        return r[f"{path.name} {engine}"][what + clock]
 
     def best(path: Path, engine: str, what: str) -> float:
         return max(reps(path, engine, what))
@@ -228,23 +245,24 @@ def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]
         return (f"{best(path, 'exo-tui', what) / best(path, 'llama.cpp', what):.2f}; "
                 f"{statistics.median(each):.2f} ({min(each):.2f}-{max(each):.2f})")
 
-    def extra(path: Path, engine: str, what: str, unit: float) -> str:  # a token's time beyond the first model's
-        return f"{unit * (1 / best(path, engine, what) - 1 / best(paths[0], engine, what)):+.2f}"
+    def extra(path: Path, engine: str, what: str) -> str:  # ms a token beyond the first model's
+        return f"{1e3 * (1 / best(path, engine, what) - 1 / best(paths[0], engine, what)):+.2f}"
 
-    print(f"\n{len(paths)} models side by side, {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
-          f"{args.reps} repetitions, the {2 * len(paths)} engines alternated in each. tok/s: the fastest "
-          f"repetition's; ratios: the fastest's, then the median of each repetition's (its range)\n")
+    by = "CPU time (the process's, all its threads)" if clock else "wall time"
+    print(f"\n{len(paths)} models side by side, by {by}, {args.threads} threads, prompt {args.prompt}, "
+          f"decode {args.decode}, {args.reps} repetitions, the {2 * len(paths)} engines alternated in each. "
+          f"tok/s: the fastest repetition's; ratios: the fastest's, then the median of each repetition's (its range)\n")
     print("| model | exo-tui prefill / decode tok/s | llama.cpp prefill / decode tok/s | prefill ÷ llama.cpp | decode ÷ llama.cpp |")
     print("|---|---:|---:|---:|---:|")
     for path in paths:
         tok_s = [f"{best(path, e, 'prefill'):.1f} / {best(path, e, 'decode'):.2f}" for e in ("exo-tui", "llama.cpp")]
         print(f"| {path.name} | {tok_s[0]} | {tok_s[1]} | {ratio(path, 'prefill')} | {ratio(path, 'decode')} |")
-    print(f"\nbeyond {paths[0].name}: the time a token each engine spends on the model's extra ops "
+    print(f"\nbeyond {paths[0].name}, by {by}: the time a token each engine spends on the model's extra ops "
           f"(fastest repetitions)\n")
     print("| model | decode ms a token, exo-tui | decode ms a token, llama.cpp | prefill ms a token, exo-tui | prefill ms a token, llama.cpp |")
     print("|---|---:|---:|---:|---:|")
     for path in paths[1:]:
-        cells = [extra(path, e, w, 1e3) for w in ("decode", "prefill") for e in ("exo-tui", "llama.cpp")]
+        cells = [extra(path, e, w) for w in ("decode", "prefill") for e in ("exo-tui", "llama.cpp")]
         print(f"| {path.name} | {' | '.join(cells)} |")
 
 
