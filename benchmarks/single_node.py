@@ -175,16 +175,21 @@ def main() -> None:
         _expert_bytes(path, {name: statistics.median(r["decode"]) for name, r in results.items()})
 
 
-def _alternate(engines: dict, prompt: list[int], reps: int, decode: int) -> dict[str, dict[str, list[float]]]:
+def _alternate(engines: dict, prompt: list[int], reps: int, decode: int,
+               rotate: int = 0) -> dict[str, dict[str, list[float]]]:
     """Each engine's prefill and decode tok/s of each repetition (``prefill``, ``decode``: by wall
-    time; ``prefill_cpu``, ``decode_cpu``: by CPU time), the engines alternated within it."""
+    time; ``prefill_cpu``, ``decode_cpu``: by CPU time), the engines alternated within it; each
+    repetition starting ``rotate`` engines later than the one before (no engine always first)."""
     for pf, dc in engines.values():  # warm up
         pf(prompt)
         dc(prompt[:8], 4)
     results: dict[str, dict[str, list[float]]] = {
         name: {k: [] for k in ("prefill", "decode", "prefill_cpu", "decode_cpu")} for name in engines}
-    for _ in range(reps):
-        for name, (pf, dc) in engines.items():
+    names = list(engines)
+    for rep in range(reps):
+        start = rep * rotate % len(names)
+        for name in names[start:] + names[:start]:
+            pf, dc = engines[name]
             for what, (wall, cpu) in (("prefill", pf(prompt)), ("decode", dc(prompt[:16], decode))):
                 results[name][what].append(wall)
                 results[name][f"{what}_cpu"].append(cpu)
@@ -210,7 +215,7 @@ def _model_path(name: str | None) -> Path:
 
 def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]) -> None:
     """Several models, each in exo-tui's default ONNX engine and in llama.cpp, all alternated in
-    each repetition; each one's ratios to llama.cpp beside the first model's, and the time a token
+    each repetition, each repetition starting at the next model; each one's ratios to llama.cpp beside the first model's, and the time a token
     each engine spends on it beyond the first model's (a family's extra ops, at one width).
 
     Other work on the machine only ever slows a repetition, and llama.cpp's threads by far the
@@ -223,7 +228,7 @@ def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]
         if ref is None:
             raise SystemExit("llama-cpp-python is not installed: nothing to compare with (make bench builds it)")
         engines[f"{path.name} llama.cpp"] = ref
-    r = _alternate(engines, prompt, args.reps, args.decode)
+    r = _alternate(engines, prompt, args.reps, args.decode, rotate=2)  # a model's two engines stay together
     if args.raw:
         args.raw.write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
                                         "tok_s": r}, indent=1))
@@ -250,7 +255,8 @@ def _side_by_side_tables(paths: list[Path], r: dict[str, dict[str, list[float]]]
 
     by = "CPU time (the process's, all its threads)" if clock else "wall time"
     print(f"\n{len(paths)} models side by side, by {by}, {args.threads} threads, prompt {args.prompt}, "
-          f"decode {args.decode}, {args.reps} repetitions, the {2 * len(paths)} engines alternated in each. "
+          f"decode {args.decode}, {args.reps} repetitions, the {2 * len(paths)} engines alternated in each (each "
+          f"repetition starting at the next model). "
           f"tok/s: the fastest repetition's; ratios: the fastest's, then the median of each repetition's (its range)\n")
     print("| model | exo-tui prefill / decode tok/s | llama.cpp prefill / decode tok/s | prefill ÷ llama.cpp | decode ÷ llama.cpp |")
     print("|---|---:|---:|---:|---:|")
