@@ -6,6 +6,12 @@ Llama-3.2-1B's shapes in llama.cpp's Q4_K_M layout (Q4_K matrices; Q6_K for ``at
 ``ffn_down`` in the first and last eighths and every third layer between, and for the 8B's output head;
 the 1B's head is its tied Q4_K embedding, as in Llama-3.2-1B),
 their blocks random codes with sane float16 scales, and a byte-level vocabulary of the real size.
+The family shapes (``llama-2048``, ``qwen2-2048``, ``qwen3-2048``, ``gemma3-2048``, ``phi3-2048``)
+are one width in each family: 8 of Llama-3.2-1B's layers and a 32k vocabulary, each with its
+family's own tensors and metadata (q/k/v biases; q/k head norms; post-norms, tanh-GELU, embedding
+scale and 512-token sliding windows; fused q/k/v and gate/up), so that beside the llama one only
+the family's extra ops differ (phi3's fused q/k/v stays Q4_K, where llama.cpp's Q4_K_M makes it
+Q5_K).
 Then reports, side by side with llama.cpp on the same file and threads:
 
 * one node: prefill and decode tok/s and the peak RSS of each engine, measured in a process of its
@@ -44,6 +50,10 @@ SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocab, tied
     "1b": (16, 2048, 8192, 32, 8, 128256, True),
     "8b": (32, 4096, 14336, 32, 8, 128256, False),
 }
+FAMILY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+FAMILY_WIDTH = (8, 2048, 8192, 32, 8, 32768, True)  # as SHAPES: 8 of Llama-3.2-1B's layers, a 32k vocabulary
+FAMILY_SHAPES = {f"{arch}-{FAMILY_WIDTH[1]}": arch for arch in FAMILY_ARCHS}
+GEMMA3_WINDOW = 512  # Gemma 3 1B's sliding window
 MOE_SHAPES = {  # layers, hidden, heads, kv heads, head_dim, experts, used, expert width, vocab
     # Qwen3-30B-A3B's layers (hidden 2048, 128 experts of width 768, top 8), 4 of its 48; a
     # vocabulary whose Q6_K head is about the same share of a token's bytes as the real one's
@@ -56,17 +66,26 @@ def _more_bits(layer: int, n_layers: int) -> bool:
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
+def shape_names() -> list[str]:
+    return [*SHAPES, *MOE_SHAPES, *FAMILY_SHAPES]
+
+
 def model_path(cache: Path, shape: str) -> Path:
+    if shape in FAMILY_SHAPES:
+        return cache / f"random-{shape}x{FAMILY_WIDTH[0]}-Q4_K_M.gguf"
     arch = "qwen3moe" if shape in MOE_SHAPES else "llama"
     return cache / f"random-{arch}-{shape}-Q4_K_M.gguf"
 
 
 def write_model(path: Path, shape: str) -> Path:
-    """The random Q4_K_M file of ``shape`` (a dense llama of :data:`SHAPES` or a qwen3moe of
-    :data:`MOE_SHAPES`; written once, an existing file is kept)."""
+    """The random Q4_K_M file of ``shape`` (a dense llama of :data:`SHAPES`, a qwen3moe of
+    :data:`MOE_SHAPES` or a family of :data:`FAMILY_SHAPES`; written once, an existing file is kept)."""
     import gguf
 
     if path.exists():
+        return path
+    if shape in FAMILY_SHAPES:
+        _write_family(path, shape)
         return path
     if shape in MOE_SHAPES:
         n_layers, hidden, heads, kv_heads, head_dim, experts, used, width, vocab = MOE_SHAPES[shape]
@@ -112,11 +131,55 @@ def write_model(path: Path, shape: str) -> Path:
     return path
 
 
-def _write(path: Path, arch: str, name: str, fields: dict[str, int], plan: list[tuple[str, tuple[int, ...], str]],
-           vocab: int, file_type: int) -> None:
-    """A GGUF of ``arch`` with the integer metadata ``fields`` (keys after ``arch.``) and the
-    tensors of ``plan`` (name, dims, type: F32 vectors and matrices, random K-quant blocks for
-    matrices and stacks of matrices), a byte-level vocabulary of ``vocab`` tokens."""
+def _write_family(path: Path, shape: str) -> None:
+    """:data:`FAMILY_WIDTH`'s dense model in the family ``FAMILY_SHAPES[shape]``: llama's tensors
+    and metadata plus the family's own, as llama.cpp's converter writes them."""
+    import gguf
+
+    arch = FAMILY_SHAPES[shape]
+    n_layers, hidden, ffn, heads, kv_heads, vocab, _tied = FAMILY_WIDTH
+    head_dim = hidden // heads
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+    fields: dict[str, int | float] = {
+        "block_count": n_layers, "context_length": 8192, "embedding_length": hidden, "feed_forward_length": ffn,
+        "attention.head_count": heads, "attention.head_count_kv": kv_heads, "rope.dimension_count": head_dim,
+        "vocab_size": vocab}
+    if arch == "gemma3":  # windowed layers (every 6th global, llama.cpp's default) with their own rotary base
+        fields |= {"attention.sliding_window": GEMMA3_WINDOW, "rope.freq_base_swa": 10000.0}
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, hidden), "Q4_K")]
+    for i in range(n_layers):
+        more = _more_bits(i, n_layers)
+        b = f"blk.{i}."
+        plan.append((b + "attn_norm.weight", (hidden,), "F32"))
+        if arch == "phi3":  # q, k and v in one matrix (Q4_K: the same blocks as llama's q and k)
+            plan.append((b + "attn_qkv.weight", (q_rows + 2 * kv_rows, hidden), "Q4_K"))
+        else:
+            plan += [(b + "attn_q.weight", (q_rows, hidden), "Q4_K"), (b + "attn_k.weight", (kv_rows, hidden), "Q4_K"),
+                     (b + "attn_v.weight", (kv_rows, hidden), "Q6_K" if more else "Q4_K")]
+        if arch == "qwen2":
+            plan += [(b + "attn_q.bias", (q_rows,), "F32"), (b + "attn_k.bias", (kv_rows,), "F32"),
+                     (b + "attn_v.bias", (kv_rows,), "F32")]
+        if arch in ("qwen3", "gemma3"):
+            plan += [(b + "attn_q_norm.weight", (head_dim,), "F32"), (b + "attn_k_norm.weight", (head_dim,), "F32")]
+        plan += [(b + "attn_output.weight", (hidden, q_rows), "Q4_K"), (b + "ffn_norm.weight", (hidden,), "F32")]
+        if arch == "gemma3":
+            plan += [(b + "post_attention_norm.weight", (hidden,), "F32"), (b + "post_ffw_norm.weight", (hidden,), "F32")]
+        if arch == "phi3":  # gate then up in one matrix
+            plan.append((b + "ffn_up.weight", (2 * ffn, hidden), "Q4_K"))
+        else:
+            plan += [(b + "ffn_gate.weight", (ffn, hidden), "Q4_K"), (b + "ffn_up.weight", (ffn, hidden), "Q4_K")]
+        plan.append((b + "ffn_down.weight", (hidden, ffn), "Q6_K" if more else "Q4_K"))
+    plan.append(("output_norm.weight", (hidden,), "F32"))
+    # not "phi3" in the name: llama.cpp then looks for Phi-3's special tokens, which this vocabulary lacks
+    name = f"random-{shape}-Q4_K_M".replace("phi3", "phi")
+    _write(path, arch, name, fields, plan, vocab, gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+
+def _write(path: Path, arch: str, name: str, fields: dict[str, int | float],
+           plan: list[tuple[str, tuple[int, ...], str]], vocab: int, file_type: int) -> None:
+    """A GGUF of ``arch`` with the metadata ``fields`` (keys after ``arch.``; ints as uint32, floats
+    as float32) and the tensors of ``plan`` (name, dims, type: F32 vectors and matrices, random
+    K-quant blocks for matrices and stacks of matrices), a byte-level vocabulary of ``vocab`` tokens."""
     import gguf
 
     from backends.base import KQUANT_BLOCK_BYTES
@@ -130,7 +193,10 @@ def _write(path: Path, arch: str, name: str, fields: dict[str, int], plan: list[
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(name)
     for key, value in fields.items():
-        w.add_uint32(f"{arch}.{key}", value)
+        if isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(file_type)
@@ -156,7 +222,9 @@ def _write(path: Path, arch: str, name: str, fields: dict[str, int], plan: list[
     w.write_ti_data_to_file()
     for name_, dims, kind in plan:
         if kind == "F32":
-            if len(dims) == 1:
+            if name_.endswith(".bias"):
+                w.write_tensor_data((0.1 * rng.standard_normal(dims[0])).astype(np.float32))
+            elif len(dims) == 1:
                 w.write_tensor_data((1 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32))
             else:  # a router: logits of a few units, so the softmax picks among the experts
                 w.write_tensor_data((rng.standard_normal(dims) / np.sqrt(dims[1])).astype(np.float32))
@@ -372,7 +440,7 @@ def main() -> None:
         _engine_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES) + sorted(MOE_SHAPES))
+    ap.add_argument("--shape", default="1b", choices=shape_names())
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)

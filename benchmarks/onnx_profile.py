@@ -7,7 +7,10 @@ machine other work preempts a step anywhere), the slowest nodes, and the median 
 whole run and its nodes (ONNX Runtime's own work in a run). ``--prefill N`` times instead
 prompts of N tokens (5 of them, each a new request): a prefill run's ops.
 
-    python benchmarks/onnx_profile.py [--model bench:moe] [--threads 1] [--decode 64] [--prefill 64]
+``--against MODEL`` profiles that model too and prints, per op type, what the first costs a step
+beyond it (``--model bench:gemma3-2048 --against bench:llama-2048``: a family's extra ops).
+
+    python benchmarks/onnx_profile.py [--model bench:moe] [--threads 1] [--decode 64] [--prefill 64] [--against MODEL]
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def profiled_prefill(path: Path, threads: int, n: int, prefix: str) -> tuple[str
     return shard._session.end_profiling(), best
 
 
-def summarize(profile: str, prefill: bool = False) -> None:
+def summarize(profile: str, prefill: bool = False) -> dict[str, tuple[float, int]]:
+    """Prints the profile's table; returns per op type (µs a step, nodes)."""
     events = json.loads(Path(profile).read_text())
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
     if prefill:
@@ -117,6 +121,18 @@ def summarize(profile: str, prefill: bool = False) -> None:
         print(f"{node}: median {statistics.median(times[node]):.0f} µs")
     gaps = [b - a - n for (a, b), n in zip(steps, in_run, strict=True)]
     print(f"\na run less its nodes: median {statistics.median(gaps):.0f} µs")
+    return {op: (t, count[op]) for op, t in per_op.items()}
+
+
+def compare(name: str, ops: dict[str, tuple[float, int]], base_name: str, base: dict[str, tuple[float, int]]) -> None:
+    print(f"\n{name} beyond {base_name}, per op type (µs a decode step; nodes)\n")
+    print("| op | µs a step | beyond | nodes | beyond |")
+    print("|---|---:|---:|---:|---:|")
+    for op in sorted(set(ops) | set(base), key=lambda o: -abs(ops.get(o, (0, 0))[0] - base.get(o, (0, 0))[0])):
+        (t, n), (t0, n0) = ops.get(op, (0.0, 0)), base.get(op, (0.0, 0))
+        print(f"| {op} | {t:.0f} | {t - t0:+.0f} | {n} | {n - n0:+d} |")
+    total, total0 = sum(t for t, _ in ops.values()), sum(t for t, _ in base.values())
+    print(f"| all nodes | {total:.0f} | {total - total0:+.0f} | | |")
 
 
 def main() -> None:
@@ -125,19 +141,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=0, help="profile prompts of this many tokens instead of decode")
+    ap.add_argument("--against", default=None, help="a second model: per op type, what the first costs beyond it")
     args = ap.parse_args()
     from benchmarks.single_node import _bench_model
     from exo_tui.models.registry import resolve_model
 
-    path = _bench_model(args.model[len("bench:"):]) if args.model.startswith("bench:") else resolve_model(args.model)
     folder = Path(tempfile.mkdtemp(prefix="exo-onnx-profile-"))  # every session's profile, kept
-    if args.prefill:
-        profile, tok_s = profiled_prefill(path, args.threads, args.prefill, str(folder / "ort"))
-    else:
-        profile, tok_s = profiled_decode(path, args.threads, args.decode, str(folder / "ort"))
+    results = []
     what = f"prefill of {args.prefill} tokens" if args.prefill else "decode"
-    print(f"{path.name}, {args.threads} threads: {what} {tok_s:.1f} tok/s with the profiler on (profile: {profile})\n")
-    summarize(profile, prefill=bool(args.prefill))
+    for i, name in enumerate([args.model] + ([args.against] if args.against else [])):
+        path = _bench_model(name[len("bench:"):]) if name.startswith("bench:") else resolve_model(name)
+        if args.prefill:
+            profile, tok_s = profiled_prefill(path, args.threads, args.prefill, str(folder / f"ort{i}"))
+        else:
+            profile, tok_s = profiled_decode(path, args.threads, args.decode, str(folder / f"ort{i}"))
+        if i:
+            print()
+        print(f"{path.name}, {args.threads} threads: {what} {tok_s:.1f} tok/s with the profiler on "
+              f"(profile: {profile})\n")
+        results.append((path.name, summarize(profile, prefill=bool(args.prefill))))
+    if args.against:
+        compare(*results[0], *results[1])
 
 
 if __name__ == "__main__":

@@ -13,11 +13,20 @@ names a random-weight file of one of ``benchmarks/big_model.py``'s shapes, writt
 cache folder (``bench:moe``: a qwen3moe of Qwen3-30B-A3B's width, 128 experts, top 8, 4 layers).
 For a mixture of experts it also prints the bytes a decoded token reads (its chosen experts',
 not all of them) and the GB/s each engine's decode makes of them, next to a NumPy copy's.
+
+Several models, comma-separated (``bench:families``: the family shapes ``llama-2048``,
+``qwen2-2048``, ``qwen3-2048``, ``gemma3-2048``, ``phi3-2048``), run side by side: each in
+exo-tui's ONNX engine and in llama.cpp, all alternated in each repetition, with each one's ratios
+to llama.cpp and the time a token each engine spends on it beyond the first model (at one width,
+a family's extra ops):
+
+    python benchmarks/single_node.py --model bench:families --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -28,6 +37,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _clock() -> Callable[[int], tuple[float, float]]:
+    """Started now: ``rate(n)``, n tokens' tok/s by wall time and by this process's CPU time (all
+    its threads: at one thread the time the engine ran, whatever else ran on the machine)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    return lambda n: (n / (time.perf_counter() - wall), n / max(time.process_time() - cpu, 1e-9))
 
 
 def _ours(
@@ -49,28 +65,28 @@ def _ours(
     del weights
     counter = [0]
 
-    def prefill(tokens: list[int]) -> float:
+    def prefill(tokens: list[int]) -> tuple[float, float]:
         counter[0] += 1
         rid = f"p{counter[0]}"
-        t0 = time.perf_counter()
+        rate = _clock()
         shard.forward(rid, np.asarray(tokens), np.arange(len(tokens)))
-        dt = time.perf_counter() - t0
+        tok_s = rate(len(tokens))
         shard.drop(rid)
-        return len(tokens) / dt
+        return tok_s
 
-    def decode(tokens: list[int], n: int) -> float:
+    def decode(tokens: list[int], n: int) -> tuple[float, float]:
         counter[0] += 1
         rid = f"d{counter[0]}"
         logits = shard.forward(rid, np.asarray(tokens), np.arange(len(tokens)))
         pos = len(tokens)
-        t0 = time.perf_counter()
+        rate = _clock()
         for _ in range(n):
             nxt = int(np.argmax(logits[-1]))
             logits = shard.forward(rid, np.array([nxt]), np.array([pos]))
             pos += 1
-        dt = time.perf_counter() - t0
+        tok_s = rate(n)
         shard.drop(rid)
-        return n / dt
+        return tok_s
 
     return prefill, decode
 
@@ -82,20 +98,20 @@ def _llama_cpp(model_path: Path, threads: int) -> tuple[Callable[[list[int]], fl
         return None
     llm = Llama(str(model_path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
 
-    def prefill(tokens: list[int]) -> float:
+    def prefill(tokens: list[int]) -> tuple[float, float]:
         llm.reset()
-        t0 = time.perf_counter()
+        rate = _clock()
         llm.eval(tokens)
-        return len(tokens) / (time.perf_counter() - t0)
+        return rate(len(tokens))
 
-    def decode(tokens: list[int], n: int) -> float:
+    def decode(tokens: list[int], n: int) -> tuple[float, float]:
         llm.reset()
         llm.eval(tokens)
-        t0 = time.perf_counter()
+        rate = _clock()
         for _ in range(n):
             nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             llm.eval([nxt])
-        return n / (time.perf_counter() - t0)
+        return rate(n)
 
     return prefill, decode
 
@@ -107,17 +123,23 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--backends", default="onnx,mlx")
-    ap.add_argument("--model", default=None, help="a GGUF path or registered name (default: the default model)")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF path or registered name (default: the default model); several, comma-separated, "
+                         "are measured side by side against the first; bench:families is every family shape")
+    ap.add_argument("--raw", type=Path, default=None, help="with several models: each repetition's tok/s, as JSON, here")
     args = ap.parse_args()
 
     from backends import available_backends
     from exo_tui.models.gguf_file import GGUFModel
-    from exo_tui.models.registry import resolve_model
 
-    path = _bench_model(args.model[len("bench:"):]) if args.model and args.model.startswith("bench:") else resolve_model(args.model)
-    vocab = GGUFModel(path).config.vocab_size
+    paths = [_model_path(name) for name in _model_names(args.model)]
+    path = paths[0]
+    vocab = min(GGUFModel(p).config.vocab_size for p in paths)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(min(100, vocab // 4), min(40000, vocab - 16), size=args.prompt)]
+    if len(paths) > 1:
+        _side_by_side(paths, args, prompt)
+        return
     engines: dict[str, tuple[Callable, Callable]] = {}
     for b in args.backends.split(","):
         if b in available_backends():
@@ -138,15 +160,7 @@ def main() -> None:
     else:
         print("llama-cpp-python is not installed: no llama.cpp column (make bench builds it)", file=sys.stderr)
 
-    for pf, dc in engines.values():  # warm up
-        pf(prompt)
-        dc(prompt[:8], 4)
-    results: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in engines}
-    for _ in range(args.reps):
-        for name, (pf, dc) in engines.items():  # alternate engines within each repetition
-            results[name]["prefill"].append(pf(prompt))
-            results[name]["decode"].append(dc(prompt[:16], args.decode))
-
+    results = _alternate(engines, prompt, args.reps, args.decode)
     print(f"\n{'Default model' if args.model is None else 'Model'} ({path.name}), {args.threads} threads, prompt {args.prompt}, decode {args.decode}, "
           f"median of {args.reps} alternating repetitions\n")
     base = {k: statistics.median(v) for k, v in results.get("llama.cpp", {}).items()}
@@ -161,13 +175,110 @@ def main() -> None:
         _expert_bytes(path, {name: statistics.median(r["decode"]) for name, r in results.items()})
 
 
+def _alternate(engines: dict, prompt: list[int], reps: int, decode: int,
+               rotate: int = 0) -> dict[str, dict[str, list[float]]]:
+    """Each engine's prefill and decode tok/s of each repetition (``prefill``, ``decode``: by wall
+    time; ``prefill_cpu``, ``decode_cpu``: by CPU time), the engines alternated within it; each
+    repetition starting ``rotate`` engines later than the one before (no engine always first)."""
+    for pf, dc in engines.values():  # warm up
+        pf(prompt)
+        dc(prompt[:8], 4)
+    results: dict[str, dict[str, list[float]]] = {
+        name: {k: [] for k in ("prefill", "decode", "prefill_cpu", "decode_cpu")} for name in engines}
+    names = list(engines)
+    for rep in range(reps):
+        start = rep * rotate % len(names)
+        for name in names[start:] + names[:start]:
+            pf, dc = engines[name]
+            for what, (wall, cpu) in (("prefill", pf(prompt)), ("decode", dc(prompt[:16], decode))):
+                results[name][what].append(wall)
+                results[name][f"{what}_cpu"].append(cpu)
+    return results
+
+
+def _model_names(model: str | None) -> list[str | None]:
+    if model is None:
+        return [None]
+    from benchmarks.big_model import FAMILY_SHAPES
+
+    names: list[str | None] = []
+    for name in model.split(","):
+        names += [f"bench:{shape}" for shape in FAMILY_SHAPES] if name == "bench:families" else [name]
+    return names
+
+
+def _model_path(name: str | None) -> Path:
+    from exo_tui.models.registry import resolve_model
+
+    return _bench_model(name[len("bench:"):]) if name and name.startswith("bench:") else resolve_model(name)
+
+
+def _side_by_side(paths: list[Path], args: argparse.Namespace, prompt: list[int]) -> None:
+    """Several models, each in exo-tui's default ONNX engine and in llama.cpp, all alternated in
+    each repetition, each repetition starting at the next model; each one's ratios to llama.cpp beside the first model's, and the time a token
+    each engine spends on it beyond the first model's (a family's extra ops, at one width).
+
+    Other work on the machine only ever slows a repetition, and llama.cpp's threads by far the
+    most (each op waits for its slowest thread), so the figures are the fastest repetition's,
+    with the median of each repetition's own ratio and that ratio's range beside them."""
+    engines: dict[str, tuple[Callable, Callable]] = {}
+    for path in paths:
+        engines[f"{path.name} exo-tui"] = _ours("onnx", path, args.threads)
+        ref = _llama_cpp(path, args.threads)
+        if ref is None:
+            raise SystemExit("llama-cpp-python is not installed: nothing to compare with (make bench builds it)")
+        engines[f"{path.name} llama.cpp"] = ref
+    r = _alternate(engines, prompt, args.reps, args.decode, rotate=2)  # a model's two engines stay together
+    if args.raw:
+        args.raw.write_text(json.dumps({"threads": args.threads, "prompt": args.prompt, "decode": args.decode,
+                                        "tok_s": r}, indent=1))
+
+    for clock in ("", "_cpu"):
+        _side_by_side_tables(paths, r, args, clock)
+
+
+def _side_by_side_tables(paths: list[Path], r: dict[str, dict[str, list[float]]], args: argparse.Namespace,
+                         clock: str) -> None:
+    def reps(path: Path, engine: str, what: str) -> list[float]:
+        return r[f"{path.name} {engine}"][what + clock]
+
+    def best(path: Path, engine: str, what: str) -> float:
+        return max(reps(path, engine, what))
+
+    def ratio(path: Path, what: str) -> str:
+        each = [a / b for a, b in zip(reps(path, "exo-tui", what), reps(path, "llama.cpp", what), strict=True)]
+        return (f"{best(path, 'exo-tui', what) / best(path, 'llama.cpp', what):.2f}; "
+                f"{statistics.median(each):.2f} ({min(each):.2f}-{max(each):.2f})")
+
+    def extra(path: Path, engine: str, what: str) -> str:  # ms a token beyond the first model's
+        return f"{1e3 * (1 / best(path, engine, what) - 1 / best(paths[0], engine, what)):+.2f}"
+
+    by = "CPU time (the process's, all its threads)" if clock else "wall time"
+    print(f"\n{len(paths)} models side by side, by {by}, {args.threads} threads, prompt {args.prompt}, "
+          f"decode {args.decode}, {args.reps} repetitions, the {2 * len(paths)} engines alternated in each (each "
+          f"repetition starting at the next model). "
+          f"tok/s: the fastest repetition's; ratios: the fastest's, then the median of each repetition's (its range)\n")
+    print("| model | exo-tui prefill / decode tok/s | llama.cpp prefill / decode tok/s | prefill ÷ llama.cpp | decode ÷ llama.cpp |")
+    print("|---|---:|---:|---:|---:|")
+    for path in paths:
+        tok_s = [f"{best(path, e, 'prefill'):.1f} / {best(path, e, 'decode'):.2f}" for e in ("exo-tui", "llama.cpp")]
+        print(f"| {path.name} | {tok_s[0]} | {tok_s[1]} | {ratio(path, 'prefill')} | {ratio(path, 'decode')} |")
+    print(f"\nbeyond {paths[0].name}, by {by}: the time a token each engine spends on the model's extra ops "
+          f"(fastest repetitions)\n")
+    print("| model | decode ms a token, exo-tui | decode ms a token, llama.cpp | prefill ms a token, exo-tui | prefill ms a token, llama.cpp |")
+    print("|---|---:|---:|---:|---:|")
+    for path in paths[1:]:
+        cells = [extra(path, e, w) for w in ("decode", "prefill") for e in ("exo-tui", "llama.cpp")]
+        print(f"| {path.name} | {' | '.join(cells)} |")
+
+
 def _bench_model(shape: str) -> Path:
     import platformdirs
 
-    from benchmarks.big_model import MOE_SHAPES, SHAPES, model_path, write_model
+    from benchmarks.big_model import model_path, shape_names, write_model
 
-    if shape not in SHAPES and shape not in MOE_SHAPES:
-        raise SystemExit(f"bench:{shape}: no such shape; choose one of {', '.join([*SHAPES, *MOE_SHAPES])}")
+    if shape not in shape_names():
+        raise SystemExit(f"bench:{shape}: no such shape; choose one of {', '.join(shape_names())}")
     cache = Path(platformdirs.user_cache_dir("exo-tui")) / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     return write_model(model_path(cache, shape), shape)
