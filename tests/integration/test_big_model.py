@@ -19,6 +19,7 @@ not end at once) follows the measured runtimes.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from pathlib import Path
 
@@ -89,12 +90,11 @@ def layers_for(room: list[int], probe: GGUFModel) -> int:
     ends = need_bytes(probe) - per_layer
     low = (room[-1] + room[-2] - ends) / per_layer + 1
     high = min((r - RESERVE_MIN_BYTES - GROWTH_BYTES) * sum(room) / r for r in room) / per_layer
-    assert low < high, (f"at {LIMIT_GB} GB the nodes offer {[r // 10**6 for r in room]} MB to shards: too little "
-                        "for a model two of them cannot hold and three can; raise LIMIT_GB")
-    # near the top of the band: the model is then larger than a whole limit even where the nodes'
-    # runtimes take half of it (a fresh checkout's: rooms of 247-252 MB at 0.5 GB, and a model of
-    # the band's middle, 497 MB, was not)
-    return int(low + 0.8 * (high - low))
+    n = math.floor(high)  # the largest: the model is then larger than a whole limit even where the
+    # nodes' runtimes take half of it (a fresh checkout's rooms at 0.5 GB: 246-252 MB)
+    assert n >= math.ceil(low), (f"at {LIMIT_GB} GB the nodes offer {[r // 10**6 for r in room]} MB to shards: too "
+                                 "little for a model two of them cannot hold and three can; raise LIMIT_GB")
+    return n
 
 
 def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
