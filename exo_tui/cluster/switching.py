@@ -78,7 +78,7 @@ class PlanSwitching:
                 # back so the scheduler's usable memory equals what is left.
                 # A load's peak beside its shard's arrays (node/host.py) is not offered either.
                 runtime = max(0, int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held)
-                runtime += int(LOAD_PEAK_LAYERS * max(self.spec.layers, default=0)) if self.spec is not None else 0
+                runtime += self._load_peak_bytes()
                 avail = int(min(avail, p.memory_limit_bytes - runtime) + rc.system_reserved_ram * GB
                             + rc.emergency_reserve * total)
             out.append(
@@ -107,6 +107,11 @@ class PlanSwitching:
                 )
             )
         return out
+
+    def _load_peak_bytes(self) -> int:
+        """What a load of the served model takes at its peak beside its shard's arrays (a layer
+        decoded: node/host.py's LOAD_PEAK_LAYERS of its largest layer's bytes)."""
+        return int(LOAD_PEAK_LAYERS * max(self.spec.layers, default=0)) if self.spec is not None else 0
 
     def _node_backend(self, h: NodeHandle) -> str:
         return h.profile.backend or (h.profile.backends or ["onnx"])[0]
@@ -247,7 +252,7 @@ class PlanSwitching:
             if not h.held or not limit:
                 continue
             room = limit - int(kv.get("runtime_bytes", 0)) - int(kv.get("used_bytes", 0)) - RESERVE_MIN_BYTES
-            if nbytes + LOAD_PEAK_LAYERS * max(self.spec.layers, default=0) > room:
+            if nbytes + self._load_peak_bytes() > room:
                 short.add(node_id)
         return short
 
