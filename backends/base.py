@@ -207,11 +207,15 @@ class QuantizedWeight:
         return QuantizedWeight(q=pick(self.q), scales=pick(self.scales), biases=pick(self.biases), bits=self.bits,
                                group=self.group, source_type=self.source_type, superblocks=fields)
 
+    def release_pages(self) -> None:
+        """Let go of the file's pages under this matrix's bytes, where it is kept over a mapped
+        file (:class:`backends.kquants.KQuantWeight`); nothing for one in its own memory."""
+
     @property
     def nbytes(self) -> int:
         """Bytes this weight takes as quantized blocks (what a node must hold): codes, and float16
         scales and biases (the K-quants': their super-blocks' bytes)."""
-        rows, cols = self.q.shape
+        rows, cols = self.shape
         if self.source_type in KQUANT_BLOCK_BYTES:
             return rows * cols // 256 * KQUANT_BLOCK_BYTES[self.source_type]
         return rows * cols * self.bits // 8 + self.scales.nbytes // 2 + self.biases.nbytes // 2
@@ -238,6 +242,26 @@ class QuantizedWeight:
         w *= self.scales[start:stop, :, None]
         w += self.biases[start:stop, :, None]
         return w.reshape(rows, cols)
+
+
+# A load's peak beside its shard's arrays (measured by tests/unit/test_node_memory.py): a matrix
+# decoded whole takes LOAD_PEAK_DECODED times its file bytes while its layer is built (its codes a
+# byte each with float32 scales and biases, and the packing's temporaries; 3.0 for a 2048-wide
+# Q4_K_M layer); a matrix a backend reads a chunk at a time (CHUNKED_TYPES: ONNX's tiles read
+# K-quant super-blocks so) takes only a chunk's temporaries, LOAD_CHUNK_BYTES (7-12 MB measured).
+LOAD_PEAK_DECODED = 3.5
+LOAD_CHUNK_BYTES = 16 << 20
+CHUNKED_TYPES = {"onnx": frozenset(KQUANT_BLOCK_BYTES)}
+
+
+def load_peak_bytes(backend: str, pieces: list[list[tuple[str, int]]]) -> int:
+    """The bytes a load on ``backend`` takes at its peak beside its shard's arrays, its ``pieces``
+    (what it reads at once: a layer's tensors, the embedding, the head) given as their tensors'
+    (GGUF type name, file bytes): the largest piece's matrices decoded whole, and a chunk's
+    temporaries."""
+    chunked = CHUNKED_TYPES.get(backend, frozenset())
+    whole = [sum(n for t, n in piece if t not in chunked) for piece in pieces]
+    return int(LOAD_PEAK_DECODED * max(whole, default=0)) + LOAD_CHUNK_BYTES
 
 
 Weight = np.ndarray | QuantizedWeight

@@ -16,6 +16,8 @@ blocks (MLX's affine groups of 32 are Q4_K's and Q5_K's sub-blocks exactly).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from backends.base import KQUANT_BLOCK_BYTES as BLOCK_BYTES
@@ -62,6 +64,88 @@ def weight(raw: np.ndarray, type_name: str, cols: int) -> QuantizedWeight:
                            source_type=type_name, superblocks=fields)
 
 
+class KQuantWeight(QuantizedWeight):
+    """A K-quant matrix that keeps its file's super-blocks (``raw``: uint8 rows of ``cols / 256``
+    blocks) and decodes them when read: a few rows at a time through :meth:`take_rows` (what
+    ONNX's tile packing and the embedding's compaction do, so a load holds one chunk decoded
+    beside the shard, not a layer at ~2.3x its file bytes), or all at once, kept, the first time
+    ``q``, ``scales`` or ``biases`` is read (MLX's affine arrays, the fallback ops). Over a mapped
+    file (``release``), the pages under what it has read go once read. Its values are
+    :func:`weight`'s."""
+
+    def __init__(self, raw: np.ndarray, type_name: str, cols: int,
+                 release: Callable[[np.ndarray], None] | None = None) -> None:
+        if type_name not in BLOCK_BYTES:
+            raise ValueError(f"{type_name} is not a K-quant type ({', '.join(BLOCK_BYTES)})")
+        if cols % QK_K or raw.ndim != 2 or raw.shape[1] != cols // QK_K * BLOCK_BYTES[type_name]:
+            raise ValueError(f"{raw.shape} bytes are no {type_name} rows of {cols} weights (super-blocks of {QK_K})")
+        for name, value in (("raw", raw), ("cols", cols), ("bits", BITS[type_name]), ("group", GROUP[type_name]),
+                            ("source_type", type_name), ("_decoded", {}), ("_release", release)):
+            object.__setattr__(self, name, value)
+
+    def release_pages(self) -> None:
+        """The file's pages under these rows leave resident memory, where ``raw`` is a view of a
+        mapped file (read again from the page cache if needed: nothing is lost)."""
+        if self._release is not None:
+            self._release(self.raw)
+
+    def _field(self, i: int) -> np.ndarray | tuple[np.ndarray, ...]:
+        cache = self._decoded
+        if 0 not in cache:
+            cache.update(enumerate(_decode(self.raw, self.source_type, self.cols)))
+            self.release_pages()
+        return cache[i]
+
+    q = property(lambda self: self._field(0))  # type: ignore[assignment]
+    scales = property(lambda self: self._field(1))  # type: ignore[assignment]
+    biases = property(lambda self: self._field(2))  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def superblocks(self) -> tuple[np.ndarray, ...]:
+        """The file's fields ``(d, dmin, sc, m)``, read without decoding the codes (kept)."""
+        cache = self._decoded
+        if 3 not in cache:
+            cache[3] = _fields(self.raw, self.source_type, self.cols)
+            self.release_pages()
+        return cache[3]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.cols)
+
+    def take_rows(self, rows: slice | np.ndarray) -> KQuantWeight:
+        """Rows ``rows`` as their super-blocks (a view for a slice), still undecoded."""
+        if isinstance(rows, slice):
+            return KQuantWeight(self.raw[rows], self.source_type, self.cols, release=self._release)
+        picked = KQuantWeight(np.ascontiguousarray(self.raw[rows]), self.source_type, self.cols)
+        self.release_pages()  # copied: the file's pages read for it may go
+        return picked
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if 0 in self._decoded:
+            return super().dequantize(start, stop)
+        part = self.take_rows(slice(start, stop))
+        try:
+            return QuantizedWeight.dequantize(part)
+        finally:
+            part.release_pages()
+
+    def __repr__(self) -> str:
+        return f"KQuantWeight({self.source_type}, {self.shape})"
+
+
+def _fields(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...]:
+    """The super-blocks' fields ``(d, dmin, sc, m)`` of K-quant rows ``raw``, as :func:`_decode`
+    gives them, without their codes."""
+    rows, nb = raw.shape[0], cols // QK_K
+    b = np.ascontiguousarray(raw).reshape(rows, nb, BLOCK_BYTES[type_name])
+    if type_name == "Q6_K":
+        return (_half16(b[..., 208:210]), np.zeros((rows, nb), np.float16),
+                np.ascontiguousarray(b[..., 192:208].view(np.int8)).reshape(rows, -1), np.zeros((rows, nb * 16), np.uint8))
+    sc, m = _scales_mins(b[..., 4:16])
+    return _half16(b[..., 0:2]), _half16(b[..., 2:4]), sc.reshape(rows, -1), m.reshape(rows, -1)
+
+
 def _decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...]:
     """:func:`decode`'s three arrays, then the super-blocks' fields ``(d, dmin, sc, m)``."""
     if type_name not in BLOCK_BYTES:
@@ -71,9 +155,9 @@ def _decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...
     rows = raw.shape[0]
     nb = cols // QK_K
     b = np.ascontiguousarray(raw).reshape(rows, nb, BLOCK_BYTES[type_name])
+    fields = _fields(b, type_name, cols)
     if type_name == "Q6_K":
-        ql, qh, sc = b[..., 0:128], b[..., 128:192], b[..., 192:208].view(np.int8)
-        d = _half(b[..., 208:210])
+        ql, qh = b[..., 0:128], b[..., 128:192]
         codes = np.empty((rows, nb, 2, 4, 32), np.uint8)  # (half of 128, quarter, l)
         for n in range(2):
             lo, hi = ql[..., 64 * n : 64 * n + 64], qh[..., 32 * n : 32 * n + 32]
@@ -81,16 +165,12 @@ def _decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...
             codes[:, :, n, 1] = (lo[..., 32:] & 0x0F) | (((hi >> 2) & 3) << 4)
             codes[:, :, n, 2] = (lo[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
             codes[:, :, n, 3] = (lo[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
-        scales = d[..., None] * sc.astype(np.float32)  # (rows, nb, 16), group g covers weights 16g..16g+15
-        fields = (_half16(b[..., 208:210]), np.zeros((rows, nb), np.float16), np.ascontiguousarray(sc).reshape(rows, -1),
-                  np.zeros((rows, nb * 16), np.uint8))
+        # group g covers weights 16g..16g+15
+        scales = fields[0].astype(np.float32)[..., None] * fields[2].reshape(rows, nb, 16).astype(np.float32)
         return codes.reshape(rows, cols), scales.reshape(rows, -1), (-32.0 * scales).reshape(rows, -1), fields
-    d16, dmin16 = _half16(b[..., 0:2]), _half16(b[..., 2:4])
-    d, dmin = d16.astype(np.float32), dmin16.astype(np.float32)
-    sc, m = _scales_mins(b[..., 4:16])
-    fields = (d16, dmin16, sc.reshape(rows, -1), m.reshape(rows, -1))
-    scales = d[..., None] * sc.astype(np.float32)  # (rows, nb, 8)
-    biases = -(dmin[..., None] * m.astype(np.float32))
+    d, dmin = fields[0].astype(np.float32), fields[1].astype(np.float32)
+    scales = d[..., None] * fields[2].reshape(rows, nb, 8).astype(np.float32)  # (rows, nb, 8)
+    biases = -(dmin[..., None] * fields[3].reshape(rows, nb, 8).astype(np.float32))
     if type_name == "Q4_K":
         qs = b[..., 16:144].reshape(rows, nb, 4, 32)  # 4 chunks of 64 weights, 32 bytes each
         codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # (rows, nb, chunk, low/high, 32)

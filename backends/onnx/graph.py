@@ -212,7 +212,7 @@ class _Builder:
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if self.kernel and all(runs_on_kernel(w) for w in weights):  # one format: see linear
             blocks = pack(weights, self.xbits)  # type: ignore[arg-type]
-            n, k = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1]  # type: ignore[union-attr]
+            n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]  # type: ignore[union-attr]
             attributes = op_attributes(weights[0])  # type: ignore[arg-type]
             w = self.weight(f"{stem}_{kernel_format(weights[0]).lower()}", blocks)  # type: ignore[union-attr]
             self.in_place.add(w)

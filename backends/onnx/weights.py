@@ -60,7 +60,7 @@ def runs_quantized(w: Weight) -> bool:
     if not isinstance(w, QuantizedWeight) or w.bits not in (4, 5, 6, 8):
         return False
     g = w.group
-    return g >= 16 and g & (g - 1) == 0 and w.q.shape[1] % g == 0
+    return g >= 16 and g & (g - 1) == 0 and w.shape[1] % g == 0
 
 
 def quantized_linear(weights: list[QuantizedWeight]) -> QuantizedLinear:
@@ -113,7 +113,10 @@ def same_kind(a: Weight, b: Weight) -> bool:
     if not qa:
         return True
     assert isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
-    return a.bits == b.bits and a.group == b.group and a.q.shape[1] == b.q.shape[1]
+    return a.bits == b.bits and a.group == b.group and a.shape[1] == b.shape[1]
+
+
+EMBED_CHUNK_ROWS = 4096  # rows decoded at a time while an embedding is made compact
 
 
 @dataclass
@@ -137,14 +140,19 @@ class EmbeddingRows:
 
     @classmethod
     def of(cls, w: QuantizedWeight) -> EmbeddingRows:
-        q, cols = w.q, w.q.shape[1]
+        n, cols = w.shape
         if w.bits > 6 or cols % 4:
-            low, high = q, None
-        else:
-            low = np.ascontiguousarray((q[:, 0::2] & 0x0F) | (q[:, 1::2] << 4))
-            top = q >> 4
-            high = None if w.bits <= 4 else np.ascontiguousarray(
-                top[:, 0::4] | (top[:, 1::4] << 2) | (top[:, 2::4] << 4) | (top[:, 3::4] << 6))
+            low, high = w.q, None
+        else:  # a few thousand rows at a time (a matrix kept as its file's super-blocks decodes only those)
+            low = np.empty((n, cols // 2), np.uint8)
+            high = None if w.bits <= 4 else np.empty((n, cols // 4), np.uint8)
+            for r in range(0, n, EMBED_CHUNK_ROWS):
+                q = w.take_rows(slice(r, r + EMBED_CHUNK_ROWS)).q
+                low[r : r + len(q)] = (q[:, 0::2] & 0x0F) | (q[:, 1::2] << 4)
+                if high is not None:
+                    top = q >> 4
+                    high[r : r + len(q)] = top[:, 0::4] | (top[:, 1::4] << 2) | (top[:, 2::4] << 4) | (top[:, 3::4] << 6)
+            w.release_pages()  # the pages mapped around the chunks' as they were read (fault-around)
         if w.superblocks is not None:
             six_k = w.source_type == "Q6_K"
             d, dmin, sc, m = w.superblocks

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backends.base import KVCache
+from backends.base import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, KVCache
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import StepFailure
@@ -31,7 +31,6 @@ from exo_tui.inference.generate import GenerationError
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
-from exo_tui.node.host import LOAD_PEAK_LAYERS
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
 from exo_tui.node.profile import BENCH_CONFIG
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
@@ -78,7 +77,7 @@ class PlanSwitching:
                 # back so the scheduler's usable memory equals what is left.
                 # A load's peak beside its shard's arrays (node/host.py) is not offered either.
                 runtime = max(0, int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held)
-                runtime += self._load_peak_bytes()
+                runtime += self._load_peak_bytes(backend)
                 avail = int(min(avail, p.memory_limit_bytes - runtime) + rc.system_reserved_ram * GB
                             + rc.emergency_reserve * total)
             out.append(
@@ -108,10 +107,16 @@ class PlanSwitching:
             )
         return out
 
-    def _load_peak_bytes(self) -> int:
-        """What a load of the served model takes at its peak beside its shard's arrays (a layer
-        decoded: node/host.py's LOAD_PEAK_LAYERS of its largest layer's bytes)."""
-        return int(LOAD_PEAK_LAYERS * max(self.spec.layers, default=0)) if self.spec is not None else 0
+    def _load_peak_bytes(self, backend: str) -> int:
+        """What a load of the served model on ``backend`` takes at its peak beside its shard's
+        arrays, as the node counts it (the spec's, from the file; a layer decoded whole where the
+        spec does not say: backends/base.py's load_peak_bytes)."""
+        if self.spec is None:
+            return 0
+        known = dict(self.spec.load_peaks)
+        if backend in known:
+            return known[backend]
+        return int(LOAD_PEAK_DECODED * max(self.spec.layers, default=0)) + LOAD_CHUNK_BYTES
 
     def _node_backend(self, h: NodeHandle) -> str:
         return h.profile.backend or (h.profile.backends or ["onnx"])[0]
@@ -252,7 +257,7 @@ class PlanSwitching:
             if not h.held or not limit:
                 continue
             room = limit - int(kv.get("runtime_bytes", 0)) - int(kv.get("used_bytes", 0)) - RESERVE_MIN_BYTES
-            if nbytes + self._load_peak_bytes() > room:
+            if nbytes + self._load_peak_bytes(self._node_backend(h)) > room:
                 short.add(node_id)
         return short
 

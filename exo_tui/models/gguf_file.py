@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 
 from backends import kquants
-from backends.base import LayerWeights, LazyLayers, ModelConfig, QuantizedWeight, ShardWeights, Weight
+from backends.base import (
+    LayerWeights,
+    LazyLayers,
+    ModelConfig,
+    QuantizedWeight,
+    ShardWeights,
+    Weight,
+    load_peak_bytes,
+)
 from exo_tui.models.families import (
     CONFIG_TENSORS,
     END_TENSORS,
@@ -200,6 +208,17 @@ class GGUFModel:
         names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
         return sum(self.tensor_info(n).nbytes for n in names if n in self._tensors)
 
+    def load_peak_nbytes(self, start: int, end: int, backend: str) -> int:
+        """What a load of layers ``[start, end)`` on ``backend`` takes at its peak beside the
+        shard's arrays (:func:`backends.base.load_peak_bytes`); a mixture's experts are decoded whole."""
+        def piece(names: list[str]) -> list[tuple[str, int]]:
+            infos = [self.tensor_info(n) for n in names]
+            return [("" if "_exps." in i.name else i.type_name, i.nbytes) for i in infos]
+
+        pieces = [piece(self._layer_names(i)) for i in range(start, end)]
+        pieces += [piece([n]) for n in self.shard_tensor_names(start, end) if not n.startswith("blk.")]
+        return load_peak_bytes(backend, pieces)
+
     @property
     def embed_nbytes(self) -> int:
         return self.tensor_info("token_embd.weight").nbytes
@@ -233,7 +252,7 @@ class GGUFModel:
         """A tensor as a float32 vector/matrix or a :class:`QuantizedWeight`."""
         info, raw = self.raw_tensor(name)
         try:
-            weight = tensor_from_raw(info, raw)
+            weight = tensor_from_raw(info, raw, release=self._header.release_view)
         except ModelFileError:
             raise
         except Exception as exc:
@@ -268,8 +287,8 @@ class GGUFModel:
 def lazy_shard(config: ModelConfig, start: int, end: int, get: Callable[[str], Weight], *, tied: bool) -> ShardWeights:
     """Shard weights whose layers are read (``get`` by GGUF name) when a backend first reads each,
     in the backends' layout: fused matrices split, NeoX heads permuted to adjacent pairs. A backend
-    that drops each layer once built holds one decoded layer at a time (a decoded K-quant layer is
-    ~2.3x its file bytes: codes a byte each, float32 scales and biases)."""
+    that drops each layer once built holds one layer at a time beside the shard (a K-quant layer as its
+    file's bytes, decoded a chunk at a time as the backend reads it: backends/kquants.py)."""
     layers = LazyLayers(lambda j: assemble_layer(config, start + j, get), end - start)
     return _with_ends(config, start, end, layers, get, tied=tied)
 
@@ -318,10 +337,12 @@ def assemble_layer(config: ModelConfig, i: int, get: Callable[[str], Weight]) ->
     return LayerWeights(**ws)
 
 
-def tensor_from_raw(info: TensorInfo, raw: np.ndarray) -> Weight:
+def tensor_from_raw(info: TensorInfo, raw: np.ndarray, release: Callable[[np.ndarray], None] | None = None) -> Weight:
     """Decode a tensor's stored bytes (``raw``, uint8) given its type and shape. A stack of
     matrices ``(n, rows, cols)`` (a mixture's experts) comes back as one ``(n * rows, cols)``
-    matrix, each matrix's rows after the previous one's."""
+    matrix, each matrix's rows after the previous one's. A K-quant matrix stays its super-blocks,
+    over ``raw`` (:class:`backends.kquants.KQuantWeight`); ``release``, where ``raw`` is a view of a
+    mapped file, lets the file's pages under bytes already read go."""
     import gguf
 
     if len(info.shape) == 3:
@@ -342,7 +363,9 @@ def tensor_from_raw(info: TensorInfo, raw: np.ndarray) -> Weight:
         rows = info.shape[0] if len(info.shape) > 1 else 1
         return unpack_blocks(raw.reshape(rows, -1), info.type_name, info.shape)
     if info.type_name in kquants.BLOCK_BYTES and len(info.shape) == 2:
-        return kquants.weight(raw.reshape(info.shape[0], -1), info.type_name, info.shape[1])
+        # Kept as the file's super-blocks: a backend decodes them a chunk at a time as it builds
+        # its form of them, and the file's pages under each chunk go once it is read.
+        return kquants.KQuantWeight(raw.reshape(info.shape[0], -1), info.type_name, info.shape[1], release=release)
     qtype = getattr(gguf.GGMLQuantizationType, info.type_name)
     rows = info.shape[0] if len(info.shape) > 1 else 1
     return _dequantize_other(raw.reshape(rows, -1), qtype, info)

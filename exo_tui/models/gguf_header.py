@@ -55,8 +55,26 @@ class GGUFHeader:
         if entry is None:
             raw.madvise(mmap.MADV_DONTNEED)
             return
-        start = entry.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        end = min(len(raw), entry.offset + entry.n_bytes)
+        self._release(raw, entry.offset, entry.n_bytes)
+
+    def release_view(self, view: np.ndarray) -> None:
+        """:meth:`release_pages` for the bytes under ``view`` (contiguous, of this file's map):
+        a backend that reads a tensor a few rows at a time lets each go once read."""
+        import mmap
+
+        raw = getattr(self._map, "_mmap", None)
+        if raw is None or not hasattr(raw, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        offset = view.ctypes.data - self._map.ctypes.data
+        if view.flags.c_contiguous and 0 <= offset <= len(raw) - view.nbytes:
+            self._release(raw, offset, view.nbytes)
+
+    @staticmethod
+    def _release(raw: Any, offset: int, n_bytes: int) -> None:  # noqa: ANN401 - an mmap.mmap
+        import mmap
+
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE  # the page it starts in: read-only, it is read again if needed
+        end = min(len(raw), offset + n_bytes)
         if end > start:
             raw.madvise(mmap.MADV_DONTNEED, start, end - start)
 

@@ -32,6 +32,7 @@ def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: in
         context_length=context_length or cfg.context_length,
         tied_embeddings=m.tied_embeddings,
         kv_windows=tuple(cfg.ring_window if cfg.windowed(i) else 0 for i in range(cfg.n_layers)),
+        load_peaks=tuple((b, m.load_peak_nbytes(0, cfg.n_layers, b)) for b in ("onnx", "mlx")),
     )
 
 

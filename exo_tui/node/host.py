@@ -20,14 +20,9 @@ from typing import Any
 import numpy as np
 
 from backends import get_backend
-from backends.base import KVCache, ModelConfig, Shard, ShardWeights
+from backends.base import KVCache, ModelConfig, Shard, ShardWeights, load_peak_bytes
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, lazy_shard, tensor_from_raw
 from exo_tui.net.protocol import ChunkChecksumError, HostError, NoRoom, PlanEntry, RingPlan
-
-# A load's peak beyond the shard's own arrays, in its largest layer's file bytes: the layer being
-# built, decoded (a K-quant layer's codes a byte each with float32 scales and biases, ~2.3x its
-# file bytes), and the packing's temporaries. Measured: 3.0 for a 2048-wide Q4_K_M layer.
-LOAD_PEAK_LAYERS = 3.5
 
 
 @dataclass
@@ -120,19 +115,18 @@ class ShardHost:
     def load_from_file(self, path: str, start: int, end: int, backend: str | None, model: str = "") -> HostedShard:
         gguf = self._open(path)
         self._check_room(sum(gguf.tensor_info(n).nbytes for n in gguf.shard_tensor_names(start, end)),
-                         max(gguf.layer_nbytes(i) for i in range(start, end)), start, end)
+                         gguf.load_peak_nbytes(start, end, backend or self.default_backend), start, end)
         try:
             return self._install(gguf.config, lambda: gguf.shard_weights(start, end), backend, model)
         finally:
             gguf.release_pages()  # the shard has its own copy: the file's pages need not stay resident
 
-    def _check_room(self, nbytes: int, layer_bytes: int, start: int, end: int) -> None:
-        """Refuse a load of ``nbytes`` (its largest layer ``layer_bytes`` in the file) that would take
-        the process past its memory limit at its peak: it is enforced here, not only planned around.
-        A shard is about its file's bytes once loaded; while it loads, one layer at a time is
-        decoded beside it (``LOAD_PEAK_LAYERS``)."""
+    def _check_room(self, nbytes: int, peak: int, start: int, end: int) -> None:
+        """Refuse a load of ``nbytes`` that would take the process past its memory limit at its
+        peak (``peak`` beside them: :func:`backends.base.load_peak_bytes`): it is enforced here,
+        not only planned around. A shard is about its file's bytes once loaded."""
         room = self.room()
-        need = nbytes + int(LOAD_PEAK_LAYERS * layer_bytes)
+        need = nbytes + peak
         if room is not None and need > room:
             raise NoRoom(
                 f"loading layers [{start}, {end}) needs {need / 1e6:.0f} MB and this node has {max(0, room) / 1e6:.0f} MB "
@@ -166,12 +160,12 @@ class ShardHost:
                 f"transfer {transfer_id}: {total / 1e9:.2f} GB of weights do not fit in the {free / 1e9:.2f} GB free here: "
                 "give this node fewer layers or free memory"
             )
-        layers: dict[str, int] = {}
-        for t in tensors:  # a layer's bytes by its tensors' "blk.N." prefix
-            if t.name.startswith("blk."):
-                layers[t.name.split(".")[1]] = layers.get(t.name.split(".")[1], 0) + t.nbytes
+        pieces: dict[str, list[tuple[str, int]]] = {}
+        for t in tensors:  # a layer's tensors by their "blk.N." prefix; the others one each
+            key = t.name.split(".")[1] if t.name.startswith("blk.") else t.name
+            pieces.setdefault(key, []).append(("" if "_exps." in t.name else t.type_name, t.nbytes))
         # the bytes received stay until the shard is built from them
-        self._check_room(2 * total, max(layers.values(), default=0), start, end)
+        self._check_room(2 * total, load_peak_bytes(backend or self.default_backend, list(pieces.values())), start, end)
         transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total, model)
         self.transfers[transfer_id] = transfer
         return transfer

@@ -44,6 +44,9 @@ class ModelSpec:
     # Per layer: the positions its KV cache holds at most (a sliding window's), 0 all of the
     # context; () every layer holds the whole context.
     kv_windows: tuple[int, ...] = ()
+    # Per backend, what a load takes at its peak beside its shard's arrays (models/gguf_file.py's
+    # load_peak_nbytes, over the whole model); () where unknown.
+    load_peaks: tuple[tuple[str, int], ...] = ()
     _mean: float = field(default=0.0, init=False, repr=False, compare=False)
     _active_mean: float = field(default=0.0, init=False, repr=False, compare=False)
     _kv_prefix: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -141,6 +144,7 @@ class ModelSpec:
             **({"active_layer_bytes": list(self.active_layer_bytes)} if self.active_layer_bytes else {}),
             **({"experts": list(self.experts)} if self.experts[0] else {}),
             **({"kv_windows": list(self.kv_windows)} if self.kv_windows else {}),
+            **({"load_peaks": dict(self.load_peaks)} if self.load_peaks else {}),
         }
 
     @classmethod
@@ -159,6 +163,7 @@ class ModelSpec:
             active_layer_bytes=tuple(int(x) for x in d.get("active_layer_bytes", ())),
             experts=tuple(int(x) for x in d.get("experts", (0, 0))),  # type: ignore[arg-type]
             kv_windows=tuple(int(x) for x in d.get("kv_windows", ())),
+            load_peaks=tuple((str(b), int(n)) for b, n in dict(d.get("load_peaks", {})).items()),
         )
 
 

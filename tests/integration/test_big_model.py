@@ -29,7 +29,6 @@ import pytest
 from exo_tui import events as ev
 from exo_tui.cluster.view import ChatParams, Command
 from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.node.host import LOAD_PEAK_LAYERS
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
 from tests.factory import write_tiny_llama
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
@@ -66,7 +65,7 @@ def rooms(c, probe: GGUFModel) -> list[int]:  # noqa: ANN001
     its runtime and a load's peak beside its shard (a few of the model's layers: the served model's
     now, ``probe``'s once it serves that)."""
     rr = c.config.scheduler.resource_reservation
-    peak = int(LOAD_PEAK_LAYERS * probe.layer_nbytes(0)) - int(LOAD_PEAK_LAYERS * max(c.spec.layers))
+    peak = probe.load_peak_nbytes(0, probe.config.n_layers, "onnx") - dict(c.spec.load_peaks)["onnx"]
     return sorted(p.usable_bytes(rr.system_reserved_ram * 1024**3, rr.system_reserved_vram * 1024**3,
                                  rr.emergency_reserve) - peak for p in c.device_profiles())
 

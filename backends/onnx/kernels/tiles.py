@@ -6,6 +6,7 @@ bias (a K-quant's super-block fields) beside its codes, the codes in lines the p
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import numpy as np
@@ -21,6 +22,7 @@ KQUANT = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the op's kquant attribute
 K_HEADER = {"Q4_K": 640, "Q5_K": 640, "Q6_K": 576}  # a tile's d (dmin) and sub-block scales (mins) per super-block
 K_PLANES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # planes of the codes' bits above the 4-bit lines
 K_BLOCK_BYTES = {t: 512 + 128 * K_PLANES[t] for t in KQUANT}  # a block's codes, 32 columns x 32 weights
+CHUNK_CODES = 1 << 20  # codes a K-quant packing step decodes and regroups at once
 SUPER_BYTES = {t: K_HEADER[t] + 8 * K_BLOCK_BYTES[t] for t in KQUANT}  # 4736, 5760, 6720
 
 
@@ -38,10 +40,10 @@ def kernel_format(w: object) -> str | None:
         return None
     if w.source_type in KQUANT:
         t = w.source_type
-        if w.bits != kquants.BITS[t] or w.group != kquants.GROUP[t] or w.q.shape[1] % SUPER:
+        if w.bits != kquants.BITS[t] or w.group != kquants.GROUP[t] or w.shape[1] % SUPER:
             return None
-        return t if _superblocks(w) is not None else None
-    if w.bits not in TILE_BLOCK_BYTES or w.group != BLOCK or w.q.shape[1] % BLOCK:
+        return t if _has_superblocks(w) else None
+    if w.bits not in TILE_BLOCK_BYTES or w.group != BLOCK or w.shape[1] % BLOCK:
         return None
     return f"Q{w.bits}" if _exact_in_half(w.scales) and _exact_in_half(w.biases) else None
 
@@ -52,6 +54,12 @@ def op_attributes(w: QuantizedWeight) -> dict[str, int]:
 
 
 _FIELDS: dict[int, tuple[np.ndarray, ...] | None] = {}
+
+
+def _has_superblocks(w: QuantizedWeight) -> bool:
+    """Whether ``w``'s groups are K-quant super-blocks: a file's matrix kept as its blocks is (read
+    a chunk at a time, not all at once here), another is once its fields are found."""
+    return isinstance(w, kquants.KQuantWeight) or _superblocks(w) is not None
 
 
 def _superblocks(w: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
@@ -107,40 +115,30 @@ def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
     return out
 
 
-def _stacked(arrays: list[np.ndarray], lo: int, hi: int, dtype: type) -> np.ndarray:
-    """Rows ``lo:hi`` of ``arrays`` stacked along their rows, zeros past the last."""
-    part = np.zeros((hi - lo, arrays[0].shape[1]), dtype)
-    start = 0
-    for a in arrays:
-        x, y = max(lo, start), min(hi, start + a.shape[0])
-        if x < y:
-            part[x - lo : y - lo] = a[x - start : y - start]
-        start += a.shape[0]
-    return part
-
-
 def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
     """:func:`pack` for K-quant matrices of one type: ``(ceil(N / 32), K / 256, SUPER_BYTES[type])``,
     per tile and super-block the columns' float16 ``d`` (and ``dmin``), the sub-blocks' scales (and
-    mins) a byte each, then the 8 blocks' codes in the lines of the precision (see ``qlinear.c``)."""
+    mins) a byte each, then the 8 blocks' codes in the lines of the precision (see ``qlinear.c``).
+    The rows are read a chunk at a time (``take_rows``): a matrix kept as its file's super-blocks
+    (:class:`backends.kquants.KQuantWeight`) is decoded one chunk at a time."""
     t = weights[0].source_type
     if any(w.source_type != t for w in weights):
         raise ValueError(f"one QLinear takes one format: {', '.join(sorted({w.source_type for w in weights}))}")
-    fields = [_superblocks(w) for w in weights]
-    if any(f is None for f in fields):
+    if not all(_has_superblocks(w) for w in weights):
         raise ValueError(f"a {t} matrix whose scales are not its super-blocks' d * sc (see kquants.superblocks)")
-    n, k = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1]
+    n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
     tiles, ns, nb = -(-n // TILE), k // SUPER, k // BLOCK
     out = np.empty((tiles, ns, SUPER_BYTES[t]), dtype=np.uint8)
     lines = {0: _float_lines, 16: _int16_lines, 8: _int8_lines}[xbits]
-    chunk = 64  # tiles
+    chunk = max(1, CHUNK_CODES // (TILE * k))  # tiles: a few MB of codes and their temporaries
     for t0 in range(0, tiles, chunk):
         t1 = min(tiles, t0 + chunk)
-        lo, hi, count = t0 * TILE, t1 * TILE, t1 - t0
+        count = t1 - t0
+        parts = _rows(weights, t0 * TILE, t1 * TILE)
 
-        def columns(i: int, dtype: type, lo: int = lo, hi: int = hi, count: int = count) -> np.ndarray:
+        def columns(i: int, dtype: type, parts: list[QuantizedWeight] = parts, count: int = count) -> np.ndarray:
             """Field ``i`` of the chunk's columns, ``(tile, super-block, ..., column)``."""
-            a = _stacked([f[i] for f in fields], lo, hi, dtype)  # type: ignore[index]
+            a = _stacked([_superblocks(p)[i] for p in parts], count * TILE, dtype)  # type: ignore[index]
             a = a.reshape(count, TILE, ns, -1).transpose(0, 2, 3, 1)
             return np.ascontiguousarray(a).reshape(count, ns, -1)
 
@@ -151,11 +149,38 @@ def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
             out[t0:t1, :, 64:128] = columns(1, np.float16).view(np.uint8)
             out[t0:t1, :, 128:384] = columns(2, np.uint8)
             out[t0:t1, :, 384:640] = columns(3, np.uint8)
-        codes = _stacked([w.q for w in weights], lo, hi, np.uint8).reshape(count, TILE, nb, BLOCK)
-        parts = [lines(codes & 0x0F, 4).reshape(count, nb, 512)]  # the low 4 bits, then bits 4 (and 5)
-        parts += [_bit_plane((codes >> (4 + p)) & 1, xbits) for p in range(K_PLANES[t])]
-        out[t0:t1, :, K_HEADER[t]:] = np.concatenate(parts, axis=-1).reshape(count, ns, -1)
+        codes = _stacked([p.q for p in parts], count * TILE, np.uint8).reshape(count, TILE, nb, BLOCK)
+        planes = [lines(codes & 0x0F, 4).reshape(count, nb, 512)]  # the low 4 bits, then bits 4 (and 5)
+        planes += [_bit_plane((codes >> (4 + p)) & 1, xbits) for p in range(K_PLANES[t])]
+        out[t0:t1, :, K_HEADER[t]:] = np.concatenate(planes, axis=-1).reshape(count, ns, -1)
+    for w in weights:  # each chunk's pages went once read; the ones mapped around them (fault-around) go now
+        w.release_pages()
     return out
+
+
+def _rows(weights: list[QuantizedWeight], lo: int, hi: int) -> list[QuantizedWeight]:
+    """Rows ``lo:hi`` of the matrices stacked along their rows, as the pieces of each they cover."""
+    parts, start = [], 0
+    for w in weights:
+        a, b = max(lo, start), min(hi, start + w.shape[0])
+        if a < b:
+            rows = slice(a - start, b - start)
+            part = w.take_rows(rows)
+            if not isinstance(part, kquants.KQuantWeight) and part.superblocks is None:  # found once, for the whole
+                part = dataclasses.replace(part, superblocks=tuple(f[rows] for f in _superblocks(w)))  # type: ignore[union-attr]
+            parts.append(part)
+        start += w.shape[0]
+    return parts
+
+
+def _stacked(arrays: list[np.ndarray], rows: int, dtype: type) -> np.ndarray:
+    """``arrays`` one after the other along their rows, zeros after them up to ``rows``."""
+    part = np.zeros((rows, arrays[0].shape[1]), dtype)
+    start = 0
+    for a in arrays:
+        part[start : start + a.shape[0]] = a
+        start += a.shape[0]
+    return part
 
 
 def _bit_plane(high: np.ndarray, xbits: int) -> np.ndarray:
