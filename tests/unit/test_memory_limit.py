@@ -6,6 +6,7 @@ the limit less what the runtime grew since."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -16,6 +17,7 @@ from exo_tui.cluster.metrics import node_memory
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.commands.operator import _memory
 from exo_tui.config import GB, Config
+from exo_tui.net.protocol import PlanEntry
 from exo_tui.node.agent import NodeAgent
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, KVBudget
 from exo_tui.node.profile import device_profile, runs_on
@@ -76,6 +78,20 @@ def test_the_coordinator_offers_the_limit_less_what_the_runtime_grew(tmp_path: P
     usable = p.usable_bytes(rr.system_reserved_ram * GB, rr.system_reserved_vram * GB, rr.emergency_reserve)
     assert usable == pytest.approx(500 * MB - grown, abs=1)  # its shard's bytes are offered again (the plan may keep them there)
     assert node_memory(h) == (120 * MB, 500 * MB)  # the console: the models' memory (shards, caches) of the limit
+
+
+@pytest.mark.parametrize(("need", "short"), [(300 * MB, False), (340 * MB, True)])
+def test_a_node_is_short_of_room_past_its_baseline_plus_its_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  need: int, short: bool) -> None:
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
+    c = Coordinator(config=Config(), home=tmp_path, persist=False)
+    h = limited_node(250 * MB)
+    h.held = {(0, 4)}
+    c.nodes[h.node_id] = h
+    c.spec = SimpleNamespace(layers=[], range_bytes=lambda start, end, _kv: need)
+    # 650 MB the process may hold, less 250 MB held besides caches, 20 MB of caches and the least reserve
+    assert 650 * MB - 250 * MB - 20 * MB - RESERVE_MIN_BYTES in range(300 * MB, 340 * MB)
+    assert c._short_of_room([PlanEntry(h.node_id, "127.0.0.1", 1, 4, 8)]) == ({h.node_id} if short else set())
 
 
 def test_status_says_a_limit_lies_above_the_runtime() -> None:
