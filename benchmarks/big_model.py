@@ -17,9 +17,9 @@ Then reports, side by side with llama.cpp on the same file and threads:
 * one node: prefill and decode tok/s and the peak RSS of each engine, measured in a process of its
   own; the bytes a decoded token reads and the GB/s that makes, next to a NumPy copy's GB/s;
 * ``--local-nodes 3``: three node processes on this machine, each with a ``--memory-limit`` below
-  the model's size (its whole budget, enforced by the node; by default what lets the other two take
-  a drained node's layers), the plan's shares (layers, their bytes, each node's resident memory
-  against its limit), decode tok/s through the ring, and the stall when the middle node is drained
+  the model's size (the memory it gives to models, above its runtime's own, enforced by the node; by
+  default what lets the other two take a drained node's layers), the plan's shares (layers, their
+  bytes, each node's resident memory and what of it lies above its runtime's baseline, against its limit), decode tok/s through the ring, and the stall when the middle node is drained
   mid-answer (the longest gap between two streamed tokens after the drain, against the usual one).
   The machine's cores are shared out between the nodes (``--threads`` in all).
 
@@ -313,7 +313,7 @@ def copy_gbps() -> float:
     return best
 
 
-RUNTIME_GB = 0.25  # a node's runtime and its reserve for a step, roughly (node/kv_budget.py)
+GROWTH_GB = 0.1  # a node's reserve for a step and its runtime's growth once it holds shards, roughly (node/kv_budget.py)
 
 
 def plan_need_bytes(model) -> int:  # noqa: ANN001
@@ -326,7 +326,7 @@ def plan_need_bytes(model) -> int:  # noqa: ANN001
 def default_limit_gb(model_bytes: int, need_bytes: int, nodes: int) -> tuple[float, bool]:
     """A per-node limit below the model's size that lets ``nodes - 1`` nodes hold it (its need),
     and whether it does: capped below the model's size, it may not."""
-    wanted = RUNTIME_GB + 1.2 * need_bytes / max(1, nodes - 1) / 1e9
+    wanted = GROWTH_GB + 1.2 * need_bytes / max(1, nodes - 1) / 1e9
     cap = 0.95 * model_bytes / 1e9
     return round(min(wanted, cap), 2), wanted <= cap
 
@@ -352,13 +352,14 @@ async def _ring(path: Path, nodes: int, limit_gb: float, threads: int, tokens: i
     try:
         ready_s = time.perf_counter() - t0
 
-        def shares() -> list[tuple[str, int, int, int, int, int]]:
+        def shares() -> list[tuple[str, int, int, int, int, int, int]]:
             out = []
             for s in c.plan.shards:
                 h = c.nodes[s.node_id]
                 rss = psutil.Process(h.local_process.pid).memory_info().rss if h.local_process else 0
-                budget = int((h.metrics.get("kv") or {}).get("budget_bytes", 0))
-                out.append((h.name, s.start, s.end, c.spec.range_bytes(s.start, s.end, 0), rss, budget))
+                kv = h.metrics.get("kv") or {}
+                budget, baseline = int(kv.get("budget_bytes", 0)), int(kv.get("runtime_baseline_bytes", 0))
+                out.append((h.name, s.start, s.end, c.spec.range_bytes(s.start, s.end, 0), rss, baseline, budget))
             return out
 
         plan_before = shares()
@@ -418,12 +419,12 @@ def local_nodes(path: Path, nodes: int, limit_gb: float | None, threads: int, to
         r = event_loop.run(_ring(path, nodes, limit_gb, threads, tokens, at, Path(d)))
     print(f"\n{nodes} local nodes, --memory-limit {limit_gb:g} GB each (the model: {size / 1e9:.2f} GB){note}, "
           f"{max(1, threads // nodes)} thread(s) a node, ready in {r['ready_s']:.0f} s\n")
-    print("| plan | node | layers | layer bytes GB | resident GB | of the limit | KV budget MB |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| plan | node | layers | layer bytes GB | resident GB | runtime GB | above it, of the limit | KV budget MB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for when in ("before", "after"):
-        for name, start, end, nbytes, rss, budget in r[when]:
+        for name, start, end, nbytes, rss, baseline, budget in r[when]:
             print(f"| {when} the drain | {name} | {start}–{end - 1} | {nbytes / 1e9:.2f} | {rss / 1e9:.2f} | "
-                  f"{rss / (limit_gb * 1e9):.0%} | {budget / 1e6:.0f} |")
+                  f"{baseline / 1e9:.2f} | {(rss - baseline) / (limit_gb * 1e9):.0%} | {budget / 1e6:.0f} |")
     if "decode" not in r:
         print(f"\nthe answer failed: {r['failed']}")
         return

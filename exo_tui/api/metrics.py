@@ -86,8 +86,8 @@ def _nodes(f: Any, c: Any, m: Any, model: str) -> Iterator[Metric]:
     per_node = {
         "node_up": ("1 while the node is a live member", lambda n: 1.0 if n.up else 0.0),
         "node_cpu_percent": ("CPU use", lambda n: n.cpu_percent),
-        "node_memory_used_bytes": ("memory in use (of its limit, where it has one)", lambda n: n.memory_used_bytes),
-        "node_memory_total_bytes": ("memory offered", lambda n: n.memory_total_bytes),
+        "node_memory_used_bytes": ("memory in use (with a limit: its models', shards and KV caches)", lambda n: n.memory_used_bytes),
+        "node_memory_total_bytes": ("memory offered (its limit, above its runtime's own, where it has one)", lambda n: n.memory_total_bytes),
         "node_vram_used_bytes": ("GPU memory in use", lambda n: n.vram_used_bytes),
         "node_vram_total_bytes": ("GPU memory", lambda n: n.vram_total_bytes),
         "node_temperature_celsius": ("hottest sensor", lambda n: n.temperature_c),

@@ -312,8 +312,8 @@ class ClusterMetrics:
         cpus = [float(h.metrics["cpu_percent"]) for h in live if "cpu_percent" in h.metrics]
         return ClusterFigures(
             window_s=self.window_s,
-            memory_used_bytes=sum(_memory(h)[0] or 0 for h in live),
-            memory_total_bytes=sum(_memory(h)[1] or 0 for h in live),
+            memory_used_bytes=sum(node_memory(h)[0] for h in live),
+            memory_total_bytes=sum(node_memory(h)[1] for h in live),
             cpu_percent=_mean(cpus),
             vram_used_bytes=sum(u for u, _ in vram) if vram else None,
             vram_total_bytes=sum(t for _, t in vram) if vram else None,
@@ -345,7 +345,7 @@ class ClusterMetrics:
         mine = [t for t in tokens if h.node_id in t.compute]
         share = _mean([t.compute[h.node_id] / t.total_s for t in mine if t.total_s > 0])
         steps, spent = m.get("decode_steps"), m.get("decode_compute_s")
-        used, total = _memory(h) if h.state != "failed" else (None, None)
+        used, total = node_memory(h) if h.state != "failed" else (None, None)
         return NodeFigures(
             node_id=h.node_id, name=h.name, state=h.state, up=h.state != "failed",
             cpu_percent=_num(m.get("cpu_percent")), memory_used_bytes=used, memory_total_bytes=total,
@@ -388,11 +388,14 @@ def _balance(stage: dict[str, float]) -> float | None:
     return float(np.std(values) / np.mean(values))
 
 
-def _memory(h: Any) -> tuple[int | None, int | None]:
-    """(used, total) bytes of a node as the console shows it: its limit's use where it has one."""
+def node_memory(h: Any) -> tuple[int, int]:
+    """(used, total) bytes of a node as the console shows it: where it has a limit, its models'
+    memory (its shards' bytes and KV caches) of the limit, which lies above its runtime's own;
+    else the machine's memory."""
     total = h.profile.memory_limit_bytes or h.memory_total_bytes
     if h.profile.memory_limit_bytes:
-        used = sum(int(x.get("nbytes", 0)) for x in h.shards)
+        kv = h.metrics.get("kv") or {}
+        used = sum(int(x.get("nbytes", 0)) for x in h.shards) + int(kv.get("used_bytes", 0))
     else:
         used = h.memory_total_bytes - int(h.metrics.get("ram_available_bytes", h.profile.ram_available_bytes))
     return used, total

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures
+from exo_tui.cluster.metrics import node_memory
 from exo_tui.cluster.view import (
     ClusterSnapshot,
     LayerMove,
@@ -64,13 +65,12 @@ class Snapshots:
             s = scores.get(h.node_id)
             shard = self.plan.shard_of(h.node_id) if self.plan is not None else None
             pin = self.pins.get(h.node_id)
+            used, total = node_memory(h)
             nodes.append(
                 NodeView(
                     node_id=h.node_id, name=h.name, address=h.host, port=h.port, state=h.state,
                     backend=self._node_backend(h), backends=tuple(h.profile.backends),
-                    memory_total_bytes=h.profile.memory_limit_bytes or h.memory_total_bytes,
-                    memory_used_bytes=sum(int(x.get("nbytes", 0)) for x in h.shards) if h.profile.memory_limit_bytes
-                    else h.memory_total_bytes - int(h.metrics.get("ram_available_bytes", h.profile.ram_available_bytes)),
+                    memory_total_bytes=total, memory_used_bytes=used,
                     cpu_percent=float(h.metrics.get("cpu_percent", 0.0)),
                     score=s.score if s else None, eligible=bool(s and s.eligible) and h.state != "failed",
                     ineligible_reason=(h.reason if h.state == "failed" else (s.reason if s else "")),

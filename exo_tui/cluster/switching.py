@@ -31,7 +31,7 @@ from exo_tui.inference.generate import GenerationError
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
-from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import BENCH_CONFIG
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
@@ -72,13 +72,14 @@ class PlanSwitching:
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
             total = p.ram_total_bytes
             if p.memory_limit_bytes:
-                # The limit is the node process's whole budget: what it holds besides its shards'
-                # bytes (its runtime, measured: node/kv_budget.py) is not offered. Add the reserves
-                # back so the scheduler's usable memory equals what is left.
+                # The limit is what the node gives to models, above its runtime's resident memory
+                # at start (its baseline): what the runtime grew since, besides its shards' bytes
+                # (measured: node/kv_budget.py), is not offered. Add the reserves back so the
+                # scheduler's usable memory equals what is left.
                 # A load's peak beside its shard's arrays (node/host.py) is not offered either.
-                runtime = max(0, int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held)
-                runtime += self._load_peak_bytes(backend)
-                avail = int(min(avail, p.memory_limit_bytes - runtime) + rc.system_reserved_ram * GB
+                runtime = int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held
+                grown = max(0, runtime - p.runtime_baseline_bytes) + self._load_peak_bytes(backend)
+                avail = int(min(avail, p.memory_limit_bytes - grown) + rc.system_reserved_ram * GB
                             + rc.emergency_reserve * total)
             out.append(
                 DeviceProfile(
@@ -243,9 +244,9 @@ class PlanSwitching:
                      f"; swapped on {', '.join(diff['swapped'])} (short of memory)" if swapped else "")
 
     def _short_of_room(self, missing: list[PlanEntry]) -> set[str]:
-        """The nodes whose missing shards do not fit beside the shards they hold, under their memory
-        limit as their last KV report gives it (what the process holds besides caches, the caches,
-        the budget's least reserve)."""
+        """The nodes whose missing shards do not fit beside the shards they hold, under what their
+        process may hold (its runtime's baseline plus its memory limit) as their last KV report
+        gives it (what the process holds besides caches, the caches, the budget's least reserve)."""
         need: dict[str, int] = {}
         for e in missing:
             need[e.node_id] = need.get(e.node_id, 0) + self.spec.range_bytes(e.start, e.end, 0)
@@ -253,8 +254,8 @@ class PlanSwitching:
         for node_id, nbytes in need.items():
             h = self.nodes[node_id]
             kv = h.metrics.get("kv") or {}
-            limit = int(kv.get("limit_bytes") or 0)
-            if not h.held or not limit:
+            limit = process_budget_bytes(int(kv.get("limit_bytes") or 0), int(kv.get("runtime_baseline_bytes", 0)))
+            if not h.held or limit is None:
                 continue
             room = limit - int(kv.get("runtime_bytes", 0)) - int(kv.get("used_bytes", 0)) - RESERVE_MIN_BYTES
             if nbytes + self._load_peak_bytes(self._node_backend(h)) > room:

@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-port", type=int, default=None, help="the node's port (default: network.node_port, 52416)")
     p.add_argument("--name", help="node name (default: the host's hostname)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default=None)
-    p.add_argument("--memory-limit", type=float, metavar="GB", help="cap the memory the node offers")
+    p.add_argument("--memory-limit", type=float, metavar="GB", help="memory the node gives to models (weights, KV caches), above its runtime's own ~0.2 GB")
     p.add_argument("--precision", choices=["float32", "int16", "int8"], default=None,
                    help="the node's ONNX precision (exo-tui node --precision; default int16)")
     p.add_argument("--threads", type=threads_arg, default=None, metavar="N", help="threads a step runs on there")

@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=52416)
     p.add_argument("--name", default=None, help="node name (default: the host name)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="cap the memory this node offers")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="memory this node gives to models (weights, KV caches), above its runtime's own ~0.2 GB")
     p.add_argument("--precision", choices=["float32", "int16", "int8"], default=None,
                    help="ONNX: int16 activations (the default: fast, answers as float32's but for near ties), "
                         "float32 (exact) or int8 (fastest batches, answers near float32's)")

@@ -129,6 +129,16 @@ def queue_line(q: dict[str, Any]) -> str:
             f"KV positions {held}")
 
 
+def _memory(n: dict[str, Any]) -> str:
+    """A node's memory GB in use of its total; where it has a limit, its models' (shards, KV caches)
+    of the limit, and the runtime's own memory, which the limit lies above."""
+    cell = f"{_gb(n.get('memory_used_bytes'))}/{_gb(n.get('memory_total_bytes'))}"
+    profile = n.get("profile") or {}
+    if profile.get("memory_limit_bytes") and profile.get("runtime_baseline_bytes"):
+        cell += f" limit (+{profile['runtime_baseline_bytes'] / 1e9:.2f} runtime)"
+    return cell
+
+
 def _kv(kv: dict[str, Any]) -> str:
     """A node's KV caches: MB used of its budget, and the requests holding them."""
     if not kv.get("budget_bytes"):
@@ -168,7 +178,7 @@ def _print_status(d: dict[str, Any], url: str) -> None:
         if n.get("ineligible_reason") and n["state"] == "failed":
             state += f" ({n['ineligible_reason'][:40]})"
         table.add_row(n["name"], n["node_id"], state, n.get("backend", ""), layers, pin, score,
-                      f"{_gb(n.get('memory_used_bytes'))}/{_gb(n.get('memory_total_bytes'))}", _kv(n.get("kv") or {}),
+                      _memory(n), _kv(n.get("kv") or {}),
                       f"{n.get('cpu_percent', 0.0):.0f}", hb)
     console.print(table)
     if plan:

@@ -53,8 +53,8 @@ def memory_gb(text: str) -> float:
 
 def add_local_memory_limit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-memory-limit", type=memory_gb, default=None, metavar="GB",
-                   help="each local node's whole memory budget (its --memory-limit): its shards, runtime and KV "
-                        "caches stay within it; requests beyond what it holds wait their turn")
+                   help="memory each local node gives to models (its --memory-limit: shards' weights, KV caches), "
+                        "above its runtime's own ~0.2 GB; requests beyond what it holds wait their turn")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -179,6 +179,10 @@ class NodeAgent:
                 f"backend {self.backend} is not available on this node (available: {', '.join(profile.backends) or 'none'})"
             )
         await loop.run_in_executor(None, runs_on, profile, self.backend)
+        # The runtime's own memory (Python, NumPy, the backend imported and checked: runs_on
+        # measures it) is not what --memory-limit gives to models: the process may hold the limit
+        # above it. Taken before the benchmark (cached, so run on a first start only) and any shard.
+        self.kv.baseline_bytes = profile.runtime_baseline_bytes
         if self.run_benchmark:
             profile = await loop.run_in_executor(None, lambda: benchmark(profile, backends=[self.backend]))
         self.profile = profile
@@ -639,16 +643,15 @@ class NodeAgent:
                                            get_backend(hosted.backend).kv_value_bytes(), hosted.shard.ring_layers,
                                            c.ring_window)
         self.kv.set_shards(per_position)
-        self.kv.observe(psutil.Process().memory_info().rss, psutil.virtual_memory().available, settled=True)
+        self.kv.observe(_rss(), psutil.virtual_memory().available, settled=True)
 
     def _load_room(self) -> int | None:
-        """The bytes a shard's load may take here: the memory limit less what the process holds
-        now (weights, runtime, caches) and the KV budget's least reserve; None without a limit."""
-        if not self.memory_limit_bytes:
+        """The bytes a shard's load may take here: what the process may hold (its runtime's
+        baseline plus the memory limit) less what it holds now (runtime, weights, caches) and the
+        KV budget's least reserve; None without a limit."""
+        if (limit := self.kv.process_limit_bytes) is None:
             return None
-        import psutil
-
-        return self.memory_limit_bytes - psutil.Process().memory_info().rss - RESERVE_MIN_BYTES
+        return limit - _rss() - RESERVE_MIN_BYTES
 
     def _within_budget(self, batch: list[_Step], key: tuple[int, int], idxs: list[int], results: list[Any]) -> list[int]:
         """The steps of ``idxs`` (on shard ``key``) whose caches fit this node's KV budget; the
@@ -811,6 +814,13 @@ class NodeAgent:
             }
             metrics["shards"] = self.host.describe() if self.host else []
             await self._to_coordinator(Frame("heartbeat", body={"metrics": metrics, "t": time.time()}))
+
+
+def _rss() -> int:
+    """The node process's resident memory now."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def _failed(shard: Any, items: list[tuple[str, np.ndarray, np.ndarray]], outs: list[Any], rows: list[int],

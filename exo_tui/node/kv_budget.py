@@ -1,11 +1,15 @@
 """A node's budget for KV caches: the bytes it may give them, and what its requests hold.
 
-The budget is the node's memory less what its process holds besides caches, less a reserve:
+The budget is the memory the node's process may hold, less what it holds besides caches, less a
+reserve:
 
-- the memory is ``--memory-limit`` when given (the process's whole budget: its resident memory
-  stays under it), else the memory the machine has available;
-- what the process holds besides caches (the Python runtime, the backend's, the shards' weights)
-  is measured as its resident memory whenever no cache is held, and after every load and unload;
+- the memory is, with ``--memory-limit``, the runtime's own resident memory (Python, NumPy, the
+  backend: its baseline, measured once at start before any shard) plus the limit: the limit is
+  what the node gives to models (shards' weights, KV caches, a load's transients, a step's
+  temporaries), and the process's resident memory stays under baseline + limit
+  (:func:`process_budget_bytes`). Without a limit it is the memory the machine has available;
+- what the process holds besides caches (the runtime, the shards' weights) is measured as its
+  resident memory whenever no cache is held, and after every load and unload;
 - the reserve covers a step's temporaries and a backend's cache pool growing (it copies the
   caches into larger arrays): ``RESERVE_FRACTION`` of what is left, at least ``RESERVE_MIN_BYTES``.
 
@@ -27,6 +31,12 @@ RESERVE_MIN_BYTES = 48 << 20
 RESERVE_FRACTION = 0.2
 
 ShardKey = tuple[int, int]
+
+
+def process_budget_bytes(limit_bytes: int | None, baseline_bytes: int) -> int | None:
+    """The resident memory a node's process may reach: its runtime's baseline (measured at start)
+    plus ``--memory-limit``, the memory it gives to models; None without a limit."""
+    return baseline_bytes + limit_bytes if limit_bytes else None
 
 
 class BudgetExceeded(Exception):
@@ -59,7 +69,8 @@ class ShardCost:
 
 @dataclass
 class KVBudget:
-    limit_bytes: int | None  # --memory-limit; None: the machine's available memory
+    limit_bytes: int | None  # --memory-limit, the memory given to models; None: the machine's available memory
+    baseline_bytes: int = 0  # the runtime's own resident memory, measured at start before any shard
     runtime_bytes: int = 0  # resident memory besides caches (measured)
     available_bytes: int = 0  # memory the machine has available (measured; used without a limit)
     per_position: dict[ShardKey, ShardCost] = field(default_factory=dict)
@@ -97,10 +108,15 @@ class KVBudget:
     # ------------------------------------------------------------------ the budget
 
     @property
+    def process_limit_bytes(self) -> int | None:
+        """The resident memory the process may reach under its limit (None: no limit)."""
+        return process_budget_bytes(self.limit_bytes, self.baseline_bytes)
+
+    @property
     def memory_bytes(self) -> int:
         """What the process may hold in all (without a limit: what it holds plus what is free)."""
-        if self.limit_bytes:
-            return self.limit_bytes
+        if (limit := self.process_limit_bytes) is not None:
+            return limit
         return self.runtime_bytes + self.used_bytes + self.available_bytes
 
     @property
@@ -183,6 +199,7 @@ class KVBudget:
     def _report(self) -> dict[str, Any]:
         return {
             "limit_bytes": self.limit_bytes or 0,
+            "runtime_baseline_bytes": self.baseline_bytes,
             "budget_bytes": self.budget_bytes,
             "used_bytes": self.used_bytes,
             "runtime_bytes": self.runtime_bytes,

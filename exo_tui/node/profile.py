@@ -60,7 +60,7 @@ class NodeProfile:
     cpu_threads: int  # logical
     ram_total_bytes: int
     ram_available_bytes: int
-    memory_limit_bytes: int | None
+    memory_limit_bytes: int | None  # --memory-limit: the memory it gives to models, above its runtime's own
     device_type: str  # apple | cuda | cpu
     chip: str  # Apple chip or GPU name, when detectable
     unified_memory: bool
@@ -70,6 +70,7 @@ class NodeProfile:
     backend: str = ""  # the backend this node agent runs its shards on (one of ``backends``)
     engine: dict[str, str] = field(default_factory=dict)  # how that backend runs here (Backend.describe)
     kv_value_bytes: int = 4  # bytes a cached K or V value takes on that backend (ONNX's int16/int8: 2)
+    runtime_baseline_bytes: int = 0  # the node process's resident memory at start, before any shard
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,18 +85,21 @@ class NodeProfile:
         return cls(**d)
 
     def offered_memory_bytes(self) -> int:
-        """Memory this node offers for shards: available RAM, capped by ``--memory-limit``."""
+        """Memory this node offers for shards: available RAM, capped by ``--memory-limit`` (the
+        memory it gives to models, above its runtime's own)."""
         avail = self.ram_available_bytes
         return min(avail, self.memory_limit_bytes) if self.memory_limit_bytes else avail
 
 
 def runs_on(profile: NodeProfile, backend: str) -> None:
     """Record in ``profile`` that the node runs its shards on ``backend``: how that backend runs
-    here (precision, threads, kernels) and the precision of the KV caches it keeps."""
+    here (precision, threads, kernels), the precision of the KV caches it keeps, and the process's
+    resident memory with the backend imported and checked (its runtime's baseline)."""
     engine = get_backend(backend)
     profile.backend = backend
     profile.engine = engine.describe()
     profile.kv_value_bytes = engine.kv_value_bytes()
+    profile.runtime_baseline_bytes = int(psutil.Process().memory_info().rss)
 
 
 def stable_node_id(name: str) -> str:

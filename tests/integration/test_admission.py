@@ -3,11 +3,11 @@
 A node with a ``--memory-limit`` that holds the caches of about eight requests gets 64 at once:
 none dies, the admitted ones answer as they do alone, a round's worth (the queue's bound) wait and
 are served, the rest are refused with 429 and ``Retry-After``; the node's resident memory stays
-under its limit. A request preempted for memory (``admission.kv_share`` below 1) gives the tokens it gives
-undisturbed. Clients that go away mid-stream leave no cache on the node.
+under its limit above its runtime's baseline (what it measured at start, before the model). A
+request preempted for memory (``admission.kv_share`` below 1) gives the tokens it gives undisturbed. Clients that go away mid-stream leave no cache on the node.
 
-A node without a limit measures, once for the module, what a node of the tiny model holds and how
-each prompt is answered alone (``Solo``); the limits and the answers of the tests come from it.
+A node without a limit measures, once for the module, what a node of the tiny model holds for it
+and how each prompt is answered alone (``Solo``); the limits and the answers of the tests come from it.
 
 The model is a tiny random llama with many narrow layers, so that its KV caches are large next to
 its weights and a step is cheap (the property is about memory, not the default model's answers).
@@ -84,9 +84,10 @@ async def answer(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
     return await http.post(f"{url}/v1/chat/completions", json=chat_body(prompt, max_tokens, model=model), timeout=600)
 
 
-def measured_runtime(home: Path, model: Path, prompts: tuple[str, ...] = (), max_tokens: int = MAX_TOKENS,
+def measured_model(home: Path, model: Path, prompts: tuple[str, ...] = (), max_tokens: int = MAX_TOKENS,
                      model_id: str = "tiny-deep") -> tuple[int, int, int, dict[str, str]]:
-    """Resident bytes of a node holding the model but no cache, the bytes a cache position takes,
+    """Resident bytes a node holds for the model but no cache (above its runtime's baseline: what a
+    limit must give it before any cache), the bytes a cache position takes,
     the positions a request of ``PROMPTS[0]`` and ``MAX_TOKENS`` holds, and each of ``prompts``
     answered alone (greedy, ``max_tokens``), on a node without a limit."""
     async def run(nodes: Any) -> tuple[int, int, int, dict[str, str]]:
@@ -98,7 +99,8 @@ def measured_runtime(home: Path, model: Path, prompts: tuple[str, ...] = (), max
                 r = await answer(http, url, p, max_tokens, model_id)
                 assert r.status_code == 200, r.text
                 solo[p] = r.json()["choices"][0]["message"]["content"]
-            return int(report["runtime_bytes"]), int(report["bytes_per_position"]), prompt + MAX_TOKENS, solo
+            held = int(report["runtime_bytes"]) - int(report["runtime_baseline_bytes"])
+            return held, int(report["bytes_per_position"]), prompt + MAX_TOKENS, solo
 
     with node_processes(home, ["onnx"], extra_args=["--no-benchmark"]) as nodes:
         return asyncio.run(run(nodes))
@@ -106,9 +108,9 @@ def measured_runtime(home: Path, model: Path, prompts: tuple[str, ...] = (), max
 
 @dataclass(frozen=True)
 class Solo:
-    """What a node without a limit measured of the tiny model (see :func:`measured_runtime`)."""
+    """What a node without a limit measured of the tiny model (see :func:`measured_model`)."""
 
-    runtime: int
+    held: int  # for the model, above the runtime's baseline
     per_position: int
     positions: int
     answers: dict[str, str]  # each of PROMPTS answered alone
@@ -116,16 +118,16 @@ class Solo:
 
 @pytest.fixture(scope="module")
 def solo(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> Solo:
-    return Solo(*measured_runtime(tmp_path_factory.mktemp("solo"), tiny, tuple(PROMPTS)))
+    return Solo(*measured_model(tmp_path_factory.mktemp("solo"), tiny, tuple(PROMPTS)))
 
 
-def limit_for(runtime: int, per_position: int, positions: int, requests: int) -> float:
+def limit_for(held: int, per_position: int, positions: int, requests: int) -> float:
     """A --memory-limit (GB) whose KV budget holds ``requests`` requests of ``positions`` (the
-    inverse of :class:`~exo_tui.node.kv_budget.KVBudget`'s budget)."""
+    inverse of :class:`~exo_tui.node.kv_budget.KVBudget`'s budget) beside ``held``."""
     from exo_tui.node.kv_budget import RESERVE_FRACTION, RESERVE_MIN_BYTES
 
     room = requests * positions * per_position
-    return (runtime + max(room / (1 - RESERVE_FRACTION), room + RESERVE_MIN_BYTES)) / 1e9
+    return (held + max(room / (1 - RESERVE_FRACTION), room + RESERVE_MIN_BYTES)) / 1e9
 
 
 class RssWatch:
@@ -151,15 +153,16 @@ class RssWatch:
 
 
 def test_64_requests_on_a_node_that_holds_8(tmp_path: Path, tiny: Path, solo: Solo) -> None:
-    runtime, per_position, positions = solo.runtime, solo.per_position, solo.positions
-    limit_gb = limit_for(runtime, per_position, positions, FIT)
+    held, per_position, positions = solo.held, solo.per_position, solo.positions
+    limit_gb = limit_for(held, per_position, positions, FIT)
     bound = FIT  # a round of waiting requests, served after the first round; the rest refused
 
     async def run(nodes: Any) -> None:
         node = nodes.nodes[0]
         async with serving(nodes.peers, tmp_path, tiny, queue_bound=bound) as (c, url), httpx.AsyncClient() as http:
             report = await kv_report(c)
-            assert report["limit_bytes"] == int(limit_gb * 1e9)
+            assert report["limit_bytes"] == int(limit_gb * 1e9) and report["runtime_baseline_bytes"] > 0
+            ceiling = report["runtime_baseline_bytes"] + limit_gb * 1e9
             cap = c.admission.stats().capacity_positions
             assert cap is not None and FIT - 1 <= cap // positions <= FIT + 1, (cap, positions, report)
             with RssWatch(node.process.pid) as rss:
@@ -179,10 +182,11 @@ def test_64_requests_on_a_node_that_holds_8(tmp_path: Path, tiny: Path, solo: So
             stats = c.admission.stats()
             # a request preempted for memory is admitted once more when it resumes
             assert stats.rejected == len(refused) and stats.admitted == len(ok) + stats.preempted, stats
-            print(f"\n64 requests, limit {limit_gb * 1000:.0f} MB (runtime {runtime / 1e6:.0f} MB, a request "
+            print(f"\n64 requests, limit {limit_gb * 1000:.0f} MB (model {held / 1e6:.0f} MB, runtime "
+                  f"{report['runtime_baseline_bytes'] / 1e6:.0f} MB, a request "
                   f"{positions * per_position / 1e6:.1f} MB of KV): {len(ok)} served, {len(refused)} refused; "
                   f"peak RSS {rss.peak / 1e6:.0f} MB")
-            assert rss.peak < limit_gb * 1e9, (rss.peak, limit_gb)
+            assert rss.peak < ceiling, (rss.peak, ceiling)
             after = await kv_report(c)
             assert after["refused"] == 0  # admission kept every step within the node's budget
             assert after["used_bytes"] <= after["budget_bytes"]
@@ -193,7 +197,7 @@ def test_64_requests_on_a_node_that_holds_8(tmp_path: Path, tiny: Path, solo: So
 
 def test_a_preempted_request_gives_its_undisturbed_tokens(tmp_path: Path, tiny: Path, solo: Solo) -> None:
     # 4 whole requests (what the scheduler needs to place the model fits too); 8 half ones admitted
-    limit_gb = limit_for(solo.runtime, solo.per_position, solo.positions, 4)
+    limit_gb = limit_for(solo.held, solo.per_position, solo.positions, 4)
 
     async def run(nodes: Any) -> None:
         async with serving(nodes.peers, tmp_path, tiny, kv_share=0.5) as (c, url), httpx.AsyncClient() as http:
@@ -238,28 +242,28 @@ def test_clients_that_go_away_mid_stream_leave_no_cache(tmp_path: Path, tiny: Pa
 
 def test_the_default_model_on_a_node_that_holds_two_answers(tmp_path: Path) -> None:
     """The same on the real default model, smaller: six answers at once on a node whose limit
-    holds two; every one is its solo answer, the node stays under its limit."""
+    holds two; every one is its solo answer, the node stays under its limit above its baseline."""
     from exo_tui.models.model import Model
     from exo_tui.models.registry import resolve_model
 
     model = resolve_model(None)
     mid = model.stem
     questions = ["What is the capital of France?", "Name three primary colours.", "What is 2 + 2?"]
-    runtime, per_position, _, solo = measured_runtime(tmp_path, model, tuple(questions), 48, mid)
+    held, per_position, _, solo = measured_model(tmp_path, model, tuple(questions), 48, mid)
     m = Model(model)
     positions = max(len(m.chat_prompt_ids([{"role": "user", "content": q}])) for q in questions) + 48
-    limit_gb = limit_for(runtime, per_position, positions, 2)
+    limit_gb = limit_for(held, per_position, positions, 2)
 
     async def run(nodes: Any) -> None:
         node = nodes.nodes[0]
         async with serving(nodes.peers, tmp_path, model) as (c, url), httpx.AsyncClient() as http:
-            await kv_report(c)
+            baseline = (await kv_report(c))["runtime_baseline_bytes"]
             with RssWatch(node.process.pid) as rss:
                 results = await asyncio.gather(*(answer(http, url, questions[i % 3], 48, mid) for i in range(6)))
             assert [r.status_code for r in results] == [200] * 6
             assert [r.json()["choices"][0]["message"]["content"] for r in results] == [solo[questions[i % 3]] for i in range(6)]
             assert "Paris" in solo[questions[0]]
-            assert rss.peak < limit_gb * 1e9, (rss.peak, limit_gb)
+            assert rss.peak < baseline + limit_gb * 1e9, (rss.peak, baseline, limit_gb)
             assert (await kv_report(c))["refused"] == 0
 
     with node_processes(tmp_path, ["onnx"], memory_limits_gb=[limit_gb], extra_args=["--no-benchmark"]) as nodes:

@@ -116,7 +116,11 @@ class NodeDetailScreen(Screen):
         table = self._kv()
         table.add_row("backend", node.backend or "—")
         table.add_row("backends", ", ".join(node.backends) or "—")
-        table.add_row("memory", fmt_mem(node.memory_used_bytes, node.memory_total_bytes))
+        memory = fmt_mem(node.memory_used_bytes, node.memory_total_bytes)
+        if node.profile.get("memory_limit_bytes") and (baseline := node.profile.get("runtime_baseline_bytes")):
+            # the limit is the models' memory (shards, KV caches); the runtime's own lies below it
+            memory += f" limit (+{baseline / 1e9:.2f}G runtime)"
+        table.add_row("memory", memory)
         table.add_row("cpu", f"{node.cpu_percent:.0f} %")
         table.add_row("layers", fmt_layers(node.layers) + (" (pinned)" if node.pinned else ""))
         table.add_row("tok/s", fmt_rate(node.tok_per_s))

@@ -1,0 +1,101 @@
+"""``--memory-limit`` is the memory a node gives to models (shards' weights, KV caches, a load's
+transients), above its runtime's own resident memory, which the node measures when it starts: the
+process may hold baseline + limit, the node enforces that, reports both, and the coordinator offers
+the limit less what the runtime grew since."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+import exo_tui.node.agent as agent_module
+from exo_tui.cluster.coordinator import Coordinator
+from exo_tui.cluster.metrics import node_memory
+from exo_tui.cluster.node_handle import NodeHandle
+from exo_tui.commands.operator import _memory
+from exo_tui.config import GB, Config
+from exo_tui.net.protocol import PlanEntry
+from exo_tui.node.agent import NodeAgent
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, KVBudget
+from exo_tui.node.profile import device_profile, runs_on
+
+MB = 10**6
+
+
+def test_the_process_may_hold_its_runtime_baseline_plus_the_limit() -> None:
+    b = KVBudget(limit_bytes=500 * MB, baseline_bytes=150 * MB)
+    assert b.process_limit_bytes == 650 * MB
+    b.set_shards({(0, 10): 1000})
+    b.observe(rss_bytes=300 * MB, available_bytes=10**10, settled=True)  # the runtime, 150 MB of weights
+    room = 650 * MB - 300 * MB  # the limit less the weights: caches may have what the models are given
+    assert b.budget_bytes == room - b.reserve_bytes
+    report = b.report()
+    assert report["limit_bytes"] == 500 * MB and report["runtime_baseline_bytes"] == 150 * MB
+    assert KVBudget(limit_bytes=None, baseline_bytes=150 * MB).process_limit_bytes is None
+
+
+def test_a_node_measures_its_runtime_baseline_with_its_backend_imported(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
+    profile = device_profile("n1", memory_limit_bytes=500 * MB)
+    runs_on(profile, "onnx")
+    assert 0 < profile.runtime_baseline_bytes <= psutil.Process().memory_info().rss
+    assert profile.memory_limit_bytes == 500 * MB  # the limit as given, beside the baseline
+
+
+def test_a_load_may_take_the_limit_above_the_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = NodeAgent(name="n1", backend="onnx", memory_limit_bytes=500 * MB, run_benchmark=False)
+    agent.kv.baseline_bytes = 150 * MB
+    monkeypatch.setattr(agent_module, "_rss", lambda: 250 * MB)  # 100 MB held for models already
+    assert agent._load_room() == 400 * MB - RESERVE_MIN_BYTES
+    assert NodeAgent(name="n2", backend="onnx", run_benchmark=False)._load_room() is None
+
+
+def limited_node(runtime_bytes: int) -> NodeHandle:
+    """A node of a 500 MB limit above a 150 MB baseline, holding a 100 MB shard and 20 MB of caches,
+    whose runtime (weights included) last measured ``runtime_bytes``."""
+    profile = device_profile("n1", memory_limit_bytes=500 * MB, backends=["onnx"])
+    profile.backend, profile.runtime_baseline_bytes = "onnx", 150 * MB
+    kv = {"limit_bytes": 500 * MB, "runtime_baseline_bytes": 150 * MB, "runtime_bytes": runtime_bytes,
+          "used_bytes": 20 * MB}
+    return NodeHandle(node_id=profile.node_id, name="n1", host="127.0.0.1", port=1, profile=profile,
+                      metrics={"ram_available_bytes": 64 * GB, "ram_total_bytes": 128 * GB, "kv": kv},
+                      shards=[{"start": 0, "end": 4, "nbytes": 100 * MB}])
+
+
+@pytest.mark.parametrize("grown", [0, 30 * MB])
+def test_the_coordinator_offers_the_limit_less_what_the_runtime_grew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     grown: int) -> None:
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
+    c = Coordinator(config=Config(), home=tmp_path, persist=False)
+    h = limited_node(150 * MB + 100 * MB + grown)
+    c.nodes[h.node_id] = h
+    rr = c.config.scheduler.resource_reservation
+    [p] = c.device_profiles()
+    usable = p.usable_bytes(rr.system_reserved_ram * GB, rr.system_reserved_vram * GB, rr.emergency_reserve)
+    assert usable == pytest.approx(500 * MB - grown, abs=1)  # its shard's bytes are offered again (the plan may keep them there)
+    assert node_memory(h) == (120 * MB, 500 * MB)  # the console: the models' memory (shards, caches) of the limit
+
+
+@pytest.mark.parametrize(("need", "short"), [(300 * MB, False), (340 * MB, True)])
+def test_a_node_is_short_of_room_past_its_baseline_plus_its_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  need: int, short: bool) -> None:
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
+    c = Coordinator(config=Config(), home=tmp_path, persist=False)
+    h = limited_node(250 * MB)
+    h.held = {(0, 4)}
+    c.nodes[h.node_id] = h
+    c.spec = SimpleNamespace(layers=[], range_bytes=lambda start, end, _kv: need)
+    # 650 MB the process may hold, less 250 MB held besides caches, 20 MB of caches and the least reserve
+    assert 650 * MB - 250 * MB - 20 * MB - RESERVE_MIN_BYTES in range(300 * MB, 340 * MB)
+    assert c._short_of_room([PlanEntry(h.node_id, "127.0.0.1", 1, 4, 8)]) == ({h.node_id} if short else set())
+
+
+def test_status_says_a_limit_lies_above_the_runtime() -> None:
+    node = {"memory_used_bytes": 120 * MB, "memory_total_bytes": 500 * MB,
+            "profile": {"memory_limit_bytes": 500 * MB, "runtime_baseline_bytes": 150 * MB}}
+    assert _memory(node) == "0.1/0.5 limit (+0.15 runtime)"
+    assert _memory({"memory_used_bytes": 2 * GB, "memory_total_bytes": 8 * GB, "profile": {}}) == "2.1/8.6"
