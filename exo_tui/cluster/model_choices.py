@@ -49,7 +49,7 @@ def change_for(c: Any, spec: Any) -> ChangePreview:
     constraints = c.constraints(pins={})
     if c.strategy == "even":
         return c._even_preview(constraints, spec=spec, current=None)
-    return preview_change(None, c.device_profiles(), spec, constraints, c.config.scheduler, now=time.monotonic(),
+    return preview_change(None, c.device_profiles(spec), spec, constraints, c.config.scheduler, now=time.monotonic(),
                           strategy=c.strategy)
 
 

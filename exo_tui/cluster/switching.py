@@ -38,6 +38,7 @@ from exo_tui.scheduler.even import even_plan
 from exo_tui.scheduler.partition import InfeasiblePlan
 from exo_tui.scheduler.plan import Constraints, Pin, Plan
 from exo_tui.scheduler.profile import DeviceProfile, Link
+from exo_tui.scheduler.spec import ModelSpec
 
 if TYPE_CHECKING:
     from exo_tui.models.model import Model
@@ -60,7 +61,9 @@ class PlanSwitching:
 
     # ================================================================== planning
 
-    def device_profiles(self) -> list[DeviceProfile]:
+    def device_profiles(self, spec: ModelSpec | None = None) -> list[DeviceProfile]:
+        """The nodes as the scheduler sees them, for planning ``spec`` (a load's peak is the
+        model's: the one served by default)."""
         now = time.monotonic()
         rc = self.config.scheduler.resource_reservation
         out = []
@@ -78,7 +81,7 @@ class PlanSwitching:
                 # scheduler's usable memory equals what is left.
                 # A load's peak beside its shard's arrays (node/host.py) is not offered either.
                 runtime = int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held
-                grown = max(0, runtime - p.runtime_baseline_bytes) + self._load_peak_bytes(backend)
+                grown = max(0, runtime - p.runtime_baseline_bytes) + self._load_peak_bytes(backend, spec)
                 avail = int(min(avail, p.memory_limit_bytes - grown) + rc.system_reserved_ram * GB
                             + rc.emergency_reserve * total)
             out.append(
@@ -108,16 +111,17 @@ class PlanSwitching:
             )
         return out
 
-    def _load_peak_bytes(self, backend: str) -> int:
-        """What a load of the served model on ``backend`` takes at its peak beside its shard's
-        arrays, as the node counts it (the spec's, from the file; a layer decoded whole where the
-        spec does not say: backends/base.py's load_peak_bytes)."""
-        if self.spec is None:
+    def _load_peak_bytes(self, backend: str, spec: ModelSpec | None = None) -> int:
+        """What a load of ``spec``'s model (by default the served one) on ``backend`` takes at its
+        peak beside its shard's arrays, as the node counts it (the spec's, from the file; a layer
+        decoded whole where the spec does not say: backends/base.py's load_peak_bytes)."""
+        spec = spec or self.spec
+        if spec is None:
             return 0
-        known = dict(self.spec.load_peaks)
+        known = dict(spec.load_peaks)
         if backend in known:
             return known[backend]
-        return int(LOAD_PEAK_DECODED * max(self.spec.layers, default=0)) + LOAD_CHUNK_BYTES
+        return int(LOAD_PEAK_DECODED * max(spec.layers, default=0)) + LOAD_CHUNK_BYTES
 
     def _node_backend(self, h: NodeHandle) -> str:
         return h.profile.backend or (h.profile.backends or ["onnx"])[0]
@@ -158,7 +162,7 @@ class PlanSwitching:
         version = (old.version + 1) if old else 1
         try:
             plan = even_plan([h.node_id for h in live], {h.node_id: self._node_backend(h) for h in live},
-                             {p.node_id: p for p in self.device_profiles()}, spec, constraints,
+                             {p.node_id: p for p in self.device_profiles(spec)}, spec, constraints,
                              self.config.scheduler, version)
         except InfeasiblePlan as exc:
             return ChangePreview(None, None, error=str(exc))

@@ -4,16 +4,19 @@ absorb is refused with the numbers (nothing moves), and an undrain of the node (
 so and moves nothing either. Then, on four nodes, a drain whose new shards no node can hold beside
 its old ones: they swap them during the pause, and the answer goes on.
 
-A node's ``--memory-limit`` is its process's whole budget, its runtime included (Python, NumPy,
-ONNX Runtime: 140-250 MB), and the node keeps a reserve for a step's temporaries
-(``node/kv_budget.py``: at least 48 MB) and room for a load's peak (a layer decoded beside the
-shard: ``node/host.py``). So the model is sized from what the nodes offer once they run (the
-scheduler's usable bytes under each limit, measured with the default model loaded): its layers and
-their caches at the model's context more than the two largest rooms, and a share of it by room
-leaving each node its reserve. At 0.5 GB limits: rooms of 247-313 MB as the runtimes come, a Q4_K
-file of 0.5-0.65 GB (1.05-1.3x each node's whole limit, about 2x the smallest room). Deterministic:
-fixed seeds, greedy decoding; only the layer count (and the weights' seed, for an answer that does
-not end at once) follows the measured runtimes.
+A node's ``--memory-limit`` is the memory it gives to models above its runtime's own (Python,
+NumPy, ONNX Runtime: its baseline, 120-250 MB, measured when it starts), and within it the node
+keeps what its runtime grows by once it runs shards (sessions: ~30 MB), a reserve for a step's
+temporaries (``node/kv_budget.py``: at least 48 MB) and room for a load's peak (a chunk of K-quant
+super-blocks decoded beside the shard: 16 MB, ``backends/base.py``). So the model is sized from
+what the nodes offer once they run (the scheduler's usable bytes under each limit, measured with
+the default model loaded): its layers and their caches at the model's context more than the two
+largest rooms, and a share of it by room leaving each node its reserve. At 0.5 GB limits: rooms
+of 461-467 MB, a Q4_K file of 1.14 GB, 2.3x each node's limit (the ~120 MB each node keeps are
+what stands between it and 3x: a smaller share of a larger limit, as at the 8B shape's in
+benchmarks/big_model.py).
+Deterministic: fixed seeds, greedy decoding; only the layer count (and the weights' seed, for an
+answer that does not end at once) follows the measured runtimes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pytest
 from exo_tui import events as ev
 from exo_tui.cluster.view import ChatParams, Command
 from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.models.spec import spec_from_gguf
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
 from tests.factory import write_tiny_llama
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
@@ -62,12 +66,17 @@ async def answering_model(path: Path, n_layers: int, params: ChatParams) -> tupl
 
 def rooms(c, probe: GGUFModel) -> list[int]:  # noqa: ANN001
     """Each node's memory for shards of ``probe``'s shape as the scheduler counts it: its limit less
-    its runtime and a load's peak beside its shard (a few of the model's layers: the served model's
-    now, ``probe``'s once it serves that)."""
+    what its runtime grew by and a load's peak beside its shard (``probe``'s)."""
     rr = c.config.scheduler.resource_reservation
-    peak = probe.load_peak_nbytes(0, probe.config.n_layers, "onnx") - dict(c.spec.load_peaks)["onnx"]
     return sorted(p.usable_bytes(rr.system_reserved_ram * 1024**3, rr.system_reserved_vram * 1024**3,
-                                 rr.emergency_reserve) - peak for p in c.device_profiles())
+                                 rr.emergency_reserve) for p in c.device_profiles(spec_from_gguf(probe)))
+
+
+def process_limits(c, ns) -> list[int]:  # noqa: ANN001
+    """What each node process of ``ns`` may hold: its runtime's baseline and its limit."""
+    baseline = {h.name: h.profile.runtime_baseline_bytes for h in c.nodes.values()}
+    assert all(baseline.values()), baseline
+    return [baseline[n.name] + int(LIMIT_GB * 1e9) for n in ns.nodes]
 
 
 def kv_layer_bytes(model: GGUFModel) -> int:
@@ -89,8 +98,7 @@ def layers_for(room: list[int], probe: GGUFModel) -> int:
     ends = need_bytes(probe) - per_layer
     low = (room[-1] + room[-2] - ends) / per_layer + 1
     high = min((r - RESERVE_MIN_BYTES - GROWTH_BYTES) * sum(room) / r for r in room) / per_layer
-    n = math.floor(high)  # the largest: the model is then larger than a whole limit even where the
-    # nodes' runtimes take half of it (a fresh checkout's rooms at 0.5 GB: 246-252 MB)
+    n = math.floor(high)  # the largest: the model is then as large as three nodes can hold
     assert n >= math.ceil(low), (f"at {LIMIT_GB} GB the nodes offer {[r // 10**6 for r in room]} MB to shards: too "
                                  "little for a model two of them cannot hold and three can; raise LIMIT_GB")
     return n
@@ -114,13 +122,15 @@ def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
                 room = rooms(c, probe)
                 big, want = await answering_model(tmp_path / "big.gguf", layers_for(room, probe), GREEDY)
                 size, need = GGUFModel(big).nbytes, need_bytes(GGUFModel(big))
-                assert size > LIMIT_GB * 1e9 and need > room[-1] + room[-2], (room, size, need)
+                # more than twice any node's limit (2.3x measured), more than two nodes can hold
+                assert size > 2 * LIMIT_GB * 1e9 and need > room[-1] + room[-2], (room, size / (LIMIT_GB * 1e9), need)
                 assert len(set(want)) > 3, want  # an answer to tell apart from another
                 await c.set_model(str(big))
                 assert len(c.plan.shards) == 3, c.plan.layout
                 assert await answer(c) == want
                 rss = [p.memory_info().rss for p in procs]
-                assert max(rss) <= LIMIT_GB * 1e9, (rss, room, size)  # the whole process, not only the plan
+                ceilings = process_limits(c, ns)
+                assert all(r <= m for r, m in zip(rss, ceilings, strict=True)), (rss, ceilings, room, size)
 
                 victim = c.plan.shards[1].node_id
                 layout = c.plan.layout
@@ -204,7 +214,8 @@ def test_a_drain_onto_nodes_too_small_for_two_shards_swaps_them_mid_answer(tmp_p
                 assert victim not in c.plan.node_ids and c.nodes[victim].state == "drained"
                 changes = [e for e in c.events.history if isinstance(e, ev.PlanChanged)]
                 assert changes and changes[-1].diff["swapped"], changes  # the others swapped
-                assert max(peak) <= LIMIT_GB * 1e9, (peak, room, need)
+                ceilings = process_limits(c, ns)
+                assert all(r <= m for r, m in zip(peak, ceilings, strict=True)), (peak, ceilings, room, need)
 
                 # Back: undrained, then given the first quarter of the layers by a pin: the others
                 # shrink (old beside new is too much for them again) and the victim loads.
@@ -219,7 +230,7 @@ def test_a_drain_onto_nodes_too_small_for_two_shards_swaps_them_mid_answer(tmp_p
                     assert not chunk.error, chunk.error
                     ids.extend(t for t in chunk.token_ids if t not in c.model.tokenizer.eos_ids)
                 assert ids == want
-                assert max(p.memory_info().rss for p in procs) <= LIMIT_GB * 1e9
+                assert all(p.memory_info().rss <= m for p, m in zip(procs, ceilings, strict=True))
 
         asyncio.run(run())
 
