@@ -247,9 +247,11 @@ class QuantizedWeight:
 # A load's peak beside its shard's arrays (measured by tests/unit/test_node_memory.py): a matrix
 # decoded whole takes LOAD_PEAK_DECODED times its file bytes while its layer is built (its codes a
 # byte each with float32 scales and biases, and the packing's temporaries; 3.0 for a 2048-wide
-# Q4_K_M layer); a matrix a backend reads a chunk at a time (CHUNKED_TYPES: ONNX's tiles read
-# K-quant super-blocks so) takes only a chunk's temporaries, LOAD_CHUNK_BYTES (7-12 MB measured).
+# Q4_K_M layer decoded so; Q8_0's codes are about its bytes: 0.87 for the default model's
+# embedding); a matrix a backend reads a chunk at a time (CHUNKED_TYPES: ONNX's tiles read K-quant
+# super-blocks so) takes only a chunk's temporaries, LOAD_CHUNK_BYTES (7-12 MB measured).
 LOAD_PEAK_DECODED = 3.5
+LOAD_PEAK_DECODED_BY_TYPE = {"Q8_0": 1.0}
 LOAD_CHUNK_BYTES = 16 << 20
 CHUNKED_TYPES = {"onnx": frozenset(KQUANT_BLOCK_BYTES)}
 
@@ -258,10 +260,12 @@ def load_peak_bytes(backend: str, pieces: list[list[tuple[str, int]]]) -> int:
     """The bytes a load on ``backend`` takes at its peak beside its shard's arrays, its ``pieces``
     (what it reads at once: a layer's tensors, the embedding, the head) given as their tensors'
     (GGUF type name, file bytes): the largest piece's matrices decoded whole, and a chunk's
-    temporaries."""
+    temporaries where any is read so."""
     chunked = CHUNKED_TYPES.get(backend, frozenset())
-    whole = [sum(n for t, n in piece if t not in chunked) for piece in pieces]
-    return int(LOAD_PEAK_DECODED * max(whole, default=0)) + LOAD_CHUNK_BYTES
+    whole = [sum(LOAD_PEAK_DECODED_BY_TYPE.get(t, LOAD_PEAK_DECODED) * n for t, n in piece if t not in chunked)
+             for piece in pieces]
+    chunks = any(t in chunked for piece in pieces for t, _ in piece)
+    return int(max(whole, default=0)) + (LOAD_CHUNK_BYTES if chunks else 0)
 
 
 Weight = np.ndarray | QuantizedWeight
