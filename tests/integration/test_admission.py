@@ -99,7 +99,9 @@ def measured_model(home: Path, model: Path, prompts: tuple[str, ...] = (), max_t
                 r = await answer(http, url, p, max_tokens, model_id)
                 assert r.status_code == 200, r.text
                 solo[p] = r.json()["choices"][0]["message"]["content"]
-            held = int(report["runtime_bytes"]) - int(report["runtime_baseline_bytes"])
+            # what it holds once it has run requests (ONNX Runtime's arenas grow with the first)
+            settled = await kv_report(c) if prompts else report
+            held = max(int(r["runtime_bytes"]) - int(r["runtime_baseline_bytes"]) for r in (report, settled))
             return held, int(report["bytes_per_position"]), prompt + MAX_TOKENS, solo
 
     with node_processes(home, ["onnx"], extra_args=["--no-benchmark"]) as nodes:
@@ -260,7 +262,7 @@ def test_the_default_model_on_a_node_that_holds_two_answers(tmp_path: Path) -> N
             baseline = (await kv_report(c))["runtime_baseline_bytes"]
             with RssWatch(node.process.pid) as rss:
                 results = await asyncio.gather(*(answer(http, url, questions[i % 3], 48, mid) for i in range(6)))
-            assert [r.status_code for r in results] == [200] * 6
+            assert [r.status_code for r in results] == [200] * 6, [r.text for r in results if r.status_code != 200]
             assert [r.json()["choices"][0]["message"]["content"] for r in results] == [solo[questions[i % 3]] for i in range(6)]
             assert "Paris" in solo[questions[0]]
             assert rss.peak < baseline + limit_gb * 1e9, (rss.peak, baseline, limit_gb)
