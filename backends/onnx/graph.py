@@ -381,7 +381,7 @@ def build_shard_graph(
             skip = b.norm(skip, lw.ffn_post_norm)
         if weights.disposable:
             weights.layers[i] = None  # type: ignore[call-overload]  # its arrays are built; see ShardWeights
-            del lw  # else it lives on while the next layer is read (a decoded K-quant layer is ~2.3x its file bytes)
+            del lw  # else it lives on while the next layer is read (decoded whole, a layer is ~2.3x its file bytes)
 
     if is_last:
         if weights.norm is None or weights.output is None:
