@@ -216,7 +216,11 @@ def test_listed_tokens_are_those_whose_text_begins_before_the_answer_ends(model:
     chunks = _answer(model, request)
     text = "".join(c.text for c in chunks)
     listed = [x for c in chunks for x in c.logprobs]
-    if chunks[-1].finish_reason == "stop" and request.generated[-1] not in model.tokenizer.eos_ids:
+    # A stop string ended it where the text is short of the whole answer: also one found in the
+    # text an end-of-sequence token flushes (two bytes of no character, "\ufffd\ufffd", a stop of
+    # them, found by Hypothesis: no token's text begins inside the empty answer).
+    if text != full:
+        assert chunks[-1].finish_reason == "stop"
         assert listed == [x for x in everything if x[0] < len(text)]
     else:
         assert listed == everything[: len(listed)] and len(listed) == len(everything)
@@ -226,6 +230,20 @@ def test_listed_tokens_are_those_whose_text_begins_before_the_answer_ends(model:
         if c is not chunks[-1]:
             assert all(at < seen + len(c.text) for at, _ in c.logprobs)
         seen += len(c.text)
+
+
+def test_a_stop_string_in_the_text_an_end_of_sequence_flushes_ends_the_answer(model: Model) -> None:
+    """Seed 1912773091: two bytes of no character, then end of sequence; the flushed text is
+    "\ufffd\ufffd", and a stop string of it ends the answer there: empty, finished by the stop,
+    no token listed (none's text begins inside it)."""
+    sampling = SamplingParams(temperature=50.0, seed=1912773091)
+    probe = Request(model.tokenizer.encode("abc"), sampling, 16, top_logprobs=0)
+    assert "".join(c.text for c in _answer(model, probe)) == "\ufffd\ufffd"
+    assert probe.generated[-1] in model.tokenizer.eos_ids
+    request = Request(model.tokenizer.encode("abc"), sampling, 16, stop=("\ufffd\ufffd",), top_logprobs=0)
+    chunks = _answer(model, request)
+    assert "".join(c.text for c in chunks) == "" and chunks[-1].finish_reason == "stop"
+    assert [x for c in chunks for x in c.logprobs] == []
 
 
 def _offsets(model: Model, tokens: list[int]) -> list[int]:
