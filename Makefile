@@ -35,13 +35,18 @@ lint: setup
 	$(BIN)/lint-imports
 
 # llama.cpp for the side-by-side benchmark: built from source (about 10 minutes on 2 cores);
-# ggml's native build dies on these machines' AMX kernels, so the CPU features are spelled out.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# ggml's native build dies on these machines' AMX kernels, so the CPU features are spelled out,
+# from what this CPU has (an AVX-512 build on a Zen 3 dies of an illegal instruction).
+CPU_FLAGS := $(shell grep -m1 -o -w -E 'avx512f|avx512_vnni|avx512_bf16|avx_vnni' /proc/cpuinfo 2>/dev/null)
+on_cpu = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=$(call on_cpu,avx512f) -DGGML_AVX512_VNNI=$(call on_cpu,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call on_cpu,avx512_bf16) -DGGML_AVX_VNNI=$(call on_cpu,avx_vnni) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 bench: setup
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || \
-	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install llama-cpp-python
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install llama-cpp-python==0.3.36
 	$(BIN)/python benchmarks/single_node.py
 	$(BIN)/python benchmarks/onnx_spin.py
 	$(BIN)/python benchmarks/pipeline.py
