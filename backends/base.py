@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable, MutableSequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -131,6 +131,16 @@ class ModelConfig:
         layer's cache is bounded (no windows, or none shorter than the context)."""
         bounded = self.sliding_window and self.sliding_window < self.context_length and any(self.window_layers)
         return self.sliding_window if bounded else 0
+
+    def at_context(self, n: int) -> ModelConfig:
+        """The model served at a context of ``n`` tokens, less than its own (a cluster's
+        ``--context``): its rotary tables and caches sized for ``n``, a step past it refused.
+        YaRN's frequencies stay those of the context they were computed from (its original one,
+        else the file's). ``n`` of 0, or not less than the model's own: the model as it is."""
+        if not 0 < n < self.context_length:
+            return self
+        original = self.rope_original_context or (self.context_length if self.rope_scaling == "yarn" else 0)
+        return replace(self, context_length=n, rope_original_context=original)
 
     def to_wire(self) -> dict:
         """Plain values (msgpack and JSON carry them; :meth:`from_wire` makes the config again)."""

@@ -218,10 +218,20 @@ class UIConfig(_Section):
     theme: str = "exo-dark"
 
 
+DEFAULT_CONTEXT = 8192
+"""The context a cluster serves a model at unless told (``models.context_length``): as Ollama's and
+llama.cpp's servers do, less than the 128K a recent model's file allows, whose caches no home
+cluster holds beside its weights."""
+
+
 class ModelsConfig(_Section):
     # Folders (searched for *.gguf, subfolders too) or files that the model catalog lists beside
     # Ollama's, LM Studio's and the Hugging Face cache's models (see exo_tui/models/catalog.py).
     paths: list[str] = Field(default_factory=list)
+    # The longest a request may grow (its prompt and answer), in tokens: the plan keeps room for
+    # every layer's KV caches at it. At most the model's own (a Llama 3.1 file says 131072, whose
+    # caches would be 16 GB at the 8B's shape); 0: the model's own. `--context` overrides it.
+    context_length: Annotated[int, _range(0)] = DEFAULT_CONTEXT
 
 
 def _default_cluster_name() -> str:

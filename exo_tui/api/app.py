@@ -34,7 +34,13 @@ from exo_tui import __version__
 from exo_tui.api import schemas as s
 from exo_tui.api.cluster_routes import cluster_router
 from exo_tui.api.errors import RETRY_AFTER_S, ApiError, add_error_handlers, documented_errors
-from exo_tui.api.generation import MAX_STOPS, OPENAI_SAMPLING, Generation, until_done_or_disconnect
+from exo_tui.api.generation import (
+    MAX_STOPS,
+    OPENAI_SAMPLING,
+    Generation,
+    context_note,
+    until_done_or_disconnect,
+)
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard
 from exo_tui.api.logprobs import chat_logprobs, completion_logprobs, prompt_listed
 from exo_tui.api.metrics import add_metrics_route
@@ -144,16 +150,18 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 
     def new_request(prompt_ids: list[int], body: s._Sampling, max_tokens: int | None,
                     top_logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenRequest:
-        context = coordinator.model.config.context_length
+        context = coordinator.context_length
         if len(prompt_ids) >= context:
             raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
-                                f"{len(prompt_ids)}: shorten it", param="messages", code="context_length_exceeded")
+                                f"{len(prompt_ids)}: shorten it{context_note(coordinator)}", param="messages",
+                           code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = context - len(prompt_ids)
         elif len(prompt_ids) + max_tokens > context:
             raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
                                 f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more: ask for at most "
-                                f"{context - len(prompt_ids)}", param="max_tokens", code="context_length_exceeded")
+                                f"{context - len(prompt_ids)}{context_note(coordinator)}", param="max_tokens",
+                           code="context_length_exceeded")
         return GenRequest(prompt_ids, sampling(body), max_tokens, stops(body.stop), top_logprobs=top_logprobs,
                           prompt_logprobs=prompt_logprobs)
 

@@ -34,6 +34,16 @@ MAX_STOPS = 4  # stop strings a request may give (OpenAI's limit)
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # what a request leaves out, after the model's own
 
 
+def context_note(coordinator: Any) -> str:
+    """What a context-length error adds where the cluster serves the model at less than its own
+    context (``models.context_length``, ``--context``): that a longer one can be had."""
+    own, served = coordinator.model.config.context_length, coordinator.context_length
+    if served >= own:
+        return ""
+    return (f" (the cluster serves this model at {served} of its {own}: start it with --context {own}, "
+            "or set models.context_length, for more)")
+
+
 class Generation:
     def __init__(self, coordinator: ServingCluster, request: Request) -> None:
         self.coordinator = coordinator

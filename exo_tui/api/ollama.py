@@ -34,7 +34,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from exo_tui.api.errors import RETRY_AFTER_S
-from exo_tui.api.generation import MAX_STOPS, OPENAI_SAMPLING, Generation, until_done_or_disconnect
+from exo_tui.api.generation import (
+    MAX_STOPS,
+    OPENAI_SAMPLING,
+    Generation,
+    context_note,
+    until_done_or_disconnect,
+)
 from exo_tui.api.model_names import model_ids
 from exo_tui.cluster.admission import wait_for_plan
 from exo_tui.inference.generate import GenerationError
@@ -287,10 +293,10 @@ def ollama_router(coordinator: Any) -> APIRouter:
 
     def new_request(prompt_ids: list[int], options: Any) -> GenRequest:
         params, num_predict, stops = sampling_options(options, dict(coordinator.model.sampling))
-        context = coordinator.model.config.context_length
+        context = coordinator.context_length
         if len(prompt_ids) >= context:
             raise OllamaError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds {context}: "
-                                   "shorten it")
+                                   f"shorten it{context_note(coordinator)}")
         room = context - len(prompt_ids)
         return GenRequest(prompt_ids, params, min(num_predict or room, room), stops)
 
@@ -392,7 +398,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
         assert served is not None
         tag = tag_of(served)
         return {"models": [{**tag, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
-                            "context_length": coordinator.model.config.context_length}]}
+                            "context_length": coordinator.context_length}]}
 
     @router.post("/show", responses=_documented(400, 404))
     async def show(http: Request) -> dict[str, Any]:

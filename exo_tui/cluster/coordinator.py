@@ -59,7 +59,7 @@ from exo_tui.config import Config, load_config
 from exo_tui.inference.generate import GenerationError, generate
 from exo_tui.inference.request import Request
 from exo_tui.models.model import Model
-from exo_tui.models.spec import spec_from_gguf
+from exo_tui.models.spec import served_context, spec_from_gguf
 from exo_tui.net.address import split_host_port
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.security import Security, ensure_cluster, write_node_bundle
@@ -108,7 +108,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.drained: set[str] = set()
         self.retry_limit = self.config.scheduler.fault_tolerance.task_retry_limit
         self.pipeline = RemotePipeline(self)
-        self.pipeline.window = lambda: self.model.config.ring_window if self.model is not None else 0
+        self.pipeline.window = lambda: self.model.config.at_context(self.context_length).ring_window if self.model is not None else 0
         adm = self.config.admission
         self.admission = Admission(lambda: ring_kv_capacity(self.ring, self.nodes), queue_bound=adm.queue_bound,
                                    kv_share=adm.kv_share, kept=self.pipeline.kept_positions,
@@ -141,7 +141,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
         self.join = join and self.config.network.join.enabled
         self.joining: JoinEndpoint | None = None
-        self._specs = model_choices.SpecCache()  # of the catalog's models, for the picker
+        self._specs = model_choices.SpecCache(self.config.models.context_length)  # of the catalog's models, for the picker
         self._model_key = ""  # the tag nodes keep the served model's shards under (model_switch.model_key)
 
     # ================================================================== lifecycle
@@ -151,7 +151,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.security = cluster.security(enable_tls=self.config.network.security.enable_tls)
         self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: self.model.tokenizer)
-        self.spec = spec_from_gguf(self.model.gguf)
+        self.spec = spec_from_gguf(self.model.gguf, context_limit=self.config.models.context_length)
         self._model_key = await asyncio.to_thread(model_switch.model_key, self.model.path)
         self._restore_state()
         await self._start_local_nodes(cluster)
@@ -272,6 +272,14 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
 
     # ================================================================== generation
 
+    @property
+    def context_length(self) -> int:
+        """The context the served model runs at, in tokens (a request's prompt and answer): its
+        file's, or ``models.context_length`` where that is shorter; 0 before a model is loaded."""
+        if self.model is None:
+            return 0
+        return served_context(self.model.config.context_length, self.config.models.context_length)
+
     def serve_error(self) -> str:
         """Why a request cannot be served now and what to do; empty when it can."""
         if self._serve_error:
@@ -288,7 +296,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         await wait_for_plan(self, self.config.admission.plan_wait_s)
         await self.admission.known(CAPACITY_WAIT_S)
         assert self.model is not None
-        ticket = self.admission.ticket(request, self.model.config.context_length)
+        ticket = self.admission.ticket(request, self.context_length)
         self.metrics.started(request)
         arrived = time.monotonic()
         try:
@@ -300,7 +308,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self._active[request.id] = request
         self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
         chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,
-                          context_length=self.model.config.context_length)
+                          context_length=self.context_length)
         try:
             # aclosing: the caches are released before the request's room goes to the next one
             async with contextlib.aclosing(chunks):

@@ -27,10 +27,12 @@ SWITCH_NOTE = ("every layer of the new model is loaded fresh (from the file wher
 
 
 class SpecCache:
-    """Scheduler specs of model files, by path, size and mtime (opening a GGUF takes a while)."""
+    """Scheduler specs of model files, by path, size and mtime (opening a GGUF takes a while), each
+    at the context the cluster would serve it at (``context_limit``: ``models.context_length``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, context_limit: int = 0) -> None:
         self._specs: dict[str, tuple[tuple[int, int], Any]] = {}
+        self.context_limit = context_limit
 
     def get(self, path: Path) -> Any:
         st = os.stat(path)
@@ -38,7 +40,7 @@ class SpecCache:
         hit = self._specs.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        spec = spec_from_gguf(path)
+        spec = spec_from_gguf(path, context_limit=self.context_limit)
         self._specs[key] = (stamp, spec)
         return spec
 

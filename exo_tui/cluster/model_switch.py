@@ -45,7 +45,7 @@ def model_key(path: str | os.PathLike[str]) -> str:
 
 async def switch(c: Any, model: Any, name: str) -> None:
     """Make ``model`` (opened as ``name``) the one coordinator ``c`` serves."""
-    spec = await asyncio.to_thread(spec_from_gguf, model.gguf)
+    spec = await asyncio.to_thread(lambda: spec_from_gguf(model.gguf, context_limit=c.config.models.context_length))
     key = await asyncio.to_thread(model_key, model.path)
     if c.model is not None and key == c._model_key:  # the same file: only its name changes
         c.model, c.model_name = model, name

@@ -150,6 +150,7 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:
         predicted_ttft_s=pred.ttft_s if pred else 0.0,
         predicted_ttft_prompt_tokens=pred.prompt_tokens if pred else 0,
         reasons=plan.reasons,
+        context_length=spec.context_length if spec is not None else 0,
     )
 
 

@@ -28,6 +28,7 @@ from exo_tui.cluster.view import (
 from exo_tui.cluster.weights import load_from_path, stream_shard
 from exo_tui.config import GB
 from exo_tui.inference.generate import GenerationError
+from exo_tui.models.spec import served_context
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
@@ -189,8 +190,9 @@ class PlanSwitching:
         free = sum(
             max(0, h.memory_available_bytes) for h in self.nodes.values() if h.state != "failed" and h.node_id not in self.drained
         )
-        need = self.spec.total_bytes if self.spec is not None else 0
-        self._serve_error = f"the cluster cannot serve the model: {why} (free {free / 1e9:.2f} GB on live nodes, the model needs {need / 1e9:.2f} GB)"
+        weights = self.spec.weight_bytes if self.spec is not None else 0  # the caches: as the reason counts them
+        self._serve_error = (f"the cluster cannot serve the model: {why} (free {free / 1e9:.2f} GB on live nodes; "
+                             f"its weights alone take {weights / 1e9:.2f} GB)")
         self._plan_ready.set()  # waiting steps wake up and fail with the error
         self._notice("error", self._serve_error)
 
@@ -342,15 +344,17 @@ class PlanSwitching:
         h.state = "loading"
         self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state="loading", reason=f"layers {entry.start}-{entry.end - 1}"))
         try:
+            context = served_context(model.config.context_length, self.config.models.context_length)
             if self._use_path(h):
-                body = await load_from_path(conn, str(model.path), entry.start, entry.end, entry.backend, key)
+                body = await load_from_path(conn, str(model.path), entry.start, entry.end, entry.backend, key, context)
                 self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end,
                                                      done_bytes=int(body.get("nbytes", 0)), total_bytes=int(body.get("nbytes", 0))))
             else:
                 def progress(done: int, total: int) -> None:
                     self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end, done_bytes=done, total_bytes=total))
 
-                body = await stream_shard(conn, model.gguf, entry.start, entry.end, entry.backend, progress=progress, tag=key)
+                body = await stream_shard(conn, model.gguf, entry.start, entry.end, entry.backend, progress=progress, tag=key,
+                                          context=context)
         finally:
             if h.state == "loading":
                 h.state = prior if prior != "loading" else "ready"

@@ -82,6 +82,7 @@ class PlanView:
     predicted_ttft_s: float = 0.0
     predicted_ttft_prompt_tokens: int = 0  # the prompt length predicted_ttft_s is for
     reasons: tuple[str, ...] = ()
+    context_length: int = 0  # the tokens a request may reach: its shards' KV caches are counted at it
 
 
 @dataclass(frozen=True)
@@ -353,6 +354,7 @@ class ServingCluster(ClusterControl, Protocol):
     readonly: bool
     model_name: str | None  # the name or path it was asked to serve
     model: Model | None  # None until it is loaded
+    context_length: int  # the context it serves the model at: the file's, or models.context_length where shorter
     pins: Mapping[str, Any]  # node id -> pin, nodes not in the cluster included
 
     def serve_error(self) -> str:

@@ -29,10 +29,13 @@ class WeightTransferError(RuntimeError):
     pass
 
 
-async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None, model: str = "") -> dict:
-    """``model``: the tag the node keeps the shard under (a node may hold two models' shards)."""
-    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend, "model": model},
-                            timeout=LOAD_TIMEOUT_S)
+async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None, model: str = "",
+                         context: int = 0) -> dict:
+    """``model``: the tag the node keeps the shard under (a node may hold two models' shards);
+    ``context``: the context the model is served at, where less than its own
+    (:meth:`~backends.base.ModelConfig.at_context`)."""
+    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend, "model": model,
+                                     "context": context}, timeout=LOAD_TIMEOUT_S)
     return reply.body
 
 
@@ -46,11 +49,13 @@ async def stream_shard(
     progress: Progress | None = None,
     corrupt: Callable[[int, bytes], bytes] | None = None,
     tag: str = "",
+    context: int = 0,
 ) -> dict:
     """Stream layers ``[start, end)`` of ``model`` to the node on ``conn`` and load them there.
 
     ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index. ``tag``: the
-    model tag the node keeps the shard under.
+    model tag the node keeps the shard under; ``context``: the context the model is served at
+    (:meth:`~backends.base.ModelConfig.at_context`).
     """
     names = model.shard_tensor_names(start, end)
     infos = [model.tensor_info(n) for n in names]
@@ -60,7 +65,7 @@ async def stream_shard(
         "load_begin",
         {
             "transfer_id": transfer_id,
-            "config": model.config.to_wire(),
+            "config": model.config.at_context(context).to_wire(),
             "start": start,
             "end": end,
             "backend": backend,

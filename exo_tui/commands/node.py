@@ -8,16 +8,10 @@ import logging
 import socket
 import sys
 
+from exo_tui.commands._args import whole_number
 
-def threads_arg(text: str) -> int:
-    """``--threads``: a whole number of at least 1 (said at once, not by a node started later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of threads") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a step needs at least 1 thread, got {value}")
-    return value
+# --threads: said at once, not by a node started later
+threads_arg = whole_number(1, "threads", "a step needs at least 1 thread, got {value}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

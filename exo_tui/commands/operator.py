@@ -183,7 +183,8 @@ def _print_status(d: dict[str, Any], url: str) -> None:
     console.print(table)
     if plan:
         # the heading as a line of its own: a table's title wraps to the (narrow) table's width
-        console.print(f"plan v{plan['version']} · {plan.get('strategy', '')} · predicted "
+        context = f" · context {n}" if (n := plan.get("context_length")) else ""
+        console.print(f"plan v{plan['version']} · {plan.get('strategy', '')}{context} · predicted "
                       f"{plan.get('predicted_tok_per_s', 0.0):.1f} tok/s, ttft {plan.get('predicted_ttft_s', 0.0) * 1000:.0f} ms"
                       + (f" for a {n}-token prompt" if (n := plan.get("predicted_ttft_prompt_tokens")) else ""),
                       highlight=False, markup=False)

@@ -28,7 +28,8 @@ def add_parser(subparsers: Any) -> None:
                    help="fix layers START..END-1 to NODE (repeatable)")
     p.add_argument("--drain", action="append", default=[], metavar="NODE", help="give NODE nothing (repeatable)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length for time to first token")
-    p.add_argument("--context", type=int, default=None, help="context length the KV cache is sized for")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens the KV caches are sized for (default: the model's own, at most models.context_length)")
     p.add_argument("--min-layers", type=int, default=None, help="min_layers_per_shard (default: config)")
     p.add_argument("--config", default=None, metavar="FILE", help="config file (default: the user's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(args, str(exc), 2)
     try:
-        spec = resolve_spec(args.model, args.context)
+        spec = resolve_spec(args.model, args.context, context_limit=config.models.context_length)
     except (ModelFileError, ValueError) as exc:
         return _fail(args, str(exc), 2)
     constraints = Constraints(

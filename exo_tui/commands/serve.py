@@ -12,6 +12,12 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+from exo_tui.commands._args import whole_number
+
+if TYPE_CHECKING:
+    from exo_tui.config import Config
 
 READY_PREFIX = "exo-tui serve: ready at "
 
@@ -29,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-nodes", type=int, default=None, metavar="N",
                    help="node agents to start on this machine (default 1 without --peer, 0 with)")
     add_local_memory_limit(p)
+    add_context(p)
     p.add_argument("--backends", default=None, metavar="B,B",
                    help="comma list of backends for the local nodes, used in turn (e.g. onnx,mlx)")
     p.add_argument("--api-host", default=None, metavar="HOST", help="address to listen on (default network.api.host, 127.0.0.1)")
@@ -57,6 +64,20 @@ def add_local_memory_limit(p: argparse.ArgumentParser) -> None:
                         "above its runtime's own ~0.2 GB; requests beyond what it holds wait their turn")
 
 
+def add_context(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context", type=whole_number(0, "tokens", "a context is 0 or more tokens, got {value}"), default=None, metavar="TOKENS",
+                   help="the longest a request may grow, prompt and answer: the plan keeps room for the KV caches of "
+                        "that many tokens (default models.context_length, 8192; at most the model's own; 0: the "
+                        "model's own, 131072 for a Llama 3.1)")
+
+
+def with_context(config: Config, args: argparse.Namespace) -> Config:
+    """``config`` with ``--context`` in ``models.context_length`` where it was given."""
+    if args.context is not None:
+        config.models.context_length = args.context
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
     from backends.base import BackendError
     from exo_tui.api.listen import ApiServerError
@@ -80,7 +101,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from exo_tui.api.listen import bind_api_socket
     from exo_tui.config import load_config
 
-    config = load_config(args.config)
+    config = with_context(load_config(args.config), args)
     host = args.api_host or config.network.api.host
     port = args.api_port if args.api_port is not None else config.network.api.port
     # Listen before the heavy imports: a client's first request is queued by the kernel, then served.

@@ -24,9 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--local-nodes", type=int, default=0, metavar="N", help="start N extra node agents on this machine (loopback)"
     )
-    from exo_tui.commands.serve import add_local_memory_limit
+    from exo_tui.commands.serve import add_context, add_local_memory_limit
 
     add_local_memory_limit(p)
+    add_context(p)
     p.add_argument("--readonly", action="store_true", help="watch only: no drain, rebalance, pin, bootstrap or model change")
     p.add_argument("--model", default=None, metavar="M", help="a name `exo-tui models` lists (smollm2-135m, llama3.2:1b...) or a path to a .gguf (default smollm2-135m)")
     p.add_argument("--attach", default=None, metavar="URL", help="attach to a running `exo-tui serve` instead of embedding one")
@@ -49,6 +50,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"exo-tui: {exc}", file=sys.stderr)
         return 2
+    if args.attach and args.context is not None:
+        print("exo-tui: --context is the context of the console's own coordinator; the one at --attach serves "
+              "at its own (its `exo-tui serve --context`)", file=sys.stderr)
+        return 2
+    from exo_tui.commands.serve import with_context
+
+    config = with_context(config, args)
 
     if args.attach:
         from exo_tui.api.client import ClusterClient

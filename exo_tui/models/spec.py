@@ -3,6 +3,7 @@ name (``smollm2-135m``) or a synthetic size (``synthetic:70b``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,8 +11,11 @@ from exo_tui.models.gguf_file import GGUFModel, ModelFileError
 from exo_tui.scheduler.spec import SYNTHETIC_SHAPES, ModelSpec, synthetic_spec
 
 
-def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: int | None = None) -> ModelSpec:
-    """Layer sizes, embedding/head sizes and KV bytes as the file holds them."""
+def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: int | None = None, *,
+                   context_limit: int = 0) -> ModelSpec:
+    """Layer sizes, embedding/head sizes and KV bytes as the file holds them, the caches counted at
+    ``context_length`` tokens, or at the model's own context served under ``context_limit``
+    (:func:`served_context`)."""
     m = model if isinstance(model, GGUFModel) else GGUFModel(model)
     cfg = m.config
     layer_bytes = tuple(m.layer_nbytes(i) for i in range(cfg.n_layers))
@@ -29,25 +33,34 @@ def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: in
         head_bytes=m.head_nbytes,
         kv_bytes_per_token_per_layer=cfg.kv_bytes_per_token_per_layer,
         hidden_size=cfg.hidden_size,
-        context_length=context_length or cfg.context_length,
+        context_length=context_length or served_context(cfg.context_length, context_limit),
         tied_embeddings=m.tied_embeddings,
         kv_windows=tuple(cfg.ring_window if cfg.windowed(i) else 0 for i in range(cfg.n_layers)),
         load_peaks=tuple((b, m.load_peak_nbytes(0, cfg.n_layers, b)) for b in ("onnx", "mlx")),
     )
 
 
-def resolve_spec(name_or_path: str | os.PathLike[str] | None, context_length: int | None = None) -> ModelSpec:
-    """``synthetic:SIZE`` (no file needed), a registered model name, or a path to a ``.gguf``."""
+def resolve_spec(name_or_path: str | os.PathLike[str] | None, context_length: int | None = None, *,
+                 context_limit: int = 0) -> ModelSpec:
+    """``synthetic:SIZE`` (no file needed), a registered model name, or a path to a ``.gguf``; its
+    caches at ``context_length`` tokens, or at its own context served under ``context_limit``."""
     text = str(name_or_path) if name_or_path is not None else None
     if text is not None and text.lower().startswith("synthetic:"):
         try:
-            return synthetic_spec(text, context_length=context_length)
+            spec = synthetic_spec(text, context_length=context_length)
         except ValueError as exc:
             raise ModelFileError(str(exc)) from exc
+        return dataclasses.replace(spec, context_length=context_length or served_context(spec.context_length, context_limit))
     from exo_tui.models.registry import resolve_model
 
     path = resolve_model(text)
-    return spec_from_gguf(Path(path), context_length)
+    return spec_from_gguf(Path(path), context_length, context_limit=context_limit)
+
+
+def served_context(model_context: int, limit: int) -> int:
+    """The context a model is served at: its own (``model_context``, from its file), or ``limit``
+    where that is shorter (``models.context_length``, ``--context``; 0: no limit)."""
+    return min(model_context, limit) if limit > 0 else model_context
 
 
 SYNTHETIC_NAMES = tuple(f"synthetic:{k}" for k in SYNTHETIC_SHAPES)

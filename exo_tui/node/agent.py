@@ -300,7 +300,7 @@ class NodeAgent:
     async def _op_load(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
         hosted = await self._in_loader(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"),
-                                       str(b.get("model", "")))
+                                       str(b.get("model", "")), int(b.get("context") or 0))
         self._shards_changed()
         return self._loaded(hosted)
 

@@ -112,12 +112,15 @@ class ShardHost:
 
     # ------------------------------------------------------------------ loading
 
-    def load_from_file(self, path: str, start: int, end: int, backend: str | None, model: str = "") -> HostedShard:
+    def load_from_file(self, path: str, start: int, end: int, backend: str | None, model: str = "",
+                       context: int = 0) -> HostedShard:
+        """Layers ``[start, end)`` of the file at ``path``, served at ``context`` tokens where less
+        than the model's own (:meth:`~backends.base.ModelConfig.at_context`)."""
         gguf = self._open(path)
         self._check_room(sum(gguf.tensor_info(n).nbytes for n in gguf.shard_tensor_names(start, end)),
                          gguf.load_peak_nbytes(start, end, backend or self.default_backend), start, end)
         try:
-            return self._install(gguf.config, lambda: gguf.shard_weights(start, end), backend, model)
+            return self._install(gguf.config.at_context(context), lambda: gguf.shard_weights(start, end), backend, model)
         finally:
             gguf.release_pages()  # the shard has its own copy: the file's pages need not stay resident
 

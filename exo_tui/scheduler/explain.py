@@ -37,7 +37,7 @@ def _check_pins(ctx: _Ctx, eligible: set[str], excluded: Mapping[str, str]) -> N
         if need > have:
             raise InfeasiblePlan(
                 f"node {p.node_id} has {gb(have)} free, needs {gb(need)} for pinned layers {p.start}-{p.end - 1} "
-                f"(short by {gb(need - have)}): pin fewer layers there, free memory, or lower the context length",
+                f"(short by {gb(need - have)}): pin fewer layers there, free memory, or serve a shorter context (--context)",
                 "memory", need - have)
     pos = 0
     for a, b in [(p.start, p.end) for p in ctx.pins]:
@@ -86,7 +86,8 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
         return InfeasiblePlan(
             f"{what} needs {gb(need)} (weights plus a KV cache of {gb(kv)} for {spec.context_length} tokens) but the "
             f"eligible nodes have {gb(have)} free {_reserve_text(config)}: needs {gb(need - have)} more{largest_text}. "
-            "Add a node, free memory, or lower the context length.", "memory", need - have)
+            "Add a node, free memory, or serve a shorter context (--context, models.context_length).", "memory",
+            need - have)
     # Enough bytes in total, but not in whole layers per node (or in the minimum shard size).
     per_layer = spec.mean_layer_bytes + kv_layer
     room = sum(int(ctx.usable[n] // ctx.per_layer(n)) for n in cands)
@@ -96,7 +97,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
         return InfeasiblePlan(
             f"the eligible nodes can hold {room} whole layers of the {layers} to place ({gb(per_layer)} per layer with "
             f"its KV cache): needs room for {layers - room} more layers ({gb(short)}){largest_text}. Add a node, free "
-            "memory, or lower the context length.", "memory", short)
+            "memory, or serve a shorter context (--context).", "memory", short)
     if ctx.min_layers > 1:
         return InfeasiblePlan(
             f"no split gives every used node at least min_layers_per_shard {ctx.min_layers} layers within its memory"

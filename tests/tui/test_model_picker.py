@@ -29,6 +29,7 @@ async def cluster_on(model: str, home: Path, paths: list[str]):
     config = Config()
     config.scheduler.fault_tolerance.heartbeat_timeout = 20
     config.models.paths = paths
+    config.models.context_length = 0  # every model at its own context: the huge-context one cannot fit
     coordinator = Coordinator(model=model, local_nodes=1, home=home, config=config, persist=False)
     share_benchmarks(home)  # the node's start-up benchmark, once a session
     try:

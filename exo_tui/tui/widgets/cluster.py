@@ -165,6 +165,8 @@ class PartitionBar(Widget):
         head = Text()
         head.append(f"layers 0–{n_layers - 1}", theme_style(app, "foreground"))
         head.append(f" · plan v{plan.version} · {plan.strategy}", muted)
+        if plan.context_length:
+            head.append(f" · context {plan.context_length}", muted)
         head.append(" · predicted ", muted)
         head.append(f"{plan.predicted_tok_per_s:.1f} tok/s", theme_style(app, "success", bold=True))
         head.append_text(measured_vs_predicted(app, snap))
