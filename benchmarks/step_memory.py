@@ -72,17 +72,18 @@ def main() -> None:
     from exo_tui.models.gguf_file import GGUFModel
     from exo_tui.models.registry import resolve_model
 
-    if args.big_model_shape:
-        from tests.integration.test_big_model import write_model
+    with tempfile.TemporaryDirectory() as tmp:  # the random model's file goes once its shard is loaded
+        if args.big_model_shape:
+            from tests.integration.test_big_model import write_model
 
-        path = write_model(Path(tempfile.mkdtemp()) / "big.gguf", args.layers + 2)
-        model = GGUFModel(path)
-        start, end = 1, 1 + args.layers
-    else:
-        model = GGUFModel(args.model or resolve_model())
-        start, end = 0, model.config.n_layers
-    cfg = model.config
-    shard = ONNXBackend(threads=args.threads).load_shard(cfg, model.shard_weights(start, end))
+            model = GGUFModel(write_model(Path(tmp) / "big.gguf", args.layers + 2))
+            start, end = 1, 1 + args.layers
+        else:
+            model = GGUFModel(args.model or resolve_model())
+            start, end = 0, model.config.n_layers
+        cfg = model.config
+        shard = ONNXBackend(threads=args.threads).load_shard(cfg, model.shard_weights(start, end))
+        del model
     if args.chunk:
         shard.prefill_chunk = args.chunk
     kv_position = (end - start) * 2 * cfg.n_kv_heads * cfg.head_dim * shard.kv_dtype.itemsize
