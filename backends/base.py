@@ -278,6 +278,35 @@ def load_peak_bytes(backend: str, pieces: list[list[tuple[str, int]]]) -> int:
     return int(max(whole, default=0)) + (LOAD_CHUNK_BYTES if chunks else 0)
 
 
+# A step's temporaries. A prompt's rows run in chunks of at most PREFILL_CHUNK (a shard's
+# ``prefill_chunk``); a chunk's step holds, at its peak, about STEP_ROW_VALUES float32 values a row
+# per unit of the model's widths (hidden + the MLP's), the attention's scores and the new caches
+# included: 4.0 measured on the default model (hidden 576, MLP 1536), 5.1-6.4 on hidden 2048 with
+# an MLP of 5632, 64-512 rows (benchmarks/step_memory.py, ONNX Runtime's memory patterns off), and
+# ONNX Runtime's arena keeps it for the next step. A node under a memory limit runs smaller chunks,
+# whose temporaries fit its reserve (exo_tui/node/kv_budget.py); a decode step's are ~1 MB.
+PREFILL_CHUNK = 512
+MIN_PREFILL_CHUNK = 32
+STEP_ROW_VALUES = 6.5
+
+
+def step_row_bytes(config: ModelConfig) -> int:
+    """The temporaries one row of a prompt's chunk takes at a step's peak, on any shard of
+    ``config`` (the head's logits aside: only the last row's are computed but where a request
+    asks for every position's)."""
+    mlp = max(config.intermediate_size, config.expert_width * max(1, config.n_experts_used))
+    return int(STEP_ROW_VALUES * 4 * (config.hidden_size + mlp))
+
+
+def prefill_rows(config: ModelConfig, room_bytes: int | None) -> int:
+    """The rows of a prompt's chunk whose step's temporaries fit in ``room_bytes`` (None: no
+    bound): ``PREFILL_CHUNK`` at most, ``MIN_PREFILL_CHUNK`` at least, a multiple of it."""
+    if room_bytes is None:
+        return PREFILL_CHUNK
+    rows = room_bytes // step_row_bytes(config) // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK
+    return int(min(PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, rows)))
+
+
 Weight = np.ndarray | QuantizedWeight
 """A dense float32/float16 matrix or a quantized one."""
 
@@ -511,6 +540,9 @@ class Shard(abc.ABC):
         self.config = config
         self.start = start
         self.end = end
+        # a longer step runs in chunks of this many rows (a node under a memory limit sets it:
+        # prefill_rows); the result is the same whatever it is
+        self.prefill_chunk = PREFILL_CHUNK
 
     @property
     def is_first(self) -> bool:

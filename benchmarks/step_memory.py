@@ -6,14 +6,15 @@ checked against a prefill's chunk (``backends/onnx/shard.py`` PREFILL_CHUNK) and
 of the cache pool (its caches copied into larger arrays).
 
     .venv/bin/python benchmarks/step_memory.py [--model PATH | --big-model-shape --layers 15]
-        [--steps a:0:512,b:0:512,a:512:255,a:767:1] [--chunk 512] [--no-mem-pattern]
+        [--steps a:0:512,b:0:512,a:512:255,a:767:1] [--chunk 512] [--mem-pattern]
 
 A step is ``request:cached:rows``: a request holding ``cached`` positions (steps of up to a chunk
 run first to reach them, unmeasured) computes ``rows`` more. ``--big-model-shape``: a random model
 of tests/integration/test_big_model.py's shape (hidden 2048, Q4_K), a middle shard of
 ``--layers``; else the whole of ``--model`` (the default model's file by default).
-``--no-mem-pattern``: ONNX Runtime's memory patterns off (a second run of a shape allocates its
-pattern's block as one, beside what the first run left in the arena).
+``--mem-pattern``: ONNX Runtime's memory patterns on, as they were before the shard turned them
+off (a second run of a shape allocates its pattern's block as one, beside what the first run left
+in the arena).
 """
 
 from __future__ import annotations
@@ -52,19 +53,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=15, help="with --big-model-shape: the shard's layers")
     ap.add_argument("--steps", default="a:0:1,a:1:1,b:0:512,c:0:512,d:0:512,d:512:255,d:767:1")
     ap.add_argument("--chunk", type=int, default=0, help="the shard's prefill chunk (default: the backend's)")
-    ap.add_argument("--no-mem-pattern", action="store_true")
+    ap.add_argument("--mem-pattern", action="store_true", help="ONNX Runtime's memory patterns on (the shard has them off)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
     import onnxruntime as ort
 
-    if args.no_mem_pattern:
+    if args.mem_pattern:  # the shard turns them off: turn them back on
         base = ort.SessionOptions
 
         class Options(base):  # type: ignore[misc, valid-type]
-            def __init__(self) -> None:
-                super().__init__()
-                self.enable_mem_pattern = False
+            @property
+            def enable_mem_pattern(self) -> bool:
+                return True
+
+            @enable_mem_pattern.setter
+            def enable_mem_pattern(self, value: bool) -> None:
+                base.enable_mem_pattern.__set__(self, True)
 
         ort.SessionOptions = Options
 
@@ -97,7 +102,7 @@ def main() -> None:
     gc.collect()
     print(f"layers [{start}, {end}) of {cfg.n_layers}: hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
           f"{cfg.n_heads} heads, {cfg.n_kv_heads} KV heads, context {cfg.context_length}; {shard.kv_dtype} caches, "
-          f"prefill chunk {shard.prefill_chunk}, memory patterns {'off' if args.no_mem_pattern else 'on'}; "
+          f"prefill chunk {shard.prefill_chunk}, memory patterns {'on' if args.mem_pattern else 'off'}; "
           f"resident {_status('VmRSS') / MB:.1f} MB loaded")
     print(f"{'step':>14} {'pool':>5} {'KV written MB':>14} {'KV held MB':>11} {'peak above MB':>14} "
           f"{'kept MB':>8} {'ms':>7}")

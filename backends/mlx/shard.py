@@ -37,9 +37,6 @@ from backends.rings import RingLayout
 CACHE_STEP = 256
 """KV cache buffers grow by this many positions at a time."""
 
-PREFILL_CHUNK = 512
-"""Prompts run in chunks of at most this many tokens (bounds the attention scores' memory)."""
-
 
 @dataclass
 class RequestCache:
@@ -147,8 +144,8 @@ class MLXShard(Shard):
                 self._evaluate([request_id], out, keys, values)
                 return np.array(out, dtype=np.float32)
             outs = []
-            for a in range(0, t, PREFILL_CHUNK):  # chunks bound the (heads, T, keys) attention scores
-                b = min(t, a + PREFILL_CHUNK)
+            for a in range(0, t, self.prefill_chunk):  # chunks bound the (heads, T, keys) attention scores
+                b = min(t, a + self.prefill_chunk)
                 step = self._step_inputs(cached + a, b - a, cached + b, cache.capacity)
                 out, keys, values = self.model(
                     self._inputs(x[a:b]), step, cache.keys, cache.values, last_only=not all_logits

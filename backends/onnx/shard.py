@@ -69,7 +69,6 @@ of 1 / 4 / 8 / 16 rows takes 2.8 / 4.1 / 5.9 / 10.8 ms batched at the int16 prec
 9.7 / 17.3 in float32 and 2.9 / 3.9 / 5.8 / 9.3 in int8 (``benchmarks/onnx_kernels.py``, one run). (On MatMulNBits, whose multi-row path dequantizes the whole matrix, 2 / 3 / 4 rows took 28 /
 30 / 32 ms against 15 ms for one.)"""
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
-PREFILL_CHUNK = 512  # longer prompts run in chunks: attention scores stay (heads, 512, context)
 
 
 def _zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -79,6 +78,22 @@ def _zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     moving a request to a larger pool stalled its stream 0.2-0.6 s, where this takes ~6 ms.)"""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
     return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype, int(np.prod(shape))).reshape(shape)
+
+
+def _release_layer(array: np.ndarray, layer: int) -> None:
+    """Give the pages of ``array[layer]`` (an array of :func:`_zeroed`, copied elsewhere) back to
+    the system; they read as zeros after. (The map is shared memory: MADV_REMOVE frees its pages,
+    where MADV_DONTNEED would only unmap them from this process.)"""
+    buf = array.base
+    while buf is not None and not isinstance(buf, mmap.mmap):
+        buf = buf.obj if isinstance(buf, memoryview) else getattr(buf, "base", None)
+    if buf is None or not hasattr(mmap, "MADV_REMOVE"):
+        return
+    size = array[layer].nbytes
+    start = -(-layer * size // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the layer only
+    end = (layer + 1) * size // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        buf.madvise(mmap.MADV_REMOVE, start, end - start)
 
 
 @dataclass
@@ -177,6 +192,10 @@ class ONNXShard(Shard):
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        # Memory patterns plan a shape's allocations on its second run, as one block beside what the
+        # first run left in the arena: a 512-row chunk of a 2048-wide shard grew it by 81 MB, then
+        # 64 MB more (benchmarks/step_memory.py), at no measured gain in speed.
+        options.enable_mem_pattern = False
         for key, value in (session_config or {}).items():
             options.add_session_config_entry(key, value)
         if library is not None:
@@ -203,7 +222,6 @@ class ONNXShard(Shard):
         self._step_inputs: weakref.WeakKeyDictionary[ort.IOBinding, _StepInputs] = weakref.WeakKeyDictionary()
         self._caches: dict[str, _Entry] = {}
         self._lock = threading.RLock()
-        self.prefill_chunk = PREFILL_CHUNK
         if not weights.disposable:
             self._release_weight_copies(
                 lambda: build_shard_graph(
@@ -295,10 +313,14 @@ class ONNXShard(Shard):
         """New arrays for ``pool``, of ``slots`` slots of ``capacity`` positions; each request's
         positions in use are copied (the rest of the new pages stay untouched)."""
         keys, values, ring_keys, ring_values = self._kv_arrays(slots, capacity)
-        for entry in self._caches.values():  # every cache is in the one pool
-            s, n, m = entry.slot, entry.length, min(entry.length, self.rings.window)
-            keys[:, s, :, :n], values[:, s, :, :n] = pool.keys[:, s, :, :n], pool.values[:, s, :, :n]
-            ring_keys[:, s, :, :m], ring_values[:, s, :, :m] = pool.ring_keys[:, s, :, :m], pool.ring_values[:, s, :, :m]
+        entries = list(self._caches.values())  # every cache is in the one pool
+        for new, old, ring in ((keys, pool.keys, False), (values, pool.values, False),
+                               (ring_keys, pool.ring_keys, True), (ring_values, pool.ring_values, True)):
+            for layer in range(old.shape[0]):
+                for e in entries:
+                    n = min(e.length, self.rings.window) if ring else e.length
+                    new[layer, e.slot, :, :n] = old[layer, e.slot, :, :n]
+                _release_layer(old, layer)  # so a growth holds one layer's caches twice, not every layer's
         pool.keys, pool.values, pool.capacity = keys, values, capacity
         pool.ring_keys, pool.ring_values = ring_keys, ring_values
         pool.owners += [None] * (slots - pool.slots)

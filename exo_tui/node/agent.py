@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from backends import default_backend_name, get_backend
-from backends.base import BackendError, ModelConfig
+from backends.base import BackendError, ModelConfig, prefill_rows
 from exo_tui.inference.sampling import (
     Sampler,
     SamplingParams,
@@ -73,7 +73,7 @@ from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
-from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, STEP_SHARE, BudgetExceeded, KVBudget, shard_cost
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")
@@ -644,6 +644,10 @@ class NodeAgent:
                                            c.ring_window)
         self.kv.set_shards(per_position)
         self.kv.observe(_rss(), psutil.virtual_memory().available, settled=True)
+        # under a limit, a prompt's chunks small enough for their temporaries to fit the reserve
+        room = int(STEP_SHARE * self.kv.reserve_bytes) if self.kv.limit_bytes else None
+        for _, hosted in hosted_all:
+            hosted.shard.prefill_chunk = prefill_rows(hosted.shard.config, room)
 
     def _load_room(self) -> int | None:
         """The bytes a shard's load may take here: what the process may hold (its runtime's

@@ -11,7 +11,9 @@ reserve:
 - what the process holds besides caches (the runtime, the shards' weights) is measured as its
   resident memory whenever no cache is held, and after every load and unload;
 - the reserve covers a step's temporaries and a backend's cache pool growing (it copies the
-  caches into larger arrays): ``RESERVE_FRACTION`` of what is left, at least ``RESERVE_MIN_BYTES``.
+  caches into larger arrays, a layer at a time): ``RESERVE_FRACTION`` of what is left, at least
+  ``RESERVE_MIN_BYTES``. Under a limit, a prompt runs in chunks whose temporaries fit
+  ``STEP_SHARE`` of it.
 
 Caches are counted in positions per request and shard, as steps run (a shard's :class:`ShardCost`:
 its layers' K and V for one token in the backend's cache dtype, a windowed layer's for at most its
@@ -29,6 +31,13 @@ from typing import Any
 
 RESERVE_MIN_BYTES = 48 << 20
 RESERVE_FRACTION = 0.2
+STEP_SHARE = 0.5
+"""Of the reserve, what a step's temporaries in the backend may take: a node under a limit runs a
+prompt in chunks that small (:func:`backends.base.prefill_rows`). The rest is for what a step
+moves whole: the prompt's hidden states received and sent, a few copies of ``rows x hidden``
+floats (6 MB each for 700 tokens at hidden 2048), and a cache pool's growth (it copies one
+layer's caches at a time). Measured on tests/integration/test_big_model.py's shape at 0.75: a
+700-token prompt took one of three nodes to 3 MB below its limit."""
 
 ShardKey = tuple[int, int]
 

@@ -200,12 +200,12 @@ def test_split_matmul_parts_share_the_weight(tiny_models):
 # ---------------------------------------------------------------------------- splits
 
 
-def test_long_prompts_run_in_chunks(tiny_models, monkeypatch):
-    monkeypatch.setattr(mlx_shard, "PREFILL_CHUNK", 4)
+def test_long_prompts_run_in_chunks(tiny_models):
     path = tiny_models["Q4_1"]
     cfg, weights, shard = load(path)
     _, _, head = load(path, 0, 2)
     _, _, tail = load(path, 2)
+    shard.prefill_chunk = head.prefill_chunk = tail.prefill_chunk = 4
     ref = ReferenceShard(cfg, weights)
     pos = np.arange(len(PROMPT))  # 9 tokens: chunks of 4, 4, 1
     want = ref.forward("r", PROMPT, pos, all_logits=True)
