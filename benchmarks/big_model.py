@@ -24,7 +24,7 @@ Then reports, side by side with llama.cpp on the same file and threads:
   The machine's cores are shared out between the nodes (``--threads`` in all).
 
     python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--tokens 32] [--local-nodes 3]
-                                   [--memory-limit GB] [--no-one-node] [--reps 3]
+                                   [--memory-limit GB] [--context TOKENS] [--no-one-node] [--reps 3]
 
 ``--reps 3`` measures each engine three times, alternated, and reports the medians and each
 round's ratios (on a shared machine only ratios of one round mean much).
@@ -316,11 +316,11 @@ def copy_gbps() -> float:
 GROWTH_GB = 0.1  # a node's reserve for a step and its runtime's growth once it holds shards, roughly (node/kv_budget.py)
 
 
-def plan_need_bytes(model) -> int:  # noqa: ANN001
+def plan_need_bytes(model, context: int) -> int:  # noqa: ANN001
     """What a plan counts the whole model needs: its bytes and every layer's float16 KV caches at
-    its context (the scheduler's count, on the ONNX backend's integer precisions)."""
+    the context it is served at (the scheduler's count, on the ONNX backend's integer precisions)."""
     c = model.config
-    return model.nbytes + c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2 * c.context_length
+    return model.nbytes + c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2 * context
 
 
 def default_limit_gb(model_bytes: int, need_bytes: int, nodes: int) -> tuple[float, bool]:
@@ -331,7 +331,8 @@ def default_limit_gb(model_bytes: int, need_bytes: int, nodes: int) -> tuple[flo
     return round(min(wanted, cap), 2), wanted <= cap
 
 
-async def _ring(path: Path, nodes: int, limit_gb: float, threads: int, tokens: int, at: int, home: Path) -> dict:
+async def _ring(path: Path, nodes: int, limit_gb: float, threads: int, tokens: int, at: int, home: Path,
+                context: int) -> dict:
     import statistics
 
     import psutil
@@ -344,6 +345,7 @@ async def _ring(path: Path, nodes: int, limit_gb: float, threads: int, tokens: i
 
     config = Config()
     config.scheduler.fault_tolerance.heartbeat_timeout = 30.0  # nodes loading on shared cores answer late
+    config.models.context_length = context
     os.environ["EXO_TUI_THREADS"] = str(max(1, threads // nodes))
     t0 = time.perf_counter()
     c = Coordinator(model=str(path), local_nodes=nodes, local_backends=["onnx"], local_memory_limits_gb=[limit_gb] * nodes,
@@ -400,14 +402,17 @@ async def _ring(path: Path, nodes: int, limit_gb: float, threads: int, tokens: i
         await c.stop()
 
 
-def local_nodes(path: Path, nodes: int, limit_gb: float | None, threads: int, tokens: int) -> None:
+def local_nodes(path: Path, nodes: int, limit_gb: float | None, threads: int, tokens: int, context: int) -> None:
     import tempfile
 
+    from exo_tui.config import DEFAULT_CONTEXT
     from exo_tui.models.gguf_file import GGUFModel
+    from exo_tui.models.spec import served_context
     from exo_tui.net import loop as event_loop
 
     model = GGUFModel(path)
-    size, need = model.nbytes, plan_need_bytes(model)
+    context = served_context(model.config.context_length, context or DEFAULT_CONTEXT)
+    size, need = model.nbytes, plan_need_bytes(model, context)
     note = ""
     if not limit_gb:
         limit_gb, drainable = default_limit_gb(size, need, nodes)
@@ -416,8 +421,9 @@ def local_nodes(path: Path, nodes: int, limit_gb: float | None, threads: int, to
                     f"caches at its context: the drain is refused; more nodes or --memory-limit let it move)")
     at = max(4, tokens // 3)
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        r = event_loop.run(_ring(path, nodes, limit_gb, threads, tokens, at, Path(d)))
-    print(f"\n{nodes} local nodes, --memory-limit {limit_gb:g} GB each (the model: {size / 1e9:.2f} GB){note}, "
+        r = event_loop.run(_ring(path, nodes, limit_gb, threads, tokens, at, Path(d), context))
+    print(f"\n{nodes} local nodes, --memory-limit {limit_gb:g} GB each (the model: {size / 1e9:.2f} GB, "
+          f"{size / (limit_gb * 1e9):.1f}x a limit, served at {context} tokens){note}, "
           f"{max(1, threads // nodes)} thread(s) a node, ready in {r['ready_s']:.0f} s\n")
     print("| plan | node | layers | layer bytes GB | resident GB | runtime GB | above it, of the limit | KV budget MB |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
@@ -451,6 +457,9 @@ def main() -> None:
                     help="each local node's --memory-limit (default: below the model, enough for N - 1 nodes)")
     ap.add_argument("--ring-tokens", type=int, default=120,
                     help="tokens of the answer across the local nodes (the drain comes at a third of them)")
+    ap.add_argument("--context", type=int, default=0, metavar="TOKENS",
+                    help="the context the local nodes' cluster serves the model at (default: models.context_length, "
+                         "8192, the file's own): the plan keeps room for every layer's caches at it")
     ap.add_argument("--no-one-node", action="store_true", help="skip the one-node comparison with llama.cpp")
     ap.add_argument("--reps", type=int, default=1,
                     help="one node: rounds of every engine, alternated (medians, and each round's ratios)")
@@ -475,7 +484,7 @@ def main() -> None:
     if not args.no_one_node:
         one_node_table(args, model, token_bytes)
     if args.local_nodes:
-        local_nodes(path, args.local_nodes, args.memory_limit, args.threads, args.ring_tokens)
+        local_nodes(path, args.local_nodes, args.memory_limit, args.threads, args.ring_tokens, args.context)
 
 
 def one_node_table(args: argparse.Namespace, model, token_bytes: int) -> None:  # noqa: ANN001
