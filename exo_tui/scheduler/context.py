@@ -106,4 +106,5 @@ def _make_ctx(
         head_t[nid] = t[nid] * head_layers
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
     return _Ctx(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
-                m, constraints.prompt_tokens, spec.activation_bytes_per_token)
+                m, min(constraints.prompt_tokens, max(1, spec.context_length - 1)),  # a prompt the context holds
+                spec.activation_bytes_per_token)

@@ -84,3 +84,13 @@ def test_a_node_holds_a_shard_for_the_served_context_and_refuses_a_step_past_it(
             hosted.shard.forward("r", ids[:30], np.arange(40, 70))
     finally:
         host.unload_all()
+
+
+def test_the_time_to_first_token_is_predicted_for_a_prompt_the_context_holds() -> None:
+    from exo_tui.scheduler import DeviceProfile, make_plan
+
+    node = DeviceProfile("a", ram_total_bytes=64 << 30, ram_available_bytes=32 << 30, memory_bandwidth_bytes_per_s=1e11)
+    spec = resolve_spec("synthetic:1b", context_limit=300)
+    assert make_plan([node], spec, "latency", now=0.0).predictions.prompt_tokens == 299  # not the 512 asked
+    long = resolve_spec("synthetic:1b")
+    assert make_plan([node], long, "latency", now=0.0).predictions.prompt_tokens == 512
