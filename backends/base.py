@@ -298,6 +298,15 @@ def step_row_bytes(config: ModelConfig) -> int:
     return int(STEP_ROW_VALUES * 4 * (config.hidden_size + mlp))
 
 
+def logit_rows(config: ModelConfig, room_bytes: int | None, most: int) -> int:
+    """The rows of every-position logits (a prompt scored) a step may hold at once in
+    ``room_bytes`` (None: no bound): ``most`` at most, 1 at least. A row is the vocabulary in
+    float32, held twice where the shard runs the rows in chunks and joins them."""
+    if room_bytes is None:
+        return most
+    return int(min(most, max(1, room_bytes // (2 * 4 * config.vocab_size))))
+
+
 def prefill_rows(config: ModelConfig, room_bytes: int | None) -> int:
     """The rows of a prompt's chunk whose step's temporaries fit in ``room_bytes`` (None: no
     bound): ``PREFILL_CHUNK`` at most, ``MIN_PREFILL_CHUNK`` at least, a multiple of it."""

@@ -17,17 +17,18 @@ SCORE_ROWS = 256  # rows of logits held at once (256 x 49,152 floats: 50 MB)
 
 
 def forward_scored(shard: Shard, request_id: str, x: np.ndarray, positions: np.ndarray,
-                   targets: list[int], top: int) -> tuple[np.ndarray, list[TokenLogprobs]]:
+                   targets: list[int], top: int, rows: int = SCORE_ROWS) -> tuple[np.ndarray, list[TokenLogprobs]]:
     """``shard.forward`` (the last shard) for rows whose first ``len(targets)`` score ``targets``
-    (row ``i`` scores ``targets[i]``): the last row's logits ``(1, vocab)`` and the scores."""
+    (row ``i`` scores ``targets[i]``), ``rows`` at a time: the last row's logits ``(1, vocab)``
+    and the scores."""
     if len(targets) >= len(positions):
         raise ValueError(f"{len(targets)} tokens to score, but the step runs {len(positions)}: a prompt is "
                          "scored by the step that runs it from its start")
     check_scored_top(top)  # before any row runs
     scores: list[TokenLogprobs] = []
     last = np.empty(0)
-    for a in range(0, len(positions), SCORE_ROWS):
-        b = min(a + SCORE_ROWS, len(positions))
+    for a in range(0, len(positions), rows):
+        b = min(a + rows, len(positions))
         logits = shard.forward(request_id, x[a:b], positions[a:b], all_logits=True)
         scores += score_tokens(logits, targets[a:b], top)
         last = logits[-1:]

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from backends import default_backend_name, get_backend
-from backends.base import BackendError, ModelConfig, prefill_rows
+from backends.base import BackendError, ModelConfig, logit_rows, prefill_rows
 from exo_tui.inference.sampling import (
     Sampler,
     SamplingParams,
@@ -60,7 +60,7 @@ from exo_tui.inference.sampling import (
     scores_to_array,
     token_logprobs,
 )
-from exo_tui.inference.scoring import forward_scored
+from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.client import connect
 from exo_tui.net.connection import Connection
@@ -614,7 +614,8 @@ class NodeAgent:
             for j in scored:  # each in pieces; its failure (a bad ask included) fails it alone
                 try:
                     ask = _score_ask(batch[idxs[j]].frame.body["score"])
-                    outs[j], scores[idxs[j]] = forward_scored(shard, *items[j], ask["targets"], ask["top"])
+                    outs[j], scores[idxs[j]] = forward_scored(shard, *items[j], ask["targets"], ask["top"],
+                                                              self._score_rows(shard))
                 except Exception as exc:  # noqa: BLE001
                     _failed(shard, items, outs, [j], exc)
             for i, out, (rid, _x, positions) in zip(idxs, outs, items, strict=True):
@@ -645,9 +646,17 @@ class NodeAgent:
         self.kv.set_shards(per_position)
         self.kv.observe(_rss(), psutil.virtual_memory().available, settled=True)
         # under a limit, a prompt's chunks small enough for their temporaries to fit the reserve
-        room = int(STEP_SHARE * self.kv.reserve_bytes) if self.kv.limit_bytes else None
+        room = self._step_room()
         for _, hosted in hosted_all:
             hosted.shard.prefill_chunk = prefill_rows(hosted.shard.config, room)
+
+    def _step_room(self) -> int | None:
+        """What a step's temporaries may take under a limit (None: no limit): the reserve's share."""
+        return int(STEP_SHARE * self.kv.reserve_bytes) if self.kv.limit_bytes else None
+
+    def _score_rows(self, shard: Any) -> int:
+        """Rows of a scored prompt's logits held at once: under a limit, what the step's room holds."""
+        return logit_rows(shard.config, self._step_room(), SCORE_ROWS)
 
     def _load_room(self) -> int | None:
         """The bytes a shard's load may take here: what the process may hold (its runtime's

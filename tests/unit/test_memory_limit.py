@@ -120,3 +120,18 @@ def test_a_node_under_a_limit_runs_a_prompt_in_chunks_its_reserve_holds() -> Non
     experts = ModelConfig(n_layers=2, hidden_size=2048, intermediate_size=768, n_heads=16, n_kv_heads=2, head_dim=128,
                           vocab_size=32000, n_experts=8, n_experts_used=4)
     assert step_row_bytes(experts) > step_row_bytes(dataclasses.replace(experts, n_experts=0, n_experts_used=0))
+
+
+def test_a_scored_prompt_holds_as_many_rows_of_logits_as_the_reserve_takes() -> None:
+    """A prompt scored under a limit (every position's logits, a vocabulary of floats a row) runs
+    in pieces the reserve's step share holds, however large the vocabulary."""
+    from backends.base import ModelConfig, logit_rows
+    from exo_tui.inference.scoring import SCORE_ROWS
+    from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, STEP_SHARE
+
+    llama3 = ModelConfig(n_layers=16, hidden_size=2048, intermediate_size=8192, n_heads=32, n_kv_heads=8, head_dim=64,
+                         vocab_size=128256)
+    room = int(STEP_SHARE * RESERVE_MIN_BYTES)
+    rows = logit_rows(llama3, room, SCORE_ROWS)
+    assert 1 <= rows < SCORE_ROWS and 2 * 4 * llama3.vocab_size * rows <= room  # 24 of 256
+    assert logit_rows(llama3, None, SCORE_ROWS) == SCORE_ROWS and logit_rows(llama3, 1, SCORE_ROWS) == 1
