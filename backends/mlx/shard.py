@@ -144,8 +144,9 @@ class MLXShard(Shard):
                 self._evaluate([request_id], out, keys, values)
                 return np.array(out, dtype=np.float32)
             outs = []
-            for a in range(0, t, self.prefill_chunk):  # chunks bound the (heads, T, keys) attention scores
-                b = min(t, a + self.prefill_chunk)
+            rows = self.prefill_chunk  # read once: a node may set it as a step runs
+            for a in range(0, t, rows):  # chunks bound the (heads, T, keys) attention scores
+                b = min(t, a + rows)
                 step = self._step_inputs(cached + a, b - a, cached + b, cache.capacity)
                 out, keys, values = self.model(
                     self._inputs(x[a:b]), step, cache.keys, cache.values, last_only=not all_logits

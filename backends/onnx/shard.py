@@ -407,13 +407,13 @@ class ONNXShard(Shard):
             self._check_open()
             cached = self._validate(request_id, x, positions)
             hidden = self._hidden(x)
-            t = positions.shape[0]
-            if t <= self.prefill_chunk:
+            t, rows = positions.shape[0], self.prefill_chunk  # read once: a node may set it as a step runs
+            if t <= rows:
                 return self._run(request_id, hidden, cached, all_logits)
             outs = []
             try:
-                for a in range(0, t, self.prefill_chunk):
-                    chunk = hidden[a : a + self.prefill_chunk]
+                for a in range(0, t, rows):
+                    chunk = hidden[a : a + rows]
                     out = self._run(request_id, chunk, cached + a, all_logits)
                     if all_logits or not self.is_last or a + len(chunk) == t:
                         outs.append(out)
