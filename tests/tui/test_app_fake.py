@@ -118,7 +118,7 @@ async def test_the_partition_view_shows_each_shards_bytes(make_app, fake):
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: "MB" in partition_text(app))
         legend = partition_text(app)
-        assert "mac-studio 0–9 (10) 250.0 MB (275.0 MB with KV of 500.0 MB)" in legend, legend
+        assert "mac-studio 0–9 (10) 250.0 MB (275.0 MB with KV, of 500.0 MB)" in legend, legend
 
 
 async def test_unpin_command_takes_off_a_pin_by_id(make_app, fake):

@@ -201,7 +201,7 @@ class PartitionBar(Widget):
             if shard.weight_bytes:  # the shard's bytes, and what the plan counts with its caches of what the node has
                 item.append(f" {fmt_bytes(shard.weight_bytes)}", theme_style(app, "foreground"))
                 if shard.usable_bytes:
-                    item.append(f" ({fmt_bytes(shard.memory_bytes)} with KV of {fmt_bytes(shard.usable_bytes)})", muted)
+                    item.append(f" ({fmt_bytes(shard.memory_bytes)} with KV, of {fmt_bytes(shard.usable_bytes)})", muted)
             if shard.pinned:
                 item.append(" ⚑pinned", theme_style(app, "accent"))
             if node is not None and node.state in ("draining", "drained"):
