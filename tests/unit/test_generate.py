@@ -227,9 +227,24 @@ def test_listed_tokens_are_those_whose_text_begins_before_the_answer_ends(model:
     seen = 0
     for c in chunks:
         assert all(seen <= at for at, _ in c.logprobs)
-        if c is not chunks[-1]:
-            assert all(at < seen + len(c.text) for at, _ in c.logprobs)
+        if c is not chunks[-1]:  # a token of no text at the answer's very end: listed where the text ends
+            end = seen + len(c.text)
+            assert all(at < end or at == end == len(text) for at, _ in c.logprobs)
         seen += len(c.text)
+
+
+def test_a_token_of_no_text_at_the_answers_end_is_listed_with_the_text_that_ends_it(model: Model) -> None:
+    """Seed 1155363 (found by Hypothesis): the answer's last token before max_tokens decodes to
+    nothing; its text would begin at the answer's end, and the chunk that flushes the end lists it
+    (every token is listed when no stop string ended the answer), not the finishing chunk."""
+    request = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=50.0, seed=1155363), 16,
+                      top_logprobs=0)
+    chunks = _answer(model, request)
+    text = "".join(c.text for c in chunks)
+    assert len(request.generated) == 16 and _offsets(model, request.generated)[-1] == len(text)
+    listed = [x for c in chunks for x in c.logprobs]
+    assert len(listed) == 16 and listed[-1][0] == len(text)
+    assert chunks[-1].finish_reason == "length" and not chunks[-1].logprobs and listed[-1] in chunks[-2].logprobs
 
 
 def test_a_stop_string_in_the_text_an_end_of_sequence_flushes_ends_the_answer(model: Model) -> None:
