@@ -34,7 +34,7 @@ MAX_STOPS = 4  # stop strings a request may give (OpenAI's limit)
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # what a request leaves out, after the model's own
 
 
-def context_note(coordinator: Any) -> str:
+def context_note(coordinator: ServingCluster) -> str:
     """What a context-length error adds where the cluster serves the model at less than its own
     context (``models.context_length``, ``--context``): that a longer one can be had."""
     own, served = coordinator.model.config.context_length, coordinator.context_length

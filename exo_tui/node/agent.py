@@ -73,7 +73,7 @@ from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
-from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, STEP_SHARE, BudgetExceeded, KVBudget, shard_cost
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
 from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
 
 log = logging.getLogger("exo_tui.node")
@@ -646,17 +646,13 @@ class NodeAgent:
         self.kv.set_shards(per_position)
         self.kv.observe(_rss(), psutil.virtual_memory().available, settled=True)
         # under a limit, a prompt's chunks small enough for their temporaries to fit the reserve
-        room = self._step_room()
+        room = self.kv.step_room_bytes
         for _, hosted in hosted_all:
             hosted.shard.prefill_chunk = prefill_rows(hosted.shard.config, room)
 
-    def _step_room(self) -> int | None:
-        """What a step's temporaries may take under a limit (None: no limit): the reserve's share."""
-        return int(STEP_SHARE * self.kv.reserve_bytes) if self.kv.limit_bytes else None
-
     def _score_rows(self, shard: Any) -> int:
         """Rows of a scored prompt's logits held at once: under a limit, what the step's room holds."""
-        return logit_rows(shard.config, self._step_room(), SCORE_ROWS)
+        return logit_rows(shard.config, self.kv.step_room_bytes, SCORE_ROWS)
 
     def _load_room(self) -> int | None:
         """The bytes a shard's load may take here: what the process may hold (its runtime's

@@ -134,6 +134,11 @@ class KVBudget:
         return max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * room))
 
     @property
+    def step_room_bytes(self) -> int | None:
+        """What a step's temporaries in the backend may take under a limit (None: no limit)."""
+        return int(STEP_SHARE * self.reserve_bytes) if self.limit_bytes else None
+
+    @property
     def budget_bytes(self) -> int:
         """The bytes KV caches may take here in all."""
         return max(0, self.memory_bytes - self.runtime_bytes - self.reserve_bytes)
