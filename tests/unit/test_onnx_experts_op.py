@@ -110,13 +110,11 @@ def test_a_quantized_mixture_is_held_at_about_its_files_bytes(library, fixture):
 
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 WIDE = next(e for e in MANIFEST if e["name"] == "qwen3moe-wide")
-INT8_Q8_0 = "the int8 precision's dense matrices (attention, head) alone take this file past llama.cpp (0.36 max)"
 
 
 @pytest.mark.parametrize(("gguf", "precision"), [
     ("qwen3moe-wide.Q4_K_M.gguf", "int16"), ("qwen3moe-wide.Q8_0.gguf", "int16"),
-    ("qwen3moe-wide.Q4_K_M.gguf", "int8"),
-    pytest.param("qwen3moe-wide.Q8_0.gguf", "int8", marks=pytest.mark.xfail(strict=True, reason=INT8_Q8_0)),
+    ("qwen3moe-wide.Q4_K_M.gguf", "int8"), ("qwen3moe-wide.Q8_0.gguf", "int8"),
 ])
 def test_quantized_mixtures_at_the_integer_precisions_are_as_close_as_llama_cpp(library, gguf, precision):  # noqa: F811
     """test_family_logits checks float32; here the integer precisions, whose experts run on ``Experts``."""

@@ -275,8 +275,9 @@ def integer_reference(x: np.ndarray, w: QuantizedWeight, xbits: int) -> np.ndarr
     """What ``QLinear`` computes at the int16 or int8 precision (``xbits``, in float64): each block
     of 32 values of a row of ``x`` rounded to integer codes with one scale (max |x| / 32767 or
     / 127), integer products with the matrix's codes, then scaled, plus the matrix's bias times the
-    block's float sum, per group of the matrix (32, or Q6_K's 16: there the codes less 32 and no
-    bias, as llama.cpp takes them)."""
+    block's sum as rounded (its scale times its codes' sum: the dequantized matrix times the
+    dequantized row, as llama.cpp's), per group of the matrix (32, or Q6_K's 16: there the codes
+    less 32 and no bias, as llama.cpp takes them)."""
     m, k = x.shape
     top = np.float32(2 ** (xbits - 1) - 1)
     xb = x.reshape(m, k // BLOCK, BLOCK).astype(np.float32)
@@ -291,7 +292,7 @@ def integer_reference(x: np.ndarray, w: QuantizedWeight, xbits: int) -> np.ndarr
     if w.source_type == "Q6_K":
         codes, biases = codes - 32.0, np.zeros_like(biases)
     dots = np.einsum("mbk,nbk->mnb", xq, codes)
-    sums = xb.reshape(m, k // g, g).sum(-1, dtype=np.float64)
+    sums = xq.sum(-1) * d
     return (dots * d[:, None, :] * scales[None]).sum(-1) + (sums @ biases.T)
 
 

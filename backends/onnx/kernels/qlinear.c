@@ -461,9 +461,13 @@ static const tile_fn *const tiles_float[5] = {tiles_q4, tiles_q8, tiles_q4k, til
 /* The int8 precision: each block of 32 values of a row of X is rounded to int8 codes with one
    float scale d (|x| <= 127 d), as llama.cpp's Q8_0, and a block's products are integers:
 
-       y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
+       y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * d * (sum of the block's xq)
 
-   (Q6_K: per group of 16, its low nibbles' and its high nibbles' sums apart, d * s * (xq . q -
+   that is the dequantized matrix times the row as rounded, as llama.cpp's Q8_1 and Q8_K sums
+   take it. The bias times the float sum of x would add the codes' rounding error times the
+   offset in the matrix's codes (b = -128 s for Q8_0, -dmin m for the K-quants): the product of
+   the matrix's codes alone, never centred, carries it (on Q8_0 files twice llama.cpp's distance
+   to the float model). (Q6_K: per group of 16, its low nibbles' and its high nibbles' sums apart, d * s * (xq . q -
    32 * (sum of the group's xq)), the codes' offset taken out in integers, as llama.cpp does;
    Q5_K's and Q6_K's bit planes added to the bytes). The codes' lines differ: a line holds, for 16 columns, 4
    bytes each (the codes of 4 consecutive k), as VPDPBUSD multiplies and adds four byte pairs into
@@ -473,29 +477,10 @@ static const tile_fn *const tiles_float[5] = {tiles_q4, tiles_q8, tiles_q4k, til
      bits 8: 8 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c). */
 #define ROWS_INT8 4
 
-/* A block's float sum, in one fixed order (halves of 16, of 8, of 4, then pairs) whatever the
-   build: the AVX-512 and AVX2 builds give the same int8 results bit for bit. */
-#if defined(QL_INT_VNNI)
-static inline float block_sum(__m512 v0, __m512 v1)
-{
-    const __m512 v = _mm512_add_ps(v0, v1);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); /* AVX512F, not DQ */
-    const __m256 h = _mm256_add_ps(hi, _mm512_castps512_ps256(v));
-#else
-static inline float block_sum(__m256 a_lo, __m256 a_hi, __m256 b_lo, __m256 b_hi)
-{
-    const __m256 h = _mm256_add_ps(_mm256_add_ps(a_hi, b_hi), _mm256_add_ps(a_lo, b_lo));
-#endif
-    __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
-    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
-    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtss_f32(q);
-}
-
 #if defined(QL_INT_VNNI)
 /* Group h of block b: each row's integer sums (i0: columns 0-15, i1: 16-31) into its float sums
    f0, f1: times the columns' scales and the row's scale (xd[r * nb]), plus the columns' biases
-   times the row's float sum (xs[r * nb]); for Q6_K no bias (its codes are offset by 32 in the
+   times the row's block sum as rounded (xs[r * nb]: d times the sum of its codes); for Q6_K no bias (its codes are offset by 32 in the
    sums: xi, the int8 codes' sum of the group, row r's at xi[2 r nb], or none for the int16
    precision's signed codes). The int8 and int16 precisions' last step of a block. */
 static inline __attribute__((always_inline)) void add_block(const uint8_t *w, int64_t b, const int fmt, int h,
@@ -590,8 +575,8 @@ static inline __attribute__((always_inline)) void tile_rows_int8(const int8_t *x
 }
 
 
-/* Row r of X to int8 codes, a scale and a float sum per block, and the codes' sum per 16
-   (rounding to nearest, ties to even). */
+/* Row r of X to int8 codes, a scale and the block's sum as rounded (d times its codes' sum) per
+   block, and the codes' sum per 16 (rounding to nearest, ties to even). */
 static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float *xs, int32_t *xi)
 {
     for (int64_t b = 0; b < k / BLOCK; b++) {
@@ -605,7 +590,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float
         xi[2 * b] = _mm512_reduce_add_epi32(c0); /* |codes| <= 127: nothing saturated */
         xi[2 * b + 1] = _mm512_reduce_add_epi32(c1);
         xd[b] = d;
-        xs[b] = block_sum(v0, v1);
+        xs[b] = d * (float)(xi[2 * b] + xi[2 * b + 1]);
     }
 }
 #else /* QL_INT_AVX2 */
@@ -756,7 +741,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float
         xi[2 * b] = sum8(_mm256_add_epi32(c[0], c[1]));
         xi[2 * b + 1] = sum8(_mm256_add_epi32(c[2], c[3]));
         xd[b] = d;
-        xs[b] = block_sum(v[0], v[1], v[2], v[3]);
+        xs[b] = d * (float)(xi[2 * b] + xi[2 * b + 1]);
     }
 }
 #endif
@@ -785,7 +770,7 @@ static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, 
 /* The int16 precision: each block of 32 values of a row of X is rounded to int16 codes with one
    float scale d (|x| <= 32767 d), and a block's products are integers, as for int8:
 
-       y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * (sum of the block's x)
+       y[m, n] = sum over blocks of  d * s * (xq . q)  +  b * d * (sum of the block's xq)
 
    with 15 bits of each block's largest value where int8 keeps 7 (its logits stay within ~1e-2 of
    float32's on the default model, int8's move by ~1). Its lines pair k and interleave the tile's
@@ -929,7 +914,7 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
     store_tile(y, ldy, cols, rows, f0, f1);
 }
 
-/* Row r of X to int16 codes, a scale and a float sum per block (rounding to nearest, ties to even),
+/* Row r of X to int16 codes, a scale and the block's sum as rounded per block (rounding to nearest, ties to even),
    and the codes' sum per 16 (xi, two a block: Q6_K's offset); block b's codes at xq + b * stride
    (the rows of a tile's pass are interleaved by block: see quantize_task). */
 static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t stride, float *xd, float *xs, int32_t *xi)
@@ -946,7 +931,7 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
         xi[2 * b] = _mm512_reduce_add_epi32(_mm512_cvtepi16_epi32(c0));
         xi[2 * b + 1] = _mm512_reduce_add_epi32(_mm512_cvtepi16_epi32(c1));
         xd[b] = d;
-        xs[b] = block_sum(v0, v1);
+        xs[b] = d * (float)(xi[2 * b] + xi[2 * b + 1]);
     }
 }
 #else /* QL_INT_AVX2 */
@@ -1053,7 +1038,7 @@ static void quantize_row16(const float *x, int64_t k, int16_t *xq, int64_t strid
             xi[2 * b + i / 2] = sum8(_mm256_madd_epi16(c, _mm256_set1_epi16(1)));
         }
         xd[b] = d;
-        xs[b] = block_sum(v[0], v[1], v[2], v[3]);
+        xs[b] = d * (float)(xi[2 * b] + xi[2 * b + 1]);
     }
 }
 #endif
