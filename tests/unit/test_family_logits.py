@@ -151,16 +151,21 @@ def test_quantized_files_are_at_least_as_close_as_llama_cpp(entry, quant, name):
     float32 logits on the same file is recorded in the manifest (F32 KV cache). exo-tui on the
     same blocks, whole and split, must be no farther: in RMS over every position, and in the
     largest difference within 2 % (one position's worst logit; llama3-wide Q5_K_M: 1.283 against
-    llama.cpp's 1.267 with a smaller RMS, 0.219 against 0.222)."""
+    llama.cpp's 1.267 with a smaller RMS, 0.219 against 0.222). ONNX at float32 and at its
+    default precision (int16 products)."""
     if backend(name).experts is False and "moe" in entry["name"]:
         pytest.skip(f"{name} does not run mixtures of experts")
     model = GGUFModel(FIXTURES / quant["gguf"])
     tokens, want = np.array(entry["tokens"]), np.load(FIXTURES / entry["logits"])
     ref = quant["llama_cpp"]
     n = model.config.n_layers
+    from backends.onnx import DEFAULT_PRECISION
+
     plans = [[(name, 0, n)]] + ([[(name, 0, 1), (name, 1, n)]] if n > 1 else [])
-    for plan in plans:
-        diff = logits(model, tokens, plan) - want
-        max_abs, rms = float(np.abs(diff).max()), float(np.sqrt(np.mean(diff**2)))
-        assert max_abs <= ref["max_abs"] * 1.02 and rms <= ref["rms"] * 1.001, (
-            f"{quant['gguf']} on {name}: max {max_abs:.4f} rms {rms:.4f}, llama.cpp {ref['max_abs']:.4f} {ref['rms']:.4f}")
+    for precision in ("float32", DEFAULT_PRECISION) if name == "onnx" else ("float32",):
+        for plan in plans:
+            diff = logits(model, tokens, plan, precision) - want
+            max_abs, rms = float(np.abs(diff).max()), float(np.sqrt(np.mean(diff**2)))
+            assert max_abs <= ref["max_abs"] * 1.02 and rms <= ref["rms"] * 1.001, (
+                f"{quant['gguf']} on {name} at {precision}: max {max_abs:.4f} rms {rms:.4f}, "
+                f"llama.cpp {ref['max_abs']:.4f} {ref['rms']:.4f}")
