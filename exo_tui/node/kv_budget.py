@@ -9,11 +9,20 @@ reserve:
   temporaries), and the process's resident memory stays under baseline + limit
   (:func:`process_budget_bytes`). Without a limit it is the memory the machine has available;
 - what the process holds besides caches (the runtime, the shards' weights) is measured as its
-  resident memory whenever no cache is held, and after every load and unload;
+  resident memory after every load and unload (settled), and again whenever no cache is held;
 - the reserve covers a step's temporaries and a backend's cache pool growing (it copies the
-  caches into larger arrays, a layer at a time): ``RESERVE_FRACTION`` of what is left, at least
-  ``RESERVE_MIN_BYTES``. Under a limit, a prompt runs in chunks whose temporaries fit
-  ``STEP_SHARE`` of it.
+  caches into larger arrays, a layer at a time): ``RESERVE_FRACTION`` of what is left beside the
+  runtime as settled, at least ``RESERVE_MIN_BYTES``. Under a limit, a prompt runs in chunks whose
+  temporaries fit ``STEP_SHARE`` of it.
+
+What the runtime grows by after a load or unload comes out of the reserve first, and only what
+exceeds the reserve out of the budget: ``budget = memory - settled runtime - max(reserve, growth)``.
+That growth is where a step's temporaries and freed caches went: ONNX Runtime's arenas and the
+allocator keep that memory for the next steps, which is what the reserve is for. Measured on
+tests/integration/test_admission.py's burst (a budget of 59 MB, eight requests of 7.4 MB): seen
+between two rounds of steps with no cache held, the runtime had grown 8 MB, and the next round
+took the process to the same resident memory as the first at the same caches. A budget that
+shrank by that growth refused steps of the requests that admission had already given its bytes.
 
 Caches are counted in positions per request and shard, as steps run (a shard's :class:`ShardCost`:
 its layers' K and V for one token in the backend's cache dtype, a windowed layer's for at most its
@@ -81,6 +90,7 @@ class KVBudget:
     limit_bytes: int | None  # --memory-limit, the memory given to models; None: the machine's available memory
     baseline_bytes: int = 0  # the runtime's own resident memory, measured at start before any shard
     runtime_bytes: int = 0  # resident memory besides caches (measured)
+    settled_runtime_bytes: int | None = None  # runtime_bytes after the last load or unload (None: runtime_bytes)
     available_bytes: int = 0  # memory the machine has available (measured; used without a limit)
     per_position: dict[ShardKey, ShardCost] = field(default_factory=dict)
     positions: dict[str, dict[ShardKey, int]] = field(default_factory=dict)
@@ -91,13 +101,17 @@ class KVBudget:
     # ------------------------------------------------------------------ measurements
 
     def observe(self, rss_bytes: int, available_bytes: int, *, settled: bool = False) -> None:
-        """The process's resident memory and the machine's available memory now. ``settled``:
-        after a load or unload, or when no cache is held, the resident memory less the caches
-        counted is the runtime's."""
+        """The process's resident memory and the machine's available memory now. After a load or
+        unload (``settled``), or when no cache is held, the resident memory less the caches
+        counted is the runtime's; the runtime's growth counts from the settled one (or from less,
+        where the runtime shrank below it since)."""
         with self._lock:
             self.available_bytes = int(available_bytes)
             if settled or not self.positions:
                 self.runtime_bytes = max(0, int(rss_bytes) - self.used_bytes)
+                # the runtime as settled: measured after a load or unload, lower if it shrank since
+                if settled or self.runtime_bytes < self._settled_runtime:
+                    self.settled_runtime_bytes = self.runtime_bytes
 
     def set_shards(self, per_position: dict[ShardKey, ShardCost | int]) -> None:
         """The shards held now and the bytes a request's positions take on each (an int: that
@@ -129,8 +143,18 @@ class KVBudget:
         return self.runtime_bytes + self.used_bytes + self.available_bytes
 
     @property
+    def _settled_runtime(self) -> int:
+        return self.runtime_bytes if self.settled_runtime_bytes is None else self.settled_runtime_bytes
+
+    @property
+    def runtime_growth_bytes(self) -> int:
+        """What the runtime grew by since the last load or unload (taken out of the reserve first)."""
+        return max(0, self.runtime_bytes - self._settled_runtime)
+
+    @property
     def reserve_bytes(self) -> int:
-        room = max(0, self.memory_bytes - self.runtime_bytes)
+        """For a step's temporaries and the runtime's growth since the last load or unload."""
+        room = max(0, self.memory_bytes - self._settled_runtime)
         return max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * room))
 
     @property
@@ -140,8 +164,9 @@ class KVBudget:
 
     @property
     def budget_bytes(self) -> int:
-        """The bytes KV caches may take here in all."""
-        return max(0, self.memory_bytes - self.runtime_bytes - self.reserve_bytes)
+        """The bytes KV caches may take here in all: the runtime's growth since the last load or
+        unload comes out of the reserve first."""
+        return max(0, self.memory_bytes - self._settled_runtime - max(self.reserve_bytes, self.runtime_growth_bytes))
 
     @property
     def used_bytes(self) -> int:
@@ -217,6 +242,7 @@ class KVBudget:
             "budget_bytes": self.budget_bytes,
             "used_bytes": self.used_bytes,
             "runtime_bytes": self.runtime_bytes,
+            "runtime_growth_bytes": self.runtime_growth_bytes,  # since the last load or unload, of the reserve
             "reserve_bytes": self.reserve_bytes,
             "bytes_per_position": self.ring_bytes_per_position,
             # windowed layers' rings: their bytes for a whole window, and the other layers' a position

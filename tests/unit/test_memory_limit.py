@@ -38,6 +38,42 @@ def test_the_process_may_hold_its_runtime_baseline_plus_the_limit() -> None:
     assert KVBudget(limit_bytes=None, baseline_bytes=150 * MB).process_limit_bytes is None
 
 
+def test_the_runtime_growing_between_steps_takes_the_reserve_before_the_budget() -> None:
+    """What the runtime grows by after a load (ONNX Runtime's arenas, freed caches kept by the
+    allocator: seen when no cache is held) comes out of the reserve: the budget admission was
+    given holds until the growth passes the reserve, then shrinks by what passes it. Caches at the
+    budget, the runtime grown and what is left of the reserve make the process's limit."""
+    b = KVBudget(limit_bytes=500 * MB, baseline_bytes=150 * MB)
+    b.set_shards({(0, 10): 1000})
+    b.observe(rss_bytes=300 * MB, available_bytes=10**10, settled=True)  # the runtime, 150 MB of weights
+    budget, reserve = b.budget_bytes, b.reserve_bytes
+    assert reserve == 70 * MB and budget == 280 * MB
+    b.record("r1", (0, 10), 20_000)
+    b.observe(rss_bytes=400 * MB, available_bytes=10**10)  # caches held: the runtime is not measured
+    assert b.runtime_bytes == 300 * MB and b.budget_bytes == budget
+    b.drop("r1")
+
+    b.observe(rss_bytes=340 * MB, available_bytes=10**10)  # nothing held: grown 40 MB, within the reserve
+    assert b.runtime_bytes == 340 * MB and b.budget_bytes == budget and b.reserve_bytes == reserve
+    assert b.check({("r2", (0, 10)): budget // 1000}) == {}  # what admission was given still runs
+    assert b.runtime_growth_bytes == 40 * MB
+    assert b.runtime_bytes + b.budget_bytes + (reserve - b.runtime_growth_bytes) == b.process_limit_bytes
+
+    b.observe(rss_bytes=380 * MB, available_bytes=10**10)  # grown 80 MB: 10 MB past the reserve
+    assert b.budget_bytes == budget - 10 * MB
+    assert b.runtime_bytes + b.budget_bytes == b.process_limit_bytes
+    report = b.report()
+    assert report["runtime_bytes"] == 380 * MB and report["runtime_growth_bytes"] == 80 * MB
+    assert report["budget_bytes"] == budget - 10 * MB and report["reserve_bytes"] == reserve
+
+    b.observe(rss_bytes=320 * MB, available_bytes=10**10)  # it gave 60 MB back: within the reserve again
+    assert b.runtime_growth_bytes == 20 * MB and b.budget_bytes == budget
+    b.observe(rss_bytes=290 * MB, available_bytes=10**10)  # below the runtime as settled: the growth counts from here
+    assert b.runtime_growth_bytes == 0 and b.budget_bytes == 650 * MB - 290 * MB - b.reserve_bytes > budget
+    b.observe(rss_bytes=310 * MB, available_bytes=10**10, settled=True)  # a load or unload settles it again
+    assert b.runtime_growth_bytes == 0 and b.budget_bytes == 650 * MB - 310 * MB - b.reserve_bytes
+
+
 def test_a_node_measures_its_runtime_baseline_with_its_backend_imported(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
