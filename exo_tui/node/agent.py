@@ -68,7 +68,14 @@ from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
-from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
+from exo_tui.node.profile import (
+    NodeProfile,
+    benchmark,
+    device_profile,
+    live_metrics,
+    process_rss_bytes,
+    runs_on,
+)
 from exo_tui.node.sampling_step import Samplers, score_prompt
 
 log = logging.getLogger("exo_tui.node")
@@ -638,7 +645,7 @@ class NodeAgent:
                                            get_backend(hosted.backend).kv_value_bytes(), hosted.shard.ring_layers,
                                            c.ring_window)
         self.kv.set_shards(per_position)
-        self.kv.observe(_rss(), psutil.virtual_memory().available, settled=True)
+        self.kv.observe(process_rss_bytes(), psutil.virtual_memory().available, settled=True)
         # under a limit, a prompt's chunks small enough for their temporaries to fit the reserve
         room = self.kv.step_room_bytes
         for _, hosted in hosted_all:
@@ -650,7 +657,7 @@ class NodeAgent:
         KV budget's least reserve; None without a limit."""
         if (limit := self.kv.process_limit_bytes) is None:
             return None
-        return limit - _rss() - RESERVE_MIN_BYTES
+        return limit - process_rss_bytes() - RESERVE_MIN_BYTES
 
     def _within_budget(self, batch: list[_Step], key: tuple[int, int], idxs: list[int], results: list[Any]) -> list[int]:
         """The steps of ``idxs`` (on shard ``key``) whose caches fit this node's KV budget; the
@@ -793,13 +800,6 @@ class NodeAgent:
             }
             metrics["shards"] = self.host.describe() if self.host else []
             await self._to_coordinator(Frame("heartbeat", body={"metrics": metrics, "t": time.time()}))
-
-
-def _rss() -> int:
-    """The node process's resident memory now."""
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
 
 
 def _failed(shard: Any, items: list[tuple[str, np.ndarray, np.ndarray]], outs: list[Any], rows: list[int],
