@@ -274,11 +274,13 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
 
     @property
     def context_length(self) -> int:
-        """The context the served model runs at, in tokens (a request's prompt and answer): its
-        file's, or ``models.context_length`` where that is shorter; 0 before a model is loaded."""
-        if self.model is None:
-            return 0
-        return served_context(self.model.config.context_length, self.config.models.context_length)
+        """The context the served model runs at (:meth:`served_context_of`); 0 before a model is loaded."""
+        return 0 if self.model is None else self.served_context_of(self.model)
+
+    def served_context_of(self, model: Model) -> int:
+        """The context ``model`` runs at here, in tokens (a request's prompt and answer): its
+        file's, or ``models.context_length`` where that is shorter."""
+        return served_context(model.config.context_length, self.config.models.context_length)
 
     def serve_error(self) -> str:
         """Why a request cannot be served now and what to do; empty when it can."""

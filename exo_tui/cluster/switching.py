@@ -28,7 +28,6 @@ from exo_tui.cluster.view import (
 from exo_tui.cluster.weights import load_from_path, stream_shard
 from exo_tui.config import GB
 from exo_tui.inference.generate import GenerationError
-from exo_tui.models.spec import served_context
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
@@ -344,7 +343,7 @@ class PlanSwitching:
         h.state = "loading"
         self.events.publish(ev.NodeStateChanged(node_id=h.node_id, state="loading", reason=f"layers {entry.start}-{entry.end - 1}"))
         try:
-            context = served_context(model.config.context_length, self.config.models.context_length)
+            context = self.served_context_of(model)
             if self._use_path(h):
                 body = await load_from_path(conn, str(model.path), entry.start, entry.end, entry.backend, key, context)
                 self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end,

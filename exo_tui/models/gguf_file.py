@@ -5,7 +5,7 @@ memory-mapped)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -37,7 +37,7 @@ from exo_tui.models.families import (
 from exo_tui.models.gguf_header import GGUFHeader, type_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "UnsupportedModelError",
-           "lazy_shard", "tensor_from_raw"]
+           "lazy_shard", "load_pieces", "tensor_from_raw"]
 # Block formats kept quantized (affine blocks of 32; the K-quants' groups through backends/kquants.py);
 # other types are dequantized at load.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -58,6 +58,18 @@ class TensorInfo:
     type_name: str
     shape: tuple[int, ...]  # rows first: (out, in) for matrices
     nbytes: int
+
+
+def load_pieces(tensors: Iterable[TensorInfo]) -> list[list[tuple[str, int]]]:
+    """A shard's ``tensors`` as the pieces its load reads at once, for
+    :func:`backends.base.load_peak_bytes`: a layer's tensors together (by their ``blk.N.`` prefix),
+    the others (embedding, final norm, head) one each; each tensor as (GGUF type name, file
+    bytes), a mixture's experts with no type name: they are decoded whole."""
+    pieces: dict[str, list[tuple[str, int]]] = {}
+    for t in tensors:
+        key = t.name.split(".")[1] if t.name.startswith("blk.") else t.name
+        pieces.setdefault(key, []).append(("" if "_exps." in t.name else t.type_name, t.nbytes))
+    return list(pieces.values())
 
 
 class GGUFModel:
@@ -210,14 +222,8 @@ class GGUFModel:
 
     def load_peak_nbytes(self, start: int, end: int, backend: str) -> int:
         """What a load of layers ``[start, end)`` on ``backend`` takes at its peak beside the
-        shard's arrays (:func:`backends.base.load_peak_bytes`); a mixture's experts are decoded whole."""
-        def piece(names: list[str]) -> list[tuple[str, int]]:
-            infos = [self.tensor_info(n) for n in names]
-            return [("" if "_exps." in i.name else i.type_name, i.nbytes) for i in infos]
-
-        pieces = [piece(self._layer_names(i)) for i in range(start, end)]
-        pieces += [piece([n]) for n in self.shard_tensor_names(start, end) if not n.startswith("blk.")]
-        return load_peak_bytes(backend, pieces)
+        shard's arrays (:func:`backends.base.load_peak_bytes`, over its :func:`load_pieces`)."""
+        return load_peak_bytes(backend, load_pieces(self.tensor_info(n) for n in self.shard_tensor_names(start, end)))
 
     @property
     def embed_nbytes(self) -> int:

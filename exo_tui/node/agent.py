@@ -30,11 +30,12 @@ Operations (frame ``type`` → what the node does):
 Nothing in a frame is ever executed: the type selects one of these functions, and the body holds
 plain values.
 
-Why one module of ~750 lines: its sections (lifecycle, the operations above, the worker, batch
+Why one module of ~830 lines: its sections (lifecycle, the operations above, the worker, batch
 formation, heartbeats) all read and write one object's state: the queue, the worker thread, the
-peers, the samplers and the requests seen. What stands alone is elsewhere: the rules of batch
-formation in :mod:`exo_tui.node.batching` (pure), the shards, plans and weight transfers in
-:mod:`exo_tui.node.host`, the wire types in :mod:`exo_tui.net.protocol`.
+peers and the requests seen. What stands alone is elsewhere: the rules of batch formation in
+:mod:`exo_tui.node.batching` (pure), what the last hop adds to a step (the sampled token, its
+logprobs, a prompt's scores) in :mod:`exo_tui.node.sampling_step`, the shards, plans and weight
+transfers in :mod:`exo_tui.node.host`, the wire types in :mod:`exo_tui.net.protocol`.
 """
 
 from __future__ import annotations
@@ -52,15 +53,8 @@ from typing import Any
 import numpy as np
 
 from backends import default_backend_name, get_backend
-from backends.base import BackendError, ModelConfig, logit_rows, prefill_rows
-from exo_tui.inference.sampling import (
-    Sampler,
-    SamplingParams,
-    TokenLogprobs,
-    scores_to_array,
-    token_logprobs,
-)
-from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
+from backends.base import BackendError, ModelConfig, prefill_rows
+from exo_tui.inference.sampling import TokenLogprobs, scores_to_array
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.client import connect
 from exo_tui.net.connection import Connection
@@ -74,7 +68,15 @@ from exo_tui.node import sensors
 from exo_tui.node.batching import Batching, decodes_first
 from exo_tui.node.host import ShardHost
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
-from exo_tui.node.profile import NodeProfile, benchmark, device_profile, live_metrics, runs_on
+from exo_tui.node.profile import (
+    NodeProfile,
+    benchmark,
+    device_profile,
+    live_metrics,
+    process_rss_bytes,
+    runs_on,
+)
+from exo_tui.node.sampling_step import Samplers, score_prompt
 
 log = logging.getLogger("exo_tui.node")
 
@@ -160,7 +162,7 @@ class NodeAgent:
         # Loading weights takes seconds: it runs beside the worker, so the node keeps serving
         # its current shards while it loads the next plan's (a drain or rebalance does not stall).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-loader")
-        self._samplers: dict[str, Sampler] = {}
+        self.samplers = Samplers()  # the last hop's: each request's, from its first step here until it ends
         self._stats: dict[str, _RequestStats] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()  # requests ended for good
         self._tasks: list[asyncio.Task[Any]] = []
@@ -356,7 +358,7 @@ class NodeAgent:
         plan, _, _ = self.host.hop(frame.plan, hop)  # refuse early: unknown plan, wrong node, shard missing
         adopt = frame.body.get("adopt")
         if type(adopt) is str:  # the finished request whose caches this one takes over: its own state goes
-            self._samplers.pop(adopt, None)
+            self.samplers.forget(adopt)
             self._stats.pop(adopt, None)
             self.batching.forget(adopt)
         step = _Step(conn, frame, hop)
@@ -405,7 +407,7 @@ class NodeAgent:
             self._finished[rid] = None
             while len(self._finished) > FINISHED_MEMORY:
                 self._finished.popitem(last=False)
-        self._samplers.pop(rid, None)
+        self.samplers.forget(rid)
         self._stats.pop(rid, None)
         self.batching.forget(rid)
         await self._in_worker(self.host.drop, rid)
@@ -613,9 +615,8 @@ class NodeAgent:
                 _failed(shard, items, outs, plain, exc)
             for j in scored:  # each in pieces; its failure (a bad ask included) fails it alone
                 try:
-                    ask = _score_ask(batch[idxs[j]].frame.body["score"])
-                    outs[j], scores[idxs[j]] = forward_scored(shard, *items[j], ask["targets"], ask["top"],
-                                                              self._score_rows(shard))
+                    outs[j], scores[idxs[j]] = score_prompt(shard, batch[idxs[j]].frame.body["score"], *items[j],
+                                                            self.kv.step_room_bytes)
                 except Exception as exc:  # noqa: BLE001
                     _failed(shard, items, outs, [j], exc)
             for i, out, (rid, _x, positions) in zip(idxs, outs, items, strict=True):
@@ -625,7 +626,7 @@ class NodeAgent:
                 for i in idxs:
                     if not isinstance(results[i], Exception):
                         try:
-                            results[i] = self._sample(batch[i].frame, results[i], scores.get(i))
+                            results[i] = self.samplers.sample(batch[i].frame.body, results[i], scores.get(i))
                         except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
                             results[i] = exc
         return results
@@ -644,15 +645,11 @@ class NodeAgent:
                                            get_backend(hosted.backend).kv_value_bytes(), hosted.shard.ring_layers,
                                            c.ring_window)
         self.kv.set_shards(per_position)
-        self.kv.observe(_rss(), psutil.virtual_memory().available, settled=True)
+        self.kv.observe(process_rss_bytes(), psutil.virtual_memory().available, settled=True)
         # under a limit, a prompt's chunks small enough for their temporaries to fit the reserve
         room = self.kv.step_room_bytes
         for _, hosted in hosted_all:
             hosted.shard.prefill_chunk = prefill_rows(hosted.shard.config, room)
-
-    def _score_rows(self, shard: Any) -> int:
-        """Rows of a scored prompt's logits held at once: under a limit, what the step's room holds."""
-        return logit_rows(shard.config, self.kv.step_room_bytes, SCORE_ROWS)
 
     def _load_room(self) -> int | None:
         """The bytes a shard's load may take here: what the process may hold (its runtime's
@@ -660,7 +657,7 @@ class NodeAgent:
         KV budget's least reserve; None without a limit."""
         if (limit := self.kv.process_limit_bytes) is None:
             return None
-        return limit - _rss() - RESERVE_MIN_BYTES
+        return limit - process_rss_bytes() - RESERVE_MIN_BYTES
 
     def _within_budget(self, batch: list[_Step], key: tuple[int, int], idxs: list[int], results: list[Any]) -> list[int]:
         """The steps of ``idxs`` (on shard ``key``) whose caches fit this node's KV budget; the
@@ -679,26 +676,6 @@ class NodeAgent:
             if (why := refused.get(batch[i].frame.body["rid"])) is not None:
                 results[i] = BudgetExceeded(why)
         return [i for i in idxs if batch[i].frame.body["rid"] not in refused]
-
-    def _sample(self, frame: Frame, logits: np.ndarray,
-                scores: list[TokenLogprobs] | None = None) -> tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]:
-        """The next token from the last row of ``logits``, its logprobs when the step asks, and the
-        prompt's ``scores`` (from :func:`forward_scored`, when the step asked to score it)."""
-        b = frame.body
-        rid = b["rid"]
-        sampler = self._samplers.get(rid)
-        if sampler is None:
-            sampler = self._samplers[rid] = Sampler(SamplingParams.from_dict(b.get("sampling") or {}))
-        history = b.get("history")
-        n_tokens = int(b["n_tokens"])
-        if history is None:
-            history = _Length(n_tokens)
-        token, _ = sampler.sample(logits[-1], history)
-        top = b.get("logprobs")
-        if top is not None and type(top) is not int:
-            raise ValueError(f"logprobs must be a count of alternatives, not {top!r:.50}")
-        logprobs = None if top is None else token_logprobs(logits[-1], token, top)
-        return token, logprobs, scores
 
     async def _deliver(self, step: _Step, result: Any, more: int = 0) -> None:
         """Send a step's result on. ``more``: how many more hidden states of the same run go to
@@ -825,13 +802,6 @@ class NodeAgent:
             await self._to_coordinator(Frame("heartbeat", body={"metrics": metrics, "t": time.time()}))
 
 
-def _rss() -> int:
-    """The node process's resident memory now."""
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
 def _failed(shard: Any, items: list[tuple[str, np.ndarray, np.ndarray]], outs: list[Any], rows: list[int],
             exc: Exception) -> None:
     """Rows ``rows`` of a run failed with ``exc``: their caches go (the step may have half-updated
@@ -840,28 +810,6 @@ def _failed(shard: Any, items: list[tuple[str, np.ndarray, np.ndarray]], outs: l
     for j in rows:
         shard.drop(items[j][0])
         outs[j] = exc
-
-
-def _score_ask(score: Any) -> dict[str, Any]:
-    """A step's ``score``: ``{"top": k, "targets": [token, ...]}``, the prompt after its first token
-    (:func:`forward_scored` checks the values)."""
-    if type(score) is not dict or type(score.get("top")) is not int or type(score.get("targets")) is not list \
-            or any(type(t) is not int for t in score["targets"]):
-        raise ValueError(f"score must be {{'top': int, 'targets': [int, ...]}}, not {score!r:.80}")
-    return score
-
-
-class _Length:
-    """Stands in for a history when only its length matters (no repetition penalty)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self):  # noqa: ANN204
-        return iter(())
 
 
 _OPS = {

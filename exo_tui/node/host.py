@@ -21,7 +21,14 @@ import numpy as np
 
 from backends import get_backend
 from backends.base import KVCache, ModelConfig, Shard, ShardWeights, load_peak_bytes
-from exo_tui.models.gguf_file import GGUFModel, ModelFileError, TensorInfo, lazy_shard, tensor_from_raw
+from exo_tui.models.gguf_file import (
+    GGUFModel,
+    ModelFileError,
+    TensorInfo,
+    lazy_shard,
+    load_pieces,
+    tensor_from_raw,
+)
 from exo_tui.net.protocol import ChunkChecksumError, HostError, NoRoom, PlanEntry, RingPlan
 
 
@@ -163,12 +170,8 @@ class ShardHost:
                 f"transfer {transfer_id}: {total / 1e9:.2f} GB of weights do not fit in the {free / 1e9:.2f} GB free here: "
                 "give this node fewer layers or free memory"
             )
-        pieces: dict[str, list[tuple[str, int]]] = {}
-        for t in tensors:  # a layer's tensors by their "blk.N." prefix; the others one each
-            key = t.name.split(".")[1] if t.name.startswith("blk.") else t.name
-            pieces.setdefault(key, []).append(("" if "_exps." in t.name else t.type_name, t.nbytes))
         # the bytes received stay until the shard is built from them
-        self._check_room(2 * total, load_peak_bytes(backend or self.default_backend, list(pieces.values())), start, end)
+        self._check_room(2 * total, load_peak_bytes(backend or self.default_backend, load_pieces(tensors)), start, end)
         transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total, model)
         self.transfers[transfer_id] = transfer
         return transfer

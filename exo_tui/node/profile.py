@@ -99,7 +99,12 @@ def runs_on(profile: NodeProfile, backend: str) -> None:
     profile.backend = backend
     profile.engine = engine.describe()
     profile.kv_value_bytes = engine.kv_value_bytes()
-    profile.runtime_baseline_bytes = int(psutil.Process().memory_info().rss)
+    profile.runtime_baseline_bytes = process_rss_bytes()
+
+
+def process_rss_bytes() -> int:
+    """This process's resident memory now."""
+    return int(psutil.Process().memory_info().rss)
 
 
 def stable_node_id(name: str) -> str:
@@ -308,12 +313,11 @@ def _benchmark(profile: NodeProfile, cache_path: Path, use_cache: bool, backends
 def live_metrics(memory_limit_bytes: int | None = None) -> dict[str, Any]:
     """Memory and CPU right now (sent with every heartbeat)."""
     vm = psutil.virtual_memory()
-    proc = psutil.Process()
     metrics: dict[str, Any] = {
         "ram_total_bytes": int(vm.total if not memory_limit_bytes else min(vm.total, memory_limit_bytes)),
         "ram_available_bytes": int(vm.available if not memory_limit_bytes else min(vm.available, memory_limit_bytes)),
         "ram_used_percent": float(vm.percent),
-        "process_rss_bytes": int(proc.memory_info().rss),
+        "process_rss_bytes": process_rss_bytes(),
         "cpu_percent": float(psutil.cpu_percent(interval=None)),
         "load_avg_1m": float(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0.0,
     }

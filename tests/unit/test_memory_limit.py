@@ -86,7 +86,7 @@ def test_a_node_measures_its_runtime_baseline_with_its_backend_imported(tmp_path
 def test_a_load_may_take_the_limit_above_the_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
     agent = NodeAgent(name="n1", backend="onnx", memory_limit_bytes=500 * MB, run_benchmark=False)
     agent.kv.baseline_bytes = 150 * MB
-    monkeypatch.setattr(agent_module, "_rss", lambda: 250 * MB)  # 100 MB held for models already
+    monkeypatch.setattr(agent_module, "process_rss_bytes", lambda: 250 * MB)  # 100 MB held for models already
     assert agent._load_room() == 400 * MB - RESERVE_MIN_BYTES
     assert NodeAgent(name="n2", backend="onnx", run_benchmark=False)._load_room() is None
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from backends.onnx import ONNXBackend
-from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.models.gguf_file import GGUFModel, TensorInfo, load_pieces
 from exo_tui.node.host import _malloc_trim
 from tests.factory import write_tiny_llama
 from tests.reference import ReferenceShard
@@ -217,6 +217,19 @@ def test_a_load_past_the_memory_limit_is_refused_before_anything_loads(default_m
     assert not host.shards and not host.transfers
     assert shard_host(room=peak).load_from_file(str(default_model_path), 0, 4, "onnx").end == 4
     assert shard_host(room=peak + nbytes).begin_transfer("t", model.config, 0, 4, "onnx", infos).total_bytes == nbytes
+
+
+def test_a_loads_pieces_are_each_layer_whole_and_each_other_tensor_alone() -> None:
+    """What a load reads at once (load_pieces, for load_peak_bytes), the same from a file and from
+    a transfer's tensor list: a layer's tensors together, the embedding and the head one each, and a
+    mixture's experts with no type name: they are decoded whole."""
+    def info(name: str, type_name: str, nbytes: int) -> TensorInfo:
+        return TensorInfo(name, type_name, (nbytes,), nbytes)
+
+    tensors = [info("token_embd.weight", "Q8_0", 10), info("blk.3.attn_q.weight", "Q4_K", 4),
+               info("blk.3.ffn_up_exps.weight", "Q4_K", 8), info("blk.4.attn_q.weight", "Q4_K", 5),
+               info("output.weight", "Q6_K", 7)]
+    assert load_pieces(tensors) == [[("Q8_0", 10)], [("Q4_K", 4), ("", 8)], [("Q4_K", 5)], [("Q6_K", 7)]]
 
 
 def shard_host(room: int):  # noqa: ANN201

@@ -1,0 +1,84 @@
+"""What the last hop adds to a step: the next token from the logits, and a prompt's scores.
+
+The node that holds a model's last shard ends every step of a request: it draws the next token
+with the request's sampler (made from the step's ``sampling`` at the request's first step here,
+and kept, with its resolved seed, until the request is forgotten), gives the token's logprobs
+where the step asks (``logprobs``: k alternatives), and scores the prompt where the step asks
+(``score``: each of its tokens given those before it). The agent (:mod:`exo_tui.node.agent`) runs
+the steps and sends the token on; what a step's body asks of the last hop, and how that is
+answered, is here, apart from the worker's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from backends.base import logit_rows
+from exo_tui.inference.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
+from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
+
+
+class Samplers:
+    """The sampler of each request whose last hop is this node, by request id."""
+
+    def __init__(self) -> None:
+        self._samplers: dict[str, Sampler] = {}
+
+    def sample(self, body: dict[str, Any], logits: np.ndarray,
+               scores: list[TokenLogprobs] | None = None) -> tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]:
+        """The next token from the last row of ``logits`` for the step of ``body``, its logprobs
+        when the step asks, and the prompt's ``scores`` (from :func:`score_prompt`, when the step
+        asked to score it)."""
+        rid = body["rid"]
+        sampler = self._samplers.get(rid)
+        if sampler is None:
+            sampler = self._samplers[rid] = Sampler(SamplingParams.from_dict(body.get("sampling") or {}))
+        history = body.get("history")
+        n_tokens = int(body["n_tokens"])
+        if history is None:
+            history = _Length(n_tokens)
+        token, _ = sampler.sample(logits[-1], history)
+        top = body.get("logprobs")
+        if top is not None and type(top) is not int:
+            raise ValueError(f"logprobs must be a count of alternatives, not {top!r:.50}")
+        logprobs = None if top is None else token_logprobs(logits[-1], token, top)
+        return token, logprobs, scores
+
+    def forget(self, rid: str) -> None:
+        """Request ``rid`` has ended here, or another took its caches over: its sampler goes."""
+        self._samplers.pop(rid, None)
+
+
+def score_prompt(shard: Any, score: Any, rid: str, x: np.ndarray, positions: np.ndarray,
+                 room_bytes: int | None) -> tuple[np.ndarray, list[TokenLogprobs]]:
+    """The last shard's step of a prompt whose step asks ``score``: the last row's logits and the
+    scores (:func:`forward_scored`), in pieces of as many rows of logits as ``room_bytes`` holds
+    (the step's room under a limit; None: no limit)."""
+    ask = _score_ask(score)
+    return forward_scored(shard, rid, x, positions, ask["targets"], ask["top"],
+                          logit_rows(shard.config, room_bytes, SCORE_ROWS))
+
+
+def _score_ask(score: Any) -> dict[str, Any]:
+    """A step's ``score``: ``{"top": k, "targets": [token, ...]}``, the prompt after its first token
+    (:func:`forward_scored` checks the values)."""
+    if type(score) is not dict or type(score.get("top")) is not int or type(score.get("targets")) is not list \
+            or any(type(t) is not int for t in score["targets"]):
+        raise ValueError(f"score must be {{'top': int, 'targets': [int, ...]}}, not {score!r:.80}")
+    return score
+
+
+class _Length:
+    """Stands in for a history when only its length matters (no repetition penalty)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
