@@ -25,6 +25,7 @@ Then reports, side by side with llama.cpp on the same file and threads:
 
     python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--tokens 32] [--local-nodes 3]
                                    [--memory-limit GB] [--context TOKENS] [--no-one-node] [--reps 3]
+                                   [--precision int16 int8]
 
 ``--reps 3`` measures each engine three times, alternated, and reports the medians and each
 round's ratios (on a shared machine only ratios of one round mean much).
@@ -266,7 +267,7 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
         cfg = model.config
         weights = model.shard_weights(0, cfg.n_layers)
         weights.disposable = True
-        shard = ONNXBackend(threads=threads).load_shard(cfg, weights)
+        shard = ONNXBackend(threads=threads, precision=engine.split()[-1]).load_shard(cfg, weights)
         del weights
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -280,10 +281,12 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
     print(json.dumps({"prefill": prefill, "decode": decode, "peak_rss": peak, "load_s": load_s}))
 
 
-def one_node(path: Path, threads: int, prompt: int, tokens: int, reps: int = 1) -> dict[str, list[dict]]:
-    """Each engine's measurements, ``reps`` rounds with the engines alternated in each."""
+def one_node(path: Path, threads: int, prompt: int, tokens: int, reps: int = 1,
+             precisions: tuple[str, ...] = ("int16",)) -> dict[str, list[dict]]:
+    """Each engine's measurements (exo-tui's at each of ``precisions``), ``reps`` rounds with the
+    engines alternated in each."""
     out: dict[str, list[dict]] = {}
-    engines = ["exo-tui onnx"]
+    engines = [f"exo-tui onnx {p}" for p in precisions]
     try:
         import llama_cpp  # noqa: F401
 
@@ -461,6 +464,8 @@ def main() -> None:
                     help="the context the local nodes' cluster serves the model at (default: models.context_length, "
                          "8192, the file's own): the plan keeps room for every layer's caches at it")
     ap.add_argument("--no-one-node", action="store_true", help="skip the one-node comparison with llama.cpp")
+    ap.add_argument("--precision", nargs="+", default=["int16"], choices=["int16", "int8", "float32"],
+                    help="one node: the ONNX backend's precisions to measure (int16, the default; int8 as llama.cpp's activations)")
     ap.add_argument("--reps", type=int, default=1,
                     help="one node: rounds of every engine, alternated (medians, and each round's ratios)")
     args = ap.parse_args()
@@ -489,7 +494,7 @@ def main() -> None:
 
 def one_node_table(args: argparse.Namespace, model, token_bytes: int) -> None:  # noqa: ANN001
     path = model.path
-    rounds = one_node(path, args.threads, args.prompt, args.tokens, args.reps)
+    rounds = one_node(path, args.threads, args.prompt, args.tokens, args.reps, tuple(args.precision))
     results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
     gbps = copy_gbps()
     print(f"\n{args.shape} shape, {args.threads} threads, prompt {args.prompt}, decode {args.tokens}"
@@ -504,9 +509,9 @@ def one_node_table(args: argparse.Namespace, model, token_bytes: int) -> None:  
             f"{r['peak_rss'] / base['peak_rss']:.2f}")
         print(f"| {name} | {r['prefill']:.1f} | {r['decode']:.2f} | {r['decode'] * token_bytes / 1e9:.1f} | "
               f"{r['peak_rss'] / 1e9:.2f} | {' | '.join(ratios)} |")
-    if args.reps > 1 and "llama.cpp" in rounds and "exo-tui onnx" in rounds:
-        pairs = zip(rounds["exo-tui onnx"], rounds["llama.cpp"], strict=False)
-        print("\neach round's prefill / decode ÷ llama.cpp: "
+    for name in (n for n in rounds if args.reps > 1 and "llama.cpp" in rounds and n != "llama.cpp"):
+        pairs = zip(rounds[name], rounds["llama.cpp"], strict=False)
+        print(f"\n{name}, each round's prefill / decode ÷ llama.cpp: "
               + ", ".join(f"{a['prefill'] / b['prefill']:.2f} / {a['decode'] / b['decode']:.2f}" for a, b in pairs))
 
 
