@@ -169,3 +169,23 @@ def test_quantized_files_are_at_least_as_close_as_llama_cpp(entry, quant, name):
             assert max_abs <= ref["max_abs"] * 1.02 and rms <= ref["rms"] * 1.001, (
                 f"{quant['gguf']} on {name} at {precision}: max {max_abs:.4f} rms {rms:.4f}, "
                 f"llama.cpp {ref['max_abs']:.4f} {ref['rms']:.4f}")
+
+
+@pytest.mark.parametrize(("entry", "quant"), QUANTIZED, ids=[q["gguf"] for _, q in QUANTIZED])
+def test_the_integer_precisions_compute_a_file_at_least_as_exactly_as_llama_cpp(entry, quant):
+    """How exactly each engine computes the file's own math: the distance of its logits from
+    exo-tui's float32 ones (the dequantized blocks times float32 activations) on the same file.
+    llama.cpp rounds activations to 8 bits (Q8_K, per 256; Q8_0, per 32) and its attention to
+    float16; the int16 and int8 precisions round them per 32 (the int8 one as llama.cpp's Q8_0)
+    and must stay nearer. llama.cpp's logits were saved beside the file by make_families.py (they
+    are the ones its recorded distance to the float model came from)."""
+    model = GGUFModel(FIXTURES / quant["gguf"])
+    tokens, want = np.array(entry["tokens"]), np.load(FIXTURES / entry["logits"])
+    theirs = np.load(FIXTURES / quant["llama_cpp_logits"])
+    assert float(np.sqrt(np.mean((theirs - want) ** 2))) == pytest.approx(quant["llama_cpp"]["rms"], rel=1e-6)
+    plan = [("onnx", 0, model.config.n_layers)]
+    exact = logits(model, tokens, plan, "float32")
+    llama_rms = float(np.sqrt(np.mean((theirs - exact) ** 2)))
+    for precision in ("int16", "int8"):
+        rms = float(np.sqrt(np.mean((logits(model, tokens, plan, precision) - exact) ** 2)))
+        assert rms <= llama_rms, f"{quant['gguf']} at {precision}: {rms:.4f} from float32, llama.cpp {llama_rms:.4f}"
