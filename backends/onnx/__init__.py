@@ -52,19 +52,21 @@ quantized matrix product (0: none).
 
 * ``int16`` (the default): each block of 32 activations rounded to int16 with one scale, integer
   products on ``QLinear`` (VPDPWSSD, or AVX2's VPMADDWD: the same numbers). 15 bits of a block's
-  largest value: on the default model logits stay within 2e-2 of float32's (float32's own are
+  largest value: on the default model logits stay within 3e-2 of float32's (float32's own are
   within 1e-4 of MLX's) and 12 prompts x 96 greedy tokens were MLX's token for token (again with
-  the float16 KV caches the integer precisions keep); here 1.7x float32's prefill, 1.4x its
-  decode and 1.4x its 8-row batched step. Where the build has no
+  the float16 KV caches the integer precisions keep); on the default model 1.2x float32's prefill
+  and 1.14x its decode (Zen 5, AVX-512; 1.7x and 1.4x on a Zen 4); on a Q4_K_M file of
+  Llama-3.2-1B's shape 1.5x llama.cpp's prefill and 1.18x its decode. Where the build has no
   integer products it runs float32 products instead (as exact as float32, not faster).
 * ``float32``: float32 math on the dequantized weights, for answers bit-faithful to it (the
   KV caches float32 too, where the integer precisions keep them in float16).
 * ``int8``: the same with int8 codes, as llama.cpp's Q8_0 (7 bits: on the default model logits
   move by 0.23 RMS, 2 at most, and some greedy answers part from float32's within a few tokens;
   on the K-quant fixtures of tests/fixtures/families they lie 0.021-0.031 RMS from float32's,
-  where llama.cpp's lie 0.026-0.044 from them; 2.5x the prefill and 1.25x the decode of
-  float32 here): on ``QLinear``'s integer products where its build has them (AVX-512 VNNI, or
-  AVX2's pair sums, the same numbers), else on ``MatMulNBits``'."""
+  where llama.cpp's lie 0.026-0.044 from them; on the default model 2.1x the prefill and 1.2x
+  the decode of float32, on the 1B-shape Q4_K_M file 2.06x llama.cpp's prefill): on
+  ``QLinear``'s integer products where its build has them (AVX-512 VNNI, or AVX2's pair sums,
+  the same numbers), else on ``MatMulNBits``'."""
 DEFAULT_PRECISION = "int16"
 ACCURACY_LEVEL = {"float32": 1, "int16": 1, "int8": 4}
 """``MatMulNBits``' ``accuracy_level`` per precision, for the matrices it runs."""
