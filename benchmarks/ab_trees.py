@@ -35,12 +35,13 @@ sys.path.insert(0, os.getcwd())
 from pathlib import Path
 kind, model, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 if kind == "llama.cpp":
-    from llama_cpp import Llama
+    from llama_cpp import Llama, llama_get_logits_ith  # Llama.scores stays unwritten without logits_all
     llm = Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
     def start(tokens):
         llm.reset(); llm.eval(tokens); return None
     def step(state):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))]); return None
+        last = np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        llm.eval([int(np.argmax(last))]); return None
     def drop(state): pass
 else:
     from backends import get_backend

@@ -249,6 +249,7 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
     t0 = time.perf_counter()
     if engine == "llama.cpp":
         from llama_cpp import Llama
+        from single_node import llama_last_logits as _last_logits
 
         llm = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
         load_s = time.perf_counter() - t0
@@ -257,7 +258,7 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
         prefill = prompt / (time.perf_counter() - t0)
         t0 = time.perf_counter()
         for _ in range(tokens):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([int(np.argmax(_last_logits(llm)))])
         decode = tokens / (time.perf_counter() - t0)
     else:
         from backends.onnx import ONNXBackend

@@ -91,6 +91,14 @@ def _ours(
     return prefill, decode
 
 
+def llama_last_logits(llm) -> np.ndarray:  # noqa: ANN001
+    """The logits of the last token llama.cpp evaluated (llama-cpp-python 0.3.36 fills
+    ``Llama.scores`` only with ``logits_all``; without it they are never written)."""
+    import llama_cpp
+
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
 def _llama_cpp(model_path: Path, threads: int) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]] | None:
     try:
         from llama_cpp import Llama
@@ -109,7 +117,7 @@ def _llama_cpp(model_path: Path, threads: int) -> tuple[Callable[[list[int]], fl
         llm.eval(tokens)
         rate = _clock()
         for _ in range(n):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            nxt = int(np.argmax(llama_last_logits(llm)))
             llm.eval([nxt])
         return rate(n)
 
