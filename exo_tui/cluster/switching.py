@@ -107,6 +107,7 @@ class PlanSwitching:
                     last_heartbeat=h.last_heartbeat_s if h.state != "failed" else now - 1e9,
                     drained=h.node_id in self.drained,
                     failed=h.state == "failed",
+                    memory_limited=bool(p.memory_limit_bytes),
                 )
             )
         return out

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from exo_tui.config import SchedulerConfig
 from exo_tui.scheduler.context import MEMORY_HEADROOM, TOKEN_BYTES, InfeasiblePlan, _Ctx, _ms, gb
 from exo_tui.scheduler.plan import Pin, Predictions
+from exo_tui.scheduler.profile import DeviceProfile
 
 # ------------------------------------------------------------------------------- checks and errors
 
@@ -65,10 +66,17 @@ def _free_ranges(ctx: _Ctx) -> list[tuple[int, int]]:
     return out
 
 
-def _reserve_text(config: SchedulerConfig) -> str:
+def _reserve_text(config: SchedulerConfig, profiles: Sequence[DeviceProfile]) -> str:
+    """What the free memory of ``profiles`` is after: the reserves, or their --memory-limit."""
     rr = config.resource_reservation
-    return (f"after reserves ({rr.system_reserved_ram:g} GB RAM, {rr.system_reserved_vram:g} GB VRAM, "
-            f"{rr.emergency_reserve * 100:g} % kept free)")
+    reserves = (f"reserves ({rr.system_reserved_ram:g} GB RAM, {rr.system_reserved_vram:g} GB VRAM, "
+                f"{rr.emergency_reserve * 100:g} % kept free)")
+    limited = sum(p.memory_limited for p in profiles)
+    if limited and limited == len(profiles):
+        return "under their --memory-limit (less what their runtimes grew by and a load's peak)"
+    if limited:
+        return f"under their --memory-limit, or after {reserves} where there is none"
+    return f"after {reserves}"
 
 
 def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) -> InfeasiblePlan:
@@ -85,7 +93,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
         what = "the model" if not ctx.pins else "the unpinned layers"
         return InfeasiblePlan(
             f"{what} needs {gb(need)} (weights plus a KV cache of {gb(kv)} for {spec.context_length} tokens) but the "
-            f"eligible nodes have {gb(have)} free {_reserve_text(config)}: needs {gb(need - have)} more{largest_text}. "
+            f"eligible nodes have {gb(have)} free {_reserve_text(config, [ctx.profiles[n] for n in cands])}: needs {gb(need - have)} more{largest_text}. "
             "Add a node, free memory, or serve a shorter context (--context, models.context_length).", "memory",
             need - have)
     # Enough bytes in total, but not in whole layers per node (or in the minimum shard size).

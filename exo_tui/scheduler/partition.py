@@ -141,7 +141,7 @@ def make_plan(
             over = max(plan.predictions.nodes, key=lambda n: n.memory_bytes - n.usable_bytes)
             raise InfeasiblePlan(
                 f"exo-ring puts {gb(over.memory_bytes)} on {over.node_id}, which has {gb(over.usable_bytes)} free "
-                f"{_reserve_text(config)} (over by {gb(over.memory_bytes - over.usable_bytes)}): exo splits by total "
+                f"{_reserve_text(config, [ctx.profiles[over.node_id]])} (over by {gb(over.memory_bytes - over.usable_bytes)}): exo splits by total "
                 "memory alone; use the memory or latency strategy", "memory", over.memory_bytes - over.usable_bytes)
         return plan
 

@@ -77,6 +77,9 @@ class DeviceProfile:
     last_heartbeat: float = 0.0
     drained: bool = False
     failed: bool = False
+    # Under a --memory-limit: its available memory is what the limit leaves, the reserves of
+    # resource_reservation already given back (they are for a machine's other programs).
+    memory_limited: bool = False
 
     def __hash__(self) -> int:
         return hash(self.node_id)

@@ -234,6 +234,25 @@ def test_not_enough_memory_says_how_much_more_and_the_largest_node() -> None:
     assert f"{e.value.shortfall_bytes / 1e9:.1f} GB more" in msg
 
 
+def test_not_enough_memory_says_what_the_free_memory_is_after() -> None:
+    """The reserves (2 GB RAM, ...) are for a machine's other programs; a node under a
+    --memory-limit offers what its limit leaves, with the reserves given back: its message names
+    the limit, not reserves it does not keep."""
+    def nodes(limited: tuple[bool, bool]) -> list[DeviceProfile]:
+        return [DeviceProfile("pi-4", ram_total_bytes=4 * GB, ram_available_bytes=int(3.6 * GB), memory_limited=limited[0]),
+                DeviceProfile("pi-5", ram_total_bytes=8 * GB, ram_available_bytes=int(7.5 * GB), memory_limited=limited[1])]
+
+    def message(limited: tuple[bool, bool]) -> str:
+        with pytest.raises(InfeasiblePlan) as e:
+            make_plan(nodes(limited), synthetic_spec("8b"), "latency", now=0.0)
+        return str(e.value)
+
+    assert "after reserves (2 GB RAM, 1 GB VRAM, 10 % kept free)" in message((False, False))
+    both = message((True, True))
+    assert "under their --memory-limit" in both and "reserves" not in both
+    assert "under their --memory-limit, or after reserves (2 GB RAM" in message((True, False))
+
+
 def test_pin_beyond_the_node_memory_names_node_and_sizes() -> None:
     with pytest.raises(InfeasiblePlan) as e:
         make_plan(four(), SPEC, "latency", Constraints(pins=(Pin("a", 0, 30),)), now=0.0)
