@@ -79,9 +79,12 @@ class PlanSwitching:
                 # at start (its baseline): what the runtime grew since, besides its shards' bytes
                 # (measured: node/kv_budget.py), is not offered. Add the reserves back so the
                 # scheduler's usable memory equals what is left.
-                # A load's peak beside its shard's arrays (node/host.py) is not offered either.
+                # A load's peak beside its shard's arrays (node/host.py) is not offered either, nor
+                # the least reserve the node keeps out of its KV budget (node/kv_budget.py): offered,
+                # a plan could give a node layers whose caches at the served context it cannot hold.
                 runtime = int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held
-                grown = max(0, runtime - p.runtime_baseline_bytes) + self._load_peak_bytes(backend, spec)
+                grown = (max(0, runtime - p.runtime_baseline_bytes) + self._load_peak_bytes(backend, spec)
+                         + RESERVE_MIN_BYTES)
                 avail = int(min(avail, p.memory_limit_bytes - grown) + rc.system_reserved_ram * GB
                             + rc.emergency_reserve * total)
             out.append(
