@@ -73,7 +73,7 @@ def _reserve_text(config: SchedulerConfig, profiles: Sequence[DeviceProfile]) ->
                 f"{rr.emergency_reserve * 100:g} % kept free)")
     limited = sum(p.memory_limited for p in profiles)
     if limited and limited == len(profiles):
-        return "under their --memory-limit (less what their runtimes grew by and a load's peak)"
+        return "under their --memory-limit (less what their runtimes grew by, a load's peak and the least reserve)"
     if limited:
         return f"under their --memory-limit, or after {reserves} where there is none"
     return f"after {reserves}"
