@@ -24,6 +24,12 @@ def _backend_class(name: str) -> type[Backend]:
         raise BackendError(f"backend {name} cannot be imported ({exc}): install it with pip") from exc
 
 
+def backend_class(name: str) -> type[Backend]:
+    """The class of the backend called ``name``, for what it says without running (its
+    ``held_nbytes``): importing it needs neither MLX nor ONNX Runtime."""
+    return _backend_class(name)
+
+
 def get_backend(name: str) -> Backend:
     """The backend called ``name`` ("mlx" or "onnx"), checked to be available here."""
     if name not in _instances:

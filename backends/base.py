@@ -30,6 +30,7 @@ Conventions (all backends follow them exactly; ``tests/reference.py`` is them in
 from __future__ import annotations
 
 import abc
+import itertools
 import os
 from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field, fields, replace
@@ -53,6 +54,10 @@ class BackendError(RuntimeError):
 
 
 KQUANT_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per 256 weights (backends/kquants.py)
+BLOCK_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF's blocks of 32 read as codes (their bits) and affine groups
+FLOAT_BYTES = 4
+"""A weight kept in float32: F32, F16 and BF16 matrices, and the GGUF types read by dequantizing
+(gguf's), which no backend keeps as blocks."""
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "yarn")
 
@@ -266,16 +271,27 @@ LOAD_CHUNK_BYTES = 16 << 20
 CHUNKED_TYPES = {"onnx": frozenset(KQUANT_BLOCK_BYTES)}
 
 
-def load_peak_bytes(backend: str, pieces: list[list[tuple[str, int]]]) -> int:
+def load_peak_bytes(backend: str, pieces: list[list[tuple[str, int]]], held: list[int] | None = None) -> int:
     """The bytes a load on ``backend`` takes at its peak beside its shard's arrays, its ``pieces``
     (what it reads at once: a layer's tensors, the embedding, the head) given as their tensors'
-    (GGUF type name, file bytes): the largest piece's matrices decoded whole, and a chunk's
-    temporaries where any is read so."""
+    (GGUF type name, file bytes): a piece's temporaries are its matrices decoded whole, and a
+    chunk's where any is read so.
+
+    Without ``held``, the most any shard of such pieces may take: the largest piece's
+    temporaries and a chunk's. With ``held`` (each piece's bytes as the backend holds them, the
+    pieces in the order the load reads them), this shard's: at piece ``i`` the load holds the
+    arrays of the pieces up to ``i`` and ``i``'s temporaries, which is less than all the arrays
+    and the largest temporaries where a large piece comes early (the default model's
+    embedding)."""
     chunked = CHUNKED_TYPES.get(backend, frozenset())
     whole = [sum(LOAD_PEAK_DECODED_BY_TYPE.get(t, LOAD_PEAK_DECODED) * n for t, n in piece if t not in chunked)
              for piece in pieces]
-    chunks = any(t in chunked for piece in pieces for t, _ in piece)
-    return int(max(whole, default=0)) + (LOAD_CHUNK_BYTES if chunks else 0)
+    if held is None:
+        chunks = any(t in chunked for piece in pieces for t, _ in piece)
+        return int(max(whole, default=0)) + (LOAD_CHUNK_BYTES if chunks else 0)
+    temps = [w + (LOAD_CHUNK_BYTES if any(t in chunked for t, _ in piece) else 0) for w, piece in zip(whole, pieces, strict=True)]
+    peak = max((c + t for c, t in zip(itertools.accumulate(held), temps, strict=True)), default=0)
+    return max(0, int(peak) - sum(held))
 
 
 # A step's temporaries. A prompt's rows run in chunks of at most PREFILL_CHUNK (a shard's
@@ -656,6 +672,22 @@ class Backend(abc.ABC):
         """Bytes each cached K or V value takes in this backend's shards (4: float32), which the
         scheduler counts when it places layers within a node's memory."""
         return 4
+
+    shares_tied_head: bool = True
+    """Whether a shard that holds both the token embedding and the output head it is tied to
+    keeps one form of the matrix for both."""
+    embedding_first: bool = False
+    """Whether a shard's load builds its embedding before its layers (else after them, before the
+    head): where a load peaks (:func:`load_peak_bytes`)."""
+
+    @classmethod
+    def held_nbytes(cls, type_name: str, shape: tuple[int, ...], *, embedding: bool = False) -> int:
+        """The bytes this backend's shards hold for a file's tensor of GGUF type ``type_name`` and
+        ``shape`` (rows first; a mixture's experts ``(experts, rows, cols)``): as a matrix, or as
+        the token embedding rows are looked up in (``embedding``). What the scheduler plans and a
+        node's memory limit counts (``exo_tui.models.gguf_file``: a shard's bytes); a backend's
+        tests check it against the arrays its shards build. By default float32."""
+        return FLOAT_BYTES * int(np.prod(shape))
 
     @abc.abstractmethod
     def available(self) -> bool:

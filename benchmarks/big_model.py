@@ -365,7 +365,8 @@ async def _ring(path: Path, nodes: int, limit_gb: float, threads: int, tokens: i
                 rss = psutil.Process(h.local_process.pid).memory_info().rss if h.local_process else 0
                 kv = h.metrics.get("kv") or {}
                 budget, baseline = int(kv.get("budget_bytes", 0)), int(kv.get("runtime_baseline_bytes", 0))
-                out.append((h.name, s.start, s.end, c.spec.range_bytes(s.start, s.end, 0), rss, baseline, budget))
+                out.append((h.name, s.start, s.end, c.spec.range_bytes(s.start, s.end, 0, s.backend or None), rss, baseline,
+                            budget))
             return out
 
         plan_before = shares()

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from backends.base import (
+    BLOCK_TYPES,
     Backend,
     BackendError,
     ModelConfig,
@@ -20,6 +23,8 @@ from backends.base import (
     physical_cores,
     unsupported_features,
 )
+from backends.kquants import BITS as KQUANT_BITS
+from backends.kquants import GROUP as KQUANT_GROUP
 
 MAX_DEFAULT_THREADS = 8
 """The default thread count stops here: past it each matmul's parts get too small to pay off."""
@@ -36,6 +41,19 @@ class MLXBackend(Backend):
 
     name = "mlx"
     experts = True  # mixtures of experts: backends.mlx.experts
+
+    @classmethod
+    def held_nbytes(cls, type_name: str, shape: tuple[int, ...], *, embedding: bool = False) -> int:
+        """The codes packed at their bits and a float32 scale and bias a group (``quant.to_mlx``):
+        Q4_0, Q4_1 and Q4_K 0.75 bytes a weight (the file's 0.5625-0.625), Q5_K 0.875 (0.6875),
+        Q8_0 1.25 (1.0625); Q6_K's groups of 16 a float32 scale only, 1.0 (0.8203); float32
+        otherwise. The embedding is the same arrays, which a tied head shares."""
+        bits = {**BLOCK_TYPES, **KQUANT_BITS}.get(type_name)
+        if bits is None or len(shape) < 2:
+            return super().held_nbytes(type_name, shape)
+        weights = int(np.prod(shape, dtype=np.int64))
+        group_bytes = 4 if type_name == "Q6_K" else 8  # a float32 scale (and bias)
+        return weights * bits // 8 + weights // KQUANT_GROUP.get(type_name, 32) * group_bytes
 
     def __init__(self, *, threads: int | None = None, compile_decode: bool = True) -> None:
         if threads is None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from backends.base import (
     Backend,
     BackendError,
@@ -91,6 +93,24 @@ class ONNXBackend(Backend):
 
     name = "onnx"
     experts = True  # exo-tui's Experts op on quantized experts, ONNX Runtime's MoE on float ones (graph.py)
+    shares_tied_head = False  # the embedding's rows (EmbeddingRows) and the head's tiles are two forms
+    embedding_first = True  # ONNXShard makes its embedding's rows, then builds the graph
+
+    @classmethod
+    def held_nbytes(cls, type_name: str, shape: tuple[int, ...], *, embedding: bool = False) -> int:
+        """``QLinear``'s tiles of a matrix (``kernels.tiles.packed_nbytes``: Q4_K 148 bytes a 256
+        weights against the file's 144, Q5_K 180 / 176, Q6_K 210 / 210, Q4_0 and Q4_1 20 a 32,
+        Q8_0 36 / 34), the embedding's compact rows (``weights.embedding_nbytes``), float32
+        otherwise. Counted as the kernel holds them: where it cannot be built (no C compiler),
+        ``MatMulNBits``' forms hold a float32 scale and correction a group of 32 more."""
+        from backends.onnx.kernels.tiles import packed_nbytes
+        from backends.onnx.weights import embedding_nbytes
+
+        if len(shape) < 2 or (embedding and type_name == "F16"):  # a float16 embedding stays so
+            return super().held_nbytes(type_name, shape) // (2 if type_name == "F16" and embedding else 1)
+        *lead, rows, cols = shape
+        held = (embedding_nbytes if embedding else packed_nbytes)(type_name, rows, cols)
+        return int(np.prod(lead, dtype=np.int64)) * held if held is not None else super().held_nbytes(type_name, shape)
 
     def __init__(
         self,

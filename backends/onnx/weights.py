@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.base import QuantizedWeight, Weight
+from backends import kquants
+from backends.base import BLOCK_TYPES, QuantizedWeight, Weight
 
 
 def pack_nibbles(q: np.ndarray, group: int) -> np.ndarray:
@@ -191,6 +192,25 @@ class EmbeddingRows:
         out *= scales[:, :, None]
         out += biases[:, :, None]
         return out.reshape(t, self.cols)
+
+
+def embedding_nbytes(type_name: str, rows: int, cols: int) -> int | None:
+    """The bytes :meth:`EmbeddingRows.of` keeps of a ``rows x cols`` embedding of GGUF type
+    ``type_name`` read from a file (a K-quant with its super-blocks' fields), or None where it is
+    not one kept so (a float embedding stays float32)."""
+    bits = {**BLOCK_TYPES, **kquants.BITS}.get(type_name)
+    if bits is None:
+        return None
+    if bits > 6 or cols % 4:
+        codes = rows * cols
+    else:
+        codes = rows * cols // 2 + (rows * cols // 4 if bits > 4 else 0)
+    if type_name in kquants.BITS:  # d (and dmin) in float16 a super-block, sc (and m) a byte a group
+        supers, groups = cols // kquants.QK_K, cols // kquants.GROUP[type_name]
+        fields = rows * (2 * supers + groups) if type_name == "Q6_K" else rows * (4 * supers + 2 * groups)
+    else:  # a float16 scale and bias a block of 32 (exact: GGUF's scales are float16)
+        fields = rows * (cols // 32) * 4
+    return codes + fields
 
 
 def compact_embedding(embed: Weight | None) -> Weight | EmbeddingRows | None:

@@ -36,6 +36,7 @@ import numpy as np
 
 from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures, LinkFigures, NodeFigures
+from exo_tui.cluster.node_handle import held_bytes
 from exo_tui.net.timing import HopTiming
 
 WINDOW_S = 60.0  # percentiles, means and outcome counts are over this window
@@ -395,7 +396,7 @@ def node_memory(h: Any) -> tuple[int, int]:
     total = h.profile.memory_limit_bytes or h.memory_total_bytes
     if h.profile.memory_limit_bytes:
         kv = h.metrics.get("kv") or {}
-        used = sum(int(x.get("nbytes", 0)) for x in h.shards) + int(kv.get("used_bytes", 0))
+        used = sum(held_bytes(x) for x in h.shards) + int(kv.get("used_bytes", 0))
     else:
         used = h.memory_total_bytes - int(h.metrics.get("ram_available_bytes", h.profile.ram_available_bytes))
     return used, total

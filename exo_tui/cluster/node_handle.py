@@ -10,6 +10,12 @@ from typing import Any
 from exo_tui.net.connection import Connection
 from exo_tui.node.profile import NodeProfile
 
+
+def held_bytes(shard: dict[str, Any]) -> int:
+    """What a node's shard (as its describe() or load reply says it) holds: its backend's form
+    of its tensors, or (a node that does not say) their bytes in the file."""
+    return int(shard.get("held_bytes") or shard.get("nbytes", 0))
+
 HISTORY_LEN = 60  # one minute of heartbeats for the console's sparklines
 
 
@@ -74,7 +80,7 @@ class NodeHandle:
     def memory_available_bytes(self) -> int:
         limit = self.profile.memory_limit_bytes
         avail = int(self.metrics.get("ram_available_bytes", self.profile.ram_available_bytes))
-        held = sum(int(s.get("nbytes", 0)) for s in self.shards)
+        held = sum(held_bytes(s) for s in self.shards)
         if limit:
             return max(0, min(avail, limit - held))
         return avail

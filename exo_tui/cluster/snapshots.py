@@ -130,11 +130,11 @@ class Snapshots:
 
 
 def _shard_view(s: Any, pins: dict[str, Pin], spec: Any, pred: Any) -> ShardView:
-    """A shard with its bytes: the file's (quantized) and, from the plan's prediction, what it
-    needs on its node beside what that node offers."""
+    """A shard with its bytes: its weights as its backend holds them (quantized) and, from the
+    plan's prediction, what it needs on its node with its caches beside what that node offers."""
     node = pred.node(s.node_id) if pred is not None else None
     return ShardView(s.node_id, s.start, s.end, pinned=s.node_id in pins,
-                     weight_bytes=int(spec.range_bytes(s.start, s.end, 0)) if spec is not None else 0,
+                     weight_bytes=int(spec.range_bytes(s.start, s.end, 0, s.backend or None)) if spec is not None else 0,
                      memory_bytes=node.memory_bytes if node else 0, usable_bytes=node.usable_bytes if node else 0,
                      experts=tuple(spec.experts) if spec is not None else (0, 0))
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from backends.base import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, KVCache
 from exo_tui import events as ev
-from exo_tui.cluster.node_handle import NodeHandle
+from exo_tui.cluster.node_handle import NodeHandle, held_bytes
 from exo_tui.cluster.pipeline import StepFailure
 from exo_tui.cluster.view import (
     LayerMove,
@@ -71,7 +71,7 @@ class PlanSwitching:
             p = h.profile
             backend = self._node_backend(h)
             timing = p.layer_timing.get(backend)
-            held = sum(int(s.get("nbytes", 0)) for s in h.shards)
+            held = sum(held_bytes(s) for s in h.shards)
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
             total = p.ram_total_bytes
             if p.memory_limit_bytes:
@@ -258,7 +258,8 @@ class PlanSwitching:
         gives it (what the process holds besides caches, the caches, the budget's least reserve)."""
         need: dict[str, int] = {}
         for e in missing:
-            need[e.node_id] = need.get(e.node_id, 0) + self.spec.range_bytes(e.start, e.end, 0)
+            backend = self._node_backend(self.nodes[e.node_id])
+            need[e.node_id] = need.get(e.node_id, 0) + self.spec.range_bytes(e.start, e.end, 0, backend)
         short = set()
         for node_id, nbytes in need.items():
             h = self.nodes[node_id]
@@ -506,7 +507,7 @@ def _concat_kv(parts: list[KVCache]) -> KVCache:
 def _shard_record(entry: PlanEntry, body: dict[str, Any], key: str) -> dict[str, Any]:
     """What the coordinator keeps of a shard a node loaded (as the node's describe() says it)."""
     return {"start": entry.start, "end": entry.end, "backend": body.get("backend"), "nbytes": int(body.get("nbytes", 0)),
-            "model": key}
+            "held_bytes": held_bytes(body), "model": key}
 
 
 def _moves(old: Plan | None, new: Plan, spec: Any) -> list[LayerMove]:

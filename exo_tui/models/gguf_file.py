@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import kquants
+from backends import backend_class, kquants
 from backends.base import (
     LayerWeights,
     LazyLayers,
@@ -37,7 +37,7 @@ from exo_tui.models.families import (
 from exo_tui.models.gguf_header import GGUFHeader, type_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "UnsupportedModelError",
-           "lazy_shard", "load_pieces", "tensor_from_raw"]
+           "held_nbytes", "lazy_shard", "load_pieces", "shard_load_peak", "tensor_from_raw"]
 # Block formats kept quantized (affine blocks of 32; the K-quants' groups through backends/kquants.py);
 # other types are dequantized at load.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -60,16 +60,53 @@ class TensorInfo:
     nbytes: int
 
 
-def load_pieces(tensors: Iterable[TensorInfo]) -> list[list[tuple[str, int]]]:
-    """A shard's ``tensors`` as the pieces its load reads at once, for
-    :func:`backends.base.load_peak_bytes`: a layer's tensors together (by their ``blk.N.`` prefix),
-    the others (embedding, final norm, head) one each; each tensor as (GGUF type name, file
-    bytes), a mixture's experts with no type name: they are decoded whole."""
-    pieces: dict[str, list[tuple[str, int]]] = {}
+def _grouped(tensors: Iterable[TensorInfo]) -> list[list[TensorInfo]]:
+    """``tensors`` as the pieces a load reads at once, in its order: a layer's tensors together (by
+    their ``blk.N.`` prefix), the others (embedding, final norm, head) one each."""
+    pieces: dict[str, list[TensorInfo]] = {}
     for t in tensors:
-        key = t.name.split(".")[1] if t.name.startswith("blk.") else t.name
-        pieces.setdefault(key, []).append(("" if "_exps." in t.name else t.type_name, t.nbytes))
+        pieces.setdefault(t.name.split(".")[1] if t.name.startswith("blk.") else t.name, []).append(t)
     return list(pieces.values())
+
+
+def load_pieces(tensors: Iterable[TensorInfo]) -> list[list[tuple[str, int]]]:
+    """A shard's ``tensors`` as the pieces its load reads at once (:func:`_grouped`), for
+    :func:`backends.base.load_peak_bytes`: each tensor as (GGUF type name, file bytes), a
+    mixture's experts with no type name: they are decoded whole."""
+    return [[("" if "_exps." in t.name else t.type_name, t.nbytes) for t in piece] for piece in _grouped(tensors)]
+
+
+def shard_load_peak(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:
+    """What the load of a shard of ``tensors`` on ``backend`` takes at its peak beside the arrays
+    it holds once loaded: each piece's temporaries beside the arrays of the pieces read so far
+    (:func:`backends.base.load_peak_bytes` with each piece's :func:`held_nbytes`)."""
+    pieces = _grouped(tensors)
+    if first and not backend_class(backend).embedding_first:  # the layers, then the embedding, then the head
+        embedding = [p for p in pieces if p[0].name == "token_embd.weight"]
+        layers = [p for p in pieces if p[0].name.startswith("blk.")]
+        pieces = layers + embedding + [p for p in pieces if p not in layers and p not in embedding]
+    held = [held_nbytes(backend, piece, first=first, last=last) for piece in pieces]
+    return load_peak_bytes(backend, load_pieces(t for piece in pieces for t in piece), held)
+
+
+def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:
+    """The bytes a shard of ``tensors`` (its layers', and the embedding or head at the ends) holds
+    on ``backend`` (:meth:`backends.base.Backend.held_nbytes`): the token embedding as the rows the
+    ``first`` shard looks up, and on a ``last`` shard of a model that ties them (no
+    ``output.weight``), as the head's matrix too, one form for both where the backend keeps one."""
+    cls = backend_class(backend)
+    tensors = list(tensors)
+    tied = last and not any(t.name == "output.weight" for t in tensors)
+    total = 0
+    for t in tensors:
+        if t.name != "token_embd.weight":
+            total += cls.held_nbytes(t.type_name, t.shape)
+            continue
+        if first:
+            total += cls.held_nbytes(t.type_name, t.shape, embedding=True)
+        if tied and not (first and cls.shares_tied_head):
+            total += cls.held_nbytes(t.type_name, t.shape)
+    return total
 
 
 class GGUFModel:
@@ -181,13 +218,14 @@ class GGUFModel:
             raise ModelFileError(f"{self.path} lacks tensor {name}: the file is incomplete or not a model of a family exo-tui runs")
         return TensorInfo(name, type_name(t.type_id), tuple(reversed(t.dims)), t.n_bytes)
 
-    def _layer_names(self, layer: int) -> list[str]:
+    def layer_names(self, layer: int) -> list[str]:
+        """The names of ``layer``'s tensors (its family's)."""
         return [f"blk.{layer}.{n}" for n in self.family.layer_tensors(bool(self.config.n_experts)).values()]
 
     def _check_complete(self) -> None:
         cfg = self.config
         names = ["token_embd.weight", "output_norm.weight"]
-        names += [n for i in range(cfg.n_layers) for n in self._layer_names(i)]
+        names += [n for i in range(cfg.n_layers) for n in self.layer_names(i)]
         missing = [n for n in names if n not in self._tensors]
         if missing:
             raise ModelFileError(
@@ -213,7 +251,7 @@ class GGUFModel:
     # ---------------------------------------------------------------- sizes
 
     def layer_nbytes(self, layer: int) -> int:
-        return sum(self.tensor_info(n).nbytes for n in self._layer_names(layer))
+        return sum(self.tensor_info(n).nbytes for n in self.layer_names(layer))
 
     def expert_nbytes(self, layer: int) -> int:
         """Bytes of ``layer``'s experts' matrices (0 in a dense model)."""
@@ -222,8 +260,21 @@ class GGUFModel:
 
     def load_peak_nbytes(self, start: int, end: int, backend: str) -> int:
         """What a load of layers ``[start, end)`` on ``backend`` takes at its peak beside the
-        shard's arrays (:func:`backends.base.load_peak_bytes`, over its :func:`load_pieces`)."""
-        return load_peak_bytes(backend, load_pieces(self.tensor_info(n) for n in self.shard_tensor_names(start, end)))
+        shard's arrays (:func:`shard_load_peak`)."""
+        return shard_load_peak(backend, (self.tensor_info(n) for n in self.shard_tensor_names(start, end)),
+                               first=start == 0, last=end == self.config.n_layers)
+
+    def most_load_peak_nbytes(self, backend: str) -> int:
+        """The most a load of any shard of this model on ``backend`` takes at its peak beside its
+        arrays (what a plan leaves a node for it: :func:`backends.base.load_peak_bytes`)."""
+        names = self.shard_tensor_names(0, self.config.n_layers)
+        return load_peak_bytes(backend, load_pieces(self.tensor_info(n) for n in names))
+
+    def held_nbytes(self, start: int, end: int, backend: str) -> int:
+        """What a shard of layers ``[start, end)`` holds on ``backend`` (:func:`held_nbytes`)."""
+        names = self.shard_tensor_names(start, end)
+        return held_nbytes(backend, (self.tensor_info(n) for n in names), first=start == 0,
+                           last=end == self.config.n_layers)
 
     @property
     def embed_nbytes(self) -> int:
@@ -271,7 +322,7 @@ class GGUFModel:
     def shard_tensor_names(self, start: int, end: int) -> list[str]:
         """The names of the tensors a shard of layers ``[start, end)`` needs."""
         names = ["token_embd.weight"] if start == 0 else []
-        names += [n for i in range(start, end) for n in self._layer_names(i)]
+        names += [n for i in range(start, end) for n in self.layer_names(i)]
         if end == self.config.n_layers:
             names.append("output_norm.weight")
             if not self.tied_embeddings:

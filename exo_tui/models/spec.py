@@ -7,8 +7,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-from exo_tui.models.gguf_file import GGUFModel, ModelFileError
-from exo_tui.scheduler.spec import SYNTHETIC_SHAPES, ModelSpec, synthetic_spec
+from backends import BACKEND_NAMES, backend_class
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError, held_nbytes
+from exo_tui.scheduler.spec import SYNTHETIC_SHAPES, HeldBytes, ModelSpec, synthetic_spec
 
 
 def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: int | None = None, *,
@@ -36,7 +37,25 @@ def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: in
         context_length=context_length or served_context(cfg.context_length, context_limit),
         tied_embeddings=m.tied_embeddings,
         kv_windows=tuple(cfg.ring_window if cfg.windowed(i) else 0 for i in range(cfg.n_layers)),
-        load_peaks=tuple((b, m.load_peak_nbytes(0, cfg.n_layers, b)) for b in ("onnx", "mlx")),
+        load_peaks=tuple((b, m.most_load_peak_nbytes(b)) for b in BACKEND_NAMES),
+        held=tuple((b, held_on(m, b)) for b in BACKEND_NAMES),
+    )
+
+
+def held_on(m: GGUFModel, backend: str) -> HeldBytes:
+    """Each layer's, the embedding's and the head's bytes as ``backend``'s shards hold them
+    (:func:`exo_tui.models.gguf_file.held_nbytes`)."""
+    def held(names: list[str]) -> int:
+        return held_nbytes(backend, (m.tensor_info(n) for n in names), first=False, last=False)
+
+    cls = backend_class(backend)
+    embd = m.tensor_info("token_embd.weight")
+    out = m.tensor_info("token_embd.weight" if m.tied_embeddings else "output.weight")
+    return HeldBytes(
+        layers=tuple(held(m.layer_names(i)) for i in range(m.config.n_layers)),
+        embed=cls.held_nbytes(embd.type_name, embd.shape, embedding=True),
+        head=held(["output_norm.weight"]) + cls.held_nbytes(out.type_name, out.shape),
+        shares_tied_head=cls.shares_tied_head,
     )
 
 

@@ -20,13 +20,14 @@ from typing import Any
 import numpy as np
 
 from backends import get_backend
-from backends.base import KVCache, ModelConfig, Shard, ShardWeights, load_peak_bytes
+from backends.base import KVCache, ModelConfig, Shard, ShardWeights
 from exo_tui.models.gguf_file import (
     GGUFModel,
     ModelFileError,
     TensorInfo,
+    held_nbytes,
     lazy_shard,
-    load_pieces,
+    shard_load_peak,
     tensor_from_raw,
 )
 from exo_tui.net.protocol import ChunkChecksumError, HostError, NoRoom, PlanEntry, RingPlan
@@ -44,6 +45,7 @@ class Transfer:
     tensors: list[TensorInfo]
     total_bytes: int
     model: str = ""
+    held_bytes: int = 0  # what the backend will hold of them
     buffer: bytearray = field(default_factory=bytearray)
     received: int = 0
 
@@ -91,8 +93,9 @@ class HostedShard:
     backend: str
     start: int
     end: int
-    nbytes: int
+    nbytes: int  # its tensors' bytes in the file
     model: str = ""  # the tag its load came with: the plans that run it name it
+    held_bytes: int = 0  # what its backend holds of them (backends' held_nbytes); 0: nbytes
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -124,17 +127,20 @@ class ShardHost:
         """Layers ``[start, end)`` of the file at ``path``, served at ``context`` tokens where less
         than the model's own (:meth:`~backends.base.ModelConfig.at_context`)."""
         gguf = self._open(path)
-        self._check_room(sum(gguf.tensor_info(n).nbytes for n in gguf.shard_tensor_names(start, end)),
-                         gguf.load_peak_nbytes(start, end, backend or self.default_backend), start, end)
+        name = backend or self.default_backend
+        held = gguf.held_nbytes(start, end, name)
+        self._check_room(held, gguf.load_peak_nbytes(start, end, name), start, end)
         try:
-            return self._install(gguf.config.at_context(context), lambda: gguf.shard_weights(start, end), backend, model)
+            return self._install(gguf.config.at_context(context), lambda: gguf.shard_weights(start, end), backend, model,
+                                 held)
         finally:
             gguf.release_pages()  # the shard has its own copy: the file's pages need not stay resident
 
     def _check_room(self, nbytes: int, peak: int, start: int, end: int) -> None:
         """Refuse a load of ``nbytes`` that would take the process past its memory limit at its
         peak (``peak`` beside them: :func:`backends.base.load_peak_bytes`): it is enforced here,
-        not only planned around. A shard is about its file's bytes once loaded."""
+        not only planned around. A shard holds its backend's form of its tensors once loaded
+        (:func:`~exo_tui.models.gguf_file.held_nbytes`)."""
         room = self.room()
         need = nbytes + peak
         if room is not None and need > room:
@@ -170,9 +176,12 @@ class ShardHost:
                 f"transfer {transfer_id}: {total / 1e9:.2f} GB of weights do not fit in the {free / 1e9:.2f} GB free here: "
                 "give this node fewer layers or free memory"
             )
+        name = backend or self.default_backend
+        held = held_nbytes(name, tensors, first=start == 0, last=end == config.n_layers)
         # the bytes received stay until the shard is built from them
-        self._check_room(2 * total, load_peak_bytes(backend or self.default_backend, load_pieces(tensors)), start, end)
-        transfer = Transfer(transfer_id, config, start, end, backend or self.default_backend, tensors, total, model)
+        peak = shard_load_peak(name, tensors, first=start == 0, last=end == config.n_layers)
+        self._check_room(total + held, peak, start, end)
+        transfer = Transfer(transfer_id, config, start, end, name, tensors, total, model, held)
         self.transfers[transfer_id] = transfer
         return transfer
 
@@ -182,12 +191,13 @@ class ShardHost:
             raise HostError(f"no transfer {transfer_id} in progress here: begin it first")
 
         try:
-            return self._install(transfer.config, transfer.shard_weights, transfer.backend, transfer.model)
+            return self._install(transfer.config, transfer.shard_weights, transfer.backend, transfer.model,
+                                 transfer.held_bytes)
         finally:
             transfer.buffer = bytearray()  # the shard has its own form of the bytes
 
     def _install(self, config: ModelConfig, make_weights: Callable[[], ShardWeights], backend: str | None,
-                 model: str = "") -> HostedShard:
+                 model: str = "", held_bytes: int = 0) -> HostedShard:
         """Loads the weights ``make_weights`` makes; this is their only holder, so the backend may
         drop each layer once it has its own form of it (``disposable``) and everything the load
         freed goes back to the system afterwards."""
@@ -199,7 +209,7 @@ class ShardHost:
         weights.disposable = True
         nbytes = weights.nbytes  # before the load, which drops the layers
         shard = get_backend(name).load_shard(config, weights)
-        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes, model)
+        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes, model, held_bytes)
         del weights
         with self.lock:
             old = self.shards.pop(hosted.key, None)
@@ -273,7 +283,8 @@ class ShardHost:
         backend may be busy with a step on the worker thread (heartbeats must not wait)."""
         with self.lock:
             hosted = list(self.shards.values())
-        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model} for h in hosted]
+        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model,
+                 "held_bytes": h.held_bytes or h.nbytes} for h in hosted]
 
 
 @functools.cache

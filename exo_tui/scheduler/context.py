@@ -60,13 +60,14 @@ class _Ctx:
     predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
 
     def need(self, nid: str, start: int, end: int) -> int:
-        """Memory node ``nid`` needs for layers ``[start, end)``: weights, its KV caches at its
-        backend's precision, the embedding or head at the ends."""
-        return self.spec.range_bytes(start, end, self.kv[nid])
+        """Memory node ``nid`` needs for layers ``[start, end)``: weights as its backend holds
+        them, its KV caches at its backend's precision, the embedding or head at the ends."""
+        return self.spec.range_bytes(start, end, self.kv[nid], self.backend[nid])
 
     def per_layer(self, nid: str) -> float:
         """An average layer with its KV cache on node ``nid``."""
-        return self.spec.mean_layer_bytes + self.kv[nid] * self.spec.kv_layers(0, self.spec.n_layers) / self.spec.n_layers
+        spec = self.spec
+        return spec.mean_held_layer_bytes(self.backend[nid]) + self.kv[nid] * spec.kv_layers(0, spec.n_layers) / spec.n_layers
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:

@@ -31,8 +31,8 @@ class _Mats:
 
     S: np.ndarray  # start e - n (clipped at 0), int
     Wd: np.ndarray  # layer-weight of the range, inf where the range is not allowed
-    M: np.ndarray  # weight bytes of the range (embedding/head at the ends), inf where not allowed; a
-    # node adds its own KV bytes per layer (N of them)
+    M: np.ndarray  # weight bytes of the range (embedding/head at the ends) as a backend holds them, inf
+    # where not allowed; a node adds its own KV bytes per layer (N of them)
     N: np.ndarray  # n, float
     gt0: np.ndarray  # 1.0 where the range starts after layer 0
     min_layer_bytes: float
@@ -41,8 +41,10 @@ class _Mats:
 
 
 @lru_cache(maxsize=64)
-def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int) -> _Mats:
+def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int, backend: str | None = None) -> _Mats:
+    """The ranges' matrices, their bytes as ``backend``'s shards hold them (None: the file's)."""
     L = spec.n_layers
+    held = spec.held_bytes(backend)
     W = _prefix(spec)
     e = np.arange(L + 1)[:, None]
     n = np.arange(L + 1)[None, :]
@@ -54,21 +56,20 @@ def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int) -> _Mats:
     pp = np.cumsum(pinned)
     crosses = (pp[e] - pp[S]) > 0
     valid = (start >= 0) & (n >= max(1, min_layers)) & ~crosses
-    B = np.concatenate([[0.0], np.cumsum(np.array(spec.layers, dtype=np.float64))])
+    B = np.concatenate([[0.0], np.cumsum(np.array(held.layers, dtype=np.float64))])
     kv_prefix = np.array([spec.kv_layers(0, i) for i in range(L + 1)])
     nf = np.broadcast_to(n, (L + 1, L + 1)).astype(np.float64)
     mem = B[e] - B[S]
-    mem = mem + np.where(start == 0, float(spec.embed_bytes), 0.0)
-    mem[L, :] += spec.head_bytes
-    if spec.tied_embeddings:
-        mem[L, L] -= min(spec.embed_bytes, spec.head_bytes)
+    mem = mem + np.where(start == 0, float(held.embed), 0.0)
+    mem[L, :] += held.head
+    mem[L, L] = B[L] + spec.ends_bytes(True, True, backend)  # the whole model: one form of a tied matrix where shared
     return _Mats(
         S=S,
         Wd=np.where(valid, W[e] - W[S], np.inf),
         M=np.where(valid, mem, np.inf),
         N=nf,
         gt0=(start > 0).astype(np.float64),
-        min_layer_bytes=float(min(spec.layers)),
+        min_layer_bytes=float(min(held.layers)),
         K=kv_prefix[e] - kv_prefix[S],
         min_kv_share=float(np.diff(kv_prefix).min()),
     )
@@ -133,7 +134,8 @@ def _dp(
     nseq = len(seq)
     for i, nid in enumerate(seq):
         room = ctx.usable[nid]
-        smallest = mats.min_layer_bytes + ctx.kv[nid] * mats.min_kv_share
+        held = _mats(spec, ctx.pins, ctx.min_layers, ctx.backend[nid])  # this node's bytes of each range
+        smallest = held.min_layer_bytes + ctx.kv[nid] * mats.min_kv_share
         k = min(L, int(room // smallest)) if smallest > 0 else L
         if k < max(1, ctx.min_layers):
             if not skip:
@@ -145,7 +147,7 @@ def _dp(
             continue
         cols = slice(0, k + 1)
         prior = cur[mats.S[:, cols]]
-        feasible = mats.M[:, cols] + ctx.kv[nid] * mats.K[:, cols] <= room
+        feasible = held.M[:, cols] + ctx.kv[nid] * mats.K[:, cols] <= room
         if mode == "dev":
             target = (targets or {}).get(nid, 0.0)
             cost = (mats.N[:, cols] - target) ** 2 + prior
@@ -220,10 +222,8 @@ def _fill_fastest(ctx: _Ctx, seq: Sequence[str]) -> list[tuple[str, int, int]] |
         return None
     caps = []
     for i, nid in enumerate(seq):
-        per = spec.layers[0] + ctx.kv[nid]
-        extra = (spec.embed_bytes if i == 0 else 0) + (spec.head_bytes if i == m - 1 else 0)
-        if m == 1 and spec.tied_embeddings:
-            extra -= min(spec.embed_bytes, spec.head_bytes)
+        per = spec.held_bytes(ctx.backend[nid]).layers[0] + ctx.kv[nid]
+        extra = spec.ends_bytes(i == 0, i == m - 1, ctx.backend[nid])
         cap = min(L, int((ctx.usable[nid] - extra) // per)) if ctx.usable[nid] >= extra else -1
         if cap < ctx.min_layers:
             return None

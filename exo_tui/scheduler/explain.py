@@ -82,9 +82,10 @@ def _reserve_text(config: SchedulerConfig, profiles: Sequence[DeviceProfile]) ->
 def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) -> InfeasiblePlan:
     spec = ctx.spec
     free = _free_ranges(ctx)
-    # at the smallest KV cache any candidate keeps: if even that does not fit, nothing does
+    # at the smallest KV cache and weights any candidate keeps: if even those do not fit, nothing does
     kv_layer = min((ctx.kv[n] for n in cands), default=float(spec.kv_bytes_per_layer))
-    need = sum(spec.range_bytes(a, b, kv_layer) for a, b in free)
+    backends = sorted({ctx.backend[n] for n in cands}) or [None]
+    need = min(sum(spec.range_bytes(a, b, kv_layer, backend) for a, b in free) for backend in backends)
     have = sum(ctx.usable[n] for n in cands)
     largest = max(cands, key=lambda n: (ctx.usable[n], n)) if cands else None
     largest_text = f"; largest free is {largest} with {gb(ctx.usable[largest])}" if largest else ""
@@ -97,7 +98,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
             "Add a node, free memory, or serve a shorter context (--context, models.context_length).", "memory",
             need - have)
     # Enough bytes in total, but not in whole layers per node (or in the minimum shard size).
-    per_layer = spec.mean_layer_bytes + kv_layer
+    per_layer = min(spec.mean_held_layer_bytes(backend) for backend in backends) + kv_layer
     room = sum(int(ctx.usable[n] // ctx.per_layer(n)) for n in cands)
     layers = sum(b - a for a, b in free)
     if room < layers:
@@ -110,7 +111,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
         return InfeasiblePlan(
             f"no split gives every used node at least min_layers_per_shard {ctx.min_layers} layers within its memory"
             f"{largest_text}: lower min_layers_per_shard or free memory", "min_layers_per_shard")
-    first = spec.range_bytes(0, 1) if not any(p.start == 0 for p in ctx.pins) else 0
+    first = min(spec.range_bytes(0, 1, None, backend) for backend in backends) if not any(p.start == 0 for p in ctx.pins) else 0
     return InfeasiblePlan(
         f"no contiguous split fits: the first shard needs the embedding ({gb(spec.embed_bytes)}) and the last the "
         f"output head ({gb(spec.head_bytes)}) besides their layers (layer 0 alone needs {gb(first)}){largest_text}. "

@@ -16,6 +16,19 @@ BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32, "Q
 
 
 @dataclass(frozen=True)
+class HeldBytes:
+    """What one backend's shards hold of a model, where it differs from the file's bytes: each
+    layer's, the embedding's (as the first shard looks rows up in it) and the head's (the final
+    norm and the output matrix, the embedding's as a matrix where tied), and whether a shard
+    holding both keeps one form of a tied matrix (``backends``' ``held_nbytes``)."""
+
+    layers: tuple[int, ...]
+    embed: int
+    head: int
+    shares_tied_head: bool = True
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The shape of a model as the scheduler needs it.
 
@@ -47,6 +60,9 @@ class ModelSpec:
     # Per backend, what a load takes at its peak beside its shard's arrays (models/gguf_file.py's
     # load_peak_nbytes, over the whole model); () where unknown.
     load_peaks: tuple[tuple[str, int], ...] = ()
+    # Per backend, what its shards hold where not the file's bytes (K-quant tiles, MLX's float32
+    # scales, types read as float32); memory is counted so on a node of that backend.
+    held: tuple[tuple[str, HeldBytes], ...] = ()
     _mean: float = field(default=0.0, init=False, repr=False, compare=False)
     _active_mean: float = field(default=0.0, init=False, repr=False, compare=False)
     _kv_prefix: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -63,6 +79,8 @@ class ModelSpec:
         if any(b <= 0 for b in lb):
             raise ValueError(f"model {self.name}: every layer must have a positive size in bytes")
         object.__setattr__(self, "layer_bytes", lb)
+        if any(len(h.layers) != self.n_layers for _, h in self.held):
+            raise ValueError(f"model {self.name}: a backend's held bytes must be one per layer")
         object.__setattr__(self, "_mean", sum(lb) / len(lb))
         active = tuple(int(b) for b in self.active_layer_bytes) or lb
         if len(active) != self.n_layers or any(a > b for a, b in zip(active, lb, strict=True)):
@@ -116,17 +134,35 @@ class ModelSpec:
         """Weights plus the KV cache of every layer at the full context."""
         return self.weight_bytes + int(self.kv_bytes_per_layer * self.kv_layers(0, self.n_layers))
 
-    def range_bytes(self, start: int, end: int, kv_bytes_per_layer: float | None = None) -> int:
-        """Memory a shard ``[start, end)`` needs: weights, KV cache (``kv_bytes_per_layer`` a layer,
-        default float32's), embedding/head at the ends."""
+    def held_bytes(self, backend: str | None = None) -> HeldBytes:
+        """What a shard on ``backend`` holds of the model (None, or a backend not known: the file's
+        bytes)."""
+        known = dict(self.held)
+        if backend in known:
+            return known[backend]
+        return HeldBytes(self.layers, self.embed_bytes, self.head_bytes)
+
+    def mean_held_layer_bytes(self, backend: str | None = None) -> float:
+        layers = self.held_bytes(backend).layers
+        return sum(layers) / len(layers)
+
+    def range_bytes(self, start: int, end: int, kv_bytes_per_layer: float | None = None,
+                    backend: str | None = None) -> int:
+        """Memory a shard ``[start, end)`` needs: weights as ``backend``'s shards hold them (None:
+        the file's bytes), KV cache (``kv_bytes_per_layer`` a layer, default float32's),
+        embedding/head at the ends."""
         kv = self.kv_bytes_per_layer if kv_bytes_per_layer is None else kv_bytes_per_layer
-        b = sum(self.layers[start:end]) + int(kv * self.kv_layers(start, end))
-        if start == 0:
-            b += self.embed_bytes
-        if end == self.n_layers:
-            b += self.head_bytes
-            if start == 0 and self.tied_embeddings:
-                b -= min(self.embed_bytes, self.head_bytes)
+        held = self.held_bytes(backend)
+        b = sum(held.layers[start:end]) + int(kv * self.kv_layers(start, end))
+        return b + self.ends_bytes(start == 0, end == self.n_layers, backend)
+
+    def ends_bytes(self, first: bool, last: bool, backend: str | None = None) -> int:
+        """What a shard holds besides its layers: the embedding on the first, the head on the last
+        (one form of a tied matrix, where a backend's shard holding both keeps one)."""
+        held = self.held_bytes(backend)
+        b = (held.embed if first else 0) + (held.head if last else 0)
+        if first and last and self.tied_embeddings and held.shares_tied_head:
+            b -= min(held.embed, held.head)
         return b
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,6 +181,8 @@ class ModelSpec:
             **({"experts": list(self.experts)} if self.experts[0] else {}),
             **({"kv_windows": list(self.kv_windows)} if self.kv_windows else {}),
             **({"load_peaks": dict(self.load_peaks)} if self.load_peaks else {}),
+            **({"held": {b: {"layers": list(h.layers), "embed": h.embed, "head": h.head,
+                             "shares_tied_head": h.shares_tied_head} for b, h in self.held}} if self.held else {}),
         }
 
     @classmethod
@@ -164,6 +202,9 @@ class ModelSpec:
             experts=tuple(int(x) for x in d.get("experts", (0, 0))),  # type: ignore[arg-type]
             kv_windows=tuple(int(x) for x in d.get("kv_windows", ())),
             load_peaks=tuple((str(b), int(n)) for b, n in dict(d.get("load_peaks", {})).items()),
+            held=tuple((str(b), HeldBytes(tuple(int(x) for x in h["layers"]), int(h["embed"]), int(h["head"]),
+                                          bool(h.get("shares_tied_head", True))))
+                       for b, h in dict(d.get("held", {})).items()),
         )
 
 

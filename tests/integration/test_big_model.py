@@ -14,8 +14,9 @@ what the nodes offer once they run (the scheduler's usable bytes under each limi
 the default model loaded: the limit less what the runtime grew by, a load's peak and the node's
 least reserve): its layers and their caches at the model's context more than the two largest
 rooms, and a share of it by room leaving each node the default model's shard, which the switch
-loads beside. At 1 GB limits: rooms of 910-916 MB, 52 MB held, a Q4_K file of 2.41-2.43 GB, 2.4x
-each node's limit (at 0.75 GB 2.25x; what each node keeps besides its layers, ~130 MB here, is
+loads beside; every byte counted as the nodes' backend holds it (its tiles: Q4_K's 148 bytes a
+256 weights, the file's 144). At 1 GB limits: rooms of 913-915 MB, 54 MB held, a Q4_K file of
+2.36 GB, 2.36x each node's limit (at 0.75 GB 2.25x; what each node keeps besides its layers, ~130 MB here, is
 what stands between it and 3x: a smaller share of a larger limit, as at the 8B shape's in
 benchmarks/big_model.py).
 Deterministic: fixed seeds, greedy decoding; only the layer count (and the weights' seed, for an
@@ -33,8 +34,9 @@ import psutil
 import pytest
 
 from exo_tui import events as ev
+from exo_tui.cluster.node_handle import held_bytes
 from exo_tui.cluster.view import ChatParams, Command
-from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.models.gguf_file import GGUFModel, held_nbytes
 from exo_tui.models.spec import spec_from_gguf
 from tests.factory import write_tiny_llama
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
@@ -111,8 +113,14 @@ def kv_layer_bytes(model: GGUFModel) -> int:
 
 
 def need_bytes(model: GGUFModel) -> int:
-    """The memory the whole model needs in a plan: its bytes and its layers' caches."""
-    return model.nbytes + model.config.n_layers * kv_layer_bytes(model)
+    """The memory the whole model needs in a plan: its bytes as ONNX holds them (its tiles) and
+    its layers' caches."""
+    return model.held_nbytes(0, model.config.n_layers, "onnx") + model.config.n_layers * kv_layer_bytes(model)
+
+
+def held_layer_bytes(model: GGUFModel) -> int:
+    """A layer's bytes as ONNX holds them."""
+    return held_nbytes("onnx", (model.tensor_info(n) for n in model.layer_names(0)), first=False, last=False)
 
 
 def layers_for(room: list[int], probe: GGUFModel, held: int) -> int:
@@ -120,7 +128,7 @@ def layers_for(room: list[int], probe: GGUFModel, held: int) -> int:
     share on each node (split by room, as the ``memory`` strategy does) leaves that node its
     runtime's growth and the ``held`` bytes of the served model's shard, which the switch loads
     beside (the rooms leave out the node's reserve already)."""
-    per_layer = probe.layer_nbytes(0) + kv_layer_bytes(probe)
+    per_layer = held_layer_bytes(probe) + kv_layer_bytes(probe)
     ends = need_bytes(probe) - per_layer
     low = (room[-1] + room[-2] - ends) / per_layer + 1
     high = min((r - GROWTH_BYTES - held) * sum(room) / r for r in room) / per_layer
@@ -146,7 +154,7 @@ def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
         async def run() -> None:
             async with coordinator(ns, strategy="memory") as c:
                 room = rooms(c, probe)
-                held = max(sum(int(s.get("nbytes", 0)) for s in h.shards) for h in c.nodes.values())
+                held = max(sum(held_bytes(s) for s in h.shards) for h in c.nodes.values())
                 big, want = await answering_model(tmp_path / "big.gguf", layers_for(room, probe, held), GREEDY)
                 size, need = GGUFModel(big).nbytes, need_bytes(GGUFModel(big))
                 print(f"\nrooms {[r // 10**6 for r in room]} MB, held {held // 10**6} MB: the model {size / 1e9:.2f} GB, "
@@ -205,7 +213,7 @@ def test_a_drain_onto_nodes_too_small_for_two_shards_swaps_them_mid_answer(tmp_p
     answer goes on token for token and no node passes its limit, a sampled peak included."""
     os.environ["EXO_TUI_HOME"] = str(tmp_path)
     probe = GGUFModel(write_model(tmp_path / "probe.gguf", 1))
-    per_layer = probe.layer_nbytes(0) + kv_layer_bytes(probe)
+    per_layer = held_layer_bytes(probe) + kv_layer_bytes(probe)
     ends = need_bytes(probe) - per_layer
     with node_processes(tmp_path, ["onnx"] * 4, memory_limits_gb=[LIMIT_GB] * 4) as ns:
         procs = [psutil.Process(n.pid) for n in ns.nodes]

@@ -128,7 +128,7 @@ def test_a_node_is_short_of_room_past_its_baseline_plus_its_limit(tmp_path: Path
     h = limited_node(250 * MB)
     h.held = {(0, 4)}
     c.nodes[h.node_id] = h
-    c.spec = SimpleNamespace(layers=[], load_peaks=(("onnx", 0),), range_bytes=lambda start, end, _kv: need)
+    c.spec = SimpleNamespace(layers=[], load_peaks=(("onnx", 0),), range_bytes=lambda start, end, _kv, _backend=None: need)
     # 650 MB the process may hold, less 250 MB held besides caches, 20 MB of caches and the least reserve
     assert 650 * MB - 250 * MB - 20 * MB - RESERVE_MIN_BYTES in range(300 * MB, 340 * MB)
     assert c._short_of_room([PlanEntry(h.node_id, "127.0.0.1", 1, 4, 8)]) == ({h.node_id} if short else set())

@@ -201,13 +201,16 @@ def test_a_shards_layers_are_read_one_at_a_time(tiny_models, monkeypatch) -> Non
 
 def test_a_load_past_the_memory_limit_is_refused_before_anything_loads(default_model_path) -> None:  # noqa: ANN001
     """The node enforces its limit, not only the scheduler: a load (from the file or streamed)
-    whose peak (its bytes, a layer or the embedding decoded beside them; a streamed one's received
-    bytes too) exceeds the room left is refused with the numbers, and nothing is held."""
+    whose peak (the bytes its backend will hold, a layer or the embedding decoded beside them; a
+    streamed one's received bytes too) exceeds the room left is refused with the numbers, and
+    nothing is held."""
     from exo_tui.net.protocol import NoRoom
 
     model = GGUFModel(default_model_path)
     nbytes = sum(model.tensor_info(n).nbytes for n in model.shard_tensor_names(0, 4))
-    peak = nbytes + model.load_peak_nbytes(0, 4, "onnx")
+    held = model.held_nbytes(0, 4, "onnx")  # the Q8_0 embedding's rows: 36 bytes a 32 weights, the file's 34
+    assert held > nbytes
+    peak = held + model.load_peak_nbytes(0, 4, "onnx")
     with pytest.raises(NoRoom, match=r"needs \d+ MB and this node has \d+ MB left under its --memory-limit"):
         shard_host(room=peak - 1).load_from_file(str(default_model_path), 0, 4, "onnx")
     infos = [model.tensor_info(n) for n in model.shard_tensor_names(0, 4)]

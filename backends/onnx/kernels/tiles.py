@@ -26,6 +26,17 @@ CHUNK_CODES = 1 << 20  # codes a K-quant packing step decodes and regroups at on
 SUPER_BYTES = {t: K_HEADER[t] + 8 * K_BLOCK_BYTES[t] for t in KQUANT}  # 4736, 5760, 6720
 
 
+def packed_nbytes(type_name: str, rows: int, cols: int) -> int | None:
+    """The bytes :func:`pack` makes of a ``rows x cols`` matrix of GGUF type ``type_name`` (its
+    last tile padded to 32 columns), or None where ``QLinear`` does not take that type (GGUF's
+    Q4_0, Q4_1 and Q8_0 blocks and its K-quant super-blocks it does)."""
+    tiles = -(-rows // TILE)
+    if type_name in KQUANT:
+        return tiles * (cols // SUPER) * SUPER_BYTES[type_name] if cols % SUPER == 0 else None
+    bits = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(type_name)
+    return tiles * (cols // BLOCK) * TILE_BLOCK_BYTES[bits] if bits and cols % BLOCK == 0 else None
+
+
 def runs_on_kernel(w: object) -> bool:
     """Whether ``w`` is a matrix ``QLinear`` takes: 4- or 8-bit codes in blocks of 32 whose scale
     and bias are exact in float16 (GGUF's Q4_0, Q4_1 and Q8_0 are), or GGUF's K-quant super-blocks

@@ -1,0 +1,149 @@
+"""What a backend's shards hold of a file's tensors (``Backend.held_nbytes``), and that the plan
+and a node's memory limit count that, not the file's bytes: ONNX's ``QLinear`` tiles (Q4_K 148
+bytes a 256 weights against the file's 144, Q4_0 20 a 32 against 18) and compact embedding rows,
+MLX's codes with a float32 scale and bias a group (Q4_K 0.75 bytes a weight against 0.5625).
+
+Each rule is checked against the arrays a real shard of each type builds: every byte of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backends import get_backend
+from backends.base import LOAD_CHUNK_BYTES, load_peak_bytes
+from backends.mlx import MLXBackend
+from exo_tui.models.gguf_file import GGUFModel, held_nbytes
+from exo_tui.models.spec import spec_from_gguf
+from exo_tui.net.protocol import NoRoom
+from exo_tui.node.host import ShardHost
+from exo_tui.scheduler.partition import InfeasiblePlan, make_plan
+from exo_tui.scheduler.profile import DeviceProfile
+from tests.factory import write_tiny_llama
+
+N_LAYERS = 3
+RANGES = [(0, N_LAYERS), (0, 1), (1, N_LAYERS), (1, 2)]
+TYPES = [("Q4_K", "Q6_K", True), ("Q5_K", "Q4_K", False), ("Q6_K", "Q8_0", True), ("Q4_0", "Q4_0", False),
+         ("Q4_1", "Q5_K", True), ("Q8_0", "Q6_K", False)]
+GB = 1e9
+
+
+def model(tmp_path: Path, weight_type: str, embed_type: str, tied: bool) -> GGUFModel:
+    return GGUFModel(write_tiny_llama(tmp_path / f"{weight_type}-{embed_type}.gguf", n_layers=N_LAYERS, hidden=256,
+                                      intermediate=512, n_heads=4, n_kv_heads=2, weight_type=weight_type,
+                                      embed_type=embed_type, tied=tied))
+
+
+def rule(m: GGUFModel, backend: str, start: int, end: int, matrices_only: bool = False) -> int:
+    names = [n for n in m.shard_tensor_names(start, end) if not matrices_only or len(m.tensor_info(n).shape) > 1]
+    return held_nbytes(backend, (m.tensor_info(n) for n in names), first=start == 0, last=end == m.config.n_layers)
+
+
+@pytest.mark.parametrize(("weight_type", "embed_type", "tied"), TYPES, ids=[t[0] for t in TYPES])
+def test_onnx_holds_its_tiles_and_embedding_rows_as_counted(tmp_path: Path, weight_type: str, embed_type: str,
+                                                            tied: bool) -> None:
+    m = model(tmp_path, weight_type, embed_type, tied)
+    for start, end in RANGES:
+        shard = get_backend("onnx").load_shard(m.config, m.shard_weights(start, end))
+        try:
+            if not shard.kernel:
+                pytest.skip("the QLinear kernel library cannot be built here (no C compiler): MatMulNBits runs")
+            tiles = sum(v.numpy().nbytes for v in shard._in_place.values())
+            rows = shard._embed.nbytes if shard._embed is not None else 0
+            # the norms (float32 vectors) are ONNX Runtime's own copies, which it does not show
+            assert tiles + rows == rule(m, "onnx", start, end, matrices_only=True), (start, end)
+            assert rule(m, "onnx", start, end) == m.held_nbytes(start, end, "onnx")
+        finally:
+            shard.close()
+
+
+@pytest.mark.parametrize(("weight_type", "embed_type", "tied"), TYPES, ids=[t[0] for t in TYPES])
+def test_mlx_holds_its_arrays_as_counted(tmp_path: Path, weight_type: str, embed_type: str, tied: bool) -> None:
+    backend = MLXBackend(threads=1)  # one part a matrix: with more, each matrix lists views of itself too
+    if not backend.available():
+        pytest.skip("MLX is not installed here")
+    m = model(tmp_path, weight_type, embed_type, tied)
+    for start, end in RANGES:
+        shard = backend.load_shard(m.config, m.shard_weights(start, end))
+        arrays = {id(a): a for a in shard._arrays()}  # a tied head is the embedding's arrays
+        assert sum(a.nbytes for a in arrays.values()) == rule(m, "mlx", start, end), (start, end)
+
+
+def test_a_k_quant_file_is_held_larger_on_mlx_than_on_onnx_and_the_spec_says_so(tmp_path: Path) -> None:
+    m = model(tmp_path, "Q4_K", "Q6_K", False)
+    spec = spec_from_gguf(m)
+    n = m.config.n_layers
+    file_bytes = spec.range_bytes(0, n, 0)
+    assert file_bytes == m.nbytes
+    onnx, mlx = (spec.range_bytes(0, n, 0, b) for b in ("onnx", "mlx"))
+    assert onnx == m.held_nbytes(0, n, "onnx") and mlx == m.held_nbytes(0, n, "mlx")
+    assert file_bytes < onnx < 1.1 * file_bytes  # Q4_K's tiles 148 / 144, Q6_K's 210 / 210
+    assert mlx > 1.2 * file_bytes  # 0.75 / 0.5625 and 1.0 / 0.8203
+    assert spec.range_bytes(0, n, 0, "a backend it does not know") == file_bytes
+    assert type(spec).from_dict(spec.to_dict()) == spec  # what `exo-tui plan --json` carries
+
+
+def node(nid: str, backend: str, usable: float) -> DeviceProfile:
+    """A node with ``usable`` bytes for shards after the scheduler's reserves (2 GB, 10 %)."""
+    total = 100 * GB
+    return DeviceProfile(nid, ram_total_bytes=int(total), ram_available_bytes=int(usable + 2 * 1024**3 + 0.1 * total),
+                         backends=(backend,))
+
+
+def test_the_plan_counts_what_each_backend_holds(tmp_path: Path) -> None:
+    """Memory for the model as ONNX holds it, and its file's bytes besides: an ONNX node takes
+    the model, an MLX node of the same memory is refused with the numbers (before, both took it,
+    and the MLX node ran out of memory loading it)."""
+    m = model(tmp_path, "Q4_K", "Q6_K", False)
+    spec = spec_from_gguf(m, context_length=64)
+    need = spec.range_bytes(0, spec.n_layers, spec.kv_bytes_per_layer, "onnx")  # float32 caches: no backend named
+    usable = need + 1024
+    assert usable < spec.range_bytes(0, spec.n_layers, spec.kv_bytes_per_layer, "mlx")
+    plan = make_plan([node("a", "onnx", usable)], spec, "latency", now=0.0)
+    assert [(s.node_id, s.start, s.end) for s in plan.shards] == [("a", 0, spec.n_layers)]
+    with pytest.raises(InfeasiblePlan) as e:
+        make_plan([node("b", "mlx", usable)], spec, "latency", now=0.0)
+    assert e.value.constraint == "memory" and e.value.shortfall_bytes > 0
+
+
+@pytest.mark.parametrize("backend", ["onnx", "mlx"])
+def test_a_node_refuses_a_load_its_backend_would_hold_past_its_limit(tmp_path: Path, backend: str) -> None:
+    """The room a load needs is its backend's form of the shard beside a load's peak: a node with
+    room for the file's bytes and the peak, not for its backend's form, refuses the load; with
+    room for that form it loads, and records what it holds."""
+    m = model(tmp_path, "Q4_K", "Q6_K", False)
+    n = m.config.n_layers
+    peak, held = m.load_peak_nbytes(0, n, backend), m.held_nbytes(0, n, backend)
+    assert held > m.nbytes
+    with pytest.raises(NoRoom, match=r"needs \d+ MB"):
+        ShardHost("n", backend, room=lambda: peak + m.nbytes).load_from_file(str(m.path), 0, n, backend)
+    hosted = ShardHost("n", backend, room=lambda: peak + held).load_from_file(str(m.path), 0, n, backend)
+    try:
+        assert (hosted.held_bytes, hosted.nbytes) == (held, m.nbytes)
+    finally:
+        hosted.shard.close()
+
+
+def test_a_loads_peak_counts_each_piece_beside_the_arrays_read_before_it() -> None:
+    """A piece's temporaries lie beside the arrays of the pieces read before it, not all of them:
+    an embedding decoded first peaks with little else held."""
+    pieces = [[("Q8_0", 30)], [("Q8_0", 3)], [("Q8_0", 3)]]  # Q8_0 decoded whole: 1.0x its bytes
+    held = [32, 3, 3]
+    assert load_peak_bytes("onnx", pieces) == 30  # any shard: the largest piece's temporaries
+    assert load_peak_bytes("onnx", pieces, held) == (32 + 30) - 38  # at the embedding, beyond the 38 held at the end
+    assert load_peak_bytes("onnx", pieces[::-1], held[::-1]) == 30  # read last, beside all the rest
+    assert load_peak_bytes("onnx", [[("Q4_K", 10)]], [11]) == LOAD_CHUNK_BYTES  # read a chunk at a time
+
+
+def test_mlx_builds_the_embedding_after_the_layers_and_its_load_peaks_there(tmp_path: Path) -> None:
+    """MLX makes a shard's layers, then its embedding (decoded whole), then its final norm: the
+    peak is the embedding's temporaries beside every layer. ONNX makes the embedding first,
+    beside nothing else."""
+    m = GGUFModel(write_tiny_llama(tmp_path / "wide-vocab.gguf", n_layers=2, hidden=32, intermediate=32, n_heads=2,
+                                   n_kv_heads=1, weight_type="Q4_0", tied=True))  # the embedding its largest piece
+    n = m.config.n_layers
+    decoded = int(3.5 * m.embed_nbytes)
+    norm = 4 * m.config.hidden_size  # read after it
+    assert m.load_peak_nbytes(0, n, "mlx") == decoded - norm
+    assert m.load_peak_nbytes(0, n, "onnx") < decoded - norm
