@@ -193,9 +193,12 @@ class PlanSwitching:
         free = sum(
             max(0, h.memory_available_bytes) for h in self.nodes.values() if h.state != "failed" and h.node_id not in self.drained
         )
-        weights = self.spec.weight_bytes if self.spec is not None else 0  # the caches: as the reason counts them
+        # the weights as the live nodes' backends hold them (the least of those); the caches: as the reason counts them
+        live = {self._node_backend(h) for h in self.nodes.values() if h.state != "failed"} or {None}
+        weights = min(self.spec.range_bytes(0, self.spec.n_layers, 0, b) for b in live) if self.spec is not None else 0
+        held = "" if self.spec is None or weights == self.spec.weight_bytes else f", {self.spec.weight_bytes / 1e9:.2f} GB in its file"
         self._serve_error = (f"the cluster cannot serve the model: {why} (free {free / 1e9:.2f} GB on live nodes; "
-                             f"its weights alone take {weights / 1e9:.2f} GB)")
+                             f"its weights alone take {weights / 1e9:.2f} GB{held})")
         self._plan_ready.set()  # waiting steps wake up and fail with the error
         self._notice("error", self._serve_error)
 
