@@ -27,6 +27,7 @@ RANGES = [(0, N_LAYERS), (0, 1), (1, N_LAYERS), (1, 2)]
 TYPES = [("Q4_K", "Q6_K", True), ("Q5_K", "Q4_K", False), ("Q6_K", "Q8_0", True), ("Q4_0", "Q4_0", False),
          ("Q4_1", "Q5_K", True), ("Q8_0", "Q6_K", False)]
 GB = 1e9
+FAMILIES = Path(__file__).parent.parent / "fixtures" / "families"
 
 
 def model(tmp_path: Path, weight_type: str, embed_type: str, tied: bool) -> GGUFModel:
@@ -147,3 +148,28 @@ def test_mlx_builds_the_embedding_after_the_layers_and_its_load_peaks_there(tmp_
     norm = 4 * m.config.hidden_size  # read after it
     assert m.load_peak_nbytes(0, n, "mlx") == decoded - norm
     assert m.load_peak_nbytes(0, n, "onnx") < decoded - norm
+
+
+def test_a_mixtures_experts_are_held_as_counted_on_onnx() -> None:
+    """ONNX's Experts op takes each expert's gate and up rows as one QLinear matrix and its down
+    matrix, stacked over the experts (ONNX Runtime's copy of them is all the node keeps): as many
+    bytes as the rule counts for the file's expert tensors."""
+    from backends.onnx.kernels.experts import pack_experts
+
+    m = GGUFModel(FAMILIES / "qwen3moe-wide.Q4_K_M.gguf")
+    layer = m.shard_weights(0, 1).layers[0]
+    w1, w2 = pack_experts(layer.experts_gate, layer.experts_up, layer.experts_down, xbits=16)
+    names = [f"blk.0.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    assert w1.nbytes + w2.nbytes == held_nbytes("onnx", (m.tensor_info(n) for n in names), first=False, last=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-wide.Q4_K_M", "qwen3-wide.Q4_K_M", "llama3-wide.Q5_K_M"])
+def test_llama_cpps_quantized_files_are_held_as_counted_on_mlx(name: str) -> None:
+    """Files llama.cpp's quantizer wrote (a mixture's experts among them), whole on one shard."""
+    backend = MLXBackend(threads=1)
+    if not backend.available():
+        pytest.skip("MLX is not installed here")
+    m = GGUFModel(FAMILIES / f"{name}.gguf")
+    shard = backend.load_shard(m.config, m.shard_weights(0, m.config.n_layers))
+    arrays = {id(a): a for a in shard._arrays()}
+    assert sum(a.nbytes for a in arrays.values()) == m.held_nbytes(0, m.config.n_layers, "mlx")
