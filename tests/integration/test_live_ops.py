@@ -295,9 +295,10 @@ def test_too_little_memory_after_failure_is_a_clear_error(home: Path, tiny_model
     """Two nodes that can each hold only part of the model: when one dies the request ends with
     the reason (free memory against what the model needs), and the survivor still serves a
     model that fits."""
-    # The default model with its 8,192-position caches in float16 (ONNX at int16): ~272 MB. A
-    # limit is the memory a node gives to models, above its runtime's own, and each layer held
-    # takes about twice its file bytes in ONNX Runtime's form; half the model fits in 0.25 GB, not all of it.
+    # The default model with its 8,192-position caches in float16 (ONNX at int16): ~272 MB beside
+    # its 130 MB as ONNX holds it (the file's 97: the tied embedding is held as rows and as the
+    # head's tiles). A limit is the memory a node gives to models, above its runtime's own; half
+    # the model fits in 0.25 GB, not all of it.
     with node_processes(home, ["onnx", "onnx"], memory_limits_gb=[0.25, 0.25]) as ns:
 
         async def run() -> None:
