@@ -264,32 +264,44 @@ class QuantizedWeight:
 # byte each with float32 scales and biases, and the packing's temporaries; 3.0 for a 2048-wide
 # Q4_K_M layer decoded so; Q8_0's codes are about its bytes: 0.87 for the default model's
 # embedding); a matrix a backend reads a chunk at a time (CHUNKED_TYPES: ONNX's tiles read K-quant
-# super-blocks so) takes only a chunk's temporaries, LOAD_CHUNK_BYTES (7-12 MB measured).
+# super-blocks so) takes only a chunk's temporaries, LOAD_CHUNK_BYTES (7-12 MB measured); one it
+# makes a chunk at a time and then copies whole (COPIED_TYPES: MLX's arrays of K-quant
+# super-blocks, made in NumPy, then copied into MLX's own) takes its arrays once more besides, the
+# matrices it stacks into one (gate and up; q, k and v) together: counted as a piece's two largest
+# (a 2048-wide Q4_K layer: 22-26 MB over what it holds after, against 112-122 MB decoded whole).
 LOAD_PEAK_DECODED = 3.5
 LOAD_PEAK_DECODED_BY_TYPE = {"Q8_0": 1.0}
 LOAD_CHUNK_BYTES = 16 << 20
 CHUNKED_TYPES = {"onnx": frozenset(KQUANT_BLOCK_BYTES)}
+COPIED_TYPES = {"mlx": frozenset(KQUANT_BLOCK_BYTES)}
+
+LoadPiece = list[tuple[str, int, int]]
+"""What a load reads at once (a layer's tensors, the embedding, the head): each tensor's GGUF type
+name ("" where decoded whole whatever it is), its bytes in the file and as the backend holds it."""
 
 
-def load_peak_bytes(backend: str, pieces: list[list[tuple[str, int]]], held: list[int] | None = None) -> int:
+def load_peak_bytes(backend: str, pieces: list[LoadPiece], held: list[int] | None = None) -> int:
     """The bytes a load on ``backend`` takes at its peak beside its shard's arrays, its ``pieces``
-    (what it reads at once: a layer's tensors, the embedding, the head) given as their tensors'
-    (GGUF type name, file bytes): a piece's temporaries are its matrices decoded whole, and a
-    chunk's where any is read so.
+    read in turn: a piece's temporaries are its matrices decoded whole, a chunk's where any is
+    read or made so, and the arrays of those made a chunk at a time before they are copied.
 
     Without ``held``, the most any shard of such pieces may take: the largest piece's
-    temporaries and a chunk's. With ``held`` (each piece's bytes as the backend holds them, the
-    pieces in the order the load reads them), this shard's: at piece ``i`` the load holds the
-    arrays of the pieces up to ``i`` and ``i``'s temporaries, which is less than all the arrays
-    and the largest temporaries where a large piece comes early (the default model's
-    embedding)."""
+    temporaries. With ``held`` (each piece's bytes as the backend holds them, the pieces in the
+    order the load reads them), this shard's: at piece ``i`` the load holds the arrays of the
+    pieces up to ``i`` and ``i``'s temporaries, which is less than all the arrays and the largest
+    temporaries where a large piece comes early (the default model's embedding on ONNX)."""
     chunked = CHUNKED_TYPES.get(backend, frozenset())
-    whole = [sum(LOAD_PEAK_DECODED_BY_TYPE.get(t, LOAD_PEAK_DECODED) * n for t, n in piece if t not in chunked)
-             for piece in pieces]
+    copied = COPIED_TYPES.get(backend, frozenset())
+
+    def temporaries(piece: LoadPiece) -> float:
+        whole = sum(LOAD_PEAK_DECODED_BY_TYPE.get(t, LOAD_PEAK_DECODED) * n for t, n, _ in piece
+                    if t not in chunked and t not in copied)
+        copies = sum(sorted((h for t, _, h in piece if t in copied), reverse=True)[:2])
+        return whole + copies + (LOAD_CHUNK_BYTES if any(t in chunked or t in copied for t, _, _ in piece) else 0)
+
+    temps = [temporaries(piece) for piece in pieces]
     if held is None:
-        chunks = any(t in chunked for piece in pieces for t, _ in piece)
-        return int(max(whole, default=0)) + (LOAD_CHUNK_BYTES if chunks else 0)
-    temps = [w + (LOAD_CHUNK_BYTES if any(t in chunked for t, _ in piece) else 0) for w, piece in zip(whole, pieces, strict=True)]
+        return int(max(temps, default=0))
     peak = max((c + t for c, t in zip(itertools.accumulate(held), temps, strict=True)), default=0)
     return max(0, int(peak) - sum(held))
 

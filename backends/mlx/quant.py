@@ -23,6 +23,10 @@ How each format runs, and what it holds resident (bytes per weight; the GGUF fil
 * dense F32/F16/BF16: :class:`MLXDense`, float32, 4.0.
 
 A mixture of experts' matrices are these, stacked over the experts (:mod:`backends.mlx.experts`).
+
+A matrix's arrays are made a few rows at a time (:func:`to_mlx`), and matrices fused into one
+(q/k/v, gate/up, the experts) are stacked as :class:`RowStack` without being decoded: a load holds
+one chunk decoded and one matrix's NumPy arrays (while MLX copies them) beside the shard.
 """
 
 from __future__ import annotations
@@ -231,6 +235,35 @@ class MLXDense:
 MLXWeight = MLXQuantized | MLXSmallGroups | MLXDense
 
 
+CONVERT_CODES = 1 << 22
+"""Codes a conversion step decodes at once (``to_mlx``): 4 M, a few MB with their temporaries."""
+
+
+def _affine_arrays(w: QuantizedWeight, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``w``'s codes packed in MLX's layout and its float32 scales and biases, made a few rows at
+    a time (``take_rows``): a matrix kept as its file's super-blocks, or stacked from such
+    (:class:`RowStack`), is decoded one chunk at a time, never whole beside its arrays."""
+    rows, cols = w.shape
+    packed = np.empty((rows, cols * w.bits // 32), np.uint32)
+    scales = np.empty((rows, cols // w.group), np.float32)
+    biases = np.empty_like(scales)
+    step = max(1, CONVERT_CODES // cols)
+    for r in range(0, rows, step):
+        part = w.take_rows(slice(r, min(rows, r + step)))
+        n = part.shape[0]
+        if part.scales.shape != (n, cols // w.group) or part.biases.shape != part.scales.shape:
+            raise BackendError(
+                f"{name}: scales {part.scales.shape} / biases {part.biases.shape} do not fit rows of a "
+                f"{rows}x{cols} matrix in groups of {w.group}"
+            )
+        packed[r : r + n] = pack_codes(np.asarray(part.q), w.bits)
+        scales[r : r + n] = part.scales
+        biases[r : r + n] = part.biases
+        del part
+    w.release_pages()  # the file's pages mapped around the chunks' as they were read
+    return packed, scales, biases
+
+
 def to_mlx(w: Weight, name: str = "weight", n_parts: int = 1) -> MLXWeight:
     """One contract weight as MLX arrays: quantized stays quantized, dense becomes float32;
     matmuls run in ``n_parts`` row blocks at once when ``n_parts > 1``."""
@@ -242,14 +275,9 @@ def to_mlx(w: Weight, name: str = "weight", n_parts: int = 1) -> MLXWeight:
                 f"{name}: MLX runs quantization groups of {SMALL_GROUPS + SUPPORTED_GROUPS} along rows of a "
                 f"multiple of 32 columns; got group {w.group} for {cols} columns"
             )
-        if w.scales.shape != (rows, cols // w.group) or w.biases.shape != w.scales.shape:
-            raise BackendError(
-                f"{name}: scales {w.scales.shape} / biases {w.biases.shape} do not fit a "
-                f"{rows}x{cols} matrix in groups of {w.group}"
-            )
-        packed = mx.array(pack_codes(np.asarray(w.q), w.bits))
-        scales = np.ascontiguousarray(w.scales, dtype=np.float32)
-        biases = np.ascontiguousarray(w.biases, dtype=np.float32)
+        codes, scales, biases = _affine_arrays(w, name)
+        packed = mx.array(codes)
+        del codes
         if small:
             offset = np.float32(1 << (w.bits - 1))
             implied = np.array_equal(biases, -offset * scales)  # Q6_K's: w = scale * (q - 32)
@@ -260,6 +288,55 @@ def to_mlx(w: Weight, name: str = "weight", n_parts: int = 1) -> MLXWeight:
     if a.ndim != 2:
         raise BackendError(f"{name}: expected a matrix, got shape {a.shape}")
     return MLXDense(mx.array(np.ascontiguousarray(a, dtype=np.float32)), n_parts)
+
+
+class RowStack(QuantizedWeight):
+    """Quantized matrices of one format stacked along their rows, as one matrix that is read a
+    few rows at a time (``take_rows``, what :func:`to_mlx` does): no matrix is decoded whole, nor
+    copied, to stack it. ``q``, ``scales`` and ``biases`` join the parts' whole (kept)."""
+
+    def __init__(self, parts: list[QuantizedWeight]) -> None:
+        first = parts[0]
+        starts = [0]
+        for p in parts:
+            starts.append(starts[-1] + p.shape[0])
+        for name, value in (("parts", list(parts)), ("cols", first.shape[1]), ("starts", starts), ("bits", first.bits),
+                            ("group", first.group), ("source_type", first.source_type), ("superblocks", None),
+                            ("_joined", {})):
+            object.__setattr__(self, name, value)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.starts[-1], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def take_rows(self, rows: slice | np.ndarray) -> QuantizedWeight:
+        if not isinstance(rows, slice):
+            return QuantizedWeight.take_rows(self, rows)
+        lo, hi, _ = rows.indices(self.shape[0])
+        pieces = [p.take_rows(slice(max(lo, a) - a, min(hi, b) - a))
+                  for p, a, b in zip(self.parts, self.starts, self.starts[1:], strict=False) if max(lo, a) < min(hi, b)]
+        if len(pieces) == 1:
+            return pieces[0]
+        return QuantizedWeight(q=np.concatenate([p.q for p in pieces]), scales=np.concatenate([p.scales for p in pieces]),
+                               biases=np.concatenate([p.biases for p in pieces]), bits=self.bits, group=self.group,
+                               source_type=self.source_type)
+
+    def release_pages(self) -> None:
+        for p in self.parts:
+            p.release_pages()
+
+    def _field(self, name: str) -> np.ndarray:
+        if name not in self._joined:
+            self._joined[name] = np.concatenate([getattr(p, name) for p in self.parts])
+        return self._joined[name]
+
+    q = property(lambda self: self._field("q"))  # type: ignore[assignment]
+    scales = property(lambda self: self._field("scales"))  # type: ignore[assignment]
+    biases = property(lambda self: self._field("biases"))  # type: ignore[assignment]
 
 
 def fuse_rows(weights: list[Weight]) -> Weight | None:
@@ -273,14 +350,7 @@ def fuse_rows(weights: list[Weight]) -> Weight | None:
             for w in weights
         ):
             return None
-        return QuantizedWeight(
-            q=np.concatenate([w.q for w in weights]),
-            scales=np.concatenate([w.scales for w in weights]),
-            biases=np.concatenate([w.biases for w in weights]),
-            bits=first.bits,
-            group=first.group,
-            source_type=first.source_type,
-        )
+        return RowStack(weights)
     if any(isinstance(w, QuantizedWeight) for w in weights):
         return None
     arrays = [np.asarray(w) for w in weights]

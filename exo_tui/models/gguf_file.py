@@ -17,6 +17,7 @@ from backends import backend_class, kquants
 from backends.base import (
     LayerWeights,
     LazyLayers,
+    LoadPiece,
     ModelConfig,
     QuantizedWeight,
     ShardWeights,
@@ -69,11 +70,13 @@ def _grouped(tensors: Iterable[TensorInfo]) -> list[list[TensorInfo]]:
     return list(pieces.values())
 
 
-def load_pieces(tensors: Iterable[TensorInfo]) -> list[list[tuple[str, int]]]:
-    """A shard's ``tensors`` as the pieces its load reads at once (:func:`_grouped`), for
-    :func:`backends.base.load_peak_bytes`: each tensor as (GGUF type name, file bytes), a
-    mixture's experts with no type name: they are decoded whole."""
-    return [[("" if "_exps." in t.name else t.type_name, t.nbytes) for t in piece] for piece in _grouped(tensors)]
+def load_pieces(tensors: Iterable[TensorInfo], backend: str) -> list[LoadPiece]:
+    """A shard's ``tensors`` as the pieces its load on ``backend`` reads at once (:func:`_grouped`),
+    for :func:`backends.base.load_peak_bytes`: each tensor as (GGUF type name, file bytes, bytes
+    as the backend holds it), a mixture's experts with no type name: they are decoded whole."""
+    cls = backend_class(backend)
+    return [[("" if "_exps." in t.name else t.type_name, t.nbytes, cls.held_nbytes(t.type_name, t.shape))
+             for t in piece] for piece in _grouped(tensors)]
 
 
 def shard_load_peak(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:
@@ -86,7 +89,7 @@ def shard_load_peak(backend: str, tensors: Iterable[TensorInfo], *, first: bool,
         layers = [p for p in pieces if p[0].name.startswith("blk.")]
         pieces = layers + embedding + [p for p in pieces if p not in layers and p not in embedding]
     held = [held_nbytes(backend, piece, first=first, last=last) for piece in pieces]
-    return load_peak_bytes(backend, load_pieces(t for piece in pieces for t in piece), held)
+    return load_peak_bytes(backend, load_pieces((t for piece in pieces for t in piece), backend), held)
 
 
 def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:
@@ -268,7 +271,7 @@ class GGUFModel:
         """The most a load of any shard of this model on ``backend`` takes at its peak beside its
         arrays (what a plan leaves a node for it: :func:`backends.base.load_peak_bytes`)."""
         names = self.shard_tensor_names(0, self.config.n_layers)
-        return load_peak_bytes(backend, load_pieces(self.tensor_info(n) for n in names))
+        return load_peak_bytes(backend, load_pieces((self.tensor_info(n) for n in names), backend))
 
     def held_nbytes(self, start: int, end: int, backend: str) -> int:
         """What a shard of layers ``[start, end)`` holds on ``backend`` (:func:`held_nbytes`)."""

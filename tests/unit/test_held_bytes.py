@@ -129,18 +129,22 @@ def test_a_node_refuses_a_load_its_backend_would_hold_past_its_limit(tmp_path: P
 def test_a_loads_peak_counts_each_piece_beside_the_arrays_read_before_it() -> None:
     """A piece's temporaries lie beside the arrays of the pieces read before it, not all of them:
     an embedding decoded first peaks with little else held."""
-    pieces = [[("Q8_0", 30)], [("Q8_0", 3)], [("Q8_0", 3)]]  # Q8_0 decoded whole: 1.0x its bytes
+    pieces = [[("Q8_0", 30, 32)], [("Q8_0", 3, 3)], [("Q8_0", 3, 3)]]  # Q8_0 decoded whole: 1.0x its bytes
     held = [32, 3, 3]
     assert load_peak_bytes("onnx", pieces) == 30  # any shard: the largest piece's temporaries
     assert load_peak_bytes("onnx", pieces, held) == (32 + 30) - 38  # at the embedding, beyond the 38 held at the end
     assert load_peak_bytes("onnx", pieces[::-1], held[::-1]) == 30  # read last, beside all the rest
-    assert load_peak_bytes("onnx", [[("Q4_K", 10)]], [11]) == LOAD_CHUNK_BYTES  # read a chunk at a time
+    assert load_peak_bytes("onnx", [[("Q4_K", 10, 11)]], [11]) == LOAD_CHUNK_BYTES  # read a chunk at a time
+    # MLX makes a K-quant matrix's arrays a chunk at a time, then copies them: the two largest
+    # (stacked into one: gate and up) once more, besides a chunk's temporaries
+    layer = [("Q4_K", 100, 133), ("Q4_K", 100, 133), ("Q4_K", 40, 53), ("Q6_K", 80, 98)]
+    assert load_peak_bytes("mlx", [layer]) == 133 + 133 + LOAD_CHUNK_BYTES
 
 
 def test_mlx_builds_the_embedding_after_the_layers_and_its_load_peaks_there(tmp_path: Path) -> None:
-    """MLX makes a shard's layers, then its embedding (decoded whole), then its final norm: the
-    peak is the embedding's temporaries beside every layer. ONNX makes the embedding first,
-    beside nothing else."""
+    """MLX makes a shard's layers, then its embedding (decoded whole where not a K-quant), then
+    its final norm: the peak is the embedding's temporaries beside every layer. ONNX makes the
+    embedding first, beside nothing else."""
     m = GGUFModel(write_tiny_llama(tmp_path / "wide-vocab.gguf", n_layers=2, hidden=32, intermediate=32, n_heads=2,
                                    n_kv_heads=1, weight_type="Q4_0", tied=True))  # the embedding its largest piece
     n = m.config.n_layers
