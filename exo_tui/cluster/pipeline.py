@@ -72,6 +72,10 @@ class PipelineHost(Protocol):
         """The step that :meth:`plan_ready` let start has ended (a token boundary)."""
         ...
 
+    def prefill_rows(self, plan: RingPlan) -> int:
+        """The rows a step of a prompt may carry through ``plan``'s ring at most."""
+        ...
+
     def connection(self, node_id: str) -> Connection:
         ...
 
@@ -130,6 +134,7 @@ class RemotePipeline:
         self.on_step_timed: Callable[[StepSample], None] | None = None
         self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
+        self.filled_chunks = 0  # steps that filled a prompt's chunk (_fill)
         # The model's windowed layers' cache bound (ModelConfig.ring_window; 0: none): a kept
         # cache past it can be cut back by one position only.
         self.window: Callable[[], int] = lambda: 0
@@ -207,7 +212,10 @@ class RemotePipeline:
                 pos = request.cached_tokens = adopted[1]
             try:
                 try:
-                    token, logprobs, scores = await self._run(plan, request, pos, adopted[0] if adopted else None)
+                    adopt = adopted[0] if adopted else None
+                    if not request.wants_prompt_scores:  # (a prompt to score runs whole, as it is scored)
+                        pos, adopt = await self._fill(plan, request, pos, adopt)
+                    token, logprobs, scores = await self._run(plan, request, pos, adopt)
                     if scores is not None and [x.token for x in scores] != request.prompt_ids[1:]:
                         last = plan.ring[-1].node_id
                         raise StepFailure(f"node {last} scored {len(scores)} tokens that are not the prompt's "
@@ -235,6 +243,22 @@ class RemotePipeline:
             if scores is not None:
                 request.prompt_scores = scores
             return token, logprobs
+
+    async def _fill(self, plan: RingPlan, request: Request, pos: int, adopt: str | None) -> tuple[int, str | None]:
+        """Run a long prompt through the ring a chunk at a time, up to its last chunk (which the
+        step then runs, drawing the first token): whole, each node would receive and send all its
+        rows' hidden states at once (rows x hidden floats, a few copies), which a node under a
+        memory limit cannot hold beside its caches (the 8B shape's ring at 1.9 GB limits and a
+        1,900-token prompt: two nodes 39 and 94 MB past their limits, then a budget too small for
+        the request's caches). Returns the position the step goes on from, and the kept
+        request it still takes over (None once a chunk has)."""
+        rows = self.host.prefill_rows(plan)
+        while request.n_tokens - pos > rows:
+            await self._run(plan, request, pos, adopt, end=pos + rows)
+            pos, adopt = pos + rows, None
+            self.filled_chunks += 1
+            self._cached[request.id] = _Cached(plan.version, pos)
+        return pos, adopt
 
     def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
         """The kept request whose caches this one's first step can take over, and how many of its
@@ -280,7 +304,10 @@ class RemotePipeline:
         await asyncio.gather(*(self._drop_on(k.plan, rid, final=True) for rid, k in kept.items()))
 
     async def _run(self, plan: RingPlan, request: Request, pos: int,
-                   adopt: str | None = None) -> _Result:
+                   adopt: str | None = None, end: int | None = None) -> _Result:
+        """One step through the ring: the request's tokens from ``pos``, the last hop drawing the
+        next token; or (``end``) its tokens up to ``end`` only, filling the caches (a prompt's
+        chunk: :meth:`_fill`)."""
         step = len(request.generated)
         key = (request.id, step, plan.version)
         loop = asyncio.get_running_loop()
@@ -293,10 +320,12 @@ class RemotePipeline:
             "hop": 0,
             "pos": pos,
             "step": step,
-            "n_tokens": request.n_tokens,
+            "n_tokens": request.n_tokens if end is None else end,
             "sampling": request.sampling.to_dict(),
         }
-        if request.sampling.uses_history:
+        if end is not None:
+            body["fill"] = True
+        if request.sampling.uses_history and end is None:
             body["history"] = request.tokens
         if adopt is not None:
             body["adopt"] = adopt
@@ -312,10 +341,10 @@ class RemotePipeline:
                 raise StepFailure(f"node {first} is not connected", first) from exc
             sent_m = time.monotonic()
             last = self._last_token_s.get(request.id)
-            sent = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 else None)
+            sent = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 and end is None else None)
+            tokens = request.tokens_from(pos) if end is None else request.tokens[pos:end]
             try:
-                await conn.send("forward", body, tensor=np.asarray(request.tokens_from(pos), dtype=np.int64),
-                                plan=plan.version)
+                await conn.send("forward", body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
             except (ConnectionError, OSError) as exc:
                 raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
             # A timer that fails the future, not asyncio.timeout (a tenth of the coordinator's time
@@ -327,7 +356,7 @@ class RemotePipeline:
                 result = await fut
             finally:
                 timer.cancel()
-            self._timed(key, plan, request.n_tokens - pos, sent)
+            self._timed(key, plan, (request.n_tokens if end is None else end) - pos, sent)
             return result
         finally:
             self._pending.pop(key, None)

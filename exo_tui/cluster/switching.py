@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backends.base import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, KVCache
+from backends.base import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, PREFILL_CHUNK, KVCache
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
 from exo_tui.cluster.pipeline import StepFailure
@@ -465,6 +465,14 @@ class PlanSwitching:
             await self._plan_ready.wait()
             if self.ring is None and not self._serve_error:
                 await asyncio.sleep(0.05)
+
+    def prefill_rows(self, plan: RingPlan) -> int:
+        """The rows a step of a prompt carries at most through ``plan``'s ring: the fewest its
+        nodes' last KV reports ask for (``prefill_rows``: under a limit, what the reserve holds of
+        a step's temporaries; else ``PREFILL_CHUNK``)."""
+        rows = [int((self.nodes[e.node_id].metrics.get("kv") or {}).get("prefill_rows") or PREFILL_CHUNK)
+                for e in plan.ring if e.node_id in self.nodes]
+        return max(1, min(rows, default=PREFILL_CHUNK))
 
     def step_done(self) -> None:
         self._inflight_steps -= 1

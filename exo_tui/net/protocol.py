@@ -17,6 +17,11 @@ import numpy as np
 from backends.base import KVCache
 from exo_tui.net.address import is_loopback
 
+FILLED = -1
+"""The token of a step that fills a prompt's chunk (its ``fill`` body): the last hop draws none. A
+long prompt goes through the ring in such steps, each of the rows a node's ``prefill_rows`` holds,
+the last one drawing the first token."""
+
 
 class HostError(Exception):
     """A request this node cannot serve; the message says why and what to do. ``code`` is what

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from backends import default_backend_name, get_backend
-from backends.base import BackendError, ModelConfig, prefill_rows
+from backends.base import PREFILL_CHUNK, BackendError, ModelConfig, prefill_rows
 from exo_tui.inference.sampling import TokenLogprobs, scores_to_array
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.client import connect
@@ -61,7 +61,7 @@ from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
-from exo_tui.net.protocol import HostError, RingPlan, kv_fields, kv_from_array, kv_to_array
+from exo_tui.net.protocol import FILLED, HostError, RingPlan, kv_fields, kv_from_array, kv_to_array
 from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
@@ -333,14 +333,14 @@ class NodeAgent:
         taken mid-load, when the budget was nil)."""
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend,
                                      "nbytes": hosted.nbytes, "held_bytes": hosted.held_bytes or hosted.nbytes,
-                                     "kv": self.kv.report()})
+                                     "kv": self._kv_report()})
 
     async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:
         model = frame.body.get("model")
         done = await self._in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]),
                                      None if model is None else str(model))
         self._shards_changed()
-        return Frame("ok", body={"unloaded": done, "kv": self.kv.report()})
+        return Frame("ok", body={"unloaded": done, "kv": self._kv_report()})
 
     async def _op_plan(self, conn: Connection, frame: Frame) -> Frame:
         plan = RingPlan.from_dict(frame.body["plan"])
@@ -625,7 +625,9 @@ class NodeAgent:
                 self.kv.record(rid, key, 0 if isinstance(out, Exception) else int(positions[-1]) + 1)
             if shard.is_last:
                 for i in idxs:
-                    if not isinstance(results[i], Exception):
+                    if batch[i].frame.body.get("fill") and not isinstance(results[i], Exception):
+                        results[i] = (FILLED, None, None)  # a prompt's chunk: its caches filled, nothing drawn
+                    elif not isinstance(results[i], Exception):
                         try:
                             results[i] = self.samplers.sample(batch[i].frame.body, results[i], scores.get(i))
                         except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
@@ -651,6 +653,17 @@ class NodeAgent:
         room = self.kv.step_room_bytes
         for _, hosted in hosted_all:
             hosted.shard.prefill_chunk = prefill_rows(hosted.shard.config, room)
+
+    def _kv_report(self) -> dict[str, Any]:
+        """The KV budget's report, and the rows a step of a prompt should carry at most here: its
+        shards' prefill chunks (under a limit, what the reserve holds of a step's temporaries), so
+        that the coordinator sends a long prompt through the ring a chunk at a time: whole, its
+        hidden states received and sent (rows x hidden floats each, a few copies) would not fit."""
+        report = self.kv.report()
+        with self.host.lock:
+            chunks = [h.shard.prefill_chunk for h in self.host.shards.values()]
+        report["prefill_rows"] = min(chunks, default=PREFILL_CHUNK)
+        return report
 
     def _load_room(self) -> int | None:
         """The bytes a shard's load may take here: what the process may hold (its runtime's
@@ -700,11 +713,12 @@ class NodeAgent:
         timing = f.body.get("timing")
         timing = [*(timing if type(timing) is list else ()),
                   hop_timing(self.profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
-        if isinstance(result, tuple):  # the last hop: a sampled token
+        if isinstance(result, tuple):  # the last hop: a sampled token (or FILLED)
             token, logprobs, scores = result
-            stats = self._stats.setdefault(rid, _RequestStats())
-            stats.tokens += 1
-            stats.last_s = time.monotonic()
+            if token != FILLED:
+                stats = self._stats.setdefault(rid, _RequestStats())
+                stats.tokens += 1
+                stats.last_s = time.monotonic()
             body = {"rid": rid, "step": f.body.get("step"), "token": int(token), "timing": timing}
             if logprobs is not None:
                 body["logprobs"] = logprobs.to_wire()
@@ -783,7 +797,7 @@ class NodeAgent:
             now = time.monotonic()
             metrics = live_metrics(self.memory_limit_bytes)
             self.kv.observe(metrics["process_rss_bytes"], psutil.virtual_memory().available)
-            metrics["kv"] = self.kv.report()
+            metrics["kv"] = self._kv_report()
             metrics["queue_depth"] = len(self._queue)
             metrics["batch_sizes"] = {str(k): v for k, v in sorted(self.batch_sizes.items())}
             metrics["inline_steps"] = self.inline_steps

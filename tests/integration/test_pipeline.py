@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
+from backends.base import PREFILL_CHUNK
 from exo_tui.cluster.local_nodes import spawn_node, stop_node, wait_ready
 from exo_tui.cluster.view import ChatParams
 from exo_tui.cluster.weights import WeightTransferError, stream_shard
@@ -79,6 +80,33 @@ def test_ring_matches_single_process(nodes, reference_tokens: list[int], count: 
             assert ids == reference_tokens, f"{count} nodes ({backends}) answered {text!r}"
             assert "Paris" in text
             assert len(served) == count
+
+    asyncio.run(run())
+
+
+LONG = ("The keeper climbed the stairs at dusk and lit the great lamp, and the ships far out at sea "
+        "saw its light sweep over the waves. ") * 40 + "What did the keeper do?"
+
+
+@pytest.mark.parametrize("params", [ChatParams(temperature=0.0, max_tokens=12, seed=1),
+                                    ChatParams(temperature=0.9, max_tokens=12, seed=5)], ids=["greedy", "sampled"])
+def test_a_long_prompt_goes_through_the_ring_in_chunks_and_answers_as_one_process(
+        nodes, default_model_path: Path, params: ChatParams) -> None:
+    """A prompt longer than a step's rows (PREFILL_CHUNK: 512) goes through the ring a chunk at a
+    time, the last hop drawing nothing until the last chunk: the answer is one process's, token
+    for token, greedy and sampled."""
+    want = reference_answer(default_model_path, LONG, params.max_tokens, seed=params.seed,
+                            temperature=params.temperature)
+
+    async def run() -> None:
+        async with coordinator(nodes, peers=[nodes.peers[1], nodes.peers[3]]) as c:  # the ONNX nodes
+            assert len(c.model.chat_prompt_ids([{"role": "user", "content": LONG}])) > 2 * PREFILL_CHUNK
+            ids: list[int] = []
+            async for chunk in c.chat([{"role": "user", "content": LONG}], params):
+                assert not chunk.error, chunk.error
+                ids.extend(chunk.token_ids)
+            assert [t for t in ids if t not in c.model.tokenizer.eos_ids] == want
+            assert c.pipeline.filled_chunks >= 2
 
     asyncio.run(run())
 
