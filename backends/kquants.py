@@ -20,12 +20,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from backends.base import BLOCK_TYPES, QuantizedWeight
 from backends.base import KQUANT_BLOCK_BYTES as BLOCK_BYTES
-from backends.base import QuantizedWeight
 
 QK_K = 256
 GROUP = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 BITS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+CODE_BITS = {**BLOCK_TYPES, **BITS}
+"""The GGUF types the backends keep as codes (not float32), and their codes' bits."""
 
 
 def _half(raw: np.ndarray) -> np.ndarray:

@@ -13,7 +13,6 @@ import os
 import numpy as np
 
 from backends.base import (
-    BLOCK_TYPES,
     Backend,
     BackendError,
     ModelConfig,
@@ -23,7 +22,7 @@ from backends.base import (
     physical_cores,
     unsupported_features,
 )
-from backends.kquants import BITS as KQUANT_BITS
+from backends.kquants import CODE_BITS
 from backends.kquants import GROUP as KQUANT_GROUP
 
 MAX_DEFAULT_THREADS = 8
@@ -48,7 +47,7 @@ class MLXBackend(Backend):
         Q4_0, Q4_1 and Q4_K 0.75 bytes a weight (the file's 0.5625-0.625), Q5_K 0.875 (0.6875),
         Q8_0 1.25 (1.0625); Q6_K's groups of 16 a float32 scale only, 1.0 (0.8203); float32
         otherwise. The embedding is the same arrays, which a tied head shares."""
-        bits = {**BLOCK_TYPES, **KQUANT_BITS}.get(type_name)
+        bits = CODE_BITS.get(type_name)
         if bits is None or len(shape) < 2:
             return super().held_nbytes(type_name, shape)
         weights = int(np.prod(shape, dtype=np.int64))

@@ -106,8 +106,10 @@ class ONNXBackend(Backend):
         from backends.onnx.kernels.tiles import packed_nbytes
         from backends.onnx.weights import embedding_nbytes
 
-        if len(shape) < 2 or (embedding and type_name == "F16"):  # a float16 embedding stays so
-            return super().held_nbytes(type_name, shape) // (2 if type_name == "F16" and embedding else 1)
+        if embedding and type_name == "F16":  # a float16 embedding stays so
+            return 2 * int(np.prod(shape, dtype=np.int64))
+        if len(shape) < 2:
+            return super().held_nbytes(type_name, shape)
         *lead, rows, cols = shape
         held = (embedding_nbytes if embedding else packed_nbytes)(type_name, rows, cols)
         return int(np.prod(lead, dtype=np.int64)) * held if held is not None else super().held_nbytes(type_name, shape)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends import kquants
-from backends.base import BLOCK_TYPES, QuantizedWeight, Weight
+from backends.base import QuantizedWeight, Weight
 
 
 def pack_nibbles(q: np.ndarray, group: int) -> np.ndarray:
@@ -198,7 +198,7 @@ def embedding_nbytes(type_name: str, rows: int, cols: int) -> int | None:
     """The bytes :meth:`EmbeddingRows.of` keeps of a ``rows x cols`` embedding of GGUF type
     ``type_name`` read from a file (a K-quant with its super-blocks' fields), or None where it is
     not one kept so (a float embedding stays float32)."""
-    bits = {**BLOCK_TYPES, **kquants.BITS}.get(type_name)
+    bits = kquants.CODE_BITS.get(type_name)
     if bits is None:
         return None
     if bits > 6 or cols % 4:

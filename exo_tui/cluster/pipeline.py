@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from backends.base import MIN_PREFILL_CHUNK
 from exo_tui.cluster.admission import KVBudgetExceeded
 from exo_tui.cluster.metrics import StepSample
 from exo_tui.inference.generate import GenerationError
@@ -252,6 +253,8 @@ class RemotePipeline:
         1,900-token prompt: two nodes 39 and 94 MB past their limits, then a budget too small for
         the request's caches). Returns the position the step goes on from, and the kept
         request it still takes over (None once a chunk has)."""
+        if request.n_tokens - pos <= MIN_PREFILL_CHUNK:  # a decode step, or a short prompt: no lookup
+            return pos, adopt
         rows = self.host.prefill_rows(plan)
         while request.n_tokens - pos > rows:
             await self._run(plan, request, pos, adopt, end=pos + rows)

@@ -74,9 +74,13 @@ def load_pieces(tensors: Iterable[TensorInfo], backend: str) -> list[LoadPiece]:
     """A shard's ``tensors`` as the pieces its load on ``backend`` reads at once (:func:`_grouped`),
     for :func:`backends.base.load_peak_bytes`: each tensor as (GGUF type name, file bytes, bytes
     as the backend holds it), a mixture's experts with no type name: they are decoded whole."""
+    return _load_pieces(_grouped(tensors), backend)
+
+
+def _load_pieces(pieces: list[list[TensorInfo]], backend: str) -> list[LoadPiece]:
     cls = backend_class(backend)
     return [[("" if "_exps." in t.name else t.type_name, t.nbytes, cls.held_nbytes(t.type_name, t.shape))
-             for t in piece] for piece in _grouped(tensors)]
+             for t in piece] for piece in pieces]
 
 
 def shard_load_peak(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:
@@ -89,7 +93,7 @@ def shard_load_peak(backend: str, tensors: Iterable[TensorInfo], *, first: bool,
         layers = [p for p in pieces if p[0].name.startswith("blk.")]
         pieces = layers + embedding + [p for p in pieces if p not in layers and p not in embedding]
     held = [held_nbytes(backend, piece, first=first, last=last) for piece in pieces]
-    return load_peak_bytes(backend, load_pieces((t for piece in pieces for t in piece), backend), held)
+    return load_peak_bytes(backend, _load_pieces(pieces, backend), held)
 
 
 def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:

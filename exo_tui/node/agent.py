@@ -332,7 +332,7 @@ class NodeAgent:
         admits against it at once, not after the next heartbeat: the last one may have been
         taken mid-load, when the budget was nil)."""
         return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend,
-                                     "nbytes": hosted.nbytes, "held_bytes": hosted.held_bytes or hosted.nbytes,
+                                     "nbytes": hosted.nbytes, "held_bytes": hosted.held_bytes,
                                      "kv": self._kv_report()})
 
     async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:

@@ -95,7 +95,7 @@ class HostedShard:
     end: int
     nbytes: int  # its tensors' bytes in the file
     model: str = ""  # the tag its load came with: the plans that run it name it
-    held_bytes: int = 0  # what its backend holds of them (backends' held_nbytes); 0: nbytes
+    held_bytes: int = 0  # what its backend holds of them (gguf_file.held_nbytes)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -197,7 +197,7 @@ class ShardHost:
             transfer.buffer = bytearray()  # the shard has its own form of the bytes
 
     def _install(self, config: ModelConfig, make_weights: Callable[[], ShardWeights], backend: str | None,
-                 model: str = "", held_bytes: int = 0) -> HostedShard:
+                 model: str, held_bytes: int) -> HostedShard:
         """Loads the weights ``make_weights`` makes; this is their only holder, so the backend may
         drop each layer once it has its own form of it (``disposable``) and everything the load
         freed goes back to the system afterwards."""
@@ -284,7 +284,7 @@ class ShardHost:
         with self.lock:
             hosted = list(self.shards.values())
         return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model,
-                 "held_bytes": h.held_bytes or h.nbytes} for h in hosted]
+                 "held_bytes": h.held_bytes} for h in hosted]
 
 
 @functools.cache

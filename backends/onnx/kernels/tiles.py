@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from backends import kquants
-from backends.base import QuantizedWeight
+from backends.base import BLOCK_TYPES, QuantizedWeight
 
 BLOCK = 32  # weights per scale and bias, along K
 TILE = 32  # output columns per tile
@@ -33,7 +33,7 @@ def packed_nbytes(type_name: str, rows: int, cols: int) -> int | None:
     tiles = -(-rows // TILE)
     if type_name in KQUANT:
         return tiles * (cols // SUPER) * SUPER_BYTES[type_name] if cols % SUPER == 0 else None
-    bits = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(type_name)
+    bits = BLOCK_TYPES.get(type_name)
     return tiles * (cols // BLOCK) * TILE_BLOCK_BYTES[bits] if bits and cols % BLOCK == 0 else None
 
 
