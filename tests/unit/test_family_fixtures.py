@@ -15,7 +15,8 @@ FAMILIES = Path(__file__).resolve().parents[1] / "fixtures" / "families"
 MANIFEST = json.loads((FAMILIES / "manifest.json").read_text())
 ENTRIES = {e["name"]: e for e in MANIFEST["fixtures"]}
 MAX_GGUF_BYTES = 2_500_000
-MAX_FOLDER_BYTES = 16_000_000  # 15.2 MB: the GGUFs, the reference logits, llama.cpp's logits of the quantized files
+MAX_FOLDER_BYTES = 21_500_000  # 20.9 MB: the GGUFs, the reference logits (a wide fixture's of six sequences),
+# llama.cpp's logits of the quantized files (of the six)
 
 
 def _ggufs(entry: dict) -> list[tuple[str, dict[str, int] | None]]:
@@ -65,6 +66,25 @@ def test_nothing_unlisted_and_the_folder_stays_small() -> None:
     listed = {"manifest.json"} | {e["logits"] for e in ENTRIES.values()}
     listed |= {file for e in ENTRIES.values() for file, _ in _ggufs(e)}
     listed |= {q["llama_cpp_logits"] for e in ENTRIES.values() for q in e.get("quantized", [])}
+    listed |= {e["sequence_logits"] for e in ENTRIES.values() if "sequence_logits" in e}
     present = {p.name for p in FAMILIES.iterdir()}
     assert present == listed
     assert sum(p.stat().st_size for p in FAMILIES.iterdir()) <= MAX_FOLDER_BYTES
+
+
+WIDE = sorted(n for n, e in ENTRIES.items() if e.get("quantized"))
+
+
+@pytest.mark.parametrize("name", WIDE)
+def test_a_wide_fixture_is_checked_over_its_prompt_and_random_sequences(name: str) -> None:
+    """The quantized files' distances are measured over every position of these sequences: the
+    prompt first (its logits are the fixture's), then random token ids, all different."""
+    entry = ENTRIES[name]
+    sequences, logits = entry["sequences"], np.load(FAMILIES / entry["sequence_logits"])
+    shape = (MANIFEST["wide_sequences"], MANIFEST["t_tokens"], entry["vocab_size"])
+    assert logits.dtype == np.float32 and logits.shape == shape and np.array(sequences).shape == shape[:2]
+    assert sequences[0] == entry["tokens"] and len({tuple(s) for s in sequences}) == len(sequences)
+    np.testing.assert_array_equal(logits[0], np.load(FAMILIES / entry["logits"]))
+    assert all(0 <= t < entry["vocab_size"] for s in sequences for t in s) and np.isfinite(logits).all()
+    for q in entry["quantized"]:
+        assert np.load(FAMILIES / q["llama_cpp_logits"]).shape == shape, q["gguf"]

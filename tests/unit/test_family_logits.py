@@ -38,13 +38,14 @@ def backend(name: str, precision: str = "float32"):
 
 def logits(model: GGUFModel, tokens: np.ndarray, plan: list[tuple[str, int, int]], precision: str = "float32",
            ) -> np.ndarray:
-    """Every position's logits of ``tokens`` through shards ``(backend, start, end)`` in turn."""
-    x, pos = tokens, np.arange(len(tokens))
+    """Every position's logits of ``tokens`` through shards ``(backend, start, end)`` in turn; of
+    each sequence of a 2-D ``tokens`` (each its own request on the same shards)."""
+    xs, pos = list(np.atleast_2d(tokens)), np.arange(tokens.shape[-1])
     for name, start, end in plan:
         shard = backend(name, precision).load_shard(model.config, model.shard_weights(start, end))
-        x = shard.forward("r", x, pos, all_logits=end == model.config.n_layers)
+        xs = [shard.forward(f"r{i}", x, pos, all_logits=end == model.config.n_layers) for i, x in enumerate(xs)]
         shard.close()
-    return x
+    return np.stack(xs) if tokens.ndim == 2 else xs[0]
 
 
 def splits(n_layers: int) -> list[list[tuple[int, int]]]:
@@ -144,31 +145,47 @@ def test_other_mixtures_are_refused(tmp_path):
 QUANTIZED = [(e, q) for e in MANIFEST for q in e.get("quantized", [])]
 
 
+def checked(entry: dict) -> tuple[np.ndarray, np.ndarray]:
+    """A wide fixture's token sequences (its prompt and random ones) and transformers' logits of them."""
+    return np.array(entry["sequences"]), np.load(FIXTURES / entry["sequence_logits"])
+
+
+def assert_as_close_as_llama_cpp(diff: np.ndarray, ref: dict, what: str) -> None:
+    """``diff`` (logits less the float model's) no farther than llama.cpp's ``ref``: in RMS; in a
+    position's largest difference, on average over the positions, within 2 %; and in the largest
+    of all within 10 %. That last is one logit of 147,456: over these sequences even the file
+    computed exactly in float32 lies farther there than llama.cpp on some files (llama3-wide Q6_K:
+    0.661 against 0.633), while nearer in RMS and on average (make_families.py, WIDE_SEQUENCES)."""
+    a = np.abs(diff)
+    rms, mean_max, max_abs = float(np.sqrt(np.mean(a**2))), float(a.max(-1).mean()), float(a.max())
+    assert rms <= ref["rms"] * 1.001 and mean_max <= ref["mean_max_abs"] * 1.02 and max_abs <= ref["max_abs"] * 1.1, (
+        f"{what}: rms {rms:.4f} mean max {mean_max:.4f} max {max_abs:.4f}; "
+        f"llama.cpp {ref['rms']:.4f} {ref['mean_max_abs']:.4f} {ref['max_abs']:.4f}")
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize(("entry", "quant"), QUANTIZED, ids=[q["gguf"] for _, q in QUANTIZED])
 def test_quantized_files_are_at_least_as_close_as_llama_cpp(entry, quant, name):
     """llama.cpp's quantizer made these from the float model; its own distance to transformers'
-    float32 logits on the same file is recorded in the manifest (F32 KV cache). exo-tui on the
-    same blocks, whole and split, must be no farther: in RMS over every position, and in the
-    largest difference within 2 % (one position's worst logit; llama3-wide Q5_K_M: 1.283 against
-    llama.cpp's 1.267 with a smaller RMS, 0.219 against 0.222). ONNX at float32 and at its
-    default precision (int16 products)."""
+    float32 logits on the same file is recorded in the manifest (F32 KV cache), over every position
+    of the fixture's prompt and five random sequences (one prompt's 48 positions are too few to
+    rank distances that differ by tenths of a percent: see make_families.py's WIDE_SEQUENCES).
+    exo-tui on the same blocks, whole and split, must be no farther (assert_as_close_as_llama_cpp).
+    ONNX at every precision: float32, int16 (the default) and int8 (8-bit activations, as
+    llama.cpp's own)."""
     if backend(name).experts is False and "moe" in entry["name"]:
         pytest.skip(f"{name} does not run mixtures of experts")
+    from backends.onnx import PRECISIONS
+
     model = GGUFModel(FIXTURES / quant["gguf"])
-    tokens, want = np.array(entry["tokens"]), np.load(FIXTURES / entry["logits"])
+    tokens, want = checked(entry)
     ref = quant["llama_cpp"]
     n = model.config.n_layers
-    from backends.onnx import DEFAULT_PRECISION
-
     plans = [[(name, 0, n)]] + ([[(name, 0, 1), (name, 1, n)]] if n > 1 else [])
-    for precision in ("float32", DEFAULT_PRECISION) if name == "onnx" else ("float32",):
+    for precision in PRECISIONS if name == "onnx" else ("float32",):
         for plan in plans:
             diff = logits(model, tokens, plan, precision) - want
-            max_abs, rms = float(np.abs(diff).max()), float(np.sqrt(np.mean(diff**2)))
-            assert max_abs <= ref["max_abs"] * 1.02 and rms <= ref["rms"] * 1.001, (
-                f"{quant['gguf']} on {name} at {precision}: max {max_abs:.4f} rms {rms:.4f}, "
-                f"llama.cpp {ref['max_abs']:.4f} {ref['rms']:.4f}")
+            assert_as_close_as_llama_cpp(diff, ref, f"{quant['gguf']} on {name} at {precision} as {plan}")
 
 
 @pytest.mark.parametrize(("entry", "quant"), QUANTIZED, ids=[q["gguf"] for _, q in QUANTIZED])
@@ -176,11 +193,13 @@ def test_the_integer_precisions_compute_a_file_at_least_as_exactly_as_llama_cpp(
     """How exactly each engine computes the file's own math: the distance of its logits from
     exo-tui's float32 ones (the dequantized blocks times float32 activations) on the same file.
     llama.cpp rounds activations to 8 bits (Q8_K, per 256; Q8_0, per 32) and its attention to
-    float16; the int16 and int8 precisions round them per 32 (the int8 one as llama.cpp's Q8_0)
-    and must stay nearer. llama.cpp's logits were saved beside the file by make_families.py (they
-    are the ones its recorded distance to the float model came from)."""
+    float16; the int16 and int8 precisions round them per 32 and must stay nearer. On a Q8_0 file
+    int8's rounding is llama.cpp's own (Q8_0 activations), so there the two are as exact as each
+    other, apart by chance (0.0307 and 0.0307 on llama3-wide): within 1 %. llama.cpp's logits were
+    saved beside the file by make_families.py (they are the ones its recorded distance to the
+    float model came from)."""
     model = GGUFModel(FIXTURES / quant["gguf"])
-    tokens, want = np.array(entry["tokens"]), np.load(FIXTURES / entry["logits"])
+    tokens, want = checked(entry)
     theirs = np.load(FIXTURES / quant["llama_cpp_logits"])
     assert float(np.sqrt(np.mean((theirs - want) ** 2))) == pytest.approx(quant["llama_cpp"]["rms"], rel=1e-6)
     plan = [("onnx", 0, model.config.n_layers)]
@@ -188,4 +207,6 @@ def test_the_integer_precisions_compute_a_file_at_least_as_exactly_as_llama_cpp(
     llama_rms = float(np.sqrt(np.mean((theirs - exact) ** 2)))
     for precision in ("int16", "int8"):
         rms = float(np.sqrt(np.mean((logits(model, tokens, plan, precision) - exact) ** 2)))
-        assert rms <= llama_rms, f"{quant['gguf']} at {precision}: {rms:.4f} from float32, llama.cpp {llama_rms:.4f}"
+        same_rounding = precision == "int8" and quant["type"] == "Q8_0"
+        assert rms <= llama_rms * (1.01 if same_rounding else 1.0), (
+            f"{quant['gguf']} at {precision}: {rms:.4f} from float32, llama.cpp {llama_rms:.4f}")

@@ -14,6 +14,7 @@ import pytest
 
 from backends.onnx.kernels import experts as X
 from exo_tui.models.gguf_file import GGUFModel
+from tests.unit.test_family_logits import assert_as_close_as_llama_cpp
 from tests.unit.test_onnx_kernel import library  # noqa: F401 - the fixture
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "families"
@@ -117,16 +118,16 @@ WIDE = next(e for e in MANIFEST if e["name"] == "qwen3moe-wide")
     ("qwen3moe-wide.Q4_K_M.gguf", "int8"), ("qwen3moe-wide.Q8_0.gguf", "int8"),
 ])
 def test_quantized_mixtures_at_the_integer_precisions_are_as_close_as_llama_cpp(library, gguf, precision):  # noqa: F811
-    """test_family_logits checks float32; here the integer precisions, whose experts run on ``Experts``."""
+    """The fixture's prompt and random sequences, as test_family_logits measures every file (where
+    these run at every precision too); here on the ``Experts`` op's own library."""
     from backends.onnx import ONNXBackend
 
     quant = next(q for q in WIDE["quantized"] if q["gguf"] == gguf)
     model = GGUFModel(FIXTURES / gguf)
-    tokens, want = np.array(WIDE["tokens"]), np.load(FIXTURES / WIDE["logits"])
+    sequences, want = np.array(WIDE["sequences"]), np.load(FIXTURES / WIDE["sequence_logits"])
     n = model.config.n_layers
     shard = ONNXBackend(threads=2, precision=precision).load_shard(model.config, model.shard_weights(0, n))
-    diff = shard.forward("r", tokens, np.arange(len(tokens)), all_logits=True) - want
+    pos = np.arange(sequences.shape[1])
+    diff = np.stack([shard.forward(f"r{i}", t, pos, all_logits=True) for i, t in enumerate(sequences)]) - want
     shard.close()
-    ref = quant["llama_cpp"]
-    max_abs, rms = float(np.abs(diff).max()), float(np.sqrt(np.mean(diff**2)))
-    assert max_abs <= ref["max_abs"] * 1.02 and rms <= ref["rms"] * 1.001, (max_abs, rms, ref)
+    assert_as_close_as_llama_cpp(diff, quant["llama_cpp"], f"{gguf} at {precision}")
