@@ -629,7 +629,8 @@ class NodeAgent:
                         results[i] = (FILLED, None, None)  # a prompt's chunk: its caches filled, nothing drawn
                     elif not isinstance(results[i], Exception):
                         try:
-                            results[i] = self.samplers.sample(batch[i].frame.body, results[i], scores.get(i))
+                            token, logprobs = self.samplers.sample(batch[i].frame.body, results[i])
+                            results[i] = (token, logprobs, scores.get(i))  # scores: score_prompt's, where asked
                         except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
                             results[i] = exc
         return results

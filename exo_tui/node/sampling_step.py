@@ -27,11 +27,9 @@ class Samplers:
     def __init__(self) -> None:
         self._samplers: dict[str, Sampler] = {}
 
-    def sample(self, body: dict[str, Any], logits: np.ndarray,
-               scores: list[TokenLogprobs] | None = None) -> tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]:
-        """The next token from the last row of ``logits`` for the step of ``body``, its logprobs
-        when the step asks, and the prompt's ``scores`` (from :func:`score_prompt`, when the step
-        asked to score it)."""
+    def sample(self, body: dict[str, Any], logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+        """The next token from the last row of ``logits`` for the step of ``body``, and its
+        logprobs when the step asks."""
         rid = body["rid"]
         sampler = self._samplers.get(rid)
         if sampler is None:
@@ -45,7 +43,7 @@ class Samplers:
         if top is not None and type(top) is not int:
             raise ValueError(f"logprobs must be a count of alternatives, not {top!r:.50}")
         logprobs = None if top is None else token_logprobs(logits[-1], token, top)
-        return token, logprobs, scores
+        return token, logprobs
 
     def forget(self, rid: str) -> None:
         """Request ``rid`` has ended here, or another took its caches over: its sampler goes."""

@@ -30,9 +30,9 @@ def test_a_request_keeps_its_sampler_and_its_seed_until_it_is_forgotten() -> Non
 def test_the_token_comes_from_the_last_row_with_its_logprobs_only_when_asked() -> None:
     samplers = Samplers()
     x = logits()
-    token, lp, scores = samplers.sample({"rid": "g", "n_tokens": 1, "sampling": {"temperature": 0.0}}, x)
-    assert token == int(np.argmax(x[-1])) and lp is None and scores is None
-    token, lp, _ = samplers.sample({"rid": "g", "n_tokens": 1, "logprobs": 3}, x)
+    token, lp = samplers.sample({"rid": "g", "n_tokens": 1, "sampling": {"temperature": 0.0}}, x)
+    assert token == int(np.argmax(x[-1])) and lp is None
+    token, lp = samplers.sample({"rid": "g", "n_tokens": 1, "logprobs": 3}, x)
     assert lp is not None and lp.token == token and len(lp.top) == 3
     with pytest.raises(ValueError, match="logprobs must be a count"):
         samplers.sample({"rid": "g", "n_tokens": 1, "logprobs": "3"}, x)
