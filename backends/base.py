@@ -457,6 +457,9 @@ class ShardWeights:
     # The bytes the weights take where they come from (a file's blocks), when known: what
     # ``nbytes`` says without making every layer of a LazyLayers.
     stored_nbytes: int = 0
+    # Those bytes by GGUF type ("Q4_K": ..., "F32": ...), when known, read from the file's header
+    # without making a layer: what a backend may choose its math by (the ONNX backend's "auto").
+    stored_types: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.end - self.start:

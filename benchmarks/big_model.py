@@ -25,7 +25,7 @@ Then reports, side by side with llama.cpp on the same file and threads:
 
     python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--tokens 32] [--local-nodes 3]
                                    [--memory-limit GB] [--context TOKENS] [--no-one-node] [--reps 3]
-                                   [--precision int16 int8]
+                                   [--precision auto int16]
 
 ``--reps 3`` measures each engine three times, alternated, and reports the medians and each
 round's ratios (on a shared machine only ratios of one round mean much).
@@ -283,7 +283,7 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
 
 
 def one_node(path: Path, threads: int, prompt: int, tokens: int, reps: int = 1,
-             precisions: tuple[str, ...] = ("int16",)) -> dict[str, list[dict]]:
+             precisions: tuple[str, ...] = ("auto",)) -> dict[str, list[dict]]:
     """Each engine's measurements (exo-tui's at each of ``precisions``), ``reps`` rounds with the
     engines alternated in each."""
     out: dict[str, list[dict]] = {}
@@ -466,8 +466,9 @@ def main() -> None:
                     help="the context the local nodes' cluster serves the model at (default: models.context_length, "
                          "8192, the file's own): the plan keeps room for every layer's caches at it")
     ap.add_argument("--no-one-node", action="store_true", help="skip the one-node comparison with llama.cpp")
-    ap.add_argument("--precision", nargs="+", default=["int16"], choices=["int16", "int8", "float32"],
-                    help="one node: the ONNX backend's precisions to measure (int16, the default; int8 as llama.cpp's activations)")
+    ap.add_argument("--precision", nargs="+", default=["auto"], choices=["auto", "int16", "int8", "float32"],
+                    help="one node: the ONNX backend's precisions to measure (auto, the default: int8 on these K-quant "
+                         "files, as llama.cpp's activations; int16 the others' default)")
     ap.add_argument("--reps", type=int, default=1,
                     help="one node: rounds of every engine, alternated (medians, and each round's ratios)")
     args = ap.parse_args()

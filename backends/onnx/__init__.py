@@ -52,7 +52,8 @@ PRECISIONS = {"float32": 0, "int16": 16, "int8": 8}
 """The precisions, and the bits of the integer codes each takes activations to before a
 quantized matrix product (0: none).
 
-* ``int16`` (the default): each block of 32 activations rounded to int16 with one scale, integer
+* ``int16`` (the default's, but on K-quant files: :data:`AUTO`): each block of 32 activations
+  rounded to int16 with one scale, integer
   products on ``QLinear`` (VPDPWSSD, or AVX2's VPMADDWD: the same numbers). 15 bits of a block's
   largest value: on the default model logits stay within 3e-2 of float32's (float32's own are
   within 1e-4 of MLX's) and 12 prompts x 96 greedy tokens were MLX's token for token (again with
@@ -70,7 +71,20 @@ quantized matrix product (0: none).
   the decode of float32, on the 1B-shape Q4_K_M file 2.06x llama.cpp's prefill): on
   ``QLinear``'s integer products where its build has them (AVX-512 VNNI, or AVX2's pair sums,
   the same numbers), else on ``MatMulNBits``'."""
-DEFAULT_PRECISION = "int16"
+AUTO = "auto"
+"""The default setting: each shard's precision by its file's blocks (``shard.resolve_precision``):
+``int8`` where most of its quantized bytes are K-quant super-blocks (Q4_K, Q5_K, Q6_K) and the
+build has integer products, ``int16`` otherwise. On a K-quant file llama.cpp itself rounds the
+activations to 8 bits, once per 256 (Q8_K), where int8 rounds them per 32: it computes such a
+file more exactly than llama.cpp, lies no farther from the float model on every quantized fixture
+(tests/unit/test_family_logits.py), and runs a Q4_K_M file of Llama-3.1-8B's shape at 1.36x
+llama.cpp's decode and 2.06x its prefill where int16 does 1.07x and 1.57x (AVX2: 1.05x decode
+against 0.72x; docs/benchmarks.md). Q4_0, Q4_1 and Q8_0 files, the default model among them, keep
+int16: there int8 would round as llama.cpp does, no finer, and on the default model it parts
+some greedy answers from float32's."""
+DEFAULT_PRECISION = AUTO
+SETTINGS = (AUTO, *PRECISIONS)
+"""What ``precision`` (``--precision``, ``EXO_TUI_ONNX_PRECISION``) takes."""
 ACCURACY_LEVEL = {"float32": 1, "int16": 1, "int8": 4}
 """``MatMulNBits``' ``accuracy_level`` per precision, for the matrices it runs."""
 
@@ -79,9 +93,9 @@ class ONNXBackend(Backend):
     """Shards on ONNX Runtime (CPU).
 
     ``threads``: intra-op threads per shard (default: env ``EXO_TUI_THREADS``, else the number of
-    physical cores). ``precision``: ``"int16"`` (default), ``"float32"`` or ``"int8"`` (env
-    ``EXO_TUI_ONNX_PRECISION``; see :data:`PRECISIONS`), the integer ones faster but not
-    bit-faithful to float32 math.
+    physical cores). ``precision``: ``"auto"`` (default: :data:`AUTO`), ``"int16"``,
+    ``"float32"`` or ``"int8"`` (env ``EXO_TUI_ONNX_PRECISION``; see :data:`PRECISIONS`), the
+    integer ones faster but not bit-faithful to float32 math.
     ``spin``: how long an idle intra-op thread busy-waits for the next op of a step before it
     sleeps: ``False`` never, ``True`` until the step returns, an int at most that many
     microseconds (env ``EXO_TUI_ONNX_SPIN``: ``0``, ``1`` or e.g. ``15us``). Default
@@ -134,9 +148,9 @@ class ONNXBackend(Backend):
             raise BackendError(f"threads must be at least 1, got {threads}")
         self.threads = threads or physical_cores()
         precision = precision or os.environ.get("EXO_TUI_ONNX_PRECISION", "").strip() or DEFAULT_PRECISION
-        if precision not in PRECISIONS:
+        if precision not in SETTINGS:
             raise BackendError(
-                f"unknown ONNX precision {precision!r}: choose one of {', '.join(PRECISIONS)}"
+                f"unknown ONNX precision {precision!r}: choose one of {', '.join(SETTINGS)}"
             )
         self.precision = precision
         self.spin_us = _spin_us(spin)
@@ -163,13 +177,16 @@ class ONNXBackend(Backend):
         from backends.onnx import kernels
         from backends.onnx.shard import integer_codes, kernel_for
 
-        library = kernel_for(self.precision)
+        auto = self.precision == AUTO
+        precision = "int16" if auto else self.precision  # auto: int8 on K-quant shards where it is int16
+        library = kernel_for(precision)
         if library is not None:
-            xbits = integer_codes(self.precision, library)
+            xbits = integer_codes(precision, library)
             matmul = f"QLinear {library.isa}"
             if xbits:
-                matmul += f" int{xbits} products" + (" (VNNI)" if library.isa == "avx512" else "")
-            elif self.precision != "float32":  # int16 asked of a build without integer products
+                matmul += (" int8 products on K-quants, int16 on others" if auto else f" int{xbits} products") + (
+                    " (VNNI)" if library.isa == "avx512" else "")
+            elif precision != "float32":  # int16 asked of a build without integer products
                 matmul += " float32 products (no integer products in this build: they need AVX2 or AVX-512 VNNI)"
         elif kernels.library() is not None:  # built, but int8 was asked of a build without it
             matmul = "MatMulNBits (ONNX Runtime's): QLinear here has no int8 products (they need AVX2 or AVX-512 VNNI)"
@@ -183,8 +200,9 @@ class ONNXBackend(Backend):
     def kv_value_bytes(self) -> int:
         from backends.onnx.shard import caches_half, integer_codes, kernel_for
 
-        library = kernel_for(self.precision)
-        return 2 if caches_half(library, integer_codes(self.precision, library)) else 4
+        precision = "int16" if self.precision == AUTO else self.precision  # int8's caches are int16's
+        library = kernel_for(precision)
+        return 2 if caches_half(library, integer_codes(precision, library)) else 4
 
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():

@@ -38,22 +38,25 @@ import mmap
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import onnxruntime as ort
 
 from backends.base import (
+    BLOCK_TYPES,
     BackendError,
     KVCache,
     LayerWeights,
+    LazyLayers,
     ModelConfig,
     QuantizedWeight,
     Shard,
     ShardWeights,
     validate_forward_input,
 )
-from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION, PRECISIONS, kernels
+from backends.kquants import GROUP as KQUANT_GROUP
+from backends.onnx import ACCURACY_LEVEL, AUTO, DEFAULT_PRECISION, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.weights import compact_embedding, embedding_rows
@@ -172,7 +175,7 @@ class ONNXShard(Shard):
         super().__init__(config, weights.start, weights.end)
         self.threads = threads
         self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
-        self.precision = precision
+        self.precision = precision = resolve_precision(precision, weights)
         self._embed = compact_embedding(weights.embed) if self.is_first else None
         library = kernel_for(precision)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
@@ -701,6 +704,32 @@ def kernel_for(precision: str) -> kernels.Library | None:
     if library is None or precision != "int8":
         return library
     return library if library.integer else None
+
+
+def resolve_precision(precision: str, weights: ShardWeights) -> str:
+    """The precision a shard runs at: ``precision``, or for ``auto`` (:data:`~backends.onnx.AUTO`)
+    int8 where most of the shard's quantized bytes (the file's, by type: ``stored_types``; else
+    those of the weights in memory, without making a lazy layer) are K-quant super-blocks and the
+    build has int8 products, int16 otherwise."""
+    if precision != AUTO:
+        return precision
+    if kernel_for("int8") is None:
+        return "int16"
+    by_type = weights.stored_types or _quantized_bytes_in_memory(weights)
+    kquant = sum(n for t, n in by_type.items() if t in KQUANT_GROUP)
+    other = sum(n for t, n in by_type.items() if t in BLOCK_TYPES)
+    return "int8" if kquant > other else "int16"
+
+
+def _quantized_bytes_in_memory(weights: ShardWeights) -> dict[str, int]:
+    made = [] if isinstance(weights.layers, LazyLayers) else [lw for lw in weights.layers if lw is not None]
+    matrices = [getattr(lw, f.name) for lw in made for f in fields(lw)] + [weights.embed, weights.output]
+    out: dict[str, int] = {}
+    for w in (m for v in matrices for m in (v if isinstance(v, list) else [v])):
+        if isinstance(w, QuantizedWeight):
+            kind = w.source_type or ("Q8_0" if w.bits == 8 else "Q4_0")
+            out[kind] = out.get(kind, 0) + w.nbytes
+    return out
 
 
 def caches_half(library: object, xbits: int) -> bool:

@@ -30,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="node name (default: the host's hostname)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default=None)
     p.add_argument("--memory-limit", type=float, metavar="GB", help="memory the node gives to models (weights, KV caches), above its runtime's own ~0.2 GB")
-    p.add_argument("--precision", choices=["float32", "int16", "int8"], default=None,
-                   help="the node's ONNX precision (exo-tui node --precision; default int16)")
+    p.add_argument("--precision", choices=["auto", "float32", "int16", "int8"], default=None,
+                   help="the node's ONNX precision (exo-tui node --precision; default auto)")
     p.add_argument("--threads", type=threads_arg, default=None, metavar="N", help="threads a step runs on there")
     p.add_argument("--known-hosts", type=Path, metavar="FILE", help="known_hosts file (default ~/.ssh/known_hosts)")
     p.add_argument("-i", "--identity", action="append", metavar="FILE", help="private key to log in with (repeatable)")

@@ -25,9 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="node name (default: the host name)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="memory this node gives to models (weights, KV caches), above its runtime's own ~0.2 GB")
-    p.add_argument("--precision", choices=["float32", "int16", "int8"], default=None,
-                   help="ONNX: int16 activations (the default: fast, answers as float32's but for near ties), "
-                        "float32 (exact) or int8 (fastest batches, answers near float32's)")
+    p.add_argument("--precision", choices=["auto", "float32", "int16", "int8"], default=None,
+                   help="ONNX: auto (the default: int8 on K-quant files, which llama.cpp itself rounds to 8 bits, "
+                        "else int16), int16 activations (fast, answers as float32's but for near ties), "
+                        "float32 (exact) or int8 (fastest, answers near float32's)")
     p.add_argument("--threads", type=threads_arg, default=None, metavar="N",
                    help="threads a step runs on (default: the physical cores)")
     p.add_argument("--key-file", default=None, help="node bundle (cluster key and certificates) from the coordinator")

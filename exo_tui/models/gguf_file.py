@@ -61,6 +61,14 @@ class TensorInfo:
     nbytes: int
 
 
+def bytes_by_type(tensors: Iterable[TensorInfo]) -> dict[str, int]:
+    """The bytes of ``tensors`` by GGUF type."""
+    out: dict[str, int] = {}
+    for t in tensors:
+        out[t.type_name] = out.get(t.type_name, 0) + t.nbytes
+    return out
+
+
 def _grouped(tensors: Iterable[TensorInfo]) -> list[list[TensorInfo]]:
     """``tensors`` as the pieces a load reads at once, in its order: a layer's tensors together (by
     their ``blk.N.`` prefix), the others (embedding, final norm, head) one each."""
@@ -344,7 +352,9 @@ class GGUFModel:
         if not 0 <= start < end <= n:
             raise ModelFileError(f"layer range [{start}, {end}) is not within [0, {n}) of {self.path}")
         weights = lazy_shard(self.config, start, end, self.tensor, tied=self.tied_embeddings)
-        weights.stored_nbytes = sum(self.tensor_info(n).nbytes for n in self.shard_tensor_names(start, end))
+        infos = [self.tensor_info(n) for n in self.shard_tensor_names(start, end)]
+        weights.stored_nbytes = sum(t.nbytes for t in infos)
+        weights.stored_types = bytes_by_type(infos)
         return weights
 
 

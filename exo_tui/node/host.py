@@ -25,6 +25,7 @@ from exo_tui.models.gguf_file import (
     GGUFModel,
     ModelFileError,
     TensorInfo,
+    bytes_by_type,
     held_nbytes,
     lazy_shard,
     shard_load_peak,
@@ -84,6 +85,7 @@ class Transfer:
 
         weights = lazy_shard(self.config, self.start, self.end, get, tied="output.weight" not in spans)
         weights.stored_nbytes = self.total_bytes
+        weights.stored_types = bytes_by_type(self.tensors)
         return weights
 
 

@@ -70,13 +70,13 @@ def test_print_profile(tmp_path: Path) -> None:
     assert profile["memory_bandwidth_bytes_per_s"] > 0
     # how the backend runs here: the operator sees a node on the slower fallback, or on float32 products
     library = kernels.library()
-    assert profile["backend"] == "onnx" and profile["engine"]["precision"] == "int16"
+    assert profile["backend"] == "onnx" and profile["engine"]["precision"] == "auto"
     assert profile["kv_value_bytes"] == (2 if library is not None and library.integer else 4)  # float16 caches
     if library is None:
         assert profile["engine"]["matmul"] == "MatMulNBits (ONNX Runtime's)"
     elif library.integer:
         vnni = " (VNNI)" if library.isa == "avx512" else ""
-        assert profile["engine"]["matmul"] == f"QLinear {library.isa} int16 products{vnni}"
+        assert profile["engine"]["matmul"] == f"QLinear {library.isa} int8 products on K-quants, int16 on others{vnni}"
     else:
         assert profile["engine"]["matmul"].startswith(f"QLinear {library.isa} float32 products (no integer products")
 
@@ -125,7 +125,7 @@ def test_a_timing_is_keyed_by_how_the_node_runs(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
     default = _cache_key("onnx")
     configure_backend("onnx", precision="int8")
-    assert "precision=int8" in _cache_key("onnx") and "precision=int16" in default
+    assert "precision=int8" in _cache_key("onnx") and "precision=auto" in default
     configure_backend("onnx", threads=1)
     assert "threads=1" in _cache_key("onnx") and _cache_key("onnx") != default
 

@@ -9,6 +9,7 @@ agree within ``RTOL = 1e-4`` of the largest logit's magnitude (observed: ~1e-6 o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -246,7 +247,7 @@ def test_options_defaults_and_env(monkeypatch):
     monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
     monkeypatch.delenv("EXO_TUI_ONNX_SPIN", raising=False)
     backend = ONNXBackend()
-    assert backend.threads == physical_cores() and backend.precision == "int16"
+    assert backend.threads == physical_cores() and backend.precision == "auto"
     assert backend.spin_us == SPIN_US  # a bounded spin between the ops of a step
     assert backend.session_config["session.intra_op.spin_duration_us"] == str(SPIN_US)
     assert backend.available()
@@ -261,6 +262,49 @@ def test_options_defaults_and_env(monkeypatch):
     assert backend.session_config["session.intra_op.allow_spinning"] == "1"
     assert "session.intra_op.spin_duration_us" not in backend.session_config  # until the step ends
     assert ONNXBackend(threads=3, precision="float32").threads == 3
+
+
+def test_auto_runs_k_quant_files_at_int8_and_the_others_at_int16(tmp_path, monkeypatch):
+    """The default precision goes by the file's blocks, the same on each shard of it (the head's
+    and the embedding's types count too), read from the file's header without making a layer, or
+    from the weights in memory; a precision asked for is kept. Builds without int8 products run
+    every file at int16."""
+    from backends.onnx.shard import resolve_precision
+    from exo_tui.node.host import Transfer
+
+    monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
+    library = kernels.library()
+    int8 = "int8" if library is not None and library.integer else "int16"
+    shape = dict(hidden=256, intermediate=256, n_heads=4, n_kv_heads=2, n_layers=2, tied=False)
+    for weight_type, embed_type, want in (("Q4_K", "Q6_K", int8), ("Q5_K", "Q6_K", int8), ("Q6_K", "Q6_K", int8),
+                                          ("Q4_1", "Q8_0", "int16"), ("Q8_0", "Q8_0", "int16"),
+                                          ("F32", "F32", "int16")):
+        model = GGUFModel(write_tiny_llama(tmp_path / f"{weight_type}.gguf", weight_type=weight_type,
+                                           embed_type=embed_type, **shape))
+        for start, end in ((0, 2), (0, 1), (1, 2)):
+            weights = model.shard_weights(start, end)
+            assert resolve_precision("auto", weights) == want, (weight_type, start, end)
+            sent = [model.raw_tensor(n) for n in model.shard_tensor_names(start, end)]  # streamed to a node
+            transfer = Transfer("t", model.config, start, end, "onnx", [info for info, _ in sent],
+                                sum(info.nbytes for info, _ in sent))
+            for _, raw in sent:
+                transfer.add_chunk(transfer.received, bytes(raw), hashlib.sha256(bytes(raw)).hexdigest())
+            assert transfer.shard_weights().stored_types == weights.stored_types  # read without making a layer
+            assert resolve_precision("auto", transfer.shard_weights()) == want, (weight_type, start, end, "sent")
+            assert resolve_precision("float32", weights) == "float32"
+            layers = [weights.layers[i] for i in range(end - start)]  # in memory, no file header
+            in_memory = dataclasses.replace(weights, layers=layers, stored_types={})
+            assert resolve_precision("auto", in_memory) == want, (weight_type, start, end, "in memory")
+        if weight_type == "Q4_K" and int8 == "int8":  # what the shard then runs
+            shard = ONNXBackend().load_shard(model.config, model.shard_weights(0, 2))
+            assert shard.precision == "int8" and shard.xbits == 8
+            shard.close()
+            shard = ONNXBackend(precision="int16").load_shard(model.config, model.shard_weights(0, 2))
+            assert shard.precision == "int16" and shard.xbits == 16
+            shard.close()
+    assert "int8 products on K-quants, int16 on others" in ONNXBackend().describe()["matmul"] or int8 == "int16"
+    with pytest.raises(BackendError, match="choose one of auto, float32, int16, int8"):
+        ONNXBackend(precision="int4")
 
 
 @pytest.mark.parametrize(
