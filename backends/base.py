@@ -315,6 +315,10 @@ def load_peak_bytes(backend: str, pieces: list[LoadPiece], held: list[int] | Non
 # whose temporaries fit its reserve (exo_tui/node/kv_budget.py); a decode step's are ~1 MB.
 PREFILL_CHUNK = 512
 MIN_PREFILL_CHUNK = 32
+FILL_QUEUED = 2
+"""A long prompt's chunks that may wait at a node while it runs another of the same request: the
+coordinator keeps at most this many more in flight than the one running (one a node of the ring,
+up to ``FILL_QUEUED + 1``)."""
 STEP_ROW_VALUES = 6.5
 
 
@@ -335,12 +339,20 @@ def logit_rows(config: ModelConfig, room_bytes: int | None, most: int) -> int:
     return int(min(most, max(1, room_bytes // (2 * 4 * config.vocab_size))))
 
 
+def prefill_row_bytes(config: ModelConfig) -> int:
+    """What a row of a prompt's chunk takes at a node while it runs: its step's temporaries
+    (:func:`step_row_bytes`) and the rows of the chunks that may wait there meanwhile (a row of
+    hidden states, float32, each of ``FILL_QUEUED``)."""
+    return step_row_bytes(config) + FILL_QUEUED * 4 * config.hidden_size
+
+
 def prefill_rows(config: ModelConfig, room_bytes: int | None) -> int:
-    """The rows of a prompt's chunk whose step's temporaries fit in ``room_bytes`` (None: no
-    bound): ``PREFILL_CHUNK`` at most, ``MIN_PREFILL_CHUNK`` at least, a multiple of it."""
+    """The rows of a prompt's chunk that fit in ``room_bytes`` as it runs (None: no bound;
+    :func:`prefill_row_bytes`): ``PREFILL_CHUNK`` at most, ``MIN_PREFILL_CHUNK`` at least, a
+    multiple of it."""
     if room_bytes is None:
         return PREFILL_CHUNK
-    rows = room_bytes // step_row_bytes(config) // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK
+    rows = room_bytes // prefill_row_bytes(config) // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK
     return int(min(PREFILL_CHUNK, max(MIN_PREFILL_CHUNK, rows)))
 
 

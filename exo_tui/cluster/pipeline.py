@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -77,6 +78,10 @@ class PipelineHost(Protocol):
         """The rows a step of a prompt may carry through ``plan``'s ring at most."""
         ...
 
+    def fill_window(self, plan: RingPlan) -> int:
+        """How many of a long prompt's chunks to keep in flight through ``plan``'s ring at once."""
+        ...
+
     def connection(self, node_id: str) -> Connection:
         ...
 
@@ -115,6 +120,19 @@ def _shared_prefix(a: list[int], b: tuple[int, ...]) -> int:
 _Result = tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]
 
 
+@dataclass
+class _Sent:
+    """A step sent to the ring, whose reply is awaited."""
+
+    key: tuple[str, int, int]  # (request id, step, plan version): what the reply is matched by
+    fut: asyncio.Future[_Result]
+    plan: RingPlan
+    rows: int
+    end: int  # the positions its request's caches hold once it has run
+    times: tuple[float, float, float | None] = (0.0, 0.0, None)  # sent (monotonic, wall), the coordinator's share
+    timer: asyncio.TimerHandle | None = None
+
+
 def _expire(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError(f"no token within {STEP_TIMEOUT_S:.0f} s"))
@@ -135,7 +153,9 @@ class RemotePipeline:
         self.on_step_timed: Callable[[StepSample], None] | None = None
         self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
-        self.filled_chunks = 0  # steps that filled a prompt's chunk (_fill)
+        self.filled_chunks = 0  # steps that filled a prompt's chunk (_fill_and_run)
+        self._chunk_ids = itertools.count(1)  # a chunk's step id, negated (_send)
+        self.most_chunks_in_flight = 0  # the most chunks of one prompt sent and not yet back
         # The model's windowed layers' cache bound (ModelConfig.ring_window; 0: none): a kept
         # cache past it can be cut back by one position only.
         self.window: Callable[[], int] = lambda: 0
@@ -214,9 +234,10 @@ class RemotePipeline:
             try:
                 try:
                     adopt = adopted[0] if adopted else None
-                    if not request.wants_prompt_scores:  # (a prompt to score runs whole, as it is scored)
-                        pos, adopt = await self._fill(plan, request, pos, adopt)
-                    token, logprobs, scores = await self._run(plan, request, pos, adopt)
+                    if request.wants_prompt_scores:  # a prompt to score runs whole, as it is scored
+                        token, logprobs, scores = await self._run(plan, request, pos, adopt)
+                    else:
+                        token, logprobs, scores = await self._fill_and_run(plan, request, pos, adopt)
                     if scores is not None and [x.token for x in scores] != request.prompt_ids[1:]:
                         last = plan.ring[-1].node_id
                         raise StepFailure(f"node {last} scored {len(scores)} tokens that are not the prompt's "
@@ -245,23 +266,44 @@ class RemotePipeline:
                 request.prompt_scores = scores
             return token, logprobs
 
-    async def _fill(self, plan: RingPlan, request: Request, pos: int, adopt: str | None) -> tuple[int, str | None]:
-        """Run a long prompt through the ring a chunk at a time, up to its last chunk (which the
-        step then runs, drawing the first token): whole, each node would receive and send all its
-        rows' hidden states at once (rows x hidden floats, a few copies), which a node under a
-        memory limit cannot hold beside its caches (the 8B shape's ring at 1.9 GB limits and a
-        1,900-token prompt: two nodes 39 and 94 MB past their limits, then a budget too small for
-        the request's caches). Returns the position the step goes on from, and the kept
-        request it still takes over (None once a chunk has)."""
+    async def _fill_and_run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None) -> _Result:
+        """The step: a long prompt goes through the ring a chunk at a time, the last chunk drawing
+        the first token. Whole, each node would receive and send all its rows' hidden states at
+        once (rows x hidden floats, a few copies), which a node under a memory limit cannot hold
+        beside its caches (the 8B shape's ring at 1.9 GB limits and a 1,900-token prompt: two
+        nodes 39 and 94 MB past their limits, then a budget too small for the request's caches).
+        The chunks are pipelined: the next is sent without waiting for the one before to come back,
+        up to one a node of the ring that runs beside the others (``fill_window``; at most
+        ``FILL_QUEUED`` waiting at a node, which the nodes size their chunks for), so while the last
+        node runs one chunk the first runs a later one. A node runs a request's chunks in order,
+        one a run (``batching.one_step_a_key``)."""
         if request.n_tokens - pos <= MIN_PREFILL_CHUNK:  # a decode step, or a short prompt: no lookup
-            return pos, adopt
+            return await self._run(plan, request, pos, adopt)
         rows = self.host.prefill_rows(plan)
-        while request.n_tokens - pos > rows:
-            await self._run(plan, request, pos, adopt, end=pos + rows)
-            pos, adopt = pos + rows, None
-            self.filled_chunks += 1
-            self._cached[request.id] = _Cached(plan.version, pos)
-        return pos, adopt
+        window = self.host.fill_window(plan)
+        filling: deque[_Sent] = deque()
+        last: _Sent | None = None
+        try:
+            while True:
+                if len(filling) >= window:
+                    await self._filled(request, filling.popleft())
+                if request.n_tokens - pos <= rows:
+                    break
+                filling.append(await self._send(plan, request, pos, adopt, end=pos + rows))
+                self.most_chunks_in_flight = max(self.most_chunks_in_flight, len(filling))
+                pos, adopt = pos + rows, None
+            last = await self._send(plan, request, pos, adopt)
+            while filling:
+                await self._filled(request, filling.popleft())
+            return await self._result(last)
+        finally:  # a chunk failed (or the request was cancelled): what is still out is abandoned
+            for sent in (*filling, *([last] if last is not None else [])):
+                self._abandon(sent)
+
+    async def _filled(self, request: Request, sent: _Sent) -> None:
+        await self._result(sent)
+        self.filled_chunks += 1
+        self._cached[request.id] = _Cached(sent.plan.version, sent.end)
 
     def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
         """The kept request whose caches this one's first step can take over, and how many of its
@@ -306,12 +348,18 @@ class RemotePipeline:
         kept, self._kept = self._kept, OrderedDict()
         await asyncio.gather(*(self._drop_on(k.plan, rid, final=True) for rid, k in kept.items()))
 
-    async def _run(self, plan: RingPlan, request: Request, pos: int,
-                   adopt: str | None = None, end: int | None = None) -> _Result:
+    async def _run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None) -> _Result:
         """One step through the ring: the request's tokens from ``pos``, the last hop drawing the
-        next token; or (``end``) its tokens up to ``end`` only, filling the caches (a prompt's
-        chunk: :meth:`_fill`)."""
-        step = len(request.generated)
+        next token."""
+        return await self._result(await self._send(plan, request, pos, adopt))
+
+    async def _send(self, plan: RingPlan, request: Request, pos: int,
+                    adopt: str | None = None, end: int | None = None) -> _Sent:
+        """Send a step to the ring's first node: the request's tokens from ``pos``, the last hop
+        drawing the next token; or (``end``) its tokens up to ``end`` only, filling the caches (a
+        prompt's chunk, which comes back as FILLED). A chunk's correlation id (``step``) is its
+        own, negative, so the chunks of one step in flight at once tell their replies apart."""
+        step = len(request.generated) if end is None else -next(self._chunk_ids)
         key = (request.id, step, plan.version)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_Result] = loop.create_future()
@@ -336,34 +384,49 @@ class RemotePipeline:
             body["logprobs"] = request.top_logprobs
         if pos == 0 and request.wants_prompt_scores:
             body["score"] = {"top": request.prompt_logprobs, "targets": request.prompt_ids[1:]}
+        sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos, end or request.n_tokens)
+        first = plan.ring[0].node_id
         try:
-            first = plan.ring[0].node_id
-            try:
-                conn = self.host.connection(first)
-            except KeyError as exc:
-                raise StepFailure(f"node {first} is not connected", first) from exc
-            sent_m = time.monotonic()
-            last = self._last_token_s.get(request.id)
-            sent = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 and end is None else None)
-            tokens = request.tokens_from(pos) if end is None else request.tokens[pos:end]
-            try:
-                await conn.send("forward", body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
-            except (ConnectionError, OSError) as exc:
-                raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
-            # A timer that fails the future, not asyncio.timeout (a tenth of the coordinator's time
-            # a token went to its task bookkeeping) nor wait_for (Python 3.11's drops a cancel that
-            # lands when the token has just come, so a stopped answer went on). A cancel of this
-            # task cancels ``fut`` and comes out of the await as it is.
-            timer = loop.call_later(STEP_TIMEOUT_S, _expire, fut)
-            try:
-                result = await fut
-            finally:
-                timer.cancel()
-            self._timed(key, plan, (request.n_tokens if end is None else end) - pos, sent)
+            conn = self.host.connection(first)
+        except KeyError as exc:
+            self._abandon(sent)
+            raise StepFailure(f"node {first} is not connected", first) from exc
+        sent_m = time.monotonic()
+        last = self._last_token_s.get(request.id)
+        sent.times = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 and end is None else None)
+        tokens = request.tokens_from(pos) if end is None else request.tokens[pos:end]
+        try:
+            await conn.send("forward", body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
+        except (ConnectionError, OSError) as exc:
+            self._abandon(sent)
+            raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
+        # A timer that fails the future, not asyncio.timeout (a tenth of the coordinator's time
+        # a token went to its task bookkeeping) nor wait_for (Python 3.11's drops a cancel that
+        # lands when the token has just come, so a stopped answer went on). A cancel of the task
+        # awaiting it cancels ``fut`` and comes out of the await as it is.
+        sent.timer = loop.call_later(STEP_TIMEOUT_S, _expire, fut)
+        return sent
+
+    async def _result(self, sent: _Sent) -> _Result:
+        """What a sent step gives back (raises its failure); it is then no longer waited for."""
+        try:
+            result = await sent.fut
+            self._timed(sent.key, sent.plan, sent.rows, sent.times)
             return result
         finally:
-            self._pending.pop(key, None)
-            self._timing.pop(key, None)
+            self._abandon(sent)
+
+    def _abandon(self, sent: _Sent) -> None:
+        """A sent step is no longer waited for (its reply came, or it was given up): a reply that
+        still comes is dropped."""
+        if sent.timer is not None:
+            sent.timer.cancel()
+        if not sent.fut.done():
+            sent.fut.cancel()
+        elif not sent.fut.cancelled():
+            sent.fut.exception()  # retrieved: a failure behind the one being raised is not logged as lost
+        self._pending.pop(sent.key, None)
+        self._timing.pop(sent.key, None)
 
     def _timed(self, key: tuple[str, int, int], plan: RingPlan, rows: int, sent: tuple[float, float, float | None]) -> None:
         """Hand the step's timing (the hops' records that came with its token) to ``on_step_timed``."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backends.base import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, PREFILL_CHUNK, KVCache
+from backends.base import FILL_QUEUED, LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, PREFILL_CHUNK, KVCache
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
 from exo_tui.cluster.pipeline import StepFailure
@@ -32,7 +32,7 @@ from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
-from exo_tui.node.profile import BENCH_CONFIG
+from exo_tui.node.profile import BENCH_CONFIG, NodeProfile
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
 from exo_tui.scheduler.partition import InfeasiblePlan
@@ -474,6 +474,23 @@ class PlanSwitching:
                 for e in plan.ring if e.node_id in self.nodes]
         return max(1, min(rows, default=PREFILL_CHUNK))
 
+    def fill_window(self, plan: RingPlan) -> int:
+        """How many of a long prompt's chunks to keep in flight through ``plan``'s ring: as many as
+        its nodes can run at once, ``FILL_QUEUED + 1`` at most. A machine runs as many of its
+        nodes at once as its cores hold their threads (at least one): more would only take the
+        cores from each other. Three local nodes on 2 cores, a 2,000-token prompt: of one thread
+        each, two at once, its first token 1.6x sooner (1.63-1.68 s against 2.55-2.67 one chunk
+        at a time); of two threads each, all three at once made it 8 % later (so one at a time)."""
+        machines: dict[str, list[NodeProfile]] = {}
+        for e in plan.ring:
+            handle = self.nodes.get(e.node_id)
+            if handle is not None:
+                host = "loopback" if is_loopback(e.host) else e.host
+                machines.setdefault(host, []).append(handle.profile)
+        at_once = sum(max(1, min(len(ps), min(p.cpu_cores for p in ps) // max(_threads(p) for p in ps)))
+                      for ps in machines.values())
+        return max(1, min(at_once, FILL_QUEUED + 1))
+
     def step_done(self) -> None:
         self._inflight_steps -= 1
         if self._inflight_steps <= 0:
@@ -524,3 +541,11 @@ def _shard_record(entry: PlanEntry, body: dict[str, Any], key: str) -> dict[str,
 def _moves(old: Plan | None, new: Plan, spec: Any) -> list[LayerMove]:
     diff = plan_diff(old, new, spec)
     return [LayerMove(m.start, m.end, m.src, m.dst, m.nbytes) for m in diff.moves]
+
+
+def _threads(profile: NodeProfile) -> int:
+    """The threads a node's steps run on (its engine's, else all of its machine's cores)."""
+    try:
+        return max(1, int(profile.engine.get("threads") or profile.cpu_cores))
+    except (TypeError, ValueError):
+        return max(1, profile.cpu_cores)

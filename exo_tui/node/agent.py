@@ -65,7 +65,7 @@ from exo_tui.net.protocol import FILLED, HostError, RingPlan, kv_fields, kv_from
 from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
-from exo_tui.node.batching import Batching, decodes_first
+from exo_tui.node.batching import Batching, decodes_first, one_step_a_key
 from exo_tui.node.host import ShardHost
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
 from exo_tui.node.profile import (
@@ -470,9 +470,11 @@ class NodeAgent:
             self._wakeup.clear()
             while self._queue:
                 await self._gather()
-                batch, later = decodes_first(list(self._queue))
+                queued = list(self._queue)
+                batch, _ = decodes_first(queued)
+                batch, left = one_step_a_key(queued, batch)
                 self._queue.clear()
-                self._queue.extend(later)
+                self._queue.extend(left)
                 self.batch_sizes[len(batch)] += 1
                 t0 = time.monotonic()
                 results = await self._in_worker(self._run_batch, batch)

@@ -6,7 +6,8 @@ node has seen (each request's visits per hop, the last arrival, a recent run's t
 the questions of :mod:`exo_tui.node.agent`'s loop: how long the gather window is
 (:meth:`Batching.window_s`), whether a step is due back (:meth:`Batching.due`), whether a request
 is alone here (:meth:`Batching.alone`), and how long to wait before running what is queued
-(:meth:`Batching.gather_wait`). :func:`decodes_first` splits a run's steps from the next run's.
+(:meth:`Batching.gather_wait`). :func:`decodes_first` splits a run's steps from the next run's, and :func:`one_step_a_key`
+keeps a request's later steps at a hop for the runs after its first.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class _Queued(Protocol):
     @property
     def rows(self) -> int: ...
 
+    @property
+    def key(self) -> Key: ...
+
     deferred: bool
 
 
@@ -74,6 +78,20 @@ def decodes_first(steps: list[S]) -> tuple[list[S], list[S]]:
     for s in fresh:
         s.deferred = True
     return now, fresh
+
+
+def one_step_a_key(queued: list[S], run: list[S]) -> tuple[list[S], list[S]]:
+    """Of ``run`` (steps taken from ``queued``, in its order), those that run now: a request's
+    first step queued at each hop. A later step of the same request and hop (the coordinator
+    sends a long prompt's chunks without waiting for each to come back) needs the caches the one
+    before it fills, so it waits for the next run, as does everything after it in the queue of that
+    key. Returns the steps that run and the queue left, in its order."""
+    first: dict[Key, S] = {}
+    for s in queued:
+        first.setdefault(s.key, s)
+    now = [s for s in run if first[s.key] is s]
+    ran = {id(s) for s in now}
+    return now, [s for s in queued if id(s) not in ran]
 
 
 @dataclass

@@ -17,6 +17,7 @@ import pytest
 
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.net import Cluster, Dispatcher, Frame, Security, connect, ensure_cluster
+from exo_tui.net.protocol import FILLED
 from exo_tui.node.agent import NodeAgent
 from exo_tui.node.batching import GatherPolicy
 
@@ -227,6 +228,27 @@ async def test_a_batch_stays_whole_on_the_next_hop(cluster: Cluster, tiny_model:
         assert (first.inline_steps, second.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
         assert all(h == solo for h in histories.values())
         assert not r.failures
+
+
+async def test_a_prompts_chunks_sent_back_to_back_run_one_a_run_in_order(cluster: Cluster, tiny_model: Path):
+    """The coordinator sends a long prompt's chunks without waiting for each to come back: queued
+    together at a node (here the first frame announces the others, so the node waits for them),
+    they run one a run, in order, each on the caches the one before filled, and the last draws the
+    token the whole prompt does."""
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        whole = (await r.prefill(["whole"]))["whole"]
+        tokens = [int(t) for t in PROMPT]
+        for i, (a, b) in enumerate(((0, 4), (4, 8))):
+            body = {"rid": "chunked", "hop": 0, "pos": a, "step": -1 - i, "n_tokens": b, "sampling": GREEDY,
+                    "fill": True, "more": 2 - i}
+            r._future("chunked", -1 - i)
+            await r.conns[0].send("forward", body, tensor=np.asarray(tokens[a:b], dtype=np.int64), plan=r.version)
+        await r.send("chunked", tokens, 8)  # the last chunk, drawing the first token (step 0)
+        assert [await r.token("chunked", s) for s in (-1, -2)] == [FILLED, FILLED]
+        assert await r.token("chunked", 0) == whole[len(PROMPT)]
+        assert not r.failures, r.failures
+        first = r.agents[0]
+        assert first.batch_sizes[1] == 4 and not first.batch_sizes[3], dict(first.batch_sizes)  # "whole", then each
 
 
 async def test_new_prompts_let_the_decode_steps_of_running_streams_go_first(cluster: Cluster, tiny_model: Path):

@@ -94,21 +94,46 @@ def test_a_long_prompt_goes_through_the_ring_in_chunks_and_answers_as_one_proces
         nodes, default_model_path: Path, params: ChatParams) -> None:
     """A prompt longer than a step's rows (PREFILL_CHUNK: 512) goes through the ring a chunk at a
     time, the last hop drawing nothing until the last chunk: the answer is one process's, token
-    for token, greedy and sampled."""
+    for token, greedy and sampled. These nodes share this machine's cores, each running on all of
+    them: a chunk at a time through the ring (run at once, they would take the cores from each
+    other)."""
     want = reference_answer(default_model_path, LONG, params.max_tokens, seed=params.seed,
                             temperature=params.temperature)
 
     async def run() -> None:
         async with coordinator(nodes, peers=[nodes.peers[1], nodes.peers[3]]) as c:  # the ONNX nodes
-            assert len(c.model.chat_prompt_ids([{"role": "user", "content": LONG}])) > 2 * PREFILL_CHUNK
-            ids: list[int] = []
-            async for chunk in c.chat([{"role": "user", "content": LONG}], params):
-                assert not chunk.error, chunk.error
-                ids.extend(chunk.token_ids)
-            assert [t for t in ids if t not in c.model.tokenizer.eos_ids] == want
-            assert c.pipeline.filled_chunks >= 2
+            assert await _long_answer(c, params) == want
+            assert c.pipeline.filled_chunks >= 2 and c.pipeline.most_chunks_in_flight == 1
 
     asyncio.run(run())
+
+
+def test_a_long_prompts_chunks_are_pipelined_through_nodes_that_run_beside_each_other(
+        tmp_path: Path, default_model_path: Path) -> None:
+    """Nodes whose threads together fit the machine's cores (one each here) run a prompt's chunks
+    at once: the next chunk goes out before the one before comes back, one a node, each node runs
+    them in order, and the answer is one process's, token for token."""
+    if (psutil.cpu_count(logical=False) or 1) < 2:
+        pytest.skip("one core: two nodes of this machine cannot run at once, so chunks go one at a time")
+    params = ChatParams(temperature=0.0, max_tokens=12, seed=1)
+    want = reference_answer(default_model_path, LONG, params.max_tokens, seed=params.seed)
+    with node_processes(tmp_path, ["onnx", "onnx"], extra_args=["--threads", "1"]) as ns:
+        async def run() -> None:
+            async with coordinator(ns) as c:
+                assert len(c.plan.shards) == 2, c.plan.layout
+                assert await _long_answer(c, params) == want
+                assert c.pipeline.filled_chunks >= 2 and c.pipeline.most_chunks_in_flight == 2
+
+        asyncio.run(run())
+
+
+async def _long_answer(c, params: ChatParams) -> list[int]:  # noqa: ANN001
+    assert len(c.model.chat_prompt_ids([{"role": "user", "content": LONG}])) > 2 * PREFILL_CHUNK
+    ids: list[int] = []
+    async for chunk in c.chat([{"role": "user", "content": LONG}], params):
+        assert not chunk.error, chunk.error
+        ids.extend(chunk.token_ids)
+    return [t for t in ids if t not in c.model.tokenizer.eos_ids]
 
 
 def test_weights_streamed_to_nodes(nodes, reference_tokens: list[int]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from exo_tui.net.protocol import PlanEntry, RingPlan
-from exo_tui.node.batching import Batching, GatherPolicy, decodes_first
+from exo_tui.node.batching import Batching, GatherPolicy, decodes_first, one_step_a_key
 
 POLICY = GatherPolicy()
 
@@ -119,8 +119,8 @@ def test_visits_not_seen_for_a_while_are_forgotten() -> None:
 
 
 class _S:
-    def __init__(self, rows: int, deferred: bool = False) -> None:
-        self.rows, self.deferred = rows, deferred
+    def __init__(self, rows: int, deferred: bool = False, key: tuple[str, int] = ("r", 0)) -> None:
+        self.rows, self.deferred, self.key = rows, deferred, key
 
 
 def test_prompts_let_waiting_decode_steps_go_first_once() -> None:
@@ -131,3 +131,21 @@ def test_prompts_let_waiting_decode_steps_go_first_once() -> None:
     assert later == [] and p1 in now
     only = [_S(30), _S(20)]
     assert decodes_first(only) == (only, [])  # no decode step waits: nothing deferred
+
+
+def test_a_requests_steps_at_a_hop_run_one_a_run_in_order() -> None:
+    """A long prompt's chunks come back to back (pipelined): each needs the caches the one before
+    it fills, so a run takes a request's first step at each hop and leaves the rest queued, in
+    order; steps of other requests, and of the same request at another hop, run beside it."""
+    a1, a2, a3 = (_S(64, key=("a", 0)) for _ in range(3))
+    b1, b2 = _S(64, key=("b", 0)), _S(64, key=("b", 0))
+    a_hop2 = _S(64, key=("a", 2))  # the same request's earlier chunk, at its second shard here
+    queued = [a1, b1, a2, a_hop2, b2, a3]
+    now, left = one_step_a_key(queued, queued)
+    assert now == [a1, b1, a_hop2] and left == [a2, b2, a3]
+    now, left = one_step_a_key(left, left)
+    assert now == [a2, b2] and left == [a3]
+    # of what decodes_first chose, a step runs only if none of its key is before it in the queue
+    d = _S(1, key=("d", 0))
+    now, left = one_step_a_key([a2, d, a3], [d, a3])
+    assert now == [d] and left == [a2, a3]

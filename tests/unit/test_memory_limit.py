@@ -142,10 +142,18 @@ def test_status_says_a_limit_lies_above_the_runtime() -> None:
 
 
 def test_a_node_under_a_limit_runs_a_prompt_in_chunks_its_reserve_holds() -> None:
-    """A prompt's chunk on a node under a limit is as many rows as its step's temporaries fit the
-    reserve's step share (a multiple of MIN_PREFILL_CHUNK, between it and PREFILL_CHUNK); without
-    a limit, PREFILL_CHUNK."""
-    from backends.base import MIN_PREFILL_CHUNK, PREFILL_CHUNK, ModelConfig, prefill_rows, step_row_bytes
+    """A prompt's chunk on a node under a limit is as many rows as fit the reserve's step share
+    with their step's temporaries and the chunks that may wait beside it (a multiple of
+    MIN_PREFILL_CHUNK, between it and PREFILL_CHUNK); without a limit, PREFILL_CHUNK."""
+    from backends.base import (
+        FILL_QUEUED,
+        MIN_PREFILL_CHUNK,
+        PREFILL_CHUNK,
+        ModelConfig,
+        prefill_row_bytes,
+        prefill_rows,
+        step_row_bytes,
+    )
     from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, STEP_SHARE
 
     wide = ModelConfig(n_layers=16, hidden_size=2048, intermediate_size=5632, n_heads=16, n_kv_heads=2, head_dim=128,
@@ -153,7 +161,8 @@ def test_a_node_under_a_limit_runs_a_prompt_in_chunks_its_reserve_holds() -> Non
     room = int(STEP_SHARE * RESERVE_MIN_BYTES)
     rows = prefill_rows(wide, room)
     assert rows % MIN_PREFILL_CHUNK == 0 and MIN_PREFILL_CHUNK <= rows < PREFILL_CHUNK
-    assert rows * step_row_bytes(wide) <= room < (rows + MIN_PREFILL_CHUNK) * step_row_bytes(wide)
+    assert rows * prefill_row_bytes(wide) <= room < (rows + MIN_PREFILL_CHUNK) * prefill_row_bytes(wide)
+    assert prefill_row_bytes(wide) == step_row_bytes(wide) + FILL_QUEUED * 4 * wide.hidden_size
     assert prefill_rows(wide, None) == PREFILL_CHUNK and prefill_rows(wide, 1 << 40) == PREFILL_CHUNK
     assert prefill_rows(wide, 1) == MIN_PREFILL_CHUNK  # a step runs however little is left
     experts = ModelConfig(n_layers=2, hidden_size=2048, intermediate_size=768, n_heads=16, n_kv_heads=2, head_dim=128,
