@@ -327,6 +327,10 @@ class RemotePipeline:
             del self._kept[best[0]]
         return best
 
+    def steps_in_flight(self) -> int:
+        """Steps sent to a ring whose replies are awaited (a long prompt's chunks each count)."""
+        return len(self._pending)
+
     def kept_requests(self) -> int:
         """Finished requests whose caches are kept (on every node of their ring)."""
         return len(self._kept)
@@ -387,19 +391,21 @@ class RemotePipeline:
         sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos, end or request.n_tokens)
         first = plan.ring[0].node_id
         try:
-            conn = self.host.connection(first)
-        except KeyError as exc:
+            try:
+                conn = self.host.connection(first)
+            except KeyError as exc:
+                raise StepFailure(f"node {first} is not connected", first) from exc
+            sent_m = time.monotonic()
+            last = self._last_token_s.get(request.id)
+            sent.times = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 and end is None else None)
+            tokens = request.tokens_from(pos) if end is None else request.tokens[pos:end]
+            try:
+                await conn.send("forward", body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
+            except (ConnectionError, OSError) as exc:
+                raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
+        except BaseException:  # not sent (or cancelled while sending): nothing to wait for
             self._abandon(sent)
-            raise StepFailure(f"node {first} is not connected", first) from exc
-        sent_m = time.monotonic()
-        last = self._last_token_s.get(request.id)
-        sent.times = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 and end is None else None)
-        tokens = request.tokens_from(pos) if end is None else request.tokens[pos:end]
-        try:
-            await conn.send("forward", body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
-        except (ConnectionError, OSError) as exc:
-            self._abandon(sent)
-            raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
+            raise
         # A timer that fails the future, not asyncio.timeout (a tenth of the coordinator's time
         # a token went to its task bookkeeping) nor wait_for (Python 3.11's drops a cancel that
         # lands when the token has just come, so a stopped answer went on). A cancel of the task

@@ -123,6 +123,7 @@ def test_a_long_prompts_chunks_are_pipelined_through_nodes_that_run_beside_each_
                 assert len(c.plan.shards) == 2, c.plan.layout
                 assert await _long_answer(c, params) == want
                 assert c.pipeline.filled_chunks >= 2 and c.pipeline.most_chunks_in_flight == 2
+                assert c.pipeline.steps_in_flight() == 0  # every chunk came back and none is waited for
 
         asyncio.run(run())
 
