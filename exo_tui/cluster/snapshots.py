@@ -108,7 +108,9 @@ class Snapshots:
             model=self.model.name if self.model else (self.model_name or ""),
             nodes=tuple(nodes),
             links=tuple(links),
-            plan=_plan_view(self.plan, self.pins, self.spec) if self.plan else None,
+            plan=_plan_view(self.plan, self.pins, self.spec,
+                            _reported_precisions(self.nodes.values(), self.ring.model if self.ring else ""))
+            if self.plan else None,
             hosts=tuple(self.hosts.values()),
             tok_per_s=self.tok_per_s(),
             updated_at=self._last_update,
@@ -129,22 +131,35 @@ class Snapshots:
                                     predicted_tok_per_s=pred.tok_per_s_single if pred else None)
 
 
-def _shard_view(s: Any, pins: dict[str, Pin], spec: Any, pred: Any) -> ShardView:
+def _shard_view(s: Any, pins: dict[str, Pin], spec: Any, pred: Any, precision: str = "") -> ShardView:
     """A shard with its bytes: its weights as its backend holds them (quantized) and, from the
-    plan's prediction, what it needs on its node with its caches beside what that node offers."""
+    plan's prediction, what it needs on its node with its caches beside what that node offers;
+    and the math its node reports running it at."""
     node = pred.node(s.node_id) if pred is not None else None
     return ShardView(s.node_id, s.start, s.end, pinned=s.node_id in pins,
                      weight_bytes=int(spec.range_bytes(s.start, s.end, 0, s.backend or None)) if spec is not None else 0,
                      memory_bytes=node.memory_bytes if node else 0, usable_bytes=node.usable_bytes if node else 0,
-                     experts=tuple(spec.experts) if spec is not None else (0, 0))
+                     experts=tuple(spec.experts) if spec is not None else (0, 0), precision=precision)
 
 
-def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any) -> PlanView:
+def _reported_precisions(handles: Any, model: str) -> dict[tuple[str, int, int], str]:
+    """What each node says it runs each of its shards of ``model`` at, by (node, start, end)."""
+    out = {}
+    for h in handles:
+        for sh in h.shards:
+            if sh.get("precision") and (not model or sh.get("model", model) == model):
+                out[(h.node_id, int(sh["start"]), int(sh["end"]))] = str(sh["precision"])
+    return out
+
+
+def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any,
+               precisions: dict[tuple[str, int, int], str] | None = None) -> PlanView:
     pred = plan.predictions
+    held = precisions or {}
     return PlanView(
         version=plan.version,
         n_layers=plan.n_layers,
-        shards=tuple(_shard_view(s, pins, spec, pred) for s in plan.shards),
+        shards=tuple(_shard_view(s, pins, spec, pred, held.get((s.node_id, s.start, s.end), "")) for s in plan.shards),
         strategy=plan.strategy,
         predicted_tok_per_s=pred.tok_per_s_single if pred else 0.0,
         predicted_ttft_s=pred.ttft_s if pred else 0.0,

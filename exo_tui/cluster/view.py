@@ -70,6 +70,7 @@ class ShardView:
     memory_bytes: int = 0  # what the plan counts it needs there: weights and KV caches at the context
     usable_bytes: int = 0  # what its node offers after reserves (0: unknown)
     experts: tuple[int, int] = (0, 0)  # a mixture of experts: (experts per layer, chosen per token); (0, 0) dense
+    precision: str = ""  # the math its node runs it at, as the node reports (ONNX: int8, int16, float32); "" unknown
 
 
 @dataclass(frozen=True)

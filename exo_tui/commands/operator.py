@@ -189,11 +189,11 @@ def _print_status(d: dict[str, Any], url: str) -> None:
                       + (f" for a {n}-token prompt" if (n := plan.get("predicted_ttft_prompt_tokens")) else ""),
                       highlight=False, markup=False)
         t = Table()
-        for col in ("stage", "node", "layers", "pinned"):
+        for col in ("stage", "node", "layers", "runs at", "pinned"):
             t.add_column(col)
         for i, sh in enumerate(plan.get("shards", [])):
             t.add_row(str(i), names.get(sh["node_id"], sh["node_id"]), f"{sh['start']}-{sh['end'] - 1}",
-                      "yes" if sh.get("pinned") else "")
+                      sh.get("precision") or "", "yes" if sh.get("pinned") else "")
         console.print(t)
     else:
         console.print("no plan: no node serves the model")

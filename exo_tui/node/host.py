@@ -98,6 +98,7 @@ class HostedShard:
     nbytes: int  # its tensors' bytes in the file
     model: str = ""  # the tag its load came with: the plans that run it name it
     held_bytes: int = 0  # what its backend holds of them (gguf_file.held_nbytes)
+    precision: str = ""  # the math its backend runs it at, where it has a choice (ONNX: int8, int16, float32)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -211,7 +212,8 @@ class ShardHost:
         weights.disposable = True
         nbytes = weights.nbytes  # before the load, which drops the layers
         shard = get_backend(name).load_shard(config, weights)
-        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes, model, held_bytes)
+        hosted = HostedShard(shard, name, weights.start, weights.end, nbytes, model, held_bytes,
+                             str(getattr(shard, "precision", "")))
         del weights
         with self.lock:
             old = self.shards.pop(hosted.key, None)
@@ -286,7 +288,7 @@ class ShardHost:
         with self.lock:
             hosted = list(self.shards.values())
         return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model,
-                 "held_bytes": h.held_bytes} for h in hosted]
+                 "held_bytes": h.held_bytes, **({"precision": h.precision} if h.precision else {})} for h in hosted]
 
 
 @functools.cache

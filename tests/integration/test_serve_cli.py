@@ -96,6 +96,13 @@ def test_status_shows_the_cluster(served: Served) -> None:
     assert f"plan v{data['plan']['version']}" in table
     heading = next(line for line in table.splitlines() if line.startswith("plan v"))
     assert "tok/s, ttft" in heading, table  # on one line, not wrapped to the stage table's width
+    # what each node runs its shard at, as its heartbeats say: a Q8_0 file runs at int16 (auto)
+    deadline = time.monotonic() + 30
+    while any(not s["precision"] for s in served.cluster()["plan"]["shards"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert {s["precision"] for s in served.cluster()["plan"]["shards"]} == {"int16"}
+    table = served.cli("status").stdout
+    assert "runs at" in table and "int16" in table, table
 
 
 def test_drain_undrain_pin_unpin_rebalance_change_the_cluster(served: Served) -> None:

@@ -158,6 +158,7 @@ class FakeCluster:
         self.admit = asyncio.Event()  # set: the waiting chat is admitted
         self.admit.set()
         self.experts = (0, 0)  # the model's (experts a layer, chosen a token); (0, 0) dense
+        self.precision = ""  # what the nodes report running their shards at ("": they do not say)
         self.hold_before = ""  # the stream stops before the first word holding this, until ``resume`` is set
         self.resume = asyncio.Event()
         self.fail_next_chat = ""
@@ -210,7 +211,7 @@ class FakeCluster:
                     nbytes = (layer - start) * self.layer_bytes
                     shards.append(ShardView(node_id, start, layer, pinned=node_id in pins, weight_bytes=nbytes,
                                             memory_bytes=nbytes * 11 // 10, usable_bytes=2 * nbytes,
-                                            experts=self.experts))
+                                            experts=self.experts, precision=self.precision))
                 start = layer
         return tuple(shards)
 

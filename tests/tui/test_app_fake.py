@@ -422,6 +422,18 @@ async def test_node_detail_shows_a_mixtures_experts_per_layer(make_app, fake):
         await wait_until(pilot, lambda: "128 experts a layer, 8 chosen a token" in plain(app.screen.query_one("#detail-shards")))
 
 
+async def test_what_a_node_runs_its_shard_at_shows_in_the_partition_and_its_detail(make_app, fake):
+    fake.precision = "int8"  # an ONNX node on a K-quant file, its default (auto)
+    fake.shards = fake._split(fake._eligible())
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await wait_until(pilot, lambda: " int8" in partition_text(app))
+        await pilot.press("down", "enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, NodeDetailScreen))
+        await wait_until(pilot, lambda: "runs at int8" in plain(app.screen.query_one("#detail-shards")))
+
+
 async def test_bootstrap_asks_for_the_host_key_then_shows_steps(make_app, fake):
     app = make_app()
     async with app.run_test(size=(120, 40)) as pilot:

@@ -157,6 +157,8 @@ class NodeDetailScreen(Screen):
             t.append(f"layers {fmt_layers((s.start, s.end))} ({s.end - s.start})", theme_style(app, "foreground"))
             if s.experts[0]:
                 t.append(f"  {s.experts[0]} experts a layer, {s.experts[1]} chosen a token", theme_style(app, "foreground"))
+            if s.precision:
+                t.append(f"  runs at {s.precision}", theme_style(app, "foreground"))
             if s.pinned:
                 t.append("  ⚑ pinned", theme_style(app, "accent"))
             t.append(f"  plan v{snapshot.plan.version}\n", theme_style(app, "foreground-muted"))  # type: ignore[union-attr]

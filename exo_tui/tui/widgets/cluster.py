@@ -202,6 +202,8 @@ class PartitionBar(Widget):
                 item.append(f" {fmt_bytes(shard.weight_bytes)}", theme_style(app, "foreground"))
                 if shard.usable_bytes:
                     item.append(f" ({fmt_bytes(shard.memory_bytes)} with KV, of {fmt_bytes(shard.usable_bytes)})", muted)
+            if shard.precision:  # the math its node runs it at (ONNX: int8 on K-quants, int16, float32)
+                item.append(f" {shard.precision}", muted)
             if shard.pinned:
                 item.append(" ⚑pinned", theme_style(app, "accent"))
             if node is not None and node.state in ("draining", "drained"):
