@@ -178,7 +178,7 @@ class ONNXBackend(Backend):
         from backends.onnx.shard import integer_codes, kernel_for
 
         auto = self.precision == AUTO
-        precision = "int16" if auto else self.precision  # auto: int8 on K-quant shards where it is int16
+        precision = self._base_precision
         library = kernel_for(precision)
         if library is not None:
             xbits = integer_codes(precision, library)
@@ -200,9 +200,14 @@ class ONNXBackend(Backend):
     def kv_value_bytes(self) -> int:
         from backends.onnx.shard import caches_half, integer_codes, kernel_for
 
-        precision = "int16" if self.precision == AUTO else self.precision  # int8's caches are int16's
-        library = kernel_for(precision)
-        return 2 if caches_half(library, integer_codes(precision, library)) else 4
+        library = kernel_for(self._base_precision)
+        return 2 if caches_half(library, integer_codes(self._base_precision, library)) else 4
+
+    @property
+    def _base_precision(self) -> str:
+        """The precision this backend's description and caches go by: ``auto``'s is int16 (its
+        int8, on K-quant shards where the build has it, keeps the same float16 caches)."""
+        return "int16" if self.precision == AUTO else self.precision
 
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():

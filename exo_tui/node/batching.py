@@ -6,8 +6,8 @@ node has seen (each request's visits per hop, the last arrival, a recent run's t
 the questions of :mod:`exo_tui.node.agent`'s loop: how long the gather window is
 (:meth:`Batching.window_s`), whether a step is due back (:meth:`Batching.due`), whether a request
 is alone here (:meth:`Batching.alone`), and how long to wait before running what is queued
-(:meth:`Batching.gather_wait`). :func:`decodes_first` splits a run's steps from the next run's, and :func:`one_step_a_key`
-keeps a request's later steps at a hop for the runs after its first.
+(:meth:`Batching.gather_wait`). :func:`decodes_first` splits a run's steps from the next run's,
+and :func:`one_step_a_key` keeps a request's later steps at a hop for the runs after its first.
 """
 
 from __future__ import annotations
