@@ -25,6 +25,8 @@ from backends.base import (
 from backends.kquants import CODE_BITS
 from backends.kquants import GROUP as KQUANT_GROUP
 
+SCALE_BYTES = {"Q4_0": (2, 0), "Q8_0": (2, 0), "Q4_1": (4, 0), "Q4_K": (2, 4), "Q5_K": (2, 4), "Q6_K": (1, 2)}
+"""The bytes a quantized type's scales and biases take on MLX: a group's, a super-block's of 256."""
 MAX_DEFAULT_THREADS = 8
 """The default thread count stops here: past it each matmul's parts get too small to pay off."""
 
@@ -43,16 +45,18 @@ class MLXBackend(Backend):
 
     @classmethod
     def held_nbytes(cls, type_name: str, shape: tuple[int, ...], *, embedding: bool = False) -> int:
-        """The codes packed at their bits and a float32 scale and bias a group (``quant.to_mlx``):
-        Q4_0, Q4_1 and Q4_K 0.75 bytes a weight (the file's 0.5625-0.625), Q5_K 0.875 (0.6875),
-        Q8_0 1.25 (1.0625); Q6_K's groups of 16 a float32 scale only, 1.0 (0.8203); float32
-        otherwise. The embedding is the same arrays, which a tied head shares."""
+        """The codes packed at their bits and each group's scale and bias in the file's own form
+        (``quant.GroupScales``): Q4_0 and Q8_0 a float16 scale a group of 32 (the bias implied),
+        Q4_1 a float16 scale and bias; Q4_K and Q5_K an integer scale and min a group of 32 and
+        ``d``, ``dmin`` (float16) a super-block of 256, Q6_K an integer scale a group of 16 and ``d``:
+        the file's bytes, Q4_K and Q5_K 1.03x and 1.02x (the 6-bit scales and mins in a byte each);
+        float32 otherwise. The embedding is the same arrays, which a tied head shares."""
         bits = CODE_BITS.get(type_name)
         if bits is None or len(shape) < 2:
             return super().held_nbytes(type_name, shape)
         weights = int(np.prod(shape, dtype=np.int64))
-        group_bytes = 4 if type_name == "Q6_K" else 8  # a float32 scale (and bias)
-        return weights * bits // 8 + weights // KQUANT_GROUP.get(type_name, 32) * group_bytes
+        group_bytes, block_bytes = SCALE_BYTES[type_name]
+        return weights * bits // 8 + weights // KQUANT_GROUP.get(type_name, 32) * group_bytes + weights // 256 * block_bytes
 
     def __init__(self, *, threads: int | None = None, compile_decode: bool = True) -> None:
         if threads is None:

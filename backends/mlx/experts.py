@@ -15,10 +15,12 @@ or a batch of decode steps) the (row, expert) pairs are sorted by expert first, 
 it. MLX's CPU kernels run each pair of a gathered product as its own product whatever the order,
 so on the CPU an eager step with several rows (a prompt, or a batch of decode steps, which the
 shard runs eagerly there for a mixture) reads the routing back and runs each chosen expert once,
-one product on all the rows routed to it (:meth:`StackedExperts.grouped`). Q6_K's experts (whose
-groups of 16 MLX's gathered products do not take) are unpacked to float32 only for the distinct
-experts chosen: in a compiled decode step at most ``min(pairs, n_experts)`` of them; in an eager
-step one at a time, each then multiplying all its rows at once.
+one product on all the rows routed to it (:meth:`StackedExperts.grouped`). A gathered product
+takes the distinct experts chosen, their codes and their float32 scales made from the held form
+(:class:`~backends.mlx.quant.GroupScales`) for them alone: in a compiled decode step at most
+``min(pairs, n_experts)`` of them; in an eager step one at a time, each then multiplying all its
+rows at once. Q6_K's experts (whose groups of 16 MLX's gathered products do not take) are so
+unpacked to float32.
 
 On this CPU build (MLX 0.32) the grouped products give the same numbers as the pairs, to the bit,
 and take about as long: a quantized product's cost there grows with its rows. A batch of 8 decode
@@ -29,6 +31,8 @@ compile first (7.5 s). On the CPU the grouping saves kernel calls, not bytes.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import mlx.core as mx
 import numpy as np
@@ -63,19 +67,21 @@ class StackedExperts:
         self.out = weights[0].shape[0]
         w = to_mlx(stacked, name)
         self.kind = type(w)
+        stack = lambda a: a.reshape(self.n_experts, self.out, -1)  # noqa: E731
         if isinstance(w, MLXDense):
-            self.arrays_ = [w.weight]
+            whole: tuple = (stack(w.weight), None)
         else:
-            self.arrays_ = [w.packed, w.scales, w.biases]
+            whole = (stack(w.packed), w.scales.map(stack))
             self.bits, self.group = w.bits, w.group
-        self.arrays_ = [None if a is None else a.reshape(self.n_experts, self.out, -1) for a in self.arrays_]
+        self.whole = whole  # (the float32 matrices, None) or (the packed codes, their GroupScales)
         ranges = split_rows(self.out, n_parts) if n_parts > 1 else []
-        self.parts = [[None if a is None else a[:, a0:b0] for a in self.arrays_] for a0, b0 in ranges] or [self.arrays_]
+        self.parts = [(whole[0][:, a0:b0], None if whole[1] is None else whole[1].map(lambda a, a0=a0, b0=b0: a[:, a0:b0]))
+                      for a0, b0 in ranges] or [whole]
 
     def arrays(self) -> list[mx.array]:
         """Every array, the row blocks' views included (all made at load: an array left lazy
         belongs to the loading thread's stream, which another thread cannot run)."""
-        return [a for part in [self.arrays_, *self.parts] for a in part if a is not None]
+        return [a for main, scales in [self.whole, *self.parts] for a in (main, *(scales.arrays() if scales else []))]
 
     def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool,
                  runs: list[tuple[int, int, int]] | None = None) -> mx.array:
@@ -85,28 +91,27 @@ class StackedExperts:
         if runs is not None:
             return self.grouped(x, runs)
         if len(self.parts) == 1:
-            return self._run(x, experts, sorted_indices, self.parts[0], None)
-        outs = [self._run(x, experts, sorted_indices, part, st)
-                for part, st in zip(self.parts, thread_streams(len(self.parts)), strict=True)]
+            return self._run(x, experts, sorted_indices, self.parts[0])
+        outs = []
+        for part, st in zip(self.parts, thread_streams(len(self.parts)), strict=True):
+            with mx.stream(st):
+                outs.append(self._run(x, experts, sorted_indices, part))
         return mx.concatenate(outs, axis=-1)
 
-    def _run(self, x: mx.array, experts: mx.array, sorted_indices: bool, part: list, stream) -> mx.array:
-        if self.kind is MLXQuantized:
-            packed, scales, biases = part
-            return mx.gather_qmm(x, packed, scales, biases, rhs_indices=experts, transpose=True,
-                                 group_size=self.group, bits=self.bits, sorted_indices=sorted_indices, stream=stream)
+    def _run(self, x: mx.array, experts: mx.array, sorted_indices: bool, part: tuple) -> mx.array:
+        main, scales = part
         if self.kind is MLXDense:
-            return mx.gather_mm(x, part[0].swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_indices,
-                                stream=stream)
-        # Q6_K's groups of 16: unpack the distinct chosen experts only, then a float32 gathered product
-        packed, scales, biases = part
+            return mx.gather_mm(x, main.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_indices)
+        # the chosen experts only: their scales are made (and Q6_K's codes unpacked) for them alone
         chosen, slot = distinct(experts, sorted_indices, self.n_experts)
         if chosen is not None:
-            packed, scales = packed[chosen], scales[chosen]
-            biases = None if biases is None else biases[chosen]
-        w = small_group_weights(packed, scales, biases, self.bits, self.group)  # (n, out part, in) float32
-        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=slot, sorted_indices=sorted_indices, stream=stream)
-
+            main, scales = main[chosen], scales.map(lambda a: a[chosen])
+        if self.kind is MLXQuantized:
+            return mx.gather_qmm(x, main, *scales.pair(), rhs_indices=slot, transpose=True, group_size=self.group,
+                                 bits=self.bits, sorted_indices=sorted_indices)
+        # Q6_K's groups of 16: unpacked, then a float32 gathered product
+        w = small_group_weights(main, scales, self.bits, self.group)  # (n, out part, in) float32
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=slot, sorted_indices=sorted_indices)
 
     def grouped(self, x: mx.array, runs: list[tuple[int, int, int]]) -> mx.array:
         """Each run of one expert's pairs ``(expert, a, b)`` times that expert once: one product
@@ -117,22 +122,24 @@ class StackedExperts:
         outs = []
         for e, a, b in runs:
             rows = x[a:b, 0]
-            parts = [self._expert(rows, e, part, st) for part, st in zip(self.parts, streams, strict=True)]
+            parts = []
+            for part, st in zip(self.parts, streams, strict=True):
+                with mx.stream(st) if st is not None else contextlib.nullcontext():
+                    parts.append(self._expert(rows, e, part))
             outs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))
             if self.kind is MLXSmallGroups:
                 mx.eval(outs[-1])
         return mx.concatenate(outs)[:, None]
 
-    def _expert(self, rows: mx.array, e: int, part: list, stream) -> mx.array:
-        if self.kind is MLXQuantized:
-            packed, scales, biases = part
-            return mx.quantized_matmul(rows, packed[e], scales[e], None if biases is None else biases[e],
-                                       transpose=True, group_size=self.group, bits=self.bits, stream=stream)
+    def _expert(self, rows: mx.array, e: int, part: tuple) -> mx.array:
+        main, scales = part
         if self.kind is MLXDense:
-            return mx.matmul(rows, part[0][e].T, stream=stream)
-        packed, scales, biases = part
-        w = small_group_weights(packed[e], scales[e], None if biases is None else biases[e], self.bits, self.group)
-        return mx.matmul(rows, w.T, stream=stream)
+            return rows @ main[e].T
+        scales = scales.map(lambda a: a[e])
+        if self.kind is MLXQuantized:
+            return mx.quantized_matmul(rows, main[e], *scales.pair(), transpose=True, group_size=self.group,
+                                       bits=self.bits)
+        return rows @ small_group_weights(main[e], scales, self.bits, self.group).T
 
 
 def distinct(experts: mx.array, sorted_indices: bool, n_experts: int) -> tuple[mx.array | None, mx.array]:

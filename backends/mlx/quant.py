@@ -4,21 +4,28 @@
 and bias per group along each row. MLX's ``mx.quantize`` affine layout is that, once the codes are
 packed into ``uint32`` words as a little-endian bit stream: code ``j`` of a row takes bits
 ``j * bits .. (j + 1) * bits - 1`` (for 2, 4 and 8 bits, word ``j // (32 // bits)`` at bit
-``(j % (32 // bits)) * bits``; 3, 5 and 6-bit codes straddle words). Scales and biases stay
-float32, so MLX does float32 math on the very values ``QuantizedWeight.dequantize()`` gives.
+``(j % (32 // bits)) * bits``; 3, 5 and 6-bit codes straddle words). The scales and biases are
+held in the file's own form (:class:`GroupScales`: a K-quant's float16 ``d`` a super-block and
+6-bit ``sc`` a group; the other blocks' float16) and made float32 as each product runs, so MLX
+does float32 math on the very values ``QuantizedWeight.dequantize()`` gives, and a node holds
+about the file's bytes. (Float16 scales would be as small but not exact: ``d * sc`` is an 11-bit
+significand times a 6-bit integer. Float32 ones, made once, held Q4_K at 0.75 bytes a weight.)
 
 How each format runs, and what it holds resident (bytes per weight; the GGUF file's in brackets):
 
 * groups of 32, 64 or 128 (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K): :class:`MLXQuantized`,
-  ``mx.quantized_matmul`` on the packed codes: ``bits / 8 + 8 / group`` bytes a weight:
-  Q4_0 / Q4_1 / Q4_K 0.75 (0.5625 / 0.625 / 0.5625), Q5_K 0.875 (0.6875), Q8_0 1.25 (1.0625).
-  The K-quants' scales ``d * sc`` and biases ``-dmin * m`` are exact in float32, not in float16
-  (an 11-bit significand times a 6-bit integer), hence float32.
+  ``mx.quantized_matmul`` on the packed codes, its float32 scales and biases made from the held
+  form first: Q4_0 0.5625 (0.5625), Q4_1 0.625 (0.625), Q8_0 1.0625 (1.0625), Q4_K 0.578
+  (0.5625), Q5_K 0.703 (0.6875): the K-quants' 6-bit scales and mins take a byte each. On MLX's
+  CPU build making them costs a one-row product ~7 % (14336 x 4096: 40.2 against 37.4 ms) and a
+  128-row one nothing measurable; decode of a 1B Q4_K_M shard was no slower (1.46-1.62 against
+  1.27-1.50 tok/s, 2 threads, alternated). On a GPU, where a one-row product is bound by the
+  bytes it reads, they add ~0.5 bytes a weight of float32 written and read back: not measured.
 * groups of 16 (Q6_K, ``w = d * sc * (q - 32)``): MLX's quantized matmul takes no group under 32,
   so :class:`MLXSmallGroups` keeps the 6-bit codes packed and, per matmul as it runs, unpacks
   them with a few integer ops and scales them into a float32 matrix of that one weight (freed
-  after the matmul; never the whole model): 0.75 for the codes + 0.25 for the float32 scale of
-  each 16 = 1.0 (0.8203); the bias ``-32 * scale`` is not stored. On MLX's CPU build a
+  after the matmul; never the whole model): 0.75 for the codes, an int8 ``sc`` a group and ``d``
+  a super-block: 0.8203 (0.8203); the bias ``-32 * scale`` is not stored. On MLX's CPU build a
   one-row Q6_K matmul takes ~3x a Q4_K one (2048 x 2048: ~50 against ~15 ms on a loaded machine).
 * dense F32/F16/BF16: :class:`MLXDense`, float32, 4.0.
 
@@ -33,11 +40,13 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from backends.base import BackendError, QuantizedWeight, Weight
+from backends.base import KQUANT_BLOCK_BYTES, BackendError, QuantizedWeight, Weight
+from backends.kquants import superblocks as find_superblocks
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine bit widths
 SUPPORTED_GROUPS = (32, 64, 128)  # MLX's quantized matmul's groups
@@ -100,108 +109,239 @@ def split_rows(rows: int, n_parts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
 
 
+class GroupScales:
+    """A quantized matrix's float32 scale and bias a group, held in the smallest form that gives
+    them exactly, and made from it (a few elementwise ops, fused in a compiled step) as a product
+    runs. :func:`stage_scales` picks the form a matrix's values allow:
+
+    * a K-quant's own fields: ``scale = d * sc`` and ``bias = nd * m`` with ``d`` and ``nd``
+      (``-dmin``) float16 a super-block of 256 and ``sc``, ``m`` integers a group (6-bit, Q6_K's
+      ``sc`` int8): 2 bytes a Q4_K or Q5_K group of 32 and 4 a super-block; Q6_K 1 a group of 16
+      and 2 a super-block;
+    * float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 blocks): 2 bytes a group each;
+    * float32 otherwise (matrices made in memory).
+
+    ``bias`` None: the bias is implied, ``-offset * scale`` with ``offset = 2**(bits - 1)`` (Q4_0's
+    ``-8 d``, Q8_0's ``-128 d``, Q6_K's ``-32 d sc``), and not held. Each array has the matrix's
+    rows as its leading axes, so :meth:`map` takes rows, a row block or experts of all at once.
+    """
+
+    def __init__(self, scale: mx.array, bias: mx.array | None, offset: float, scale_codes: mx.array | None = None,
+                 bias_codes: mx.array | None = None) -> None:
+        self.scale = scale  # (..., groups) float32 / float16, or (..., super-blocks) float16 with scale_codes
+        self.bias = bias  # likewise (nd with bias_codes), or None: implied
+        self.offset = offset
+        self.scale_codes = scale_codes  # (..., groups) uint8 / int8, or None
+        self.bias_codes = bias_codes
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.scale, self.bias, self.scale_codes, self.bias_codes) if a is not None]
+
+    def map(self, fn: Callable[[mx.array], mx.array]) -> GroupScales:
+        """The same form with ``fn`` (an indexing or a reshape of the leading axes) on each array."""
+        def f(a: mx.array | None) -> mx.array | None:
+            return None if a is None else fn(a)
+
+        return GroupScales(fn(self.scale), f(self.bias), self.offset, f(self.scale_codes), f(self.bias_codes))
+
+    def scales(self) -> mx.array:
+        """The float32 scales ``(..., groups)``."""
+        return widen(self.scale, self.scale_codes)
+
+    def biases(self) -> mx.array | None:
+        """The float32 biases ``(..., groups)``, or None where implied (``-offset * scale``)."""
+        return None if self.bias is None else widen(self.bias, self.bias_codes)
+
+    def pair(self) -> tuple[mx.array, mx.array]:
+        """Scales and biases, an implied bias made, as MLX's quantized products take them."""
+        scales, biases = self.scales(), self.biases()
+        return scales, (scales * -self.offset if biases is None else biases)
+
+
+def widen(base: mx.array, codes: mx.array | None) -> mx.array:
+    """Float32 values a group: ``base`` itself, or ``base`` (one a super-block) times ``codes``
+    (one a group), both exact in float32 (an 11-bit significand times an 8-bit integer)."""
+    if codes is None:
+        return base if base.dtype == mx.float32 else base.astype(mx.float32)
+    *lead, groups = codes.shape
+    blocks = base.shape[-1]
+    per = codes.astype(mx.float32).reshape(*lead, blocks, groups // blocks)
+    return (base.astype(mx.float32)[..., None] * per).reshape(*lead, groups)
+
+
+def _widen_np(base: np.ndarray, codes: np.ndarray | None) -> np.ndarray:
+    """:func:`widen` in NumPy."""
+    if codes is None:
+        return base.astype(np.float32)
+    *lead, groups = codes.shape
+    blocks = base.shape[-1]
+    per = codes.astype(np.float32).reshape(*lead, blocks, groups // blocks)
+    return (base.astype(np.float32)[..., None] * per).reshape(*lead, groups)
+
+
+FORM_FIELDS = ("scale", "bias", "scale_codes", "bias_codes")
+
+
+def _chunk_form(part: QuantizedWeight, offset: float) -> dict[str, np.ndarray | None]:
+    """Rows ``part``'s scales and biases in the smallest exact form (:class:`GroupScales`' fields, NumPy)."""
+    scales, biases = np.asarray(part.scales, np.float32), np.asarray(part.biases, np.float32)
+    implied = np.array_equal(biases, np.float32(-offset) * scales)
+    if part.source_type in KQUANT_BLOCK_BYTES:
+        fields = part.superblocks
+        if fields is None:  # a matrix made in memory: its super-blocks, where its groups are such
+            fields = find_superblocks(part.source_type, scales, biases)
+        if fields is not None:
+            d, dmin, sc, m = fields
+            nd = np.negative(dmin)  # float16: exact
+            if np.array_equal(_widen_np(d, sc), scales) and (implied or np.array_equal(_widen_np(nd, m), biases)):
+                return {"scale": d, "bias": None if implied else nd, "scale_codes": sc,
+                        "bias_codes": None if implied else m}
+    with np.errstate(over="ignore"):
+        s16, b16 = scales.astype(np.float16), biases.astype(np.float16)
+    if np.array_equal(s16.astype(np.float32), scales):
+        if implied:
+            return {"scale": s16, "bias": None, "scale_codes": None, "bias_codes": None}
+        if np.array_equal(b16.astype(np.float32), biases):
+            return {"scale": s16, "bias": b16, "scale_codes": None, "bias_codes": None}
+    return {"scale": scales, "bias": None if implied else biases, "scale_codes": None, "bias_codes": None}
+
+
+class _ScaleStaging:
+    """A matrix's scales and biases as they are made a chunk of rows at a time, in the form of the
+    first chunk (its arrays allocated for all rows then); a chunk in another form turns the whole
+    into float32 with its biases (every form widens to it exactly)."""
+
+    def __init__(self, rows: int, offset: float) -> None:
+        self.rows = rows
+        self.offset = offset
+        self.arrays: dict[str, np.ndarray | None] | None = None
+
+    def add(self, start: int, form: dict[str, np.ndarray | None]) -> None:
+        n = len(form["scale"] if form["scale_codes"] is None else form["scale_codes"])
+        if self.arrays is None:
+            self.arrays = {k: None if v is None else np.empty((self.rows, *v.shape[1:]), v.dtype)
+                           for k, v in form.items()}
+        elif any((a is None) != (form[k] is None) or (a is not None and (a.dtype, a.shape[1:]) !=
+                 (form[k].dtype, form[k].shape[1:])) for k, a in self.arrays.items()):
+            self.arrays = self._as_float(self.arrays, start, self.rows)
+            form = self._as_float(form, n, None)
+        for k, v in form.items():
+            if v is not None:
+                self.arrays[k][start : start + n] = v
+
+    def _as_float(self, form: dict[str, np.ndarray | None], done: int, rows: int | None) -> dict[str, np.ndarray | None]:
+        """``form``'s first ``done`` rows as float32 scales and biases (``rows`` of them allocated,
+        None: as many as ``done``)."""
+        scales = _widen_np(form["scale"][:done], None if form["scale_codes"] is None else form["scale_codes"][:done])
+        biases = (-self.offset * scales if form["bias"] is None else
+                  _widen_np(form["bias"][:done], None if form["bias_codes"] is None else form["bias_codes"][:done]))
+        if rows is None:
+            return {"scale": scales, "bias": biases.astype(np.float32), "scale_codes": None, "bias_codes": None}
+        out = {"scale": np.empty((rows, scales.shape[1]), np.float32), "bias": np.empty((rows, scales.shape[1]), np.float32),
+               "scale_codes": None, "bias_codes": None}
+        out["scale"][:done], out["bias"][:done] = scales, biases
+        return out
+
+    def result(self) -> GroupScales:
+        a = self.arrays
+        assert a is not None, "no rows staged"
+        return GroupScales(mx.array(a["scale"]), None if a["bias"] is None else mx.array(a["bias"]), self.offset,
+                           None if a["scale_codes"] is None else mx.array(a["scale_codes"]),
+                           None if a["bias_codes"] is None else mx.array(a["bias_codes"]))
+
+
 class MLXQuantized:
-    """A matrix ``(out, in)`` as MLX affine-quantized arrays.
+    """A matrix ``(out, in)`` as MLX affine-quantized arrays: packed codes and :class:`GroupScales`.
 
     With ``n_parts > 1``, ``matmul`` cuts the output rows into that many parts and runs them at
     once on as many CPU streams (MLX's CPU kernels use one core each); the parts are views of the
     whole arrays, which ``rows`` (the embedding gather) uses.
     """
 
-    def __init__(
-        self, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int, n_parts: int = 1
-    ) -> None:
+    def __init__(self, packed: mx.array, scales: GroupScales, bits: int, group: int, n_parts: int = 1) -> None:
         self.packed = packed  # uint32 (out, in * bits // 32)
-        self.scales = scales  # float32 (out, in // group)
-        self.biases = biases  # float32 (out, in // group)
+        self.scales = scales
         self.bits = bits
         self.group = group
         ranges = split_rows(packed.shape[0], n_parts) if n_parts > 1 else []
-        self.parts = [(packed[a:b], scales[a:b], biases[a:b]) for a, b in ranges]
+        self.parts = [(packed[a:b], scales.map(lambda x, a=a, b=b: x[a:b])) for a, b in ranges]
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.packed.shape[0], self.packed.shape[1] * 32 // self.bits)
 
     def arrays(self) -> list[mx.array]:
-        return [self.packed, self.scales, self.biases] + [a for part in self.parts for a in part]
+        return [self.packed, *self.scales.arrays()] + [a for w, s in self.parts for a in (w, *s.arrays())]
 
     def matmul(self, x: mx.array) -> mx.array:
         """``x @ W.T``."""
         if not self.parts:
-            return mx.quantized_matmul(
-                x, self.packed, self.scales, self.biases, transpose=True, group_size=self.group, bits=self.bits
-            )
-        outs = [
-            mx.quantized_matmul(x, w, s, b, transpose=True, group_size=self.group, bits=self.bits, stream=st)
-            for (w, s, b), st in zip(self.parts, thread_streams(len(self.parts)), strict=True)
-        ]
+            return mx.quantized_matmul(x, self.packed, *self.scales.pair(), transpose=True, group_size=self.group,
+                                       bits=self.bits)
+        outs = []
+        for (w, s), st in zip(self.parts, thread_streams(len(self.parts)), strict=True):
+            with mx.stream(st):  # the scales made on the part's stream too
+                outs.append(mx.quantized_matmul(x, w, *s.pair(), transpose=True, group_size=self.group, bits=self.bits))
         return mx.concatenate(outs, axis=-1)
 
     def rows(self, ids: mx.array) -> mx.array:
         """Rows ``W[ids]`` as float32 (only those rows are dequantized)."""
-        return mx.dequantize(
-            self.packed[ids], self.scales[ids], self.biases[ids], group_size=self.group, bits=self.bits
-        )
+        return mx.dequantize(self.packed[ids], *self.scales.map(lambda a: a[ids]).pair(), group_size=self.group,
+                             bits=self.bits)
 
     def dequantize(self) -> mx.array:
-        return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group, bits=self.bits)
+        return mx.dequantize(self.packed, *self.scales.pair(), group_size=self.group, bits=self.bits)
 
 
-def small_group_weights(packed: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int) -> mx.array:
+def small_group_weights(packed: mx.array, scales: GroupScales, bits: int, group: int) -> mx.array:
     """Float32 weights ``(..., rows, cols)`` of packed codes in groups of ``group``:
-    ``scale * q + bias`` (``biases`` None: ``scale * (q - 2**(bits - 1))``)."""
+    ``scale * q + bias`` (an implied bias: ``scale * (q - 2**(bits - 1))``)."""
     codes = unpack_codes(packed, bits).astype(mx.float32)
     *lead, cols = codes.shape
     codes = codes.reshape(*lead, cols // group, group)
-    if biases is None:
-        w = (codes - float(1 << (bits - 1))) * scales[..., None]
+    s, b = scales.scales(), scales.biases()
+    if b is None:
+        w = (codes - float(1 << (bits - 1))) * s[..., None]
     else:
-        w = codes * scales[..., None] + biases[..., None]
+        w = codes * s[..., None] + b[..., None]
     return w.reshape(*lead, cols)
 
 
 class MLXSmallGroups:
     """A matrix ``(out, in)`` in quantization groups smaller than MLX's matmul takes (Q6_K's 16):
     the codes stay packed (MLX's layout) and each matmul unpacks them into a float32 matrix of
-    this weight alone, ``w = scale * q + bias`` per group (``biases`` None: ``bias = -2**(bits - 1)
-    * scale``, Q6_K's, so ``w = scale * (q - 32)``). ``n_parts`` as for :class:`MLXQuantized`."""
+    this weight alone, ``w = scale * q + bias`` per group (Q6_K's bias implied: ``w = scale * (q - 32)``).
+    ``n_parts`` as for :class:`MLXQuantized`."""
 
-    def __init__(
-        self, packed: mx.array, scales: mx.array, biases: mx.array | None, bits: int, group: int, n_parts: int = 1
-    ) -> None:
+    def __init__(self, packed: mx.array, scales: GroupScales, bits: int, group: int, n_parts: int = 1) -> None:
         self.packed = packed  # uint32 (out, in * bits // 32)
-        self.scales = scales  # float32 (out, in // group)
-        self.biases = biases  # float32 (out, in // group), or None: -2**(bits - 1) * scales
+        self.scales = scales
         self.bits = bits
         self.group = group
         ranges = split_rows(packed.shape[0], n_parts) if n_parts > 1 else []
-        self.parts = [(packed[a:b], scales[a:b], None if biases is None else biases[a:b]) for a, b in ranges]
+        self.parts = [(packed[a:b], scales.map(lambda x, a=a, b=b: x[a:b])) for a, b in ranges]
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.packed.shape[0], self.packed.shape[1] * 32 // self.bits)
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.packed, self.scales, self.biases) if a is not None] + [
-            a for part in self.parts for a in part if a is not None]
-
-    def _weights(self, packed: mx.array, scales: mx.array, biases: mx.array | None) -> mx.array:
-        return small_group_weights(packed, scales, biases, self.bits, self.group)
+        return [self.packed, *self.scales.arrays()] + [a for w, s in self.parts for a in (w, *s.arrays())]
 
     def matmul(self, x: mx.array) -> mx.array:
         if not self.parts:
-            return x @ self._weights(self.packed, self.scales, self.biases).T
-        outs = [mx.matmul(x, self._weights(w, s, b).T, stream=st)
-                for (w, s, b), st in zip(self.parts, thread_streams(len(self.parts)), strict=True)]
+            return x @ small_group_weights(self.packed, self.scales, self.bits, self.group).T
+        outs = []
+        for (w, s), st in zip(self.parts, thread_streams(len(self.parts)), strict=True):
+            with mx.stream(st):
+                outs.append(x @ small_group_weights(w, s, self.bits, self.group).T)
         return mx.concatenate(outs, axis=-1)
 
     def rows(self, ids: mx.array) -> mx.array:
-        biases = None if self.biases is None else self.biases[ids]
-        return self._weights(self.packed[ids], self.scales[ids], biases)
+        return small_group_weights(self.packed[ids], self.scales.map(lambda a: a[ids]), self.bits, self.group)
 
     def dequantize(self) -> mx.array:
-        return self._weights(self.packed, self.scales, self.biases)
+        return small_group_weights(self.packed, self.scales, self.bits, self.group)
 
 
 class MLXDense:
@@ -239,14 +379,13 @@ CONVERT_CODES = 1 << 22
 """Codes a conversion step decodes at once (``to_mlx``): 4 M, a few MB with their temporaries."""
 
 
-def _affine_arrays(w: QuantizedWeight, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``w``'s codes packed in MLX's layout and its float32 scales and biases, made a few rows at
-    a time (``take_rows``): a matrix kept as its file's super-blocks, or stacked from such
+def _affine_arrays(w: QuantizedWeight, name: str) -> tuple[np.ndarray, GroupScales]:
+    """``w``'s codes packed in MLX's layout and its :class:`GroupScales`, made a few rows at a
+    time (``take_rows``): a matrix kept as its file's super-blocks, or stacked from such
     (:class:`RowStack`), is decoded one chunk at a time, never whole beside its arrays."""
     rows, cols = w.shape
     packed = np.empty((rows, cols * w.bits // 32), np.uint32)
-    scales = np.empty((rows, cols // w.group), np.float32)
-    biases = np.empty_like(scales)
+    staging = _ScaleStaging(rows, float(1 << (w.bits - 1)))
     step = max(1, CONVERT_CODES // cols)
     for r in range(0, rows, step):
         part = w.take_rows(slice(r, min(rows, r + step)))
@@ -257,11 +396,10 @@ def _affine_arrays(w: QuantizedWeight, name: str) -> tuple[np.ndarray, np.ndarra
                 f"{rows}x{cols} matrix in groups of {w.group}"
             )
         packed[r : r + n] = pack_codes(np.asarray(part.q), w.bits)
-        scales[r : r + n] = part.scales
-        biases[r : r + n] = part.biases
+        staging.add(r, _chunk_form(part, staging.offset))
         del part
     w.release_pages()  # the file's pages mapped around the chunks' as they were read
-    return packed, scales, biases
+    return packed, staging.result()
 
 
 def to_mlx(w: Weight, name: str = "weight", n_parts: int = 1) -> MLXWeight:
@@ -275,15 +413,11 @@ def to_mlx(w: Weight, name: str = "weight", n_parts: int = 1) -> MLXWeight:
                 f"{name}: MLX runs quantization groups of {SMALL_GROUPS + SUPPORTED_GROUPS} along rows of a "
                 f"multiple of 32 columns; got group {w.group} for {cols} columns"
             )
-        codes, scales, biases = _affine_arrays(w, name)
+        codes, scales = _affine_arrays(w, name)
         packed = mx.array(codes)
         del codes
-        if small:
-            offset = np.float32(1 << (w.bits - 1))
-            implied = np.array_equal(biases, -offset * scales)  # Q6_K's: w = scale * (q - 32)
-            return MLXSmallGroups(packed, mx.array(scales), None if implied else mx.array(biases), w.bits,
-                                  w.group, n_parts)
-        return MLXQuantized(packed, mx.array(scales), mx.array(biases), w.bits, w.group, n_parts)
+        kind = MLXSmallGroups if small else MLXQuantized
+        return kind(packed, scales, w.bits, w.group, n_parts)
     a = np.asarray(w)
     if a.ndim != 2:
         raise BackendError(f"{name}: expected a matrix, got shape {a.shape}")
@@ -321,9 +455,12 @@ class RowStack(QuantizedWeight):
                   for p, a, b in zip(self.parts, self.starts, self.starts[1:], strict=False) if max(lo, a) < min(hi, b)]
         if len(pieces) == 1:
             return pieces[0]
+        fields = [p.superblocks for p in pieces]
         return QuantizedWeight(q=np.concatenate([p.q for p in pieces]), scales=np.concatenate([p.scales for p in pieces]),
                                biases=np.concatenate([p.biases for p in pieces]), bits=self.bits, group=self.group,
-                               source_type=self.source_type)
+                               source_type=self.source_type,
+                               superblocks=None if any(f is None for f in fields) else
+                               tuple(np.concatenate(parts) for parts in zip(*fields, strict=True)))
 
     def release_pages(self) -> None:
         for p in self.parts:

@@ -102,13 +102,19 @@ def test_layers_with_mixed_formats(tiny_models):
 
 
 def test_quantized_weights_stay_quantized(tiny_models):
-    """Q4_1 layers and the tied Q8_0-style head run as MLX affine-quantized arrays, not floats."""
-    for weight_type, bits in (("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)):
+    """Q4_0, Q4_1 and Q8_0 layers and the tied head run as MLX affine-quantized arrays, not floats,
+    their scales held as the file's float16 (Q4_0's and Q8_0's biases implied: -8 d, -128 d): as
+    many bytes as the file's blocks."""
+    for weight_type, bits, bias in (("Q4_0", 4, False), ("Q4_1", 4, True), ("Q8_0", 8, False)):
         _, _, shard = load(tiny_models[weight_type])
         layer = shard.model.layers[0]
         for w in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(w, MLXQuantized) and w.bits == bits and w.packed.dtype == mx.uint32
-            assert w.scales.dtype == mx.float32 and w.biases.dtype == mx.float32
+            s = w.scales
+            assert s.scale.dtype == mx.float16 and s.scale_codes is None and (s.bias is not None) == bias
+            assert bias or s.offset == 2 ** (bits - 1)
+            rows, cols = w.shape
+            assert sum(a.nbytes for a in s.arrays()) + w.packed.nbytes == rows * cols * (bits + 16 / 32 * (1 + bias)) / 8
         assert shard.model.lm_head is shard.model.embed_tokens  # tied: one copy of the matrix
         assert isinstance(shard.model.lm_head, MLXQuantized)
 
@@ -151,7 +157,9 @@ def test_packing_round_trips_exactly(bits):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquants_stay_packed(type_name):
     """Q4_K and Q5_K run on MLX's quantized matmul (groups of 32); Q6_K's groups of 16 keep their
-    6-bit codes packed and one float32 scale each (the bias is -32 scale), unpacked per matmul."""
+    6-bit codes packed, unpacked per matmul. Each holds its super-blocks' own fields (``d`` and
+    ``dmin`` a super-block, 6-bit ``sc`` and ``m`` a group; Q6_K's bias implied, -32 scale),
+    found for a matrix made without them, and its values are exactly the file's."""
     rng = np.random.default_rng(1)
     rows, cols = 24, 512
     q, scales, biases = decode(random_kquant_blocks(rng, rows, cols, type_name, 0.02), type_name, cols)
@@ -159,15 +167,35 @@ def test_kquants_stay_packed(type_name):
                         source_type=type_name)
     for n_parts in (1, 3):
         m = to_mlx(w, n_parts=n_parts)
-        resident = sum(a.nbytes for a in (m.packed, m.scales, m.biases) if a is not None) / (rows * cols)
-        assert resident == {"Q4_K": 0.75, "Q5_K": 0.875, "Q6_K": 1.0}[type_name]
+        resident = sum(a.nbytes for a in (m.packed, *m.scales.arrays())) / (rows * cols)
+        assert resident == {"Q4_K": 0.578125, "Q5_K": 0.703125, "Q6_K": 210 / 256}[type_name]
         assert isinstance(m, MLXSmallGroups if type_name == "Q6_K" else MLXQuantized)
-        assert m.packed.dtype == mx.uint32 and m.scales.dtype == mx.float32
-        np.testing.assert_allclose(np.array(m.dequantize()), w.dequantize(), rtol=0, atol=1e-7)
+        assert m.packed.dtype == mx.uint32 and m.scales.scale.dtype == mx.float16 and m.scales.scale_codes is not None
+        np.testing.assert_array_equal(np.array(m.scales.scales()), scales)
+        np.testing.assert_array_equal(np.array(m.dequantize()), w.dequantize())
         ids = np.array([3, 0, rows - 1, 3])
-        np.testing.assert_allclose(np.array(m.rows(mx.array(ids))), w.dequantize()[ids], rtol=0, atol=1e-7)
+        np.testing.assert_array_equal(np.array(m.rows(mx.array(ids))), w.dequantize()[ids])
         x = rng.standard_normal((5, cols)).astype(np.float32)
         close(np.array(m.matmul(mx.array(x))), x @ w.dequantize().T, 1e-5)
+
+
+def test_scales_no_smaller_form_gives_exactly_stay_float32(monkeypatch):
+    """A matrix whose first rows are Q4_K super-blocks and whose later rows are not (a scale off
+    by one float32 step) runs on float32 scales and biases, every row exact; read a row at a
+    time, the first rows are staged as super-block fields, then widened."""
+    import backends.mlx.quant as quant
+
+    monkeypatch.setattr(quant, "CONVERT_CODES", 512)  # a row a chunk
+    rng = np.random.default_rng(2)
+    rows, cols = 6, 512
+    q, scales, biases = decode(random_kquant_blocks(rng, rows, cols, "Q4_K", 0.02), "Q4_K", cols)
+    scales[4, 3] = np.nextafter(scales[4, 3], np.float32(1))
+    w = QuantizedWeight(q=q, scales=scales, biases=biases, bits=4, group=32, source_type="Q4_K")
+    m = to_mlx(w)
+    assert m.scales.scale.dtype == mx.float32 and m.scales.scale_codes is None and m.scales.bias is not None
+    np.testing.assert_array_equal(np.array(m.scales.scales()), scales)
+    np.testing.assert_array_equal(np.array(m.scales.biases()), biases)
+    np.testing.assert_array_equal(np.array(m.dequantize()), w.dequantize())
 
 
 def test_a_group_mlx_does_not_run_is_refused():

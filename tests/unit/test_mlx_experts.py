@@ -118,7 +118,11 @@ def test_quantized_experts_stay_quantized(formats):
     fused = formats[0] == formats[1]
     assert (mlp.gate_up is not None) == fused
     down = mlp.down
-    assert down.arrays_[0].dtype == mx.uint32 and down.arrays_[0].shape[0] == cfg.n_experts
+    packed, scales = down.whole
+    assert packed.dtype == mx.uint32 and packed.shape[0] == cfg.n_experts
+    assert all(a.shape[:2] == (cfg.n_experts, cfg.hidden_size) for a in scales.arrays())
+    if formats[2].endswith("_K"):  # the super-blocks' own fields, a float16 d and an integer sc
+        assert scales.scale.dtype == mx.float16 and scales.scale_codes is not None
     assert (down.kind is MLXSmallGroups) == (formats[2] == "Q6_K")
     split = [backend.load_shard(cfg, sub_shard(w, 0, 1)), backend.load_shard(cfg, sub_shard(w, 1, cfg.n_layers))]
     close(run(split, TOKENS[:10]), want)

@@ -242,8 +242,8 @@ def test_a_loads_pieces_are_each_layer_whole_and_each_other_tensor_alone() -> No
     """What a load reads at once (load_pieces, for load_peak_bytes), the same from a file and from
     a transfer's tensor list: a layer's tensors together, the embedding and the head one each, and a
     mixture's experts with no type name: they are decoded whole; each with its bytes in the file
-    and as the backend holds it (MLX: a float32 scale and bias a group of 32, 0.75 bytes a Q4_K
-    weight; Q6_K's scale a group of 16, 1.0)."""
+    and as the backend holds it (MLX: Q8_0 and Q6_K their file's bytes, Q4_K 0.578 bytes a weight
+    against 0.5625: its 6-bit scales and mins a byte each)."""
     def info(name: str, type_name: str, rows: int) -> TensorInfo:
         return TensorInfo(name, type_name, (rows, 256), rows * 256 * {"Q8_0": 34, "Q4_K": 18, "Q6_K": 26.25}[type_name] // 32)
 
@@ -251,7 +251,7 @@ def test_a_loads_pieces_are_each_layer_whole_and_each_other_tensor_alone() -> No
                info("blk.3.ffn_up_exps.weight", "Q4_K", 8), info("blk.4.attn_q.weight", "Q4_K", 5),
                info("output.weight", "Q6_K", 7)]
     assert load_pieces(tensors, "mlx") == [
-        [("Q8_0", 2720, 3200)], [("Q4_K", 576, 768), ("", 1152, 1536)], [("Q4_K", 720, 960)], [("Q6_K", 1470, 1792)]]
+        [("Q8_0", 2720, 2720)], [("Q4_K", 576, 592), ("", 1152, 1184)], [("Q4_K", 720, 740)], [("Q6_K", 1470, 1470)]]
 
 
 def shard_host(room: int):  # noqa: ANN201
