@@ -224,7 +224,8 @@ class OperatorActions:
                 if h.connected:
                     for start, end in list(h.held):
                         with contextlib.suppress(Exception):  # a node that cannot unload frees it when its plan goes
-                            await h.conn.call("unload", {"start": start, "end": end}, timeout=30)
+                            # its memory as it is now, for the plan made next (its last heartbeat's counts the shard)
+                            h.note_kv((await h.conn.call("unload", {"start": start, "end": end}, timeout=30)).body)
                 h.held.clear()
                 h.shards = []
         await self.replan(f"model {model.name}")

@@ -13,12 +13,14 @@ super-blocks decoded beside the shard: 16 MB, ``backends/base.py``). So the mode
 what the nodes offer once they run (the scheduler's usable bytes under each limit, measured with
 the default model loaded: the limit less what the runtime grew by, a load's peak and the node's
 least reserve): its layers and their caches at the model's context more than the two largest
-rooms, and a share of it by room leaving each node the default model's shard, which the switch
-loads beside; every byte counted as the nodes' backend holds it (its tiles: Q4_K's 148 bytes a
-256 weights, the file's 144). At 1 GB limits: rooms of 913-915 MB, 54 MB held, a Q4_K file of
-2.36 GB, 2.36x each node's limit (at 0.75 GB 2.25x; what each node keeps besides its layers, ~130 MB here, is
-what stands between it and 3x: a smaller share of a larger limit, as at the 8B shape's in
-benchmarks/big_model.py).
+rooms, and a share of it by room leaving each node its runtime's growth, but not the default
+model's shard: the switch cannot load the big model beside it, so it unloads the default model
+first and says so (a node's memory then counted as the unload left it, not as its last heartbeat
+had it: the plan had come out 0.1 GB short). Every byte counted as the nodes' backend holds it
+(its tiles: Q4_K's 148 bytes a 256 weights, the file's 144). At 1 GB limits: rooms of 913-914 MB,
+a Q4_K file of 2.50 GB, 2.50x each node's limit (2.36x while it left room for the default model
+beside it). What each node keeps besides its layers, ~100 MB here with its caches, is what stands
+between it and 3x: a smaller share of a larger limit, as at the 8B shape's in benchmarks/big_model.py.
 Deterministic: fixed seeds, greedy decoding; only the layer count (and the weights' seed, for an
 answer that does not end at once) follows the measured runtimes.
 """
@@ -123,15 +125,15 @@ def held_layer_bytes(model: GGUFModel) -> int:
     return held_nbytes("onnx", (model.tensor_info(n) for n in model.layer_names(0)), first=False, last=False)
 
 
-def layers_for(room: list[int], probe: GGUFModel, held: int) -> int:
+def layers_for(room: list[int], probe: GGUFModel) -> int:
     """A layer count whose model the two largest rooms cannot hold (:func:`need_bytes`) and whose
     share on each node (split by room, as the ``memory`` strategy does) leaves that node its
-    runtime's growth and the ``held`` bytes of the served model's shard, which the switch loads
-    beside (the rooms leave out the node's reserve already)."""
+    runtime's growth (the rooms leave out the node's reserve already). No room is left for the
+    served model's shard beside it: the switch unloads that first."""
     per_layer = held_layer_bytes(probe) + kv_layer_bytes(probe)
     ends = need_bytes(probe) - per_layer
     low = (room[-1] + room[-2] - ends) / per_layer + 1
-    high = min((r - GROWTH_BYTES - held) * sum(room) / r for r in room) / per_layer
+    high = min((r - GROWTH_BYTES) * sum(room) / r for r in room) / per_layer
     n = math.floor(high)  # the largest: the model is then as large as three nodes can hold
     assert n >= math.ceil(low), (f"at {BIG_LIMIT_GB} GB the nodes offer {[r // 10**6 for r in room]} MB to shards: too "
                                  "little for a model two of them cannot hold and three can; raise BIG_LIMIT_GB")
@@ -155,15 +157,21 @@ def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
             async with coordinator(ns, strategy="memory") as c:
                 room = rooms(c, probe)
                 held = max(sum(held_bytes(s) for s in h.shards) for h in c.nodes.values())
-                big, want = await answering_model(tmp_path / "big.gguf", layers_for(room, probe, held), GREEDY)
+                big, want = await answering_model(tmp_path / "big.gguf", layers_for(room, probe), GREEDY)
                 size, need = GGUFModel(big).nbytes, need_bytes(GGUFModel(big))
-                print(f"\nrooms {[r // 10**6 for r in room]} MB, held {held // 10**6} MB: the model {size / 1e9:.2f} GB, "
+                print(f"\nrooms {[r // 10**6 for r in room]} MB: the model {size / 1e9:.2f} GB, "
                       f"{size / (BIG_LIMIT_GB * 1e9):.2f}x a limit")
                 # more than twice any node's limit, more than two nodes can hold
                 assert size > 2 * BIG_LIMIT_GB * 1e9 and need > room[-1] + room[-2], (room, size / (BIG_LIMIT_GB * 1e9), need)
                 assert len(set(want)) > 3, want  # an answer to tell apart from another
+                # Its share leaves no node room for the served model's shard (``held``) beside it:
+                # the switch unloads that first, and says so.
+                assert all(need * r / sum(room) + held > r for r in room), (room, held, need)
                 await c.set_model(str(big))
                 assert len(c.plan.shards) == 3, c.plan.layout
+                notices = [e.message for e in c.events.history if isinstance(e, ev.Notice)]
+                assert any("is unloaded first" in m for m in notices), notices
+                assert all(len(h.held) == 1 for h in c.nodes.values()), {n: h.held for n, h in c.nodes.items()}
                 assert await answer(c) == want
                 rss = [p.memory_info().rss for p in procs]
                 ceilings = process_limits(c, ns, BIG_LIMIT_GB)
