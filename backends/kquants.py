@@ -247,3 +247,38 @@ def _factor(v: np.ndarray, candidates: np.ndarray, lo: int, hi: int) -> tuple[np
     if todo.size:
         return None
     return f.reshape(v.shape[:-1]), codes.reshape(v.shape)
+
+
+def mostly_kquant(by_type: dict[str, int]) -> bool:
+    """Whether quantized bytes ``by_type`` (GGUF type name -> bytes) are mostly K-quant
+    super-blocks rather than the other blocks (Q4_0, Q4_1, Q8_0): a Q4_K_M file's layers are; the
+    precision a backend runs them at may follow (ONNX's ``auto``), and so the figures a node times."""
+    kquant = sum(n for t, n in by_type.items() if t in GROUP)
+    other = sum(n for t, n in by_type.items() if t in BLOCK_TYPES)
+    return kquant > other
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str, std: float) -> np.ndarray:
+    """Random Q4_K / Q5_K / Q6_K super-blocks (codes and 6/8-bit scales random, float16 ``d`` and
+    ``dmin`` sized so the weights spread about ``std`` around 0), as uint8 rows: for timings,
+    benchmarks and tests."""
+    size = BLOCK_BYTES[type_name]
+    nb = cols // QK_K
+    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+
+    def half(values: np.ndarray) -> np.ndarray:
+        return np.frombuffer(values.astype(np.float16).tobytes(), np.uint8).reshape(rows, nb, 2)
+
+    if type_name == "Q6_K":  # weight = d * sc * (q - 32), sc int8, q - 32 in -32..31
+        raw[..., 192:208] = rng.integers(-40, 40, (rows, nb, 16)).astype(np.int8).view(np.uint8)
+        raw[..., 208:210] = half(np.full((rows, nb), std / (40 * 18)))
+    else:  # weight = d * sc * q - dmin * m, sc and m 0..63 (low bits random), q 0..15 or 0..31
+        top = 15 if type_name == "Q4_K" else 31
+        raw[..., 0:2] = half(np.full((rows, nb), 2 * std / (45 * top)))
+        raw[..., 2:4] = half(np.full((rows, nb), std / 45))
+        # each sub-block's min its scale (m = sc): weights sc * dmin * (2 q / top - 1), centred on 0
+        # (independent random mins gave every sub-block its own mean: a deep random model then
+        # answers one token over and over)
+        raw[..., 8:12] = (raw[..., 8:12] & 0x0F) * 0x11
+        raw[..., 4:8] = raw[..., 0:4]
+    return raw.reshape(rows, nb * size)

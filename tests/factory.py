@@ -10,6 +10,7 @@ import numpy as np
 from gguf.quants import quantize
 
 from backends.base import KQUANT_BLOCK_BYTES
+from backends.kquants import random_blocks as random_kquant_blocks  # noqa: F401 (the tests' name)
 from exo_tui.models.tokenizer import bytes_to_unicode
 
 CHAT_TEMPLATE = (
@@ -142,26 +143,3 @@ def write_tiny_llama(
     return w.format_shard_names(path)[0] if split_max_tensors else path
 
 
-def random_kquant_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str, std: float) -> np.ndarray:
-    """Random Q4_K / Q5_K / Q6_K super-blocks (codes and 6/8-bit scales random, float16 ``d`` and
-    ``dmin`` sized so the weights spread about ``std`` around 0), as uint8 rows."""
-    size = KQUANT_BLOCK_BYTES[type_name]
-    nb = cols // 256
-    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
-
-    def half(values: np.ndarray) -> np.ndarray:
-        return np.frombuffer(values.astype(np.float16).tobytes(), np.uint8).reshape(rows, nb, 2)
-
-    if type_name == "Q6_K":  # weight = d * sc * (q - 32), sc int8, q - 32 in -32..31
-        raw[..., 192:208] = rng.integers(-40, 40, (rows, nb, 16)).astype(np.int8).view(np.uint8)
-        raw[..., 208:210] = half(np.full((rows, nb), std / (40 * 18)))
-    else:  # weight = d * sc * q - dmin * m, sc and m 0..63 (low bits random), q 0..15 or 0..31
-        top = 15 if type_name == "Q4_K" else 31
-        raw[..., 0:2] = half(np.full((rows, nb), 2 * std / (45 * top)))
-        raw[..., 2:4] = half(np.full((rows, nb), std / 45))
-        # each sub-block's min its scale (m = sc): weights sc * dmin * (2 q / top - 1), centred on 0
-        # (independent random mins gave every sub-block its own mean: a deep random model then
-        # answers one token over and over)
-        raw[..., 8:12] = (raw[..., 8:12] & 0x0F) * 0x11
-        raw[..., 4:8] = raw[..., 0:4]
-    return raw.reshape(rows, nb * size)

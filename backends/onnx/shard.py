@@ -44,7 +44,6 @@ import numpy as np
 import onnxruntime as ort
 
 from backends.base import (
-    BLOCK_TYPES,
     BackendError,
     KVCache,
     LayerWeights,
@@ -55,7 +54,7 @@ from backends.base import (
     ShardWeights,
     validate_forward_input,
 )
-from backends.kquants import GROUP as KQUANT_GROUP
+from backends.kquants import mostly_kquant
 from backends.onnx import ACCURACY_LEVEL, AUTO, DEFAULT_PRECISION, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
@@ -715,10 +714,7 @@ def resolve_precision(precision: str, weights: ShardWeights) -> str:
         return precision
     if kernel_for("int8") is None:
         return "int16"
-    by_type = weights.stored_types or _quantized_bytes_in_memory(weights)
-    kquant = sum(n for t, n in by_type.items() if t in KQUANT_GROUP)
-    other = sum(n for t, n in by_type.items() if t in BLOCK_TYPES)
-    return "int8" if kquant > other else "int16"
+    return "int8" if mostly_kquant(weights.stored_types or _quantized_bytes_in_memory(weights)) else "int16"
 
 
 def _quantized_bytes_in_memory(weights: ShardWeights) -> dict[str, int]:

@@ -32,7 +32,7 @@ from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
-from exo_tui.node.profile import BENCH_CONFIG, NodeProfile
+from exo_tui.node.profile import NodeProfile
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
 from exo_tui.scheduler.partition import InfeasiblePlan
@@ -44,14 +44,6 @@ if TYPE_CHECKING:
     from exo_tui.models.model import Model
 
 log = logging.getLogger("exo_tui.cluster")
-
-# Bytes of one benchmark layer (Q4_1 blocks of SmolLM2-135M's shape): node timings scale from it.
-_BENCH_PARAMS = (
-    2 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.n_heads * BENCH_CONFIG.head_dim
-    + 2 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.n_kv_heads * BENCH_CONFIG.head_dim
-    + 3 * BENCH_CONFIG.hidden_size * BENCH_CONFIG.intermediate_size
-)
-BENCH_LAYER_BYTES = _BENCH_PARAMS * 20 // 32
 
 KV_HOLD_BYTES = 1 << 30  # in-flight caches the coordinator holds while short nodes swap their shards
 
@@ -71,6 +63,8 @@ class PlanSwitching:
             p = h.profile
             backend = self._node_backend(h)
             timing = p.layer_timing.get(backend)
+            planned = spec or self.spec  # its layers' kind picks the timings (K-quant or other blocks)
+            decode_s, prefill_s, ref_bytes = timing.for_model(bool(planned and planned.kquant)) if timing else (0, 0, 0)
             held = sum(held_bytes(s) for s in h.shards)
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
             total = p.ram_total_bytes
@@ -98,13 +92,13 @@ class PlanSwitching:
                     cpu_cores=p.cpu_cores,
                     cpu_utilization=min(1.0, float(h.metrics.get("cpu_percent", 0.0)) / 100.0),
                     backends=(backend,),
-                    decode_s_per_layer={backend: timing.decode_layer_s} if timing else {},
-                    prefill_s_per_layer_token={backend: timing.prefill_layer_token_s} if timing else {},
-                    compute_ref_layer_bytes=BENCH_LAYER_BYTES,
+                    decode_s_per_layer={backend: decode_s} if timing else {},
+                    prefill_s_per_layer_token={backend: prefill_s} if timing else {},
+                    compute_ref_layer_bytes=ref_bytes,
                     kv_value_bytes={backend: p.kv_value_bytes},
                     memory_bandwidth_bytes_per_s=p.memory_bandwidth_bytes_per_s or 10e9,
                     load_factor=0.0,
-                    benchmark_score=1.0 / timing.decode_layer_s if timing and timing.decode_layer_s > 0 else 1.0,
+                    benchmark_score=1.0 / decode_s if decode_s > 0 else 1.0,
                     power_state="battery" if h.metrics.get("on_battery") else "active",
                     links={peer: Link(lat, h.link_bandwidth.get(peer, 1e9)) for peer, lat in h.links.items()},
                     last_heartbeat=h.last_heartbeat_s if h.state != "failed" else now - 1e9,

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from backends import BACKEND_NAMES, backend_class
-from exo_tui.models.gguf_file import GGUFModel, ModelFileError, held_nbytes
+from backends.kquants import mostly_kquant
+from exo_tui.models.gguf_file import GGUFModel, ModelFileError, bytes_by_type, held_nbytes
 from exo_tui.scheduler.spec import SYNTHETIC_SHAPES, HeldBytes, ModelSpec, synthetic_spec
 
 
@@ -39,6 +40,7 @@ def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: in
         kv_windows=tuple(cfg.ring_window if cfg.windowed(i) else 0 for i in range(cfg.n_layers)),
         load_peaks=tuple((b, m.most_load_peak_nbytes(b)) for b in BACKEND_NAMES),
         held=tuple((b, held_on(m, b)) for b in BACKEND_NAMES),
+        kquant=mostly_kquant(bytes_by_type(m.tensor_info(n) for i in range(cfg.n_layers) for n in m.layer_names(i))),
     )
 
 

@@ -2,7 +2,8 @@
 
 The performance figure the scheduler uses is measured, not looked up: at start the node times a
 few decode steps and a short prefill of layers shaped like the default model's on each backend it
-has, and its memory bandwidth. Results are cached per machine (keyed by backend, how it is set
+has, and of the same in Q4_K super-blocks (which a backend may run at another precision: ONNX's
+``auto`` runs them at int8; a K-quant model is planned on those figures), and its memory bandwidth. Results are cached per machine (keyed by backend, how it is set
 up to run, versions and shape) so restarts are quick.
 """
 
@@ -24,6 +25,7 @@ import psutil
 
 from backends import available_backends, get_backend, is_apple_silicon
 from backends.base import BackendError, LayerWeights, ModelConfig, QuantizedWeight, ShardWeights
+from backends.kquants import KQuantWeight, random_blocks
 from exo_tui import __version__
 from exo_tui.paths import exo_home, file_lock
 
@@ -32,18 +34,45 @@ BENCH_CONFIG = ModelConfig(
     n_layers=4, hidden_size=576, intermediate_size=1536, n_heads=9, n_kv_heads=3, head_dim=64,
     vocab_size=256, rms_eps=1e-5, rope_theta=100000.0, context_length=512,
 )
+# The same layers in Q4_K super-blocks (whose rows are multiples of 256 weights, so 512 wide): a
+# backend may run a K-quant file's layers at another precision (ONNX's auto: int8, against int16
+# on the other blocks), so they are timed too, for the plans of such models.
+KQUANT_BENCH_CONFIG = ModelConfig(
+    n_layers=4, hidden_size=512, intermediate_size=1536, n_heads=8, n_kv_heads=4, head_dim=64,
+    vocab_size=256, rms_eps=1e-5, rope_theta=100000.0, context_length=512,
+)
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """The weights of one of ``cfg``'s layers' matrices."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return 2 * cfg.hidden_size * q + 2 * cfg.hidden_size * kv + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+BENCH_LAYER_BYTES = layer_params(BENCH_CONFIG) * 20 // 32  # Q4_0-style blocks: 20 bytes a 32 weights
+KQUANT_BENCH_LAYER_BYTES = layer_params(KQUANT_BENCH_CONFIG) * 144 // 256  # Q4_K: 144 bytes a 256
 BENCH_LAYERS = 4
 BENCH_DECODE_STEPS = 8
 BENCH_PREFILL_TOKENS = 128  # per-token prefill time at 32 tokens was ~1.3x that at 512 (the predicted prompt)
 BENCH_PREFILL_RUNS = 3  # best of these, while they fit in BENCH_PREFILL_BUDGET_S
 BENCH_PREFILL_BUDGET_S = 0.5
-TIMING_METHOD = "v3"  # in the cache key: figures taken the old way are measured again (v3: float16 scales)
+TIMING_METHOD = "v4"  # in the cache key: figures taken the old way are measured again (v3: float16 scales; v4: K-quant layers too)
 
 
 @dataclass
 class LayerTiming:
     decode_layer_s: float  # one token through one layer, at small context
     prefill_layer_token_s: float  # one prompt token through one layer, in a batch
+    # the same of a K-quant layer (KQUANT_BENCH_CONFIG's, Q4_K); 0: not measured
+    kquant_decode_layer_s: float = 0.0
+    kquant_prefill_layer_token_s: float = 0.0
+
+    def for_model(self, kquant: bool) -> tuple[float, float, int]:
+        """Decode and prefill seconds a layer, and the bytes of the layer they were measured on,
+        for a model whose layers are (``kquant``) or are not mostly K-quant super-blocks."""
+        if kquant and self.kquant_decode_layer_s > 0 and self.kquant_prefill_layer_token_s > 0:
+            return self.kquant_decode_layer_s, self.kquant_prefill_layer_token_s, KQUANT_BENCH_LAYER_BYTES
+        return self.decode_layer_s, self.prefill_layer_token_s, BENCH_LAYER_BYTES
 
 
 @dataclass
@@ -81,7 +110,9 @@ class NodeProfile:
         left out, so nodes and coordinators of neighbouring versions still join one cluster."""
         known = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
-        d["layer_timing"] = {k: LayerTiming(**v) for k, v in d.get("layer_timing", {}).items()}
+        timed = {f.name for f in fields(LayerTiming)}
+        d["layer_timing"] = {k: LayerTiming(**{f: x for f, x in v.items() if f in timed})
+                             for k, v in d.get("layer_timing", {}).items()}
         return cls(**d)
 
     def offered_memory_bytes(self) -> int:
@@ -179,20 +210,21 @@ def device_profile(name: str, memory_limit_bytes: int | None = None, backends: l
     )
 
 
-def _bench_weights(cfg: ModelConfig) -> ShardWeights:
+def _bench_weights(cfg: ModelConfig, kquant: bool = False) -> ShardWeights:
     rng = np.random.default_rng(0)
     h, i, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def matrix(rows: int, cols: int) -> QuantizedWeight:
+        if kquant:
+            return KQuantWeight(random_blocks(rng, rows, cols, "Q4_K", 0.02), "Q4_K", cols)
+        return QuantizedWeight.random(rng, rows, cols)
+
     layers = [
         LayerWeights(
             attn_norm=np.ones(h, np.float32),
-            wq=QuantizedWeight.random(rng, qd, h),
-            wk=QuantizedWeight.random(rng, kvd, h),
-            wv=QuantizedWeight.random(rng, kvd, h),
-            wo=QuantizedWeight.random(rng, h, qd),
+            wq=matrix(qd, h), wk=matrix(kvd, h), wv=matrix(kvd, h), wo=matrix(h, qd),
             ffn_norm=np.ones(h, np.float32),
-            w_gate=QuantizedWeight.random(rng, i, h),
-            w_up=QuantizedWeight.random(rng, i, h),
-            w_down=QuantizedWeight.random(rng, h, i),
+            w_gate=matrix(i, h), w_up=matrix(i, h), w_down=matrix(h, i),
         )
         for _ in range(cfg.n_layers)
     ]
@@ -200,10 +232,17 @@ def _bench_weights(cfg: ModelConfig) -> ShardWeights:
     return ShardWeights(1, 1 + cfg.n_layers, layers)
 
 
-def time_layers(backend_name: str, cfg: ModelConfig = BENCH_CONFIG) -> LayerTiming:
+def time_layers(backend_name: str) -> LayerTiming:
+    """Seconds per layer for decode and prefill of the benchmark's layers, and of its K-quant ones."""
+    decode, prefill = _time_layers(backend_name, BENCH_CONFIG, kquant=False)
+    kquant_decode, kquant_prefill = _time_layers(backend_name, KQUANT_BENCH_CONFIG, kquant=True)
+    return LayerTiming(decode, prefill, kquant_decode, kquant_prefill)
+
+
+def _time_layers(backend_name: str, cfg: ModelConfig, kquant: bool) -> tuple[float, float]:
     """Seconds per layer for decode (median of a few steps) and for prefill (per token)."""
     mid_cfg = ModelConfig(**{**asdict(cfg), "n_layers": cfg.n_layers + 2})
-    shard = get_backend(backend_name).load_shard(mid_cfg, _bench_weights(cfg))
+    shard = get_backend(backend_name).load_shard(mid_cfg, _bench_weights(cfg, kquant))
     try:
         rng = np.random.default_rng(1)
         prompt = rng.standard_normal((BENCH_PREFILL_TOKENS, cfg.hidden_size)).astype(np.float32)
@@ -230,7 +269,7 @@ def time_layers(backend_name: str, cfg: ModelConfig = BENCH_CONFIG) -> LayerTimi
         decode = float(np.median(steps)) / cfg.n_layers
     finally:
         shard.close()
-    return LayerTiming(decode_layer_s=decode, prefill_layer_token_s=prefill)
+    return decode, prefill
 
 
 def memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:

@@ -60,9 +60,12 @@ class ModelSpec:
     # Per backend, what a load takes at its peak beside its shard's arrays (models/gguf_file.py's
     # load_peak_nbytes, over the whole model); () where unknown.
     load_peaks: tuple[tuple[str, int], ...] = ()
-    # Per backend, what its shards hold where not the file's bytes (K-quant tiles, MLX's float32
-    # scales, types read as float32); memory is counted so on a node of that backend.
+    # Per backend, what its shards hold where not the file's bytes (K-quant tiles, types read as
+    # float32); memory is counted so on a node of that backend.
     held: tuple[tuple[str, HeldBytes], ...] = ()
+    # Whether the layers' quantized bytes are mostly K-quant super-blocks (a Q4_K_M file): a node
+    # may run those at another precision than other blocks, so its timings of such layers apply.
+    kquant: bool = False
     _mean: float = field(default=0.0, init=False, repr=False, compare=False)
     _active_mean: float = field(default=0.0, init=False, repr=False, compare=False)
     _kv_prefix: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -183,6 +186,7 @@ class ModelSpec:
             **({"load_peaks": dict(self.load_peaks)} if self.load_peaks else {}),
             **({"held": {b: {"layers": list(h.layers), "embed": h.embed, "head": h.head,
                              "shares_tied_head": h.shares_tied_head} for b, h in self.held}} if self.held else {}),
+            **({"kquant": True} if self.kquant else {}),
         }
 
     @classmethod
@@ -205,6 +209,7 @@ class ModelSpec:
             held=tuple((str(b), HeldBytes(tuple(int(x) for x in h["layers"]), int(h["embed"]), int(h["head"]),
                                           bool(h.get("shares_tied_head", True))))
                        for b, h in dict(d.get("held", {})).items()),
+            kquant=bool(d.get("kquant", False)),
         )
 
 

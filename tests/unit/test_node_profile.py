@@ -44,18 +44,60 @@ def test_device_profile_and_memory_limit(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_layer_timing_is_measured() -> None:
+    """Of the benchmark's layers and of the same in Q4_K super-blocks, which a node may run at
+    another precision (ONNX's auto: int8 against int16)."""
     t = time_layers("onnx")
     assert 0 < t.decode_layer_s < 1 and 0 < t.prefill_layer_token_s < 1
+    assert 0 < t.kquant_decode_layer_s < 1 and 0 < t.kquant_prefill_layer_token_s < 1
 
 
 def test_the_layers_timed_are_the_kind_a_node_runs() -> None:
     """GGUF's blocks have float16 scales; the benchmark's do too, so on ONNX they run on the
-    node's kernel (with float32 scales they fell back to MatMulNBits and timed that)."""
-    from exo_tui.node.profile import BENCH_CONFIG, _bench_weights
+    node's kernel (with float32 scales they fell back to MatMulNBits and timed that). The K-quant
+    layers are the file's super-blocks, which ``auto`` runs at int8 where the build has it."""
+    from backends.onnx.shard import kernel_for, resolve_precision
+    from exo_tui.node.profile import BENCH_CONFIG, KQUANT_BENCH_CONFIG, _bench_weights
 
-    layer = _bench_weights(BENCH_CONFIG).layers[0]
-    assert all(kernels.runs_on_kernel(w) for w in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up,
-                                                   layer.w_down))
+    for cfg, kquant in ((BENCH_CONFIG, False), (KQUANT_BENCH_CONFIG, True)):
+        weights = _bench_weights(cfg, kquant)
+        layer = weights.layers[0]
+        matrices = (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
+        assert all(kernels.runs_on_kernel(w) for w in matrices)
+        assert all(w.source_type == ("Q4_K" if kquant else "") for w in matrices)
+        int8 = kernel_for("int8") is not None
+        assert resolve_precision("auto", weights) == ("int8" if kquant and int8 else "int16")
+
+
+def test_a_k_quant_model_is_planned_on_the_k_quant_timings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator gives the scheduler a node's timings of the kind of layers the planned
+    model has, with the bytes of the layers they were measured on (times scale by bytes)."""
+    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.cluster.node_handle import NodeHandle
+    from exo_tui.config import Config
+    from exo_tui.models.spec import spec_from_gguf
+    from exo_tui.node.profile import BENCH_LAYER_BYTES, KQUANT_BENCH_LAYER_BYTES, LayerTiming
+    from tests.factory import write_tiny_llama
+
+    monkeypatch.setenv("EXO_TUI_HOME", str(tmp_path))
+    profile = device_profile("n1", backends=["onnx"])
+    profile.backend = "onnx"
+    profile.layer_timing["onnx"] = LayerTiming(4e-4, 1e-4, 3e-4, 5e-5)
+    c = Coordinator(config=Config(), home=tmp_path, persist=False)
+    c.nodes[profile.node_id] = NodeHandle(node_id=profile.node_id, name="n1", host="127.0.0.1", port=1, profile=profile)
+    shape = dict(n_layers=2, hidden=256, intermediate=512, n_heads=4, n_kv_heads=2)
+    kquant = spec_from_gguf(write_tiny_llama(tmp_path / "k.gguf", weight_type="Q4_K", embed_type="Q6_K", **shape))
+    blocks = spec_from_gguf(write_tiny_llama(tmp_path / "b.gguf", weight_type="Q4_0", **shape))
+    assert kquant.kquant and not blocks.kquant
+    [k] = c.device_profiles(kquant)
+    assert (k.decode_s_per_layer, k.prefill_s_per_layer_token, k.compute_ref_layer_bytes) == \
+        ({"onnx": 3e-4}, {"onnx": 5e-5}, KQUANT_BENCH_LAYER_BYTES)
+    [b] = c.device_profiles(blocks)
+    assert (b.decode_s_per_layer, b.prefill_s_per_layer_token, b.compute_ref_layer_bytes) == \
+        ({"onnx": 4e-4}, {"onnx": 1e-4}, BENCH_LAYER_BYTES)
+    # a profile from a node that did not time K-quant layers: its one figure, for every model
+    profile.layer_timing["onnx"] = LayerTiming(4e-4, 1e-4)
+    [old] = c.device_profiles(kquant)
+    assert old.decode_s_per_layer == {"onnx": 4e-4} and old.compute_ref_layer_bytes == BENCH_LAYER_BYTES
 
 
 def test_print_profile(tmp_path: Path) -> None:
