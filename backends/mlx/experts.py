@@ -67,7 +67,10 @@ class StackedExperts:
         self.out = weights[0].shape[0]
         w = to_mlx(stacked, name)
         self.kind = type(w)
-        stack = lambda a: a.reshape(self.n_experts, self.out, -1)  # noqa: E731
+
+        def stack(a: mx.array) -> mx.array:  # (n_experts * out, ...) -> (n_experts, out, ...)
+            return a.reshape(self.n_experts, self.out, -1)
+
         if isinstance(w, MLXDense):
             whole: tuple = (stack(w.weight), None)
         else:

@@ -112,7 +112,7 @@ def split_rows(rows: int, n_parts: int) -> list[tuple[int, int]]:
 class GroupScales:
     """A quantized matrix's float32 scale and bias a group, held in the smallest form that gives
     them exactly, and made from it (a few elementwise ops, fused in a compiled step) as a product
-    runs. :func:`stage_scales` picks the form a matrix's values allow:
+    runs. :func:`to_mlx` picks the form a matrix's values allow (:func:`_chunk_form`):
 
     * a K-quant's own fields: ``scale = d * sc`` and ``bias = nd * m`` with ``d`` and ``nd``
       (``-dmin``) float16 a super-block of 256 and ``sc``, ``m`` integers a group (6-bit, Q6_K's
@@ -177,9 +177,6 @@ def _widen_np(base: np.ndarray, codes: np.ndarray | None) -> np.ndarray:
     blocks = base.shape[-1]
     per = codes.astype(np.float32).reshape(*lead, blocks, groups // blocks)
     return (base.astype(np.float32)[..., None] * per).reshape(*lead, groups)
-
-
-FORM_FIELDS = ("scale", "bias", "scale_codes", "bias_codes")
 
 
 def _chunk_form(part: QuantizedWeight, offset: float) -> dict[str, np.ndarray | None]:

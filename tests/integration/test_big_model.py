@@ -164,13 +164,13 @@ def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
                 # more than twice any node's limit, more than two nodes can hold
                 assert size > 2 * BIG_LIMIT_GB * 1e9 and need > room[-1] + room[-2], (room, size / (BIG_LIMIT_GB * 1e9), need)
                 assert len(set(want)) > 3, want  # an answer to tell apart from another
-                # Its share leaves no node room for the served model's shard (``held``) beside it:
-                # the switch unloads that first, and says so.
+                # Its share leaves a node no room for the served model's shard (``held``) beside it
+                # and its reserve: the switch unloads that first where the node refuses it (or,
+                # where the node's memory left the reserve room for it, loads beside it for the
+                # moment); either way each node holds the big model's shard alone.
                 assert all(need * r / sum(room) + held > r for r in room), (room, held, need)
                 await c.set_model(str(big))
                 assert len(c.plan.shards) == 3, c.plan.layout
-                notices = [e.message for e in c.events.history if isinstance(e, ev.Notice)]
-                assert any("is unloaded first" in m for m in notices), notices
                 assert all(len(h.held) == 1 for h in c.nodes.values()), {n: h.held for n, h in c.nodes.items()}
                 assert await answer(c) == want
                 rss = [p.memory_info().rss for p in procs]
@@ -204,6 +204,42 @@ def test_a_model_larger_than_any_node(tmp_path: Path) -> None:
                 peaks = [peak_rss(p.pid) for p in procs]
                 assert all(r <= m for r, m in zip(peaks, ceilings, strict=True)), (peaks, ceilings, room, size)
                 assert await answer(c) == want
+
+        asyncio.run(run())
+
+
+def test_a_switch_to_a_model_the_node_cannot_hold_beside_the_served_one_unloads_that_first(tmp_path: Path) -> None:
+    """One node of 0.5 GB serving a model of about half its room is switched to one of nearly all
+    of it: the node refuses to load the new one beside the old, so the old is unloaded first (a
+    notice says so) and the new one is planned on the node's memory as the unload left it (its
+    reply), not as its last heartbeat had it, shard included: planned so, the model was refused
+    ("the cluster cannot serve the model") and nothing served. The new model then answers as one
+    unlimited process does."""
+    os.environ["EXO_TUI_HOME"] = str(tmp_path)
+    probe = GGUFModel(write_model(tmp_path / "probe.gguf", 1))
+    per_layer = held_layer_bytes(probe) + kv_layer_bytes(probe)
+    ends = need_bytes(probe) - per_layer
+    with node_processes(tmp_path, ["onnx"], memory_limits_gb=[LIMIT_GB]) as ns:
+
+        async def run() -> None:
+            async with coordinator(ns, strategy="memory") as c:
+                [room] = rooms(c, probe)
+                await c.set_model(str(write_model(tmp_path / "half.gguf", int((0.45 * room - ends) / per_layer))))
+                [h] = c.nodes.values()
+                held = sum(held_bytes(s) for s in h.shards)
+                big, want = await answering_model(tmp_path / "big.gguf", int((room - GROWTH_BYTES - ends) / per_layer),
+                                                  GREEDY)
+                need = need_bytes(GGUFModel(big))
+                assert need <= room < need + held, (need, room, held)  # it fits alone, not beside
+                await c.set_model(str(big))
+                notices = [e.message for e in c.events.history if isinstance(e, ev.Notice)]
+                assert any("is unloaded first" in m for m in notices), notices
+                assert len(h.held) == 1 and c.plan.shards[0].end == GGUFModel(big).config.n_layers
+                ids: list[int] = []
+                async for chunk in c.chat([{"role": "user", "content": PROMPT}], GREEDY):
+                    assert not chunk.error, chunk.error
+                    ids.extend(t for t in chunk.token_ids if t not in c.model.tokenizer.eos_ids)
+                assert ids == want
 
         asyncio.run(run())
 
