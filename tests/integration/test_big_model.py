@@ -14,9 +14,9 @@ what the nodes offer once they run (the scheduler's usable bytes under each limi
 the default model loaded: the limit less what the runtime grew by, a load's peak and the node's
 least reserve): its layers and their caches at the model's context more than the two largest
 rooms, and a share of it by room leaving each node its runtime's growth, but not the default
-model's shard: the switch cannot load the big model beside it, so it unloads the default model
-first and says so (a node's memory then counted as the unload left it, not as its last heartbeat
-had it: the plan had come out 0.1 GB short). Every byte counted as the nodes' backend holds it
+model's shard beside it and the node's reserve: a node refuses the big model's shard beside it
+unless its memory leaves room for both for the moment, and the switch then unloads the default
+model first (the next test makes sure of that path). Every byte counted as the nodes' backend holds it
 (its tiles: Q4_K's 148 bytes a 256 weights, the file's 144). At 1 GB limits: rooms of 913-914 MB,
 a Q4_K file of 2.50 GB, 2.50x each node's limit (2.36x while it left room for the default model
 beside it). What each node keeps besides its layers, ~100 MB here with its caches, is what stands

@@ -31,7 +31,7 @@ def test_a_k_quant_models_resident_memory_is_its_file_bytes(tmp_path: Path, back
     run: ONNX Runtime's sessions, arenas and threads, the kernel library), so what the node holds
     whatever it runs is out of the figure: the sixteen-layer model's resident memory beyond that is
     within 1.2x of its extra file bytes and KV caches. Measured: ONNX 1.02-1.05x; MLX 1.12-1.28x
-    over eight runs (1.56x while MLX made its float32 scales at load): beside its arrays, which are
+    over nine runs (1.56x while MLX made its float32 scales at load): beside its arrays, which are
     the file's bytes, MLX keeps freed step buffers for reuse (~15 MB after this answer, in-process)
     and each thread that ran a step its own compiled steps, which no count here sees."""
     os.environ["EXO_TUI_HOME"] = str(tmp_path)
