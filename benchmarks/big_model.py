@@ -25,7 +25,7 @@ Then reports, side by side with llama.cpp on the same file and threads:
 
     python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--tokens 32] [--local-nodes 3]
                                    [--memory-limit GB] [--context TOKENS] [--no-one-node] [--reps 3]
-                                   [--precision auto int16]
+                                   [--precision auto int16] [--mlx]
 
 ``--reps 3`` measures each engine three times, alternated, and reports the medians and each
 round's ratios (on a shared machine only ratios of one round mean much).
@@ -261,6 +261,7 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
             llm.eval([int(np.argmax(_last_logits(llm)))])
         decode = tokens / (time.perf_counter() - t0)
     else:
+        from backends.mlx import MLXBackend
         from backends.onnx import ONNXBackend
         from exo_tui.models.gguf_file import GGUFModel
 
@@ -268,7 +269,9 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
         cfg = model.config
         weights = model.shard_weights(0, cfg.n_layers)
         weights.disposable = True
-        shard = ONNXBackend(threads=threads, precision=engine.split()[-1]).load_shard(cfg, weights)
+        backend = MLXBackend(threads=threads) if engine == MLX_ENGINE else \
+            ONNXBackend(threads=threads, precision=engine.split()[-1])
+        shard = backend.load_shard(cfg, weights)
         del weights
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -282,12 +285,15 @@ def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int
     print(json.dumps({"prefill": prefill, "decode": decode, "peak_rss": peak, "load_s": load_s}))
 
 
+MLX_ENGINE = "exo-tui mlx"
+
+
 def one_node(path: Path, threads: int, prompt: int, tokens: int, reps: int = 1,
-             precisions: tuple[str, ...] = ("auto",)) -> dict[str, list[dict]]:
-    """Each engine's measurements (exo-tui's at each of ``precisions``), ``reps`` rounds with the
-    engines alternated in each."""
+             precisions: tuple[str, ...] = ("auto",), mlx: bool = False) -> dict[str, list[dict]]:
+    """Each engine's measurements (exo-tui's ONNX at each of ``precisions``, and MLX's where
+    ``mlx``), ``reps`` rounds with the engines alternated in each."""
     out: dict[str, list[dict]] = {}
-    engines = [f"exo-tui onnx {p}" for p in precisions]
+    engines = [f"exo-tui onnx {p}" for p in precisions] + ([MLX_ENGINE] if mlx else [])
     try:
         import llama_cpp  # noqa: F401
 
@@ -469,6 +475,8 @@ def main() -> None:
     ap.add_argument("--precision", nargs="+", default=["auto"], choices=["auto", "int16", "int8", "float32"],
                     help="one node: the ONNX backend's precisions to measure (auto, the default: int8 on these K-quant "
                          "files, as llama.cpp's activations; int16 the others' default)")
+    ap.add_argument("--mlx", action="store_true",
+                    help="one node: MLX too (on Linux its CPU build, whose scalar kernels take minutes on the 1B shape)")
     ap.add_argument("--reps", type=int, default=1,
                     help="one node: rounds of every engine, alternated (medians, and each round's ratios)")
     args = ap.parse_args()
@@ -497,7 +505,7 @@ def main() -> None:
 
 def one_node_table(args: argparse.Namespace, model, token_bytes: int) -> None:  # noqa: ANN001
     path = model.path
-    rounds = one_node(path, args.threads, args.prompt, args.tokens, args.reps, tuple(args.precision))
+    rounds = one_node(path, args.threads, args.prompt, args.tokens, args.reps, tuple(args.precision), args.mlx)
     results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rounds.items()}
     gbps = copy_gbps()
     print(f"\n{args.shape} shape, {args.threads} threads, prompt {args.prompt}, decode {args.tokens}"
