@@ -46,7 +46,7 @@ class MLXBackend(Backend):
     @classmethod
     def held_nbytes(cls, type_name: str, shape: tuple[int, ...], *, embedding: bool = False) -> int:
         """The codes packed at their bits and each group's scale and bias in the file's own form
-        (``quant.GroupScales``): Q4_0 and Q8_0 a float16 scale a group of 32 (the bias implied),
+        (``scales.GroupScales``): Q4_0 and Q8_0 a float16 scale a group of 32 (the bias implied),
         Q4_1 a float16 scale and bias; Q4_K and Q5_K an integer scale and min a group of 32 and
         ``d``, ``dmin`` (float16) a super-block of 256, Q6_K an integer scale a group of 16 and ``d``:
         the file's bytes, Q4_K and Q5_K 1.03x and 1.02x (the 6-bit scales and mins in a byte each);

@@ -17,7 +17,7 @@ so on the CPU an eager step with several rows (a prompt, or a batch of decode st
 shard runs eagerly there for a mixture) reads the routing back and runs each chosen expert once,
 one product on all the rows routed to it (:meth:`StackedExperts.grouped`). A gathered product
 takes the distinct experts chosen, their codes and their float32 scales made from the held form
-(:class:`~backends.mlx.quant.GroupScales`) for them alone: in a compiled decode step at most
+(:class:`~backends.mlx.scales.GroupScales`) for them alone: in a compiled decode step at most
 ``min(pairs, n_experts)`` of them; in an eager step one at a time, each then multiplying all its
 rows at once. Q6_K's experts (whose groups of 16 MLX's gathered products do not take) are so
 unpacked to float32.

@@ -5,10 +5,10 @@ and bias per group along each row. MLX's ``mx.quantize`` affine layout is that, 
 packed into ``uint32`` words as a little-endian bit stream: code ``j`` of a row takes bits
 ``j * bits .. (j + 1) * bits - 1`` (for 2, 4 and 8 bits, word ``j // (32 // bits)`` at bit
 ``(j % (32 // bits)) * bits``; 3, 5 and 6-bit codes straddle words). The scales and biases are
-held in the file's own form (:class:`GroupScales`: a K-quant's float16 ``d`` a super-block and
-6-bit ``sc`` a group; the other blocks' float16) and made float32 as each product runs, so MLX
-does float32 math on the very values ``QuantizedWeight.dequantize()`` gives, and a node holds
-about the file's bytes. (Float16 scales would be as small but not exact: ``d * sc`` is an 11-bit
+held in the file's own form (:class:`~backends.mlx.scales.GroupScales`: a K-quant's float16 ``d``
+a super-block and 6-bit ``sc`` a group; the other blocks' float16) and made float32 as each
+product runs, so MLX does float32 math on the very values ``QuantizedWeight.dequantize()`` gives,
+and a node holds about the file's bytes. (Float16 scales would be as small but not exact: ``d * sc`` is an 11-bit
 significand times a 6-bit integer. Float32 ones, made once, held Q4_K at 0.75 bytes a weight.)
 
 How each format runs, and what it holds resident (bytes per weight; the GGUF file's in brackets):
@@ -40,13 +40,12 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from backends.base import KQUANT_BLOCK_BYTES, BackendError, QuantizedWeight, Weight
-from backends.kquants import superblocks as find_superblocks
+from backends.base import BackendError, QuantizedWeight, Weight
+from backends.mlx.scales import GroupScales, ScaleStaging, chunk_form
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine bit widths
 SUPPORTED_GROUPS = (32, 64, 128)  # MLX's quantized matmul's groups
@@ -107,144 +106,6 @@ def split_rows(rows: int, n_parts: int) -> list[tuple[int, int]]:
     n = max(1, min(n_parts, rows))
     cuts = [rows * i // n for i in range(n + 1)]
     return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
-
-
-class GroupScales:
-    """A quantized matrix's float32 scale and bias a group, held in the smallest form that gives
-    them exactly, and made from it (a few elementwise ops, fused in a compiled step) as a product
-    runs. :func:`to_mlx` picks the form a matrix's values allow (:func:`_chunk_form`):
-
-    * a K-quant's own fields: ``scale = d * sc`` and ``bias = nd * m`` with ``d`` and ``nd``
-      (``-dmin``) float16 a super-block of 256 and ``sc``, ``m`` integers a group (6-bit, Q6_K's
-      ``sc`` int8): 2 bytes a Q4_K or Q5_K group of 32 and 4 a super-block; Q6_K 1 a group of 16
-      and 2 a super-block;
-    * float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 blocks): 2 bytes a group each;
-    * float32 otherwise (matrices made in memory).
-
-    ``bias`` None: the bias is implied, ``-offset * scale`` with ``offset = 2**(bits - 1)`` (Q4_0's
-    ``-8 d``, Q8_0's ``-128 d``, Q6_K's ``-32 d sc``), and not held. Each array has the matrix's
-    rows as its leading axes, so :meth:`map` takes rows, a row block or experts of all at once.
-    """
-
-    def __init__(self, scale: mx.array, bias: mx.array | None, offset: float, scale_codes: mx.array | None = None,
-                 bias_codes: mx.array | None = None) -> None:
-        self.scale = scale  # (..., groups) float32 / float16, or (..., super-blocks) float16 with scale_codes
-        self.bias = bias  # likewise (nd with bias_codes), or None: implied
-        self.offset = offset
-        self.scale_codes = scale_codes  # (..., groups) uint8 / int8, or None
-        self.bias_codes = bias_codes
-
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.scale, self.bias, self.scale_codes, self.bias_codes) if a is not None]
-
-    def map(self, fn: Callable[[mx.array], mx.array]) -> GroupScales:
-        """The same form with ``fn`` (an indexing or a reshape of the leading axes) on each array."""
-        def f(a: mx.array | None) -> mx.array | None:
-            return None if a is None else fn(a)
-
-        return GroupScales(fn(self.scale), f(self.bias), self.offset, f(self.scale_codes), f(self.bias_codes))
-
-    def scales(self) -> mx.array:
-        """The float32 scales ``(..., groups)``."""
-        return widen(self.scale, self.scale_codes)
-
-    def biases(self) -> mx.array | None:
-        """The float32 biases ``(..., groups)``, or None where implied (``-offset * scale``)."""
-        return None if self.bias is None else widen(self.bias, self.bias_codes)
-
-    def pair(self) -> tuple[mx.array, mx.array]:
-        """Scales and biases, an implied bias made, as MLX's quantized products take them."""
-        scales, biases = self.scales(), self.biases()
-        return scales, (scales * -self.offset if biases is None else biases)
-
-
-def widen(base: mx.array, codes: mx.array | None) -> mx.array:
-    """Float32 values a group: ``base`` itself, or ``base`` (one a super-block) times ``codes``
-    (one a group), both exact in float32 (an 11-bit significand times an 8-bit integer)."""
-    if codes is None:
-        return base if base.dtype == mx.float32 else base.astype(mx.float32)
-    *lead, groups = codes.shape
-    blocks = base.shape[-1]
-    per = codes.astype(mx.float32).reshape(*lead, blocks, groups // blocks)
-    return (base.astype(mx.float32)[..., None] * per).reshape(*lead, groups)
-
-
-def _widen_np(base: np.ndarray, codes: np.ndarray | None) -> np.ndarray:
-    """:func:`widen` in NumPy."""
-    if codes is None:
-        return base.astype(np.float32)
-    *lead, groups = codes.shape
-    blocks = base.shape[-1]
-    per = codes.astype(np.float32).reshape(*lead, blocks, groups // blocks)
-    return (base.astype(np.float32)[..., None] * per).reshape(*lead, groups)
-
-
-def _chunk_form(part: QuantizedWeight, offset: float) -> dict[str, np.ndarray | None]:
-    """Rows ``part``'s scales and biases in the smallest exact form (:class:`GroupScales`' fields, NumPy)."""
-    scales, biases = np.asarray(part.scales, np.float32), np.asarray(part.biases, np.float32)
-    implied = np.array_equal(biases, np.float32(-offset) * scales)
-    if part.source_type in KQUANT_BLOCK_BYTES:
-        fields = part.superblocks
-        if fields is None:  # a matrix made in memory: its super-blocks, where its groups are such
-            fields = find_superblocks(part.source_type, scales, biases)
-        if fields is not None:
-            d, dmin, sc, m = fields
-            nd = np.negative(dmin)  # float16: exact
-            if np.array_equal(_widen_np(d, sc), scales) and (implied or np.array_equal(_widen_np(nd, m), biases)):
-                return {"scale": d, "bias": None if implied else nd, "scale_codes": sc,
-                        "bias_codes": None if implied else m}
-    with np.errstate(over="ignore"):
-        s16, b16 = scales.astype(np.float16), biases.astype(np.float16)
-    if np.array_equal(s16.astype(np.float32), scales):
-        if implied:
-            return {"scale": s16, "bias": None, "scale_codes": None, "bias_codes": None}
-        if np.array_equal(b16.astype(np.float32), biases):
-            return {"scale": s16, "bias": b16, "scale_codes": None, "bias_codes": None}
-    return {"scale": scales, "bias": None if implied else biases, "scale_codes": None, "bias_codes": None}
-
-
-class _ScaleStaging:
-    """A matrix's scales and biases as they are made a chunk of rows at a time, in the form of the
-    first chunk (its arrays allocated for all rows then); a chunk in another form turns the whole
-    into float32 with its biases (every form widens to it exactly)."""
-
-    def __init__(self, rows: int, offset: float) -> None:
-        self.rows = rows
-        self.offset = offset
-        self.arrays: dict[str, np.ndarray | None] | None = None
-
-    def add(self, start: int, form: dict[str, np.ndarray | None]) -> None:
-        n = len(form["scale"] if form["scale_codes"] is None else form["scale_codes"])
-        if self.arrays is None:
-            self.arrays = {k: None if v is None else np.empty((self.rows, *v.shape[1:]), v.dtype)
-                           for k, v in form.items()}
-        elif any((a is None) != (form[k] is None) or (a is not None and (a.dtype, a.shape[1:]) !=
-                 (form[k].dtype, form[k].shape[1:])) for k, a in self.arrays.items()):
-            self.arrays = self._as_float(self.arrays, start, self.rows)
-            form = self._as_float(form, n, None)
-        for k, v in form.items():
-            if v is not None:
-                self.arrays[k][start : start + n] = v
-
-    def _as_float(self, form: dict[str, np.ndarray | None], done: int, rows: int | None) -> dict[str, np.ndarray | None]:
-        """``form``'s first ``done`` rows as float32 scales and biases (``rows`` of them allocated,
-        None: as many as ``done``)."""
-        scales = _widen_np(form["scale"][:done], None if form["scale_codes"] is None else form["scale_codes"][:done])
-        biases = (-self.offset * scales if form["bias"] is None else
-                  _widen_np(form["bias"][:done], None if form["bias_codes"] is None else form["bias_codes"][:done]))
-        if rows is None:
-            return {"scale": scales, "bias": biases.astype(np.float32), "scale_codes": None, "bias_codes": None}
-        out = {"scale": np.empty((rows, scales.shape[1]), np.float32), "bias": np.empty((rows, scales.shape[1]), np.float32),
-               "scale_codes": None, "bias_codes": None}
-        out["scale"][:done], out["bias"][:done] = scales, biases
-        return out
-
-    def result(self) -> GroupScales:
-        a = self.arrays
-        assert a is not None, "no rows staged"
-        return GroupScales(mx.array(a["scale"]), None if a["bias"] is None else mx.array(a["bias"]), self.offset,
-                           None if a["scale_codes"] is None else mx.array(a["scale_codes"]),
-                           None if a["bias_codes"] is None else mx.array(a["bias_codes"]))
 
 
 class MLXQuantized:
@@ -382,7 +243,7 @@ def _affine_arrays(w: QuantizedWeight, name: str) -> tuple[np.ndarray, GroupScal
     (:class:`RowStack`), is decoded one chunk at a time, never whole beside its arrays."""
     rows, cols = w.shape
     packed = np.empty((rows, cols * w.bits // 32), np.uint32)
-    staging = _ScaleStaging(rows, float(1 << (w.bits - 1)))
+    staging = ScaleStaging(rows, float(1 << (w.bits - 1)))
     step = max(1, CONVERT_CODES // cols)
     for r in range(0, rows, step):
         part = w.take_rows(slice(r, min(rows, r + step)))
@@ -393,7 +254,7 @@ def _affine_arrays(w: QuantizedWeight, name: str) -> tuple[np.ndarray, GroupScal
                 f"{rows}x{cols} matrix in groups of {w.group}"
             )
         packed[r : r + n] = pack_codes(np.asarray(part.q), w.bits)
-        staging.add(r, _chunk_form(part, staging.offset))
+        staging.add(r, chunk_form(part, staging.offset))
         del part
     w.release_pages()  # the file's pages mapped around the chunks' as they were read
     return packed, staging.result()
