@@ -63,25 +63,16 @@ class GroupScales:
         return scales, (scales * -self.offset if biases is None else biases)
 
 
-def widen(base: mx.array, codes: mx.array | None) -> mx.array:
+def widen(base: mx.array, codes: mx.array | None, float32=mx.float32) -> mx.array:  # noqa: ANN001
     """Float32 values a group: ``base`` itself, or ``base`` (one a super-block) times ``codes``
-    (one a group), both exact in float32 (an 11-bit significand times an 8-bit integer)."""
+    (one a group), both exact in float32 (an 11-bit significand times an 8-bit integer). On MLX
+    arrays, or on NumPy's with ``float32=np.float32``."""
     if codes is None:
-        return base if base.dtype == mx.float32 else base.astype(mx.float32)
+        return base if base.dtype == float32 else base.astype(float32)
     *lead, groups = codes.shape
     blocks = base.shape[-1]
-    per = codes.astype(mx.float32).reshape(*lead, blocks, groups // blocks)
-    return (base.astype(mx.float32)[..., None] * per).reshape(*lead, groups)
-
-
-def _widen_np(base: np.ndarray, codes: np.ndarray | None) -> np.ndarray:
-    """:func:`widen` in NumPy."""
-    if codes is None:
-        return base.astype(np.float32)
-    *lead, groups = codes.shape
-    blocks = base.shape[-1]
-    per = codes.astype(np.float32).reshape(*lead, blocks, groups // blocks)
-    return (base.astype(np.float32)[..., None] * per).reshape(*lead, groups)
+    per = codes.astype(float32).reshape(*lead, blocks, groups // blocks)
+    return (base.astype(float32)[..., None] * per).reshape(*lead, groups)
 
 
 def chunk_form(part: QuantizedWeight, offset: float) -> dict[str, np.ndarray | None]:
@@ -95,7 +86,7 @@ def chunk_form(part: QuantizedWeight, offset: float) -> dict[str, np.ndarray | N
         if fields is not None:
             d, dmin, sc, m = fields
             nd = np.negative(dmin)  # float16: exact
-            if np.array_equal(_widen_np(d, sc), scales) and (implied or np.array_equal(_widen_np(nd, m), biases)):
+            if np.array_equal(widen(d, sc, np.float32), scales) and (implied or np.array_equal(widen(nd, m, np.float32), biases)):
                 return {"scale": d, "bias": None if implied else nd, "scale_codes": sc,
                         "bias_codes": None if implied else m}
     with np.errstate(over="ignore"):
@@ -134,9 +125,11 @@ class ScaleStaging:
     def _as_float(self, form: dict[str, np.ndarray | None], done: int, rows: int | None) -> dict[str, np.ndarray | None]:
         """``form``'s first ``done`` rows as float32 scales and biases (``rows`` of them allocated,
         None: as many as ``done``)."""
-        scales = _widen_np(form["scale"][:done], None if form["scale_codes"] is None else form["scale_codes"][:done])
-        biases = (-self.offset * scales if form["bias"] is None else
-                  _widen_np(form["bias"][:done], None if form["bias_codes"] is None else form["bias_codes"][:done]))
+        def rows_of(name: str) -> np.ndarray | None:
+            return None if form[name] is None else form[name][:done]
+
+        scales = widen(rows_of("scale"), rows_of("scale_codes"), np.float32)
+        biases = -self.offset * scales if form["bias"] is None else widen(rows_of("bias"), rows_of("bias_codes"), np.float32)
         if rows is None:
             return {"scale": scales, "bias": biases.astype(np.float32), "scale_codes": None, "bias_codes": None}
         out = {"scale": np.empty((rows, scales.shape[1]), np.float32), "bias": np.empty((rows, scales.shape[1]), np.float32),
@@ -147,6 +140,4 @@ class ScaleStaging:
     def result(self) -> GroupScales:
         a = self.arrays
         assert a is not None, "no rows staged"
-        return GroupScales(mx.array(a["scale"]), None if a["bias"] is None else mx.array(a["bias"]), self.offset,
-                           None if a["scale_codes"] is None else mx.array(a["scale_codes"]),
-                           None if a["bias_codes"] is None else mx.array(a["bias_codes"]))
+        return GroupScales(offset=self.offset, **{k: None if v is None else mx.array(v) for k, v in a.items()})

@@ -58,13 +58,14 @@ class PlanSwitching:
         model's: the one served by default)."""
         now = time.monotonic()
         rc = self.config.scheduler.resource_reservation
+        planned = spec or self.spec
+        kquant = bool(planned and planned.kquant)  # the planned model's layers pick the timings
         out = []
         for h in self.nodes.values():
             p = h.profile
             backend = self._node_backend(h)
             timing = p.layer_timing.get(backend)
-            planned = spec or self.spec  # its layers' kind picks the timings (K-quant or other blocks)
-            decode_s, prefill_s, ref_bytes = timing.for_model(bool(planned and planned.kquant)) if timing else (0, 0, 0)
+            decode_s, prefill_s, ref_bytes = timing.for_model(kquant) if timing else (0, 0, 0)
             held = sum(held_bytes(s) for s in h.shards)
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
             total = p.ram_total_bytes
