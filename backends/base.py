@@ -54,7 +54,7 @@ class BackendError(RuntimeError):
 
 
 KQUANT_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per 256 weights (backends/kquants.py)
-BLOCK_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF's blocks of 32 read as codes (their bits) and affine groups
+BLOCK_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}  # GGUF's blocks of 32 read as codes (their bits) and affine groups
 FLOAT_BYTES = 4
 """A weight kept in float32: F32, F16 and BF16 matrices, and the GGUF types read by dequantizing
 (gguf's), which no backend keeps as blocks."""
@@ -189,6 +189,7 @@ class QuantizedWeight:
 
     * Q4_0: ``w = d * (q - 8)``            -> bits 4, scale ``d``, bias ``-8 d``
     * Q4_1: ``w = d * q + m``              -> bits 4, scale ``d``, bias ``m``
+    * Q5_0, Q5_1: as Q4_0, Q4_1, 5-bit     -> bits 5, bias ``-16 d`` / ``m``
     * Q8_0: ``w = d * s`` with s signed    -> bits 8, q = s + 128, scale ``d``, bias ``-128 d``
     * Q4_K / Q5_K: sub-blocks of 32        -> bits 4 / 5, scale ``d * sc``, bias ``-dmin * m``
     * Q6_K: groups of 16                   -> bits 6, group 16, scale ``d * sc``, bias ``-32 d sc``

@@ -54,6 +54,12 @@ SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocab, tied
 FAMILY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 FAMILY_WIDTH = (8, 2048, 8192, 32, 8, 32768, True)  # as SHAPES: 8 of Llama-3.2-1B's layers, a 32k vocabulary
 FAMILY_SHAPES = {f"{arch}-{FAMILY_WIDTH[1]}": arch for arch in FAMILY_ARCHS}
+FALLBACK_SHAPES = {  # as SHAPES, in a family: real models whose rows are not whole K-quant super-blocks
+    "qwen2.5-0.5b": ("qwen2", (24, 896, 4864, 14, 2, 151936, True)),
+}
+FALLBACK_TYPES = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+"""What llama.cpp's quantizer writes for a matrix whose rows are not whole super-blocks of 256 (in a
+Q4_K_M file of Qwen2.5-0.5B, width 896, every matrix but ``ffn_down``)."""
 GEMMA3_WINDOW = 512  # Gemma 3 1B's sliding window
 MOE_SHAPES = {  # layers, hidden, heads, kv heads, head_dim, experts, used, expert width, vocab
     # Qwen3-30B-A3B's layers (hidden 2048, 128 experts of width 768, top 8), 4 of its 48; a
@@ -68,24 +74,27 @@ def _more_bits(layer: int, n_layers: int) -> bool:
 
 
 def shape_names() -> list[str]:
-    return [*SHAPES, *MOE_SHAPES, *FAMILY_SHAPES]
+    return [*SHAPES, *MOE_SHAPES, *FAMILY_SHAPES, *FALLBACK_SHAPES]
 
 
 def model_path(cache: Path, shape: str) -> Path:
     if shape in FAMILY_SHAPES:
         return cache / f"random-{shape}x{FAMILY_WIDTH[0]}-Q4_K_M.gguf"
+    if shape in FALLBACK_SHAPES:
+        return cache / f"random-{shape}-Q4_K_M.gguf"
     arch = "qwen3moe" if shape in MOE_SHAPES else "llama"
     return cache / f"random-{arch}-{shape}-Q4_K_M.gguf"
 
 
 def write_model(path: Path, shape: str) -> Path:
     """The random Q4_K_M file of ``shape`` (a dense llama of :data:`SHAPES`, a qwen3moe of
-    :data:`MOE_SHAPES` or a family of :data:`FAMILY_SHAPES`; written once, an existing file is kept)."""
+    :data:`MOE_SHAPES` or a family of :data:`FAMILY_SHAPES` or :data:`FALLBACK_SHAPES`; written once,
+    an existing file is kept)."""
     import gguf
 
     if path.exists():
         return path
-    if shape in FAMILY_SHAPES:
+    if shape in FAMILY_SHAPES or shape in FALLBACK_SHAPES:
         _write_family(path, shape)
         return path
     if shape in MOE_SHAPES:
@@ -133,12 +142,12 @@ def write_model(path: Path, shape: str) -> Path:
 
 
 def _write_family(path: Path, shape: str) -> None:
-    """:data:`FAMILY_WIDTH`'s dense model in the family ``FAMILY_SHAPES[shape]``: llama's tensors
-    and metadata plus the family's own, as llama.cpp's converter writes them."""
+    """:data:`FAMILY_WIDTH`'s dense model in the family ``FAMILY_SHAPES[shape]`` (or a model of
+    :data:`FALLBACK_SHAPES`): llama's tensors and metadata plus the family's own, as llama.cpp's
+    converter writes them. A tied embedding is the head, which Q4_K_M makes Q6_K."""
     import gguf
 
-    arch = FAMILY_SHAPES[shape]
-    n_layers, hidden, ffn, heads, kv_heads, vocab, _tied = FAMILY_WIDTH
+    arch, (n_layers, hidden, ffn, heads, kv_heads, vocab, tied) = FALLBACK_SHAPES.get(shape, (FAMILY_SHAPES.get(shape), FAMILY_WIDTH))
     head_dim = hidden // heads
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
     fields: dict[str, int | float] = {
@@ -147,7 +156,8 @@ def _write_family(path: Path, shape: str) -> None:
         "vocab_size": vocab}
     if arch == "gemma3":  # windowed layers (every 6th global, llama.cpp's default) with their own rotary base
         fields |= {"attention.sliding_window": GEMMA3_WINDOW, "rope.freq_base_swa": 10000.0}
-    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, hidden), "Q4_K")]
+    embed = "Q6_K" if tied and shape in FALLBACK_SHAPES else "Q4_K"
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, hidden), embed)]
     for i in range(n_layers):
         more = _more_bits(i, n_layers)
         b = f"blk.{i}."
@@ -180,11 +190,14 @@ def _write(path: Path, arch: str, name: str, fields: dict[str, int | float],
            plan: list[tuple[str, tuple[int, ...], str]], vocab: int, file_type: int) -> None:
     """A GGUF of ``arch`` with the metadata ``fields`` (keys after ``arch.``; ints as uint32, floats
     as float32) and the tensors of ``plan`` (name, dims, type: F32 vectors and matrices, random
-    K-quant blocks for matrices and stacks of matrices), a byte-level vocabulary of ``vocab`` tokens."""
+    K-quant blocks for matrices and stacks of matrices, or llama.cpp's fallback type for them where
+    the rows are not whole super-blocks: :data:`FALLBACK_TYPES`), a byte-level vocabulary of
+    ``vocab`` tokens."""
     import gguf
 
-    from backends.base import KQUANT_BLOCK_BYTES
     from tests.factory import CHAT_TEMPLATE, random_kquant_blocks, tiny_vocab
+
+    plan = [(n, dims, FALLBACK_TYPES.get(kind, kind) if dims[-1] % 256 else kind) for n, dims, kind in plan]
 
     rng = np.random.default_rng(0)
     tokens, types, merges = tiny_vocab()
@@ -215,9 +228,10 @@ def _write(path: Path, arch: str, name: str, fields: dict[str, int | float],
             w.add_tensor_info(name_, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
             *lead, cols = dims
-            nbytes = int(np.prod(lead)) * cols // 256 * KQUANT_BLOCK_BYTES[kind]
-            w.add_tensor_info(name_, (*lead, cols // 256 * KQUANT_BLOCK_BYTES[kind]), np.dtype(np.uint8), nbytes,
-                              raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            w.add_tensor_info(name_, (*lead, cols // block * size), np.dtype(np.uint8),
+                              int(np.prod(lead)) * cols // block * size, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -234,10 +248,21 @@ def _write(path: Path, arch: str, name: str, fields: dict[str, int | float],
             rows = int(np.prod(lead))
             std = 1.0 if name_ == "token_embd.weight" else 1.0 / np.sqrt(cols)
             # a few thousand rows at a time in memory (the largest, the 8B's head: 431 MB of Q6_K blocks)
-            pieces = [random_kquant_blocks(rng, min(4096, rows - a), cols, kind, std) for a in range(0, rows, 4096)]
+            blocks = random_kquant_blocks if kind.endswith("_K") else _random_legacy_blocks
+            pieces = [blocks(rng, min(4096, rows - a), cols, kind, std) for a in range(0, rows, 4096)]
             w.write_tensor_data(np.concatenate(pieces).reshape(*lead, -1))
     w.close()
     tmp.rename(path)
+
+
+def _random_legacy_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str, std: float) -> np.ndarray:
+    """Random Q5_0 or Q8_0 blocks of 32 (random codes, a float16 scale that spreads the weights
+    about ``std`` around 0), as uint8 rows."""
+    spread = {"Q5_0": 9.2, "Q8_0": 73.9}[type_name]  # the std of uniform codes less their offset
+    nb = cols // 32
+    d = np.frombuffer(np.full((rows, nb), std / spread, np.float16).tobytes(), np.uint8).reshape(rows, nb, 2)
+    codes = rng.integers(0, 256, (rows, nb, 20 if type_name == "Q5_0" else 32), dtype=np.uint8)
+    return np.concatenate([d, codes], axis=2).reshape(rows, -1)
 
 
 def _engine_child(engine: str, path: str, threads: int, prompt: int, tokens: int) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from tests.factory import write_tiny_llama
 
-WEIGHT_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+WEIGHT_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 @pytest.fixture(scope="session")

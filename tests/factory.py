@@ -55,7 +55,7 @@ def write_tiny_llama(
     strings: dict[str, str] | None = None,
     split_max_tensors: int = 0,
 ) -> Path:
-    """Write a random llama model; matrices in ``weight_type`` (F32, F16, Q8_0, Q4_0, Q4_1).
+    """Write a random llama model; matrices in ``weight_type`` (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, or a K-quant).
     ``sampling``: recommended sampling fields, e.g. ``{"general.sampling.temp": 0.0}`` (any
     int/float metadata, in fact). ``arch``: the ``general.architecture`` written (the keys follow
     it); ``extra_tensors``: more float32 tensors by name (to make files exo-tui must refuse).

@@ -25,7 +25,8 @@ from backends.base import (
 from backends.kquants import CODE_BITS
 from backends.kquants import GROUP as KQUANT_GROUP
 
-SCALE_BYTES = {"Q4_0": (2, 0), "Q8_0": (2, 0), "Q4_1": (4, 0), "Q4_K": (2, 4), "Q5_K": (2, 4), "Q6_K": (1, 2)}
+SCALE_BYTES = {"Q4_0": (2, 0), "Q5_0": (2, 0), "Q8_0": (2, 0), "Q4_1": (4, 0), "Q5_1": (4, 0),
+               "Q4_K": (2, 4), "Q5_K": (2, 4), "Q6_K": (1, 2)}
 """The bytes a quantized type's scales and biases take on MLX: a group's, a super-block's of 256."""
 MAX_DEFAULT_THREADS = 8
 """The default thread count stops here: past it each matmul's parts get too small to pay off."""
@@ -46,8 +47,8 @@ class MLXBackend(Backend):
     @classmethod
     def held_nbytes(cls, type_name: str, shape: tuple[int, ...], *, embedding: bool = False) -> int:
         """The codes packed at their bits and each group's scale and bias in the file's own form
-        (``scales.GroupScales``): Q4_0 and Q8_0 a float16 scale a group of 32 (the bias implied),
-        Q4_1 a float16 scale and bias; Q4_K and Q5_K an integer scale and min a group of 32 and
+        (``scales.GroupScales``): Q4_0, Q5_0 and Q8_0 a float16 scale a group of 32 (the bias
+        implied), Q4_1 and Q5_1 a float16 scale and bias; Q4_K and Q5_K an integer scale and min a group of 32 and
         ``d``, ``dmin`` (float16) a super-block of 256, Q6_K an integer scale a group of 16 and ``d``:
         the file's bytes, Q4_K and Q5_K 1.03x and 1.02x (the 6-bit scales and mins in a byte each);
         float32 otherwise. The embedding is the same arrays, which a tied head shares."""

@@ -13,10 +13,11 @@ significand times a 6-bit integer. Float32 ones, made once, held Q4_K at 0.75 by
 
 How each format runs, and what it holds resident (bytes per weight; the GGUF file's in brackets):
 
-* groups of 32, 64 or 128 (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K): :class:`MLXQuantized`,
+* groups of 32, 64 or 128 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K): :class:`MLXQuantized`,
   ``mx.quantized_matmul`` on the packed codes, its float32 scales and biases made from the held
-  form first: Q4_0 0.5625 (0.5625), Q4_1 0.625 (0.625), Q8_0 1.0625 (1.0625), Q4_K 0.578
-  (0.5625), Q5_K 0.703 (0.6875): the K-quants' 6-bit scales and mins take a byte each. On MLX's
+  form first: Q4_0 0.5625 (0.5625), Q4_1 0.625 (0.625), Q5_0 0.6875 (0.6875), Q5_1 0.75 (0.75),
+  Q8_0 1.0625 (1.0625), Q4_K 0.578 (0.5625), Q5_K 0.703 (0.6875): the K-quants' 6-bit scales and
+  mins take a byte each. On MLX's
   CPU build making them costs a one-row product ~7 % (14336 x 4096: 40.2 against 37.4 ms) and a
   128-row one nothing measurable; decode of a 1B Q4_K_M shard was no slower (1.46-1.62 against
   1.27-1.50 tok/s, 2 threads, alternated). On a GPU, where a one-row product is bound by the

@@ -23,12 +23,14 @@ class GroupScales:
       (``-dmin``) float16 a super-block of 256 and ``sc``, ``m`` integers a group (6-bit, Q6_K's
       ``sc`` int8): 2 bytes a Q4_K or Q5_K group of 32 and 4 a super-block; Q6_K 1 a group of 16
       and 2 a super-block;
-    * float16 where every value is one (GGUF's Q4_0, Q4_1 and Q8_0 blocks): 2 bytes a group each;
+    * float16 where every value is one (GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks): 2 bytes a
+      group each;
     * float32 otherwise (matrices made in memory).
 
     ``bias`` None: the bias is implied, ``-offset * scale`` with ``offset = 2**(bits - 1)`` (Q4_0's
-    ``-8 d``, Q8_0's ``-128 d``, Q6_K's ``-32 d sc``), and not held. Each array has the matrix's
-    rows as its leading axes, so :meth:`map` takes rows, a row block or experts of all at once.
+    ``-8 d``, Q5_0's ``-16 d``, Q8_0's ``-128 d``, Q6_K's ``-32 d sc``), and not held. Each array
+    has the matrix's rows as its leading axes, so :meth:`map` takes rows, a row block or experts of
+    all at once.
     """
 
     def __init__(self, scale: mx.array, bias: mx.array | None, offset: float, scale_codes: mx.array | None = None,

@@ -40,7 +40,7 @@ OLLAMA_REGISTRY = "registry.ollama.ai"
 SOURCES = ("registry", "config", "ollama", "lmstudio", "huggingface")
 CACHE_VERSION = 1
 # Tensor types the runtime keeps as blocks, or reads as floats; others must be ones gguf dequantizes.
-_DIRECT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"})
+_DIRECT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 _SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 _MAX_FIELD_CHARS = 65536  # metadata strings kept for /api/show (a chat template fits)
 

@@ -41,7 +41,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo
            "held_nbytes", "lazy_shard", "load_pieces", "shard_load_peak", "tensor_from_raw"]
 # Block formats kept quantized (affine blocks of 32; the K-quants' groups through backends/kquants.py);
 # other types are dequantized at load.
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 
 
 
@@ -468,7 +468,11 @@ def _dense_vector(w: Weight) -> np.ndarray:
 
 
 def unpack_blocks(rows: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QuantizedWeight:
-    """GGUF Q4_0 / Q4_1 / Q8_0 byte rows ``(rows, nblocks * block_bytes)`` as affine codes."""
+    """GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 byte rows ``(rows, nblocks * block_bytes)`` as affine
+    codes. A block is its float16 scale ``d`` (Q4_1 and Q5_1: then a float16 bias ``m``), for the
+    5-bit types a little-endian 32-bit word of the codes' fifth bits (bit ``j`` code ``j``), then the
+    codes: Q8_0's 32 signed bytes, or 16 bytes whose low nibbles are codes 0-15 and high nibbles
+    16-31. Q4_0 and Q5_0 are ``d * (q - 8)`` and ``d * (q - 16)``, Q8_0 ``d * (q - 128)`` as unsigned codes."""
     n_rows = rows.shape[0]
     cols = int(np.prod(shape[1:])) if len(shape) > 1 else int(shape[0])
     if len(shape) == 1:
@@ -478,19 +482,27 @@ def unpack_blocks(rows: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Q
     d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
     if type_name == "Q8_0":
         q = (blocks[:, :, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        bias = -128.0 * d
-        bits = 8
-    else:
-        if type_name == "Q4_1":
-            bias = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
-            qs = blocks[:, :, 4:20]
-        else:  # Q4_0
-            bias = -8.0 * d
-            qs = blocks[:, :, 2:18]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
-        bits = 4
+        return _block_weight(q, d, -128.0 * d, 8, type_name, n_rows, cols)
+    shifted = type_name in ("Q4_1", "Q5_1")  # a bias of its own after d
+    at = 4 if shifted else 2
+    bias = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32) if shifted else None
+    bits = 5 if type_name in ("Q5_0", "Q5_1") else 4
+    if bits == 5:
+        high = np.unpackbits(blocks[:, :, at : at + 4], axis=2, bitorder="little")  # (rows, blocks, 32): code j's bit 4
+        at += 4
+    qs = blocks[:, :, at : at + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+    if bits == 5:
+        q |= high << 4
+    if bias is None:
+        bias = -float(1 << (bits - 1)) * d
+    return _block_weight(q, d, bias, bits, type_name, n_rows, cols)
+
+
+def _block_weight(q: np.ndarray, d: np.ndarray, bias: np.ndarray, bits: int, type_name: str, rows: int,
+                  cols: int) -> QuantizedWeight:
     return QuantizedWeight(
-        q=np.ascontiguousarray(q.reshape(n_rows, cols)),
+        q=np.ascontiguousarray(q.reshape(rows, cols)),
         scales=np.ascontiguousarray(d),
         biases=np.ascontiguousarray(bias.astype(np.float32)),
         bits=bits,
@@ -507,6 +519,7 @@ def _dequantize_other(raw: np.ndarray, qtype: Any, info: TensorInfo) -> np.ndarr
     except NotImplementedError as exc:
         raise ModelFileError(
             f"tensor {info.name} has type {info.type_name}, which exo-tui cannot read: "
-            "use a GGUF quantized as F32, F16, Q8_0, Q4_0 or Q4_1 (or another type gguf can dequantize)"
+            "use a GGUF quantized as F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (or another "
+            "type gguf can dequantize)"
         ) from exc
     return np.asarray(values, dtype=np.float32).reshape(info.shape)

@@ -26,7 +26,7 @@ from tests.factory import write_tiny_llama
 N_LAYERS = 3
 RANGES = [(0, N_LAYERS), (0, 1), (1, N_LAYERS), (1, 2)]
 TYPES = [("Q4_K", "Q6_K", True), ("Q5_K", "Q4_K", False), ("Q6_K", "Q8_0", True), ("Q4_0", "Q4_0", False),
-         ("Q4_1", "Q5_K", True), ("Q8_0", "Q6_K", False)]
+         ("Q4_1", "Q5_K", True), ("Q8_0", "Q6_K", False), ("Q5_0", "Q5_1", False), ("Q5_1", "Q5_0", True)]
 GB = 1e9
 FAMILIES = Path(__file__).parent.parent / "fixtures" / "families"
 

@@ -13,6 +13,7 @@ from backends.base import QuantizedWeight, dense
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, tensor_from_raw
 from exo_tui.models.gguf_header import GGUFFormatError, GGUFHeader
 from exo_tui.models.registry import resolve_model
+from tests.conftest import WEIGHT_TYPES
 from tests.factory import write_tiny_llama
 
 
@@ -30,7 +31,7 @@ def test_loads_only_the_requested_layers(tiny_models: dict[str, Path]) -> None:
     assert isinstance(mid.layers[0].wq, QuantizedWeight) and mid.layers[0].wq.source_type == "Q4_1"
 
 
-@pytest.mark.parametrize("wt", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("wt", WEIGHT_TYPES)
 def test_weights_equal_gguf_dequantization(tiny_models: dict[str, Path], wt: str) -> None:
     """Quantized blocks unpack to exactly what gguf's own dequantizer gives."""
     model = GGUFModel(tiny_models[wt])
@@ -39,7 +40,7 @@ def test_weights_equal_gguf_dequantization(tiny_models: dict[str, Path], wt: str
     assert np.array_equal(dense(model.tensor(t.name)), expected.astype(np.float32))
 
 
-@pytest.mark.parametrize("wt", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("wt", WEIGHT_TYPES)
 def test_the_header_reads_as_ggufs_own_reader_does(tiny_models: dict[str, Path], wt: str) -> None:
     """Every metadata value and every tensor's place, type and bytes, as gguf's GGUFReader has them."""
     header = GGUFHeader(tiny_models[wt])
