@@ -54,7 +54,7 @@ class BackendError(RuntimeError):
 
 
 KQUANT_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per 256 weights (backends/kquants.py)
-BLOCK_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF's blocks of 32 read as codes (their bits) and affine groups
+BLOCK_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}  # GGUF's blocks of 32 read as codes (their bits) and affine groups
 FLOAT_BYTES = 4
 """A weight kept in float32: F32, F16 and BF16 matrices, and the GGUF types read by dequantizing
 (gguf's), which no backend keeps as blocks."""
@@ -242,7 +242,7 @@ class QuantizedWeight:
         them, so a backend runs the matrix the way it runs a model's (ONNX's kernel takes only
         such blocks: a float32-scaled benchmark once timed its slower fallback instead)."""
         q = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
-        scales = rng.random((rows, cols // 32)) * (0.1 if bits == 4 else 0.006)
+        scales = rng.random((rows, cols // 32)) * {4: 0.1, 5: 0.05}.get(bits, 0.006)  # the top code about 1.5 over the bias
         biases = -rng.random((rows, cols // 32))
         if half:
             scales, biases = scales.astype(np.float16), biases.astype(np.float16)

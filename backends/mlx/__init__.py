@@ -25,7 +25,7 @@ from backends.base import (
 from backends.kquants import CODE_BITS
 from backends.kquants import GROUP as KQUANT_GROUP
 
-SCALE_BYTES = {"Q4_0": (2, 0), "Q8_0": (2, 0), "Q4_1": (4, 0), "Q4_K": (2, 4), "Q5_K": (2, 4), "Q6_K": (1, 2)}
+SCALE_BYTES = {"Q4_0": (2, 0), "Q5_0": (2, 0), "Q8_0": (2, 0), "Q4_1": (4, 0), "Q5_1": (4, 0), "Q4_K": (2, 4), "Q5_K": (2, 4), "Q6_K": (1, 2)}
 """The bytes a quantized type's scales and biases take on MLX: a group's, a super-block's of 256."""
 MAX_DEFAULT_THREADS = 8
 """The default thread count stops here: past it each matmul's parts get too small to pay off."""
