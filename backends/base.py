@@ -243,7 +243,7 @@ class QuantizedWeight:
         them, so a backend runs the matrix the way it runs a model's (ONNX's kernel takes only
         such blocks: a float32-scaled benchmark once timed its slower fallback instead)."""
         q = rng.integers(0, 2**bits, (rows, cols), dtype=np.uint8)
-        scales = rng.random((rows, cols // 32)) * (0.1 if bits == 4 else 0.006)
+        scales = rng.random((rows, cols // 32)) * {4: 0.1, 5: 0.05}.get(bits, 0.006)  # the top code about 1.5 over the bias
         biases = -rng.random((rows, cols // 32))
         if half:
             scales, biases = scales.astype(np.float16), biases.astype(np.float16)

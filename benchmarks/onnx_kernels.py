@@ -8,14 +8,15 @@ which stays meaningful when other work shares the machine; then, for each ``--ro
 time of one batched decode step of that many requests (each with a 64-token context): what
 batching concurrent streams costs a node.
 
-    .venv/bin/python benchmarks/onnx_kernels.py --matmul 4096x4096 [--threads 1 2] [--matmul-rows 64]
+    .venv/bin/python benchmarks/onnx_kernels.py --matmul 4096x4096 [--threads 1 2] [--matmul-rows 64] [--formats Q4_0 Q5_0]
 
 times instead one matrix of that shape (N x K) per decode step (one row), in each block format
-the kernel runs (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): on ``QLinear`` at each precision and on
-``MatMulNBits`` (what runs without the kernel), with the bytes each reads per step (the matrix's
-own arrays; MatMulNBits' correction also multiplies a block-indicator matrix shared by all layers,
-not counted) against the file's. ``--matmul-rows 64`` times runs of 64 rows instead (a prompt's
-product) and adds each precision's GFLOP/s.
+the kernel runs (``--formats``: by default Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K; Q4_0 and Q5_1
+too), on ``QLinear`` at each precision and on ``MatMulNBits`` (what runs without the kernel),
+with the bytes each reads per step (the matrix's own arrays; MatMulNBits' correction also
+multiplies a block-indicator matrix shared by all layers, not counted) against the file's.
+``--matmul-rows 64`` times runs of 64 rows instead (a prompt's product) and adds each
+precision's GFLOP/s.
 """
 
 from __future__ import annotations
@@ -88,17 +89,23 @@ def batched_steps(shard: Shard, rows: list[int], context: int = 64, repeats: int
     return out
 
 
-FORMATS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FORMATS = ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def random_matrix(rng: np.random.Generator, n: int, k: int, fmt: str):
     """A random ``n x k`` matrix in GGUF block format ``fmt``, as the reader gives it."""
-    from backends.base import QuantizedWeight
     from backends.onnx import kernels
 
-    if fmt in kernels.KQUANT:
-        return kernels.random_kquant(rng, n, k, fmt)
-    return QuantizedWeight.random(rng, n, k, 8 if fmt == "Q8_0" else 4)
+    return (kernels.random_kquant if fmt in kernels.KQUANT else kernels.random_legacy)(rng, n, k, fmt)
+
+
+def file_bytes(fmt: str, weights: int) -> int:
+    """The bytes ``weights`` weights of GGUF block format ``fmt`` take in a file (Q5_0's 22 a block
+    of 32 against Q5_1's 24: no bias of its own, where a matrix in memory holds one)."""
+    import gguf
+
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]]
+    return weights // block * type_size
 
 
 def matmul_session(w, threads: int, kernel: bool, xbits: int = 0):
@@ -187,7 +194,7 @@ def matmul_table(shapes: list[str], threads: list[int], formats: tuple[str, ...]
                 assert "MatMulNBits" in used, used
                 mnb = step_ms(mnb_session, k, repeats, rows)
                 base = ql[0] if f == "Q4_1" else base
-                row = f"{f:<7}{w.nbytes * per:>9.3f}{ql_bytes * per:>12.3f}{mnb_bytes * per:>16.3f}"
+                row = f"{f:<7}{file_bytes(f, n * k) * per:>9.3f}{ql_bytes * per:>12.3f}{mnb_bytes * per:>16.3f}"
                 row += "".join(f"{ql[x]:>16.3f}" for x in xbits_list)
                 ratio = f"{ql[0] / base:>17.2f}" if base else f"{'':>17}"
                 gflops = "".join(f"{2 * rows * n * k / (ql[x] * 1e6):>21.1f}" for x in xbits_list) if rows > 1 else ""
@@ -208,9 +215,12 @@ def main() -> None:
                     help="time one N x K matrix per decode step in each block format instead of the model")
     ap.add_argument("--matmul-rows", type=int, default=1, metavar="M",
                     help="--matmul: runs of M rows (a prompt's product) instead of one, with GFLOP/s")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS),
+                    choices=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
+                    help="--matmul: the block formats to time")
     args = ap.parse_args()
     if args.matmul:
-        matmul_table(args.matmul, args.threads, rows=args.matmul_rows)
+        matmul_table(args.matmul, args.threads, tuple(args.formats), rows=args.matmul_rows)
         return
     model = GGUFModel(resolve_model())
     config = model.config

@@ -115,9 +115,10 @@ class ONNXBackend(Backend):
     def held_nbytes(cls, type_name: str, shape: tuple[int, ...], *, embedding: bool = False) -> int:
         """``QLinear``'s tiles of a matrix (``kernels.tiles.packed_nbytes``: Q4_K 148 bytes a 256
         weights against the file's 144, Q5_K 180 / 176, Q6_K 210 / 210, Q4_0 and Q4_1 20 a 32,
-        Q8_0 36 / 34), the embedding's compact rows (``weights.embedding_nbytes``), float32
-        otherwise. Counted as the kernel holds them: where it cannot be built (no C compiler),
-        ``MatMulNBits``' forms hold a float32 scale and correction a group of 32 more."""
+        Q5_0 and Q5_1 24 / 22 and 24, Q8_0 36 / 34), the embedding's compact rows
+        (``weights.embedding_nbytes``), float32 otherwise. Counted as the kernel holds them: where
+        it cannot be built (no C compiler), ``MatMulNBits``' forms hold a float32 scale and
+        correction a group of 32 more."""
         from backends.onnx.kernels.tiles import packed_nbytes
         from backends.onnx.weights import embedding_nbytes
 

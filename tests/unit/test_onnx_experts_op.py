@@ -18,7 +18,7 @@ from tests.unit.test_family_logits import assert_as_close_as_llama_cpp
 from tests.unit.test_onnx_kernel import library  # noqa: F401 - the fixture
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "families"
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
 
 
 def precisions(lib) -> list[int]:

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 
-from backends.base import BackendError, QuantizedWeight
+from backends.base import BLOCK_TYPES, BackendError, QuantizedWeight
 from backends.kquants import GROUP, decode
 from backends.onnx import kernels
 from tests.factory import random_kquant_blocks
@@ -20,6 +20,7 @@ from tests.reference import ReferenceShard
 from tests.unit.test_onnx_backend import PROMPT, close, load
 
 KQUANTS = list(kernels.KQUANT)
+LEGACY = list(BLOCK_TYPES)  # GGUF's blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 
 def stacked(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -58,12 +59,14 @@ def library() -> kernels.Library:
     return lib
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_kernel_is_float32_math_on_the_dequantized_matrix(library: kernels.Library, bits: int) -> None:
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_the_kernel_is_float32_math_on_the_dequantized_matrix(library: kernels.Library, type_name: str) -> None:
     rng = np.random.default_rng(1)
-    a, b = QuantizedWeight.random(rng, 40, 576, bits), QuantizedWeight.random(rng, 3032, 576, bits)
+    a, b = kernels.random_legacy(rng, 40, 576, type_name), kernels.random_legacy(rng, 3032, 576, type_name)
+    bits = BLOCK_TYPES[type_name]
+    assert kernels.kernel_format(a) == f"Q{bits}" and kernels.op_attributes(a) == {"bits": bits}
     blob = kernels.pack([a, b])  # two stacked, N not a multiple of 32
-    assert blob.shape == (96, 18, 640 if bits == 4 else 1152) and blob.dtype == np.uint8
+    assert blob.shape == (96, 18, kernels.TILE_BLOCK_BYTES[bits]) and blob.dtype == np.uint8
     w = np.concatenate([a.dequantize(), b.dequantize()]).astype(np.float64)
     for m in (1, 2, 7, 8, 9, 33):
         x = rng.standard_normal((m, 576)).astype(np.float32)
@@ -109,6 +112,20 @@ def test_kquant_tiles_stay_near_the_files_bytes(type_name: str) -> None:
         assert blob.nbytes / w.nbytes == pytest.approx(ratio, abs=0.01), xbits
 
 
+@pytest.mark.parametrize("type_name", LEGACY)
+def test_blocks_of_32_take_their_tile_bytes(type_name: str) -> None:
+    """What a node holds for a matrix of GGUF's blocks of 32 on the kernel, at every precision: a
+    float16 scale and bias beside the codes, 5-bit codes' bit 4 in a plane (Q4_0 and Q4_1 0.625
+    bytes a weight, the file's 0.5625 and 0.625; Q5_0 and Q5_1 0.75, the file's 0.6875 and 0.75;
+    Q8_0 1.125, the file's 1.0625), as ``packed_nbytes`` counts it."""
+    rng = np.random.default_rng(17)
+    w = kernels.random_legacy(rng, 256, 2048, type_name)
+    per_weight = {4: 0.625, 5: 0.75, 8: 1.125}[BLOCK_TYPES[type_name]]
+    for xbits in (0, 16, 8):
+        blob = kernels.pack([w], xbits)
+        assert blob.nbytes == 256 * 2048 * per_weight == kernels.tiles.packed_nbytes(type_name, 256, 2048), xbits
+
+
 @pytest.mark.parametrize("type_name", KQUANTS)
 @pytest.mark.parametrize(("xbits", "near"), [(16, (1e-7, 1e-3)), (8, (1e-4, 0.05))])
 def test_kquants_at_the_integer_precisions(integer_library: kernels.Library, type_name: str, xbits: int,
@@ -149,11 +166,13 @@ def test_a_rows_numbers_do_not_depend_on_its_batch(library: kernels.Library) -> 
     """Each row is reduced in the same order whatever the number of rows: a request's logits are
     the same bits decoded alone or beside others."""
     rng = np.random.default_rng(2)
-    blob = kernels.pack([QuantizedWeight.random(rng, 300, 1536, 4)])
-    x = rng.standard_normal((13, 1536)).astype(np.float32)
-    together = kernels.run_in_session(library.path, x, blob, 4, 300)
-    for i in (0, 7, 12):
-        assert np.array_equal(kernels.run_in_session(library.path, x[i : i + 1], blob, 4, 300)[0], together[i])
+    for bits in (4, 5, 8):
+        blob = kernels.pack([QuantizedWeight.random(rng, 300, 1536, bits)])
+        x = rng.standard_normal((13, 1536)).astype(np.float32)
+        together = kernels.run_in_session(library.path, x, blob, bits, 300)
+        for i in (0, 7, 12):
+            alone = kernels.run_in_session(library.path, x[i : i + 1], blob, bits, 300)[0]
+            assert np.array_equal(alone, together[i]), (bits, i)
 
 
 @pytest.fixture(scope="module")
@@ -163,20 +182,20 @@ def integer_library(library: kernels.Library) -> kernels.Library:
     return library
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("type_name", LEGACY)
 @pytest.mark.parametrize(("xbits", "near"), [(16, (1e-7, 1e-3)), (8, (1e-4, 0.05))])
 def test_the_integer_precisions_are_integer_products_of_rounded_rows(
-    integer_library: kernels.Library, bits: int, xbits: int, near: tuple[float, float]
+    integer_library: kernels.Library, type_name: str, xbits: int, near: tuple[float, float]
 ) -> None:
     """Each block of a row rounded to int16 or int8 (as llama.cpp's Q8_0) with one scale: the
     kernel agrees with that computed in float64, and is near (not equal to) the float32 result,
     int16 about 256 times nearer than int8."""
     rng = np.random.default_rng(5)
-    a, b = QuantizedWeight.random(rng, 40, 576, bits), QuantizedWeight.random(rng, 3032, 576, bits)
+    a, b = kernels.random_legacy(rng, 40, 576, type_name), kernels.random_legacy(rng, 3032, 576, type_name)
+    bits = BLOCK_TYPES[type_name]
     blob = kernels.pack([a, b], xbits)
-    assert blob.shape == (96, 18, 640 if bits == 4 else 1152)
-    both = QuantizedWeight(np.concatenate([a.q, b.q]), np.concatenate([a.scales, b.scales]),
-                                   np.concatenate([a.biases, b.biases]), bits=bits)
+    assert blob.shape == (96, 18, kernels.TILE_BLOCK_BYTES[bits])
+    both = stacked([a, b])
     for m in (1, 3, 4, 5, 17):
         x = rng.standard_normal((m, 576)).astype(np.float32)
         x[0, :32] = 0.0  # a block of zeros has scale 0
@@ -191,7 +210,7 @@ def test_the_integer_precisions_are_integer_products_of_rounded_rows(
 @pytest.mark.parametrize("xbits", [16, 8])
 def test_integer_rows_do_not_depend_on_their_batch_either(integer_library: kernels.Library, xbits: int) -> None:
     rng = np.random.default_rng(6)
-    for bits in (4, 8):
+    for bits in (4, 5, 8):
         blob = kernels.pack([QuantizedWeight.random(rng, 300, 1536, bits)], xbits)
         x = rng.standard_normal((37, 1536)).astype(np.float32)  # 16 rows or more are quantized in parallel
         together = kernels.run_in_session(integer_library.path, x, blob, bits, 300, xbits)
@@ -333,7 +352,7 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
     assert lib.exo_qlinear_isa().decode() == isa
     assert lib.exo_qlinear_integer() == (isa == "avx2")  # AVX2's pair sums (or AVX-512 VNNI); plain C has none
     rng = np.random.default_rng(4)
-    for bits in (4, 8):
+    for bits in (4, 5, 8):
         w = QuantizedWeight.random(rng, 70, 320, bits)
         blob = kernels.pack([w])
         x = rng.standard_normal((11, 320)).astype(np.float32)
@@ -370,7 +389,7 @@ def test_the_other_instruction_sets_agree_too(tmp_path, isa: str) -> None:
                 assert np.array_equal(kernels.call(lib, x[i : i + 1], blob, n=70, xbits=xbits, **attrs)[0], got[i])
             if vnni is not None:
                 assert np.array_equal(kernels.call(vnni, x, blob, n=70, xbits=xbits, **attrs), got), (type_name, xbits)
-        for bits, xbits in ((4, 16), (8, 16), (4, 8), (8, 8)):
+        for bits, xbits in itertools.product((4, 5, 8), (16, 8)):
             w = QuantizedWeight.random(rng, 70, 320, bits)
             blob = kernels.pack([w], xbits)
             x = rng.standard_normal((11, 320)).astype(np.float32)
@@ -405,6 +424,9 @@ def test_only_blocks_of_32_with_half_precision_scales_take_the_kernel() -> None:
     rng = np.random.default_rng(3)
     w = QuantizedWeight.random(rng, 8, 64, 4)
     assert kernels.runs_on_kernel(w) and kernels.runs_on_kernel(QuantizedWeight.random(rng, 8, 64, 8))
+    five = QuantizedWeight.random(rng, 8, 64, 5)  # Q5_0's and Q5_1's blocks
+    assert kernels.kernel_format(five) == "Q5" and kernels.runs_on_kernel(dataclasses.replace(five, source_type="Q5_0"))
+    assert not kernels.runs_on_kernel(QuantizedWeight.random(rng, 8, 64, 5, half=False))  # float32 scales
     assert not kernels.runs_on_kernel(QuantizedWeight(w.q, w.scales * np.float32(1.0001), w.biases, bits=4))
     assert not kernels.runs_on_kernel(QuantizedWeight(w.q[:, :48], w.scales[:, :3], w.biases[:, :3], bits=4, group=16))
     assert not kernels.runs_on_kernel(np.zeros((8, 64), np.float32))
@@ -469,9 +491,13 @@ def test_a_q4_k_m_model_runs_every_matrix_on_the_kernel(library: kernels.Library
             shard.close()
 
 
-def test_a_build_that_gets_a_kquant_wrong_is_not_used(tmp_path) -> None:
-    """The check before use covers the K-quant formats: a build whose Q6_K biases are off (-31 d sc
-    for -32 d sc, a real build of changed source) is refused, the reason naming the format."""
+@pytest.mark.parametrize(("change", "reason"), [
+    (("-32.0f", "-31.0f"), "Q6_K, float32"),  # Q6_K's biases -31 d sc for -32 d sc
+    (("(f) == FMT_Q5 || ", ""), "5-bit, float32"),  # Q5_0's and Q5_1's bit plane left out (and from their stride)
+], ids=["q6_k-biases", "q5-plane"])
+def test_a_build_that_gets_a_format_wrong_is_not_used(tmp_path, change: tuple[str, str], reason: str) -> None:
+    """The check before use covers every format: a build that gets one wrong (a real build of
+    changed source) is refused, the reason naming the format."""
     import shutil
     import subprocess
 
@@ -480,7 +506,10 @@ def test_a_build_that_gets_a_kquant_wrong_is_not_used(tmp_path) -> None:
         pytest.skip("no C compiler")
     for src in kernels.SOURCES + kernels.HEADERS:
         text = src.read_text()
-        (tmp_path / src.name).write_text(text.replace("-32.0f", "-31.0f") if src.name == "qlinear.c" else text)
+        if src.name == "qlinear.c":
+            assert change[0] in text
+            text = text.replace(*change)
+        (tmp_path / src.name).write_text(text)
     out = tmp_path / "broken.so"
     for flags in (["-march=native"], []):  # this machine's code path where the compiler takes the flag
         built = subprocess.run([cc, "-O1", *flags, "-shared", "-fPIC", "-std=c11", "-o", str(out),
@@ -488,7 +517,7 @@ def test_a_build_that_gets_a_kquant_wrong_is_not_used(tmp_path) -> None:
         if built.returncode == 0:
             break
     assert built.returncode == 0, built.stderr
-    with pytest.raises(kernels.KernelUnavailable, match=r"disagrees with NumPy \(Q6_K, float32, off by"):
+    with pytest.raises(kernels.KernelUnavailable, match=rf"disagrees with NumPy \({reason}, off by"):
         kernels._check(out)
 
 

@@ -1,5 +1,5 @@
 """exo-tui's own ONNX Runtime kernels, one library in the custom-op domain ``exo.tui``:
-``QLinear`` (``qlinear.c``), a 4- or 8-bit matrix in GGUF's own blocks times float32 rows,
+``QLinear`` (``qlinear.c``), a 4-, 5- or 8-bit matrix in GGUF's own blocks times float32 rows,
 ``Attention`` (``attention.c``), rotary causal attention over the in-place KV cache, and
 ``Experts`` (``experts.c``, :mod:`backends.onnx.kernels.experts`), a mixture of experts on QLinear's tiles.
 
@@ -7,7 +7,9 @@
 float32 matmul of the input's block sums (see :mod:`backends.onnx.weights`) and float32 scales:
 24 bytes per 32 weights read per step, against 20 here (float16 scale and bias beside the codes,
 as the file has them), and three ops fewer per matrix; its float 8-bit path is slow, so a Q8_0
-matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here). The K-quants
+matrix there is two 4-bit passes (40 bytes per 32 weights, against 36 here), and a Q5_0 or Q5_1
+one two passes and a correction (44.5 bytes, against 24 here: the codes' low 4 bits as Q4_1's,
+their fifth bits in a plane as Q5_K's; the file's 22 and 24). The K-quants
 (Q4_K, Q5_K, Q6_K) keep their super-blocks' float16 ``d`` (and ``dmin``) and small integer scales
 (and mins) beside the codes, and the kernel makes each group's float32 scale and bias from them
 as llama.cpp does: 4.625 bits a Q4_K weight (the file's 4.5; MatMulNBits' float32 scales and
@@ -27,6 +29,7 @@ or the build or that check fails, the backend keeps ``MatMulNBits`` and says why
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -42,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from backends import kquants
-from backends.base import BackendError, QuantizedWeight
+from backends.base import BLOCK_TYPES, BackendError, QuantizedWeight
 from backends.onnx.kernels.tiles import (  # noqa: F401  (the package's names for its callers)
     BLOCK,
     K_BLOCK_BYTES,
@@ -243,6 +246,17 @@ def _check(path: Path) -> Library:
 
     experts.check(lib, path, integer)
     return Library(str(path), isa, integer)
+
+
+def random_legacy(rng: np.random.Generator, rows: int, cols: int, type_name: str) -> QuantizedWeight:
+    """A random matrix of GGUF's blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) as GGUF's reader gives
+    it: random codes and float16 scales (:meth:`QuantizedWeight.random`), and the type's biases: a
+    random float16 one a block for Q4_1 and Q5_1, the middle code times the scale for the others
+    (Q4_0 -8 s, Q5_0 -16 s, Q8_0 -128 s: exact in float16 too)."""
+    bits = BLOCK_TYPES[type_name]
+    w = QuantizedWeight.random(rng, rows, cols, bits)
+    biases = w.biases if type_name.endswith("_1") else np.float32(-(2 ** (bits - 1))) * w.scales
+    return dataclasses.replace(w, biases=biases, source_type=type_name)
 
 
 def random_kquant(rng: np.random.Generator, rows: int, cols: int, type_name: str) -> QuantizedWeight:

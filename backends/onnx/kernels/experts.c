@@ -287,7 +287,7 @@ static OrtStatus *create_kernel(const void *op_, OrtApiTable *given, const OrtKe
         op->fmt1 = ql_format(bits1, kquant1);
         op->fmt2 = ql_format(bits2, kquant2);
         if (op->fmt1 < 0 || op->fmt2 < 0)
-            status = fail("Experts: bits must be 4 or 8, or kquant 4, 5 or 6 (Q4_K, Q5_K, Q6_K)");
+            status = fail("Experts: bits must be 4, 5 or 8, or kquant 4, 5 or 6 (Q4_K, Q5_K, Q6_K)");
     }
     if (status == NULL && (op->h <= 0 || op->f <= 0 || op->k <= 0 || op->h % 32 || op->f % 32))
         status = fail("Experts: H and F must be positive multiples of 32, k positive");

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.base import QuantizedWeight, Weight
+from backends.base import BLOCK_TYPES, QuantizedWeight, Weight
 from backends.onnx.kernels import (
     BLOCK,
     DOMAIN,
@@ -152,11 +152,12 @@ def run_in_session(path: str | Path, x: np.ndarray, logits: np.ndarray, w1: np.n
 
 
 def random_experts(rng: np.random.Generator, n: int, rows: int, cols: int, type_name: str) -> list[QuantizedWeight]:
-    """``n`` random ``(rows, cols)`` matrices of GGUF type ``type_name`` (Q4_0, Q4_1, Q8_0 or a K-quant)."""
+    """``n`` random ``(rows, cols)`` matrices of GGUF type ``type_name``: a K-quant's super-blocks,
+    or for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 codes of the type's bits with random float16 scales and
+    biases (:meth:`QuantizedWeight.random`)."""
     if type_name in KQUANT:
         return [random_kquant(rng, rows, cols, type_name) for _ in range(n)]
-    bits = 8 if type_name == "Q8_0" else 4
-    return [QuantizedWeight.random(rng, rows, cols, bits) for _ in range(n)]
+    return [QuantizedWeight.random(rng, rows, cols, BLOCK_TYPES[type_name]) for _ in range(n)]
 
 
 def check(lib: ctypes.CDLL, path: str | Path, integer: bool) -> None:

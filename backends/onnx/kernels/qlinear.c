@@ -1,5 +1,5 @@
-/* exo-tui's ONNX Runtime custom op: y = x @ w.T for a 4- or 8-bit affine-quantized w in GGUF's blocks,
-   regrouped in tiles of 32 output columns.
+/* exo-tui's ONNX Runtime custom op: y = x @ w.T for a 4-, 5- or 8-bit affine-quantized w in GGUF's
+   blocks, regrouped in tiles of 32 output columns.
 
    Op "QLinear" in domain "exo.tui". Inputs: X float32 (..., K); W uint8 (ceil(N / 32), K / 32, B):
    tiles of 32 output columns, each one B-byte tile block per 32 weights of its columns: the 32
@@ -8,9 +8,12 @@
                       the high nibble that of (k = j + 16, c) (GGUF's Q4_1 blocks, transposed;
                       Q4_0 is b = -8 s);
      bits 8, B = 1152: 32 lines (GGUF's Q8_0 is q = its signed code + 128, b = -128 s);
+     bits 5, B = 768: the codes' low 4 bits in bits 4's 16 lines, then a plane of 128 bytes of
+                      their bit 4, as a Q5_K block's (see FMT_Q4K) (GGUF's Q5_1 blocks; Q5_0 is
+                      b = -16 s);
    or, with attribute kquant 4, 5 or 6, GGUF's Q4_K, Q5_K or Q6_K: W uint8 (ceil(N / 32), K / 256,
    B), a tile's super-blocks of 256 weights: float16 d (and dmin) and the small integer scales (and
-   mins) of its columns, then the codes as above (8-bit lines for Q5_K and Q6_K): see FMT_Q4K.
+   mins) of its columns, then the codes as above (their bits above the fourth in planes): see FMT_Q4K.
    Columns past N in the last tile are padding. Attributes K, N, bits and xbits (0: X as it is, the
    float32 precision; 16 or 8: X rounded to integer codes, the int16 and int8 precisions, on builds
    with integer products, W's codes in their own layouts, below). Output Y float32 (..., N):
@@ -49,13 +52,13 @@
 #define BLOCK 32
 #define TILE 32 /* output columns per tile: one task of the thread pool */
 #define ROWS 8  /* rows of X per pass over a tile */
-#define TILE_BLOCK_BYTES(bits) ((bits) == 4 ? 640 : 1152) /* 32 columns x 32 weights */
 
-/* The tile formats. GGUF's blocks of 32 (Q4_0, Q4_1, Q8_0) carry their float16 scale and bias in
-   each tile block (above). The K-quants' super-blocks of 256 weights keep what the file has: per
-   tile (32 columns) and super-block, a header, then its 8 blocks of 32 codes, their low 4 bits in
-   the 4-bit lines of the precision (as Q4_0's), then for Q5_K one and for Q6_K two planes of 128
-   bytes of their higher bits (bit 4, then bit 5), one bit a code:
+/* The tile formats. GGUF's blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) carry their float16 scale
+   and bias in each tile block (above). The K-quants' super-blocks of 256 weights keep what the
+   file has: per tile (32 columns) and super-block, a header, then its 8 blocks of 32 codes, their
+   low 4 bits in the 4-bit lines of the precision (as Q4_0's), then for Q5_K one and for Q6_K two
+   planes of 128 bytes of their higher bits (bit 4, then bit 5), one bit a code (Q5_0's and Q5_1's
+   codes are a Q5_K block's, so one code path serves both):
      Q4_K, Q5_K (header 640 bytes): the 32 columns' float16 d, their float16 dmin, then per block
                j the 32 columns' 6-bit scales sc (a byte each, 8 x 32), then their mins m (8 x 32):
                the block's weights are (d sc) q - (dmin m), scale and bias computed here in float32,
@@ -67,40 +70,45 @@
    line j two 32-bit words, bit c the code (k = j, c), then (j + 16, c); the others' at their tile
    functions; _bit_plane in __init__.py writes them). A tile of Q4_K is 4736 bytes per 32 x 256
    weights (4.625 bits a weight, the file's 4.5), Q5_K 5760 (5.625, the file's 5.5), Q6_K 6720
-   (6.5625, the file's). */
+   (6.5625, the file's); one of Q5_0 or Q5_1 768 bytes per 32 x 32 (6 bits a weight, the file's
+   5.5 and 6). */
 #define FMT_Q4 0  /* GGUF's Q4_0 and Q4_1 */
 #define FMT_Q8 1  /* Q8_0 */
 #define FMT_Q4K 2
 #define FMT_Q5K 3
 #define FMT_Q6K 4
-#define IS_K(f) ((f) >= FMT_Q4K)
-#define CODE_BITS(f) ((f) == FMT_Q8 ? 8 : 4) /* the lines' width (Q5_K, Q6_K: their codes' low 4 bits) */
-#define PLANES(f) ((f) == FMT_Q5K ? 1 : (f) == FMT_Q6K ? 2 : 0) /* planes of the codes' bits 4 (and 5) after the lines */
+#define FMT_Q5 5  /* Q5_0 and Q5_1 (after the K-quants: the formats' numbers index the tile functions' tables) */
+#define IS_K(f) ((f) == FMT_Q4K || (f) == FMT_Q5K || (f) == FMT_Q6K)
+#define CODE_BITS(f) ((f) == FMT_Q8 ? 8 : 4) /* the lines' width (5- and 6-bit codes: their low 4 bits) */
+#define PLANES(f) ((f) == FMT_Q5 || (f) == FMT_Q5K ? 1 : (f) == FMT_Q6K ? 2 : 0) /* planes of the codes' bits 4
+                                                                                    (and 5) after the lines */
 #define CODE_BYTES(f) (CODE_BITS(f) == 4 ? 512 + 128 * PLANES(f) : 1024) /* 32 columns x 32 weights */
+#define TILE_BLOCK_BYTES(f) (128 + CODE_BYTES(f)) /* a block of 32 of a format not K-quant's: its scales, biases
+                                                     and codes (Q4 640, Q5 768, Q8 1152 bytes) */
 #define K_HEADER(f) ((f) == FMT_Q6K ? 576 : 640)
 #define SUPER_BYTES(f) (K_HEADER(f) + 8 * CODE_BYTES(f))
 #define HALVES(f) ((f) == FMT_Q6K ? 2 : 1) /* scales per block of 32: Q6_K's groups are 16, k < 16 in the
                                                lines' low nibbles, k >= 16 in the high */
 
-/* The format of bits (4 or 8) and kquant (0, or 4, 5, 6 for Q4_K, Q5_K, Q6_K); -1 if none. */
+/* The format of bits (4, 5 or 8) and kquant (0, or 4, 5, 6 for Q4_K, Q5_K, Q6_K); -1 if none. */
 static int format_of(int64_t bits, int64_t kquant)
 {
     if (kquant == 0)
-        return bits == 4 ? FMT_Q4 : bits == 8 ? FMT_Q8 : -1;
+        return bits == 4 ? FMT_Q4 : bits == 5 ? FMT_Q5 : bits == 8 ? FMT_Q8 : -1;
     return kquant == 4 ? FMT_Q4K : kquant == 5 ? FMT_Q5K : kquant == 6 ? FMT_Q6K : -1;
 }
 
 /* A tile's bytes for nb blocks of 32 along K. */
 static inline int64_t tile_bytes(int fmt, int64_t nb)
 {
-    return IS_K(fmt) ? nb / 8 * SUPER_BYTES(fmt) : nb * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+    return IS_K(fmt) ? nb / 8 * SUPER_BYTES(fmt) : nb * TILE_BLOCK_BYTES(fmt);
 }
 
 /* Block b's codes in the tile at w. */
 static inline __attribute__((always_inline)) const uint8_t *block_codes(const uint8_t *w, int64_t b, const int fmt)
 {
     if (!IS_K(fmt))
-        return w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt)) + 128;
+        return w + b * TILE_BLOCK_BYTES(fmt) + 128;
     return w + (b >> 3) * SUPER_BYTES(fmt) + K_HEADER(fmt) + (b & 7) * CODE_BYTES(fmt);
 }
 
@@ -108,7 +116,7 @@ static inline __attribute__((always_inline)) const uint8_t *block_codes(const ui
    shared out over its 8 blocks). */
 static inline int64_t block_stride(const int fmt)
 {
-    return IS_K(fmt) ? SUPER_BYTES(fmt) / 8 : TILE_BLOCK_BYTES(CODE_BITS(fmt));
+    return IS_K(fmt) ? SUPER_BYTES(fmt) / 8 : TILE_BLOCK_BYTES(fmt);
 }
 
 #define PREFETCH_BYTES 3072 /* how far ahead of a tile's block its stream is fetched */
@@ -144,7 +152,7 @@ static inline __attribute__((always_inline)) void scale1(const uint8_t *w, int64
 {
     uint16_t hd, hm;
     if (!IS_K(fmt)) {
-        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(fmt);
         memcpy(&hd, wb + 2 * col, 2);
         memcpy(&hm, wb + 64 + 2 * col, 2);
         *s = half_to_float(hd);
@@ -170,7 +178,7 @@ static inline __attribute__((always_inline)) void scales16(const uint8_t *w, int
                                                             __m512 *s, __m512 *c)
 {
     if (!IS_K(fmt)) {
-        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(fmt);
         *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 2 * col0)));
         *c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 64 + 2 * col0)));
         return;
@@ -211,7 +219,7 @@ static inline __attribute__((always_inline)) void scales8(const uint8_t *w, int6
                                                            __m256 *s, __m256 *c)
 {
     if (!IS_K(fmt)) {
-        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(CODE_BITS(fmt));
+        const uint8_t *wb = w + b * TILE_BLOCK_BYTES(fmt);
         *s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 2 * col0)));
         *c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 64 + 2 * col0)));
         return;
@@ -473,7 +481,8 @@ TILES(q8, FMT_Q8)
 TILES(q4k, FMT_Q4K)
 TILES(q5k, FMT_Q5K)
 TILES(q6k, FMT_Q6K)
-static const tile_fn *const tiles_float[5] = {tiles_q4, tiles_q8, tiles_q4k, tiles_q5k, tiles_q6k};
+TILES(q5, FMT_Q5)
+static const tile_fn *const tiles_float[6] = {tiles_q4, tiles_q8, tiles_q4k, tiles_q5k, tiles_q6k, tiles_q5};
 
 #if defined(QL_INT)
 /* The int8 precision: each block of 32 values of a row of X is rounded to int8 codes with one
@@ -487,7 +496,7 @@ static const tile_fn *const tiles_float[5] = {tiles_q4, tiles_q8, tiles_q4k, til
    the matrix's codes alone, never centred, carries it (on Q8_0 files twice llama.cpp's distance
    to the float model). (Q6_K: per group of 16, its low nibbles' and its high nibbles' sums apart, d * s * (xq . q -
    32 * (sum of the group's xq)), the codes' offset taken out in integers, as llama.cpp does;
-   Q5_K's and Q6_K's bit planes added to the bytes). The codes' lines differ: a line holds, for 16 columns, 4
+   the 5- and 6-bit codes' bit planes added to the bytes). The codes' lines differ: a line holds, for 16 columns, 4
    bytes each (the codes of 4 consecutive k), as VPDPBUSD multiplies and adds four byte pairs into
    each 32-bit lane. Half h (columns 16 h to 16 h + 15) of a block's codes is:
      bits 4: 4 lines of 64 bytes; byte 4 c + i of line j: code (k = 4 j + i, column c) in the low
@@ -613,7 +622,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *xd, float
 }
 #else /* QL_INT_AVX2 */
 /* VPDPBUSD's sum of four byte products per 32-bit lane, from AVX2's 16-bit pair sums: codes of 4
-   bits (or the K-quants' 8-bit lines, codes below 64) times int8 values stay within 16 bits
+   bits (or of 5 and 6 with their planes' bits, below 64) times int8 values stay within 16 bits
    (2 x 63 x 127); a code of 8 bits (stored + 128) is taken signed, its size times the value's
    sign, then 128 times the block's value sum added back (dot8), all in exact integers, so the
    result is VPDPBUSD's. */
@@ -782,8 +791,9 @@ TILES_INT8(q8, FMT_Q8)
 TILES_INT8(q4k, FMT_Q4K)
 TILES_INT8(q5k, FMT_Q5K)
 TILES_INT8(q6k, FMT_Q6K)
-static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, tiles_int8_q4k, tiles_int8_q5k,
-                                                  tiles_int8_q6k};
+TILES_INT8(q5, FMT_Q5)
+static const tile_int8_fn *const tiles_int8[6] = {tiles_int8_q4, tiles_int8_q8, tiles_int8_q4k, tiles_int8_q5k,
+                                                  tiles_int8_q6k, tiles_int8_q5};
 
 /* The int16 precision: each block of 32 values of a row of X is rounded to int16 codes with one
    float scale d (|x| <= 32767 d), and a block's products are integers, as for int8:
@@ -797,7 +807,7 @@ static const tile_int8_fn *const tiles_int8[5] = {tiles_int8_q4, tiles_int8_q8, 
      bits 8: 16 lines; line j, bytes 4 c to 4 c + 3: the codes of (k = 2 j, column c),
              (2 j, c + 16), (2 j + 1, c), (2 j + 1, c + 16);
      bits 4: 8 lines, the same with the code of k in the low nibble and that of k + 16 in the high.
-   (Q5_K's and Q6_K's bit planes added in the lanes; Q6_K has no bias, its two groups' sums apart,
+   (the 5- and 6-bit codes' bit planes added in the lanes; Q6_K has no bias, its two groups' sums apart,
    its codes less 32: in the lanes on AVX2, in the sums on VNNI, the same integers.) So the line's 32-bit lane c holds,
    in the low byte (nibble) of each 16-bit half, column c's pair of codes, and column c + 16's one
    byte (nibble) up: VPDPWSSD (VPMADDWD) multiplies a pair by X's and adds. Every sum of a block is
@@ -988,7 +998,7 @@ static inline __attribute__((always_inline)) void tile_rows_int16(const int16_t 
                     if (fmt == FMT_Q6K) { /* the VNNI code's masks of a, b (low byte) or c, d (high), both planes at once */
                         l = _mm256_or_si256(l, planes16(planes));
                         u = _mm256_or_si256(u, planes16(planes + 4));
-                    } else if (fmt == FMT_Q5K) {
+                    } else if (PLANES(fmt) == 1) { /* Q5_K's, Q5_0's and Q5_1's */
                         uint16_t m[2];
                         memcpy(&m[0], planes, 2);
                         memcpy(&m[1], planes + 4, 2);
@@ -1089,8 +1099,9 @@ TILES_INT16(q8, FMT_Q8)
 TILES_INT16(q4k, FMT_Q4K)
 TILES_INT16(q5k, FMT_Q5K)
 TILES_INT16(q6k, FMT_Q6K)
-static const tile_int16_fn *const tiles_int16[5] = {tiles_int16_q4, tiles_int16_q8, tiles_int16_q4k, tiles_int16_q5k,
-                                                    tiles_int16_q6k};
+TILES_INT16(q5, FMT_Q5)
+static const tile_int16_fn *const tiles_int16[6] = {tiles_int16_q4, tiles_int16_q8, tiles_int16_q4k, tiles_int16_q5k,
+                                                    tiles_int16_q6k, tiles_int16_q5};
 #endif
 typedef QLJob Job; /* qlinear.h */
 
@@ -1165,7 +1176,7 @@ static void quantize_task(void *arg, size_t row)
 
 /* For the tests: the same computation without ONNX Runtime, on one thread; xbits 16 or 8: the
    int16 or int8 precision (only where exo_qlinear_integer() says the build has them); kquant 0
-   (bits 4 or 8: GGUF's blocks of 32) or 4, 5, 6 (Q4_K, Q5_K, Q6_K super-blocks). Returns 0, or
+   (bits 4, 5 or 8: GGUF's blocks of 32) or 4, 5, 6 (Q4_K, Q5_K, Q6_K super-blocks). Returns 0, or
    -1 if it cannot. */
 int exo_qlinear(const float *x, const uint8_t *w, float *y, int64_t m, int64_t k, int64_t n, int64_t bits, int64_t xbits,
                 int64_t kquant)
@@ -1263,7 +1274,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
     if (status == NULL)
         optional_int_attribute(info, "kquant", &kernel->kquant);
     if (status == NULL && (kernel->fmt = format_of(kernel->bits, kernel->kquant)) < 0)
-        status = fail("QLinear: bits must be 4 or 8, or kquant 4, 5 or 6 (Q4_K, Q5_K, Q6_K)");
+        status = fail("QLinear: bits must be 4, 5 or 8, or kquant 4, 5 or 6 (Q4_K, Q5_K, Q6_K)");
     if (status == NULL && IS_K(kernel->fmt) && kernel->k % 256 != 0)
         status = fail("QLinear: K must be a multiple of 256 for K-quant super-blocks");
     if (status == NULL && kernel->xbits != 0 && kernel->xbits != 8 && kernel->xbits != 16)
@@ -1295,8 +1306,9 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     const int fmt = kernel->fmt;
     if (w_rank != 3 || w_dims[0] != (kernel->n + TILE - 1) / TILE ||
         w_dims[1] != kernel->k / (IS_K(fmt) ? 256 : BLOCK) ||
-        w_dims[2] != (IS_K(fmt) ? SUPER_BYTES(fmt) : TILE_BLOCK_BYTES(CODE_BITS(fmt))))
+        w_dims[2] != (IS_K(fmt) ? SUPER_BYTES(fmt) : TILE_BLOCK_BYTES(fmt)))
         return fail(fmt == FMT_Q4    ? "QLinear: W must be (ceil(N / 32), K / 32, 640) for bits 4"
+                    : fmt == FMT_Q5  ? "QLinear: W must be (ceil(N / 32), K / 32, 768) for bits 5"
                     : fmt == FMT_Q8  ? "QLinear: W must be (ceil(N / 32), K / 32, 1152) for bits 8"
                     : fmt == FMT_Q6K ? "QLinear: W must be (ceil(N / 32), K / 256, 6720) for Q6_K"
                     : fmt == FMT_Q5K ? "QLinear: W must be (ceil(N / 32), K / 256, 5760) for Q5_K"

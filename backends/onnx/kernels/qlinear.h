@@ -13,7 +13,7 @@ typedef struct {
     const uint8_t *w;
     float *y;
     int64_t m, k, n;
-    int fmt;         /* the tile format: FMT_Q4 ... FMT_Q6K (ql_format) */
+    int fmt;         /* the tile format: FMT_Q4 ... FMT_Q5 (ql_format) */
     int64_t xbits;   /* 0: X as it is; 16 or 8: X as integer codes, in xq */
     const void *xq;  /* int16_t or int8_t codes, m * k */
     const float *xd, *xs; /* per block: the codes' scale, and the float sum of X */

@@ -16,7 +16,7 @@ from backends.base import BLOCK_TYPES, QuantizedWeight
 
 BLOCK = 32  # weights per scale and bias, along K
 TILE = 32  # output columns per tile
-TILE_BLOCK_BYTES = {4: 640, 8: 1152}  # a tile's 32 float16 scales and biases, then 32 x 32 codes
+TILE_BLOCK_BYTES = {4: 640, 5: 768, 8: 1152}  # a tile's 32 float16 scales and biases, then 32 x 32 codes
 SUPER = 256  # weights per K-quant super-block, along K
 KQUANT = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # the op's kquant attribute
 K_HEADER = {"Q4_K": 640, "Q5_K": 640, "Q6_K": 576}  # a tile's d (dmin) and sub-block scales (mins) per super-block
@@ -29,7 +29,7 @@ SUPER_BYTES = {t: K_HEADER[t] + 8 * K_BLOCK_BYTES[t] for t in KQUANT}  # 4736, 5
 def packed_nbytes(type_name: str, rows: int, cols: int) -> int | None:
     """The bytes :func:`pack` makes of a ``rows x cols`` matrix of GGUF type ``type_name`` (its
     last tile padded to 32 columns), or None where ``QLinear`` does not take that type (GGUF's
-    Q4_0, Q4_1 and Q8_0 blocks and its K-quant super-blocks it does)."""
+    Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks and its K-quant super-blocks it does)."""
     tiles = -(-rows // TILE)
     if type_name in KQUANT:
         return tiles * (cols // SUPER) * SUPER_BYTES[type_name] if cols % SUPER == 0 else None
@@ -38,15 +38,17 @@ def packed_nbytes(type_name: str, rows: int, cols: int) -> int | None:
 
 
 def runs_on_kernel(w: object) -> bool:
-    """Whether ``w`` is a matrix ``QLinear`` takes: 4- or 8-bit codes in blocks of 32 whose scale
-    and bias are exact in float16 (GGUF's Q4_0, Q4_1 and Q8_0 are), or GGUF's K-quant super-blocks
-    (whose scales and biases are ``d * sc`` and ``-dmin * m``: :func:`backends.kquants.superblocks`)."""
+    """Whether ``w`` is a matrix ``QLinear`` takes: 4-, 5- or 8-bit codes in blocks of 32 whose
+    scale and bias are exact in float16 (GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are), or GGUF's
+    K-quant super-blocks (whose scales and biases are ``d * sc`` and ``-dmin * m``:
+    :func:`backends.kquants.superblocks`)."""
     return kernel_format(w) is not None
 
 
 def kernel_format(w: object) -> str | None:
-    """The tile format ``QLinear`` runs ``w`` in (``"Q4"``, ``"Q8"``, ``"Q4_K"``, ``"Q5_K"``,
-    ``"Q6_K"``), or None where it does not take it: matrices share one op only in one format."""
+    """The tile format ``QLinear`` runs ``w`` in (``"Q4"``, ``"Q5"``, ``"Q8"``, ``"Q4_K"``,
+    ``"Q5_K"``, ``"Q6_K"``), or None where it does not take it: matrices share one op only in one
+    format."""
     if not isinstance(w, QuantizedWeight):
         return None
     if w.source_type in KQUANT:
@@ -93,10 +95,11 @@ def _exact_in_half(a: np.ndarray) -> bool:
 
 def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
     """Matrices of one kind stacked along their rows (output columns), as ``QLinear``'s W: tiles
-    of 32 columns, ``(ceil(N / 32), K / 32, 640)`` for 4 bits and ``(…, 1152)`` for 8, the codes
-    laid out for float32 products or (``xbits`` 16 or 8) for the int16 or int8 precision's (the
-    layouts are in ``qlinear.c``); the last tile is padded with zero columns. Packed a few tiles at a time, so a
-    large matrix (a vocabulary's head) costs little memory beyond the result."""
+    of 32 columns, ``(ceil(N / 32), K / 32, 640)`` for 4 bits, ``(…, 768)`` for 5 and ``(…, 1152)``
+    for 8, the codes laid out for float32 products or (``xbits`` 16 or 8) for the int16 or int8
+    precision's (the layouts are in ``qlinear.c``); the last tile is padded with zero columns.
+    Packed a few tiles at a time, so a large matrix (a vocabulary's head) costs little memory
+    beyond the result."""
     if weights[0].source_type in KQUANT:
         return _pack_kquant(weights, xbits)
     n, k, bits = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1], weights[0].bits
@@ -121,8 +124,7 @@ def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
             half = columns(lo, hi, field, np.float16).reshape(t1 - t0, TILE, nb).transpose(0, 2, 1)
             out[t0:t1, :, 64 * i : 64 * (i + 1)] = np.ascontiguousarray(half).view(np.uint8)
         codes = columns(lo, hi, "q", np.uint8)
-        lines = {0: _float_lines, 16: _int16_lines, 8: _int8_lines}[xbits]
-        out[t0:t1, :, 128:] = lines(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits)
+        out[t0:t1, :, 128:] = _code_bytes(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits, xbits)
     return out
 
 
@@ -140,7 +142,6 @@ def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
     n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
     tiles, ns, nb = -(-n // TILE), k // SUPER, k // BLOCK
     out = np.empty((tiles, ns, SUPER_BYTES[t]), dtype=np.uint8)
-    lines = {0: _float_lines, 16: _int16_lines, 8: _int8_lines}[xbits]
     chunk = max(1, CHUNK_CODES // (TILE * k))  # tiles: a few MB of codes and their temporaries
     for t0 in range(0, tiles, chunk):
         t1 = min(tiles, t0 + chunk)
@@ -161,9 +162,7 @@ def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
             out[t0:t1, :, 128:384] = columns(2, np.uint8)
             out[t0:t1, :, 384:640] = columns(3, np.uint8)
         codes = _stacked([p.q for p in parts], count * TILE, np.uint8).reshape(count, TILE, nb, BLOCK)
-        planes = [lines(codes & 0x0F, 4).reshape(count, nb, 512)]  # the low 4 bits, then bits 4 (and 5)
-        planes += [_bit_plane((codes >> (4 + p)) & 1, xbits) for p in range(K_PLANES[t])]
-        out[t0:t1, :, K_HEADER[t]:] = np.concatenate(planes, axis=-1).reshape(count, ns, -1)
+        out[t0:t1, :, K_HEADER[t]:] = _code_bytes(codes, kquants.BITS[t], xbits).reshape(count, ns, -1)
     for w in weights:  # each chunk's pages went once read; the ones mapped around them (fault-around) go now
         w.release_pages()
     return out
@@ -194,8 +193,22 @@ def _stacked(arrays: list[np.ndarray], rows: int, dtype: type) -> np.ndarray:
     return part
 
 
+def _code_bytes(codes: np.ndarray, bits: int, xbits: int) -> np.ndarray:
+    """Codes of ``bits`` bits ``(tile, column, block, k)`` as each tile block holds them for the
+    precision ``xbits``, ``(tile, block, bytes)``: 8-bit codes in 8-bit lines; 4-, 5- and 6-bit
+    codes' low 4 bits in 4-bit lines, then a plane of each bit above (bit 4, then 5), Q5_0's and
+    Q5_1's as Q5_K's, so that one code path of the kernel adds them."""
+    lines = {0: _float_lines, 16: _int16_lines, 8: _int8_lines}[xbits]
+    if bits == 8:
+        return lines(codes, 8)
+    low = lines(codes & 0x0F, 4)
+    if bits == 4:
+        return low
+    return np.concatenate([low, *(_bit_plane((codes >> b) & 1, xbits) for b in range(4, bits))], axis=-1)
+
+
 def _bit_plane(high: np.ndarray, xbits: int) -> np.ndarray:
-    """One bit plane of Q5_K's or Q6_K's codes (``high``: that bit, ``(tile, column, block, k)``) as
+    """One bit plane of 5- or 6-bit codes (``high``: that bit, ``(tile, column, block, k)``) as
     ``qlinear.c`` reads it beside the 4-bit lines of the precision: 128 bytes a block, little-endian
     masks of one bit a code:
     float32: per line j two 32-bit words, bit c the code (k = j, column c), then (j + 16, c);
