@@ -108,7 +108,7 @@ class ONNXBackend(Backend):
 
     name = "onnx"
     experts = True  # exo-tui's Experts op on quantized experts, ONNX Runtime's MoE on float ones (graph.py)
-    shares_tied_head = False  # the embedding's rows (EmbeddingRows) and the head's tiles are two forms
+    shares_tied_head = True  # a tied embedding is looked up in the head's tiles (kernels.tile_rows)
     embedding_first = True  # ONNXShard makes its embedding's rows, then builds the graph
 
     @classmethod

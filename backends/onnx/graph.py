@@ -86,6 +86,7 @@ class ShardGraph:
     kv_inputs: list[tuple[str, str]] = field(default_factory=list)  # (past_key_i, past_value_i)
     kv_outputs: list[tuple[str, str]] = field(default_factory=list)  # (present_key_i, present_value_i)
     output: str = "hidden_out"
+    head_tiles: str | None = None  # the initializer of the output head's QLinear tiles, where it has them
 
 
 def rotary_tables(config: ModelConfig, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -399,6 +400,8 @@ def build_shard_graph(
             b.batched_head(tail, weights.output, batch_head_rows)
         else:
             logits = b.linear(tail, [weights.output], "head")
+            if on_kernel:
+                graph.head_tiles = b.nodes[-1].input[1]
             b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits_out"))
         if c.logit_softcap:  # logits = cap * tanh(logits / cap)
             b.nodes[-1].output[0] = "raw_logits"

@@ -58,6 +58,8 @@ from backends.kquants import mostly_kquant
 from backends.onnx import ACCURACY_LEVEL, AUTO, DEFAULT_PRECISION, PRECISIONS, kernels
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
+from backends.onnx.kernels import runs_on_kernel
+from backends.onnx.kernels.tile_rows import TileRows
 from backends.onnx.weights import compact_embedding, embedding_rows
 from backends.rings import RingLayout
 
@@ -175,8 +177,12 @@ class ONNXShard(Shard):
         self.threads = threads
         self._cores = cores  # the calling thread's core during a run (the pool's are in session_config)
         self.precision = precision = resolve_precision(precision, weights)
-        self._embed = compact_embedding(weights.embed) if self.is_first else None
         library = kernel_for(precision)
+        # A tied embedding on the shard that also has the head is looked up in the head's tiles
+        # (TileRows, once the graph has them): one form of the matrix, not two.
+        tied_head = (self.is_first and self.is_last and weights.output is weights.embed and library is not None
+                     and runs_on_kernel(weights.embed))
+        self._embed = compact_embedding(weights.embed) if self.is_first and not tied_head else None
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
         half_kv = caches_half(library, self.xbits)
@@ -187,6 +193,9 @@ class ONNXShard(Shard):
         graph = build_shard_graph(config, weights, accuracy_level, batch_head_rows=MIN_BATCH, kernel=bool(library),
                                   xbits=self.xbits, half_kv=half_kv)
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
+        if tied_head:
+            e = weights.embed
+            self._embed = TileRows(graph.initializers[graph.head_tiles], e.source_type, e.bits, self.xbits, e.shape[1])
         model_bytes = graph.model.SerializeToString()
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads

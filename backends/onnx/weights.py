@@ -21,6 +21,7 @@ import numpy as np
 
 from backends import kquants
 from backends.base import QuantizedWeight, Weight
+from backends.onnx.kernels.tile_rows import TileRows
 
 
 def pack_nibbles(q: np.ndarray, group: int) -> np.ndarray:
@@ -225,9 +226,9 @@ def _half_if_exact(a: np.ndarray) -> np.ndarray:
     return half if np.array_equal(half.astype(np.float32), a) else a
 
 
-def embedding_rows(embed: Weight | EmbeddingRows, ids: np.ndarray) -> np.ndarray:
+def embedding_rows(embed: Weight | EmbeddingRows | TileRows, ids: np.ndarray) -> np.ndarray:
     """Float32 rows ``embed[ids]``, dequantizing only those rows."""
-    if isinstance(embed, EmbeddingRows):
+    if isinstance(embed, (EmbeddingRows, TileRows)):
         return embed.rows(ids)
     if isinstance(embed, QuantizedWeight):
         g = embed.group

@@ -108,7 +108,8 @@ def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, las
     """The bytes a shard of ``tensors`` (its layers', and the embedding or head at the ends) holds
     on ``backend`` (:meth:`backends.base.Backend.held_nbytes`): the token embedding as the rows the
     ``first`` shard looks up, and on a ``last`` shard of a model that ties them (no
-    ``output.weight``), as the head's matrix too, one form for both where the backend keeps one."""
+    ``output.weight``), as the head's matrix too: on a shard with both, the head's form alone where
+    the backend keeps one form for both (``shares_tied_head``)."""
     cls = backend_class(backend)
     tensors = list(tensors)
     tied = last and not any(t.name == "output.weight" for t in tensors)
@@ -117,9 +118,12 @@ def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, las
         if t.name != "token_embd.weight":
             total += cls.held_nbytes(t.type_name, t.shape)
             continue
+        if first and tied and cls.shares_tied_head:  # one form for both: the head's
+            total += cls.held_nbytes(t.type_name, t.shape)
+            continue
         if first:
             total += cls.held_nbytes(t.type_name, t.shape, embedding=True)
-        if tied and not (first and cls.shares_tied_head):
+        if tied:
             total += cls.held_nbytes(t.type_name, t.shape)
     return total
 

@@ -58,7 +58,7 @@ def test_logits_match_reference(tiny_models, weight_type, kernel, monkeypatch):
     MatMulNBits with a correction (``EXO_TUI_ONNX_KERNEL=0``, and where it does not)."""
     monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", kernel)
     cfg, weights, shard = load(tiny_models[weight_type])
-    if weight_type.startswith("Q4"):
+    if weight_type.startswith(("Q4", "Q5")):
         assert bool(shard.kernel) == (kernel == "1")
     ref = ReferenceShard(cfg, weights)
     pos = np.arange(len(PROMPT))
@@ -896,8 +896,10 @@ def test_the_backend_tells_the_scheduler_the_cache_precision_its_shards_keep(tin
 def test_qlinear_tiles_are_the_sessions_only_copy_of_the_weights(tmp_path):
     """ONNX Runtime reads a K-quant shard's QLinear tiles where the shard made them (no copy at
     session creation, which held the shard's bytes twice while loading): zeroing them changes the
-    logits. The embedding is kept as packed codes with the file's super-block fields, its rows
-    exactly the matrix's."""
+    logits. A shard with both ends of a model that ties them looks its tokens' embeddings up in the
+    head's tiles (no second form of the matrix), a first shard alone keeps the embedding as packed
+    codes with the file's super-block fields; both give exactly the matrix's rows."""
+    from backends.onnx.kernels.tile_rows import TileRows
     from backends.onnx.weights import EmbeddingRows
 
     if kernels.library() is None:
@@ -906,14 +908,21 @@ def test_qlinear_tiles_are_the_sessions_only_copy_of_the_weights(tmp_path):
                             embed_type="Q6_K", tied=True)
     model = GGUFModel(path)
     embed = model.tensor("token_embd.weight")
+    ids = np.array([0, 7, 3, 31, 32, model.config.vocab_size - 1])
+    first = ONNXBackend(threads=1).load_shard(model.config, model.shard_weights(0, 1))
+    try:
+        assert isinstance(first._embed, EmbeddingRows) and first._embed.nbytes < 1.2 * embed.nbytes
+        assert np.array_equal(first._embed.rows(ids), embed.dequantize()[ids])
+    finally:
+        first.close()
     cfg, weights, shard = load(path)
     assert shard._in_place and shard.weight_arrays_nbytes == 0
     tiles = sum(v.numpy().nbytes for v in shard._in_place.values())
-    assert tiles >= 0.9 * model.nbytes - embed.nbytes  # nearly all of the shard's bytes (the head too)
+    assert tiles >= 0.9 * model.nbytes  # nearly all of the shard's bytes, the tied head's among them
     before = shard.forward("a", PROMPT, np.arange(len(PROMPT)))
-    assert isinstance(shard._embed, EmbeddingRows) and shard._embed.nbytes < 1.2 * embed.nbytes
-    ids = np.array([0, 7, 3, cfg.vocab_size - 1])
+    assert isinstance(shard._embed, TileRows) and shard._embed.nbytes == 0
     assert np.array_equal(shard._embed.rows(ids), embed.dequantize()[ids])
     for value in shard._in_place.values():
         value.numpy()[...] = 0  # a view of the array the session reads
     assert not np.array_equal(shard.forward("b", PROMPT, np.arange(len(PROMPT))), before)
+    assert not shard._embed.rows(ids).any()  # the rows were the head's tiles

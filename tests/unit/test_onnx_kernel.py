@@ -491,6 +491,43 @@ def test_a_q4_k_m_model_runs_every_matrix_on_the_kernel(library: kernels.Library
             shard.close()
 
 
+@pytest.mark.parametrize("type_name", [*LEGACY, *KQUANTS])
+def test_rows_read_back_out_of_the_tiles_are_the_matrixs(type_name: str) -> None:
+    """TileRows (a tied embedding looked up in its head's tiles) gives exactly the rows
+    ``dequantize`` gives, for every format and the layout of every precision, rows of the first,
+    the last and a partial tile."""
+    from backends.onnx.kernels.tile_rows import TileRows
+
+    rng = np.random.default_rng(23)
+    w = (kernels.random_kquant if type_name in KQUANTS else kernels.random_legacy)(rng, 70, 512, type_name)
+    ids = np.array([0, 31, 32, 5, 69, 64, 5])
+    for xbits in (0, 16, 8):
+        rows = TileRows(kernels.pack([w], xbits), type_name, w.bits, xbits, 512).rows(ids)
+        assert np.array_equal(rows, w.dequantize()[ids]), xbits
+
+
+def test_a_file_llama_cpp_quantized_with_fallbacks_runs_every_matrix_on_the_kernel(library: kernels.Library) -> None:
+    """llama.cpp's Q4_K_M of a model 384 wide (fixture qwen2-fallback): Q5_0 where rows are not whole
+    super-blocks, Q8_0 for v and the tied head, Q6_K for the feed-forward's down matrix. Every one
+    of them is on QLinear, at every precision: nothing is MatMulNBits or float32."""
+    from pathlib import Path
+
+    from backends.onnx.graph import build_shard_graph
+    from exo_tui.models.gguf_file import GGUFModel
+
+    model = GGUFModel(Path(__file__).parent.parent / "fixtures" / "families" / "qwen2-fallback.Q4_K_M.gguf")
+    cfg = model.config
+    assert {model.tensor_info(f"blk.0.{n}.weight").type_name for n in ("attn_q", "attn_v", "ffn_down")} == \
+        {"Q5_0", "Q8_0", "Q6_K"}
+    for xbits in (0, 16, 8) if library.integer else (0,):
+        graph = build_shard_graph(cfg, model.shard_weights(0, cfg.n_layers), 1, batch_head_rows=4, kernel=True,
+                                  xbits=xbits)
+        ops = [n for n in graph.model.graph.node if n.domain == kernels.DOMAIN and n.op_type == kernels.OP]
+        formats = sorted({(a["bits"], a.get("kquant", 0)) for a in ({x.name: x.i for x in n.attribute} for n in ops)})
+        assert formats == [(5, 0), (6, 6), (8, 0)], xbits
+        assert not any(n.op_type in ("MatMulNBits", "MatMul") for n in graph.model.graph.node), xbits
+
+
 @pytest.mark.parametrize(("change", "reason"), [
     (("-32.0f", "-31.0f"), "Q6_K, float32"),  # Q6_K's biases -31 d sc for -32 d sc
     (("(f) == FMT_Q5 || ", ""), "5-bit, float32"),  # Q5_0's and Q5_1's bit plane left out (and from their stride)

@@ -124,7 +124,7 @@ def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
             half = columns(lo, hi, field, np.float16).reshape(t1 - t0, TILE, nb).transpose(0, 2, 1)
             out[t0:t1, :, 64 * i : 64 * (i + 1)] = np.ascontiguousarray(half).view(np.uint8)
         codes = columns(lo, hi, "q", np.uint8)
-        out[t0:t1, :, 128:] = _code_bytes(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits, xbits)
+        out[t0:t1, :, 128:] = code_bytes(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits, xbits)
     return out
 
 
@@ -162,7 +162,7 @@ def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
             out[t0:t1, :, 128:384] = columns(2, np.uint8)
             out[t0:t1, :, 384:640] = columns(3, np.uint8)
         codes = _stacked([p.q for p in parts], count * TILE, np.uint8).reshape(count, TILE, nb, BLOCK)
-        out[t0:t1, :, K_HEADER[t]:] = _code_bytes(codes, kquants.BITS[t], xbits).reshape(count, ns, -1)
+        out[t0:t1, :, K_HEADER[t]:] = code_bytes(codes, kquants.BITS[t], xbits).reshape(count, ns, -1)
     for w in weights:  # each chunk's pages went once read; the ones mapped around them (fault-around) go now
         w.release_pages()
     return out
@@ -193,7 +193,7 @@ def _stacked(arrays: list[np.ndarray], rows: int, dtype: type) -> np.ndarray:
     return part
 
 
-def _code_bytes(codes: np.ndarray, bits: int, xbits: int) -> np.ndarray:
+def code_bytes(codes: np.ndarray, bits: int, xbits: int) -> np.ndarray:
     """Codes of ``bits`` bits ``(tile, column, block, k)`` as each tile block holds them for the
     precision ``xbits``, ``(tile, block, bytes)``: 8-bit codes in 8-bit lines; 4-, 5- and 6-bit
     codes' low 4 bits in 4-bit lines, then a plane of each bit above (bit 4, then 5), Q5_0's and

@@ -1,0 +1,94 @@
+"""Rows of a matrix read back out of ``QLinear``'s tiles (:mod:`backends.onnx.kernels.tiles`).
+
+A model that ties its output head to its token embedding (Qwen2.5, Llama 3.2, Gemma 3, SmolLM2:
+most small models) needs the matrix twice on a shard that holds both ends: as the head's tiles,
+which the kernel reads, and as rows a token's embedding is looked up in. :class:`TileRows` looks
+the rows up in the head's tiles, so such a shard holds the matrix once (Qwen2.5-0.5B's 152k x 896
+Q8_0 embedding: 153 MB less).
+
+Where each code's bits lie in a tile block depends on the format and on the precision the tiles
+were laid out for; rather than a second description of the layouts, :func:`_code_map` finds them
+once per layout by packing probe codes with :func:`~backends.onnx.kernels.tiles.code_bytes`,
+the function that lays the tiles out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from backends.onnx.kernels.tiles import BLOCK, K_HEADER, KQUANT, SUPER, TILE, code_bytes
+
+
+@functools.cache
+def _code_map(bits: int, xbits: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the codes of a tile block laid out for ``xbits``: the byte and the bit of that byte that
+    bit ``i`` of the code of (column ``c``, ``k``) lies at, each ``(32, 32, bits)``. Found by
+    packing, block by block, one code with one bit set."""
+    n = TILE * BLOCK * bits
+    c, k, i = np.unravel_index(np.arange(n), (TILE, BLOCK, bits))
+    probe = np.zeros((1, TILE, n, BLOCK), np.uint8)
+    probe[0, c, np.arange(n), k] = np.left_shift(1, i).astype(np.uint8)
+    laid = code_bytes(probe, bits, xbits)[0]  # (n, bytes)
+    block, byte = np.nonzero(laid)
+    if not np.array_equal(block, np.arange(n)):
+        raise AssertionError(f"a {bits}-bit code's bit is not one bit of its tile block (xbits {xbits})")
+    bit = np.log2(laid[block, byte]).astype(np.uint8)
+    return byte.reshape(TILE, BLOCK, bits), bit.reshape(TILE, BLOCK, bits)
+
+
+class TileRows:
+    """Float32 rows of the matrix whose tiles are ``tiles`` (``pack``'s result for one matrix of
+    GGUF type ``type_name`` and ``bits``-bit codes, laid out for ``xbits``), exactly its values
+    (``QuantizedWeight.dequantize``'s): the blocks' codes, scales and biases read from the tiles
+    of the rows asked for. Holds nothing of its own (``nbytes`` 0): ``tiles`` are the head's."""
+
+    nbytes = 0
+
+    def __init__(self, tiles: np.ndarray, type_name: str, bits: int, xbits: int, cols: int) -> None:
+        self.tiles, self.type_name, self.bits, self.cols = tiles, type_name, bits, cols
+        self.byte, self.bit = _code_map(bits, xbits)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        t = len(ids)
+        tiles = self.tiles[ids // TILE]  # (T, units, bytes): each row's tile (32 rows of the matrix)
+        col = ids % TILE
+        nb = self.cols // BLOCK
+        kquant = self.type_name in KQUANT
+        header = K_HEADER[self.type_name] if kquant else 128
+        codes = tiles[:, :, header:].reshape(t, nb, -1)  # (T, block, code bytes)
+        picked = np.take_along_axis(codes, self.byte[col].reshape(t, 1, -1), axis=2).reshape(t, nb, BLOCK, self.bits)
+        q = ((picked >> self.bit[col][:, None]) & 1).astype(np.uint8) << np.arange(self.bits, dtype=np.uint8)
+        q = q.sum(axis=-1, dtype=np.uint8)  # (T, block, k)
+        scales, biases = self._groups(tiles[:, :, :header], col)
+        group = self.cols // scales.shape[1]
+        out = q.reshape(t, -1, group).astype(np.float32)
+        out *= scales[:, :, None]
+        out += biases[:, :, None]
+        return out.reshape(t, self.cols)
+
+    def _groups(self, header: np.ndarray, col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's float32 scale and bias a group, ``(T, groups)``, from its tile's headers
+        (a block's float16 pair, or a super-block's ``d``, ``dmin`` and integer scales and mins,
+        as ``qlinear.c`` makes them)."""
+        t, units, _ = header.shape
+        rows = np.arange(t)[:, None]
+
+        def half(lo: int) -> np.ndarray:  # the row's float16 at bytes lo .. lo + 64 (one a column), (T, units)
+            return np.ascontiguousarray(header[:, :, lo : lo + 64]).view(np.float16)[rows, :, col[:, None]].reshape(t, units).astype(np.float32)
+
+        def column_bytes(lo: int, n: int, dtype: type) -> np.ndarray:  # n bytes a column from lo, (T, units, n)
+            a = np.ascontiguousarray(header[:, :, lo : lo + 32 * n]).view(dtype).reshape(t, units, n, TILE)
+            return a[np.arange(t), :, :, col].astype(np.float32)
+
+        if self.type_name not in KQUANT:
+            return half(0), half(64)
+        d = half(0)[:, :, None]
+        if self.type_name == "Q6_K":  # int8 scales a group of 16, the bias -32 times the scale
+            scales = (d * column_bytes(64, SUPER // 16, np.int8)).reshape(t, -1)
+            return scales, np.float32(-32.0) * scales
+        dmin = half(64)[:, :, None]
+        scales = (d * column_bytes(128, SUPER // BLOCK, np.uint8)).reshape(t, -1)
+        return scales, -(dmin * column_bytes(384, SUPER // BLOCK, np.uint8)).reshape(t, -1)
