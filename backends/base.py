@@ -263,18 +263,17 @@ class QuantizedWeight:
 # A load's peak beside its shard's arrays (measured by tests/unit/test_node_memory.py): a matrix
 # decoded whole takes LOAD_PEAK_DECODED times its file bytes while its layer is built (its codes a
 # byte each with float32 scales and biases, and the packing's temporaries; 3.0 for a 2048-wide
-# Q4_K_M layer decoded so; Q8_0's codes are about its bytes: 0.87 for the default model's
-# embedding); a matrix a backend reads a chunk at a time (CHUNKED_TYPES: ONNX's tiles read K-quant
-# super-blocks so) takes only a chunk's temporaries, LOAD_CHUNK_BYTES (7-12 MB measured); one it
-# makes a chunk at a time and then copies whole (COPIED_TYPES: MLX's arrays of K-quant
-# super-blocks, made in NumPy, then copied into MLX's own) takes its arrays once more besides, the
-# matrices it stacks into one (gate and up; q, k and v) together: counted as a piece's two largest
-# (a 2048-wide Q4_K layer: 22-26 MB over what it holds after, against 112-122 MB decoded whole).
+# Q4_K_M layer decoded so): the types read by dequantizing to float32; a matrix a backend reads a
+# chunk at a time (CHUNKED_TYPES: ONNX's tiles read blocks of 32 and K-quant super-blocks so)
+# takes only a chunk's temporaries, LOAD_CHUNK_BYTES (7-12 MB measured); one it makes a chunk at a
+# time and then copies whole (COPIED_TYPES: MLX's arrays, made in NumPy, then copied into MLX's
+# own) takes its arrays once more besides, the matrices it stacks into one (gate and up; q, k and
+# v) together: counted as a piece's two largest (a 2048-wide Q4_K layer: 22-26 MB over what it
+# holds after, against 112-122 MB decoded whole).
 LOAD_PEAK_DECODED = 3.5
-LOAD_PEAK_DECODED_BY_TYPE = {"Q8_0": 1.0}
 LOAD_CHUNK_BYTES = 16 << 20
-CHUNKED_TYPES = {"onnx": frozenset(KQUANT_BLOCK_BYTES)}
-COPIED_TYPES = {"mlx": frozenset(KQUANT_BLOCK_BYTES)}
+CHUNKED_TYPES = {"onnx": frozenset(KQUANT_BLOCK_BYTES) | frozenset(BLOCK_TYPES)}
+COPIED_TYPES = {"mlx": frozenset(KQUANT_BLOCK_BYTES) | frozenset(BLOCK_TYPES)}
 
 LoadPiece = list[tuple[str, int, int]]
 """What a load reads at once (a layer's tensors, the embedding, the head): each tensor's GGUF type
@@ -295,7 +294,7 @@ def load_peak_bytes(backend: str, pieces: list[LoadPiece], held: list[int] | Non
     copied = COPIED_TYPES.get(backend, frozenset())
 
     def temporaries(piece: LoadPiece) -> float:
-        whole = sum(LOAD_PEAK_DECODED_BY_TYPE.get(t, LOAD_PEAK_DECODED) * n for t, n, _ in piece
+        whole = sum(LOAD_PEAK_DECODED * n for t, n, _ in piece
                     if t not in chunked and t not in copied)
         copies = sum(sorted((h for t, _, h in piece if t in copied), reverse=True)[:2])
         return whole + copies + (LOAD_CHUNK_BYTES if any(t in chunked or t in copied for t, _, _ in piece) else 0)

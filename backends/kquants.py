@@ -16,12 +16,11 @@ blocks (MLX's affine groups of 32 are Q4_K's and Q5_K's sub-blocks exactly).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from backends.base import BLOCK_TYPES, QuantizedWeight
 from backends.base import KQUANT_BLOCK_BYTES as BLOCK_BYTES
+from backends.blocks import FileBlocks
 
 QK_K = 256
 GROUP = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
@@ -66,41 +65,19 @@ def weight(raw: np.ndarray, type_name: str, cols: int) -> QuantizedWeight:
                            source_type=type_name, superblocks=fields)
 
 
-class KQuantWeight(QuantizedWeight):
+class KQuantWeight(FileBlocks):
     """A K-quant matrix that keeps its file's super-blocks (``raw``: uint8 rows of ``cols / 256``
-    blocks) and decodes them when read: a few rows at a time through :meth:`take_rows` (what
-    ONNX's tile packing and the embedding's compaction do, so a load holds one chunk decoded
-    beside the shard, not a layer at ~2.3x its file bytes), or all at once, kept, the first time
-    ``q``, ``scales`` or ``biases`` is read (MLX's affine arrays, the fallback ops). Over a mapped
-    file (``release``), the pages under what it has read go once read. Its values are
-    :func:`weight`'s."""
+    blocks) and decodes them when read (:class:`~backends.blocks.FileBlocks`): a few rows at a
+    time through ``take_rows``, or all at once the first time ``q``, ``scales`` or ``biases`` is
+    read (MLX's affine arrays, the fallback ops). Its values are :func:`weight`'s."""
 
-    def __init__(self, raw: np.ndarray, type_name: str, cols: int,
-                 release: Callable[[np.ndarray], None] | None = None) -> None:
-        if type_name not in BLOCK_BYTES:
-            raise ValueError(f"{type_name} is not a K-quant type ({', '.join(BLOCK_BYTES)})")
-        if cols % QK_K or raw.ndim != 2 or raw.shape[1] != cols // QK_K * BLOCK_BYTES[type_name]:
-            raise ValueError(f"{raw.shape} bytes are no {type_name} rows of {cols} weights (super-blocks of {QK_K})")
-        for name, value in (("raw", raw), ("cols", cols), ("bits", BITS[type_name]), ("group", GROUP[type_name]),
-                            ("source_type", type_name), ("_decoded", {}), ("_release", release)):
-            object.__setattr__(self, name, value)
+    BYTES = BLOCK_BYTES
+    WEIGHTS = QK_K
+    BITS = BITS
+    GROUP = GROUP
 
-    def release_pages(self) -> None:
-        """The file's pages under these rows leave resident memory, where ``raw`` is a view of a
-        mapped file (read again from the page cache if needed: nothing is lost)."""
-        if self._release is not None:
-            self._release(self.raw)
-
-    def _field(self, i: int) -> np.ndarray | tuple[np.ndarray, ...]:
-        cache = self._decoded
-        if 0 not in cache:
-            cache.update(enumerate(_decode(self.raw, self.source_type, self.cols)))
-            self.release_pages()
-        return cache[i]
-
-    q = property(lambda self: self._field(0))  # type: ignore[assignment]
-    scales = property(lambda self: self._field(1))  # type: ignore[assignment]
-    biases = property(lambda self: self._field(2))  # type: ignore[assignment]
+    def _decode(self) -> tuple[np.ndarray, ...]:
+        return _decode(self.raw, self.source_type, self.cols)
 
     @property  # type: ignore[override]
     def superblocks(self) -> tuple[np.ndarray, ...]:
@@ -110,30 +87,6 @@ class KQuantWeight(QuantizedWeight):
             cache[3] = _fields(self.raw, self.source_type, self.cols)
             self.release_pages()
         return cache[3]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.raw.shape[0], self.cols)
-
-    def take_rows(self, rows: slice | np.ndarray) -> KQuantWeight:
-        """Rows ``rows`` as their super-blocks (a view for a slice), still undecoded."""
-        if isinstance(rows, slice):
-            return KQuantWeight(self.raw[rows], self.source_type, self.cols, release=self._release)
-        picked = KQuantWeight(np.ascontiguousarray(self.raw[rows]), self.source_type, self.cols)
-        self.release_pages()  # copied: the file's pages read for it may go
-        return picked
-
-    def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        if 0 in self._decoded:
-            return super().dequantize(start, stop)
-        part = self.take_rows(slice(start, stop))
-        try:
-            return QuantizedWeight.dequantize(part)
-        finally:
-            part.release_pages()
-
-    def __repr__(self) -> str:
-        return f"KQuantWeight({self.source_type}, {self.shape})"
 
 
 def _fields(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...]:

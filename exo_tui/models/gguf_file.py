@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from backends import backend_class, kquants
+from backends import backend_class, blocks, kquants
 from backends.base import (
     LayerWeights,
     LazyLayers,
@@ -39,9 +39,6 @@ from exo_tui.models.gguf_header import GGUFHeader, type_name
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo", "UnsupportedModelError",
            "held_nbytes", "lazy_shard", "load_pieces", "shard_load_peak", "tensor_from_raw"]
-# Block formats kept quantized (affine blocks of 32; the K-quants' groups through backends/kquants.py);
-# other types are dequantized at load.
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 
 
 
@@ -437,12 +434,12 @@ def tensor_from_raw(info: TensorInfo, raw: np.ndarray, release: Callable[[np.nda
         return raw.view(np.float16).reshape(info.shape).copy()
     if info.type_name == "BF16":
         return _to_float32(raw, info.type_name).reshape(info.shape)
-    if info.type_name in _BLOCK_BYTES:
+    # Blocks of 32 and K-quant super-blocks are kept as the file's: a backend decodes them a chunk
+    # at a time as it builds its form of them, and the file's pages under each chunk go once read.
+    if info.type_name in blocks.BLOCK_BYTES:
         rows = info.shape[0] if len(info.shape) > 1 else 1
-        return unpack_blocks(raw.reshape(rows, -1), info.type_name, info.shape)
+        return blocks.BlockWeight(raw.reshape(rows, -1), info.type_name, info.shape[-1], release=release)
     if info.type_name in kquants.BLOCK_BYTES and len(info.shape) == 2:
-        # Kept as the file's super-blocks: a backend decodes them a chunk at a time as it builds
-        # its form of them, and the file's pages under each chunk go once it is read.
         return kquants.KQuantWeight(raw.reshape(info.shape[0], -1), info.type_name, info.shape[1], release=release)
     qtype = getattr(gguf.GGMLQuantizationType, info.type_name)
     rows = info.shape[0] if len(info.shape) > 1 else 1
@@ -469,50 +466,6 @@ def _dense_vector(w: Weight) -> np.ndarray:
     if isinstance(w, QuantizedWeight):
         return w.dequantize().reshape(-1)
     return np.asarray(w, dtype=np.float32)
-
-
-def unpack_blocks(rows: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QuantizedWeight:
-    """GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 byte rows ``(rows, nblocks * block_bytes)`` as affine
-    codes. A block is its float16 scale ``d`` (Q4_1 and Q5_1: then a float16 bias ``m``), for the
-    5-bit types a little-endian 32-bit word of the codes' fifth bits (bit ``j`` code ``j``), then the
-    codes: Q8_0's 32 signed bytes, or 16 bytes whose low nibbles are codes 0-15 and high nibbles
-    16-31. Q4_0 and Q5_0 are ``d * (q - 8)`` and ``d * (q - 16)``, Q8_0 ``d * (q - 128)`` as unsigned codes."""
-    n_rows = rows.shape[0]
-    cols = int(np.prod(shape[1:])) if len(shape) > 1 else int(shape[0])
-    if len(shape) == 1:
-        n_rows = 1
-    nb = cols // 32
-    blocks = np.ascontiguousarray(rows).reshape(n_rows, nb, _BLOCK_BYTES[type_name])
-    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-    if type_name == "Q8_0":
-        q = (blocks[:, :, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return _block_weight(q, d, -128.0 * d, 8, type_name, n_rows, cols)
-    shifted = type_name in ("Q4_1", "Q5_1")  # a bias of its own after d
-    at = 4 if shifted else 2
-    bias = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32) if shifted else None
-    bits = 5 if type_name in ("Q5_0", "Q5_1") else 4
-    if bits == 5:
-        high = np.unpackbits(blocks[:, :, at : at + 4], axis=2, bitorder="little")  # (rows, blocks, 32): code j's bit 4
-        at += 4
-    qs = blocks[:, :, at : at + 16]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
-    if bits == 5:
-        q |= high << 4
-    if bias is None:
-        bias = -float(1 << (bits - 1)) * d
-    return _block_weight(q, d, bias, bits, type_name, n_rows, cols)
-
-
-def _block_weight(q: np.ndarray, d: np.ndarray, bias: np.ndarray, bits: int, type_name: str, rows: int,
-                  cols: int) -> QuantizedWeight:
-    return QuantizedWeight(
-        q=np.ascontiguousarray(q.reshape(rows, cols)),
-        scales=np.ascontiguousarray(d),
-        biases=np.ascontiguousarray(bias.astype(np.float32)),
-        bits=bits,
-        group=32,
-        source_type=type_name,
-    )
 
 
 def _dequantize_other(raw: np.ndarray, qtype: Any, info: TensorInfo) -> np.ndarray:

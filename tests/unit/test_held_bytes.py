@@ -131,12 +131,14 @@ def test_a_node_refuses_a_load_its_backend_would_hold_past_its_limit(tmp_path: P
 def test_a_loads_peak_counts_each_piece_beside_the_arrays_read_before_it() -> None:
     """A piece's temporaries lie beside the arrays of the pieces read before it, not all of them:
     an embedding decoded first peaks with little else held."""
-    pieces = [[("Q8_0", 30, 32)], [("Q8_0", 3, 3)], [("Q8_0", 3, 3)]]  # Q8_0 decoded whole: 1.0x its bytes
-    held = [32, 3, 3]
-    assert load_peak_bytes("onnx", pieces) == 30  # any shard: the largest piece's temporaries
-    assert load_peak_bytes("onnx", pieces, held) == (32 + 30) - 38  # at the embedding, beyond the 38 held at the end
-    assert load_peak_bytes("onnx", pieces[::-1], held[::-1]) == 30  # read last, beside all the rest
-    assert load_peak_bytes("onnx", [[("Q4_K", 10, 11)]], [11]) == LOAD_CHUNK_BYTES  # read a chunk at a time
+    # IQ4_NL is read by dequantizing it whole: its temporaries are 3.5x its bytes (LOAD_PEAK_DECODED)
+    pieces = [[("IQ4_NL", 30, 128)], [("IQ4_NL", 3, 13)], [("IQ4_NL", 3, 13)]]
+    held = [128, 13, 13]
+    assert load_peak_bytes("onnx", pieces) == 105  # any shard: the largest piece's temporaries
+    assert load_peak_bytes("onnx", pieces, held) == (128 + 105) - 154  # at the embedding, beyond the 154 held at the end
+    assert load_peak_bytes("onnx", pieces[::-1], held[::-1]) == 105  # read last, beside all the rest
+    for t in ("Q4_K", "Q8_0", "Q5_0"):  # read a chunk at a time
+        assert load_peak_bytes("onnx", [[(t, 10, 11)]], [11]) == LOAD_CHUNK_BYTES
     # MLX makes a K-quant matrix's arrays a chunk at a time, then copies them: the two largest
     # (stacked into one: gate and up) once more, besides a chunk's temporaries
     layer = [("Q4_K", 100, 133), ("Q4_K", 100, 133), ("Q4_K", 40, 53), ("Q6_K", 80, 98)]
@@ -144,16 +146,17 @@ def test_a_loads_peak_counts_each_piece_beside_the_arrays_read_before_it() -> No
 
 
 def test_mlx_builds_the_embedding_after_the_layers_and_its_load_peaks_there(tmp_path: Path) -> None:
-    """MLX makes a shard's layers, then its embedding (decoded whole where not a K-quant), then
-    its final norm: the peak is the embedding's temporaries beside every layer. ONNX makes the
-    embedding first, beside nothing else."""
+    """MLX makes a shard's layers, then its embedding (its arrays a chunk at a time, then copied
+    into MLX's own), then its final norm: the peak is the embedding's arrays once more beside
+    every layer. ONNX packs every piece a chunk at a time: a chunk's temporaries (and a layer's
+    float32 norms)."""
     m = GGUFModel(write_tiny_llama(tmp_path / "wide-vocab.gguf", n_layers=2, hidden=32, intermediate=32, n_heads=2,
                                    n_kv_heads=1, weight_type="Q4_0", tied=True))  # the embedding its largest piece
     n = m.config.n_layers
-    decoded = int(3.5 * m.embed_nbytes)
+    embed = MLXBackend.held_nbytes("Q4_0", m.tensor_info("token_embd.weight").shape)
     norm = 4 * m.config.hidden_size  # read after it
-    assert m.load_peak_nbytes(0, n, "mlx") == decoded - norm
-    assert m.load_peak_nbytes(0, n, "onnx") < decoded - norm
+    assert m.load_peak_nbytes(0, n, "mlx") == embed + LOAD_CHUNK_BYTES - norm
+    assert LOAD_CHUNK_BYTES <= m.load_peak_nbytes(0, n, "onnx") < m.load_peak_nbytes(0, n, "mlx")
 
 
 def test_a_mixtures_experts_are_held_as_counted_on_onnx() -> None:

@@ -22,10 +22,12 @@ from backends.onnx.kernels.tiles import BLOCK, K_HEADER, KQUANT, SUPER, TILE, co
 
 
 @functools.cache
-def _code_map(bits: int, xbits: int) -> tuple[np.ndarray, np.ndarray]:
-    """For the codes of a tile block laid out for ``xbits``: the byte and the bit of that byte that
-    bit ``i`` of the code of (column ``c``, ``k``) lies at, each ``(32, 32, bits)``. Found by
-    packing, block by block, one code with one bit set."""
+def _code_map(bits: int, xbits: int) -> tuple[tuple[np.ndarray, np.ndarray, int, int], ...]:
+    """Where the codes of a tile block laid out for ``xbits`` lie, as runs of a code's bits that
+    lie side by side in one byte (an 8-bit code's byte, a 4-bit line's nibble, a plane's bit):
+    per run, the byte and the bit of that byte it starts at for each (column ``c``, ``k``),
+    ``(32, 32)`` each, how many bits it has and the bit of the code it starts at. Found by packing,
+    block by block, one code with one bit set."""
     n = TILE * BLOCK * bits
     c, k, i = np.unravel_index(np.arange(n), (TILE, BLOCK, bits))
     probe = np.zeros((1, TILE, n, BLOCK), np.uint8)
@@ -34,8 +36,14 @@ def _code_map(bits: int, xbits: int) -> tuple[np.ndarray, np.ndarray]:
     block, byte = np.nonzero(laid)
     if not np.array_equal(block, np.arange(n)):
         raise AssertionError(f"a {bits}-bit code's bit is not one bit of its tile block (xbits {xbits})")
-    bit = np.log2(laid[block, byte]).astype(np.uint8)
-    return byte.reshape(TILE, BLOCK, bits), bit.reshape(TILE, BLOCK, bits)
+    byte = byte.reshape(TILE, BLOCK, bits)
+    bit = np.log2(laid[block, byte.reshape(-1)]).astype(np.int64).reshape(TILE, BLOCK, bits)
+    runs, first = [], 0
+    for i in range(1, bits + 1):  # a run ends where the next bit of the code lies elsewhere, for any code
+        if i == bits or not (np.all(byte[..., i] == byte[..., i - 1]) and np.all(bit[..., i] == bit[..., i - 1] + 1)):
+            runs.append((byte[..., first], bit[..., first].astype(np.uint8), i - first, first))
+            first = i
+    return tuple(runs)
 
 
 class TileRows:
@@ -48,21 +56,25 @@ class TileRows:
 
     def __init__(self, tiles: np.ndarray, type_name: str, bits: int, xbits: int, cols: int) -> None:
         self.tiles, self.type_name, self.bits, self.cols = tiles, type_name, bits, cols
-        self.byte, self.bit = _code_map(bits, xbits)
+        self.runs = _code_map(bits, xbits)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         t = len(ids)
-        tiles = self.tiles[ids // TILE]  # (T, units, bytes): each row's tile (32 rows of the matrix)
-        col = ids % TILE
+        tile, col = (ids // TILE)[:, None, None], ids % TILE
         nb = self.cols // BLOCK
-        kquant = self.type_name in KQUANT
-        header = K_HEADER[self.type_name] if kquant else 128
-        codes = tiles[:, :, header:].reshape(t, nb, -1)  # (T, block, code bytes)
-        picked = np.take_along_axis(codes, self.byte[col].reshape(t, 1, -1), axis=2).reshape(t, nb, BLOCK, self.bits)
-        q = ((picked >> self.bit[col][:, None]) & 1).astype(np.uint8) << np.arange(self.bits, dtype=np.uint8)
-        q = q.sum(axis=-1, dtype=np.uint8)  # (T, block, k)
-        scales, biases = self._groups(tiles[:, :, :header], col)
+        header = K_HEADER[self.type_name] if self.type_name in KQUANT else 128
+        units = self.tiles.shape[1]  # blocks, or super-blocks of 8 blocks
+        block = np.arange(nb)[None, :, None]
+        q = np.zeros((t, nb, BLOCK), np.uint8)
+        for byte, shift, width, at in self.runs:  # each run's bits of every code, gathered from the tiles
+            if units == nb:
+                picked = self.tiles[tile, block, header + byte[col][:, None, :]]
+            else:  # a super-block's header, then its 8 blocks' codes
+                code_bytes_per_block = (self.tiles.shape[2] - header) // 8
+                picked = self.tiles[tile, block // 8, header + (block % 8) * code_bytes_per_block + byte[col][:, None, :]]
+            q |= ((picked >> shift[col][:, None, :]) & ((1 << width) - 1)) << at
+        scales, biases = self._groups(self.tiles[ids // TILE, :, :header], col)
         group = self.cols // scales.shape[1]
         out = q.reshape(t, -1, group).astype(np.float32)
         out *= scales[:, :, None]

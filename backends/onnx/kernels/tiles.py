@@ -102,29 +102,21 @@ def pack(weights: list[QuantizedWeight], xbits: int = 0) -> np.ndarray:
     beyond the result."""
     if weights[0].source_type in KQUANT:
         return _pack_kquant(weights, xbits)
-    n, k, bits = sum(w.q.shape[0] for w in weights), weights[0].q.shape[1], weights[0].bits
+    n, k, bits = sum(w.shape[0] for w in weights), weights[0].shape[1], weights[0].bits
     tiles, nb = -(-n // TILE), k // BLOCK
     out = np.empty((tiles, nb, TILE_BLOCK_BYTES[bits]), dtype=np.uint8)
-    starts = np.cumsum([0] + [w.q.shape[0] for w in weights])
-
-    def columns(lo: int, hi: int, field: str, dtype: type) -> np.ndarray:
-        """Rows ``lo:hi`` of the stacked matrices' ``field``, zeros past the last."""
-        part = np.zeros((hi - lo, k if field == "q" else nb), dtype)
-        for w, start in zip(weights, starts[:-1], strict=True):
-            a, b = max(lo, start), min(hi, start + w.q.shape[0])
-            if a < b:
-                part[a - lo : b - lo] = np.asarray(getattr(w, field)).reshape(w.q.shape[0], -1)[a - start : b - start]
-        return part
-
-    chunk = 64  # tiles
+    chunk = max(1, CHUNK_CODES // (TILE * k))  # tiles: a few MB of codes and their temporaries
     for t0 in range(0, tiles, chunk):
         t1 = min(tiles, t0 + chunk)
-        lo, hi = t0 * TILE, t1 * TILE
+        count = t1 - t0
+        parts = _rows(weights, t0 * TILE, t1 * TILE)  # a matrix kept as its file's blocks decodes only these
         for i, field in enumerate(("scales", "biases")):  # (tile, block, column)
-            half = columns(lo, hi, field, np.float16).reshape(t1 - t0, TILE, nb).transpose(0, 2, 1)
-            out[t0:t1, :, 64 * i : 64 * (i + 1)] = np.ascontiguousarray(half).view(np.uint8)
-        codes = columns(lo, hi, "q", np.uint8)
-        out[t0:t1, :, 128:] = code_bytes(codes.reshape(t1 - t0, TILE, nb, BLOCK), bits, xbits)
+            half = _stacked([getattr(p, field) for p in parts], count * TILE, np.float16)
+            out[t0:t1, :, 64 * i : 64 * (i + 1)] = np.ascontiguousarray(half.reshape(count, TILE, nb).transpose(0, 2, 1)).view(np.uint8)
+        codes = _stacked([p.q for p in parts], count * TILE, np.uint8)
+        out[t0:t1, :, 128:] = code_bytes(codes.reshape(count, TILE, nb, BLOCK), bits, xbits)
+    for w in weights:  # each chunk's pages went once read; the ones mapped around them (fault-around) go now
+        w.release_pages()
     return out
 
 
@@ -176,7 +168,8 @@ def _rows(weights: list[QuantizedWeight], lo: int, hi: int) -> list[QuantizedWei
         if a < b:
             rows = slice(a - start, b - start)
             part = w.take_rows(rows)
-            if not isinstance(part, kquants.KQuantWeight) and part.superblocks is None:  # found once, for the whole
+            if part.source_type in KQUANT and not isinstance(part, kquants.KQuantWeight) and part.superblocks is None:
+                # found once, for the whole
                 part = dataclasses.replace(part, superblocks=tuple(f[rows] for f in _superblocks(w)))  # type: ignore[union-attr]
             parts.append(part)
         start += w.shape[0]
