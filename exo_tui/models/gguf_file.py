@@ -92,24 +92,29 @@ def shard_load_peak(backend: str, tensors: Iterable[TensorInfo], *, first: bool,
     """What the load of a shard of ``tensors`` on ``backend`` takes at its peak beside the arrays
     it holds once loaded: each piece's temporaries beside the arrays of the pieces read so far
     (:func:`backends.base.load_peak_bytes` with each piece's :func:`held_nbytes`)."""
+    tensors = list(tensors)
+    tied = last and not any(t.name == "output.weight" for t in tensors)  # the shard's, not a piece's
     pieces = _grouped(tensors)
     if first and not backend_class(backend).embedding_first:  # the layers, then the embedding, then the head
         embedding = [p for p in pieces if p[0].name == "token_embd.weight"]
         layers = [p for p in pieces if p[0].name.startswith("blk.")]
         pieces = layers + embedding + [p for p in pieces if p not in layers and p not in embedding]
-    held = [held_nbytes(backend, piece, first=first, last=last) for piece in pieces]
+    held = [held_nbytes(backend, piece, first=first, last=last, tied=tied) for piece in pieces]
     return load_peak_bytes(backend, _load_pieces(pieces, backend), held)
 
 
-def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:
+def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool, tied: bool | None = None) -> int:
     """The bytes a shard of ``tensors`` (its layers', and the embedding or head at the ends) holds
     on ``backend`` (:meth:`backends.base.Backend.held_nbytes`): the token embedding as the rows the
     ``first`` shard looks up, and on a ``last`` shard of a model that ties them (no
     ``output.weight``), as the head's matrix too: on a shard with both, the head's form alone where
-    the backend keeps one form for both (``shares_tied_head``)."""
+    the backend keeps one form for both (``shares_tied_head``). ``tied``: whether the model ties
+    them, where ``tensors`` are part of a shard (default: whether they hold no ``output.weight``)."""
     cls = backend_class(backend)
     tensors = list(tensors)
-    tied = last and not any(t.name == "output.weight" for t in tensors)
+    if tied is None:
+        tied = not any(t.name == "output.weight" for t in tensors)
+    tied = tied and last
     total = 0
     for t in tensors:
         if t.name != "token_embd.weight":

@@ -163,10 +163,9 @@ class ModelSpec:
         """What a shard holds besides its layers: the embedding on the first, the head on the last
         (one form of a tied matrix, where a backend's shard holding both keeps one)."""
         held = self.held_bytes(backend)
-        b = (held.embed if first else 0) + (held.head if last else 0)
         if first and last and self.tied_embeddings and held.shares_tied_head:
-            b -= min(held.embed, held.head)
-        return b
+            return held.head  # one form for both: the head's (ONNX looks the rows up in its tiles)
+        return (held.embed if first else 0) + (held.head if last else 0)
 
     def to_dict(self) -> dict[str, Any]:
         lb = self.layers

@@ -128,6 +128,21 @@ def test_a_node_refuses_a_load_its_backend_would_hold_past_its_limit(tmp_path: P
         hosted.shard.close()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_whole_shards_pieces_add_up_to_what_it_holds(tmp_path: Path, tied: bool) -> None:
+    """A load's peak takes each piece's bytes as the shard holds them: the embedding's piece of a
+    model with its own output matrix is the embedding's rows alone (its piece has no
+    ``output.weight`` in it, and is still no tied head), and the pieces add up to the shard's."""
+    from exo_tui.models.gguf_file import _grouped
+
+    m = model(tmp_path, "Q4_K", "Q5_0", tied)  # Q5_0's rows (0.875 bytes a weight) are not its tiles (0.75)
+    names = m.shard_tensor_names(0, N_LAYERS)
+    for backend in ("onnx", "mlx"):
+        pieces = _grouped([m.tensor_info(n) for n in names])
+        parts = sum(held_nbytes(backend, p, first=True, last=True, tied=tied) for p in pieces)
+        assert parts == m.held_nbytes(0, N_LAYERS, backend), backend
+
+
 def test_a_loads_peak_counts_each_piece_beside_the_arrays_read_before_it() -> None:
     """A piece's temporaries lie beside the arrays of the pieces read before it, not all of them:
     an embedding decoded first peaks with little else held."""
