@@ -20,6 +20,8 @@ import numpy as np
 
 from backends.onnx.kernels.tiles import BLOCK, K_HEADER, KQUANT, SUPER, TILE, code_bytes
 
+PROBES = 32  # probe blocks packed at once (32 KB of codes)
+
 
 @functools.cache
 def _code_map(bits: int, xbits: int) -> tuple[tuple[np.ndarray, np.ndarray, int, int], ...]:
@@ -29,15 +31,18 @@ def _code_map(bits: int, xbits: int) -> tuple[tuple[np.ndarray, np.ndarray, int,
     ``(32, 32)`` each, how many bits it has and the bit of the code it starts at. Found by packing,
     block by block, one code with one bit set."""
     n = TILE * BLOCK * bits
-    c, k, i = np.unravel_index(np.arange(n), (TILE, BLOCK, bits))
-    probe = np.zeros((1, TILE, n, BLOCK), np.uint8)
-    probe[0, c, np.arange(n), k] = np.left_shift(1, i).astype(np.uint8)
-    laid = code_bytes(probe, bits, xbits)[0]  # (n, bytes)
-    block, byte = np.nonzero(laid)
-    if not np.array_equal(block, np.arange(n)):
-        raise AssertionError(f"a {bits}-bit code's bit is not one bit of its tile block (xbits {xbits})")
-    byte = byte.reshape(TILE, BLOCK, bits)
-    bit = np.log2(laid[block, byte.reshape(-1)]).astype(np.int64).reshape(TILE, BLOCK, bits)
+    byte, bit = np.empty(n, np.int64), np.empty(n, np.int64)
+    for lo in range(0, n, PROBES):  # a few blocks at a time: no temporaries of megabytes, which leave
+        hi = min(n, lo + PROBES)  # glibc's heap more fragmented than a node's unload can give back
+        c, k, i = np.unravel_index(np.arange(lo, hi), (TILE, BLOCK, bits))
+        probe = np.zeros((1, TILE, hi - lo, BLOCK), np.uint8)
+        probe[0, c, np.arange(hi - lo), k] = np.left_shift(1, i).astype(np.uint8)
+        laid = code_bytes(probe, bits, xbits)[0]  # (blocks, bytes)
+        block, at = np.nonzero(laid)
+        if not np.array_equal(block, np.arange(hi - lo)):
+            raise AssertionError(f"a {bits}-bit code's bit is not one bit of its tile block (xbits {xbits})")
+        byte[lo:hi], bit[lo:hi] = at, np.log2(laid[block, at]).astype(np.int64)
+    byte, bit = byte.reshape(TILE, BLOCK, bits), bit.reshape(TILE, BLOCK, bits)
     runs, first = [], 0
     for i in range(1, bits + 1):  # a run ends where the next bit of the code lies elsewhere, for any code
         if i == bits or not (np.all(byte[..., i] == byte[..., i - 1]) and np.all(bit[..., i] == bit[..., i - 1] + 1)):
