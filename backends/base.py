@@ -702,7 +702,14 @@ class Backend(abc.ABC):
 
     shares_tied_head: bool = True
     """Whether a shard that holds both the token embedding and the output head it is tied to
-    keeps one form of the matrix for both."""
+    keeps one form of the matrix for both (:meth:`shares_tied`)."""
+
+    @classmethod
+    def shares_tied(cls, type_name: str, shape: tuple[int, ...]) -> bool:
+        """Whether a shard with both ends keeps one form of a tied matrix of GGUF type
+        ``type_name`` and ``shape`` for the embedding and the head (by default
+        ``shares_tied_head``, whatever the type)."""
+        return cls.shares_tied_head
     embedding_first: bool = False
     """Whether a shard's load builds its embedding before its layers (else after them, before the
     head): where a load peaks (:func:`load_peak_bytes`)."""

@@ -108,7 +108,7 @@ class ONNXBackend(Backend):
 
     name = "onnx"
     experts = True  # exo-tui's Experts op on quantized experts, ONNX Runtime's MoE on float ones (graph.py)
-    shares_tied_head = True  # a tied embedding is looked up in the head's tiles (kernels.tile_rows)
+    shares_tied_head = True  # a tied embedding is looked up in the head's tiles (kernels.tile_rows): see shares_tied
     embedding_first = True  # ONNXShard makes its embedding's rows, then builds the graph
 
     @classmethod
@@ -129,6 +129,14 @@ class ONNXBackend(Backend):
         *lead, rows, cols = shape
         held = (embedding_nbytes if embedding else packed_nbytes)(type_name, rows, cols)
         return int(np.prod(lead, dtype=np.int64)) * held if held is not None else super().held_nbytes(type_name, shape)
+
+    @classmethod
+    def shares_tied(cls, type_name: str, shape: tuple[int, ...]) -> bool:
+        """Only a matrix on the kernel: its rows are looked up in its tiles (ONNXShard, TileRows);
+        another (a float one) is held as float32 for the head beside its rows."""
+        from backends.onnx.kernels.tiles import packed_nbytes
+
+        return len(shape) == 2 and packed_nbytes(type_name, *shape) is not None
 
     def __init__(
         self,

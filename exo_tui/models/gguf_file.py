@@ -41,7 +41,6 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFModel", "ModelFileError", "TensorInfo
            "held_nbytes", "lazy_shard", "load_pieces", "shard_load_peak", "tensor_from_raw"]
 
 
-
 class ModelFileError(Exception):
     """A model file cannot be used; the message names the file and what to do."""
 
@@ -108,7 +107,7 @@ def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, las
     on ``backend`` (:meth:`backends.base.Backend.held_nbytes`): the token embedding as the rows the
     ``first`` shard looks up, and on a ``last`` shard of a model that ties them (no
     ``output.weight``), as the head's matrix too: on a shard with both, the head's form alone where
-    the backend keeps one form for both (``shares_tied_head``). ``tied``: whether the model ties
+    the backend keeps one form for both (``Backend.shares_tied``). ``tied``: whether the model ties
     them, where ``tensors`` are part of a shard (default: whether they hold no ``output.weight``)."""
     cls = backend_class(backend)
     tensors = list(tensors)
@@ -120,7 +119,7 @@ def held_nbytes(backend: str, tensors: Iterable[TensorInfo], *, first: bool, las
         if t.name != "token_embd.weight":
             total += cls.held_nbytes(t.type_name, t.shape)
             continue
-        if first and tied and cls.shares_tied_head:  # one form for both: the head's
+        if first and tied and cls.shares_tied(t.type_name, t.shape):  # one form for both: the head's
             total += cls.held_nbytes(t.type_name, t.shape)
             continue
         if first:

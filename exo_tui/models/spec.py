@@ -57,7 +57,7 @@ def held_on(m: GGUFModel, backend: str) -> HeldBytes:
         layers=tuple(held(m.layer_names(i)) for i in range(m.config.n_layers)),
         embed=cls.held_nbytes(embd.type_name, embd.shape, embedding=True),
         head=held(["output_norm.weight"]) + cls.held_nbytes(out.type_name, out.shape),
-        shares_tied_head=cls.shares_tied_head,
+        shares_tied_head=cls.shares_tied(embd.type_name, embd.shape),
     )
 
 

@@ -143,6 +143,26 @@ def test_a_whole_shards_pieces_add_up_to_what_it_holds(tmp_path: Path, tied: boo
         assert parts == m.held_nbytes(0, N_LAYERS, backend), backend
 
 
+def test_onnx_holds_a_tied_matrix_once_only_where_it_runs_on_the_kernel(tmp_path: Path) -> None:
+    """A shard with both ends looks a tied embedding's rows up in the head's tiles, so a quantized
+    one is held once; a float one twice (its rows as the file has them, the head as float32). The
+    plan counts what the node does."""
+    from backends.onnx import ONNXBackend
+
+    assert ONNXBackend.shares_tied("Q8_0", (512, 256)) and ONNXBackend.shares_tied("Q6_K", (512, 256))
+    assert not ONNXBackend.shares_tied("F16", (512, 256)) and not ONNXBackend.shares_tied("Q4_K", (512, 96))
+    for embed_type, twice in (("Q8_0", False), ("F16", True)):
+        m = model(tmp_path, "Q4_K", embed_type, True)
+        infos = [m.tensor_info(n) for n in m.shard_tensor_names(0, N_LAYERS)]
+        embed = next(t for t in infos if t.name == "token_embd.weight")
+        rest = held_nbytes("onnx", [t for t in infos if t is not embed], first=True, last=True, tied=True)
+        forms = ONNXBackend.held_nbytes(embed.type_name, embed.shape)
+        if twice:
+            forms += ONNXBackend.held_nbytes(embed.type_name, embed.shape, embedding=True)
+        assert m.held_nbytes(0, N_LAYERS, "onnx") == rest + forms, embed_type
+        assert spec_from_gguf(m).range_bytes(0, N_LAYERS, 0, "onnx") == rest + forms, embed_type
+
+
 def test_a_loads_peak_counts_each_piece_beside_the_arrays_read_before_it() -> None:
     """A piece's temporaries lie beside the arrays of the pieces read before it, not all of them:
     an embedding decoded first peaks with little else held."""
