@@ -11,7 +11,9 @@ are one width in each family: 8 of Llama-3.2-1B's layers and a 32k vocabulary, e
 family's own tensors and metadata (q/k/v biases; q/k head norms; post-norms, tanh-GELU, embedding
 scale and 512-token sliding windows; fused q/k/v and gate/up), so that beside the llama one only
 the family's extra ops differ (phi3's fused q/k/v stays Q4_K, where llama.cpp's Q4_K_M makes it
-Q5_K).
+Q5_K). The fallback shapes (``qwen2.5-0.5b``, ``gemma3-1b``) are those models' whole shapes in
+llama.cpp's Q4_K_M layout, where a matrix whose rows are not whole super-blocks of 256 is Q5_0
+(Q8_0 where Q4_K_M wants Q6_K): most of their matrices, and their tied embeddings.
 Then reports, side by side with llama.cpp on the same file and threads:
 
 * one node: prefill and decode tok/s and the peak RSS of each engine, measured in a process of its
@@ -23,7 +25,7 @@ Then reports, side by side with llama.cpp on the same file and threads:
   mid-answer (the longest gap between two streamed tokens after the drain, against the usual one).
   The machine's cores are shared out between the nodes (``--threads`` in all).
 
-    python benchmarks/big_model.py [--shape 1b|8b] [--threads 2] [--tokens 32] [--local-nodes 3]
+    python benchmarks/big_model.py [--shape 1b|8b|qwen2.5-0.5b|gemma3-1b|...] [--threads 2] [--tokens 32] [--local-nodes 3]
                                    [--memory-limit GB] [--context TOKENS] [--no-one-node] [--reps 3]
                                    [--precision auto int16] [--mlx]
 
@@ -54,8 +56,9 @@ SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocab, tied
 FAMILY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 FAMILY_WIDTH = (8, 2048, 8192, 32, 8, 32768, True)  # as SHAPES: 8 of Llama-3.2-1B's layers, a 32k vocabulary
 FAMILY_SHAPES = {f"{arch}-{FAMILY_WIDTH[1]}": arch for arch in FAMILY_ARCHS}
-FALLBACK_SHAPES = {  # as SHAPES, in a family: real models whose rows are not whole K-quant super-blocks
-    "qwen2.5-0.5b": ("qwen2", (24, 896, 4864, 14, 2, 151936, True)),
+FALLBACK_SHAPES = {  # as SHAPES (and a head size), in a family: real models whose rows are not whole K-quant super-blocks
+    "qwen2.5-0.5b": ("qwen2", (24, 896, 4864, 14, 2, 151936, True), 64),
+    "gemma3-1b": ("gemma3", (26, 1152, 6912, 4, 1, 262144, True), 256),  # its 262k-row embedding a third of it
 }
 FALLBACK_TYPES = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 """What llama.cpp's quantizer writes for a matrix whose rows are not whole super-blocks of 256 (in a
@@ -147,13 +150,13 @@ def _write_family(path: Path, shape: str) -> None:
     converter writes them. A tied embedding is the head, which Q4_K_M makes Q6_K."""
     import gguf
 
-    arch, (n_layers, hidden, ffn, heads, kv_heads, vocab, tied) = FALLBACK_SHAPES.get(shape, (FAMILY_SHAPES.get(shape), FAMILY_WIDTH))
-    head_dim = hidden // heads
+    arch, (n_layers, hidden, ffn, heads, kv_heads, vocab, tied), head_dim = FALLBACK_SHAPES.get(
+        shape, (FAMILY_SHAPES.get(shape), FAMILY_WIDTH, FAMILY_WIDTH[1] // FAMILY_WIDTH[3]))
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
     fields: dict[str, int | float] = {
         "block_count": n_layers, "context_length": 8192, "embedding_length": hidden, "feed_forward_length": ffn,
         "attention.head_count": heads, "attention.head_count_kv": kv_heads, "rope.dimension_count": head_dim,
-        "vocab_size": vocab}
+        "attention.key_length": head_dim, "attention.value_length": head_dim, "vocab_size": vocab}
     if arch == "gemma3":  # windowed layers (every 6th global, llama.cpp's default) with their own rotary base
         fields |= {"attention.sliding_window": GEMMA3_WINDOW, "rope.freq_base_swa": 10000.0}
     embed = "Q6_K" if tied and shape in FALLBACK_SHAPES else "Q4_K"
