@@ -47,8 +47,36 @@ def skip_reason() -> str | None:
     return None
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives a socket bound to port 0 or an outgoing connection."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free now, for a process to bind a little later: below the kernel's ephemeral range,
+    so no socket bound to port 0 (a node agent's, a local node's) and no outgoing connection can
+    take it in the meantime (one from that range once was: a join endpoint's port went to the
+    serve's own local node), and never the same one twice in a test run."""
+    lo, _ = _ephemeral_range()
+    for _ in range(200):
+        port = 10000 + secrets.randbelow(max(1, lo - 10000))
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # nothing free below the range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
