@@ -700,16 +700,12 @@ class Backend(abc.ABC):
         scheduler counts when it places layers within a node's memory."""
         return 4
 
-    shares_tied_head: bool = True
-    """Whether a shard that holds both the token embedding and the output head it is tied to
-    keeps one form of the matrix for both (:meth:`shares_tied`)."""
-
     @classmethod
     def shares_tied(cls, type_name: str, shape: tuple[int, ...]) -> bool:
-        """Whether a shard with both ends keeps one form of a tied matrix of GGUF type
-        ``type_name`` and ``shape`` for the embedding and the head (by default
-        ``shares_tied_head``, whatever the type)."""
-        return cls.shares_tied_head
+        """Whether a shard that holds both the token embedding and the output head it is tied to
+        keeps one form of the matrix for both, for a matrix of GGUF type ``type_name`` and
+        ``shape`` (by default it does, whatever the type)."""
+        return True
     embedding_first: bool = False
     """Whether a shard's load builds its embedding before its layers (else after them, before the
     head): where a load peaks (:func:`load_peak_bytes`)."""

@@ -108,7 +108,6 @@ class ONNXBackend(Backend):
 
     name = "onnx"
     experts = True  # exo-tui's Experts op on quantized experts, ONNX Runtime's MoE on float ones (graph.py)
-    shares_tied_head = True  # a tied embedding is looked up in the head's tiles (kernels.tile_rows): see shares_tied
     embedding_first = True  # ONNXShard makes its embedding's rows, then builds the graph
 
     @classmethod
@@ -132,8 +131,9 @@ class ONNXBackend(Backend):
 
     @classmethod
     def shares_tied(cls, type_name: str, shape: tuple[int, ...]) -> bool:
-        """Only a matrix on the kernel: its rows are looked up in its tiles (ONNXShard, TileRows);
-        another (a float one) is held as float32 for the head beside its rows."""
+        """Only a matrix on the kernel: a tied embedding's rows are looked up in the head's tiles
+        (ONNXShard, kernels.tile_rows); another (a float one) is held as float32 for the head
+        beside its rows."""
         from backends.onnx.kernels.tiles import packed_nbytes
 
         return len(shape) == 2 and packed_nbytes(type_name, *shape) is not None

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from backends.base import BLOCK_TYPES, KQUANT_BLOCK_BYTES
 from exo_tui.models.gguf_header import GGUFHeader, type_name
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ OLLAMA_REGISTRY = "registry.ollama.ai"
 SOURCES = ("registry", "config", "ollama", "lmstudio", "huggingface")
 CACHE_VERSION = 1
 # Tensor types the runtime keeps as blocks, or reads as floats; others must be ones gguf dequantizes.
-_DIRECT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+_DIRECT_TYPES = frozenset({"F32", "F16", "BF16", *BLOCK_TYPES, *KQUANT_BLOCK_BYTES})
 _SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 _MAX_FIELD_CHARS = 65536  # metadata strings kept for /api/show (a chat template fits)
 

@@ -68,16 +68,16 @@ class TileRows:
         t = len(ids)
         tile, col = (ids // TILE)[:, None, None], ids % TILE
         nb = self.cols // BLOCK
-        header = K_HEADER[self.type_name] if self.type_name in KQUANT else 128
-        units = self.tiles.shape[1]  # blocks, or super-blocks of 8 blocks
+        kquant = self.type_name in KQUANT
+        header = K_HEADER[self.type_name] if kquant else 128
         block = np.arange(nb)[None, :, None]
+        if kquant:  # a super-block's header, then its 8 blocks' codes
+            unit, at_block = block // 8, header + (block % 8) * ((self.tiles.shape[2] - header) // 8)
+        else:  # a block's header, then its codes
+            unit, at_block = block, header
         q = np.zeros((t, nb, BLOCK), np.uint8)
         for byte, shift, width, at in self.runs:  # each run's bits of every code, gathered from the tiles
-            if units == nb:
-                picked = self.tiles[tile, block, header + byte[col][:, None, :]]
-            else:  # a super-block's header, then its 8 blocks' codes
-                code_bytes_per_block = (self.tiles.shape[2] - header) // 8
-                picked = self.tiles[tile, block // 8, header + (block % 8) * code_bytes_per_block + byte[col][:, None, :]]
+            picked = self.tiles[tile, unit, at_block + byte[col][:, None, :]]
             q |= ((picked >> shift[col][:, None, :]) & ((1 << width) - 1)) << at
         scales, biases = self._groups(self.tiles[ids // TILE, :, :header], col)
         group = self.cols // scales.shape[1]
