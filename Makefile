@@ -33,6 +33,7 @@ system-deps:
 lint: setup
 	$(BIN)/ruff check exo_tui backends themes tests benchmarks
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # llama.cpp for the side-by-side benchmark: built from source (about 10 minutes on 2 cores);
 # ggml's native build dies on these machines' AMX kernels, so the CPU features are spelled out,

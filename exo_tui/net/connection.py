@@ -49,6 +49,7 @@ import itertools
 import logging
 import ssl
 import struct
+import sys
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -57,11 +58,9 @@ import numpy as np
 from exo_tui.net.budget import ReceiveBudget, receive_budget
 from exo_tui.net.ratelog import RateLimitedLog
 
-try:  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
+if sys.platform != "win32":  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
     import fcntl
     import termios
-except ImportError:  # pragma: no cover - not POSIX
-    fcntl = termios = None  # type: ignore[assignment]
 from exo_tui.net.errors import ConnectionClosed, RemoteError, UnknownFrameType
 from exo_tui.net.frame import (
     DEFAULT_LIMITS,
@@ -155,13 +154,13 @@ class Connection:
         self._lanes: dict[str, asyncio.Queue[Frame]] = {}
         self._busy_lanes: set[str] = set()  # lanes whose task is running a handler
         self._inline_types = frozenset(inline_types)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._call_slots = asyncio.Semaphore(max_concurrent_calls)
         self._close_callbacks: list[CloseCallback] = []
-        self._callback_tasks: set[asyncio.Future] = set()
+        self._callback_tasks: set[asyncio.Future[Any]] = set()
         self._closing = False
         self._peer_error: RemoteError | None = None
-        self._read_task: asyncio.Task | None = None
+        self._read_task: asyncio.Task[None] | None = None
         self._frame_since: float | None = None
         self._frame_timed_out = False
         self._watchdog: asyncio.TimerHandle | None = None
@@ -190,10 +189,11 @@ class Connection:
         if getattr(self._reader, "_buffer", None):  # asyncio.StreamReader's buffer (CPython)
             return True
         sock = self._writer.get_extra_info("socket")
-        if sock is None or fcntl is None:
+        if sock is None or sys.platform == "win32":
             return False
         try:
-            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+            waiting: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+            return waiting > 0
         except (OSError, ValueError):
             return False
 
@@ -451,7 +451,7 @@ class Connection:
             self._track(self._loop.create_task(self._lane_worker(lane, q)))
         await q.put(frame)
 
-    def _track(self, task: asyncio.Task) -> None:
+    def _track(self, task: asyncio.Task[None]) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -488,13 +488,13 @@ class Connection:
 
     async def _lane_worker(self, lane: str, q: asyncio.Queue[Frame]) -> None:
         while True:
-            frame: Frame | None = await q.get()
+            frame = await q.get()
             self._busy_lanes.add(lane)
             try:
-                await self._handle_one_way(frame)  # type: ignore[arg-type]
+                await self._handle_one_way(frame)
             finally:
                 self._busy_lanes.discard(lane)
-                frame = None  # not kept while waiting for the next one
+                del frame  # not kept while waiting for the next one
 
     async def _handle_one_way(self, frame: Frame) -> None:
         try:

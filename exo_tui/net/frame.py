@@ -162,7 +162,7 @@ def _check_plain(value: Any) -> None:
 
 def header_length(prefix: bytes, limits: Limits = DEFAULT_LIMITS) -> int:
     """Decode and check the 4-byte prefix."""
-    (n,) = _PREFIX.unpack(prefix)
+    n: int = _PREFIX.unpack(prefix)[0]
     if n == 0:
         raise FrameError("empty header")
     if n > limits.header_bytes:
@@ -185,7 +185,7 @@ class Header:
     lane: str | None
 
 
-def _int(h: dict, key: str, *, default: Any = None, lo: int = 0, hi: int = _MAX_ID) -> Any:
+def _int(h: dict[str, Any], key: str, *, default: Any = None, lo: int = 0, hi: int = _MAX_ID) -> Any:
     v = h.get(key, default)
     if v is default:
         return v

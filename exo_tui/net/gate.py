@@ -36,7 +36,7 @@ class Ticket:
 
     address: str
     known: bool
-    drop: Callable[[], None] = field(repr=False)
+    drop: Callable[[], object] = field(repr=False)
     hello: bool = False
 
 
@@ -67,7 +67,7 @@ class HandshakeGate:
         while len(self._known) > self.remembered:
             self._known.popitem(last=False)
 
-    def admit(self, address: str, drop: Callable[[], None]) -> Ticket:
+    def admit(self, address: str, drop: Callable[[], object]) -> Ticket:
         """A slot for a connection from ``address`` (``drop()`` closes it if it must make room
         later), or :class:`Refused`."""
         known = self.is_known(address)

@@ -36,11 +36,13 @@ import tempfile
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CLUSTER_KEY_BYTES = 32
@@ -168,11 +170,18 @@ def issue_cert(
     """
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise SecurityError(f"the cluster CA key is a {type(ca_key).__name__}, not an EC key: make the cluster again")
+    public_key: CertificatePublicKeyTypes
+    key_pem: bytes | None
     if public_key_pem is None:
         key = generate_private_key()
         public_key, key_pem = key.public_key(), _key_pem(key)
     else:
-        public_key, key_pem = serialization.load_pem_public_key(public_key_pem), None
+        loaded = serialization.load_pem_public_key(public_key_pem)
+        if not isinstance(loaded, ec.EllipticCurvePublicKey):
+            raise SecurityError(f"a node's public key must be an EC key, not a {type(loaded).__name__}")
+        public_key, key_pem = loaded, None
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name[:64] or "node")]))
@@ -232,7 +241,8 @@ def _check_pair(ca_cert_pem: bytes, cert_pem: bytes, key_pem: bytes, where: str)
             f"{where}: the certificate was not issued by this cluster's CA ({type(e).__name__}): "
             "issue a new one with the coordinator (bootstrap the node again)"
         ) from None
-    if key.public_key().public_numbers() != cert.public_key().public_numbers():  # type: ignore[union-attr]
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
         raise SecurityError(f"{where}: the private key does not belong to the certificate")
 
 
@@ -264,7 +274,7 @@ class Cluster:
         assert key_pem is not None
         return make_bundle(self.cluster_key, self.ca_cert_pem, cert_pem, key_pem, name=name)
 
-    def security(self, *, enable_tls: bool = True, **kw) -> Security:
+    def security(self, *, enable_tls: bool = True, **kw: Any) -> Security:
         """The coordinator's :class:`Security` for :func:`exo_tui.net.client.connect` / ``serve``."""
         return Security(
             cluster_key=self.cluster_key, ca_cert_pem=self.ca_cert_pem, cert_pem=self.cert_pem,
@@ -361,7 +371,7 @@ def write_node_bundle(path: Path, bundle: bytes) -> Path:
     return path
 
 
-def parse_bundle(data: bytes, where: object = "node bundle") -> dict:
+def parse_bundle(data: bytes, where: object = "node bundle") -> dict[str, Any]:
     """Parse and check a bundle; returns its fields with bytes values for keys and certificates."""
     try:
         doc = json.loads(data)
@@ -406,19 +416,19 @@ class Security:
     enable_tls: bool = True
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     name: str = ""
-    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.enable_tls and not (self.ca_cert_pem and self.cert_pem and self.key_pem):
             raise SecurityError("TLS needs the cluster CA certificate and this side's certificate and key")
 
     @classmethod
-    def coordinator(cls, home: Path | None = None, *, enable_tls: bool = True, **kw) -> Security:
+    def coordinator(cls, home: Path | None = None, *, enable_tls: bool = True, **kw: Any) -> Security:
         """The coordinator's security, creating the cluster on first use."""
         return ensure_cluster(home).security(enable_tls=enable_tls, **kw)
 
     @classmethod
-    def from_bundle(cls, data: bytes, *, enable_tls: bool = True, where: object = "node bundle", **kw) -> Security:
+    def from_bundle(cls, data: bytes, *, enable_tls: bool = True, where: object = "node bundle", **kw: Any) -> Security:
         b = parse_bundle(data, where)
         return cls(
             cluster_key=b["cluster_key"], ca_cert_pem=b["ca_cert_pem"], cert_pem=b["cert_pem"],
@@ -426,7 +436,7 @@ class Security:
         )
 
     @classmethod
-    def from_bundle_file(cls, path: Path | None = None, *, enable_tls: bool = True, **kw) -> Security:
+    def from_bundle_file(cls, path: Path | None = None, *, enable_tls: bool = True, **kw: Any) -> Security:
         """A node's security from its bundle file (default: :func:`default_bundle_path`)."""
         path = Path(path) if path is not None else default_bundle_path()
         if not path.exists():
@@ -436,14 +446,14 @@ class Security:
             )
         return cls.from_bundle(read_secret(path), enable_tls=enable_tls, where=path, **kw)
 
-    def replace(self, **changes) -> Security:
+    def replace(self, **changes: Any) -> Security:
         """A copy with some fields changed (e.g. ``enable_tls=False``)."""
         return replace(self, **changes)
 
     @property
     def fingerprint(self) -> bytes:
         """SHA-256 of this side's certificate (empty without one)."""
-        fp = self._cache.get("fp")
+        fp: bytes | None = self._cache.get("fp")
         if fp is None:
             fp = cert_fingerprint(self.cert_pem) if self.cert_pem else b""
             self._cache["fp"] = fp
@@ -457,7 +467,7 @@ class Security:
 
     def _context(self, *, server: bool) -> ssl.SSLContext:
         key = "server" if server else "client"
-        ctx = self._cache.get(key)
+        ctx: ssl.SSLContext | None = self._cache.get(key)
         if ctx is not None:
             return ctx
         if not (self.ca_cert_pem and self.cert_pem and self.key_pem):

@@ -78,7 +78,7 @@ class Server:
         self.host = ""
         self.port = 0
         self.connections: set[Connection] = set()
-        self._handshakes: set[asyncio.Task] = set()
+        self._handshakes: set[asyncio.Task[None]] = set()
         self.gate = gate if gate is not None else HandshakeGate()
         self.limited = RateLimitedLog(log)  # refusals and its connections' refused frames, per kind
         self.refused = 0  # connections refused before or during their handshake

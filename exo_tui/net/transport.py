@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import socket
 import ssl
-from typing import Any
+from typing import Any, cast
 
 from exo_tui.net.errors import AuthError
 from exo_tui.net.security import Security
@@ -103,12 +103,12 @@ class TLSFirst(asyncio.StreamReaderProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._held: bytearray | None = bytearray()
-        self._plain: asyncio.BaseTransport | None = None
+        self._plain: asyncio.ReadTransport | None = None
         self.hello = asyncio.Event()  # set when a whole first TLS record arrived, or it never will
         self.not_tls = ""  # why the first bytes cannot be a TLS ClientHello
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._plain = transport
+        self._plain = cast(asyncio.ReadTransport, transport)  # a stream server's transport reads
         super().connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -140,7 +140,7 @@ class TLSFirst(asyncio.StreamReaderProtocol):
         self.hello.set()
         self._held = bytearray()  # nothing of it is wanted
         if self._plain is not None:
-            self._plain.pause_reading()  # type: ignore[attr-defined]  # the accept task closes it
+            self._plain.pause_reading()  # the accept task closes it
 
     async def upgrade(self, writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
         """``writer.start_tls``, giving the held bytes to the TLS protocol as soon as ``start_tls``
@@ -166,10 +166,11 @@ class TLSFirst(asyncio.StreamReaderProtocol):
         held, self._held = self._held, None
         if not held or tls is self or not hasattr(tls, "get_buffer"):
             return
+        buffered = cast(asyncio.BufferedProtocol, tls)  # uvloop's does not subclass it
         view = memoryview(held)
         while view:
-            buf = tls.get_buffer(len(view))  # type: ignore[attr-defined]
+            buf = memoryview(buffered.get_buffer(len(view)))
             n = min(len(buf), len(view))
             buf[:n] = view[:n]
-            tls.buffer_updated(n)  # type: ignore[attr-defined]
+            buffered.buffer_updated(n)
             view = view[n:]

@@ -12,6 +12,7 @@ import platformdirs
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from exo_tui.net import auth
 from exo_tui.net.security import (
@@ -136,6 +137,15 @@ def test_issue_cert_for_a_public_key_kept_by_the_node(home: Path):
     cert, key_pem = c.issue_node_cert("laptop", public_key_pem=pub)
     assert key_pem is None
     assert x509.load_pem_x509_certificate(cert).public_key().public_numbers() == key.public_key().public_numbers()
+
+
+def test_issue_cert_refuses_a_public_key_that_is_not_ec(home: Path):
+    c = ensure_cluster()
+    pub = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    with pytest.raises(SecurityError, match="must be an EC key, not a .*Ed25519"):
+        c.issue_node_cert("laptop", public_key_pem=pub)
 
 
 def test_tls_contexts_are_tls13_mutual_without_hostname_checks(home: Path):
