@@ -13,6 +13,8 @@ Main entry points:
 * :func:`should_rebalance` — the rebalance rule.
 """
 
+from exo_tui.scheduler.baselines import exo_ring_shards
+from exo_tui.scheduler.context import STRATEGIES, InfeasiblePlan
 from exo_tui.scheduler.diff import (
     ChangePreview,
     LayerMove,
@@ -23,15 +25,9 @@ from exo_tui.scheduler.diff import (
     preview_change,
     should_rebalance,
 )
-from exo_tui.scheduler.partition import (
-    STRATEGIES,
-    InfeasiblePlan,
-    eligible_nodes,
-    exo_ring_shards,
-    make_plan,
-    predict,
-)
+from exo_tui.scheduler.partition import eligible_nodes, make_plan
 from exo_tui.scheduler.plan import Constraints, NodePrediction, Pin, Plan, PlanShard, Predictions
+from exo_tui.scheduler.prediction import predict
 from exo_tui.scheduler.profile import DeviceProfile, Link
 from exo_tui.scheduler.score import (
     ClusterState,

@@ -17,8 +17,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.partition import InfeasiblePlan, make_plan, predict
+from exo_tui.scheduler.context import InfeasiblePlan
+from exo_tui.scheduler.partition import make_plan
 from exo_tui.scheduler.plan import Constraints, Plan
+from exo_tui.scheduler.prediction import predict
 from exo_tui.scheduler.profile import DeviceProfile
 from exo_tui.scheduler.spec import ModelSpec
 
@@ -123,7 +125,7 @@ def migration_steps(diff: PlanDiff, max_moves: int = 5, old: Plan | None = None)
         raise ValueError("max_task_migration must be at least 1")
     L = old.n_layers if old is not None else max((m.end for m in diff.moves), default=0)
     serving: list[str | None] = list(_owners(old)) if old is not None else [None] * L
-    steps = []
+    steps: list[MigrationStep] = []
     moves = list(diff.moves)
     for i in range(0, len(moves), max_moves):
         chunk = tuple(moves[i : i + max_moves])
@@ -216,8 +218,8 @@ def preview_change(
     notes = []
     if current is not None:
         if all(s.node_id in ps and s.node_id not in failed for s in current.shards):
-            pr = predict(current.shards, ps, spec, config, constraints.prompt_tokens)
-            before, sat_before = pr.tok_per_s_single, pr.tok_per_s_saturated
+            now_pr = predict(current.shards, ps, spec, config, constraints.prompt_tokens)
+            before, sat_before = now_pr.tok_per_s_single, now_pr.tok_per_s_saturated
         else:
             lost = sorted({s.node_id for s in current.shards} & failed | {s.node_id for s in current.shards} - set(ps))
             notes.append(f"the current plan has lost {', '.join(lost)}: it serves nothing until the change")

@@ -102,7 +102,6 @@ def _dp(
     L = spec.n_layers
     if mode == "sum" and not skip and not ctx.pins and cap is None and _uniform(spec):
         return _fill_fastest(ctx, seq)
-    close_hop = close
     mats = _mats(spec, ctx.pins, ctx.min_layers)
     inf = np.inf
     cur = np.full(L + 1, inf)
@@ -158,10 +157,10 @@ def _dp(
             prev = seq[i - 1] if i > 0 else seq[-1]
             hop_in = ctx.hop(prev, nid) if nseq > 1 else 0.0
             nxt = seq[(i + 1) % nseq]
-            close = ctx.hop(nid, seq[0], TOKEN_BYTES) if close_hop else 0.0
+            close_s = ctx.hop(nid, seq[0], TOKEN_BYTES) if close else 0.0
             if mode == "max" or cap is not None:
                 stage = compute + ctx.hop(nid, nxt)
-                stage[L] += close - ctx.hop(nid, nxt)
+                stage[L] += close_s - ctx.hop(nid, nxt)
                 if cap is not None:
                     feasible &= stage <= cap
             if mode == "max":
@@ -170,7 +169,7 @@ def _dp(
                 gt0 = mats.gt0[:, cols]
                 cost = compute + hop_in * gt0 + prior
                 # the last of several stages also sends the token back to the start
-                cost[L] += close * gt0[L]
+                cost[L] += close_s * gt0[L]
             keep = cur
         cost = np.where(feasible, cost, inf)
         best = cost.argmin(axis=1)
@@ -281,7 +280,8 @@ ROTATE_MAX = 12
 def _cost_matrix(ctx: _Ctx, ids: Sequence[str]) -> np.ndarray:
     index, lat, bw = ctx.links
     ix = np.array([index[n] for n in ids])
-    return lat[np.ix_(ix, ix)] + ctx.act_bytes / bw[np.ix_(ix, ix)]
+    cost: np.ndarray = lat[np.ix_(ix, ix)] + ctx.act_bytes / bw[np.ix_(ix, ix)]
+    return cost
 
 
 def _ordered(ctx: _Ctx, ids: Sequence[str]) -> list[str]:

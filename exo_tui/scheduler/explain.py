@@ -84,7 +84,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
     free = _free_ranges(ctx)
     # at the smallest KV cache and weights any candidate keeps: if even those do not fit, nothing does
     kv_layer = min((ctx.kv[n] for n in cands), default=float(spec.kv_bytes_per_layer))
-    backends = sorted({ctx.backend[n] for n in cands}) or [None]
+    backends: list[str | None] = [*sorted({ctx.backend[n] for n in cands})] or [None]
     need = min(sum(spec.range_bytes(a, b, kv_layer, backend) for a, b in free) for backend in backends)
     have = sum(ctx.usable[n] for n in cands)
     largest = max(cands, key=lambda n: (ctx.usable[n], n)) if cands else None
@@ -142,9 +142,9 @@ def _reasons(
         out.append(f"warning: the eligible nodes have {gb(free)} free, less than {MEMORY_HEADROOM} x the model's "
                    f"{gb(spec.total_bytes)}: little room for other work")
     if not pred.fits_memory:
-        for n in pred.nodes:
-            if not n.fits:
-                out.append(f"{n.node_id} is over its memory: {gb(n.memory_bytes)} on {gb(n.usable_bytes)} free")
+        for over in pred.nodes:
+            if not over.fits:
+                out.append(f"{over.node_id} is over its memory: {gb(over.memory_bytes)} on {gb(over.usable_bytes)} free")
     node_reasons = []
     unused = [n for n in elig if n not in used]
     slowest_used = max(used, key=lambda n: ctx.t[n])

@@ -35,7 +35,7 @@ search for small clusters), :mod:`.explain` (checks, errors and a plan's reasons
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from exo_tui.config import SchedulerConfig
 from exo_tui.scheduler.baselines import _memory_shards, exo_ring_shards
@@ -158,6 +158,16 @@ def make_plan(
         if exo_pred and exo_pred.fits_memory and all(e - s >= ctx.min_layers for _, s, e in exo):
             candidates.append(exo)
     seq = [n for n in _ordered(ctx, cands + sorted(pinned)) if n not in pinned]
+
+    def latency_key(sh: Sequence[tuple[str, int, int]]) -> float:
+        return _predict_cached(ctx, sh).decode_s_per_token
+
+    def throughput_key(sh: Sequence[tuple[str, int, int]]) -> tuple[float, float]:
+        pr = _predict_cached(ctx, sh)
+        return (round(1.0 / pr.tok_per_s_saturated, 12), pr.decode_s_per_token)
+
+    key: Callable[[Sequence[tuple[str, int, int]]], float | tuple[float, float]]
+    key = latency_key if strategy == "latency" else throughput_key
     if strategy == "latency":
         # Over all nodes the first stage is not known, so the token's way back is left out;
         # over the nodes that pass chose, in their own ring order, it is counted.
@@ -173,9 +183,8 @@ def make_plan(
             alone = [n for n in cands if ctx.need(n, 0, spec.n_layers) <= ctx.usable[n]]
             if alone and spec.n_layers >= ctx.min_layers:
                 candidates.append([(min(alone, key=lambda n: (ctx.t[n], n)), 0, spec.n_layers)])
-        key = lambda sh: _predict_cached(ctx, sh).decode_s_per_token  # noqa: E731
         if len(cands) <= LOCAL_SEARCH_MAX_NODES:
-            candidates.append(_local_search(ctx, min(candidates, key=key), cands, pinned, key, "sum"))
+            candidates.append(_local_search(ctx, min(candidates, key=latency_key), cands, pinned, latency_key, "sum"))
     else:
         bound = _dp_any(ctx, seq, "max")
         if bound is not None:
@@ -186,10 +195,6 @@ def make_plan(
                 bound2 = _dp(ctx, seq2, "max")
                 if bound2 is not None:
                     candidates.extend(_throughput_candidates(ctx, bound2, pinned))
-
-        def key(sh: Sequence[tuple[str, int, int]]) -> tuple[float, float]:
-            pr = _predict_cached(ctx, sh)
-            return (round(1.0 / pr.tok_per_s_saturated, 12), pr.decode_s_per_token)
 
     best_shards = min(candidates, key=key)
     kept = _keepable(ctx, current, elig) if current is not None else None

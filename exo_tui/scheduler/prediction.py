@@ -28,7 +28,7 @@ def predict(
     """The predictions of a ring of shards (in order) on these profiles."""
     config = config or SchedulerConfig()
     ctx = _make_ctx(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens))
-    return _predict(ctx, [(s.node_id, s.start, s.end) if isinstance(s, PlanShard) else tuple(s) for s in shards])
+    return _predict(ctx, [(s.node_id, s.start, s.end) if isinstance(s, PlanShard) else (s[0], s[1], s[2]) for s in shards])
 
 
 def _predict(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
@@ -72,7 +72,7 @@ def _predict(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
 
 
 def _predict_cached(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
-    key = tuple(tuple(x) for x in shards)
+    key = tuple((n, a, b) for n, a, b in shards)
     if key not in ctx.predictions:
         ctx.predictions[key] = _predict(ctx, shards)
     return ctx.predictions[key]

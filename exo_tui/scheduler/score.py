@@ -150,7 +150,7 @@ class Weights:
         return {g: getattr(self, g) for g in GROUPS}
 
     def multiplier(self, group: str) -> float:
-        return getattr(self, group) / REFERENCE_WEIGHTS[group]
+        return float(getattr(self, group)) / REFERENCE_WEIGHTS[group]
 
 
 def dynamic_weights(config: SchedulerConfig, state: ClusterState) -> Weights:

@@ -6,8 +6,7 @@ time on a large cluster, and throughput's second pass (the fastest stream under 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from exo_tui.scheduler.context import TOKEN_BYTES, _Ctx
 from exo_tui.scheduler.dp import _dp, _prefix, _uniform
@@ -25,7 +24,7 @@ def _local_search(
     start: Sequence[tuple[str, int, int]],
     cands: Sequence[str],
     pinned: set[str],
-    key: Any,
+    key: Callable[[Sequence[tuple[str, int, int]]], float],
     mode: str,
 ) -> list[tuple[str, int, int]]:
     """Improve a plan by changing its ring: insert an unused node at each place, drop a node,

@@ -15,6 +15,12 @@ from typing import Any
 BYTES_PER_WEIGHT = {"F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32, "Q4_0": 18 / 32}
 
 
+
+def _pair(v: Any, what: str) -> tuple[int, int]:
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise ValueError(f"a model spec's {what} must be two integers, not {v!r}")
+    return int(v[0]), int(v[1])
+
 @dataclass(frozen=True)
 class HeldBytes:
     """What one backend's shards hold of a model, where it differs from the file's bytes: each
@@ -99,7 +105,8 @@ class ModelSpec:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return self.layer_bytes  # type: ignore[return-value]
+        lb = self.layer_bytes  # a tuple once __post_init__ has run
+        return lb if isinstance(lb, tuple) else (lb,) * self.n_layers
 
     @property
     def mean_layer_bytes(self) -> float:
@@ -202,7 +209,7 @@ class ModelSpec:
             context_length=int(d.get("context_length", 4096)),
             tied_embeddings=bool(d.get("tied_embeddings", False)),
             active_layer_bytes=tuple(int(x) for x in d.get("active_layer_bytes", ())),
-            experts=tuple(int(x) for x in d.get("experts", (0, 0))),  # type: ignore[arg-type]
+            experts=_pair(d.get("experts", (0, 0)), "experts"),
             kv_windows=tuple(int(x) for x in d.get("kv_windows", ())),
             load_peaks=tuple((str(b), int(n)) for b, n in dict(d.get("load_peaks", {})).items()),
             held=tuple((str(b), HeldBytes(tuple(int(x) for x in h["layers"]), int(h["embed"]), int(h["head"]),

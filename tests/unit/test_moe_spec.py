@@ -29,3 +29,10 @@ def test_a_layers_time_scales_with_the_experts_used_not_their_count() -> None:
 def test_active_bytes_cannot_exceed_the_layer() -> None:
     with pytest.raises(ValueError, match="at most the layer's"):
         ModelSpec("m", 2, 100, 10, 10, 8, 16, active_layer_bytes=(50, 150))
+
+
+def test_a_spec_whose_experts_are_not_a_pair_is_refused() -> None:
+    d = ModelSpec("m", 2, 100, 10, 10, 8, 16).to_dict()
+    assert ModelSpec.from_dict({**d, "experts": [8, 2]}).experts == (8, 2)
+    with pytest.raises(ValueError, match="experts must be two integers, not \\[8\\]"):
+        ModelSpec.from_dict({**d, "experts": [8]})
