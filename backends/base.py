@@ -56,6 +56,10 @@ class BackendError(RuntimeError):
 KQUANT_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per 256 weights (backends/kquants.py)
 BLOCK_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}  # GGUF's blocks of 32 read as codes (their bits) and affine groups
 FLOAT_BYTES = 4
+MAX_DRAFT = 32
+"""The most drafted positions one step may carry and a cache may then drop (speculative
+decoding: ``Shard.truncate_kv``); a windowed layer's ring keeps this many rows beyond its window
+(:mod:`backends.rings`), so a verify step's rejected positions can go."""
 """A weight kept in float32: F32, F16 and BF16 matrices, and the GGUF types read by dequantizing
 (gguf's), which no backend keeps as blocks."""
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -136,6 +140,12 @@ class ModelConfig:
         layer's cache is bounded (no windows, or none shorter than the context)."""
         bounded = self.sliding_window and self.sliding_window < self.context_length and any(self.window_layers)
         return self.sliding_window if bounded else 0
+
+    @property
+    def ring_rows(self) -> int:
+        """Rows a windowed layer's ring has (0: no rings): its window and :data:`MAX_DRAFT` more,
+        the positions a verify step may drop. What a bounded cache costs, per request."""
+        return min(self.ring_window + MAX_DRAFT, self.context_length) if self.ring_window else 0
 
     def at_context(self, n: int) -> ModelConfig:
         """The model served at a context of ``n`` tokens, less than its own (a cluster's

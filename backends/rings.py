@@ -1,12 +1,20 @@
-"""Windowed layers' KV caches: rings of ``window`` positions (ONNX's kernel and MLX keep them so).
+"""Windowed layers' KV caches: rings of ``window + MAX_DRAFT`` positions (ONNX's kernel and MLX keep them so).
 
 A windowed layer's query at position ``p`` sees the keys at ``p - window + 1 .. p`` only, so its
 cache needs no more than the last ``window`` positions, however long a request gets (Gemma 3: five
-layers of six). Such a layer's cache is a ring: position ``p`` in row ``p % window``; until a
-request reaches ``window`` positions a ring is an ordinary cache (row ``p`` holds ``p``). On ONNX
-(``backends/onnx/kernels/attention.c``) a shard's pool holds the rings beside its full-length
-caches, ``(windowed layers, slots, n_kv_heads, window, head_dim)``; on MLX each request's windowed
+layers of six). Such a layer's cache is a ring of ``size`` rows (:attr:`ModelConfig.ring_rows`: the
+window and :data:`~backends.base.MAX_DRAFT` more): position ``p`` in row ``p % size``; until a
+request reaches ``size`` positions a ring is an ordinary cache (row ``p`` holds ``p``). The rows
+beyond the window are what lets a cache drop a speculative step's rejected positions
+(``Shard.truncate_kv``): the window before the position it goes back to must still be there. On
+ONNX (``backends/onnx/kernels/attention.c``) a shard's pool holds the rings beside its full-length
+caches, ``(windowed layers, slots, n_kv_heads, size, head_dim)``; on MLX each request's windowed
 layers have ring buffers (``backends/mlx/shard.py``).
+
+A cache's rings hold the positions from :meth:`RingLayout.first_held` on: the last ``size`` written,
+and none before what an import brought (a cache's ``floor``). Cutting a cache back to ``to`` keeps
+the whole window before ``to`` (so that what it exports afterwards is whole): possible while
+``first_held <= to - window``, else a BackendError says to drop it and run its tokens again.
 
 Exported (:class:`~backends.base.KVCache`), a ring is its last ``min(length, window)`` positions,
 oldest first; imported, any cache that holds at least those is taken (a full-length one too).
@@ -28,10 +36,11 @@ class RingLayout:
     """Where each layer of a shard keeps its caches: ``full_of[i]`` its index among the pool's
     full-length arrays, or ``ring_of[i]`` among its rings (-1: not there)."""
 
-    window: int  # the rings' positions (0: no rings)
+    window: int  # the positions a windowed layer's query sees (0: no rings)
     full_of: tuple[int, ...]
     ring_of: tuple[int, ...]
     sees: tuple[int, ...] = ()  # per layer: the positions its queries see (0: all), ring or not
+    size: int = 0  # the rings' rows: the window and the positions a verify step may drop
 
     @classmethod
     def of(cls, config: ModelConfig, start: int, end: int, rings: bool) -> RingLayout:
@@ -44,7 +53,8 @@ class RingLayout:
             ring_of.append(n_ring if w else -1)
             n_full, n_ring = n_full + (not w), n_ring + w
         sees = tuple(config.window(i) for i in range(start, end))
-        return cls(config.sliding_window if n_ring else 0, tuple(full_of), tuple(ring_of), sees)
+        return cls(config.sliding_window if n_ring else 0, tuple(full_of), tuple(ring_of), sees,
+                   config.ring_rows if n_ring else 0)
 
     @property
     def n_full(self) -> int:
@@ -56,16 +66,27 @@ class RingLayout:
 
     def rows(self, length: int) -> np.ndarray:
         """The ring rows of a cache of ``length`` positions' last ``min(length, window)``, oldest first."""
-        return np.arange(max(0, length - self.window), length) % self.window
+        return np.arange(max(0, length - self.window), length) % self.size
 
     def held(self, layer: int, length: int) -> int:
         """Positions shard layer ``layer`` holds of a cache of ``length``."""
         return min(length, self.window) if self.ring_of[layer] >= 0 else length
 
-    def can_truncate(self, length: int, to: int) -> bool:
-        """Whether a cache of ``length`` positions cut to ``to`` still holds every key the next
-        query (at ``to``) sees: the rings hold ``length - window ..``; it sees ``to - window + 1 ..``."""
-        return not self.window or to >= length or max(0, length - self.window) <= max(0, to - self.window + 1)
+    def first_held(self, length: int, floor: int = 0) -> int:
+        """The first position the rings of a cache of ``length`` positions still hold: the last
+        ``size`` written, none before ``floor`` (where an import began them)."""
+        return max(floor, length - self.size) if self.window else 0
+
+    def can_truncate(self, length: int, to: int, floor: int = 0) -> bool:
+        """Whether a cache of ``length`` positions (rings begun at ``floor``) cut back to ``to``
+        still holds the window before ``to``: all the next query sees, and all an export takes."""
+        return not self.window or to >= length or self.first_held(length, floor) <= max(0, to - self.window)
+
+    def truncate_error(self, request_id: str, length: int, to: int, floor: int) -> BackendError:
+        return BackendError(
+            f"request {request_id}'s windowed layers hold positions {self.first_held(length, floor)} to {length - 1} "
+            f"only: its cache cannot go back to {to}; drop it and run its tokens again"
+        )
 
     def check_import(self, layer: int, length: int, keys: np.ndarray, values: np.ndarray, heads: int,
                      head_dim: int, first_layer: int) -> tuple[int, np.ndarray, np.ndarray]:

@@ -17,11 +17,11 @@ at positions ``<= p`` (and, on a windowed layer, ``> p - window``), which is bot
 and the mask that hides the unused tail of the buffer, so a decode step can attend over the whole
 buffer and keep fixed shapes (what lets ``mx.compile`` reuse one trace for every decode step).
 
-A windowed layer's buffer is a ring of at most ``window`` positions instead (mlx-lm's
-``RotatingKVCache``; :mod:`backends.rings`): a decode step writes row ``p % window`` and sees every
-row written (each holds one of the window's positions); a prompt's chunk attends over the ring's
-rows and its own keys side by side, masked by their positions, and the ring keeps the last of
-them (:class:`Ring`).
+A windowed layer's buffer is a ring of at most ``size`` positions instead (the window and the
+positions a verify step may drop: ``ModelConfig.ring_rows``; mlx-lm's ``RotatingKVCache``;
+:mod:`backends.rings`): a decode step writes row ``p % size`` and sees the rows whose positions
+are in its window; a prompt's chunk attends over the ring's rows and its own keys side by side,
+masked by their positions, and the ring keeps the last of them (:class:`Ring`).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kin
                 capacity: int | None = None) -> Step:
     """The :class:`Step` of ``t`` new tokens at positions ``start ..``, attending over ``n_keys``
     cache positions, for the layer kinds ``kinds`` (default: the whole model's); ``capacity``: the
-    full-length buffers' (default ``n_keys``), whose first ``window`` a windowed layer's ring has."""
+    full-length buffers' (default ``n_keys``), whose first ``ring_rows`` a windowed layer's ring has."""
     kinds = kinds or Kinds.of(config, range(config.n_layers))
     positions = np.arange(start, start + t)
     cos, sin = [], []
@@ -119,7 +119,8 @@ def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kin
     masks, rings = [], []
     for window, ring in zip(kinds.windows, kinds.rings, strict=True):
         if ring:
-            mask, ring = ring_inputs(window, start, t, min(window, capacity or n_keys))
+            size = config.ring_rows
+            mask, ring = ring_inputs(window, size, start, t, min(size, capacity or n_keys))
             masks.append(mask)
             rings.append(ring)
             continue
@@ -132,27 +133,29 @@ def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kin
                 eager=True, rings=tuple(rings))
 
 
-def ring_positions(end: int, window: int, rows: int) -> np.ndarray:
+def ring_positions(end: int, size: int, rows: int) -> np.ndarray:
     """The position each of a ring's ``rows`` holds once positions ``.. end - 1`` are written
-    (row r: the last position ``= r`` mod ``window``; negative: not written yet)."""
+    (row r: the last position ``= r`` mod ``size``; negative: not written yet). A row whose
+    position a cut back dropped is taken for the one ``size`` before it, which no query sees
+    (``backends.rings``: a cut keeps the window before it)."""
     r = np.arange(rows)
-    return (end - 1) - ((end - 1 - r) % window)
+    return (end - 1) - ((end - 1 - r) % size)
 
 
-def ring_inputs(window: int, start: int, t: int, rows: int) -> tuple[mx.array, Ring]:
+def ring_inputs(window: int, size: int, start: int, t: int, rows: int) -> tuple[mx.array, Ring]:
     """The mask and :class:`Ring` of ``t`` tokens at ``start ..`` on a ring of ``rows`` rows (at
-    most ``window``; fewer while the request is shorter than it)."""
+    most ``size``; fewer while the request is shorter than it)."""
     queries = np.arange(start, start + t)[:, None]
-    if t == 1:  # row p % window; every row written holds a position the query sees
-        seen = np.arange(rows)[None, :] <= start
-        return mx.array(seen), Ring(mx.array(np.array([start % window], dtype=np.int32)))
-    old = min(start, window)
-    held = np.concatenate([ring_positions(start, window, old), np.arange(start, start + t)])
+    offset = Ring(mx.array(np.array([start % size], dtype=np.int32)))
+    if t == 1:  # row p % size; the rows whose positions are in the window
+        held = ring_positions(start + 1, size, rows)
+        return mx.array(((held > start - window) & (held >= 0))[None, :]), offset
+    old = min(start, size)
+    held = np.concatenate([ring_positions(start, size, old), np.arange(start, start + t)])
     seen = (held[None, :] <= queries) & (held[None, :] > queries - window) & (held[None, :] >= 0)
-    kept = ring_positions(start + t, window, rows)
-    source = np.where(kept >= start, old + kept - start, np.maximum(kept, 0) % window)
-    return mx.array(seen), Ring(mx.array(np.array([start % window], dtype=np.int32)), old,
-                                mx.array(source.astype(np.int32)))
+    kept = ring_positions(start + t, size, rows)
+    source = np.where(kept >= start, old + kept - start, np.maximum(kept, 0) % size)
+    return mx.array(seen), Ring(offset.offset, old, mx.array(source.astype(np.int32)))
 
 
 def vector(w: np.ndarray | None) -> mx.array | None:

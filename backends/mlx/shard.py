@@ -9,8 +9,8 @@ cache is written in place. On MLX's CPU build the matmul kernels, not op dispatc
 (single-threaded scalar loops), so each matmul is also cut into row blocks run at once on several
 CPU streams (``threads``).
 
-A windowed layer's buffer is a ring of at most its window's positions (:mod:`backends.rings`), so
-a long request costs such a layer no more than the window.
+A windowed layer's buffer is a ring of at most its window's positions and the few a verify step
+may drop (:mod:`backends.rings`), so a long request costs such a layer no more than that.
 
 Several requests' decode steps go through :meth:`MLXShard.forward_batch` together: one matmul
 per weight for all of them (a mixture of experts' layer: one gathered product per kind of expert
@@ -41,12 +41,13 @@ CACHE_STEP = 256
 @dataclass
 class RequestCache:
     """One request's KV buffers ``(1, n_kv_heads, capacity, head_dim)`` per layer (a windowed
-    layer's: ``min(window, capacity)`` rows, a ring)."""
+    layer's: ``min(ring rows, capacity)`` rows, a ring)."""
 
     keys: list[mx.array]
     values: list[mx.array]
     length: int
     capacity: int = 1 << 62  # the full-length buffers' positions
+    floor: int = 0  # the rings hold no position before it (backends/rings.py: first_held)
 
 
 class MLXShard(Shard):
@@ -203,7 +204,7 @@ class MLXShard(Shard):
 
     def _rows(self, layer: int, capacity: int) -> int:
         """Rows shard layer ``layer``'s buffer has in a cache of ``capacity`` positions."""
-        return min(capacity, self.rings.window) if self.rings.ring_of[layer] >= 0 else capacity
+        return min(capacity, self.rings.size) if self.rings.ring_of[layer] >= 0 else capacity
 
     def _alloc(self, capacity: int) -> RequestCache:
         c = self.config
@@ -290,7 +291,7 @@ class MLXShard(Shard):
                     keys.append(mx.array(buf_k)[None])
                     values.append(mx.array(buf_v)[None])
                 new.keys, new.values = keys, values
-            new.length = n
+            new.length, new.floor = n, max(0, n - self.rings.window)
             mx.eval(new.keys, new.values)
             self._caches[request_id] = new
 
@@ -301,11 +302,9 @@ class MLXShard(Shard):
         with self._lock:
             cache = self._caches.get(request_id)
             if cache is not None:
-                if not self.rings.can_truncate(cache.length, length):
-                    raise BackendError(
-                        f"request {request_id}'s windowed layers hold positions {cache.length - self.rings.window} to "
-                        f"{cache.length - 1} only: its cache cannot go back to {length}; drop it and run its tokens again"
-                    )
+                if not self.rings.can_truncate(cache.length, length, cache.floor):
+                    raise self.rings.truncate_error(request_id, cache.length, length, cache.floor)
+                cache.floor = self.rings.first_held(cache.length, cache.floor)
                 cache.length = min(cache.length, length)
 
     def drop(self, request_id: str) -> None:

@@ -109,7 +109,7 @@ class _Pool:
     values: np.ndarray
     owners: list[str | None]
     bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = field(default_factory=dict)
-    ring_keys: np.ndarray | None = None  # (windowed layers, slots, n_kv_heads, window, head_dim): backends/rings.py
+    ring_keys: np.ndarray | None = None  # (windowed layers, slots, n_kv_heads, ring rows, head_dim): backends/rings.py
     ring_values: np.ndarray | None = None
 
     def layer(self, rings: RingLayout, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,6 +154,7 @@ class _Entry:
     pool: _Pool
     slot: int
     length: int
+    floor: int = 0  # the rings hold no position before it (backends/rings.py: first_held)
 
     @property
     def capacity(self) -> int:
@@ -316,7 +317,7 @@ class ONNXShard(Shard):
         """Keys and values of the full-length layers, then the windowed layers' rings."""
         c = self.config
         shape = (self.rings.n_full, slots, c.n_kv_heads, capacity, c.head_dim)
-        ring = (self.rings.n_ring, slots, c.n_kv_heads, self.rings.window, c.head_dim)
+        ring = (self.rings.n_ring, slots, c.n_kv_heads, self.rings.size, c.head_dim)
         return (_zeroed(shape, self.kv_dtype), _zeroed(shape, self.kv_dtype),
                 _zeroed(ring, self.kv_dtype), _zeroed(ring, self.kv_dtype))
 
@@ -329,7 +330,7 @@ class ONNXShard(Shard):
                                (ring_keys, pool.ring_keys, True), (ring_values, pool.ring_values, True)):
             for layer in range(old.shape[0]):
                 for e in entries:
-                    n = min(e.length, self.rings.window) if ring else e.length
+                    n = min(e.length, self.rings.size) if ring else e.length
                     new[layer, e.slot, :, :n] = old[layer, e.slot, :, :n]
                 _release_layer(old, layer)  # so a growth holds one layer's caches twice, not every layer's
         pool.keys, pool.values, pool.capacity = keys, values, capacity
@@ -658,18 +659,18 @@ class ONNXShard(Shard):
                 rows = self.rings.rows(n) if self.rings.ring_of[i] >= 0 else slice(first, n)
                 layer_keys[entry.slot][:, rows] = k
                 layer_values[entry.slot][:, rows] = v
-            entry.length = n
+            entry.length, entry.floor = n, max(0, n - self.rings.window)
 
     def truncate_kv(self, request_id: str, length: int) -> None:
         with self._lock:
             entry = self._caches.get(request_id)
             if entry is not None:
-                if not self.rings.can_truncate(entry.length, int(length)):
-                    raise BackendError(
-                        f"request {request_id}'s windowed layers hold positions {entry.length - self.rings.window} to "
-                        f"{entry.length - 1} only: its cache cannot go back to {length}; drop it and run its tokens again"
-                    )
-                entry.length = max(0, min(int(length), entry.length))
+                if length < 0:
+                    raise BackendError(f"cannot truncate a KV cache to {length} positions")
+                if not self.rings.can_truncate(entry.length, int(length), entry.floor):
+                    raise self.rings.truncate_error(request_id, entry.length, int(length), entry.floor)
+                entry.floor = self.rings.first_held(entry.length, entry.floor)
+                entry.length = min(int(length), entry.length)
 
     def drop(self, request_id: str) -> None:
         with self._lock:

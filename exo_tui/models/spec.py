@@ -37,7 +37,7 @@ def spec_from_gguf(model: GGUFModel | str | os.PathLike[str], context_length: in
         hidden_size=cfg.hidden_size,
         context_length=context_length or served_context(cfg.context_length, context_limit),
         tied_embeddings=m.tied_embeddings,
-        kv_windows=tuple(cfg.ring_window if cfg.windowed(i) else 0 for i in range(cfg.n_layers)),
+        kv_windows=tuple(cfg.ring_rows if cfg.windowed(i) else 0 for i in range(cfg.n_layers)),
         load_peaks=tuple((b, m.most_load_peak_nbytes(b)) for b in BACKEND_NAMES),
         held=tuple((b, held_on(m, b)) for b in BACKEND_NAMES),
         kquant=mostly_kquant(bytes_by_type(m.tensor_info(n) for i in range(cfg.n_layers) for n in m.layer_names(i))),

@@ -13,7 +13,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from backends.base import BackendError, KVCache
+from backends.base import MAX_DRAFT, BackendError, KVCache
 from backends.onnx import kernels
 from exo_tui.models.gguf_file import GGUFModel
 from exo_tui.net.protocol import kv_fields, kv_from_array, kv_to_array
@@ -182,19 +182,25 @@ def test_full_length_caches_move_to_rings_and_back(gemma3, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_a_ring_is_cut_back_only_while_it_holds_what_the_next_query_sees(gemma3, name: str) -> None:
+def test_a_ring_is_cut_back_only_while_it_holds_the_window_before_the_cut(gemma3, name: str) -> None:
+    """Rings of 8 + MAX_DRAFT rows: 46 positions run, they hold 6..45, so the cache goes back as
+    far as 14 (the window before it, 6..13, is there), not to 13."""
     model, tokens, want = gemma3
     shard = load(model, name, 0, 6)
+    size = model.config.ring_rows
+    assert size == 8 + MAX_DRAFT
     try:
         run([shard], "short", tokens[:7], 0, 7)
         shard.truncate_kv("short", 4)  # within the window: nothing was dropped
         assert_close(run([shard], "short", tokens[4:10], 4, 1), want[4:10], "cut back within the window")
-        run([shard], "long", tokens[:30], 0, 30)
-        shard.truncate_kv("long", 29)  # the ring holds 22..29: 29's query sees 22..29
-        assert_close(run([shard], "long", tokens[29:31], 29, 1), want[29:31], "cut back by one")
-        with pytest.raises(BackendError, match="cannot go back to 20; drop it and run its tokens again"):
-            shard.truncate_kv("long", 20)
-        assert shard.kv_length("long") == 31  # untouched
+        run([shard], "long", tokens[:46], 0, 46)
+        first = 46 - size
+        shard.truncate_kv("long", first + 8)  # MAX_DRAFT positions back
+        assert_close(run([shard], "long", tokens[first + 8 : first + 10], first + 8, 1),
+                     want[first + 8 : first + 10], f"cut back by {46 - first - 8}")
+        with pytest.raises(BackendError, match=f"cannot go back to {first + 7}; drop it and run its tokens again"):
+            shard.truncate_kv("long", first + 7)
+        assert shard.kv_length("long") == first + 10  # untouched
     finally:
         shard.close()
 
@@ -260,19 +266,20 @@ def test_the_kernel_on_rings_as_on_full_length_caches(half: bool, rows: int, tok
 # ------------------------------------------------------------------ the memory counted
 
 
-def test_the_scheduler_counts_a_windowed_layer_at_its_window(gemma3) -> None:
+def test_the_scheduler_counts_a_windowed_layer_at_its_ring(gemma3) -> None:
     from exo_tui.models.spec import spec_from_gguf
     from exo_tui.scheduler.spec import ModelSpec
 
     model, _, _ = gemma3
     spec = spec_from_gguf(model, context_length=4096)
-    assert spec.kv_windows == (8, 8, 8, 8, 8, 0)
+    ring = 8 + MAX_DRAFT  # the window and the positions a verify step may drop
+    assert spec.kv_windows == (ring, ring, ring, ring, ring, 0)
     per_token = spec.kv_bytes_per_token_per_layer
     weights = spec.range_bytes(0, 6) - spec.kv_bytes_per_layer * spec.kv_layers(0, 6)
-    assert spec.range_bytes(0, 6) - weights == per_token * (4096 + 5 * 8)
+    assert spec.range_bytes(0, 6) - weights == per_token * (4096 + 5 * ring)
     assert spec.range_bytes(5, 6) - spec.range_bytes(5, 6, 0) == per_token * 4096
-    assert spec.range_bytes(0, 5) - spec.range_bytes(0, 5, 0) == per_token * 5 * 8
-    assert spec.total_bytes == spec.weight_bytes + per_token * (4096 + 5 * 8)
+    assert spec.range_bytes(0, 5) - spec.range_bytes(0, 5, 0) == per_token * 5 * ring
+    assert spec.total_bytes == spec.weight_bytes + per_token * (4096 + 5 * ring)
     assert ModelSpec.from_dict(spec.to_dict()) == spec
 
 
