@@ -30,12 +30,12 @@ Operations (frame ``type`` → what the node does):
 Nothing in a frame is ever executed: the type selects one of these functions, and the body holds
 plain values.
 
-Why one module of ~830 lines: its sections (lifecycle, the operations above, the worker, batch
-formation, heartbeats) all read and write one object's state: the queue, the worker thread, the
-peers and the requests seen. What stands alone is elsewhere: the rules of batch formation in
-:mod:`exo_tui.node.batching` (pure), what the last hop adds to a step (the sampled token, its
-logprobs, a prompt's scores) in :mod:`exo_tui.node.sampling_step`, the shards, plans and weight
-transfers in :mod:`exo_tui.node.host`, the wire types in :mod:`exo_tui.net.protocol`.
+Here: the lifecycle, the operations above, where a step's result goes (the next hop or the
+coordinator), and heartbeats. Elsewhere: the steps' queue, worker thread, batches and what a run
+does (cache adoption, truncation, scoring, sampling) in :mod:`exo_tui.node.executor`, the rules of
+batch formation in :mod:`exo_tui.node.batching` (pure), what the last hop adds to a step in
+:mod:`exo_tui.node.sampling_step`, the shards, plans and weight transfers in
+:mod:`exo_tui.node.host`, the wire types in :mod:`exo_tui.net.protocol`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import contextlib
 import logging
 import signal
 import time
-from collections import Counter, OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ import numpy as np
 
 from backends import default_backend_name, get_backend
 from backends.base import PREFILL_CHUNK, BackendError, ModelConfig, prefill_rows
-from exo_tui.inference.sampling import TokenLogprobs, scores_to_array
+from exo_tui.inference.sampling import scores_to_array
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.client import connect
 from exo_tui.net.connection import Connection
@@ -65,7 +65,7 @@ from exo_tui.net.protocol import FILLED, HostError, RingPlan, kv_fields, kv_from
 from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
-from exo_tui.node.batching import Batching, decodes_first, one_step_a_key
+from exo_tui.node.executor import DISCARDED, Sampled, Step, StepExecutor
 from exo_tui.node.host import ShardHost
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
 from exo_tui.node.profile import (
@@ -76,38 +76,12 @@ from exo_tui.node.profile import (
     process_rss_bytes,
     runs_on,
 )
-from exo_tui.node.sampling_step import Samplers, score_prompt
+from exo_tui.node.sampling_step import Samplers
 
 log = logging.getLogger("exo_tui.node")
 
 HEARTBEAT_INTERVAL_S = 1.0
 FINISHED_MEMORY = 10_000  # ended requests remembered, so late steps of theirs are discarded
-INLINE_MAX_ROWS = 8  # a step of at most this many positions may run on the event loop's thread
-_DISCARDED = object()
-
-
-@dataclass
-class _Step:
-    """One request's step waiting for this node's worker."""
-
-    conn: Connection
-    frame: Frame
-    hop: int
-    received_s: float = field(default_factory=time.monotonic)
-    deferred: bool = False  # a prompt that already let one run of decode steps go first
-    started_s: float = 0.0  # when the run that computed it started (monotonic)
-    compute_s: float = 0.0  # that run's time
-
-    @property
-    def rows(self) -> int:
-        """Positions this step computes: 1 for a decode step, the prompt's length for a prefill."""
-        tensor = self.frame.tensor
-        return int(np.shape(tensor)[0]) if tensor is not None and np.ndim(tensor) else 1
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """The request and hop this step is for (what ``Batching.visits`` is keyed by)."""
-        return str(self.frame.body.get("rid")), self.hop
 
 
 STREAMING_S = 3.0  # a request is streaming while its last token is this recent
@@ -149,16 +123,8 @@ class NodeAgent:
         self._server: Any = None
         self._peers: dict[tuple[str, int], Connection] = {}
         self._peer_locks: dict[tuple[str, int], asyncio.Lock] = {}
-        self._queue: deque[_Step] = deque()
-        self._wakeup = asyncio.Event()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-worker")
-        self._jobs: set[Future[Any]] = set()  # submitted to the worker and not finished
-        self._burst: dict[Connection, int] = {}  # steps announced by a sender as following at once
-        self.batch_sizes: Counter[int] = Counter()  # steps per forward run (inline runs count as 1)
-        self.inline_steps = 0
         self.decode_steps = 0  # one-position steps run, and their runs' time: this node's own timing
         self.decode_compute_s = 0.0
-        self.batching = Batching()  # visits, recent run time and the rules of batch formation
         # Loading weights takes seconds: it runs beside the worker, so the node keeps serving
         # its current shards while it loads the next plan's (a drain or rebalance does not stall).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-loader")
@@ -170,6 +136,8 @@ class NodeAgent:
         self._advertiser: Any = None
         self._started_s = time.monotonic()
         self.kv = KVBudget(memory_limit_bytes)  # the bytes KV caches may take here, and what they hold
+        # the queue, the worker thread, batch formation, and what a run does to each step
+        self.executor = StepExecutor(self.kv, self.samplers, self._finished, self._deliver)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -189,6 +157,7 @@ class NodeAgent:
             profile = await loop.run_in_executor(None, lambda: benchmark(profile, backends=[self.backend]))
         self.profile = profile
         self.host = ShardHost(profile.node_id, self.backend, room=self._load_room)
+        self.executor.start(self.host)
         self._shards_changed()
         # Forward frames are handled in the read loop (no hand-off to a lane task): _op_forward
         # either queues the step or runs a decode step at once, and never awaits anything slow.
@@ -240,10 +209,9 @@ class NodeAgent:
         for conn in list(self._peers.values()):
             with contextlib.suppress(Exception):  # stopping: a peer notices the closed socket anyway
                 await conn.aclose()
-        while self._queue:
-            step = self._queue.popleft()
+        for step in self.executor.drain():
             await self._fail_step(step, "node is shutting down")
-        self._worker.shutdown(wait=True)
+        self.executor.close()
         self._loader.shutdown(wait=True)
         if self.host is not None:
             self.host.unload_all()
@@ -337,7 +305,7 @@ class NodeAgent:
 
     async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:
         model = frame.body.get("model")
-        done = await self._in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]),
+        done = await self.executor.in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]),
                                      None if model is None else str(model))
         self._shards_changed()
         return Frame("ok", body={"unloaded": done, "kv": self._kv_report()})
@@ -345,7 +313,7 @@ class NodeAgent:
     async def _op_plan(self, conn: Connection, frame: Frame) -> Frame:
         plan = RingPlan.from_dict(frame.body["plan"])
         self.host.add_plan(plan)
-        self.batching.shared_cores = plan.on_loopback()  # the newest plan is the one steps are moving to
+        self.executor.batching.shared_cores = plan.on_loopback()  # the newest plan is the one steps are moving to
         return Frame("ok", body={"plans": sorted(self.host.plans)})
 
     async def _op_forward(self, conn: Connection, frame: Frame) -> None:
@@ -361,26 +329,15 @@ class NodeAgent:
         if type(adopt) is str:  # the finished request whose caches this one takes over: its own state goes
             self.samplers.forget(adopt)
             self._stats.pop(adopt, None)
-            self.batching.forget(adopt)
-        step = _Step(conn, frame, hop)
-        key = step.key
-        self.batching.arrived(key, step.received_s)
-        more = frame.body.get("more")
-        if type(more) is int and more > 0:  # more steps of the previous hop's batch follow at once
-            self._burst[conn] = more
-        else:
-            self._burst.pop(conn, None)
-        if self._inline_ok(step, key) and self._next_ready(plan, hop):
-            await self._run_inline(step)
-        else:
-            self._queue.append(step)
-            self._wakeup.set()
+            self.executor.forget(adopt)
+        await self.executor.arrived(Step(conn, frame, hop), frame.body.get("more"),
+                                    next_ready=self._next_ready(plan, hop))
         return None
 
     async def _op_kv_export(self, conn: Connection, frame: Frame) -> Frame:
         b = frame.body
         model = b.get("model")
-        cache = await self._in_worker(self.host.export_kv, b["rid"], int(b["start"]), int(b["end"]),
+        cache = await self.executor.in_worker(self.host.export_kv, b["rid"], int(b["start"]), int(b["end"]),
                                       None if model is None else str(model))
         return Frame("kv", body=kv_fields(cache), tensor=kv_to_array(cache))
 
@@ -397,7 +354,7 @@ class NodeAgent:
             hosted.shard.import_kv(b["rid"], cache)
             self.kv.record(b["rid"], hosted.key, cache.length)
 
-        await self._in_worker(install)
+        await self.executor.in_worker(install)
         return Frame("ok")
 
     async def _op_drop(self, conn: Connection, frame: Frame) -> Frame:
@@ -410,8 +367,8 @@ class NodeAgent:
                 self._finished.popitem(last=False)
         self.samplers.forget(rid)
         self._stats.pop(rid, None)
-        self.batching.forget(rid)
-        await self._in_worker(self.host.drop, rid)
+        self.executor.forget(rid)
+        await self.executor.in_worker(self.host.drop, rid)
         self.kv.drop(rid)
         return Frame("ok")
 
@@ -438,99 +395,18 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ the worker
 
-    async def _in_worker(self, fn: Any, *args: Any) -> Any:
-        job = self._worker.submit(fn, *args)
-        self._jobs.add(job)
-        return await asyncio.wrap_future(job)
-
-    def _worker_idle(self) -> bool:
-        """Nothing runs on the worker thread nor waits for it. (A job is done the moment its
-        function returns, on the worker thread: a cancelled waiter does not make it look done.)"""
-        jobs = self._jobs
-        if jobs:
-            jobs.difference_update([j for j in jobs if j.done()])
-        return not jobs
-
     async def _in_loader(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._loader, fn, *args)
 
     async def _work_loop(self) -> None:
-        """Take every step waiting, run them (one batch per shard), send results on."""
+        """Run the executor's loop: every step waiting, one batch per shard, results sent on."""
         try:
-            await self._work()
+            await self.executor.work()
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("the worker loop stopped")
             raise
-
-    async def _work(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queue:
-                await self._gather()
-                queued = list(self._queue)
-                batch, _ = decodes_first(queued)
-                batch, left = one_step_a_key(queued, batch)
-                self._queue.clear()
-                self._queue.extend(left)
-                self.batch_sizes[len(batch)] += 1
-                t0 = time.monotonic()
-                results = await self._in_worker(self._run_batch, batch)
-                ran_s = time.monotonic() - t0
-                self.batching.ran(ran_s)
-                for step in batch:
-                    step.started_s, step.compute_s = t0, ran_s
-                following = self._following(batch, results)
-                for step, result, more in zip(batch, results, following, strict=True):
-                    await self._deliver(step, result, more)
-
-    def _following(self, batch: list[_Step], results: list[Any]) -> list[int]:
-        """For each step of a run, how many hidden states of that run go to the same next hop
-        after it (the ``more`` of :meth:`_deliver`)."""
-        dest: list[tuple[str, int] | None] = []
-        for step, result in zip(batch, results, strict=True):
-            plan = self.host.plans.get(step.frame.plan)
-            d = None
-            if isinstance(result, np.ndarray) and plan is not None and step.hop + 1 < len(plan.ring):
-                nxt = plan.ring[step.hop + 1]
-                d = (nxt.host, nxt.port)
-            dest.append(d)
-        left = Counter(d for d in dest if d is not None)
-        following = []
-        for d in dest:
-            if d is None:
-                following.append(0)
-            else:
-                left[d] -= 1
-                following.append(left[d])
-        return following
-
-    # ------------------------------------------------------------------ batch formation
-    #
-    # The decode step of a lone stream runs at once on the event loop's thread: no thread
-    # hand-offs (each is a scheduler wake-up, which costs most where several nodes share a few
-    # cores). Otherwise (other requests active here, something queued or running, a prefill) the
-    # step waits in the queue, and the worker thread runs everything queued as one batch per
-    # shard. When the worker frees, it first waits (at most a window) for the steps of requests
-    # that are due back: each request's time away (the rest of the ring) is measured, so steps
-    # that left here together and come back within that window of each other merge into one batch
-    # instead of splitting into the first to arrive and the rest. A node that ran a batch sends its
-    # hidden states to the next hop back to back, each saying how many ``more`` follow: the next
-    # node waits for those too, so the batch stays whole down the ring. A lone stream never
-    # waits: there is no other request to wait for.
-
-    def _inline_ok(self, step: _Step, key: tuple[str, int]) -> bool:
-        """A lone stream's decode step runs at once, on the loop's thread; anything else goes
-        through the queue, where batches form."""
-        if self._queue or self._burst or not self._worker_idle():
-            return False
-        if np.ndim(step.frame.tensor) == 0 or step.rows > INLINE_MAX_ROWS:
-            return False  # a prefill runs on the worker: the loop keeps answering pings meanwhile
-        if step.conn.input_pending():
-            return False  # another frame is already here: it may join this step's batch
-        return self.batching.alone((key,), step.received_s)
 
     def _next_ready(self, plan: RingPlan, hop: int) -> bool:
         """Whether the result can go on without connecting first (a connection takes a while:
@@ -540,102 +416,6 @@ class NodeAgent:
         nxt = plan.ring[hop + 1]
         conn = self._peers.get((nxt.host, nxt.port))
         return conn is not None and not conn.is_closed
-
-    async def _gather(self) -> None:
-        """Wait, at most a window, for the steps due back here and those a sender announced
-        (the rules: :meth:`Batching.gather_wait`)."""
-        deadline = time.monotonic() + self.batching.window_s()
-        while True:
-            now = time.monotonic()
-            wait = self.batching.gather_wait(now, deadline, burst=bool(self._burst), queued=[s.key for s in self._queue])
-            if wait is None:
-                break
-            self._wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await self._wakeup.wait()
-        self._burst.clear()  # what has not come by now is not waited for again
-
-    async def _run_inline(self, step: _Step) -> None:
-        self.batch_sizes[1] += 1
-        self.inline_steps += 1
-        t0 = time.monotonic()
-        result = self._run_batch([step])[0]
-        step.started_s, step.compute_s = t0, time.monotonic() - t0
-        self.batching.ran(step.compute_s)
-        await self._deliver(step, result)
-
-    def _run_batch(self, batch: list[_Step]) -> list[Any]:
-        """Runs on the worker thread (or inline, when the worker is idle). Groups steps by shard
-        and fuses them where the backend can."""
-        results: list[Any] = [None] * len(batch)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, step in enumerate(batch):
-            if step.frame.body.get("rid") in self._finished:
-                results[i] = _DISCARDED
-                continue
-            try:
-                _, _, hosted = self.host.hop(step.frame.plan, step.hop)
-            except HostError as exc:
-                results[i] = exc
-                continue
-            groups.setdefault(hosted.key, []).append(i)
-        for key, idxs in groups.items():
-            shard = self.host.shards[key].shard
-            idxs = self._within_budget(batch, key, idxs, results)
-            items = []
-            for i in idxs:
-                f = batch[i].frame
-                rid, start = f.body["rid"], int(f.body["pos"])
-                adopt = f.body.get("adopt")
-                if type(adopt) is str and adopt != rid and not shard.kv_length(rid) and shard.kv_length(adopt):
-                    shard.rename_kv(adopt, rid)  # the next turn of a conversation: its prefix is cached
-                if shard.kv_length(rid) > start:
-                    # The coordinator rebuilds this request from an earlier position (a plan
-                    # change or a failure): what is cached past it is stale.
-                    if start == 0:
-                        shard.drop(rid)
-                    else:
-                        try:
-                            shard.truncate_kv(rid, start)
-                        except BackendError as exc:  # windowed layers hold less: the step fails, it runs again whole
-                            log.info("cache of %s not cut back to %d (%s)", rid, start, exc)
-                            shard.drop(rid)
-                x = np.asarray(f.tensor)
-                items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
-            # a prompt to score needs every row's logits: it runs on its own
-            scored = [j for j, i in enumerate(idxs) if shard.is_last and "score" in batch[i].frame.body]
-            plain = [j for j in range(len(items)) if j not in scored]
-            outs: list[Any] = [None] * len(items)
-            scores: dict[int, list[TokenLogprobs]] = {}
-            try:
-                if len(plain) == 1:
-                    outs[plain[0]] = shard.forward(*items[plain[0]])
-                elif plain:
-                    for j, out in zip(plain, shard.forward_batch([items[j] for j in plain]), strict=True):
-                        outs[j] = out
-            except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which rebuilds
-                _failed(shard, items, outs, plain, exc)
-            for j in scored:  # each in pieces; its failure (a bad ask included) fails it alone
-                try:
-                    outs[j], scores[idxs[j]] = score_prompt(shard, batch[idxs[j]].frame.body["score"], *items[j],
-                                                            self.kv.step_room_bytes)
-                except Exception as exc:  # noqa: BLE001
-                    _failed(shard, items, outs, [j], exc)
-            for i, out, (rid, _x, positions) in zip(idxs, outs, items, strict=True):
-                results[i] = out
-                self.kv.record(rid, key, 0 if isinstance(out, Exception) else int(positions[-1]) + 1)
-            if shard.is_last:
-                for i in idxs:
-                    if batch[i].frame.body.get("fill") and not isinstance(results[i], Exception):
-                        results[i] = (FILLED, None, None)  # a prompt's chunk: its caches filled, nothing drawn
-                    elif not isinstance(results[i], Exception):
-                        try:
-                            token, logprobs = self.samplers.sample(batch[i].frame.body, results[i])
-                            results[i] = (token, logprobs, scores.get(i))  # scores: score_prompt's, where asked
-                        except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
-                            results[i] = exc
-        return results
 
     def _shards_changed(self) -> None:
         """The shards held changed: the bytes a cache position takes on each, and the memory the
@@ -676,31 +456,12 @@ class NodeAgent:
             return None
         return limit - process_rss_bytes() - RESERVE_MIN_BYTES
 
-    def _within_budget(self, batch: list[_Step], key: tuple[int, int], idxs: list[int], results: list[Any]) -> list[int]:
-        """The steps of ``idxs`` (on shard ``key``) whose caches fit this node's KV budget; the
-        others' result is the refusal (the coordinator admits them again later)."""
-        growth = {}
-        for i in idxs:
-            b = batch[i].frame.body
-            rid, adopt = b["rid"], b.get("adopt")
-            if type(adopt) is str and not self.kv.held(rid, key):
-                self.kv.rename(adopt, rid)
-            growth[(rid, key)] = int(b["pos"]) + batch[i].rows
-        refused = self.kv.check(growth)
-        if not refused:
-            return idxs
-        for i in idxs:
-            if (why := refused.get(batch[i].frame.body["rid"])) is not None:
-                results[i] = BudgetExceeded(why)
-        return [i for i in idxs if batch[i].frame.body["rid"] not in refused]
-
-    async def _deliver(self, step: _Step, result: Any, more: int = 0) -> None:
+    async def _deliver(self, step: Step, result: Any, more: int = 0) -> None:
         """Send a step's result on. ``more``: how many more hidden states of the same run go to
         the same next hop right after this one (it then waits for them, to keep the batch)."""
-        self.batching.left(step.key, time.monotonic())
         f = step.frame
         rid = f.body["rid"]
-        if result is _DISCARDED or rid in self._finished:
+        if result is DISCARDED or rid in self._finished:
             self._stats.pop(rid, None)
             return
         if isinstance(result, Exception):
@@ -716,7 +477,7 @@ class NodeAgent:
         timing = f.body.get("timing")
         timing = [*(timing if type(timing) is list else ()),
                   hop_timing(self.profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
-        if isinstance(result, tuple):  # the last hop: a sampled token (or FILLED)
+        if isinstance(result, Sampled):  # the last hop: a sampled token (or FILLED)
             token, logprobs, scores = result
             if token != FILLED:
                 stats = self._stats.setdefault(rid, _RequestStats())
@@ -745,7 +506,7 @@ class NodeAgent:
         except (TimeoutError, OSError, ConnectionError, RemoteError) as exc:
             await self._fail_step(step, f"cannot reach next hop {nxt.node_id} at {nxt.host}:{nxt.port}: {exc}", failed=nxt.node_id)
 
-    async def _fail_step(self, step: _Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
+    async def _fail_step(self, step: Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
         body = {"rid": step.frame.body.get("rid"), "step": step.frame.body.get("step"), "error": reason,
                 "node_id": self.profile.node_id if self.profile else "", "failed_node": failed}
         if kv_budget:  # refused for want of memory: no node is at fault
@@ -801,14 +562,15 @@ class NodeAgent:
             metrics = live_metrics(self.memory_limit_bytes)
             self.kv.observe(metrics["process_rss_bytes"], psutil.virtual_memory().available)
             metrics["kv"] = self._kv_report()
-            metrics["queue_depth"] = len(self._queue)
-            metrics["batch_sizes"] = {str(k): v for k, v in sorted(self.batch_sizes.items())}
-            metrics["inline_steps"] = self.inline_steps
+            ex = self.executor
+            metrics["queue_depth"] = len(ex.queue)
+            metrics["batch_sizes"] = {str(k): v for k, v in sorted(ex.batch_sizes.items())}
+            metrics["inline_steps"] = ex.inline_steps
             metrics["decode_steps"], metrics["decode_compute_s"] = self.decode_steps, self.decode_compute_s
             metrics.update(sensors.read())
-            self.batching.prune(now)
-            metrics["busy_fraction"] = (self.batching.busy_s - last_busy) / max(now - last_t, 1e-6)
-            last_busy, last_t = self.batching.busy_s, now
+            ex.batching.prune(now)
+            metrics["busy_fraction"] = (ex.batching.busy_s - last_busy) / max(now - last_t, 1e-6)
+            last_busy, last_t = ex.batching.busy_s, now
             # A request that has streamed no token for STREAMING_S (ended, its cache kept for a next
             # turn) makes no tok/s now: its average would show on a node long after (a drained one too).
             metrics["requests"] = {
@@ -818,16 +580,6 @@ class NodeAgent:
             }
             metrics["shards"] = self.host.describe() if self.host else []
             await self._to_coordinator(Frame("heartbeat", body={"metrics": metrics, "t": time.time()}))
-
-
-def _failed(shard: Any, items: list[tuple[str, np.ndarray, np.ndarray]], outs: list[Any], rows: list[int],
-            exc: Exception) -> None:
-    """Rows ``rows`` of a run failed with ``exc``: their caches go (the step may have half-updated
-    them) and the error is their result, reported to the coordinator, which rebuilds."""
-    log.warning("forward of layers [%d, %d) failed: %s", shard.start, shard.end, exc, exc_info=True)
-    for j in rows:
-        shard.drop(items[j][0])
-        outs[j] = exc
 
 
 _OPS = {

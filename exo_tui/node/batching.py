@@ -3,7 +3,7 @@
 Nothing here reads a clock or sleeps: every decision takes ``now`` (seconds on the caller's
 monotonic clock), so the rules are tested with made-up times. :class:`Batching` holds what the
 node has seen (each request's visits per hop, the last arrival, a recent run's time) and answers
-the questions of :mod:`exo_tui.node.agent`'s loop: how long the gather window is
+the questions of :mod:`exo_tui.node.executor`'s loop: how long the gather window is
 (:meth:`Batching.window_s`), whether a step is due back (:meth:`Batching.due`), whether a request
 is alone here (:meth:`Batching.alone`), and how long to wait before running what is queued
 (:meth:`Batching.gather_wait`). :func:`decodes_first` splits a run's steps from the next run's,

@@ -68,7 +68,7 @@ class Ring:
             agent = NodeAgent(name=f"steps-{i}", host="127.0.0.1", port=0, backend="onnx", run_benchmark=False,
                               security=Security.from_bundle(self.cluster.node_bundle(f"steps-{i}")))
             if policy is not None:
-                agent.batching.policy = policy
+                agent.executor.batching.policy = policy
             await agent.start()
             self.agents.append(agent)
             conn = await connect("127.0.0.1", agent.port, security=self.cluster.security(), handler=handler)
@@ -149,13 +149,13 @@ async def test_lone_stream_steps_run_inline_and_a_prefill_does_not(cluster: Clus
     async with ring(cluster, tiny_model, [(0, 4)]) as r:
         node = r.agents[0]
         history = (await r.prefill(["solo"]))["solo"]
-        assert node.inline_steps == 0  # the prompt ran on the worker thread
+        assert node.executor.inline_steps == 0  # the prompt ran on the worker thread
         for _ in range(DECODE_STEPS):
             await r.decode_round({"solo": history})
-        assert node.inline_steps == DECODE_STEPS
-        assert dict(node.batch_sizes) == {1: 1 + DECODE_STEPS}
+        assert node.executor.inline_steps == DECODE_STEPS
+        assert dict(node.executor.batch_sizes) == {1: 1 + DECODE_STEPS}
         assert not r.failures
-        assert node.batching.shared_cores  # its plan reaches every hop on loopback: one machine's cores
+        assert node.executor.batching.shared_cores  # its plan reaches every hop on loopback: one machine's cores
 
 
 async def test_steps_of_several_requests_run_as_one_batch_with_their_solo_tokens(cluster: Cluster, tiny_model: Path):
@@ -167,17 +167,17 @@ async def test_steps_of_several_requests_run_as_one_batch_with_their_solo_tokens
         await r.end(["solo"])
         rids = [f"r{i}" for i in range(4)]
         histories = await r.prefill(rids)
-        before = node.inline_steps
+        before = node.executor.inline_steps
         for _ in range(DECODE_STEPS):
             await r.decode_round(histories)
-        assert node.inline_steps == before  # other requests are active: no step ran inline
-        assert node.batch_sizes[4] == DECODE_STEPS
+        assert node.executor.inline_steps == before  # other requests are active: no step ran inline
+        assert node.executor.batch_sizes[4] == DECODE_STEPS
         assert all(h == solo for h in histories.values()), (solo, histories)
         # once they have ended, a lone stream runs inline again
         await r.end(rids)
         lone = (await r.prefill(["late"]))["late"]
         await r.decode_round({"late": lone})
-        assert node.inline_steps == before + 1
+        assert node.executor.inline_steps == before + 1
         assert not r.failures
 
 
@@ -190,13 +190,13 @@ async def test_a_batch_waits_a_bounded_while_for_a_step_due_back(cluster: Cluste
         histories = await r.prefill([f"r{i}" for i in range(4)])
         for _ in range(3):  # the node learns how long the requests stay away
             await r.decode_round(histories)
-        assert node.batch_sizes[4] == 3
+        assert node.executor.batch_sizes[4] == 3
         await r.decode_round(histories, straggler_delay_s=0.03)
-        assert node.batch_sizes[4] == 4 and node.batch_sizes[3] == 0, dict(node.batch_sizes)
+        assert node.executor.batch_sizes[4] == 4 and node.executor.batch_sizes[3] == 0, dict(node.executor.batch_sizes)
         # a request that does not come back in time is waited for at most the window
         del histories["r3"]
         await r.decode_round(histories)
-        assert node.batch_sizes[3] == 1
+        assert node.executor.batch_sizes[3] == 1
         assert not r.failures
 
 
@@ -208,7 +208,7 @@ async def test_steps_that_trickle_in_form_one_batch(cluster: Cluster, tiny_model
         node = r.agents[0]
         histories = await r.prefill([f"r{i}" for i in range(4)])
         await r.decode_round(histories, gap_s=0.01)
-        assert node.batch_sizes[4] == 1, dict(node.batch_sizes)
+        assert node.executor.batch_sizes[4] == 1, dict(node.executor.batch_sizes)
         assert not r.failures
 
 
@@ -218,14 +218,14 @@ async def test_a_batch_stays_whole_on_the_next_hop(cluster: Cluster, tiny_model:
         solo = (await r.prefill(["solo"]))["solo"]
         for _ in range(DECODE_STEPS):
             await r.decode_round({"solo": solo})
-        assert (first.inline_steps, second.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
+        assert (first.executor.inline_steps, second.executor.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
         await r.end(["solo"])
         histories = await r.prefill([f"r{i}" for i in range(4)])
         for _ in range(DECODE_STEPS):
             await r.decode_round(histories)
-        assert first.batch_sizes[4] == DECODE_STEPS
-        assert second.batch_sizes[4] == DECODE_STEPS, dict(second.batch_sizes)
-        assert (first.inline_steps, second.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
+        assert first.executor.batch_sizes[4] == DECODE_STEPS
+        assert second.executor.batch_sizes[4] == DECODE_STEPS, dict(second.executor.batch_sizes)
+        assert (first.executor.inline_steps, second.executor.inline_steps) == (DECODE_STEPS, DECODE_STEPS)
         assert all(h == solo for h in histories.values())
         assert not r.failures
 
@@ -248,7 +248,7 @@ async def test_a_prompts_chunks_sent_back_to_back_run_one_a_run_in_order(cluster
         assert await r.token("chunked", 0) == whole[len(PROMPT)]
         assert not r.failures, r.failures
         first = r.agents[0]
-        assert first.batch_sizes[1] == 4 and not first.batch_sizes[3], dict(first.batch_sizes)  # "whole", then each
+        assert first.executor.batch_sizes[1] == 4 and not first.executor.batch_sizes[3], dict(first.executor.batch_sizes)  # "whole", then each
 
 
 async def test_new_prompts_let_the_decode_steps_of_running_streams_go_first(cluster: Cluster, tiny_model: Path):
@@ -260,7 +260,7 @@ async def test_new_prompts_let_the_decode_steps_of_running_streams_go_first(clus
         await r.decode_round({"solo": solo})
         await r.end(["solo"])
         running = await r.prefill(["a", "b"])
-        before = dict(node.batch_sizes)
+        before = dict(node.executor.batch_sizes)
         answered: list[str] = []
         for rid, tokens in running.items():
             await r.send(rid, tokens, len(tokens) - 1)
@@ -273,7 +273,7 @@ async def test_new_prompts_let_the_decode_steps_of_running_streams_go_first(clus
         assert [await r.token(rid, 0) for rid in new] == [solo[len(PROMPT)]] * 3
         await asyncio.sleep(0)
         assert sorted(answered[:2]) == ["a", "b"] and sorted(answered[2:]) == new, answered
-        runs = {k: v - before.get(k, 0) for k, v in node.batch_sizes.items() if v - before.get(k, 0)}
+        runs = {k: v - before.get(k, 0) for k, v in node.executor.batch_sizes.items() if v - before.get(k, 0)}
         assert runs == {2: 1, 3: 1}, runs  # not one run of five
         assert not r.failures
 
@@ -289,7 +289,7 @@ async def test_logprobs_come_back_only_for_the_requests_of_a_batch_that_ask(clus
         step = len(histories["asks"]) - len(PROMPT)
         token = await r.token("asks", step)
         await r.token("plain", step)
-        assert r.agents[1].batch_sizes[3] == 1, dict(r.agents[1].batch_sizes)
+        assert r.agents[1].executor.batch_sizes[3] == 1, dict(r.agents[1].executor.batch_sizes)
         lp = TokenLogprobs.from_wire(r.bodies["asks", step]["logprobs"])
         assert lp.token == token and len(lp.top) == 2 and lp.top[0] == (token, lp.logprob) and lp.logprob <= 0
         assert "logprobs" not in r.bodies["plain", step]
