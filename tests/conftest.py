@@ -5,8 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.factory import write_tiny_llama
+
+# One Hypothesis profile for the suite: no per-example deadline (a 200 ms bound is a wall-clock
+# bound, and fails on a busy 2-core machine for no reason of the code's), and no complaint that
+# drawing examples is slow. A test that needs more names it in its own settings.
+settings.register_profile("exo-tui", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("exo-tui")
 
 WEIGHT_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 

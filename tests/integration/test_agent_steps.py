@@ -184,8 +184,9 @@ async def test_steps_of_several_requests_run_as_one_batch_with_their_solo_tokens
 async def test_a_batch_waits_a_bounded_while_for_a_step_due_back(cluster: Cluster, tiny_model: Path):
     """The rules themselves, with made-up times: tests/unit/test_gather_window.py; here, that a
     real node applies them."""
-    # the tiny model's steps take microseconds: a window of 0.2 s, for a straggler sent 0.03 s late
-    async with ring(cluster, tiny_model, [(0, 4)], GatherPolicy(min_s=0.2, max_s=0.2)) as r:
+    # A window of 30 s, for a straggler sent 0.03 s late: it is waited for however slow the
+    # machine is (30 s only fails a hung test); the requests count as active just as long.
+    async with ring(cluster, tiny_model, [(0, 4)], GatherPolicy(min_s=30.0, max_s=30.0, active_s=30.0)) as r:
         node = r.agents[0]
         histories = await r.prefill([f"r{i}" for i in range(4)])
         for _ in range(3):  # the node learns how long the requests stay away
@@ -193,7 +194,9 @@ async def test_a_batch_waits_a_bounded_while_for_a_step_due_back(cluster: Cluste
         assert node.executor.batch_sizes[4] == 3
         await r.decode_round(histories, straggler_delay_s=0.03)
         assert node.executor.batch_sizes[4] == 4 and node.executor.batch_sizes[3] == 0, dict(node.executor.batch_sizes)
-        # a request that does not come back in time is waited for at most the window
+        # a request that does not come back is waited for at most the window: 1 s now, as this
+        # step never comes (the three others run as one batch once it ends)
+        node.executor.batching.policy = GatherPolicy(min_s=1.0, max_s=1.0, active_s=30.0)
         del histories["r3"]
         await r.decode_round(histories)
         assert node.executor.batch_sizes[3] == 1
@@ -203,8 +206,11 @@ async def test_a_batch_waits_a_bounded_while_for_a_step_due_back(cluster: Cluste
 async def test_steps_that_trickle_in_form_one_batch(cluster: Cluster, tiny_model: Path):
     """Right after their prompts nothing is known of when the requests come back; steps sent one
     after another (as a coordinator does) still form one batch, and the batch starts once they
-    stop coming (``quiet_s``; that it does not wait for the window: the unit tests)."""
-    async with ring(cluster, tiny_model, [(0, 4)], GatherPolicy(min_s=2.0, max_s=2.0, quiet_s=0.05)) as r:
+    stop coming (``quiet_s``; that it does not wait for the window: the unit tests). Steps 0.01 s
+    apart and a quiet time of 1 s: they form one batch however slow the machine is; the window
+    and the time a request counts as active (30 s) only fail a hung test."""
+    policy = GatherPolicy(min_s=30.0, max_s=30.0, quiet_s=1.0, active_s=30.0)
+    async with ring(cluster, tiny_model, [(0, 4)], policy) as r:
         node = r.agents[0]
         histories = await r.prefill([f"r{i}" for i in range(4)])
         await r.decode_round(histories, gap_s=0.01)

@@ -330,6 +330,17 @@ def _node_requests(live: Live) -> set[str]:
     return {rid for h in live.coordinator.nodes.values() for rid in h.metrics.get("requests", {})}
 
 
+def _fresh_heartbeats(live: Live, count: int = 2, timeout: float = 60) -> None:
+    """Wait until every node has sent ``count`` heartbeats from now on (each one replaces its
+    handle's metrics): what they report then was measured after this call."""
+    for _ in range(count):
+        old = {node_id: h.metrics for node_id, h in live.coordinator.nodes.items()}
+        deadline = time.monotonic() + timeout
+        while any(live.coordinator.nodes[node_id].metrics is m for node_id, m in old.items()):
+            assert time.monotonic() < deadline, "a node sent no heartbeat"
+            time.sleep(0.05)
+
+
 def _tokens_of(live: Live, rid: str) -> int:
     return sum(1 for e in live.events() if e.kind == "token" and e.request_id == rid)
 
@@ -359,7 +370,7 @@ def test_disconnected_client_stops_its_generation(live: Live, stream: bool) -> N
     assert done.finish_reason == "cancelled"
     assert done.completion_tokens < 2000
     made = _tokens_of(live, rid)
-    time.sleep(1.5)  # a heartbeat or more: nodes report what they hold
+    _fresh_heartbeats(live)  # what the nodes hold, reported after the cancel
     assert _tokens_of(live, rid) == made, "the cancelled request kept generating"
     assert rid not in live.coordinator.pipeline.in_flight()
     assert rid not in _node_requests(live), "a node still holds the cancelled request's cache"

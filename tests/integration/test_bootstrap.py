@@ -140,14 +140,14 @@ async def test_wrong_user_key_gives_a_clear_error(ssh_host, tmp_path: Path) -> N
 
 
 async def test_refused_port_gives_a_clear_error_at_once(ssh_host, tmp_path: Path) -> None:
+    """A refusal is reported as one, not waited out as a timeout (the timeout, 60 s, only ends a
+    hung test, and would say "within")."""
     port = free_port()
-    t0 = time.monotonic()
     with pytest.raises(BootstrapError) as info:
         await connect(f"nobody@127.0.0.1:{port}", known_hosts=tmp_path / "kh", agent_path=False, ssh_config=False,
-                      client_keys=[ssh_host.client.private], connect_timeout_s=3.0)
-    assert time.monotonic() - t0 < 3.0
+                      client_keys=[ssh_host.client.private], connect_timeout_s=60.0)
     assert info.value.step == "connect"
-    assert "refused" in str(info.value) and "sshd" in str(info.value)
+    assert "refused" in str(info.value) and "sshd" in str(info.value) and "within" not in str(info.value)
 
 
 async def test_silent_port_gives_a_clear_error_within_the_connect_timeout(ssh_host, tmp_path: Path) -> None:
@@ -161,8 +161,8 @@ async def test_silent_port_gives_a_clear_error_within_the_connect_timeout(ssh_ho
             await connect(f"nobody@127.0.0.1:{port}", known_hosts=tmp_path / "kh", agent_path=False,
                           ssh_config=False, client_keys=[ssh_host.client.private], connect_timeout_s=1.5)
         elapsed = time.monotonic() - t0
-    assert 1.0 <= elapsed < 4.0
-    assert "within 1.5 s" in str(info.value)
+    assert elapsed >= 1.4  # it waited for the timeout (a busy machine only makes this longer)
+    assert info.value.step == "connect" and "within 1.5 s" in str(info.value)
 
 
 # ---------------------------------------------------------------------- the whole bootstrap

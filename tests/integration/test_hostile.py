@@ -361,7 +361,9 @@ async def _unknown_frames(c: Cluster) -> None:
                 buf += chunk
     finally:
         writer.transport.abort()
-    await asyncio.sleep(0.5)
+    # No waiting: a one-way lane holds at most LANE_QUEUE (64) frames before the read loop waits
+    # for it, so once "profile" (read after them) is answered, all but 64 of the 10,000 frames
+    # have been handled, and their log lines written.
     added = c.node_log.read_text().count("\n") - before
     assert added < 50, f"10,000 refused frames wrote {added} log lines"
 

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -282,7 +281,6 @@ def test_sigterm_stops_node_cleanly(home: Path) -> None:
 def test_chat_cli_local_nodes(default_model_path: Path, home: Path, reference_tokens: list[int]) -> None:
     """``exo-tui chat --local-nodes 3 --backends mlx,onnx,mlx`` as a user runs it."""
     env = {**os.environ, "EXO_TUI_HOME": str(home)}
-    started = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "exo_tui.cli", "chat", "--local-nodes", "3", "--backends", "mlx,onnx,mlx",
          "--temperature", "0", "--seed", "1", "--max-tokens", str(GREEDY.max_tokens), "--json", "What is the capital of France?"],
@@ -295,12 +293,11 @@ def test_chat_cli_local_nodes(default_model_path: Path, home: Path, reference_to
     assert [t for t in result["completion_token_ids"] if t not in (0, 2)] == reference_tokens  # SmolLM2's end tokens
     assert "Paris" in result["text"]
     assert len(result["served_by"]) == 3
-    # Every node process it started is gone.
-    time.sleep(0.5)
-    left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-            if any(str(home / "nodes") in part and "-local" in part for part in (p.info["cmdline"] or []))]
-    assert not left, f"node processes left behind: {left}"
-    assert time.monotonic() - started < 600
+    # Every node process it started is gone (or on its way out: waited for, 30 s at most).
+    nodes = [p for p in psutil.process_iter(["pid", "cmdline"])
+             if any(str(home / "nodes") in part and "-local" in part for part in (p.info["cmdline"] or []))]
+    _, left = psutil.wait_procs(nodes, timeout=30)
+    assert not left, f"node processes left behind: {[p.pid for p in left]}"
 
 
 OPS = ["attach", "profile", "load", "load_begin", "load_chunk", "load_commit", "unload", "plan", "forward",
@@ -329,7 +326,7 @@ def test_fuzz_operations_at_a_live_node(nodes, home: Path) -> None:
     loop = asyncio.new_event_loop()
     conn = loop.run_until_complete(connect("127.0.0.1", target.port, security=security))
     try:
-        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=120, suppress_health_check=list(HealthCheck))
         @given(op=st.sampled_from(OPS), body=bodies, tensor=tensors, plan=st.none() | st.integers(0, 3))
         def throw(op: str, body: dict, tensor, plan) -> None:  # noqa: ANN001
             if op == "link_probe":

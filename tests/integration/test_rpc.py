@@ -897,7 +897,7 @@ def test_fuzz_generated_frames_and_bytes_at_a_live_server(cluster: Cluster, capl
             finally:
                 writer.transport.abort()
 
-        @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=250, suppress_health_check=list(HealthCheck))
         @given(data=frame_streams() | st.binary(min_size=1, max_size=200), authenticated=st.booleans())
         def throw(data: bytes, authenticated: bool) -> None:
             answer = lt.run(attack(data, authenticated))
@@ -965,16 +965,18 @@ async def test_a_killed_peer_process_breaks_the_connection_at_once(cluster: Clus
         port = int(await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30))
         conn = await connect(HOST, port, security=coord)
         failed: list = []
-        conn.on_close(lambda c, reason: failed.append((time.monotonic(), reason)))
+        conn.on_close(lambda c, reason: failed.append(reason))
         assert (await conn.call("echo", {"x": 1})).body == {"x": 1}
         step = asyncio.create_task(conn.call("sleep"))  # a step in flight on the node
         await asyncio.sleep(0.1)
-        killed = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         with pytest.raises(ConnectionClosed):
-            await asyncio.wait_for(step, 5)
-        await asyncio.wait_for(asyncio.shield(conn.closed), 5)
-        assert failed and failed[0][0] - killed < 2.0  # noticed at once, not after 3 missed heartbeats
+            await asyncio.wait_for(step, 30)
+        await asyncio.wait_for(asyncio.shield(conn.closed), 30)
+        # noticed from the socket itself (the kernel closes a killed process's sockets), not from
+        # missed heartbeats: the reason names the peer closing or the connection lost
+        assert len(failed) == 1 and isinstance(failed[0], ConnectionClosed), failed
+        assert "closed by" in str(failed[0]) or "lost" in str(failed[0]), failed
         await conn.wait_closed()
     finally:
         proc.kill()

@@ -81,14 +81,14 @@ def test_special_tokens_are_skipped_by_default(smol: Tokenizer) -> None:
     assert "".join(stream(smol, ids, skip_special=False)) == "<|im_start|>assistant\nHi<|im_end|>"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), skip=st.booleans())
 def test_stream_equals_decode_for_random_tokens_default(smol: Tokenizer, data: st.DataObject, skip: bool) -> None:
     ids = data.draw(st.lists(st.integers(0, smol.vocab_size - 1), max_size=40))
     assert "".join(stream(smol, ids, skip)) == smol.decode(ids, skip_special=skip)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), skip=st.booleans())
 def test_stream_equals_decode_for_random_tokens_tiny(tiny: Tokenizer, data: st.DataObject, skip: bool) -> None:
     # the tiny vocabulary is mostly single bytes, so random ids make broken UTF-8 often
@@ -97,7 +97,7 @@ def test_stream_equals_decode_for_random_tokens_tiny(tiny: Tokenizer, data: st.D
     assert "".join(outs) == tiny.decode(ids, skip_special=skip)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(max_size=40))
 def test_stream_of_encoded_text_is_the_text(tiny: Tokenizer, text: str) -> None:
     outs = stream(tiny, tiny.encode(text, parse_special=False), skip_special=False)

@@ -48,7 +48,7 @@ tensors = st.sampled_from(["float32", "float16", "float64", "int8", "int32", "in
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     ftype=types,
     body=bodies,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -331,15 +330,16 @@ def test_a_bad_spin_setting_says_what_to_write(monkeypatch, env):
 
 
 def test_an_idle_shard_does_not_spin(tiny_models, monkeypatch):
-    """Spinning is between the ops of a step only: once a step returns, the pool's threads sleep."""
+    """Spinning is between the ops of a step only: the session a shard runs is told to stop its
+    pool's spinning once a step returns. (What an idle shard's threads cost in CPU time is
+    measured in benchmarks/onnx_spin.py, not bounded here.)"""
     monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "1")  # the longest spin there is
     _, _, shard = load(tiny_models["Q4_1"])
-    for i in range(3):
-        shard.forward(f"r{i}", PROMPT, np.arange(len(PROMPT)))
-        cpu, wall = time.process_time(), time.perf_counter()  # right as the step returns
-        time.sleep(0.2)
-        used = time.process_time() - cpu
-        assert used < 0.1 * (time.perf_counter() - wall), f"{used * 1000:.0f} ms of CPU in the 200 ms after a step"
+    shard.forward("r0", PROMPT, np.arange(len(PROMPT)))
+    options = shard._session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    shard.close()
 
 
 def test_core_plans(tmp_path):

@@ -97,7 +97,7 @@ def plans(draw: st.DrawFn, ids: list[str]) -> Plan:
     return plan(*[(nodes[i], b[i], b[i + 1]) for i in range(k)])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(data=st.data())
 def test_every_layer_stays_served_through_the_steps(data: st.DataObject) -> None:
     ids = [f"n{i}" for i in range(6)]

@@ -70,7 +70,7 @@ def test_round_trip_default(smol: Tokenizer, text: str) -> None:
     assert smol.decode(smol.encode(text)) == text
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(max_size=60))
 def test_round_trip_default_any_text(smol: Tokenizer, text: str) -> None:
     assume(set(text.encode("utf-8")) <= _byte_tokens(smol))
@@ -166,7 +166,7 @@ def test_round_trip_tiny(tiny: Tokenizer, text: str) -> None:
     assert tiny.decode(tiny.encode(text)) == text
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(max_size=60))
 def test_round_trip_tiny_any_text(tiny: Tokenizer, text: str) -> None:
     assert tiny.decode(tiny.encode(text, parse_special=False)) == text
@@ -339,7 +339,7 @@ def spm_vocabularies(draw: st.DrawFn) -> tuple[list[str], list[float]]:
     return tokens, [0.0] * 259 + scores
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(spm_vocabularies(), st.text(alphabet="abc é", max_size=20))
 def test_sentencepiece_matches_llama_cpp_merging(vocab: tuple[list[str], list[float]], text: str) -> None:
     tokens, scores = vocab
@@ -384,7 +384,7 @@ def smol_ranks(default_gguf: GGUFModel) -> dict[tuple[str, str], int]:
     return {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}  # type: ignore[misc]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(alphabet=st.sampled_from(list("abcdefghijklmnopqrstuvwxyz ETAOIN,.!?'\n\t0123456789éü中文😀-_()")), max_size=50))
 def test_byte_level_merges_match_llama_cpp(smol: Tokenizer, smol_ranks: dict[tuple[str, str], int], text: str) -> None:
     pieces = smol._hf.pre_tokenizer.pre_tokenize_str(text)
