@@ -53,6 +53,7 @@ from exo_tui.cluster.view import ServingCluster
 from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import SamplingParams, with_defaults
+from exo_tui.models.model import Model
 
 log = logging.getLogger("exo_tui.api")
 
@@ -101,16 +102,21 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
                     prop["enum"] = model_ids(coordinator)
         return schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
     add_error_handlers(app)
 
     # ------------------------------------------------------------------ helpers
 
-    def check_model(name: str) -> str:
+    def served() -> Model:
+        """The model the cluster serves (a 503 while it loads)."""
         if coordinator.model is None:
             raise ApiError(503, "the coordinator is still loading its model: try again in a moment",
                            type="server_error", code="cluster_unavailable")
+        return coordinator.model
+
+    def check_model(name: str) -> str:
+        served()
         ids = model_ids(coordinator)
         if (name not in ids and name.lower() not in [i.lower() for i in ids]):
             raise ApiError(404, f"the model {name!r} does not exist here: this cluster serves {ids[0]!r} "
@@ -210,7 +216,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
     @app.get("/v1/models/{model}", response_model=s.ModelCard, responses=documented_errors(401, 404, 503), tags=["openai"])
     async def get_model(model: str) -> dict[str, Any]:
         mid = check_model(model)
-        return {"id": mid, "object": "model", "created": int(coordinator.model.path.stat().st_mtime), "owned_by": "exo-tui"}
+        return {"id": mid, "object": "model", "created": int(served().path.stat().st_mtime), "owned_by": "exo-tui"}
 
     # ------------------------------------------------------------------ chat completions
 
@@ -221,7 +227,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         mid = check_model(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt_ids = await asyncio.to_thread(coordinator.model.chat_prompt_ids, messages)
+            prompt_ids = await asyncio.to_thread(served().chat_prompt_ids, messages)
         except Exception as exc:  # noqa: BLE001 - the chat template refused these messages
             raise ApiError(400, f"the model's chat template cannot render these messages: {exc}",
                            param="messages", code="invalid_messages") from exc
@@ -231,7 +237,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         request = new_request(prompt_ids, body, body.max_completion_tokens or body.max_tokens, top)
         gen = await start(http, request)
         cid = f"chatcmpl-{request.id}"  # the id in the events (RequestDone...)
-        tokenizer = coordinator.model.tokenizer
+        tokenizer = served().tokenizer
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_stream(gen, cid, mid, include_usage, usage, tokenizer),
@@ -252,13 +258,13 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
     async def completions(body: s.CompletionRequest, http: Request) -> Any:
         await ready()
         mid = check_model(body.model)
-        tokenizer = coordinator.model.tokenizer
+        tokenizer = served().tokenizer
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
             if len(prompt) != 1:
                 raise ApiError(400, f"one prompt per request, not {len(prompt)}: send them as separate requests",
                                param="prompt", code="invalid_prompt")
-            prompt = prompt[0]
+            prompt = str(prompt[0])  # a string, as checked
         if isinstance(prompt, str):
             prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt)
             prompt_text = prompt

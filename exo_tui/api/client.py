@@ -202,7 +202,8 @@ class ClusterClient:
         body: dict[str, Any] = {"dry_run": dry_run}
         if action == "model":
             name = command.model
-            preview = await self.request("POST", "/v1/cluster/models/preview", json={"model": name}, timeout=120)
+            preview: dict[str, Any] = await self.request("POST", "/v1/cluster/models/preview", json={"model": name},
+                                                         timeout=120)
             if not dry_run and not preview.get("error"):
                 await self.set_model(name)
             return preview
@@ -222,7 +223,8 @@ class ClusterClient:
                        for t in targets]
             return _merge(action, results)
         if action == "rebalance":
-            return await self.request("POST", "/v1/cluster/rebalance", json=body)
+            rebalanced: dict[str, Any] = await self.request("POST", "/v1/cluster/rebalance", json=body)
+            return rebalanced
         raise ApiClientError(f"unknown action {action!r}: use drain, undrain, pin, unpin, rebalance or remove")
 
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
@@ -246,7 +248,8 @@ class ClusterClient:
             body["stop"] = list(params.stop)
         started = time.monotonic()
         first: float | None = None
-        finish, error, usage = None, "", {}
+        finish, error = None, ""
+        usage: dict[str, Any] = {}
         try:
             async with self._http.stream("POST", "/v1/chat/completions", json=body,
                                          timeout=httpx.Timeout(None, connect=5.0)) as r:

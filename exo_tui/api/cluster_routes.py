@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -101,12 +101,13 @@ def cluster_router(coordinator: ServingCluster, closing: asyncio.Event) -> APIRo
             if coordinator.readonly and not dry_run:
                 raise ApiError(403, preview.error, code="readonly")
             raise ApiError(409, preview.error, code="change_impossible")
-        return to_jsonable(preview)
+        done: dict[str, Any] = to_jsonable(preview)
+        return done
 
     action_doc = "what the change does (a PlanPreview: moves, bytes, tok/s before and after, the new plan)"
 
     for action in ("drain", "undrain", "remove"):
-        def make(action: str = action):  # noqa: ANN202
+        def make(action: str = action) -> Callable[[str, s.ActionRequest | None], Awaitable[s.JsonObject]]:
             async def endpoint(node: str, body: s.ActionRequest | None = None) -> s.JsonObject:
                 return await act(Command(action, (resolve_node(node),)), bool(body and body.dry_run))
 

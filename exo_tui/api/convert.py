@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures
@@ -27,6 +27,10 @@ from exo_tui.cluster.view import (
     ShardView,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_T = TypeVar("_T", bound="DataclassInstance")
 
 def to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -45,20 +49,19 @@ def to_jsonable(value: Any) -> Any:
 
 
 def snapshot_to_dict(snapshot: ClusterSnapshot) -> dict[str, Any]:
-    out = to_jsonable(snapshot)
+    out: dict[str, Any] = to_jsonable(snapshot)
     out["ready_count"] = snapshot.ready_count
     return out
 
 
 def event_to_dict(event: ev.Event) -> dict[str, Any]:
-    return to_jsonable(event.to_dict())
+    out: dict[str, Any] = to_jsonable(event.to_dict())
+    return out
 
 
-def _build(cls: type, data: dict[str, Any] | None) -> Any:
+def _build(cls: type[_T], data: dict[str, Any]) -> _T:
     """A dataclass from its JSON form: lists become tuples where the field is a tuple, unknown keys
     are ignored, and missing keys take the field's default."""
-    if data is None:
-        return None
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -104,7 +107,7 @@ def snapshot_from_dict(d: dict[str, Any]) -> ClusterSnapshot:
         readonly=bool(d.get("readonly", False)),
         sampling=dict(d.get("sampling") or {}),
         metrics=ClusterFigures.from_dict(d.get("metrics")),
-        queue=_build(QueueView, d.get("queue")),
+        queue=_build(QueueView, d["queue"]) if d.get("queue") is not None else None,
     )
 
 

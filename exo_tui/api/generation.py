@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import Request as HTTPRequest
 
@@ -28,6 +29,8 @@ from exo_tui.inference.request import Request
 
 CANCEL_GRACE_S = 30.0
 
+_T = TypeVar("_T")
+
 log = logging.getLogger("exo_tui.api")
 
 MAX_STOPS = 4  # stop strings a request may give (OpenAI's limit)
@@ -37,6 +40,8 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # what a request leaves ou
 def context_note(coordinator: ServingCluster) -> str:
     """What a context-length error adds where the cluster serves the model at less than its own
     context (``models.context_length``, ``--context``): that a longer one can be had."""
+    if coordinator.model is None:
+        return ""
     own, served = coordinator.model.config.context_length, coordinator.context_length
     if served >= own:
         return ""
@@ -139,7 +144,7 @@ class Generation:
         return self._task.done()
 
 
-async def until_done_or_disconnect(http: HTTPRequest, gen: Generation, work: Any) -> Any:
+async def until_done_or_disconnect(http: HTTPRequest, gen: Generation, work: Awaitable[_T]) -> _T:
     """Run ``work``; if the client goes away first, cancel the generation (its caches are dropped)."""
     work_task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(http))

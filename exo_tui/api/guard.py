@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import json
 import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -42,7 +43,8 @@ class BodyTooLarge(HTTPException):
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
-    for k, v in scope.get("headers", ()):
+    headers: Iterable[tuple[bytes, bytes]] = scope.get("headers", ())
+    for k, v in headers:
         if k.lower() == name:
             return v
     return None
@@ -76,7 +78,7 @@ async def drain(receive: Any, more: bool = True) -> bool:
     return True
 
 
-async def _answer(send: Any, status: int, message: str, code: str, extra: list[tuple[bytes, bytes]] = ()) -> None:
+async def _answer(send: Any, status: int, message: str, code: str, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """An OpenAI-shaped error, closing the connection (the unread body is not wanted)."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                  "code": code}}).encode()
@@ -137,7 +139,7 @@ class ApiGuard:
 
         async def limited_receive() -> dict[str, Any]:
             nonlocal seen
-            message = await receive()
+            message: dict[str, Any] = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:

@@ -9,7 +9,7 @@ the API key when one is set (give Prometheus the key as ``authorization: credent
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -21,6 +21,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from exo_tui.cluster.figures import NodeFigures
 
 P = "exo_tui_"
 
@@ -83,7 +85,7 @@ class ClusterCollector:
 
 
 def _nodes(f: Any, c: Any, m: Any, model: str) -> Iterator[Metric]:
-    per_node = {
+    per_node: dict[str, tuple[str, Callable[[NodeFigures], float | None]]] = {
         "node_up": ("1 while the node is a live member", lambda n: 1.0 if n.up else 0.0),
         "node_cpu_percent": ("CPU use", lambda n: n.cpu_percent),
         "node_memory_used_bytes": ("memory in use (with a limit: its models', shards and KV caches)", lambda n: n.memory_used_bytes),

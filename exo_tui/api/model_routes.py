@@ -27,13 +27,15 @@ def models_router(coordinator: Any) -> APIRouter:
                             "whether the runtime can run it, whether the cluster can hold it now and its "
                             "predicted tok/s (ModelChoice of exo_tui/cluster/view.py)")
     async def cluster_models() -> list[dict[str, Any]]:
-        return to_jsonable(await coordinator.models())
+        choices: list[dict[str, Any]] = to_jsonable(await coordinator.models())
+        return choices
 
     @router.post("/models/preview", responses=documented_errors(401, 422),
                  description="what switching the cluster to a model would do (a PlanPreview: "
                              "every layer a fresh load, bytes, tok/s before and after); POST "
                              "/v1/cluster/model switches")
     async def preview_model(body: ModelPreviewRequest) -> dict[str, Any]:
-        return to_jsonable(await coordinator.preview(Command("model", model=body.model)))
+        preview: dict[str, Any] = to_jsonable(await coordinator.preview(Command("model", model=body.model)))
+        return preview
 
     return router

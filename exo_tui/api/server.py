@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -25,7 +26,7 @@ log = logging.getLogger("exo_tui.api")
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
-    def capture_signals(self):  # noqa: ANN201 - the command's run_main handles SIGTERM/SIGINT
+    def capture_signals(self) -> Iterator[None]:  # the command's run_main handles SIGTERM/SIGINT
         yield
 
 
@@ -39,7 +40,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 class ApiServer:
     def __init__(self, coordinator: Any, *, host: str = "127.0.0.1", port: int = 52415, api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", graceful_s: float = 3.0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", graceful_s: int = 3,
                  sock: socket.socket | None = None) -> None:
         self.coordinator = coordinator
         self.host, self.port, self.api_key = host, port, api_key

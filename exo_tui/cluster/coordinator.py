@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from exo_tui.cluster.view import (
     HostView,
 )
 from exo_tui.config import Config, load_config
-from exo_tui.inference.generate import GenerationError, generate
+from exo_tui.inference.generate import Chunk, GenerationError, generate
 from exo_tui.inference.request import Request
 from exo_tui.models.model import Model
 from exo_tui.models.spec import served_context, spec_from_gguf
@@ -291,7 +291,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
                     "add one with --peer, or undrain one)")
         return ""
 
-    async def generate(self, request: Request, on_queued: Any = None) -> AsyncIterator[Any]:
+    async def generate(self, request: Request,
+                       on_queued: Callable[[int], None] | None = None) -> AsyncGenerator[Chunk, None]:
         """Chunks of ``request``'s answer (see :func:`exo_tui.inference.generate.generate`), once
         admission lets it run (:mod:`exo_tui.cluster.admission`; ``on_queued(n)`` while it waits
         with ``n`` requests ahead)."""

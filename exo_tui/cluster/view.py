@@ -8,7 +8,7 @@ so does the HTTP client used by ``exo-tui --attach URL``. Front ends never reach
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -18,6 +18,8 @@ from exo_tui.events import EventBus
 from exo_tui.inference.sampling import SamplingParams, with_defaults
 
 if TYPE_CHECKING:
+    from exo_tui.config import Config
+    from exo_tui.inference.generate import Chunk
     from exo_tui.inference.request import Request
     from exo_tui.models.model import Model
 
@@ -353,6 +355,7 @@ class ServingCluster(ClusterControl, Protocol):
     it can serve now, and generation. The embedded coordinator implements it."""
 
     readonly: bool
+    config: Config  # the coordinator's settings (admission's waits, limits)
     model_name: str | None  # the name or path it was asked to serve
     model: Model | None  # None until it is loaded
     context_length: int  # the context it serves the model at: the file's, or models.context_length where shorter
@@ -362,8 +365,13 @@ class ServingCluster(ClusterControl, Protocol):
         """Why a request cannot be served now and what to do; empty when it can."""
         ...
 
-    def generate(self, request: Request, on_queued: Any = None) -> AsyncIterator[Any]:
-        """The request's chunks as they are generated (:class:`~exo_tui.inference.generate.Chunk`)."""
+    def generate(self, request: Request, on_queued: Callable[[int], None] | None = None) -> AsyncGenerator[Chunk, None]:
+        """The request's chunks as they are generated; ``on_queued(n)`` while it waits for
+        admission with ``n`` requests ahead."""
+        ...
+
+    def node_name(self, node_id: str) -> str:
+        """A node's name (its id where it is not a member)."""
         ...
 
 

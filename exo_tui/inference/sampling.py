@@ -18,7 +18,9 @@ import numpy as np
 
 # The parameters as a value live one layer down, where the model reads its recommendation too;
 # the sampler's users import them from here as well.
-from exo_tui.models.sampling_params import GGUF_SAMPLING_KEYS, SamplingParams, with_defaults  # noqa: F401
+from exo_tui.models.sampling_params import GGUF_SAMPLING_KEYS as GGUF_SAMPLING_KEYS
+from exo_tui.models.sampling_params import SamplingParams as SamplingParams
+from exo_tui.models.sampling_params import with_defaults as with_defaults
 
 _BINS = 1024
 _BLOCK = 256
