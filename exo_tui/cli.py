@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    from exo_tui.paths import raise_open_files_limit
+
+    raise_open_files_limit()  # before any listener: a flood of connections finds the hard limit, not 1,024
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

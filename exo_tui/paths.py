@@ -52,3 +52,20 @@ def storage_error(exc: OSError) -> str | None:
     where = f" {exc.filename}" if exc.filename else ""
     return (f"cannot write{where}: {what}. exo-tui keeps its keys and state in {exo_home()}: "
             "free some space there, or point EXO_TUI_HOME at another folder")
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit, once at start (the usual
+    soft limit, 1,024, is what a flood of connections to the API or a node exhausts first);
+    returns the soft limit now (-1: unlimited, or a platform without the limit)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # macOS refuses RLIM_INFINITY: its soft limit stays
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return -1 if soft == resource.RLIM_INFINITY else soft
+

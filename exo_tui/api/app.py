@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -47,6 +47,7 @@ from exo_tui.api.metrics import add_metrics_route
 from exo_tui.api.model_names import model_ids
 from exo_tui.api.model_routes import models_router
 from exo_tui.api.ollama import ollama_router, openai_models, scan
+from exo_tui.api.prompts import PromptRefused, Prompts
 from exo_tui.api.sse import SSE_200, SSE_HEADERS, sse, sse_template
 from exo_tui.cluster.admission import NotReady, QueueFull, TooLarge, wait_for_plan
 from exo_tui.cluster.view import ServingCluster
@@ -105,6 +106,13 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
 
     add_error_handlers(app)
+    prompts = Prompts(coordinator)
+
+    async def prompt_of(work: Awaitable[list[int]]) -> list[int]:
+        try:
+            return await work
+        except PromptRefused as exc:
+            raise ApiError(400, exc.message, param=exc.param, code=exc.code) from exc
 
     # ------------------------------------------------------------------ helpers
 
@@ -226,11 +234,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         await ready()
         mid = check_model(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt_ids = await asyncio.to_thread(served().chat_prompt_ids, messages)
-        except Exception as exc:  # noqa: BLE001 - the chat template refused these messages
-            raise ApiError(400, f"the model's chat template cannot render these messages: {exc}",
-                           param="messages", code="invalid_messages") from exc
+        prompt_ids = await prompt_of(prompts.chat(served(), messages))
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_parameter")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -266,7 +270,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
                                param="prompt", code="invalid_prompt")
             prompt = str(prompt[0])  # a string, as checked
         if isinstance(prompt, str):
-            prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            prompt_ids = await prompt_of(prompts.text(served(), prompt))
             prompt_text = prompt
         else:
             ids = [int(x) for x in prompt]
@@ -307,7 +311,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 
 
     app.include_router(models_router(coordinator))
-    app.include_router(ollama_router(coordinator))
+    app.include_router(ollama_router(coordinator, prompts))
     return app
 
 

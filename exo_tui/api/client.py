@@ -126,8 +126,16 @@ class ClusterClient:
             raise ApiClientError(not_running(self.url), code="no_coordinator") from exc
         except httpx.TimeoutException as exc:
             raise ApiClientError(f"the coordinator at {self.url} did not answer in time ({exc!r}): is it overloaded?") from exc
+        except httpx.HTTPError as exc:  # it closed or reset the connection: out of connections, or stopping
+            raise ApiClientError(f"the coordinator at {self.url} closed the connection without an answer "
+                                 f"({type(exc).__name__}: {exc or 'no reason given'}): it may be overloaded or "
+                                 "stopping; see its log") from exc
         raise_for_error(response)
-        return response.json()
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ApiClientError(f"the coordinator at {self.url} answered {response.status_code} with something "
+                                 f"that is not JSON: {response.text[:120]!r}") from exc
 
     async def refresh(self) -> ClusterSnapshot:
         data = await self.request("GET", "/v1/cluster")

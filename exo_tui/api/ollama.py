@@ -42,11 +42,13 @@ from exo_tui.api.generation import (
     until_done_or_disconnect,
 )
 from exo_tui.api.model_names import model_ids
+from exo_tui.api.prompts import PromptRefused, Prompts
 from exo_tui.cluster.admission import wait_for_plan
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import with_defaults
 from exo_tui.models import catalog
+from exo_tui.models.sampling_params import COUNT_MAX
 
 OLLAMA_VERSION = "0.9.0"  # the Ollama API this one follows (clients compare versions)
 NDJSON = "application/x-ndjson"
@@ -234,8 +236,9 @@ def sampling_options(options: Any, recommended: dict[str, Any]) -> tuple[Any, in
         given[name] = kind(value)
     last_n = options.get("repeat_last_n")
     if last_n is not None:
-        if isinstance(last_n, bool) or not isinstance(last_n, int) or last_n < -1:
-            raise OllamaError(400, f"option repeat_last_n must be -1 (the whole context), 0 (off) or more, not {last_n!r}")
+        if isinstance(last_n, bool) or not isinstance(last_n, int) or not -1 <= last_n <= COUNT_MAX:
+            raise OllamaError(400, f"option repeat_last_n must be -1 (the whole context), 0 (off) or more, up to "
+                                   f"{COUNT_MAX}, not {last_n!r}")
         if last_n == 0:
             given.update(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
         else:
@@ -261,8 +264,9 @@ def sampling_options(options: Any, recommended: dict[str, Any]) -> tuple[Any, in
 # ---------------------------------------------------------------------- the router
 
 
-def ollama_router(coordinator: Any) -> APIRouter:
-    """The ``/api/*`` routes over ``coordinator``."""
+def ollama_router(coordinator: Any, prompts: Prompts | None = None) -> APIRouter:
+    """The ``/api/*`` routes over ``coordinator`` (``prompts``: the app's, shared with its OpenAI routes)."""
+    prompts = prompts if prompts is not None else Prompts(coordinator)
     router = APIRouter(prefix="/api", tags=["ollama"], route_class=_OllamaRoute)
 
     async def ready() -> None:
@@ -370,11 +374,14 @@ def ollama_router(coordinator: Any) -> APIRouter:
         out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
         return JSONResponse(out)
 
-    async def prompt_ids(messages: list[dict[str, str]]) -> list[int]:
+    async def prompt_ids(messages: list[dict[str, str]] | None = None, text: str = "", add_special: bool = True,
+                         room: int | None = None) -> list[int]:
         try:
-            return await asyncio.to_thread(coordinator.model.chat_prompt_ids, messages)
-        except Exception as exc:  # noqa: BLE001 - the chat template refused these messages
-            raise OllamaError(400, f"the model's chat template cannot render these messages: {exc}") from exc
+            if messages is not None:
+                return await prompts.chat(coordinator.model, messages)
+            return await prompts.text(coordinator.model, text, add_special=add_special, room=room)
+        except PromptRefused as exc:
+            raise OllamaError(400, exc.message) from exc
 
     # ------------------------------------------------------------------ routes
 
@@ -472,7 +479,7 @@ def ollama_router(coordinator: Any) -> APIRouter:
         if bad := [t for t in context if not 0 <= t < tokenizer.vocab_size]:
             raise OllamaError(400, f"context holds token ids outside this model's vocabulary: {bad[:5]}")
         if body.get("raw"):
-            ids = await asyncio.to_thread(tokenizer.encode, prompt, not context)
+            ids = await prompt_ids(text=prompt, add_special=not context, room=max(1, coordinator.context_length - len(context)))
         else:
             turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = await prompt_ids(turns)

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from exo_tui.models.sampling_params import COUNT_MAX
+
 SEED_MAX = 2**63 - 1
 
 
@@ -65,7 +67,7 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=1, description="only 1 answer per request")
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    top_k: int | None = Field(default=None, ge=0, description="extension: 0 is off")
+    top_k: int | None = Field(default=None, ge=0, le=COUNT_MAX, description="extension: 0 is off")
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10, description="extension: 1 is off")
     user: str | None = None
 

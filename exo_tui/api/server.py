@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from exo_tui.api.app import create_app
+from exo_tui.api.connections import ConnectionBook, connection_cap, guarded_protocol
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES
 from exo_tui.api.listen import ApiServerError, bind_api_socket
 from exo_tui.net.address import is_loopback
@@ -45,8 +46,9 @@ class ApiServer:
         self.coordinator = coordinator
         self.host, self.port, self.api_key = host, port, api_key
         self.app = create_app(coordinator, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.connections = ConnectionBook(connection_cap())  # the cap and the header timeout
         self._config = uvicorn.Config(self.app, log_level=log_level, lifespan="off", access_log=False,
-                                      timeout_graceful_shutdown=graceful_s, http="h11")
+                                      timeout_graceful_shutdown=graceful_s, http=guarded_protocol(self.connections))
         self._server = _Server(self._config)
         self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = sock  # bound already (exo-tui serve binds it first thing)

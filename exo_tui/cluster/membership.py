@@ -32,6 +32,7 @@ from exo_tui.scheduler.diff import should_rebalance
 log = logging.getLogger("exo_tui.cluster")
 
 MONITOR_INTERVAL_S = 0.25
+STALL_S = 0.5  # a monitor tick this late means this process's loop was held: see _monitor_loop
 RECONNECT_INTERVAL_S = 2.0
 LINK_PROBE_INTERVAL_S = 10.0
 
@@ -243,9 +244,18 @@ class Membership:
     async def _monitor_loop(self) -> None:
         timeout = self.config.scheduler.fault_tolerance.heartbeat_timeout
         last_reconnect = 0.0
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             now = time.monotonic()
+            stalled_s, last_tick = now - last_tick - MONITOR_INTERVAL_S, now
+            if stalled_s > STALL_S:
+                # This loop was held (a GC, a burst of work) and read no frame meanwhile: the
+                # heartbeats that came are still unread in the sockets. The time it could not listen
+                # does not count against the nodes.
+                log.warning("the coordinator's event loop was held for %.1f s", stalled_s)
+                for handle in self.nodes.values():
+                    handle.last_heartbeat_s = min(now, handle.last_heartbeat_s + stalled_s)
             for handle in list(self.nodes.values()):
                 if handle.state != "failed" and handle.heartbeat_age_s(now) > timeout:
                     self._fail_node(handle.node_id, f"no heartbeat for {handle.heartbeat_age_s(now):.1f} s")

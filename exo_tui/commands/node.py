@@ -8,7 +8,7 @@ import logging
 import socket
 import sys
 
-from exo_tui.commands._args import whole_number
+from exo_tui.commands._args import read_secret, secret_help, whole_number
 
 # --threads: said at once, not by a node started later
 threads_arg = whole_number(1, "threads", "a step needs at least 1 thread, got {value}")
@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run the node agent: profile this device, then serve shards to the coordinator.",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
-    p.add_argument("--port", type=int, default=52416)
+    p.add_argument("--port", type=int, default=52416, help="port to listen on (default 52416; 0: any free port, "
+                                                            "which --join tells the coordinator)")
     p.add_argument("--name", default=None, help="node name (default: the host name)")
     p.add_argument("--backend", choices=["auto", "mlx", "onnx"], default="auto")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="memory this node gives to models (weights, KV caches), above its runtime's own ~0.2 GB")
@@ -32,7 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=threads_arg, default=None, metavar="N",
                    help="threads a step runs on (default: the physical cores)")
     p.add_argument("--key-file", default=None, help="node bundle (cluster key and certificates) from the coordinator")
-    p.add_argument("--join", default=None, metavar="TOKEN", help="fetch the cluster key with a join token first")
+    p.add_argument("--join", default=None, nargs="?", const="", metavar="TOKEN",
+                   help="fetch the cluster key with a join token first (from `exo-tui join-token`)"
+                        + secret_help("EXO_TUI_JOIN_TOKEN"))
     p.add_argument("--no-advertise", action="store_true", help="do not advertise over mDNS")
     p.add_argument("--no-tls", action="store_true", help="plain TCP (only to measure what TLS costs)")
     p.add_argument("--no-benchmark", action="store_true", help="skip the start-up layer benchmark")
@@ -75,18 +78,26 @@ def run(args: argparse.Namespace) -> int:
     from exo_tui.net.security import Security, SecurityError
     from exo_tui.node.agent import NodeAgent
 
+    listener = None
     try:
-        if args.join:
+        token = read_secret(args.join, "EXO_TUI_JOIN_TOKEN", "join token")
+        port = args.port
+        if token:
             from exo_tui.discovery.join import join_cluster
+            from exo_tui.net.server import listening_socket
 
-            key_file = join_cluster(args.join, name=name, port=args.port)
+            if port == 0:  # bound now, so the coordinator is told the port this node will serve on
+                listener = listening_socket(args.host, 0)
+                port = listener.getsockname()[1]
+            key_file = join_cluster(token, name=name, port=port)
         else:
             key_file = args.key_file
         security = Security.from_bundle_file(key_file, enable_tls=not args.no_tls)
         agent = NodeAgent(
             name=name,
             host=args.host,
-            port=args.port,
+            port=port,
+            sock=listener,
             backend=backend,
             memory_limit_bytes=limit,
             security=security,
@@ -95,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
             parent_pid=args.exit_with_parent,
         )
         event_loop.run(agent.run_until_signalled())
-    except (SecurityError, BackendError, LoopChoiceError, OSError) as exc:
+    except (SecurityError, BackendError, LoopChoiceError, OSError, ValueError) as exc:
         print(f"exo-tui node: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if listener is not None:
+            listener.close()
     return 0

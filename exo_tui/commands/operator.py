@@ -15,13 +15,16 @@ import sys
 from typing import Any
 
 from exo_tui.cluster.view import Command, parse_layers
+from exo_tui.commands._args import read_secret, secret_help
 
 ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="the coordinator's API (default http://127.0.0.1:52415, or network.api of the config)")
-    p.add_argument("--api-key", default=None, help="API key (default network.api.key of the config or EXO_TUI_API_KEY)")
+    p.add_argument("--api-key", default=None, nargs="?", const="", metavar="KEY",
+                   help="API key (default network.api.key of the config, or $EXO_TUI_API_KEY)"
+                        + secret_help("EXO_TUI_API_KEY"))
     p.add_argument("--config", default=None, metavar="F", help="config file (default ~/.config/exo-tui/config.yaml)")
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
 
@@ -76,13 +79,16 @@ def run(args: argparse.Namespace) -> int:
     except (ApiClientError, ConfigError, ValueError) as exc:
         print(f"exo-tui {args.action}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ApiClientError) and exc.code == "no_coordinator" else 1
+    except Exception as exc:  # noqa: BLE001 - one line that says what failed, never a traceback
+        print(f"exo-tui {args.action}: {type(exc).__name__}: {exc or 'no reason given'}", file=sys.stderr)
+        return 1
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str | None]:
     from exo_tui.config import load_config
 
     config = load_config(args.config)
-    key = args.api_key or config.network.api.key
+    key = read_secret(args.api_key, "EXO_TUI_API_KEY", "API key") or config.network.api.key
     if args.url:
         return args.url, key
     host = config.network.api.host

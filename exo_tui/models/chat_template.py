@@ -9,7 +9,9 @@ keeps non-ASCII text. A file without a template gets ChatML.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -126,19 +128,55 @@ class ChatTemplate:
 
         ``extra`` values (``tools``, ``date_string``, ...) are passed to the template as well.
         """
+        return self._render(_normalized(messages), add_generation_prompt, extra)
+
+    def render_marked(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        spells_control: Callable[[str], bool],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """``(prompt text, where the messages' contents are in it)``, for a tokenizer that must read
+        control tokens only in the template's own markup. ``spells_control(text)``: whether a text
+        spells a control token; only then are the contents' places found (a second rendering with
+        a unique mark in place of each content). :class:`ChatTemplateError` when such a content
+        cannot be told apart from the markup (the template changes it beyond trimming)."""
+        msgs = _normalized(messages)
+        text = self._render(msgs, add_generation_prompt, extra)
+        risky = [i for i, m in enumerate(msgs) if isinstance(m["content"], str) and spells_control(m["content"])]
+        if not risky:
+            return text, []
+        nonce = secrets.token_hex(8)
+        marks = {f"\ue000{nonce}{i}\ue001": i for i in risky}  # private-use characters: never in a template
+        original = list(msgs)
+        for mark, i in marks.items():
+            msgs[i] = {**msgs[i], "content": mark}
+        skeleton = self._render(msgs, add_generation_prompt, extra)
+        contents = {mark: original[i]["content"] for mark, i in marks.items()}
+        for trim in (False, True):  # templates often trim a message's text
+            out, spans, at = [], [], 0
+            for piece, mark in _split_marks(skeleton, marks):
+                out.append(piece)
+                at += len(piece)
+                if mark is not None:
+                    content = contents[mark].strip() if trim else contents[mark]
+                    out.append(content)
+                    spans.append((at, at + len(content)))
+                    at += len(content)
+            if "".join(out) == text:
+                return text, spans
+        first = risky[0]
+        raise ChatTemplateError(
+            f"message {first} spells a control token of the model in its text, and the chat template of "
+            f"{self.origin} changes message text, so it cannot be kept apart from the template's own markup: "
+            "remove the control token from the message"
+        )
+
+    def _render(self, msgs: list[dict[str, Any]], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
         from jinja2 import TemplateError
         from jinja2.exceptions import SecurityError
 
-        msgs = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-                raise ChatTemplateError(f"message {i} has no role: each message needs a 'role' and a 'content'")
-            content = m.get("content")
-            if isinstance(content, list):
-                content = _text_of_parts(content, i)
-            elif content is not None and not isinstance(content, str):
-                raise ChatTemplateError(f"message {i} ({m['role']}) has content of type {type(content).__name__}: use text")
-            msgs.append({**m, "content": content})
         context: dict[str, Any] = {
             "tools": None,
             **extra,
@@ -161,3 +199,30 @@ class ChatTemplate:
                 f"the chat template of {self.origin} failed ({type(exc).__name__}: {exc}); "
                 "check the messages (roles, order) or use another model file"
             ) from exc
+
+
+def _normalized(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the template reads them: text parts joined into one string."""
+    msgs = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"message {i} has no role: each message needs a 'role' and a 'content'")
+        content = m.get("content")
+        if isinstance(content, list):
+            content = _text_of_parts(content, i)
+        elif content is not None and not isinstance(content, str):
+            raise ChatTemplateError(f"message {i} ({m['role']}) has content of type {type(content).__name__}: use text")
+        msgs.append({**m, "content": content})
+    return msgs
+
+
+def _split_marks(skeleton: str, marks: Mapping[str, int]) -> list[tuple[str, str | None]]:
+    """The skeleton as (text before, the mark after it or None) pairs, in order."""
+    pattern = re.compile("|".join(map(re.escape, marks)))
+    out: list[tuple[str, str | None]] = []
+    at = 0
+    for m in pattern.finditer(skeleton):
+        out.append((skeleton[at:m.start()], m.group()))
+        at = m.end()
+    out.append((skeleton[at:], None))
+    return out

@@ -13,7 +13,7 @@ from exo_tui.models.chat_template import ChatTemplate
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError
 from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel, looks_like_path, resolve_model
 from exo_tui.models.sampling_params import GGUF_SAMPLING_KEYS, with_defaults
-from exo_tui.models.tokenizer import Tokenizer
+from exo_tui.models.tokenizer import Tokenizer, check_text
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,17 @@ class Model:
     def template(self) -> ChatTemplate:
         return ChatTemplate.from_gguf(self.gguf)
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the rendered chat, ready for the assistant's answer."""
-        text = self.template.render(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+    def chat_prompt_ids(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
+        """Token ids of the rendered chat, ready for the assistant's answer. Control tokens are
+        read in the template's markup only: a message that spells one (``<|im_end|>``) is text.
+        ``limit``: see :meth:`Tokenizer.encode` (``PromptTooLong`` before tokenizing);
+        ``BadText`` names the message with a lone surrogate."""
+        tok = self.tokenizer
+        for i, m in enumerate(messages):
+            if isinstance(m.get("content"), str):
+                check_text(m["content"], f"messages[{i}].content")
+        text, plain = self.template.render_marked(messages, tok.has_control_text, add_generation_prompt=True)
+        return tok.encode(text, plain=plain, limit=limit)
 
 
 def _registered_file(path: Path) -> RegisteredModel | None:

@@ -23,6 +23,8 @@ GGUF_SAMPLING_KEYS: dict[str, tuple[str, type]] = {
     "general.sampling.penalty_last_n": ("repetition_window", int),
 }
 
+COUNT_MAX = 2**31 - 1  # top_k and repetition_window: beyond any vocabulary and context, and packable
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,16 +42,17 @@ class SamplingParams:
         problems = []
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             problems.append(f"temperature must be >= 0 (0 is greedy), not {self.temperature}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 is off), not {self.top_k}")
+        if not 0 <= self.top_k <= COUNT_MAX:
+            problems.append(f"top_k must be in [0, {COUNT_MAX}] (0 is off), not {self.top_k}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1] (1 is off), not {self.top_p}")
         if not 0 <= self.min_p < 1:
             problems.append(f"min_p must be in [0, 1) (0 is off), not {self.min_p}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             problems.append(f"repetition_penalty must be > 0 (1 is off), not {self.repetition_penalty}")
-        if self.repetition_window < 0:
-            problems.append(f"repetition_window must be >= 0 (0 is the whole history), not {self.repetition_window}")
+        if not 0 <= self.repetition_window <= COUNT_MAX:
+            problems.append(f"repetition_window must be in [0, {COUNT_MAX}] (0 is the whole history), "
+                            f"not {self.repetition_window}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -17,6 +17,7 @@ matched whole in the text, never split.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,35 @@ class TokenizerError(Exception):
     """The model file's tokenizer cannot be used; the message names the file and what to do."""
 
 
+class BadText(ValueError):
+    """Text that is not Unicode a model can read (a lone surrogate, as JSON's ``"\\ud800"`` makes);
+    ``what`` names the text (``messages[1].content``), or is empty."""
+
+    def __init__(self, message: str, what: str = "") -> None:
+        super().__init__(message)
+        self.what = what
+
+
+class PromptTooLong(ValueError):
+    """A text that holds at least ``at_least`` tokens, ``limit`` or more, found before tokenizing it."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"the prompt holds at least {at_least} tokens; at most {limit - 1} fit")
+        self.at_least, self.limit = at_least, limit
+
+
+def check_text(text: str, what: str = "") -> None:
+    """:class:`BadText` unless ``text`` is encodable Unicode (no lone surrogates), naming ``what``."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadText(f"{what or 'the text'} holds a lone surrogate (U+{ord(text[exc.start]):04X} at character "
+                      f"{exc.start}), which is not a Unicode character: send valid UTF-8 text (a surrogate pair, "
+                      "\\ud83d\\ude00, is one character)", what) from None
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable characters."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -204,6 +234,10 @@ class Tokenizer:
                 for t, ty in zip(self._tokens, self._types.tolist(), strict=True)
             ]
         self._special = frozenset(np.flatnonzero(self._types == CONTROL).tolist())
+        self.max_token_bytes = max((len(p) for p in self._pieces), default=1) or 1
+        control = sorted({self._tokens[i] for i in self._special if self._tokens[i]}, key=len, reverse=True)
+        # leftmost, then longest: how the HF tokenizer matches its added tokens in the text
+        self._control_re = re.compile("|".join(map(re.escape, control))) if control else None
         self._ids: dict[str, int] = {}
         for i, t in enumerate(self._tokens):
             self._ids.setdefault(t, i)  # the first id of a text that appears twice, as encode uses
@@ -329,7 +363,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tokens)
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound of ``len(encode(text))``, without tokenizing: no token stands for more
+        than ``max_token_bytes`` bytes, and a character is at least one byte."""
+        return -(-len(text) // self.max_token_bytes)
+
+    def has_control_text(self, text: str) -> bool:
+        """Whether ``text`` spells a control token (``<|im_end|>``)."""
+        return self._control_re is not None and self._control_re.search(text) is not None
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True, *,
+               plain: Sequence[tuple[int, int]] = (), limit: int | None = None) -> list[int]:
         """Token ids of ``text``.
 
         ``add_special``: put BOS first (and EOS last) when the model asks for it
@@ -337,14 +381,49 @@ class Tokenizer:
         template that writes ``{{ bos_token }}`` itself does not get two.
         ``parse_special``: control tokens written in the text (``<|im_start|>``) become their ids;
         with ``False`` they are tokenized as plain text (use it for untrusted text).
+        ``plain``: ``(start, end)`` character ranges where control tokens are plain text even so
+        (a chat's message contents inside the template's markup).
+        ``limit``: :class:`PromptTooLong` at once, before tokenizing, when the text cannot have
+        fewer than ``limit`` tokens (:meth:`fewest_tokens`). :class:`BadText` for lone surrogates.
+
+        The GIL is released while the HF tokenizer works (its batch call), so a thread tokenizing
+        a long text does not stall the caller's event loop.
         """
-        hf = self._hf if parse_special else self._plain()
-        ids: list[int] = hf.encode(text, add_special_tokens=False).ids
+        if limit is not None and self.fewest_tokens(text) >= limit:
+            raise PromptTooLong(self.fewest_tokens(text), limit)
+        check_text(text)
+        if plain and parse_special and self._control_re is not None:
+            ids = self._encode_outside(text, plain)
+        else:
+            hf = self._hf if parse_special else self._plain()
+            ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special:
             if self.add_bos and (not ids or ids[0] != self.bos_id):
                 ids.insert(0, self.bos_id)  # type: ignore[arg-type]
             if self.add_eos:
                 ids.append(self.eos_id)  # type: ignore[arg-type]
+        return ids
+
+    def _encode_outside(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:
+        """Control tokens matched only outside ``plain``; the text between them tokenized as
+        the HF tokenizer tokenizes the pieces between the control tokens it matches."""
+        assert self._control_re is not None
+        pieces: list[str] = []
+        marks: list[int] = []  # control token ids, one after each piece but the last
+        at = 0
+        for m in self._control_re.finditer(text):
+            if any(s < m.end() and m.start() < e for s, e in plain):
+                continue  # spelled inside a message: text
+            pieces.append(text[at:m.start()])
+            marks.append(self._ids[m.group()])
+            at = m.end()
+        pieces.append(text[at:])
+        encoded = self._plain().encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = []
+        for i, enc in enumerate(encoded):
+            ids.extend(enc.ids)
+            if i < len(marks):
+                ids.append(marks[i])
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import socket
 import ssl
 from collections.abc import Callable, Collection
 from typing import Any
@@ -85,7 +86,7 @@ class Server:
         self._server: asyncio.base_events.Server | None = None
         self._closed = False
 
-    async def _start(self, host: str | None, port: int) -> None:
+    async def _start(self, host: str | None, port: int, sock: socket.socket | None = None) -> None:
         loop = asyncio.get_running_loop()
         tls_first = self.security.enable_tls
 
@@ -94,7 +95,10 @@ class Server:
             cls = TLSFirst if tls_first else asyncio.StreamReaderProtocol
             return cls(reader, self._accept, loop=loop)
 
-        self._server = await loop.create_server(protocol, host, port)
+        if sock is not None:
+            self._server = await loop.create_server(protocol, sock=sock)
+        else:
+            self._server = await loop.create_server(protocol, host, port)
         sockname = self._server.sockets[0].getsockname()
         self.host, self.port = sockname[0], sockname[1]
 
@@ -248,9 +252,10 @@ async def serve(
     max_concurrent_calls: int = MAX_CONCURRENT_CALLS,
     inline_types: Collection[str] = (),
     gate: HandshakeGate | None = None,
+    sock: socket.socket | None = None,
 ) -> Server:
     """Listen on ``host:port`` (port 0: any free port, see ``Server.port``; host ``None`` or
-    ``"0.0.0.0"``: every interface).
+    ``"0.0.0.0"``: every interface), or on ``sock``, bound already (:func:`listening_socket`).
 
     Every accepted connection does TLS (unless ``security.enable_tls`` is false) and the HMAC
     handshake within ``security.handshake_timeout_s``; refusals are logged and closed. Then its
@@ -262,6 +267,23 @@ async def serve(
         handler, security=security, limits=limits, on_connect=on_connect,
         max_concurrent_calls=max_concurrent_calls, inline_types=inline_types, gate=gate,
     )
-    await server._start(host, port)
+    await server._start(host, port, sock)
     log.info("listening on %s:%d (TLS %s)", server.host, server.port, "on" if security.enable_tls else "OFF")
     return server
+
+
+def listening_socket(host: str | None, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: any free one, read it with ``getsockname``)
+    for :func:`serve`: a node that must say its port before it serves (``--port 0 --join``)."""
+    host = host or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+

@@ -107,10 +107,12 @@ class NodeAgent:
         advertise: bool = False,
         run_benchmark: bool = True,
         parent_pid: int | None = None,
+        sock: Any = None,
     ) -> None:
         self.name = name
         self.bind_host = host
         self.port = port
+        self.listen_sock = sock  # bound already (net.server.listening_socket): served instead of host:port
         self.backend = backend or default_backend_name()
         self.memory_limit_bytes = memory_limit_bytes
         self.security = security
@@ -162,7 +164,7 @@ class NodeAgent:
         # Forward frames are handled in the read loop (no hand-off to a lane task): _op_forward
         # either queues the step or runs a decode step at once, and never awaits anything slow.
         self._server = await serve(self._handle, self.bind_host, self.port, security=self.security,
-                                   inline_types=("forward",))
+                                   inline_types=("forward",), sock=self.listen_sock)
         self.port = getattr(self._server, "port", self.port)
         self._tasks.append(asyncio.create_task(self._work_loop(), name="node-worker"))
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="node-heartbeat"))
