@@ -13,10 +13,11 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.inference.speculative import Draft, Verdict
 from exo_tui.inference.stops import StopMatcher
 from exo_tui.models.detokenizer import StreamingDetokenizer
 from exo_tui.models.tokenizer import Tokenizer
@@ -37,6 +38,17 @@ class StepRunner(Protocol):
 
     def served_by(self) -> tuple[str, ...]:
         """Names of the nodes (or backends) that ran the request's layers."""
+        ...
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    async def verify(self, request: Request, start: int, draft: Draft) -> tuple[Verdict, list[TokenLogprobs] | None]:
+        """A verify step (:mod:`exo_tui.inference.speculative`): ``request.tokens[start:]`` and
+        then ``draft``'s tokens run as one step; the drafts the model agrees with and the next
+        token, with each one's logprobs when ``request.top_logprobs`` asks. The caches keep the
+        request's tokens and the accepted drafts only (rejected positions are dropped, at the
+        latest when the next step begins)."""
         ...
 
 
@@ -97,33 +109,51 @@ async def generate(
             raise GenerationError("the prompt is empty: give at least one token")
         if request.max_tokens == 0 and request.wants_prompt_scores:
             await runner.step(request, 0)  # the prompt scored; the token it samples is no part of any answer
-        while len(request.generated) < request.max_tokens:
+        spec = request.speculation if isinstance(runner, Verifier) else None
+        done = False
+        while not done and len(request.generated) < request.max_tokens:
             if request.n_tokens >= context_length:
                 break
-            token, logprobs = await runner.step(request, start)
-            start = request.n_tokens
-            request.generated.append(token)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
-            if request.first_token_s is None:
-                request.first_token_s = time.monotonic()
-            if token in eos:
-                finish = "stop"
-                break
-            if logprobs is not None:
-                listing.append((produced, logprobs))
-            piece = detok.add(token)
-            produced += len(piece)
-            text, stopped = stops.feed(piece)
-            if text:
-                emitted += len(text)
-                yield Chunk(text=text, token_id=token, logprobs=listed(), held=tuple(held))
-                held.clear()
+            room = min(request.max_tokens - len(request.generated), context_length - request.n_tokens)
+            decoding = start >= len(request.prompt_ids)  # the prompt is in the caches (a prompt's step runs no drafts)
+            draft = await spec.draft(request.tokens, len(request.prompt_ids), room) if spec is not None and decoding else None
+            began = time.monotonic()
+            if draft is not None and len(draft):
+                verdict, listed_lps = await runner.verify(request, start, draft)  # type: ignore[attr-defined]
+                spec.verified(draft, verdict)  # type: ignore[union-attr]
+                tokens: tuple[int, ...] = verdict.tokens
+                lps: list[TokenLogprobs | None] = list(listed_lps) if listed_lps is not None else [None] * len(tokens)
             else:
-                held.append(token)
-            if stopped:
-                finish, hit_stop_string = "stop", True
-                break
+                token, logprobs = await runner.step(request, start)
+                tokens, lps = (token,), [logprobs]
+            if spec is not None and decoding:  # a decode step, timed for the stream
+                spec.timed(1 + (len(draft) if draft is not None else 0), time.monotonic() - began)
+            start = request.n_tokens + len(tokens) - 1  # the last token is the first the caches lack
+            for token, logprobs in zip(tokens, lps, strict=True):
+                if len(request.generated) >= request.max_tokens:
+                    break
+                request.generated.append(token)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+                if request.first_token_s is None:
+                    request.first_token_s = time.monotonic()
+                if token in eos:
+                    finish, done = "stop", True
+                    break
+                if logprobs is not None:
+                    listing.append((produced, logprobs))
+                piece = detok.add(token)
+                produced += len(piece)
+                text, stopped = stops.feed(piece)
+                if text:
+                    emitted += len(text)
+                    yield Chunk(text=text, token_id=token, logprobs=listed(), held=tuple(held))
+                    held.clear()
+                else:
+                    held.append(token)
+                if stopped:
+                    finish, hit_stop_string, done = "stop", True, True
+                    break
         if not hit_stop_string:
             tail, _ = stops.feed(detok.flush())
             tail += stops.flush()

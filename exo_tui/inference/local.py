@@ -11,8 +11,9 @@ import numpy as np
 from backends import get_backend
 from backends.base import Shard
 from exo_tui.inference.request import Request
-from exo_tui.inference.sampling import Sampler, TokenLogprobs, token_logprobs
+from exo_tui.inference.sampling import Length, Sampler, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import forward_scored
+from exo_tui.inference.speculative import Draft, Verdict, verify
 from exo_tui.models.gguf_file import GGUFModel
 
 
@@ -94,6 +95,19 @@ class LocalPipeline:
         if request.top_logprobs is None:
             return token, None
         return token, token_logprobs(logits, token, request.top_logprobs)
+
+    async def verify(self, request: Request, start: int, draft: Draft) -> tuple[Verdict, list[TokenLogprobs] | None]:
+        sampler = self._samplers.setdefault(request.id, Sampler(request.sampling))
+        tokens = request.tokens
+        rows = [*tokens[start:], *draft.tokens]
+        logits = await self._call(run_shards, self.shards, request.id, rows, start, True)
+        logits = logits[-(len(draft) + 1):]
+        verdict = verify(sampler, logits, tokens if sampler.params.uses_history else Length(len(tokens)), draft)
+        kept = len(tokens) + verdict.accepted  # the request's tokens and the accepted drafts
+        await self._call(lambda: [shard.truncate_kv(request.id, kept) for shard in self.shards])
+        if request.top_logprobs is None:
+            return verdict, None
+        return verdict, [token_logprobs(logits[i], t, request.top_logprobs) for i, t in enumerate(verdict.tokens)]
 
     async def release(self, request: Request) -> None:
         self._samplers.pop(request.id, None)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from exo_tui.inference.sampling import SamplingParams, TokenLogprobs
+from exo_tui.inference.speculation import Speculation
 
 _counter = itertools.count()
 
@@ -37,6 +38,7 @@ class Request:
     finished_s: float | None = None
     cached_tokens: int = 0  # prompt tokens whose caches an earlier turn of the conversation left
     finish_reason: str | None = None  # "stop" or "length" once it has run to its end; else None
+    speculation: Speculation | None = None  # drafts checked by verify steps (None: plain steps only)
 
     @property
     def tokens(self) -> list[int]:

@@ -57,6 +57,41 @@ class Sampler:
                 raise ValueError(_bad_logits(raw))
             return token, 0.0
 
+        ids, w = self._weights(x, raw)
+        rng = np.random.default_rng([self.seed, len(history)])
+        j, total = _draw(w, rng.random())
+        token = int(j if ids is None else ids[j])
+        return token, math.log(float(w[j]) / total)
+
+    def probabilities(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The distribution :meth:`sample` draws the token after ``history`` from, over the
+        whole vocabulary (float64; greedy: all on the argmax). What speculative sampling checks a
+        draft's probabilities against (:mod:`exo_tui.inference.speculative`)."""
+        raw = np.asarray(logits, dtype=np.float32).reshape(-1)
+        x = self._penalised(raw, history) if self.params.uses_history else raw
+        p = np.zeros(raw.size, dtype=np.float64)
+        if self.params.greedy:
+            p[self.sample(raw, history)[0]] = 1.0
+            return p
+        ids, w = self._weights(x, raw)
+        p[slice(None) if ids is None else ids] = w / w.sum(dtype=np.float64)
+        return p
+
+    def draw(self, p: np.ndarray, history: Sequence[int], stream: int) -> tuple[int, float]:
+        """A token drawn from the distribution ``p`` with the request's seed at this position,
+        the random stream ``stream`` (> 0: other than :meth:`sample`'s), and its log-probability."""
+        rng = np.random.default_rng([self.seed, len(history), stream])
+        j, total = _draw(p, rng.random())
+        return j, math.log(float(p[j]) / total)
+
+    def uniform(self, history: Sequence[int], stream: int) -> float:
+        """A number in [0, 1) from the request's seed at this position and random stream ``stream``."""
+        return float(np.random.default_rng([self.seed, len(history), stream]).random())
+
+    def _weights(self, x: np.ndarray, raw: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """Temperature, top-k, top-p and min-p over penalised logits ``x``: the candidate ids
+        (None: the whole vocabulary) in a canonical order and their weights (the best is 1)."""
+        p = self.params
         top = float(np.max(x))
         if not math.isfinite(top):
             raise ValueError(_bad_logits(raw))
@@ -86,10 +121,7 @@ class Sampler:
                 where[ids] = np.arange(ids.size)
                 ids = np.flatnonzero(where >= 0)
                 w = w[where[ids]]
-        rng = np.random.default_rng([self.seed, len(history)])
-        j, total = _draw(w, rng.random())
-        token = int(j if ids is None else ids[j])
-        return token, math.log(float(w[j]) / total)
+        return ids, w
 
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params
@@ -176,6 +208,20 @@ def _draw(w: np.ndarray, u: float) -> tuple[int, float]:
     cdf = (float(blocks[bi - 1]) if bi else 0.0) + np.cumsum(inner[nz], dtype=np.float64)
     j = min(int(np.searchsorted(cdf, target, side="right")), nz.size - 1)
     return start + int(nz[j]), total
+
+
+class Length(Sequence[int]):
+    """Stands in for a history when only its length matters (no penalty is on: the draw's random
+    state depends on the position only)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        raise TypeError("a history's length stands in for it: its tokens are not here")
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on the alternatives listed for a token

@@ -11,13 +11,12 @@ answered, is here, apart from the worker's state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from backends.base import logit_rows
-from exo_tui.inference.sampling import Sampler, SamplingParams, TokenLogprobs, token_logprobs
+from exo_tui.inference.sampling import Length, Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
 
 
@@ -37,7 +36,7 @@ class Samplers:
         history = body.get("history")
         n_tokens = int(body["n_tokens"])
         if history is None:
-            history = _Length(n_tokens)
+            history = Length(n_tokens)
         token, _ = sampler.sample(logits[-1], history)
         top = body.get("logprobs")
         if top is not None and type(top) is not int:
@@ -67,16 +66,3 @@ def _score_ask(score: Any) -> dict[str, Any]:
             or any(type(t) is not int for t in score["targets"]):
         raise ValueError(f"score must be {{'top': int, 'targets': [int, ...]}}, not {score!r:.80}")
     return score
-
-
-class _Length:
-    """Stands in for a history when only its length matters (no repetition penalty)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(())

@@ -1,0 +1,134 @@
+"""Where drafted tokens come from: sources a request composes, asked before each of its steps.
+
+A :class:`DraftSource` looks at a request's tokens so far (prompt and answer) and proposes up to
+``k`` tokens to follow; a verify step (:mod:`exo_tui.inference.speculative`) keeps those the model
+agrees with. Two sources need no model:
+
+* :class:`PromptLookup`: the last few tokens (an n-gram, the longest of ``max_ngram`` .. 1 that
+  occurred before) looked up in the request's own tokens, and what followed their latest earlier
+  occurrence proposed (llama.cpp's ``LlamaPromptLookupDecoding``, vLLM's n-gram speculator). An
+  answer that quotes its prompt, or repeats itself, is drafted from there.
+* :class:`Prediction`: OpenAI's Predicted Outputs, text the answer is expected to copy largely
+  (code to edit): before the answer has tokens, the prediction's first ones; then the answer's
+  last n-gram found in the prediction (nearest after the place the previous drafts came from) and
+  what follows it there.
+
+:class:`Drafter` asks its sources in order and takes the first proposal. A draft model would be
+one more source: its :meth:`DraftSource.propose` returns tokens with their probabilities
+(:class:`~exo_tui.inference.speculative.Draft`'s ``q``), and may await a node; the verify step
+already checks such drafts with speculative sampling.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+from collections.abc import Sequence
+
+from exo_tui.inference.speculative import Draft
+
+MAX_NGRAM = 3
+
+
+class DraftSource(abc.ABC):
+    """Proposes tokens to follow a request's tokens."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
+        """Up to ``k`` tokens to follow ``tokens`` (of which the first ``prompt_len`` are the
+        prompt); an empty draft when there is nothing to propose."""
+
+
+class _NgramIndex:
+    """Where each n-gram (1..``max_ngram`` tokens) of a growing token list begins, in order.
+    An n-gram is listed once the token after it is there (its continuation exists)."""
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # n-grams ending before this position are listed
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Catch up with ``tokens``, which begin with what was seen before."""
+        n = len(self.tokens)
+        if len(tokens) < n or list(tokens[: min(n, 8)]) != self.tokens[: min(n, 8)]:
+            self.tokens, self.starts, self._indexed, n = [], {}, 0, 0
+        self.tokens.extend(int(t) for t in tokens[n:])
+        for end in range(self._indexed, len(self.tokens) - 1):  # n-grams ending at ``end``, followed
+            for size in range(1, min(self.max_ngram, end + 1) + 1):
+                self.starts.setdefault(tuple(self.tokens[end - size + 1 : end + 1]), []).append(end - size + 1)
+        self._indexed = max(self._indexed, len(self.tokens) - 1)
+
+    def follow(self, key: tuple[int, ...], near: int | None = None) -> int | None:
+        """Where the tokens after an occurrence of ``key`` begin: after the first occurrence
+        starting at or after ``near``, else after the latest one; None when it never occurred."""
+        starts = self.starts.get(key)
+        if not starts:
+            return None
+        if near is not None:
+            i = bisect.bisect_left(starts, near)
+            if i < len(starts):
+                return starts[i] + len(key)
+        return starts[-1] + len(key)
+
+
+class PromptLookup(DraftSource):
+    """Drafts from the request's own tokens: what followed the latest earlier occurrence of its
+    last n-gram."""
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = MAX_NGRAM) -> None:
+        self._index = _NgramIndex(max_ngram)
+
+    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
+        index = self._index
+        index.extend(tokens)
+        for size in range(min(index.max_ngram, len(tokens)), 0, -1):
+            at = index.follow(tuple(index.tokens[-size:]))
+            if at is not None:
+                return Draft(tuple(index.tokens[at : at + k]), self.name)
+        return Draft((), self.name)
+
+
+class Prediction(DraftSource):
+    """Drafts from a predicted answer's tokens (OpenAI's ``prediction``)."""
+
+    name = "prediction"
+
+    def __init__(self, predicted: Sequence[int], max_ngram: int = MAX_NGRAM) -> None:
+        self.predicted = [int(t) for t in predicted]
+        self._index = _NgramIndex(max_ngram)
+        self._index.extend([*self.predicted, -1])  # every n-gram listed, the last one too
+        self._cursor = 0  # where in the prediction the answer was last found to be
+
+    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
+        answer = tokens[prompt_len:]
+        if not answer:
+            self._cursor = 0
+            return Draft(tuple(self.predicted[:k]), self.name)
+        for size in range(min(self._index.max_ngram, len(answer)), 0, -1):
+            at = self._index.follow(tuple(int(t) for t in answer[-size:]), near=max(0, self._cursor - size))
+            if at is not None:
+                self._cursor = at
+                return Draft(tuple(self.predicted[at : at + k]), self.name)
+        return Draft((), self.name)
+
+
+class Drafter:
+    """A request's draft sources, asked in order: the first that proposes something drafts."""
+
+    def __init__(self, sources: Sequence[DraftSource]) -> None:
+        self.sources = list(sources)
+
+    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
+        if k <= 0:
+            return Draft(())
+        for source in self.sources:
+            draft = await source.propose(tokens, prompt_len, k)
+            if len(draft):
+                return draft.cut(k)
+        return Draft(())

@@ -1,0 +1,96 @@
+"""Draft sources (prompt lookup, a prediction) and a stream's choice of k (exo_tui.inference.drafts,
+exo_tui.inference.speculation)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backends.base import MAX_DRAFT
+from exo_tui.inference.drafts import Drafter, Prediction, PromptLookup
+from exo_tui.inference.speculation import Speculation, parse_mode
+from exo_tui.inference.speculative import Draft, Verdict
+
+
+def propose(source, tokens: list[int], prompt_len: int, k: int) -> tuple[int, ...]:
+    return asyncio.run(source.propose(tokens, prompt_len, k)).tokens
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence() -> None:
+    lookup = PromptLookup()
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # the trigram 1 2 3 occurred at 0 only: 4 5 9 followed
+    assert propose(lookup, tokens, 5, 3) == (4, 5, 9)
+    # the answer grows; the bigram 3 7 ... : "7 8" followed "2 3" most recently
+    tokens += [7]
+    assert propose(lookup, tokens, 5, 2) == (8, 1)
+    assert propose(lookup, [10, 11, 12], 3, 4) == ()  # nothing repeats
+    assert propose(lookup, [1, 2, 1], 3, 4) == (2, 1)  # runs up to the end of what there is
+
+
+def test_a_new_history_starts_the_index_again() -> None:
+    lookup = PromptLookup()
+    assert propose(lookup, [1, 2, 3, 1, 2], 3, 2) == (3, 1)
+    assert propose(lookup, [7, 8, 7], 2, 2) == (8, 7)  # another request's tokens: not 1 2 3's
+
+
+def test_a_prediction_is_followed_from_where_the_answer_is_in_it() -> None:
+    pred = Prediction([10, 11, 12, 13, 10, 11, 14, 15])
+    assert propose(pred, [1, 2], 2, 3) == (10, 11, 12)  # no answer yet: its beginning
+    assert propose(pred, [1, 2, 10, 11, 12], 2, 3) == (13, 10, 11)
+    assert propose(pred, [1, 2, 10, 11, 12, 13, 10, 11], 2, 3) == (14, 15)  # the second "10 11", near the last place
+    assert propose(pred, [1, 2, 99], 2, 3) == ()  # the answer left the prediction
+
+
+def test_a_drafter_takes_the_first_source_that_proposes() -> None:
+    drafter = Drafter([Prediction([5, 6, 7]), PromptLookup()])
+    assert asyncio.run(drafter.propose([1, 2, 1], 3, 2)) == Draft((5, 6), "prediction")  # no answer yet
+    assert asyncio.run(drafter.propose([1, 2, 1, 2], 3, 2)) == Draft((1, 2), "lookup")  # 2 is not in the prediction
+    assert asyncio.run(drafter.propose([1, 2, 1, 2], 3, 0)) == Draft(())
+
+
+def test_modes() -> None:
+    assert [parse_mode(x) for x in ("off", "AUTO", "4", 0, None)] == ["off", "auto", 4, "off", "auto"]
+    for bad in ("fast", str(MAX_DRAFT + 1), "-1"):
+        with pytest.raises(ValueError, match="speculative must be off, auto or a number of drafted tokens"):
+            parse_mode(bad)
+    assert Speculation.for_request("off") is None
+
+
+def test_auto_drafts_more_where_more_is_accepted_and_none_where_it_would_slow() -> None:
+    spec = Speculation("auto", [PromptLookup()])
+    spec.timed(1, 0.010)
+    spec.timed(5, 0.014)  # each row past the first: 1 ms, a tenth of a step
+    assert spec.row_cost() == pytest.approx(0.1)
+    spec.accept_rate = 0.9
+    high = spec.best_k(MAX_DRAFT)
+    spec.accept_rate = 0.5
+    mid = spec.best_k(MAX_DRAFT)
+    spec.accept_rate = 0.05
+    assert high > mid > 0 == spec.best_k(MAX_DRAFT)
+    spec.timed(9, 0.10)  # rows that cost a step each: nothing pays
+    for _ in range(20):
+        spec.timed(9, 0.10)
+    spec.accept_rate = 0.5
+    assert spec.best_k(MAX_DRAFT) == 0
+
+
+def test_a_stream_that_stopped_drafting_learns_from_drafts_it_did_not_run() -> None:
+    spec = Speculation("auto", [PromptLookup()])
+    spec.accept_rate = 0.01  # off
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert asyncio.run(spec.draft(tokens, 2, 10)) == Draft(())  # not run ...
+    for t in (3, 4, 5, 6, 1, 2):  # ... and the answer went on as drafted
+        tokens.append(t)
+        asyncio.run(spec.draft(tokens, 2, 10))
+    assert spec.accept_rate > 0.1
+
+
+def test_verified_steps_are_counted_by_source() -> None:
+    spec = Speculation(4, [PromptLookup()])
+    spec.verified(Draft((1, 2, 3), "prediction"), Verdict((1, 2, 9), 2, 3))
+    spec.verified(Draft((1, 2), "lookup"), Verdict((1, 2, 5), 2, 2))
+    s = spec.stats
+    assert (s.steps, s.drafted, s.accepted, s.prediction_accepted, s.prediction_rejected, s.k_chosen) == \
+        (2, 5, 4, 2, 1, [3, 2])
