@@ -242,6 +242,17 @@ class ClusterConfig(_Section):
     name: str = Field(default_factory=_default_cluster_name)
 
 
+class CoordinatorsConfig(_Section):
+    """A set of coordinators (``exo-tui serve --coordinators``): Raft among them, one leads
+    (docs/coordinators.md). Empty ``peers``: one coordinator, as ever."""
+
+    peers: Annotated[list[str], _check(_peers_ok, "a list of host:port strings, e.g. [10.0.0.5:52418]")] = Field(
+        default_factory=list
+    )  # every coordinator's Raft address, this one's included
+    port: Annotated[int, _range(1, 65535)] = 52418  # this coordinator's Raft port (of its address in peers)
+    state_dir: str = ""  # its Raft journal; empty: <exo home>/coordinator
+
+
 class Config(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
@@ -250,6 +261,7 @@ class Config(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    coordinators: CoordinatorsConfig = Field(default_factory=CoordinatorsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

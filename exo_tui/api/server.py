@@ -42,10 +42,12 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 class ApiServer:
     def __init__(self, coordinator: Any, *, host: str = "127.0.0.1", port: int = 52415, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", graceful_s: int = 3,
-                 sock: socket.socket | None = None) -> None:
+                 sock: socket.socket | None = None, app: Any = None) -> None:
+        """``app``: an ASGI app to serve instead of ``create_app(coordinator)`` (a coordinator set's,
+        :mod:`exo_tui.api.forwarding`); it has ``state.closing`` as create_app's has."""
         self.coordinator = coordinator
         self.host, self.port, self.api_key = host, port, api_key
-        self.app = create_app(coordinator, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.app = app if app is not None else create_app(coordinator, api_key=api_key, max_body_bytes=max_body_bytes)
         self.connections = ConnectionBook(connection_cap())  # the cap and the header timeout
         self._config = uvicorn.Config(self.app, log_level=log_level, lifespan="off", access_log=False,
                                       timeout_graceful_shutdown=graceful_s, http=guarded_protocol(self.connections))

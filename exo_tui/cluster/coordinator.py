@@ -143,13 +143,15 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.joining: JoinEndpoint | None = None
         self._specs = model_choices.SpecCache(self.config.models.context_length)  # of the catalog's models, for the picker
         self._model_key = ""  # the tag nodes keep the served model's shards under (model_switch.model_key)
+        self.term = 0  # the Raft term this coordinator leads in (exo_tui.cluster.leadership); 0: a single coordinator
 
     # ================================================================== lifecycle
 
     async def start(self) -> None:
         cluster = await asyncio.to_thread(ensure_cluster, self.home)
         self.security = cluster.security(enable_tls=self.config.network.security.enable_tls)
-        self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
+        if self.model is None:  # a coordinator set's new leader comes with the model its process opened
+            self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
         _ = await asyncio.to_thread(lambda: self.model.tokenizer)
         self.spec = spec_from_gguf(self.model.gguf, context_limit=self.config.models.context_length)
         self._model_key = await asyncio.to_thread(model_switch.model_key, self.model.path)
@@ -239,7 +241,9 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
             )
         await asyncio.gather(*(wait_ready(n) for n in self._local))
 
-    async def stop(self) -> None:
+    async def stop(self, *, release: bool = True) -> None:
+        """Stop, closing the nodes' connections; ``release``: also drop the finished requests'
+        caches on the nodes (a leader stepping down does not: the new leader drives them now)."""
         self._stopping = True
         if self.joining is not None:
             with contextlib.suppress(Exception):
@@ -253,8 +257,9 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
             with contextlib.suppress(asyncio.CancelledError, Exception):  # each loop logged its own failure
                 await task
         with contextlib.suppress(Exception):  # nodes that outlive this coordinator keep no finished caches
-            async with asyncio.timeout(5.0):
-                await self.pipeline.forget_kept()
+            if release:
+                async with asyncio.timeout(5.0):
+                    await self.pipeline.forget_kept()
         for handle in self.nodes.values():
             if handle.conn is not None:
                 with contextlib.suppress(Exception):  # stopping: the node notices the closed socket anyway

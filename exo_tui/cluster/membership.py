@@ -108,7 +108,8 @@ class Membership:
         # _on_frame never awaits: tokens and heartbeats are handled in the read loop (no lane task).
         conn = await connect(host, port, security=self.security, timeout=timeout, handler=self._on_frame,
                              inline_types=("token", "step_failed", "heartbeat"))
-        reply = await conn.call("attach", timeout=10)
+        # The term fences: the node refuses the commands of an older term's coordinator from then on.
+        reply = await conn.call("attach", {"term": self.term} if self.term else None, timeout=10)
         profile = NodeProfile.from_dict(reply.body["profile"])
         existing = self.nodes.get(profile.node_id)
         if existing is not None and existing.connected and existing.conn is not conn:

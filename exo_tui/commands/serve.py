@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from exo_tui.commands import _serve_set as serve_set
 from exo_tui.commands._args import whole_number
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="partition strategy (default: the config's)")
     p.add_argument("--discover", action="store_true", help="browse mDNS for node agents and hosts of this cluster")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve_set.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -106,6 +108,8 @@ async def _serve(args: argparse.Namespace) -> int:
     port = args.api_port if args.api_port is not None else config.network.api.port
     # Listen before the heavy imports: a client's first request is queued by the kernel, then served.
     sock = bind_api_socket(host, port)
+    if serve_set.wanted(args, config):
+        return await serve_set.serve_set(args, config, sock, host, port)
     from exo_tui.api.server import ApiServer, exposure_warning
     from exo_tui.cluster.coordinator import Coordinator
 

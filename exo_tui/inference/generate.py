@@ -87,7 +87,9 @@ async def generate(
     """Stream the answer to ``request``. The last chunk has ``finish_reason`` set.
 
     Cancelling the consuming task (or closing the iterator) stops generation between steps and
-    releases the request's caches.
+    releases the request's caches. A request that comes with ``generated`` tokens already (a
+    stream resumed after its coordinator died) goes on from them: their text is not sent again,
+    and the detokenizer and stop strings start where it left off.
     """
     detok = StreamingDetokenizer(tokenizer)
     stops = StopMatcher(list(request.stop))
@@ -104,6 +106,10 @@ async def generate(
         while listing and listing[0][0] < emitted:
             out.append(listing.popleft())
         return tuple(out)
+    for token in request.generated:  # a resumed request (another coordinator sent its answer so far)
+        piece = detok.add(token)
+        produced += len(piece)
+        emitted += len(stops.feed(piece)[0])
     try:
         if not request.prompt_ids:
             raise GenerationError("the prompt is empty: give at least one token")
