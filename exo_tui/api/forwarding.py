@@ -72,11 +72,17 @@ async def _resume(scope: Any, receive: Any, send: Any, coordinator: Any) -> None
     try:
         b = await http.json()
         request = Request([int(t) for t in b["prompt_ids"]], SamplingParams(**b["sampling"]), int(b["max_tokens"]),
-                          tuple(str(x) for x in b.get("stop", ())), top_logprobs=b.get("top_logprobs"),
+                          tuple(str(x) for x in b.get("stop", ())), id=str(b["id"]), top_logprobs=b.get("top_logprobs"),
                           generated=[int(t) for t in b.get("generated", ())])
+        left = str(b.get("left") or "")
     except (ValueError, KeyError, TypeError) as exc:
-        await _json(send, 400, _error(f"a resume needs prompt_ids, sampling, max_tokens: {exc}", "invalid_request"))
+        await _json(send, 400, _error(f"a resume needs id, prompt_ids, sampling, max_tokens: {exc}", "invalid_request"))
         return
+    ring = getattr(coordinator, "ring", None)
+    if left and request.generated and ring is not None:
+        # The caches the dead leader's steps left on the nodes hold the prompt and the answer but
+        # its last token (not yet run): the resumed request takes them over.
+        coordinator.pipeline.keep_left(left, request.tokens[:-1], len(request.prompt_ids), ring)
 
     async def lines() -> AsyncIterator[str]:
         try:
@@ -88,6 +94,7 @@ async def _resume(scope: Any, receive: Any, send: Any, coordinator: Any) -> None
                     if c.finish_reason:
                         line["finish"] = c.finish_reason
                         line["generated"] = list(request.generated)
+                        line["cached"] = request.cached_tokens
                     yield json.dumps(line) + "\n"
         except GenerationError as exc:
             yield json.dumps({"error": str(exc)}) + "\n"
@@ -141,12 +148,13 @@ class RemoteCluster:
         body = {"prompt_ids": request.prompt_ids, "sampling": request.sampling.to_dict(), "max_tokens": request.max_tokens,
                 "stop": list(request.stop), "top_logprobs": request.top_logprobs}
         failed_at: float | None = None
+        incarnation, left, lost = request.id, "", 0  # the id the leader runs it under; the one a dead leader ran
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as client:
             while True:
                 url = await self._leader_api(time.monotonic() + FAILOVER_WAIT_S)
                 try:
-                    async with client.stream("POST", url + RESUME_PATH, json={**body, "generated": history},
-                                             headers=self._headers) as resp:
+                    async with client.stream("POST", url + RESUME_PATH, headers=self._headers,
+                                             json={**body, "id": incarnation, "left": left, "generated": history}) as resp:
                         if resp.status_code != 200:
                             text = (await resp.aread()).decode(errors="replace")
                             if resp.status_code in (502, 503) and (failed_at is None or time.monotonic() - failed_at < FAILOVER_WAIT_S):
@@ -154,11 +162,11 @@ class RemoteCluster:
                                 await asyncio.sleep(0.1)  # a leader still taking charge
                                 continue
                             raise GenerationError(_message(text) or f"the leader answered {resp.status_code}")
-                        if failed_at is not None:
+                        if failed_at is not None and left:
                             self.failovers += 1
                             log.info("stream %s re-issued to %s after %d tokens (%.2f s after the leader was lost)",
                                      request.id, url, len(history), time.monotonic() - failed_at)
-                            failed_at = None
+                        failed_at = None
                         async for line in resp.aiter_lines():
                             if not line:
                                 continue
@@ -168,6 +176,8 @@ class RemoteCluster:
                             ids = [int(t) for t in d.get("ids", ())]
                             history.extend(ids)
                             request.generated = [int(t) for t in d["generated"]] if "generated" in d else list(history)
+                            # the prompt's tokens whose caches were taken over (a resumed stream's, from the dead leader's)
+                            request.cached_tokens = min(len(request.prompt_ids), max(request.cached_tokens, int(d.get("cached", 0))))
                             if request.first_token_s is None and ids:
                                 request.first_token_s = time.monotonic()
                             listed = tuple((int(at), TokenLogprobs.from_wire(lp)) for at, lp in d.get("lp", ()))
@@ -180,7 +190,10 @@ class RemoteCluster:
                 except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
                     if failed_at is None:
                         log.warning("the leader at %s was lost mid-stream (%s): waiting for the next one", url, exc)
-                failed_at = failed_at or time.monotonic()
+                if failed_at is None:
+                    failed_at = time.monotonic()
+                    lost += 1
+                    left, incarnation = incarnation, f"{request.id}-r{lost}"
                 await asyncio.sleep(0.05)
 
 

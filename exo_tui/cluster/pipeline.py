@@ -479,6 +479,12 @@ class RemotePipeline:
             return
         await asyncio.shield(self._drop_on(plan, request.id, final=True))
 
+    def keep_left(self, rid: str, tokens: list[int], prompt: int, plan: RingPlan) -> None:
+        """Caches that a request of an earlier leader left on the nodes of ``plan``, holding
+        ``tokens``: kept as a finished request's, so that the request resumed from it (a stream a
+        standby re-issues, :mod:`exo_tui.api.forwarding`) takes them over, not a prefill."""
+        self._kept[rid] = _Kept(tuple(tokens), prompt, plan)
+
     def served_by(self) -> tuple[str, ...]:
         """Names of the nodes of the most recent request's ring."""
         if not self._served:
