@@ -232,11 +232,16 @@ class CoordinatorSetApi:
 
     def health(self) -> dict[str, Any]:
         c = self.coordinator if self.cset.is_leader else None
+        st = self.cset.state
         why = getattr(c, "_serve_error", "") if c is not None else ""
         return {
             "status": "ok", "role": self.cset.role, "leader_api": self.cset.leader_api(), "term": self.cset.term,
             "coordinator": self.cset.address, "ready": c is not None and not why and getattr(c, "ring", None) is not None,
-            "error": why or None, "coordinators": [s.to_dict() for s in self.cset.status()],
+            "error": why or None, "commit": self.cset.commit_index(),
+            "coordinators": [s.to_dict() for s in self.cset.status()],
+            # this coordinator's copy of the replicated state (a standby's may lag: see its lag)
+            "drains": sorted(st.drains), "pins": {n: list(p) for n, p in st.pins.items()},
+            "plan_version": st.plan[0] if st.plan else None, "elections": [list(e) for e in st.elections[-10:]],
         }
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

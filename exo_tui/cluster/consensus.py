@@ -108,7 +108,8 @@ class CoordinatorStatus:
     api: str  # its API URL, as it registered it
     role: str  # leader | standby | unreachable
     term: int  # the term this coordinator knows of (the leader's term for the others)
-    lag: int  # log entries it has not applied yet (as the one asked sees it)
+    lag: int  # log entries it has not applied yet (as the one asked sees it; -1: unknown here)
+    applied: int  # the last log index it applied (the leader knows each one's; -1: unknown here)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -199,17 +200,22 @@ class CoordinatorSet:
         for address in [self.address, *sorted(str(n.address) for n in self.sync.otherNodes)]:
             info = self.state.coordinators.get(address, {})
             if address == self.address:
-                role, lag = self.role, max(0, int(s["leader_commit_idx"] or 0) - int(s["last_applied"] or 0))
+                applied = int(s["last_applied"] or 0)
+                role, lag = self.role, max(0, int(s["leader_commit_idx"] or 0) - applied)
             else:
                 connected = self._connected(address)
                 role = "leader" if address == leader else ("standby" if connected else "unreachable")
-                lag = -1
+                lag = applied = -1
                 if self.is_leader:
                     match = s.get(f"match_idx_server_{address}")
                     if match is not None:
-                        lag = max(0, int(s["commit_idx"]) - int(match))
-            out.append(CoordinatorStatus(address, str(info.get("name", "")), str(info.get("api", "")), role, term, lag))
+                        applied, lag = int(match), max(0, int(s["commit_idx"]) - int(match))
+            out.append(CoordinatorStatus(address, str(info.get("name", "")), str(info.get("api", "")), role, term, lag,
+                                         applied))
         return out
+
+    def commit_index(self) -> int:
+        return int(self.sync.raftCommitIndex)
 
     # ---------------------------------------------------------------- writes
 

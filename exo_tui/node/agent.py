@@ -66,6 +66,7 @@ from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
 from exo_tui.node.executor import DISCARDED, Sampled, Step, StepExecutor
+from exo_tui.node.fencing import Fence
 from exo_tui.node.host import ShardHost
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
 from exo_tui.node.profile import (
@@ -122,6 +123,7 @@ class NodeAgent:
         self.profile: NodeProfile | None = None
         self.host: ShardHost | None = None
         self.coordinator: Connection | None = None
+        self.fence = Fence()  # the newest coordinator term seen (exo_tui.node.fencing)
         self._server: Any = None
         self._peers: dict[tuple[str, int], Connection] = {}
         self._peer_locks: dict[tuple[str, int], asyncio.Lock] = {}
@@ -246,6 +248,8 @@ class NodeAgent:
         op = _OPS.get(frame.type)
         if op is None:
             raise RemoteError(f"unknown operation {frame.type!r}")
+        if frame.type != "attach":
+            self.fence.check(conn, frame.type)
         try:
             return await op(self, conn, frame)
         except HostError as exc:
@@ -254,6 +258,7 @@ class NodeAgent:
             raise RemoteError(str(exc)) from exc
 
     async def _op_attach(self, conn: Connection, frame: Frame) -> Frame:
+        self.fence.attach(conn, (frame.body or {}).get("term"))
         self.coordinator = conn
         return Frame("attached", body=self._state_body())
 

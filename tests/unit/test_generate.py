@@ -70,6 +70,24 @@ def test_same_seed_same_tokens_and_split_does_not_matter(model: Model) -> None:
     assert request.generated != a  # another seed, another draw
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_a_request_resumed_from_its_answer_so_far_goes_on_with_the_same_text(model: Model, held: bool) -> None:
+    """What a standby coordinator does when the leader dies mid-stream (exo_tui/api/forwarding.py):
+    the request again, with the tokens whose text the client has, gives the rest of the text."""
+    prompt, sampling = model.tokenizer.encode("the cat"), SamplingParams(temperature=50.0, seed=11)
+    plain = [c for c in _answer(model, Request(prompt, sampling, 16)) if c.token_id is not None]
+    # The cut after a token of several characters. ``held``: with a stop string that begins with
+    # its last character (and never completes), which the stop matcher holds back until the next
+    # token: the resumed request must start with the matcher where it was, or that character is lost.
+    cut = next(i + 1 for i, c in enumerate(plain) if len(c.text) > 1 and c.text.isprintable())
+    stop = (plain[cut - 1].text[-1] + "\x07\x07",) if held else ()
+    whole = _answer(model, Request(prompt, sampling, 16, stop))
+    sent = [c for c in whole if c.token_id is not None][:cut]
+    resumed = _answer(model, Request(prompt, sampling, 16, stop, generated=[t for c in sent for t in c.token_ids]))
+    assert "".join(c.text for c in sent) + "".join(c.text for c in resumed) == "".join(c.text for c in whole)
+    assert resumed[-1].finish_reason == whole[-1].finish_reason
+
+
 def test_stop_string_is_not_emitted(model: Model) -> None:
     probe = Request(model.tokenizer.encode("abc"), SamplingParams(temperature=0.0), 20)
     chunks = _answer(model, probe)
