@@ -74,9 +74,10 @@ def test_drafts_partly_accepted_then_cut_back(model, name: str, plan: str) -> No
 @pytest.mark.parametrize("name", [*BACKENDS, "onnx-gqa"])
 def test_every_cut_goes_back_or_is_refused(model, name: str, monkeypatch) -> None:
     """A cache of ``length`` positions (the true ``to`` and junk after them, as a verify step
-    leaves it) cut back to ``to``: then the next positions' logits are the true ones, or a
-    BackendError refuses the cut and leaves the cache as it was. A cut of at most MAX_DRAFT
-    positions is never refused."""
+    leaves it) cut back to ``to``: then what it exports is what a cache of the true ``to``
+    exports (every layer's last window, none of it junk) and the next positions' logits are the
+    true ones, or a BackendError refuses the cut and leaves the cache as it was. A cut of at most
+    MAX_DRAFT positions is never refused."""
     gguf, tokens, want = model
     if name == "onnx-gqa":
         if "onnx" not in BACKENDS:
@@ -87,6 +88,10 @@ def test_every_cut_goes_back_or_is_refused(model, name: str, monkeypatch) -> Non
     refused, done = 0, 0
     try:
         for to in (0, 1, 7, 8, 13, 20, 33, 40, 44):
+            if to:
+                step([shard], "true", tokens[:to], 0)
+                true = shard.export_kv("true")
+                shard.drop("true")
             for dropped in (1, 2, 7, MAX_DRAFT - 1, MAX_DRAFT, MAX_DRAFT + 1, MAX_DRAFT + 9):
                 rid = f"{to}-{dropped}"
                 if to:
@@ -101,6 +106,12 @@ def test_every_cut_goes_back_or_is_refused(model, name: str, monkeypatch) -> Non
                     shard.drop(rid)
                     continue
                 assert shard.kv_length(rid) == to
+                if to:
+                    cut = shard.export_kv(rid)
+                    for layer, (k, v, tk, tv) in enumerate(zip(cut.keys, cut.values, true.keys, true.values, strict=True)):
+                        where = f"{name}: {to + dropped} cut back to {to}, layer {layer}"
+                        assert_close(k, tk, f"{where}'s keys")
+                        assert_close(v, tv, f"{where}'s values")
                 got = np.concatenate([step([shard], rid, tokens[to : to + 1], to),  # a decode step,
                                       step([shard], rid, tokens[to + 1 : to + 3], to + 1)])  # then two rows
                 assert_close(got, want[to : to + 3], f"{name}: {to + dropped} cut back to {to}")
