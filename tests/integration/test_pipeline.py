@@ -83,6 +83,20 @@ def test_ring_matches_single_process(nodes, reference_tokens: list[int], count: 
     asyncio.run(run())
 
 
+def test_a_penalty_over_the_history_sees_the_prompt_too(nodes, default_model_path: Path) -> None:
+    """A repetition penalty counts the prompt's tokens as well as the answer's: the ring's last
+    node is sent the whole history, and the answer is the single process's."""
+    params = ChatParams(temperature=0.0, max_tokens=12, seed=1, repetition_penalty=1.5, stop=())
+    want = reference_answer(default_model_path, QUESTION[0]["content"], params.max_tokens, seed=1,
+                            repetition_penalty=params.repetition_penalty)
+
+    async def run() -> list[int]:
+        async with coordinator(nodes, peers=nodes.peers[:2]) as c:
+            return [t for chunk in [x async for x in c.chat(QUESTION, params)] for t in chunk.token_ids]
+
+    assert [t for t in asyncio.run(run()) if t not in (0, 2)] == want  # SmolLM2's end tokens
+
+
 LONG = ("The keeper climbed the stairs at dusk and lit the great lamp, and the ships far out at sea "
         "saw its light sweep over the waves. ") * 40 + "What did the keeper do?"
 
