@@ -26,13 +26,34 @@ async def test_requests_run_while_they_fit_and_wait_in_order() -> None:
     waiting = asyncio.create_task(adm.enter(d))
     await asyncio.sleep(0)
     assert adm.ahead(d.rid) == 0 and adm.stats().queued == 1
-    with pytest.raises(QueueFull, match="busy") as e:  # past the bound
-        await adm.enter(adm.ticket(req(10, 90), 1000))
+    with pytest.raises(QueueFull, match="busy") as e:  # past the bound (30 s: only fails a hung test)
+        await asyncio.wait_for(adm.enter(adm.ticket(req(10, 90), 1000)), 30)
     assert e.value.retry_after_s >= 1
     adm.leave(a)
     await waiting
     s = adm.stats()
     assert (s.running, s.queued, s.admitted, s.rejected) == (3, 0, 4, 1)
+
+
+async def test_the_queue_holds_its_bound_and_refuses_the_next_at_once() -> None:
+    """``queue_bound`` requests wait; the one after them is refused with QueueFull when it comes
+    (not queued: its task is done after its first turn of the loop)."""
+    adm = Admission(lambda: 100, queue_bound=2)
+    await adm.enter(adm.ticket(req(10, 90), 1000))  # runs: the ring's room is taken
+    waiting = [asyncio.create_task(adm.enter(adm.ticket(req(10, 90), 1000))) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert adm.stats().queued == 2 and not any(t.done() for t in waiting)
+    extra = asyncio.create_task(adm.enter(adm.ticket(req(10, 90), 1000)))
+    await asyncio.sleep(0)
+    try:
+        assert extra.done(), "a request past the queue's bound was queued"
+        with pytest.raises(QueueFull, match="queue's bound"):
+            extra.result()
+        assert adm.stats().queued == 2 and adm.stats().rejected == 1
+    finally:
+        for t in (*waiting, extra):
+            t.cancel()
+        await asyncio.gather(*waiting, extra, return_exceptions=True)
 
 
 async def test_a_cancelled_wait_leaves_the_queue() -> None:
