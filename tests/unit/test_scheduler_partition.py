@@ -397,3 +397,22 @@ def test_a_node_that_keeps_half_precision_caches_holds_more_layers() -> None:
     with pytest.raises(InfeasiblePlan):
         make_plan([replace(pair[0], kv_value_bytes={}), pair[1]], spec, "latency", now=0.0)
     assert DeviceProfile.from_dict(half.to_dict()) == half
+
+
+@pytest.mark.parametrize("strategy", ["throughput", "memory"])
+def test_a_stage_holds_its_layers_kv_caches_beside_their_weights(strategy: str) -> None:
+    """8 layers of 100 MB, each with KV caches of 100 MB (4096 tokens in float32), an embedding
+    and a head of 50 MB: two nodes with room for 850 MB hold 4 layers each (4 x 200 + 50 MB); two
+    with room for 840 MB cannot hold the model, though the weights alone (450 MB a node) fit."""
+    spec = ModelSpec("m", 8, 100 * MB, 50 * MB, 50 * MB, 25600, 64, 4096)
+    total = 10 * GB
+
+    def node(nid: str, room_mb: int) -> DeviceProfile:  # usable: available less 2 GB and a tenth
+        return DeviceProfile(nid, ram_total_bytes=total, ram_available_bytes=room_mb * MB + 2 * GB + total // 10)
+
+    plan = make_plan([node("a", 850), node("b", 850)], spec, strategy, now=0.0)
+    assert sorted(s.n_layers for s in plan.shards) == [4, 4]
+    assert all(n.memory_bytes <= 850 * MB for n in plan.predictions.nodes)
+    with pytest.raises(InfeasiblePlan) as e:
+        make_plan([node("a", 840), node("b", 840)], spec, strategy, now=0.0)
+    assert e.value.constraint == "memory"
