@@ -238,7 +238,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_parameter")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        request = new_request(prompt_ids, body, body.max_completion_tokens or body.max_tokens, top)
+        request = new_request(prompt_ids, body, body.answer_limit, top)
         gen = await start(http, request)
         cid = f"chatcmpl-{request.id}"  # the id in the events (RequestDone...)
         tokenizer = served().tokenizer

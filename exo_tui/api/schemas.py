@@ -79,6 +79,11 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
+    @property
+    def answer_limit(self) -> int | None:
+        """The answer's token limit: ``max_completion_tokens``, else the deprecated ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(description="a string, a one-string list, or token ids")

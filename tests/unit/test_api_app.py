@@ -19,6 +19,7 @@ from exo_tui.api.convert import (
     snapshot_to_dict,
     to_jsonable,
 )
+from exo_tui.api.schemas import ChatCompletionRequest
 from exo_tui.api.server import ApiServer, ApiServerError, exposure_warning, is_loopback
 from exo_tui.cluster.coordinator import Coordinator
 from exo_tui.cluster.view import (
@@ -88,6 +89,15 @@ def test_exposure_warning_only_for_non_loopback_without_key() -> None:
     assert exposure_warning("0.0.0.0", "k") is None
     text = exposure_warning("0.0.0.0", None)
     assert text and "without an API key" in text and "EXO_TUI_API_KEY" in text
+
+
+@pytest.mark.parametrize(("fields", "limit"), [
+    ({"max_completion_tokens": 5}, 5), ({"max_tokens": 7}, 7),
+    ({"max_completion_tokens": 5, "max_tokens": 7}, 5), ({}, None),
+])
+def test_a_chat_answer_is_limited_by_max_completion_tokens_else_max_tokens(fields: dict, limit: int | None) -> None:
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+    assert body.answer_limit == limit
 
 
 def test_parse_layers_is_inclusive() -> None:
