@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 from starlette.requests import Request as StarletteRequest
@@ -42,6 +42,9 @@ from exo_tui.inference.generate import Chunk, GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams, TokenLogprobs
 
+if TYPE_CHECKING:
+    from exo_tui.cluster.view import ServingCluster
+
 log = logging.getLogger("exo_tui.api.forwarding")
 
 RESUME_PATH = "/exo/v1/resume"
@@ -54,7 +57,9 @@ HOP_HEADERS = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te
 
 
 async def _json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-    await JSONResponse(body, status_code=status, headers=headers)({"type": "http"}, None, send)
+    response = JSONResponse(body, status_code=status, headers=headers)
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 def _error(message: str, code: str) -> dict[str, Any]:
@@ -138,7 +143,7 @@ class RemoteCluster:
         while True:
             url = self.cset.leader_api()
             if url:
-                return url
+                return str(url)
             if time.monotonic() > deadline:
                 raise GenerationError(f"no coordinator has led for {FAILOVER_WAIT_S:.0f} s: {self.cset.minority_sentence()}")
             await asyncio.sleep(0.05)
@@ -214,7 +219,9 @@ class CoordinatorSetApi:
         self.cset = cset
         self.remote = remote
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
-        self.standby_app = create_app(remote, api_key=api_key, max_body_bytes=max_body_bytes)
+        # The standby's app serves only the generation routes (GENERATION_PATHS): of a ServingCluster
+        # they need what RemoteCluster has; every other route is forwarded before it reaches the app.
+        self.standby_app = create_app(cast("ServingCluster", remote), api_key=api_key, max_body_bytes=max_body_bytes)
         self.leader_app: Any = None
         self.coordinator: Any = None
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
