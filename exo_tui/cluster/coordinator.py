@@ -47,6 +47,7 @@ from exo_tui.cluster.membership import Membership
 from exo_tui.cluster.metrics import ClusterMetrics
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.pipeline import RemotePipeline
+from exo_tui.cluster.room import RoomNotes
 from exo_tui.cluster.snapshots import Snapshots
 from exo_tui.cluster.store import StateStore
 from exo_tui.cluster.switching import PlanSwitching
@@ -63,6 +64,7 @@ from exo_tui.models.spec import served_context, spec_from_gguf
 from exo_tui.net.address import split_host_port
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.security import Security, ensure_cluster, write_node_bundle
+from exo_tui.node.profile import process_rss_bytes
 from exo_tui.paths import exo_home
 from exo_tui.scheduler.plan import Pin, Plan
 
@@ -116,6 +118,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
                                    capacity_for=lambda n: ring_kv_capacity(self.ring, self.nodes, n),
                                    kept_requests=self.pipeline.kept_requests)
         self.metrics = ClusterMetrics()  # measured figures (exo_tui/cluster/metrics.py)
+        self.room_notes = RoomNotes()  # what nodes' refused loads said of their room (exo_tui/cluster/room.py)
         self.pipeline.on_step_timed = self.metrics.step
         self.security: Security | None = None
         self._local: list[LocalNode] = []
@@ -150,10 +153,16 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
     async def start(self) -> None:
         cluster = await asyncio.to_thread(ensure_cluster, self.home)
         self.security = cluster.security(enable_tls=self.config.network.security.enable_tls)
+        before, opened = process_rss_bytes(), 0
         if self.model is None:  # a coordinator set's new leader comes with the model its process opened
             self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
+            opened = process_rss_bytes() - before
         _ = await asyncio.to_thread(lambda: self.model.tokenizer)
+        before = process_rss_bytes()
         self.spec = spec_from_gguf(self.model.gguf, context_limit=self.config.models.context_length)
+        # what a node loading from the file will grow by before its first load is checked: the
+        # file opened, its shards' bytes counted (cluster/room.py)
+        self.room_notes.open_bytes = max(0, opened) + max(0, process_rss_bytes() - before)
         self._model_key = await asyncio.to_thread(model_switch.model_key, self.model.path)
         self._restore_state()
         await self._start_local_nodes(cluster)

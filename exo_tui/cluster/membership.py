@@ -115,12 +115,14 @@ class Membership:
         if existing is not None and existing.connected and existing.conn is not conn:
             await existing.conn.aclose()
         handle = NodeHandle(profile.node_id, profile.name, host, port, profile, conn)
+        handle.note_kv(reply.body)
         # Only shards of this coordinator's model count as held: a node may still hold another
         # model's, of the same layer ranges (left by an earlier coordinator, or a switch that did
         # not finish), which are unloaded.
         shards = list(reply.body.get("shards", []))
         handle.shards = [s for s in shards if s.get("model", "") == self._model_key]
         handle.held = {(s["start"], s["end"]) for s in handle.shards}
+        self.room_notes.attached(handle.node_id, self._model_key, bool(handle.shards))
         for s in shards:
             if s.get("model", "") != self._model_key:
                 with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):  # it goes with the node's next load

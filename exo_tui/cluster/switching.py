@@ -22,6 +22,7 @@ from backends.base import FILL_QUEUED, LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, PREF
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
 from exo_tui.cluster.pipeline import StepFailure
+from exo_tui.cluster.room import REPLANS_AFTER_REFUSAL, is_refusal, limit_needed
 from exo_tui.cluster.view import (
     LayerMove,
 )
@@ -30,12 +31,12 @@ from exo_tui.config import GB
 from exo_tui.inference.generate import GenerationError
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import RemoteError
-from exo_tui.net.protocol import HostError, NoRoom, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
+from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import NodeProfile
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
-from exo_tui.scheduler.partition import InfeasiblePlan
+from exo_tui.scheduler.partition import InfeasiblePlan, make_plan
 from exo_tui.scheduler.plan import Constraints, Pin, Plan
 from exo_tui.scheduler.profile import DeviceProfile, Link
 from exo_tui.scheduler.spec import ModelSpec
@@ -53,9 +54,10 @@ class PlanSwitching:
 
     # ================================================================== planning
 
-    def device_profiles(self, spec: ModelSpec | None = None) -> list[DeviceProfile]:
+    def device_profiles(self, spec: ModelSpec | None = None, limit_bytes: int | None = None) -> list[DeviceProfile]:
         """The nodes as the scheduler sees them, for planning ``spec`` (a load's peak is the
-        model's: the one served by default)."""
+        model's: the one served by default). ``limit_bytes``: as if every memory-limited node had
+        that limit (what limit would serve: cluster/room.py)."""
         now = time.monotonic()
         rc = self.config.scheduler.resource_reservation
         planned = spec or self.spec
@@ -69,7 +71,8 @@ class PlanSwitching:
             held = sum(held_bytes(s) for s in h.shards)
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
             total = p.ram_total_bytes
-            if p.memory_limit_bytes:
+            limit = (limit_bytes or p.memory_limit_bytes) if p.memory_limit_bytes else 0
+            if limit:
                 # The limit is what the node gives to models, above its runtime's resident memory
                 # at start (its baseline): what the runtime grew since, besides its shards' bytes
                 # (measured: node/kv_budget.py), is not offered. Add the reserves back so the
@@ -77,11 +80,10 @@ class PlanSwitching:
                 # A load's peak beside its shard's arrays (node/host.py) is not offered either, nor
                 # the least reserve the node keeps out of its KV budget (node/kv_budget.py): offered,
                 # a plan could give a node layers whose caches at the served context it cannot hold.
-                runtime = int((h.metrics.get("kv") or {}).get("runtime_bytes", 0)) - held
-                grown = (max(0, runtime - p.runtime_baseline_bytes) + self._load_peak_bytes(backend, spec)
+                # The model's file opened grows it too, and refusals say more (cluster/room.py).
+                grown = (self.room_notes.growth(h, self._model_key) + self._load_peak_bytes(backend, spec)
                          + RESERVE_MIN_BYTES)
-                avail = int(min(avail, p.memory_limit_bytes - grown) + rc.system_reserved_ram * GB
-                            + rc.emergency_reserve * total)
+                avail = int(min(avail, limit - grown) + rc.system_reserved_ram * GB + rc.emergency_reserve * total)
             out.append(
                 DeviceProfile(
                     node_id=h.node_id,
@@ -176,13 +178,26 @@ class PlanSwitching:
         )
 
     async def replan(self, reason: str, *, move_kv: bool = True) -> Plan:
-        """Make the best plan for the cluster as it is and switch to it."""
-        preview = self._preview(self.constraints())
-        if preview.error or preview.new_plan is None:
-            self._cannot_serve(preview.error or "no plan")
-            raise GenerationError(self._serve_error)
-        await self._switch(preview.new_plan, reason, move_kv=move_kv)
-        return preview.new_plan
+        """Make the best plan for the cluster as it is and switch to it. A node that refuses its
+        load for want of room said how much it has: the plan is made again with that
+        (:mod:`exo_tui.cluster.room`), and if none fits, the cluster cannot serve."""
+        for attempt in range(REPLANS_AFTER_REFUSAL + 1):
+            preview = self._preview(self.constraints())
+            if preview.error or preview.new_plan is None:
+                self._cannot_serve(preview.error or "no plan")
+                raise GenerationError(self._serve_error)
+            try:
+                await self._switch(preview.new_plan, reason, move_kv=move_kv)
+            except RemoteError as exc:
+                if not is_refusal(exc):
+                    raise
+                if attempt == REPLANS_AFTER_REFUSAL:
+                    self._cannot_serve(f"the nodes refused their loads {attempt + 1} times ({exc})")
+                    raise GenerationError(self._serve_error) from None
+                log.info("a node refused its load (%s): planning again with the room it reported", exc)
+                continue
+            return preview.new_plan
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     def _cannot_serve(self, why: str) -> None:
         free = sum(
@@ -193,9 +208,30 @@ class PlanSwitching:
         weights = min(self.spec.range_bytes(0, self.spec.n_layers, 0, b) for b in live) if self.spec is not None else 0
         held = "" if self.spec is None or weights == self.spec.weight_bytes else f", {self.spec.weight_bytes / 1e9:.2f} GB in its file"
         self._serve_error = (f"the cluster cannot serve the model: {why} (free {free / 1e9:.2f} GB on live nodes; "
-                             f"its weights alone take {weights / 1e9:.2f} GB{held})")
+                             f"its weights alone take {weights / 1e9:.2f} GB{held}){self._limit_hint()}")
         self._plan_ready.set()  # waiting steps wake up and fail with the error
         self._notice("error", self._serve_error)
+
+    def _limit_hint(self) -> str:
+        """Where the live nodes are memory-limited: the least limit each would need to serve."""
+        limited = [h for h in self.nodes.values() if h.state != "failed" and h.profile.memory_limit_bytes]
+        if self.spec is None or not limited or self.strategy == "even":
+            return ""
+        now = time.monotonic()
+
+        def fits(limit: int) -> bool:
+            try:
+                make_plan(self.device_profiles(limit_bytes=limit), self.spec, self.strategy, self.constraints(),
+                          self.config.scheduler, now=now)
+            except InfeasiblePlan:
+                return False
+            return True
+
+        low = max(h.profile.memory_limit_bytes for h in limited)
+        need = limit_needed(fits, low, max(low, 4 * self.spec.total_bytes + (1 << 30)))
+        if need is None:
+            return ""
+        return f": give each node a memory limit of {need / 1e9:.2f} GB or more (--memory-limit, --local-memory-limit)"
 
     async def _switch(self, new: Plan, reason: str, *, move_kv: bool = True) -> None:
         """Load, switch at a token boundary, move KV, unload (see the module doc).
@@ -279,7 +315,9 @@ class PlanSwitching:
             batch = entries[i : i + limit]
             results = await asyncio.gather(*(self._ensure_shard(e) for e in batch), return_exceptions=True)
             for e, result in zip(batch, results, strict=True):
-                if short is not None and isinstance(result, RemoteError) and result.code == NoRoom.code:
+                if is_refusal(result):
+                    self.room_notes.refused(self.nodes[e.node_id], result, self._model_key)  # type: ignore[arg-type]
+                if short is not None and is_refusal(result):
                     log.info("node %s: %s; it swaps its shards during the pause", e.node_id, result)
                     short.add(e.node_id)
                 elif isinstance(result, BaseException):
@@ -332,6 +370,7 @@ class PlanSwitching:
     async def _ensure_shard(self, entry: PlanEntry) -> None:
         assert self.model is not None
         body = await self._load_shard(entry, self.model, self._model_key)
+        self.room_notes.loaded(entry.node_id, self._model_key)
         h = self.nodes[entry.node_id]
         h.held.add((entry.start, entry.end))
         h.shards = [s for s in h.shards if (s["start"], s["end"]) != (entry.start, entry.end)]

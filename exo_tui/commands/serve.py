@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from exo_tui.commands._runtime import run_main
     from exo_tui.config import ConfigError
     from exo_tui.models.gguf_file import ModelFileError
+    from exo_tui.net.errors import RemoteError
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return run_main(lambda: _serve(args))
-    except (ApiServerError, ConfigError, ModelFileError, BackendError, ValueError, OSError, RuntimeError) as exc:
+    except (ApiServerError, ConfigError, ModelFileError, BackendError, RemoteError, ValueError, OSError, RuntimeError) as exc:
         print(f"exo-tui serve: {exc}", file=sys.stderr)
         return 2
 

@@ -90,8 +90,8 @@ OUTBOX_BYTES = 64 << 10  # ... and frames sent in one loop turn are held up to t
 CHUNK = STREAM_LIMIT  # a payload larger than this is read in pieces of this size into one buffer
 
 
-def error_frame(message: str, code: str = "error") -> Frame:
-    return Frame("error", {"message": message, "code": code})
+def error_frame(message: str, code: str = "error", detail: dict[str, int | float | str] | None = None) -> Frame:
+    return Frame("error", {"message": message, "code": code, **({"detail": detail} if detail else {})})
 
 
 def _remote_error(frame: Frame) -> RemoteError:
@@ -99,9 +99,12 @@ def _remote_error(frame: Frame) -> RemoteError:
     message = body.get("message")
     code = body.get("code")
     cls = UnknownFrameType if code == UnknownFrameType.code else RemoteError
+    detail = body.get("detail")
+    detail = {str(k): v for k, v in detail.items() if type(v) in (int, float, str)} if isinstance(detail, dict) else None
     return cls(
         str(message) if message is not None else "error without a message",
         code=str(code) if code is not None else None,
+        detail=detail,
     )
 
 
@@ -476,7 +479,7 @@ class Connection:
             except ConnectionClosed:
                 return
             except RemoteError as e:
-                resp = error_frame(e.message, e.code)
+                resp = error_frame(e.message, e.code, e.detail)
             except Exception as e:
                 log.exception("handler for %s from %s failed", frame.type, self.peer)
                 resp = error_frame(f"{type(e).__name__}: {e}", "handler_error")

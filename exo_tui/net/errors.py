@@ -48,13 +48,15 @@ class RemoteError(Exception):
 
     Handlers may raise it (or a subclass) to answer a call with a clean error message; any other
     exception is answered too, with code ``handler_error``, and logged with its traceback.
+    ``detail``: plain values the caller acts on (a refused load's ``need_bytes`` and ``room_bytes``).
     """
 
     code = "error"
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, detail: dict[str, int | float | str] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.detail = dict(detail or {})
         if code is not None:
             self.code = code
 

@@ -25,9 +25,14 @@ the last one drawing the first token."""
 
 class HostError(Exception):
     """A request this node cannot serve; the message says why and what to do. ``code`` is what
-    the node's error frame carries (:class:`~exo_tui.net.errors.RemoteError`'s code)."""
+    the node's error frame carries (:class:`~exo_tui.net.errors.RemoteError`'s code), ``detail``
+    the plain values the coordinator acts on (its ``detail``)."""
 
     code = "error"
+
+    def __init__(self, message: str, *, detail: dict[str, int | float | str] | None = None) -> None:
+        super().__init__(message)
+        self.detail = dict(detail or {})
 
 
 class NoRoom(HostError):

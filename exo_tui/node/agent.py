@@ -253,7 +253,7 @@ class NodeAgent:
         try:
             return await op(self, conn, frame)
         except HostError as exc:
-            raise RemoteError(str(exc), code=exc.code) from exc
+            raise RemoteError(str(exc), code=exc.code, detail=exc.detail) from exc
         except (ModelFileError, BackendError, KeyError, ValueError, TypeError) as exc:
             raise RemoteError(str(exc)) from exc
 
@@ -272,6 +272,7 @@ class NodeAgent:
             "shards": self.host.describe(),
             "plans": sorted(self.host.plans),
             "port": self.port,
+            "kv": self._kv_report(),  # what the process holds now: the first plan counts the room it leaves
         }
 
     async def _op_load(self, conn: Connection, frame: Frame) -> Frame:

@@ -149,7 +149,8 @@ class ShardHost:
         if room is not None and need > room:
             raise NoRoom(
                 f"loading layers [{start}, {end}) needs {need / 1e6:.0f} MB and this node has {max(0, room) / 1e6:.0f} MB "
-                f"left under its --memory-limit ({len(self.shards)} shards held): unload a shard first, or give it more memory"
+                f"left under its --memory-limit ({len(self.shards)} shards held): unload a shard first, or give it more memory",
+                detail={"need_bytes": int(need), "room_bytes": int(room)},
             )
 
     def _open(self, path: str) -> GGUFModel:

@@ -33,6 +33,8 @@ class InfeasiblePlan(Exception):
 
 
 def gb(n: float) -> str:
+    if abs(n) < 0.1 * GB:  # a small limit's figures: 0.0 GB would say nothing
+        return f"{n / 1e6:.0f} MB"
     return f"{n / GB:.1f} GB"
 
 
