@@ -23,6 +23,7 @@ import httpx
 
 from exo_tui.api.convert import event_from_dict, preview_from_dict, snapshot_from_dict
 from exo_tui.cluster.view import (
+    Action,
     ChatChunk,
     ChatParams,
     ClusterSnapshot,
@@ -208,32 +209,30 @@ class ClusterClient:
         """One plan change as the API answers it (raises :class:`ApiClientError`)."""
         action, targets, layers = command.action, command.targets, command.layers
         body: dict[str, Any] = {"dry_run": dry_run}
-        if action == "model":
-            name = command.model
-            preview: dict[str, Any] = await self.request("POST", "/v1/cluster/models/preview", json={"model": name},
-                                                         timeout=120)
-            if not dry_run and not preview.get("error"):
-                await self.set_model(name)
-            return preview
-        if action in ("drain", "undrain", "remove"):
-            results = [await self.request("POST", f"/v1/cluster/nodes/{_q(t)}/{action}", json=body) for t in targets]
-            return _merge(action, results)
-        if action == "pin":
-            results = []
-            for t in targets:
-                pin = {"node": t, **body}
-                if layers is not None:
-                    pin["start"], pin["end"] = layers
-                results.append(await self.request("POST", "/v1/cluster/pins", json=pin))
-            return _merge(action, results)
-        if action == "unpin":
-            results = [await self.request("DELETE", f"/v1/cluster/pins/{_q(t)}", params={"dry_run": str(dry_run).lower()})
-                       for t in targets]
-            return _merge(action, results)
-        if action == "rebalance":
-            rebalanced: dict[str, Any] = await self.request("POST", "/v1/cluster/rebalance", json=body)
-            return rebalanced
-        raise ApiClientError(f"unknown action {action!r}: use drain, undrain, pin, unpin, rebalance or remove")
+        match action:
+            case Action.MODEL:
+                name = command.model
+                preview: dict[str, Any] = await self.request("POST", "/v1/cluster/models/preview", json={"model": name},
+                                                             timeout=120)
+                if not dry_run and not preview.get("error"):
+                    await self.set_model(name)
+                return preview
+            case Action.DRAIN | Action.UNDRAIN | Action.REMOVE:
+                results = [await self.request("POST", f"/v1/cluster/nodes/{_q(t)}/{action}", json=body) for t in targets]
+            case Action.PIN:
+                results = []
+                for t in targets:
+                    pin = {"node": t, **body}
+                    if layers is not None:
+                        pin["start"], pin["end"] = layers
+                    results.append(await self.request("POST", "/v1/cluster/pins", json=pin))
+            case Action.UNPIN:
+                results = [await self.request("DELETE", f"/v1/cluster/pins/{_q(t)}",
+                                              params={"dry_run": str(dry_run).lower()}) for t in targets]
+            case Action.REBALANCE:
+                rebalanced: dict[str, Any] = await self.request("POST", "/v1/cluster/rebalance", json=body)
+                return rebalanced
+        return _merge(action, results)
 
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
         body: dict[str, Any] = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter
@@ -21,7 +22,8 @@ from exo_tui.api.convert import EVENT_KINDS, event_to_dict, snapshot_to_dict, to
 from exo_tui.api.errors import ApiError, documented_errors
 from exo_tui.api.model_names import model_ids
 from exo_tui.api.sse import SSE_200, SSE_HEADERS
-from exo_tui.cluster.view import Command, HostKeyUnknown, ServingCluster, run_command
+from exo_tui.cluster.proposal import NodeNotFound, resolve_node
+from exo_tui.cluster.view import Action, Command, HostKeyUnknown, ServingCluster, run_command
 from exo_tui.inference.generate import GenerationError
 
 KEEPALIVE_S = 15.0
@@ -79,21 +81,21 @@ def cluster_router(coordinator: ServingCluster, closing: asyncio.Event) -> APIRo
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    def resolve_node(node: str, *, pinned: bool = False) -> str:
-        """The id of the node ``node`` names. ``pinned``: a pinned node's id counts though the node
-        is not in the cluster (its pin can be taken off)."""
-        if pinned and node in coordinator.pins:
-            return node
-        snap = coordinator.snapshot()
-        for n in snap.nodes:
-            if n.node_id == node:
-                return n.node_id
-        named = [n.node_id for n in snap.nodes if n.name == node]
-        if len(named) == 1:
-            return named[0]
-        known = ", ".join(sorted(n.name for n in snap.nodes)) or "none"
-        reason = "several nodes have that name: use its id" if named else f"known nodes are {known}"
-        raise ApiError(404, f"no node {node!r}: {reason}", param="node", code="node_not_found")
+    def resolve(node: str, *, pinned: bool = False) -> str:
+        """The id of the node ``node`` names (404 if none, or several, has that name)."""
+        nodes = ((n.node_id, n.name) for n in coordinator.snapshot().nodes)
+        try:
+            return resolve_node(node, nodes, pinned=coordinator.pins if pinned else ())
+        except NodeNotFound as exc:
+            raise ApiError(404, str(exc), param="node", code="node_not_found") from exc
+
+    def command(action: Action, node: str | None = None, layers: tuple[int, int] | None = None) -> Command:
+        """The command the request asks for (422 where it cannot be one, e.g. layers [5, 5))."""
+        try:
+            asked = Command(action, (node,) if node is not None else (), layers)
+        except ValueError as exc:
+            raise ApiError(422, str(exc), param="end" if layers else None, code="invalid_layers" if layers else None) from exc
+        return replace(asked, targets=tuple(resolve(t, pinned=action is Action.UNPIN) for t in asked.targets))
 
     async def act(command: Command, dry_run: bool) -> dict[str, Any]:
         preview = await run_command(coordinator, command, dry_run=dry_run)
@@ -106,10 +108,10 @@ def cluster_router(coordinator: ServingCluster, closing: asyncio.Event) -> APIRo
 
     action_doc = "what the change does (a PlanPreview: moves, bytes, tok/s before and after, the new plan)"
 
-    for action in ("drain", "undrain", "remove"):
-        def make(action: str = action) -> Callable[[str, s.ActionRequest | None], Awaitable[s.JsonObject]]:
+    for action in (Action.DRAIN, Action.UNDRAIN, Action.REMOVE):
+        def make(action: Action = action) -> Callable[[str, s.ActionRequest | None], Awaitable[s.JsonObject]]:
             async def endpoint(node: str, body: s.ActionRequest | None = None) -> s.JsonObject:
-                return await act(Command(action, (resolve_node(node),)), bool(body and body.dry_run))
+                return await act(command(action, node), bool(body and body.dry_run))
 
             endpoint.__name__ = f"{action}_node"
             return endpoint
@@ -125,20 +127,17 @@ def cluster_router(coordinator: ServingCluster, closing: asyncio.Event) -> APIRo
             raise ApiError(422, "give both start and end (layers [start, end)), or neither to pin the node's "
                                 "current layers", param="start" if body.start is None else "end", code="invalid_layers")
         layers = (body.start, body.end) if body.start is not None and body.end is not None else None
-        if layers is not None and layers[0] >= layers[1]:
-            raise ApiError(422, f"start {layers[0]} must be below end {layers[1]} (end is one past the last layer)",
-                           param="end", code="invalid_layers")
-        return await act(Command("pin", (resolve_node(body.node),), layers), body.dry_run)
+        return await act(command(Action.PIN, body.node, layers), body.dry_run)
 
     @router.delete("/v1/cluster/pins/{node}", tags=["cluster"], responses=documented_errors(401, 403, 404, 409, 422),
                    description="unpin a node")
     async def unpin(node: str, dry_run: bool = False) -> s.JsonObject:
-        return await act(Command("unpin", (resolve_node(node, pinned=True),)), dry_run)
+        return await act(command(Action.UNPIN, node), dry_run)
 
     @router.post("/v1/cluster/rebalance", tags=["cluster"], responses=documented_errors(401, 403, 409, 422),
                  description=f"make the best plan for the cluster as it is; {action_doc}")
     async def rebalance(body: s.ActionRequest | None = None) -> s.JsonObject:
-        return await act(Command("rebalance"), bool(body and body.dry_run))
+        return await act(command(Action.REBALANCE), bool(body and body.dry_run))
 
     @router.post("/v1/cluster/hosts", tags=["cluster"], responses=documented_errors(401, 422), description="add a host by address")
     async def add_host(body: s.HostRequest) -> s.JsonObject:
@@ -166,7 +165,7 @@ def cluster_router(coordinator: ServingCluster, closing: asyncio.Event) -> APIRo
         if coordinator.readonly:
             raise ApiError(403, "read-only coordinator: model changes are disabled", code="readonly")
         try:
-            await run_command(coordinator, Command("model", model=body.model))
+            await run_command(coordinator, Command(Action.MODEL, model=body.model))
         except UnsupportedModelError as exc:
             raise ApiError(422, str(exc), param="model", code="model_not_supported") from exc
         except ModelFileError as exc:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from exo_tui.api.convert import to_jsonable
 from exo_tui.api.errors import documented_errors
-from exo_tui.cluster.view import Command
+from exo_tui.cluster.view import Action, Command
 
 
 class ModelPreviewRequest(BaseModel):
@@ -35,7 +35,7 @@ def models_router(coordinator: Any) -> APIRouter:
                              "every layer a fresh load, bytes, tok/s before and after); POST "
                              "/v1/cluster/model switches")
     async def preview_model(body: ModelPreviewRequest) -> dict[str, Any]:
-        preview: dict[str, Any] = to_jsonable(await coordinator.preview(Command("model", model=body.model)))
+        preview: dict[str, Any] = to_jsonable(await coordinator.preview(Command(Action.MODEL, model=body.model)))
         return preview
 
     return router

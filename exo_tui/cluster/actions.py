@@ -15,9 +15,10 @@ from typing import Any
 
 from exo_tui import events as ev
 from exo_tui.cluster import model_choices, model_switch
+from exo_tui.cluster.proposal import ClusterState, propose
 from exo_tui.cluster.snapshots import _to_view_preview
 from exo_tui.cluster.view import (
-    PLAN_ACTIONS,
+    Action,
     Command,
     HostView,
     ModelChoice,
@@ -39,84 +40,35 @@ class OperatorActions:
 
     # ================================================================== operator actions
 
-    def _resolve(self, target: str, *, pinned: bool = False) -> str:
-        """The node id ``target`` (an id or a name) names. ``pinned``: an id of a pinned node not
-        in the cluster counts too (its pin can be taken off)."""
-        if target in self.nodes or (pinned and target in self.pins):
-            return target
-        matches = [h.node_id for h in self.nodes.values() if h.name == target]
-        if len(matches) == 1:
-            return matches[0]
-        known = ", ".join(sorted(h.name for h in self.nodes.values()))
-        raise KeyError(f"no node {target!r}: known nodes are {known or 'none'}")
-
-    def _proposed(
-        self, action: str, ids: tuple[str, ...], layers: tuple[int, int] | None = None
-    ) -> tuple[set[str], dict[str, Pin]]:
-        """The drains and pins ``action`` on ``ids`` would leave (raises ValueError if it can't)."""
-        drained, pins = set(self.drained), dict(self.pins)
-        if layers is not None and action != "pin":
-            raise ValueError(f"only a pin takes layers, not {action}")
-        if action in ("drain", "remove"):
-            drained |= set(ids)
-        elif action == "undrain":
-            idle = [self.nodes[n].name for n in ids if n not in drained]
-            if idle:  # (not a fresh plan in disguise: on tight memory that moves every shard)
-                raise ValueError(f"node {', '.join(idle)} is not drained: nothing to undrain")
-            drained -= set(ids)
-        elif action == "pin" and layers is not None:
-            pins.update(self._ranged_pin(ids, layers, pins))
-        elif action == "pin":
-            for nid in ids:
-                shard = self.plan.shard_of(nid) if self.plan else None
-                if shard is None:
-                    raise ValueError(f"node {self.nodes[nid].name} holds no layers to pin: pin a node that serves layers")
-                pins[nid] = Pin(nid, shard.start, shard.end)
-        elif action == "unpin":
-            for nid in ids:
-                pins.pop(nid, None)
-        elif action != "rebalance":
-            raise ValueError(f"unknown action {action!r}: use drain, undrain, pin, unpin, rebalance or remove")
-        return drained, pins
-
-    def _ranged_pin(self, ids: tuple[str, ...], layers: tuple[int, int], pins: dict[str, Pin]) -> dict[str, Pin]:
-        """The pin of one node to ``layers`` (raises ValueError for a range no plan can keep)."""
-        if len(ids) != 1:
-            raise ValueError("a pin with layers names exactly one node")
-        nid, (start, end) = ids[0], (int(layers[0]), int(layers[1]))
-        n_layers = self.spec.n_layers if self.spec is not None else 0
-        if not 0 <= start < end <= n_layers:
-            raise ValueError(f"layers {start}-{end - 1} are not within the model's 0-{n_layers - 1}: "
-                             f"give START-END with 0 <= START <= END <= {n_layers - 1}")
-        for other, p in pins.items():
-            if other != nid and p.start < end and start < p.end:
-                raise ValueError(f"layers {start}-{end - 1} overlap the pin of {self.nodes[other].name} "
-                                 f"({p.start}-{p.end - 1}): unpin it first")
-        if self.nodes[nid].state == "failed":
-            raise ValueError(f"node {self.nodes[nid].name} has failed: a pin needs a node that is up")
-        if nid in self.drained:
-            raise ValueError(f"node {self.nodes[nid].name} is drained: undrain it before pinning layers to it")
-        return {nid: Pin(nid, start, end)}
+    def _state(self) -> ClusterState:
+        """The cluster as a command is checked against (see :mod:`exo_tui.cluster.proposal`)."""
+        held: dict[str, tuple[int, int]] = {}
+        for shard in self.plan.shards if self.plan is not None else ():
+            held.setdefault(shard.node_id, (shard.start, shard.end))
+        return ClusterState(
+            names={nid: h.name for nid, h in self.nodes.items()}, drained=frozenset(self.drained), pins=self.pins,
+            held=held, failed=frozenset(nid for nid, h in self.nodes.items() if h.state == "failed"),
+            n_layers=self.spec.n_layers if self.spec is not None else 0)
 
     async def preview(self, command: Command) -> PlanPreview:
-        if command.action == "model":  # the plan the model would have, its diff and bytes to load
+        if command.action is Action.MODEL:  # the plan the model would have, its diff and bytes to load
             return await asyncio.to_thread(model_choices.preview, self, command.model, self._specs,
                                            _to_view_preview)
-        if command.action not in PLAN_ACTIONS:
-            return PlanPreview(command.action, command.targets, error=f"{command.action} is not a plan change: "
-                                                                     "use set_model (or run_command)")
-        return (await self._planned(command.action, command.targets, command.layers))[0]
+        return (await self._planned(command))[0]
 
     async def _planned(
-        self, action: str, targets: tuple[str, ...], layers: tuple[int, int] | None
+        self, command: Command
     ) -> tuple[PlanPreview, ChangePreview | None, set[str], dict[str, Pin]]:
-        """What ``action`` would do now: the operator's view of it (targets resolved to node ids,
-        or the error), the scheduler's change, and the drains and pins it would leave."""
+        """What ``command`` (a plan change) would do now: the operator's view of it (targets
+        resolved to node ids, or the error), the scheduler's change, and the drains and pins it
+        would leave."""
+        action, layers = command.action, command.layers
         try:
-            ids = tuple(self._resolve(t, pinned=action == "unpin") for t in targets)
-            drained, pins = self._proposed(action, ids, layers)
-        except (KeyError, ValueError) as exc:
-            return PlanPreview(action, tuple(targets), error=str(exc.args[0]), layers=layers), None, set(), {}
+            state = self._state()
+            ids = state.resolve(command)
+            drained, pins = propose(command, ids, state)
+        except ValueError as exc:
+            return PlanPreview(action, command.targets, error=str(exc), layers=layers), None, set(), {}
         change = await asyncio.to_thread(self._preview, self.constraints(drained=drained, pins=pins))
         view = replace(_to_view_preview(action, ids, change, self, self._streaming_note()), layers=layers)
         return view, change, drained, pins
@@ -131,25 +83,29 @@ class OperatorActions:
         it is now (it may have changed since the preview); returns what was done."""
         if self.readonly:
             return replace(preview, error="read-only console: changes are disabled")
-        if preview.action == "model":
+        if preview.action is Action.MODEL:
             try:
                 await self.set_model(preview.targets[0])
             except (ModelFileError, GenerationError, InfeasiblePlan, RemoteError, ConnectionError, TimeoutError) as exc:
                 return replace(preview, error=str(exc))
             return preview
         action, layers = preview.action, preview.layers
-        result, change, drained, pins = await self._planned(action, preview.targets, layers)
+        try:
+            command = preview.command
+        except ValueError as exc:
+            return replace(preview, error=str(exc))
+        result, change, drained, pins = await self._planned(command)
         ids = result.targets  # resolved to node ids
         if not result.error and change is not None and change.new_plan is not None:
             self.drained, self.pins = drained, pins
             self._save_constraints()
             for nid in ids:
-                if action in ("drain", "remove") and self.nodes[nid].state in ("ready", "loading"):
+                if action in (Action.DRAIN, Action.REMOVE) and self.nodes[nid].state in ("ready", "loading"):
                     self.nodes[nid].state = "draining"
                     self.events.publish(ev.NodeStateChanged(node_id=nid, state="draining"))
             try:
                 await self._switch(change.new_plan, f"{action} {' '.join(self.node_name(i) for i in ids)}".strip())
-                if action == "remove":
+                if action is Action.REMOVE:
                     for nid in ids:
                         await self._forget(nid)
                 self._last_rebalance_s = time.monotonic()

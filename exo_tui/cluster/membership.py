@@ -16,10 +16,7 @@ from typing import Any
 
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle
-from exo_tui.cluster.view import (
-    Command,
-    HostView,
-)
+from exo_tui.cluster.view import Action, Command, HostView
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.net.client import connect
@@ -289,7 +286,7 @@ class Membership:
             except Exception:  # the cluster still cannot serve: the notice says why; the next change tries again
                 log.info("no plan after %s", reason, exc_info=True)
             return
-        preview = await self.preview(Command("rebalance"))
+        preview = await self.preview(Command(Action.REBALANCE))
         if preview.error or not preview.moves:
             return
         if self.config.scheduler.load_balancing.auto_rebalance:
@@ -311,7 +308,7 @@ class Membership:
             self._last_rebalance_s = now
         if should_rebalance(coefficient, self._last_rebalance_s, now, self.config.scheduler):
             self._last_rebalance_s = now
-            preview = await self.preview(Command("rebalance"))
+            preview = await self.preview(Command(Action.REBALANCE))
             if preview.moves and not preview.error:
                 if lb.auto_rebalance:
                     await self.apply(preview)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from exo_tui.cluster.view import ModelChoice, PlanPreview
+from exo_tui.cluster.view import Action, ModelChoice, PlanPreview
 from exo_tui.models import catalog
 from exo_tui.models.gguf_file import ModelFileError
 from exo_tui.models.registry import resolve_model
@@ -89,12 +89,12 @@ def preview(c: Any, name: str, specs: SpecCache, view: Any) -> PlanPreview:
         path = resolve_model(name, list(c.config.models.paths))
         spec = specs.get(path)
     except (ModelFileError, OSError, ValueError) as exc:  # ValueError: a name no path can have (a NUL)
-        return PlanPreview("model", (name,), error=f"model {name!r}: {exc}" if isinstance(exc, ValueError) else str(exc))
+        return PlanPreview(Action.MODEL, (name,), error=f"model {name!r}: {exc}" if isinstance(exc, ValueError) else str(exc))
     change = change_for(c, spec)
     before = c.plan.predictions.tok_per_s_single if c.plan is not None and c.plan.predictions else 0.0
     change = replace(change, tok_per_s_before=before)
     streaming = f"{len(c._active)} answer(s) streaming at the switch end with an error; " if c._active else ""
-    result: PlanPreview = view("model", (name,), change, c, streaming + SWITCH_NOTE, spec)
+    result: PlanPreview = view(Action.MODEL, (name,), change, c, streaming + SWITCH_NOTE, spec)
     if result.new_plan is not None and c.plan is not None:  # planned from no plan: it would be v1
         result = replace(result, new_plan=replace(result.new_plan, version=c.plan.version + 1))
     if c.model is not None and _same_file(path, Path(c.model.path)):

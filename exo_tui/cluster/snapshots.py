@@ -14,6 +14,7 @@ from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.cluster.metrics import node_memory
 from exo_tui.cluster.view import (
+    Action,
     ClusterSnapshot,
     LayerMove,
     LinkView,
@@ -169,7 +170,7 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any,
     )
 
 
-def _to_view_preview(action: str, ids: tuple[str, ...], change: ChangePreview, c: Coordinator, note: str,
+def _to_view_preview(action: Action, ids: tuple[str, ...], change: ChangePreview, c: Coordinator, note: str,
                      spec: Any = None) -> PlanPreview:
     """The operator's view of ``change``; ``spec``: the model its new plan is for (another model's,
     when it previews a switch), else the one served."""

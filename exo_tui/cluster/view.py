@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from exo_tui.bootstrap.errors import HostKeyUnknown as HostKeyUnknown  # the front ends catch it from here
@@ -141,8 +142,29 @@ class LayerMove:
     nbytes: int
 
 
-PLAN_ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance", "remove")  # changes previewed as a plan diff
-COMMAND_ACTIONS = (*PLAN_ACTIONS, "model")
+class Action(StrEnum):
+    """What an operator can ask of the cluster. Every action but ``model`` changes the plan and is
+    previewed as a plan diff; ``model`` switches the model served."""
+
+    DRAIN = "drain"
+    UNDRAIN = "undrain"
+    PIN = "pin"
+    UNPIN = "unpin"
+    REBALANCE = "rebalance"
+    REMOVE = "remove"
+    MODEL = "model"
+
+    @classmethod
+    def of(cls, value: str) -> Action:
+        """The action ``value`` names; ``ValueError`` lists the actions."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown action {value!r}: use {', '.join(cls)}") from None
+
+
+PLAN_ACTIONS = tuple(a for a in Action if a is not Action.MODEL)  # changes previewed as a plan diff
+COMMAND_ACTIONS = tuple(Action)
 
 
 @dataclass(frozen=True)
@@ -150,31 +172,34 @@ class Command:
     """One operator action, as the console, the API, the CLI and the coordinator all say it.
 
     ``targets``: node ids or names (none for a rebalance); ``layers``: a pin's range
-    ``[start, end)``, None to pin what the node holds now; ``model``: the name or path the
-    ``model`` action loads. ``ValueError`` says what is wrong with one that cannot be."""
+    ``[start, end)`` of exactly one node, None to pin what the node holds now; ``model``: the
+    name or path the ``model`` action loads. ``ValueError`` says what is wrong with one that
+    cannot be: this is the one place a command's shape is checked (what the cluster holds, such
+    as the model's layer count, is checked by :func:`~exo_tui.cluster.proposal.propose`)."""
 
-    action: str
+    action: Action
     targets: tuple[str, ...] = ()
     layers: tuple[int, int] | None = None
     model: str = ""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "action", Action.of(self.action))
         object.__setattr__(self, "targets", tuple(self.targets))
-        if self.action not in COMMAND_ACTIONS:
-            raise ValueError(f"unknown action {self.action!r}: use drain, undrain, pin, unpin, rebalance, remove or model")
         if self.layers is not None:
-            if self.action != "pin":
+            if self.action is not Action.PIN:
                 raise ValueError(f"only a pin takes layers, not {self.action}")
             start, end = self.layers
             if not 0 <= start < end:
                 raise ValueError(f"layers [{start}, {end}): start must be >= 0 and below end (end is one past the last)")
+            if len(self.targets) != 1:
+                raise ValueError("a pin with layers names exactly one node")
             object.__setattr__(self, "layers", (int(start), int(end)))
-        if (self.action == "model") != bool(self.model):
-            raise ValueError("the model action takes a model name or path" if self.action == "model"
+        if (self.action is Action.MODEL) != bool(self.model):
+            raise ValueError("the model action takes a model name or path" if self.action is Action.MODEL
                              else f"{self.action} takes no model")
 
     def __str__(self) -> str:
-        what = self.model if self.action == "model" else " ".join(self.targets)
+        what = self.model if self.action is Action.MODEL else " ".join(self.targets)
         layers = f" layers {self.layers[0]}-{self.layers[1] - 1}" if self.layers else ""
         return f"{self.action} {what}".strip() + layers
 
@@ -183,7 +208,7 @@ class Command:
 class PlanPreview:
     """What a plan change will do, shown before the operator says yes."""
 
-    action: str
+    action: Action
     targets: tuple[str, ...]
     moves: tuple[LayerMove, ...] = ()
     bytes_moved: int = 0
@@ -194,10 +219,16 @@ class PlanPreview:
     note: str = ""  # e.g. "a chat is streaming: the drain waits for it to end"
     layers: tuple[int, int] | None = None  # a pin's layers [start, end); None pins what the node holds
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", Action.of(self.action))
+        object.__setattr__(self, "targets", tuple(self.targets))
+
     @property
     def command(self) -> Command:
         """The command this previews (targets as the preview names them: node ids)."""
-        return Command(self.action, self.targets, self.layers, self.targets[0] if self.action == "model" else "")
+        if self.action is Action.MODEL:
+            return Command(self.action, model=self.targets[0])
+        return Command(self.action, self.targets, self.layers)
 
 
 @dataclass(frozen=True)
@@ -379,10 +410,10 @@ async def run_command(control: ClusterControl, command: Command, *, dry_run: boo
     """Carry out ``command`` on ``control`` as the API and the CLI ask for it: a plan change is
     previewed, then applied unless ``dry_run`` or impossible (``error`` set); ``model`` loads the
     model (exceptions of :meth:`ClusterControl.set_model` pass through)."""
-    if command.action == "model":
+    if command.action is Action.MODEL:
         if not dry_run:
             await control.set_model(command.model)
-        return PlanPreview("model", (command.model,))
+        return PlanPreview(Action.MODEL, (command.model,))
     preview = await control.preview(command)
     if not preview.error and not dry_run:
         preview = await control.apply(preview)

@@ -38,14 +38,7 @@ def even_plan(
     pins = sorted((p for p in constraints.pins if p.node_id in present), key=lambda p: p.start)
     pinned = {p.node_id for p in pins}
     free = [n for n in order if n not in pinned]
-    gaps, at = [], 0
-    for p in [*pins, Pin("", n_layers, n_layers)]:
-        if p.start > at:
-            gaps.append((at, p.start))
-        at = max(at, p.end)
-    if len(gaps) > len(free):
-        raise InfeasiblePlan(f"the pins leave {len(gaps)} ranges of layers unheld but only "
-                             f"{len(free)} unpinned node(s) to hold them: unpin a node or add one", "pins")
+    gaps = unpinned_ranges(pins, n_layers, len(free))
     shards = [PlanShard(p.node_id, p.start, p.end, backends[p.node_id]) for p in pins]
     for (a, b), group in zip(gaps, share(free, [b - a for a, b in gaps]), strict=True):
         bounds = [a + round(i * (b - a) / len(group)) for i in range(len(group) + 1)]
@@ -53,6 +46,20 @@ def even_plan(
     ordered = tuple(sorted(shards, key=lambda s: s.start))
     predictions = predict(ordered, profiles, spec, config)
     return Plan(spec.name, n_layers, ordered, "even", version, predictions, ("layers split evenly in node order",))
+
+
+def unpinned_ranges(pins: Sequence[Pin], n_layers: int, free_nodes: int) -> list[tuple[int, int]]:
+    """The ranges of layers ``pins`` (sorted by start) leave to the ``free_nodes`` unpinned nodes;
+    :class:`InfeasiblePlan` when there are more ranges than nodes to hold them."""
+    gaps, at = [], 0
+    for p in [*pins, Pin("", n_layers, n_layers)]:
+        if p.start > at:
+            gaps.append((at, p.start))
+        at = max(at, p.end)
+    if len(gaps) > free_nodes:
+        raise InfeasiblePlan(f"the pins leave {len(gaps)} ranges of layers unheld but only "
+                             f"{free_nodes} unpinned node(s) to hold them: unpin a node or add one", "pins")
+    return gaps
 
 
 def share(nodes: list[Any], sizes: list[int]) -> list[list[Any]]:

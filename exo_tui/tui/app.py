@@ -23,6 +23,8 @@ from textual.widgets import Input
 import themes
 from exo_tui import events as ev
 from exo_tui.cluster.view import (
+    PLAN_ACTIONS,
+    Action,
     ClusterControl,
     ClusterSnapshot,
     Command,
@@ -42,7 +44,7 @@ from exo_tui.tui.widgets.events import EventsLog
 from exo_tui.tui.widgets.nodes import NodesTable
 
 # Plan changes that open a confirmation (the others apply straight after their preview).
-CONFIRM_ACTIONS = frozenset({"drain", "rebalance", "remove", "model"})
+CONFIRM_ACTIONS = frozenset({Action.DRAIN, Action.REBALANCE, Action.REMOVE, Action.MODEL})
 # Events after which the tables should refresh at once rather than at the next tick.
 STRUCTURAL = (
     ev.NodeJoined,
@@ -444,8 +446,8 @@ class ExoApp(App):
         if action != "rebalance" and not targets:
             self.notify(f"No node selected to {action}.", severity="warning")
             return
-        if action == "model":
-            self._preview(Command("model", model=targets[0]))
+        if action == Action.MODEL:
+            self._preview(Command(Action.MODEL, model=targets[0]))
         else:
             self._preview(Command(action, targets, layers))
 
@@ -486,37 +488,36 @@ class ExoApp(App):
             self._apply(preview)
 
     def _confirmed(self, preview: PlanPreview, ok: bool | None) -> None:
-        target = ",".join(preview.targets)
         if not ok:
             if not preview.error:
-                self.log_local(ev.OperatorAction(action=preview.action, target=target, result="cancelled", detail="nothing changed", ts=self.clock()))
+                self.log_local(ev.OperatorAction(action=preview.action, target=" ".join(preview.targets), result="cancelled",
+                                                 detail="nothing changed", ts=self.clock()))
             return
         if preview.note:
             self.notify(preview.note, title=preview.action.title())
-        if preview.action == "model" and (picker := self._picker()) is not None:
-            picker.load_started(target)
+        if preview.action is Action.MODEL and (picker := self._picker()) is not None:
+            picker.load_started(preview.targets[0])
         self._apply(preview)
 
     @work(group="plan")
     async def _apply(self, preview: PlanPreview) -> None:
-        target = ",".join(preview.targets)
         try:
             result = await self.control.apply(preview)
             error = result.error
         except Exception as exc:  # told to the operator in a notice
             error = str(exc) or type(exc).__name__
-        self.post_message(ActionDone(preview.action, target, error=error))
+        self.post_message(ActionDone(preview.action, preview.targets, error=error))
 
     def on_action_done(self, message: ActionDone) -> None:
-        names = ", ".join(self.node_name(t) for t in message.target.split(",") if t) if message.action != "bootstrap" else message.target
+        names = ", ".join(self.node_name(t) for t in message.targets) if message.action in PLAN_ACTIONS else " ".join(message.targets)
         what = f"{message.action} {names}".strip()
         if message.error:
             self.notify(f"{what} failed: {message.error}", title="exo-tui", severity="error", timeout=10)
         else:
             self.notify(f"{what}: done" + (f" ({message.detail})" if message.detail else ""), title="exo-tui")
-            if message.action in {"drain", "undrain", "remove"} and self.main_screen is not None:
+            if message.action in {Action.DRAIN, Action.UNDRAIN, Action.REMOVE} and self.main_screen is not None:
                 self.main_screen.query_one(NodesTable).marked.clear()
-        if message.action == "model" and (picker := self._picker()) is not None:
+        if message.action == Action.MODEL and (picker := self._picker()) is not None:
             if message.error:
                 picker.load_finished(message.error)
             else:  # the new model serves: back to the chat
@@ -543,9 +544,9 @@ class ExoApp(App):
             self.post_message(HostKeyQuestion(host, exc.fingerprint, exc.key_type, shown=exc.host))
             return
         except Exception as exc:  # told to the operator in a notice
-            self.post_message(ActionDone("bootstrap", host, error=str(exc) or type(exc).__name__))
+            self.post_message(ActionDone("bootstrap", (host,), error=str(exc) or type(exc).__name__))
             return
-        self.post_message(ActionDone("bootstrap", host))
+        self.post_message(ActionDone("bootstrap", (host,)))
 
     def on_host_key_question(self, message: HostKeyQuestion) -> None:
         kind = f"{message.key_type} " if message.key_type else ""
@@ -575,9 +576,9 @@ class ExoApp(App):
         try:
             await self.control.add_host(host)
         except Exception as exc:  # told to the operator in a notice
-            self.post_message(ActionDone("add host", host, error=str(exc) or type(exc).__name__))
+            self.post_message(ActionDone("add host", (host,), error=str(exc) or type(exc).__name__))
             return
-        self.post_message(ActionDone("add host", host))
+        self.post_message(ActionDone("add host", (host,)))
 
     def action_choose_model(self) -> None:
         """The model picker (the machine's models, what the cluster can hold); enter previews a switch."""

@@ -33,10 +33,12 @@ class PreviewReady(Message):
 
 @dataclass
 class ActionDone(Message):
-    """An operator action finished (``error`` empty when it worked)."""
+    """An operator action finished (``error`` empty when it worked). ``action``: a plan change's
+    :class:`~exo_tui.cluster.view.Action` (``targets``: node ids), or ``bootstrap`` / ``add host``
+    (``targets``: the host)."""
 
     action: str
-    target: str
+    targets: tuple[str, ...]
     error: str = ""
     detail: str = ""
 

@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator
 
 from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures, LinkFigures, NodeFigures
+from exo_tui.cluster.proposal import ClusterState, propose
 from exo_tui.cluster.view import (
+    Action,
     ChatChunk,
     ChatParams,
     ClusterSnapshot,
@@ -28,6 +30,9 @@ from exo_tui.cluster.view import (
     QueueView,
     ShardView,
 )
+from exo_tui.scheduler.context import InfeasiblePlan
+from exo_tui.scheduler.even import unpinned_ranges
+from exo_tui.scheduler.plan import Pin
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC: every timestamp of the fixture is fixed
 LAYER_BYTES = 3_250_000
@@ -177,14 +182,31 @@ class FakeCluster:
 
     # ------------------------------------------------------------------ plan arithmetic
 
-    def _eligible(self, drained: set[str] = frozenset(), removed: set[str] = frozenset(),
-                  undrained: set[str] = frozenset()) -> list[str]:
-        return [
-            n.node_id
-            for n in sorted(self.nodes.values(), key=lambda n: n.node_id)
-            if n.node_id not in removed and not ((n.drained and n.node_id not in undrained) or n.node_id in drained)
-            and n.state != "failed"
-        ]
+    def _eligible(self, drained: set[str] | frozenset[str] | None = None) -> list[str]:
+        """The nodes a plan may use: up, and not drained (``drained``: as a change would leave them)."""
+        if drained is None:
+            drained = {n.node_id for n in self.nodes.values() if n.drained}
+        return [n.node_id for n in sorted(self.nodes.values(), key=lambda n: n.node_id)
+                if n.node_id not in drained and n.state != "failed"]
+
+    def _state(self) -> ClusterState:
+        """The cluster as the coordinator checks a command against it (exo_tui.cluster.proposal)."""
+        held: dict[str, tuple[int, int]] = {}
+        for s in self.shards:
+            held.setdefault(s.node_id, (s.start, s.end))
+        return ClusterState(
+            names={nid: n.name for nid, n in self.nodes.items()},
+            drained=frozenset(nid for nid, n in self.nodes.items() if n.drained),
+            pins={nid: Pin(nid, a, b) for nid, (a, b) in self.pins.items()}, held=held,
+            failed=frozenset(nid for nid, n in self.nodes.items() if n.state == "failed"), n_layers=self.n_layers)
+
+    def _proposed(self, command: Command) -> tuple[tuple[str, ...], set[str], dict[str, tuple[int, int]]]:
+        """The node ids ``command`` names, and the drains and pins it would leave (ValueError: it
+        cannot be done, in the coordinator's words)."""
+        state = self._state()
+        ids = state.resolve(command)
+        drained, pins = propose(command, ids, state)
+        return ids, drained, {nid: (p.start, p.end) for nid, p in pins.items()}
 
     def _split(self, ids: list[str], pins: dict[str, tuple[int, int]] | None = None) -> tuple[ShardView, ...]:
         pins = dict(self.pins if pins is None else pins)
@@ -282,45 +304,31 @@ class FakeCluster:
     async def preview(self, command: Command) -> PlanPreview:
         """What ``command`` would do; it changes nothing (an undrain included: only apply does)."""
         await asyncio.sleep(0)
-        action, targets, layers = command.action, command.targets, command.layers
-        pins = dict(self.pins)
-        drained: set[str] = set()
-        removed: set[str] = set()
-        undrained: set[str] = set()
-        ids = None
-        if action == "drain":
-            drained = set(targets)
-        elif action == "undrain":
-            undrained = set(targets)
-        elif action == "remove":
-            removed = set(targets)
-        elif action == "pin" and layers is not None:
-            pins[targets[0]] = layers
-        elif action == "pin":
-            for t in targets:
-                if self.nodes[t].layers:
-                    pins[t] = self.nodes[t].layers  # type: ignore[assignment]
-        elif action == "unpin":
-            for t in targets:
-                pins.pop(t, None)
-        elif action == "model":
+        if command.action is Action.MODEL:
             return self._model_preview(command.model)
-        elif action != "rebalance":
-            return PlanPreview(action, targets, error=f"unknown action {action}")
-        ids = self._eligible(drained, removed, undrained)
-        if not ids:
-            return PlanPreview(action, targets, error="no node would be left to hold the model: add a node or undrain one first")
-        new = self._split(ids, pins)
+        try:
+            ids, drained, pins = self._proposed(command)
+        except ValueError as exc:
+            return PlanPreview(command.action, command.targets, error=str(exc), layers=command.layers)
+        eligible = self._eligible(drained)
+        if not eligible:
+            return PlanPreview(command.action, ids, error="no node would be left to hold the model: add a node or undrain one first")
+        kept = sorted((Pin(n, *pins[n]) for n in eligible if n in pins), key=lambda p: p.start)
+        try:  # the scheduler's rule: a pinned node holds its pin only
+            unpinned_ranges(kept, self.n_layers, len(eligible) - len(kept))
+        except InfeasiblePlan as exc:
+            return PlanPreview(command.action, ids, error=str(exc), layers=command.layers)
+        new = self._split(eligible, pins)
         moves = self._moves(self.shards, new)
         return PlanPreview(
-            action=action,
-            targets=targets,
+            action=command.action,
+            targets=ids,
             moves=moves,
             bytes_moved=sum(m.nbytes for m in moves),
             tok_per_s_before=self._tok_per_s(self.shards),
             tok_per_s_after=self._tok_per_s(new),
             new_plan=PlanView(self.version + 1, self.n_layers, new),
-            layers=layers,
+            layers=command.layers,
         )
 
     def _model_preview(self, name: str) -> PlanPreview:
@@ -340,31 +348,29 @@ class FakeCluster:
         return [dataclasses.replace(m, current=m.name == self.model) for m in MODELS]
 
     async def apply(self, preview: PlanPreview) -> PlanPreview:
+        """Carry out ``preview``, checked afresh on the cluster as it is now (as the coordinator does)."""
         await asyncio.sleep(0)
-        self.applied.append(preview)
-        if preview.action == "model":
+        if preview.action is Action.MODEL:
+            self.applied.append(preview)
             for m in preview.moves:  # half, then all of each node's layers
                 for done in (m.nbytes // 2, m.nbytes):
                     self.events.publish(ev.ShardProgress(node_id=m.dst, start=m.start, end=m.end, done_bytes=done,
                                                          total_bytes=m.nbytes, ts=T0 + self.version))
-                    await self.model_load_step.wait() if self.model_load_step is not None else asyncio.sleep(0)
+                    if self.model_load_step is not None:
+                        await self.model_load_step.wait()
             self.model = preview.targets[0]
-        if preview.action in ("drain", "undrain"):
-            for t in preview.targets:
-                self.nodes[t] = dataclasses.replace(self.nodes[t], drained=preview.action == "drain")
-        if preview.action == "remove":
-            for t in preview.targets:
-                self.nodes.pop(t, None)
-                self.pins.pop(t, None)
-        if preview.action == "pin" and preview.layers is not None:
-            self.pins[preview.targets[0]] = preview.layers
-        elif preview.action == "pin":
-            for t in preview.targets:
-                if self.nodes[t].layers:
-                    self.pins[t] = self.nodes[t].layers  # type: ignore[assignment]
-        if preview.action == "unpin":
-            for t in preview.targets:
-                self.pins.pop(t, None)
+        else:
+            fresh = await self.preview(preview.command)
+            if fresh.error:
+                return dataclasses.replace(preview, error=fresh.error)
+            self.applied.append(preview)
+            ids, drained, self.pins = self._proposed(preview.command)
+            for nid, n in list(self.nodes.items()):
+                self.nodes[nid] = dataclasses.replace(n, drained=nid in drained)
+            if preview.action is Action.REMOVE:
+                for nid in ids:
+                    self.nodes.pop(nid, None)
+                    self.pins.pop(nid, None)
         old = self.shards
         self.shards = self._split(self._eligible())
         self.version += 1

@@ -1,10 +1,10 @@
 """Every ClusterControl says the same thing: the console's test fake, the coordinator and the
-HTTP client (``exo-tui --attach``) have each member of the protocol, with its parameters; and the
-fake's preview changes nothing, as the coordinator's does not."""
+HTTP client (``exo-tui --attach``) have each member of the protocol, with its parameters. What
+they do is one suite of scenarios run on the fake and a coordinator:
+tests/integration/test_control_scenarios.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import pytest
@@ -42,29 +42,6 @@ def test_each_implementation_takes_what_the_protocol_says(implementation: type, 
 
 def test_the_fake_is_a_cluster_control() -> None:
     assert isinstance(FakeCluster(), ClusterControl)
-
-
-@pytest.mark.parametrize("command", [Command("drain", ("n01",)), Command("undrain", ("n02",)), Command("pin", ("n00",), (0, 4)),
-                                     Command("unpin", ("n00",)), Command("rebalance"), Command("remove", ("n01",))],
-                         ids=str)
-async def test_a_preview_of_the_fake_changes_nothing(command: Command) -> None:
-    fake = FakeCluster(n_nodes=3)
-    fake.nodes["n02"] = dataclasses.replace(fake.nodes["n02"], drained=True)
-    fake.pins["n00"] = (0, 10)
-    before = fake.snapshot()
-    preview = await fake.preview(command)
-    assert fake.snapshot() == before and fake.pins == {"n00": (0, 10)} and not fake.applied
-    assert preview.command.action == command.action and not preview.error
-
-
-async def test_an_undrain_takes_effect_when_applied() -> None:
-    fake = FakeCluster(n_nodes=3)
-    fake.nodes["n02"] = dataclasses.replace(fake.nodes["n02"], drained=True)
-    preview = await fake.preview(Command("undrain", ("n02",)))
-    assert "n02" in {s.node_id for s in preview.new_plan.shards}  # type: ignore[union-attr]
-    assert fake.nodes["n02"].drained
-    await run_command(fake, Command("undrain", ("n02",)))
-    assert not fake.nodes["n02"].drained and "n02" in {s.node_id for s in fake.shards}
 
 
 def test_commands_say_what_is_wrong() -> None:
