@@ -92,6 +92,7 @@ class ClusterClient:
         self._tasks: list[asyncio.Task[Any]] = []
         self._refresh = asyncio.Event()
         self._model_id = ""
+        self.coordinator_apis: list[str] = []  # the API URLs of a coordinator set's members (from /health)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -170,6 +171,7 @@ class ClusterClient:
                                              timeout=httpx.Timeout(None, connect=5.0)) as r:
                     raise_for_error(r)
                     warned = False
+                    await self._learn_coordinators()
                     async for line in r.aiter_lines():
                         if not line.startswith("data:"):
                             continue
@@ -183,7 +185,28 @@ class ClusterClient:
                 if not warned:
                     self.events.publish(Notice(level="error", message=f"lost the coordinator's event stream ({exc}): reconnecting"))
                     warned = True
+                if isinstance(exc, httpx.ConnectError):
+                    await self._follow_set()
             await asyncio.sleep(1.0)
+
+    async def _learn_coordinators(self) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            health = (await self._http.get("/health", timeout=5.0)).json()
+            self.coordinator_apis = [c["api"] for c in health.get("coordinators") or () if c.get("api")]
+
+    async def _follow_set(self) -> None:
+        """The coordinator attached to is gone: attach to another of its set that answers (a
+        standby forwards to the leader, whichever it is)."""
+        for api in self.coordinator_apis:
+            if _base(api) == self.url:
+                continue
+            with contextlib.suppress(httpx.HTTPError):
+                (await self._http.get(f"{_base(api)}/health", timeout=3.0)).raise_for_status()
+                self.events.publish(Notice(level="warning", message=f"the coordinator at {self.url} is gone: "
+                                                                    f"following its set at {_base(api)}"))
+                self.url = _base(api)
+                self._http.base_url = httpx.URL(self.url)
+                return
 
     # ------------------------------------------------------------------ ClusterControl
 

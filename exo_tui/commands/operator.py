@@ -16,6 +16,7 @@ from typing import Any
 
 from exo_tui.cluster.view import Command, parse_layers
 from exo_tui.commands._args import read_secret, secret_help
+from exo_tui.commands._coordinators import coordinators_of
 
 ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance")
 
@@ -104,10 +105,13 @@ async def _run(args: argparse.Namespace, url: str, key: str | None) -> int:
     try:
         if args.action == "status":
             data = await client.request("GET", "/v1/cluster")
+            health = await client.request("GET", "/health")
+            if coordinators_of(health):  # one of a set: who leads, in which term, how far behind
+                data["coordinators"] = coordinators_of(health)
             if args.json:
                 print(json.dumps(data, indent=2))
             else:
-                _print_status(data, url)
+                _print_status(data, url, health)
             return 0
         targets = (args.node,) if getattr(args, "node", None) else ()
         layers = parse_layers(args.layers) if getattr(args, "layers", None) else None
@@ -152,10 +156,11 @@ def _kv(kv: dict[str, Any]) -> str:
     return f"{kv.get('used_bytes', 0) / 1e6:.0f}/{kv['budget_bytes'] / 1e6:.0f} ({kv.get('requests', 0)} req)"
 
 
-def _print_status(d: dict[str, Any], url: str) -> None:
+def _print_status(d: dict[str, Any], url: str, health: dict[str, Any] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from exo_tui.commands._coordinators import print_coordinators
     from exo_tui.commands._figures import print_figures
 
     console = Console(width=None if sys.stdout.isatty() else 150)
@@ -204,6 +209,7 @@ def _print_status(d: dict[str, Any], url: str) -> None:
     else:
         console.print("no plan: no node serves the model")
     print_figures(console, d.get("metrics") or {}, names)
+    print_coordinators(console, health or {})
 
 
 def _print_preview(p: dict[str, Any], names: dict[str, str], dry_run: bool) -> None:

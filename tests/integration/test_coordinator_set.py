@@ -11,6 +11,7 @@ steps down, and the nodes' logs show they obeyed only the newest term.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -240,3 +241,49 @@ def test_a_frozen_leader_steps_down_and_the_nodes_obey_the_newest_term_only(cset
         assert attached == sorted(attached) and attached[-1] == new_term, attached
         refused = [int(t) for t in re.findall(r"from coordinator term (\d+): term (?:\d+) leads now", log)]
         assert all(t < new_term for t in refused), refused
+
+
+def test_status_shows_the_coordinators_roles_terms_and_lag(cset: CoordinatorSet) -> None:
+    lead = cset.leader()
+    standby = next(i for i in cset.alive() if i != lead)
+    env = {**cset.env, "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "exo_tui.cli", "status", "--url", cset.url(standby)]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    rows = {c["api"]: c for c in json.loads(out.stdout)["coordinators"]}
+    assert rows[cset.url(lead)]["role"] == "leader" and rows[cset.url(standby)]["role"] == "standby"
+    assert len({c["term"] for c in rows.values()}) == 1
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert table.returncode == 0, table.stderr
+    assert f"leader {cset.url(lead)}" in table.stdout and "★ leader" in table.stdout and "(this one)" in table.stdout
+
+
+async def test_an_attached_console_follows_the_set_when_its_coordinator_dies(cset: CoordinatorSet) -> None:
+    from exo_tui.api.client import ClusterClient
+    from exo_tui.events import Notice
+
+    lead = await asyncio.to_thread(cset.leader)
+    client = ClusterClient(cset.url(lead))
+    sub = client.events.subscribe()
+    await client.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(client.coordinator_apis) < 2:
+            assert time.monotonic() < deadline, "the console never learned the set"
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(cset.kill, lead)
+        notices: list[str] = []
+        while not any("leads in term" in n for n in notices) or client.url == cset.url(lead):
+            assert time.monotonic() < deadline + WAIT_S, f"the console did not follow the set: {notices}"
+            try:
+                event = await asyncio.wait_for(sub.get(), 1.0)
+            except TimeoutError:
+                continue
+            if isinstance(event, Notice):
+                notices.append(event.message)
+        assert client.url != cset.url(lead)
+        assert any(f"following its set at {client.url}" in n for n in notices)
+    finally:
+        sub.close()
+        await client.stop()
+        await asyncio.to_thread(cset.start, lead)
