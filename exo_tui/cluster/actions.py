@@ -11,10 +11,10 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
-from typing import Any
 
 from exo_tui import events as ev
 from exo_tui.cluster import model_choices, model_switch
+from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.proposal import ClusterState, propose
 from exo_tui.cluster.snapshots import _to_view_preview
 from exo_tui.cluster.view import (
@@ -28,14 +28,15 @@ from exo_tui.inference.generate import GenerationError
 from exo_tui.models.gguf_file import ModelFileError
 from exo_tui.models.model import Model
 from exo_tui.net.errors import RemoteError
+from exo_tui.scheduler.context import InfeasiblePlan
 from exo_tui.scheduler.diff import ChangePreview
-from exo_tui.scheduler.partition import InfeasiblePlan
 from exo_tui.scheduler.plan import Pin
+from exo_tui.scheduler.spec import ModelSpec
 
 log = logging.getLogger("exo_tui.cluster")
 
 
-class OperatorActions:
+class OperatorActions(CoordinatorParts):
     """Commands of the operator, previewed and applied, and their audit (a part of the Coordinator)."""
 
     # ================================================================== operator actions
@@ -169,7 +170,7 @@ class OperatorActions:
         """The machine's models, each planned on the cluster as it is (see cluster/model_choices.py)."""
         return await asyncio.to_thread(model_choices.choices, self, self._specs)
 
-    async def _replace_model(self, model: Model, name: str, spec: Any, key: str) -> None:
+    async def _replace_model(self, model: Model, name: str, spec: ModelSpec, key: str) -> None:
         """The switch that unloads the current model first (nothing serves until the new one
         is loaded)."""
         async with self._plan_lock:
@@ -177,11 +178,11 @@ class OperatorActions:
             self.plan, self.ring = None, None
             self.pins.clear()
             for h in self.nodes.values():
-                if h.connected:
+                if (conn := h.live_conn) is not None:
                     for start, end in list(h.held):
                         with contextlib.suppress(Exception):  # a node that cannot unload frees it when its plan goes
                             # its memory as it is now, for the plan made next (its last heartbeat's counts the shard)
-                            h.note_kv((await h.conn.call("unload", {"start": start, "end": end}, timeout=30)).body)
+                            h.note_kv((await conn.call("unload", {"start": start, "end": end}, timeout=30)).body)
                 h.held.clear()
                 h.shards = []
         await self.replan(f"model {model.name}")

@@ -29,13 +29,18 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
+
+if TYPE_CHECKING:
+    from exo_tui.cluster.pipeline import RemotePipeline
+
+_T = TypeVar("_T")
 
 OPEN_STEP = 256  # positions at a time for a request without max_tokens
 CAPACITY_WAIT_S = 3.0  # a first request waits this long for the nodes' budgets (heartbeats are 1 s apart)
@@ -103,7 +108,7 @@ class Admission:
     caches there are."""
 
     def __init__(self, capacity: Callable[[], int | None], *, queue_bound: int = 64, kv_share: float = 1.0,
-                 kept: Callable[[], int] = lambda: 0, forget_kept: Callable[[], Any] | None = None,
+                 kept: Callable[[], int] = lambda: 0, forget_kept: Callable[[], Awaitable[None]] | None = None,
                  capacity_for: Callable[[int], int | None] | None = None,
                  kept_requests: Callable[[], int] = lambda: 0) -> None:
         self._capacity_now = capacity
@@ -280,11 +285,12 @@ class Admission:
 
     def _short(self) -> None:
         """Requests wait for room that kept caches of finished requests hold: drop them."""
-        if self.forget_kept is None or not self.kept() or (self._forgetting is not None and not self._forgetting.done()):
+        forget_kept = self.forget_kept
+        if forget_kept is None or not self.kept() or (self._forgetting is not None and not self._forgetting.done()):
             return
 
         async def forget() -> None:
-            await self.forget_kept()
+            await forget_kept()
             self._pump()
 
         self._forgetting = asyncio.get_running_loop().create_task(forget())
@@ -309,7 +315,7 @@ class AdmittedRunner:
     there is none to give (or a node refuses the step for memory), gives the caches back, waits
     to be admitted again and rebuilds them from the request's tokens."""
 
-    def __init__(self, pipeline: Any, admission: Admission, ticket: Ticket) -> None:
+    def __init__(self, pipeline: RemotePipeline, admission: Admission, ticket: Ticket) -> None:
         self.pipeline = pipeline
         self.admission = admission
         self.ticket = ticket
@@ -386,11 +392,11 @@ def ring_kv_capacity(ring: Any, nodes: dict[str, Any], requests: int = 1) -> int
     return min(caps) if caps else None
 
 
-async def with_queue_notes(chunks: AsyncIterator[Any], notes: asyncio.Queue[int]) -> AsyncIterator[Any]:
+async def with_queue_notes(chunks: AsyncGenerator[_T, None], notes: asyncio.Queue[int]) -> AsyncGenerator[_T | int, None]:
     """``chunks``, and, until the first of them, each number put in ``notes`` (the requests ahead
     while the request waits its turn: the console shows "queued (n ahead)")."""
-    it = aiter(chunks)
-    first: asyncio.Future[Any] = asyncio.ensure_future(anext(it))
+    it = chunks
+    first: asyncio.Future[_T] = asyncio.ensure_future(anext(it))
     try:
         while not first.done():
             note = asyncio.ensure_future(notes.get())

@@ -103,7 +103,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.nodes: dict[str, NodeHandle] = {}
         self.hosts: dict[str, HostView] = {}
         self.model: Model | None = None
-        self.spec: Any = None
+        self.spec = None
         self.plan: Plan | None = None
         self.ring: RingPlan | None = None
         self.pins: dict[str, Pin] = {}
@@ -140,7 +140,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
             StateStore(self.home / "state.db", on_write_error=self._state_write_error) if persist else None
         )
         self.discover = discover
-        self.discovery: Any = None
+        self.discovery = None
         self.discovered: dict[str, ev.NodeDiscovered] = {}  # nodes seen but not joined (foreign ones too)
         self.join = join and self.config.network.join.enabled
         self.joining: JoinEndpoint | None = None
@@ -157,13 +157,14 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         if self.model is None:  # a coordinator set's new leader comes with the model its process opened
             self.model = await asyncio.to_thread(lambda: Model(self.model_name, paths=self.config.models.paths))
             opened = process_rss_bytes() - before
-        _ = await asyncio.to_thread(lambda: self.model.tokenizer)
+        model = self.model
+        _ = await asyncio.to_thread(lambda: model.tokenizer)
         before = process_rss_bytes()
-        self.spec = spec_from_gguf(self.model.gguf, context_limit=self.config.models.context_length)
+        self.spec = spec_from_gguf(model.gguf, context_limit=self.config.models.context_length)
         # what a node loading from the file will grow by before its first load is checked: the
         # file opened, its shards' bytes counted (cluster/room.py)
         self.room_notes.open_bytes = max(0, opened) + max(0, process_rss_bytes() - before)
-        self._model_key = await asyncio.to_thread(model_switch.model_key, self.model.path)
+        self._model_key = await asyncio.to_thread(model_switch.model_key, model.path)
         self._restore_state()
         await self._start_local_nodes(cluster)
         addresses = [n.address for n in self._local] + [split_host_port(p, self.config.network.node_port) for p in self.peers]

@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
 
-from exo_tui.discovery.join import Joined, serve_join
+from exo_tui.cluster.parts import CoordinatorParts
+from exo_tui.config import Config
+from exo_tui.discovery.join import Joined, JoinServer, serve_join
 from exo_tui.net.address import is_loopback
 from exo_tui.net.errors import ConnectError, RemoteError
 
@@ -26,16 +27,16 @@ WAIT_FOR_AGENT_S = 300.0  # a node's start-up benchmark on a slow machine takes 
 RETRY_S = 1.0
 
 
-def reaches_beyond_loopback(config: Any) -> bool:
+def reaches_beyond_loopback(config: Config) -> bool:
     """Whether nodes on other hosts can join (then local nodes must listen beyond loopback too)."""
     join = config.network.join
     return bool(join.enabled) and not is_loopback(join.host)
 
 
 class JoinEndpoint:
-    def __init__(self, coordinator: Any) -> None:
+    def __init__(self, coordinator: CoordinatorParts) -> None:
         self.coordinator = coordinator
-        self.server: Any = None
+        self.server: JoinServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property

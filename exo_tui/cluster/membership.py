@@ -16,6 +16,7 @@ from typing import Any
 
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle
+from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.view import Action, Command, HostView
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
@@ -34,7 +35,7 @@ RECONNECT_INTERVAL_S = 2.0
 LINK_PROBE_INTERVAL_S = 10.0
 
 
-class Membership:
+class Membership(CoordinatorParts):
     """Nodes joining, their frames, heartbeats and failures (a part of the Coordinator)."""
 
     async def _start_discovery(self, cluster: Any) -> None:
@@ -63,6 +64,7 @@ class Membership:
                     log.warning("discovery event %s: %s", event.kind, exc)
 
     async def _on_discovery_event(self, event: ev.Event) -> None:
+        assert self.discovery is not None  # its events come after it starts
         if isinstance(event, ev.NodeDiscovered):
             if event.node_id in self.nodes and self.nodes[event.node_id].state != "failed":
                 self.discovery.mark_member(event.node_id)
@@ -109,8 +111,8 @@ class Membership:
         reply = await conn.call("attach", {"term": self.term} if self.term else None, timeout=10)
         profile = NodeProfile.from_dict(reply.body["profile"])
         existing = self.nodes.get(profile.node_id)
-        if existing is not None and existing.connected and existing.conn is not conn:
-            await existing.conn.aclose()
+        if existing is not None and (old := existing.live_conn) is not None and old is not conn:
+            await old.aclose()
         handle = NodeHandle(profile.node_id, profile.name, host, port, profile, conn)
         handle.note_kv(reply.body)
         # Only shards of this coordinator's model count as held: a node may still hold another
@@ -140,7 +142,7 @@ class Membership:
         return handle
 
     def _on_conn_closed(self, conn: Connection, reason: BaseException | None) -> None:
-        node_id = conn.data.get("node_id")
+        node_id = str(conn.data.get("node_id") or "")
         handle = self.nodes.get(node_id) if node_id else None
         if handle is None or handle.conn is not conn or self._stopping:
             return
@@ -199,10 +201,10 @@ class Membership:
         return handle.name if handle is not None else node_id
 
     def connection(self, node_id: str) -> Connection:
-        handle = self.nodes[node_id]
-        if not handle.connected:
+        conn = self.nodes[node_id].live_conn
+        if conn is None:
             raise KeyError(node_id)
-        return handle.conn  # type: ignore[return-value]
+        return conn
 
     # ================================================================== frames from nodes
 
@@ -334,7 +336,9 @@ class Membership:
 
         async def probe(a: NodeHandle, b: NodeHandle) -> None:
             try:
-                reply = await a.conn.call("link_probe", {"host": b.host, "port": b.port, "pings": 3}, timeout=10)
+                if (conn := a.live_conn) is None:
+                    raise ConnectionError(f"{a.name} is not connected")
+                reply = await conn.call("link_probe", {"host": b.host, "port": b.port, "pings": 3}, timeout=10)
             except (RemoteError, ConnectionError, TimeoutError):
                 self.metrics.link_probed(a.node_id, b.node_id, None)
                 return

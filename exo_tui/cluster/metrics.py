@@ -177,9 +177,9 @@ class ClusterMetrics:
         self.tokens_total = 0
         self.prompt_tokens_total = 0
         self.outcomes_total: Counter[str] = Counter()
-        self.node_compute_total: Counter[str] = Counter()  # node id -> seconds of decode compute
+        self.node_compute_total: defaultdict[str, float] = defaultdict(float)  # node id -> seconds of decode compute
         self.node_steps_total: Counter[str] = Counter()  # node id -> decode steps
-        self.link_total: Counter[tuple[str, str]] = Counter()  # link -> seconds of tokens on it
+        self.link_total: defaultdict[tuple[str, str], float] = defaultdict(float)  # link -> seconds of tokens on it
         self.coordinator_total_s = 0.0
         self.plan_changes_total = 0
         self.queued = 0
@@ -354,7 +354,7 @@ class ClusterMetrics:
             temperature_c=_num(m.get("temperature_c")), power_w=_num(m.get("power_w")),
             stage_s=stage_s, queue_s=_mean([t.queue[h.node_id] for t in mine]),
             token_share=share, idle_share=None if share is None else max(0.0, 1.0 - share), steps=len(mine),
-            own_stage_s=float(spent) / steps if steps else None,
+            own_stage_s=float(spent) / steps if steps and spent is not None else None,
         )
 
     def _links(self, handles: list[Any], ring: Any, tokens: list[_Token]) -> tuple[LinkFigures, ...]:

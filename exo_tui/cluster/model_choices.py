@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
+from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.view import Action, ModelChoice, PlanPreview
 from exo_tui.models import catalog
 from exo_tui.models.gguf_file import ModelFileError
 from exo_tui.models.registry import resolve_model
 from exo_tui.models.spec import spec_from_gguf
 from exo_tui.scheduler.diff import ChangePreview, preview_change
+from exo_tui.scheduler.spec import ModelSpec
+
+# the coordinator's view of a scheduler change (snapshots._to_view_preview)
+PreviewView = Callable[[Action, tuple[str, ...], ChangePreview, CoordinatorParts, str, ModelSpec | None], PlanPreview]
 
 SWITCH_NOTE = ("every layer of the new model is loaded fresh (from the file where a node can read it, else "
                "streamed to it) while the current one answers, then the switch happens between two tokens; where "
@@ -31,10 +36,10 @@ class SpecCache:
     at the context the cluster would serve it at (``context_limit``: ``models.context_length``)."""
 
     def __init__(self, context_limit: int = 0) -> None:
-        self._specs: dict[str, tuple[tuple[int, int], Any]] = {}
+        self._specs: dict[str, tuple[tuple[int, int], ModelSpec]] = {}
         self.context_limit = context_limit
 
-    def get(self, path: Path) -> Any:
+    def get(self, path: Path) -> ModelSpec:
         st = os.stat(path)
         key, stamp = str(path), (st.st_size, st.st_mtime_ns)
         hit = self._specs.get(key)
@@ -45,7 +50,7 @@ class SpecCache:
         return spec
 
 
-def change_for(c: Any, spec: Any) -> ChangePreview:
+def change_for(c: CoordinatorParts, spec: ModelSpec) -> ChangePreview:
     """The plan the scheduler would make for the model of ``spec`` on coordinator ``c``'s nodes
     (drains kept; pins, which name layers of the current model, left out)."""
     constraints = c.constraints(pins={})
@@ -62,7 +67,7 @@ def _same_file(a: Path, b: Path | None) -> bool:
         return False
 
 
-def choices(c: Any, specs: SpecCache) -> list[ModelChoice]:
+def choices(c: CoordinatorParts, specs: SpecCache) -> list[ModelChoice]:
     """Every model of the catalog, planned on the cluster (blocking: run it in a thread)."""
     current = Path(c.model.path) if c.model is not None else None
     out = []
@@ -82,7 +87,7 @@ def choices(c: Any, specs: SpecCache) -> list[ModelChoice]:
     return out
 
 
-def preview(c: Any, name: str, specs: SpecCache, view: Any) -> PlanPreview:
+def preview(c: CoordinatorParts, name: str, specs: SpecCache, view: PreviewView) -> PlanPreview:
     """What switching coordinator ``c`` to the model ``name`` does (blocking). ``view`` turns the
     scheduler's change into the operator's preview (the coordinator's own)."""
     try:

@@ -26,10 +26,15 @@ from typing import Any
 
 from exo_tui import events as ev
 from exo_tui.cluster.model_choices import change_for
+from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.weights import WeightTransferError
 from exo_tui.inference.generate import GenerationError
+from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
 from exo_tui.net.errors import RemoteError
+from exo_tui.net.protocol import PlanEntry
+from exo_tui.scheduler.plan import Plan
+from exo_tui.scheduler.spec import ModelSpec
 
 log = logging.getLogger("exo_tui.cluster")
 
@@ -43,7 +48,7 @@ def model_key(path: str | os.PathLike[str]) -> str:
     return hashlib.sha256(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-async def switch(c: Any, model: Any, name: str) -> None:
+async def switch(c: CoordinatorParts, model: Model, name: str) -> None:
     """Make ``model`` (opened as ``name``) the one coordinator ``c`` serves."""
     spec = await asyncio.to_thread(lambda: spec_from_gguf(model.gguf, context_limit=c.config.models.context_length))
     key = await asyncio.to_thread(model_key, model.path)
@@ -54,13 +59,14 @@ async def switch(c: Any, model: Any, name: str) -> None:
     if c.plan is None or not c.nodes:  # nothing serves: nothing to keep serving
         await c._replace_model(model, name, spec, key)
         return
+    serving = c.model.name if c.model is not None else "the current model"
     change = await asyncio.to_thread(change_for, c, spec)
     if change.error or change.new_plan is None:
         raise GenerationError(f"the cluster cannot hold {model.name}: {change.error or 'no plan'}; "
-                              f"{c.model.name} serves on")
+                              f"{serving} serves on")
     plan = change.new_plan
     ring = c._ring_for(plan, key)
-    loaded: list[tuple[Any, dict[str, Any]]] = []
+    loaded: list[tuple[PlanEntry, dict[str, Any]]] = []
     try:
         limit = max(1, c.config.scheduler.load_balancing.max_task_migration)
         for i in range(0, len(ring.ring), limit):
@@ -71,17 +77,17 @@ async def switch(c: Any, model: Any, name: str) -> None:
             if failed is not None:  # what did load in this batch is in ``loaded``: unloaded below
                 raise failed
     except LOAD_ERRORS as exc:
-        log.info("the nodes cannot hold %s beside %s (%s): unloading %s first", model.name, c.model.name, exc, c.model.name)
-        c._notice("info", f"the nodes cannot hold {model.name} beside {c.model.name} ({exc}): "
-                          f"{c.model.name} is unloaded first")
+        log.info("the nodes cannot hold %s beside %s (%s): unloading %s first", model.name, serving, exc, serving)
+        c._notice("info", f"the nodes cannot hold {model.name} beside {serving} ({exc}): "
+                          f"{serving} is unloaded first")
         await _unload(c, [(e.node_id, e.start, e.end) for e, _ in loaded], key)
         await c._replace_model(model, name, spec, key)
         return
     await _swap(c, model, name, spec, key, plan, loaded)
 
 
-async def _swap(c: Any, model: Any, name: str, spec: Any, key: str, plan: Any,
-                loaded: list[tuple[Any, dict[str, Any]]]) -> None:
+async def _swap(c: CoordinatorParts, model: Model, name: str, spec: ModelSpec, key: str, plan: Plan,
+                loaded: list[tuple[PlanEntry, dict[str, Any]]]) -> None:
     from exo_tui.cluster.switching import _moves, _shard_record
 
     async with c._plan_lock:
@@ -93,7 +99,8 @@ async def _swap(c: Any, model: Any, name: str, spec: Any, key: str, plan: Any,
                                    for e in ring.ring))
         except LOAD_ERRORS as exc:  # a node went away meanwhile: the current model serves on
             await _unload(c, [(e.node_id, e.start, e.end) for e, _ in loaded], key)
-            raise GenerationError(f"{model.name} could not come into force ({exc}): {c.model.name} serves on; "
+            serving = c.model.name if c.model is not None else "the current model"
+            raise GenerationError(f"{model.name} could not come into force ({exc}): {serving} serves on; "
                                   "try again") from exc
         c._plan_ready.clear()
         await c._idle.wait()  # a token boundary: no step of the old plan runs now
@@ -121,12 +128,12 @@ async def _swap(c: Any, model: Any, name: str, spec: Any, key: str, plan: Any,
         log.info("plan %d in force (model %s): %s", plan.version, model.name, plan.layout)
 
 
-async def _unload(c: Any, shards: list[tuple[str, int, int]], key: str) -> None:
+async def _unload(c: CoordinatorParts, shards: list[tuple[str, int, int]], key: str) -> None:
     """Unload those (node, start, end) shards of the model tagged ``key``, where the node is up."""
     async def one(node_id: str, start: int, end: int) -> None:
         h = c.nodes.get(node_id)
-        if h is not None and h.connected:
+        if h is not None and (conn := h.live_conn) is not None:
             with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
-                h.note_kv((await h.conn.call("unload", {"start": start, "end": end, "model": key}, timeout=30)).body)
+                h.note_kv((await conn.call("unload", {"start": start, "end": end, "model": key}, timeout=30)).body)
 
     await asyncio.gather(*(one(*s) for s in shards))

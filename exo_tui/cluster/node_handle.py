@@ -46,7 +46,12 @@ class NodeHandle:
 
     @property
     def connected(self) -> bool:
-        return self.conn is not None and not self.conn.is_closed
+        return self.live_conn is not None
+
+    @property
+    def live_conn(self) -> Connection | None:
+        """The connection while it is open; None when there is none or it has closed."""
+        return self.conn if self.conn is not None and not self.conn.is_closed else None
 
     def heartbeat_age_s(self, now: float | None = None) -> float:
         return (now if now is not None else time.monotonic()) - self.last_heartbeat_s
@@ -70,7 +75,7 @@ class NodeHandle:
 
     @property
     def tok_per_s(self) -> float:
-        return sum(r.get("tok_per_s", 0.0) for r in self.metrics.get("requests", {}).values())
+        return float(sum(r.get("tok_per_s", 0.0) for r in self.metrics.get("requests", {}).values()))
 
     @property
     def memory_total_bytes(self) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
 from exo_tui.net.errors import RemoteError
@@ -31,7 +32,7 @@ REPLANS_AFTER_REFUSAL = 3
 LIMIT_STEP_BYTES = 10_000_000  # the hint's resolution: 0.01 GB
 
 
-def is_refusal(exc: BaseException) -> bool:
+def is_refusal(exc: object) -> TypeGuard[RemoteError]:
     """A node refused a load for want of room under its memory limit."""
     return isinstance(exc, RemoteError) and exc.code == NoRoom.code
 

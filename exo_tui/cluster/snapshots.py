@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.cluster.metrics import node_memory
+from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.view import (
     Action,
     ClusterSnapshot,
@@ -25,16 +26,19 @@ from exo_tui.cluster.view import (
     ShardView,
 )
 from exo_tui.scheduler.diff import ChangePreview
-from exo_tui.scheduler.plan import Pin, Plan
+from exo_tui.scheduler.plan import Pin, Plan, PlanShard, Predictions
 from exo_tui.scheduler.score import score_nodes
 
 if TYPE_CHECKING:
-    from exo_tui.cluster.coordinator import Coordinator
+    from collections.abc import Iterable
+
+    from exo_tui.cluster.node_handle import NodeHandle
+    from exo_tui.scheduler.spec import ModelSpec
 
 log = logging.getLogger("exo_tui.cluster")
 
 
-class Snapshots:
+class Snapshots(CoordinatorParts):
     """The cluster as the front ends see it (a part of the Coordinator)."""
 
     # ================================================================== views
@@ -132,7 +136,8 @@ class Snapshots:
                                     predicted_tok_per_s=pred.tok_per_s_single if pred else None)
 
 
-def _shard_view(s: Any, pins: dict[str, Pin], spec: Any, pred: Any, precision: str = "") -> ShardView:
+def _shard_view(s: PlanShard, pins: dict[str, Pin], spec: ModelSpec | None, pred: Predictions | None,
+                precision: str = "") -> ShardView:
     """A shard with its bytes: its weights as its backend holds them (quantized) and, from the
     plan's prediction, what it needs on its node with its caches beside what that node offers;
     and the math its node reports running it at."""
@@ -140,10 +145,10 @@ def _shard_view(s: Any, pins: dict[str, Pin], spec: Any, pred: Any, precision: s
     return ShardView(s.node_id, s.start, s.end, pinned=s.node_id in pins,
                      weight_bytes=int(spec.range_bytes(s.start, s.end, 0, s.backend or None)) if spec is not None else 0,
                      memory_bytes=node.memory_bytes if node else 0, usable_bytes=node.usable_bytes if node else 0,
-                     experts=tuple(spec.experts) if spec is not None else (0, 0), precision=precision)
+                     experts=spec.experts if spec is not None else (0, 0), precision=precision)
 
 
-def _reported_precisions(handles: Any, model: str) -> dict[tuple[str, int, int], str]:
+def _reported_precisions(handles: Iterable[NodeHandle], model: str) -> dict[tuple[str, int, int], str]:
     """What each node says it runs each of its shards of ``model`` at, by (node, start, end)."""
     out = {}
     for h in handles:
@@ -153,7 +158,7 @@ def _reported_precisions(handles: Any, model: str) -> dict[tuple[str, int, int],
     return out
 
 
-def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any,
+def _plan_view(plan: Plan, pins: dict[str, Pin], spec: ModelSpec | None,
                precisions: dict[tuple[str, int, int], str] | None = None) -> PlanView:
     pred = plan.predictions
     held = precisions or {}
@@ -170,8 +175,8 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: Any,
     )
 
 
-def _to_view_preview(action: Action, ids: tuple[str, ...], change: ChangePreview, c: Coordinator, note: str,
-                     spec: Any = None) -> PlanPreview:
+def _to_view_preview(action: Action, ids: tuple[str, ...], change: ChangePreview, c: CoordinatorParts, note: str,
+                     spec: ModelSpec | None = None) -> PlanPreview:
     """The operator's view of ``change``; ``spec``: the model its new plan is for (another model's,
     when it previews a switch), else the one served."""
     moves = tuple(LayerMove(m.start, m.end, m.src, m.dst, m.nbytes) for m in (change.diff.moves if change.diff else ()))

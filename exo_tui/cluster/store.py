@@ -161,7 +161,7 @@ class StateStore:
         return self._write("INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?)", (host, port, source, user))
 
     def known_hosts(self) -> list[tuple[str, int, str, str]]:
-        return [tuple(r) for r in self._read("SELECT host, port, source, user FROM hosts")]  # type: ignore[misc]
+        return [(str(h), int(p), str(s), str(u)) for h, p, s, u in self._read("SELECT host, port, source, user FROM hosts")]
 
     # ---------------------------------------------------------------- pins, drains, plan
 

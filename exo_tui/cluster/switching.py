@@ -14,13 +14,14 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from backends.base import FILL_QUEUED, LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, PREFILL_CHUNK, KVCache
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
+from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.pipeline import StepFailure
 from exo_tui.cluster.room import REPLANS_AFTER_REFUSAL, is_refusal, limit_needed
 from exo_tui.cluster.view import (
@@ -34,9 +35,10 @@ from exo_tui.net.errors import RemoteError
 from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import NodeProfile
+from exo_tui.scheduler.context import InfeasiblePlan
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
-from exo_tui.scheduler.partition import InfeasiblePlan, make_plan
+from exo_tui.scheduler.partition import make_plan
 from exo_tui.scheduler.plan import Constraints, Pin, Plan
 from exo_tui.scheduler.profile import DeviceProfile, Link
 from exo_tui.scheduler.spec import ModelSpec
@@ -49,7 +51,7 @@ log = logging.getLogger("exo_tui.cluster")
 KV_HOLD_BYTES = 1 << 30  # in-flight caches the coordinator holds while short nodes swap their shards
 
 
-class PlanSwitching:
+class PlanSwitching(CoordinatorParts):
     """The plan in force and every change of it (a part of the Coordinator)."""
 
     # ================================================================== planning
@@ -145,19 +147,25 @@ class PlanSwitching:
         return preview_change(
             self.plan,
             self.device_profiles(),
-            self.spec,
+            self._served_spec(),
             constraints,
             self.config.scheduler,
             now=time.monotonic(),
             strategy=self.strategy,
         )
 
-    def _even_preview(self, constraints: Constraints, *, spec: Any = None, current: Plan | None | bool = True) -> ChangePreview:
+    def _served_spec(self) -> ModelSpec:
+        if self.spec is None:
+            raise GenerationError("the coordinator has no model loaded yet")
+        return self.spec
+
+    def _even_preview(self, constraints: Constraints, *, spec: ModelSpec | None = None,
+                      current: Plan | None | Literal[True] = True) -> ChangePreview:
         """Layers split evenly over the live, undrained nodes in the order they joined
         (``exo-tui chat --nodes``: the operator's order is the ring); see :mod:`exo_tui.scheduler.even`.
         ``spec``/``current``: another model's and no plan (a model switch), instead of the served
         model's and its plan."""
-        spec = spec or self.spec
+        spec = spec or self._served_spec()
         old = self.plan if current is True else current
         live = [h for h in self.nodes.values() if h.state != "failed" and h.node_id not in constraints.drained]
         version = (old.version + 1) if old else 1
@@ -204,7 +212,7 @@ class PlanSwitching:
             max(0, h.memory_available_bytes) for h in self.nodes.values() if h.state != "failed" and h.node_id not in self.drained
         )
         # the weights as the live nodes' backends hold them (the least of those); the caches: as the reason counts them
-        live = {self._node_backend(h) for h in self.nodes.values() if h.state != "failed"} or {None}
+        live: set[str | None] = {self._node_backend(h) for h in self.nodes.values() if h.state != "failed"} or {None}
         weights = min(self.spec.range_bytes(0, self.spec.n_layers, 0, b) for b in live) if self.spec is not None else 0
         held = "" if self.spec is None or weights == self.spec.weight_bytes else f", {self.spec.weight_bytes / 1e9:.2f} GB in its file"
         self._serve_error = (f"the cluster cannot serve the model: {why} (free {free / 1e9:.2f} GB on live nodes; "
@@ -215,20 +223,21 @@ class PlanSwitching:
     def _limit_hint(self) -> str:
         """Where the live nodes are memory-limited: the least limit each would need to serve."""
         limited = [h for h in self.nodes.values() if h.state != "failed" and h.profile.memory_limit_bytes]
-        if self.spec is None or not limited or self.strategy == "even":
+        spec = self.spec
+        if spec is None or not limited or self.strategy == "even":
             return ""
         now = time.monotonic()
 
         def fits(limit: int) -> bool:
             try:
-                make_plan(self.device_profiles(limit_bytes=limit), self.spec, self.strategy, self.constraints(),
+                make_plan(self.device_profiles(limit_bytes=limit), spec, self.strategy, self.constraints(),
                           self.config.scheduler, now=now)
             except InfeasiblePlan:
                 return False
             return True
 
-        low = max(h.profile.memory_limit_bytes for h in limited)
-        need = limit_needed(fits, low, max(low, 4 * self.spec.total_bytes + (1 << 30)))
+        low = max(h.profile.memory_limit_bytes or 0 for h in limited)
+        need = limit_needed(fits, low, max(low, 4 * spec.total_bytes + (1 << 30)))
         if need is None:
             return ""
         return f": give each node a memory limit of {need / 1e9:.2f} GB or more (--memory-limit, --local-memory-limit)"
@@ -250,7 +259,7 @@ class PlanSwitching:
             self._version = max(self._version, old_plan.version if old_plan else 0) + 1
             new = new.with_version(self._version)
             ring = self._ring_for(new)
-            moves = _moves(old_plan, new, self.spec)
+            moves = _moves(old_plan, new, self._served_spec())
             # 1. load what is missing, max_task_migration at a time, while the old plan serves
             missing = [e for e in ring.ring if (e.start, e.end) not in self.nodes[e.node_id].held]
             short = self._short_of_room(missing)
@@ -279,12 +288,13 @@ class PlanSwitching:
             self._refresh_states()
             if self.store is not None:
                 self.store.save_plan(new.version, str(self.model.path) if self.model else "", new.to_dict())
+            swapped_ids = sorted({e.node_id for e in swapped})
             diff = {"moves": [m.__dict__ for m in moves], "bytes_moved": sum(m.nbytes for m in moves),
-                    "swapped": sorted({e.node_id for e in swapped})}
+                    "swapped": swapped_ids}
             self.events.publish(ev.PlanChanged(version=new.version, plan=new.to_dict(), diff=diff, reason=reason))
             self._touch()
             log.info("plan %d in force (%s): %s%s", new.version, reason, new.layout,
-                     f"; swapped on {', '.join(diff['swapped'])} (short of memory)" if swapped else "")
+                     f"; swapped on {', '.join(swapped_ids)} (short of memory)" if swapped else "")
 
     def _short_of_room(self, missing: list[PlanEntry]) -> set[str]:
         """The nodes whose missing shards do not fit beside the shards they hold, under what their
@@ -293,7 +303,7 @@ class PlanSwitching:
         need: dict[str, int] = {}
         for e in missing:
             backend = self._node_backend(self.nodes[e.node_id])
-            need[e.node_id] = need.get(e.node_id, 0) + self.spec.range_bytes(e.start, e.end, 0, backend)
+            need[e.node_id] = need.get(e.node_id, 0) + self._served_spec().range_bytes(e.start, e.end, 0, backend)
         short = set()
         for node_id, nbytes in need.items():
             h = self.nodes[node_id]
@@ -316,7 +326,7 @@ class PlanSwitching:
             results = await asyncio.gather(*(self._ensure_shard(e) for e in batch), return_exceptions=True)
             for e, result in zip(batch, results, strict=True):
                 if is_refusal(result):
-                    self.room_notes.refused(self.nodes[e.node_id], result, self._model_key)  # type: ignore[arg-type]
+                    self.room_notes.refused(self.nodes[e.node_id], result, self._model_key)
                 if short is not None and is_refusal(result):
                     log.info("node %s: %s; it swaps its shards during the pause", e.node_id, result)
                     short.add(e.node_id)
@@ -359,8 +369,7 @@ class PlanSwitching:
         """The ring as nodes see it. A node the coordinator reaches on loopback is named, for
         the others, by the address this host has on their network."""
         handles = [self.nodes[s.node_id] for s in plan.shards]
-        remote = next((h for h in handles if not is_loopback(h.host) and h.connected), None)
-        outward = remote.conn.local_address if remote is not None else ""
+        outward = next((c.local_address for h in handles if not is_loopback(h.host) and (c := h.live_conn) is not None), "")
         entries = []
         for s, h in zip(plan.shards, handles, strict=True):
             host = outward if outward and is_loopback(h.host) else h.host
@@ -550,10 +559,11 @@ class PlanSwitching:
     async def _find_dead(self, plan: RingPlan) -> str | None:
         for e in plan.ring:
             h = self.nodes.get(e.node_id)
-            if h is None or not h.connected:
+            conn = h.live_conn if h is not None else None
+            if conn is None:
                 return e.node_id
             try:
-                await h.conn.call("ping", {"t": time.time()}, timeout=1.0)
+                await conn.call("ping", {"t": time.time()}, timeout=1.0)
             except (RemoteError, ConnectionError, TimeoutError):
                 return e.node_id
         return None
@@ -572,7 +582,7 @@ def _shard_record(entry: PlanEntry, body: dict[str, Any], key: str) -> dict[str,
             "held_bytes": held_bytes(body), "model": key}
 
 
-def _moves(old: Plan | None, new: Plan, spec: Any) -> list[LayerMove]:
+def _moves(old: Plan | None, new: Plan, spec: ModelSpec) -> list[LayerMove]:
     diff = plan_diff(old, new, spec)
     return [LayerMove(m.start, m.end, m.src, m.dst, m.nbytes) for m in diff.moves]
 

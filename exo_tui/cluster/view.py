@@ -295,7 +295,8 @@ class ChatParams:
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)
         if key in _MODELS_OWN and value.lower() in ("default", "model", ""):
-            return replace(self, **{key: None})
+            unset: dict[str, Any] = {key: None}
+            return replace(self, **unset)
         kind, ok, allowed = _SETTING_RULES[key]
         try:
             x = kind(value)

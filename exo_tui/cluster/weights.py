@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ class WeightTransferError(RuntimeError):
 
 
 async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None, model: str = "",
-                         context: int = 0) -> dict:
+                         context: int = 0) -> dict[str, Any]:
     """``model``: the tag the node keeps the shard under (a node may hold two models' shards);
     ``context``: the context the model is served at, where less than its own
     (:meth:`~backends.base.ModelConfig.at_context`)."""
@@ -50,7 +51,7 @@ async def stream_shard(
     corrupt: Callable[[int, bytes], bytes] | None = None,
     tag: str = "",
     context: int = 0,
-) -> dict:
+) -> dict[str, Any]:
     """Stream layers ``[start, end)`` of ``model`` to the node on ``conn`` and load them there.
 
     ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index. ``tag``: the
@@ -97,12 +98,12 @@ async def stream_shard(
     return reply.body
 
 
-def _chunks(model: GGUFModel, names: list[str]):  # noqa: ANN202
+def _chunks(model: GGUFModel, names: list[str]) -> Iterator[bytes]:
     """The tensors' stored bytes, back to back, cut into chunks of CHUNK_BYTES."""
     pending = bytearray()
     for name in names:
         _, raw = model.raw_tensor(name)
-        view = memoryview(np.ascontiguousarray(raw)).cast("B")
+        view = np.ascontiguousarray(raw).data.cast("B")
         offset = 0
         while offset < len(view):
             take = min(CHUNK_BYTES - len(pending), len(view) - offset)

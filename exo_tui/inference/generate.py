@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -83,7 +83,7 @@ class GenerationError(RuntimeError):
 
 async def generate(
     runner: StepRunner, tokenizer: Tokenizer, request: Request, *, context_length: int
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     """Stream the answer to ``request``. The last chunk has ``finish_reason`` set.
 
     Cancelling the consuming task (or closing the iterator) stops generation between steps and
