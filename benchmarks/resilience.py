@@ -1,8 +1,10 @@
 """What a stream feels when the cluster changes under it: the longest gap between two streamed
 tokens (the stall) and the time until tokens flow at full speed again, for a drain, a rebalance
-and ``kill -9`` of the first, middle and last node of a 3-node ring (default model, loopback).
+and ``kill -9`` of the first, middle and last node of a 3-node ring (default model, loopback), and
+``kill -9`` of the leader of three coordinators while the stream runs through a standby (its stall,
+and the time until a new leader is in charge: see benchmarks/_coordinator_kill.py).
 
-    python benchmarks/resilience.py [--backend onnx] [--tokens 120] [--at 30]
+    python benchmarks/resilience.py [--backend onnx] [--tokens 120] [--at 30] [--only "coordinator kill -9"]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exo_tui.net import loop as event_loop  # noqa: E402
 
-SCENARIOS = ("none", "drain", "rebalance", "kill first", "kill middle", "kill last")
+SCENARIOS = ("none", "drain", "rebalance", "kill first", "kill middle", "kill last", "coordinator kill -9")
 
 
 async def _run(scenario: str, backend: str, tokens: int, at: int, home: Path) -> tuple[float, float, float]:
@@ -84,10 +86,19 @@ def main() -> None:
     ap.add_argument("--backend", default="onnx")
     ap.add_argument("--tokens", type=int, default=120)
     ap.add_argument("--at", type=int, default=30, help="token at which the disturbance happens")
+    ap.add_argument("--only", action="append", choices=SCENARIOS, help="run only these scenarios (repeatable)")
     args = ap.parse_args()
-    rows = []
+    rows: list[tuple[str, float, float, float | None]] = []
+    leader_s = None
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        for scenario in SCENARIOS:
+        for scenario in args.only or SCENARIOS:
+            if scenario == "coordinator kill -9":
+                from _coordinator_kill import run as coordinator_kill  # beside this script
+
+                with tempfile.TemporaryDirectory(prefix="exo-bench-set-") as h:
+                    base, stall, leader_s, _ = coordinator_kill(args.backend, args.tokens, args.at, Path(h))
+                rows.append((scenario, base, stall, None))
+                continue
             base, stall, recover = event_loop.run(_run(scenario, args.backend, args.tokens, args.at, Path(d)))
             rows.append((scenario, base, stall, recover))
     print(f"\nOne greedy stream of the default model on 3 {args.backend} nodes (loopback); "
@@ -95,7 +106,11 @@ def main() -> None:
     print("| event | normal gap, ms | stall, ms | stall ÷ normal | back to full speed after, s |")
     print("|---|---:|---:|---:|---:|")
     for scenario, base, stall, recover in rows:
-        print(f"| {scenario} | {base * 1000:.0f} | {stall * 1000:.0f} | {stall / base:.1f} | {recover:.2f} |")
+        back = "–" if recover is None else f"{recover:.2f}"
+        print(f"| {scenario} | {base * 1000:.0f} | {stall * 1000:.0f} | {stall / base:.1f} | {back} |")
+    if leader_s is not None:
+        print(f"\ncoordinator kill -9: a new leader in charge {leader_s:.2f} s after the kill (goal: the stream's "
+              "stall under 3 s)")
 
 
 if __name__ == "__main__":
