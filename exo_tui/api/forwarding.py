@@ -247,7 +247,7 @@ class CoordinatorSetApi:
             "error": why or None, "commit": self.cset.commit_index(),
             "coordinators": [s.to_dict() for s in self.cset.status()],
             # this coordinator's copy of the replicated state (a standby's may lag: see its lag)
-            "drains": sorted(st.drains), "pins": {n: list(p) for n, p in st.pins.items()},
+            "drains": sorted(st.drains), "pins": {n: list(p) for n, p in st.pins.items()}, "hosts": sorted(st.hosts),
             "plan_version": st.plan[0] if st.plan else None, "elections": [list(e) for e in st.elections[-10:]],
         }
 
