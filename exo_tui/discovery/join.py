@@ -15,9 +15,13 @@ expiry (unix s), "f": SHA-256 of the coordinator certificate, hex}``). It is a s
 Wire protocol of the join endpoint: the client sends one JSON line ``{"join": 1, "id", "secret",
 "name", "port"}`` (``port``: where its node agent will listen); the server answers one JSON line,
 ``{"ok": true, "bundle": "<bundle text>"}`` or ``{"ok": false, "error": "..."}``, and closes.
-Lines are at most 64 KiB; the TLS handshake must finish within 5 s and the request within 10 s;
-at most ``MAX_JOINING`` connections are served at once (more are closed at once), so strangers
-cannot hold the endpoint. ``on_join`` then gets a :class:`Joined` (name, the address the request
+Lines are at most 64 KiB; the TLS handshake must finish within 5 s and the request within
+``REQUEST_S`` after it. At most ``MAX_JOINING`` connections are served at once, at most
+``JOIN_PER_ADDRESS`` of them past their first request byte from one address (loopback included),
+shared out by a :class:`~exo_tui.net.gate.HandshakeGate`: a connection that has sent no byte of its
+request yet is idle, and a newcomer takes the oldest idle one's place, so strangers holding silent
+TLS connections cannot lock out a node that joins (issue 43: 16 such connections refused every
+join). ``on_join`` then gets a :class:`Joined` (name, the address the request
 came from, the agent's port): the coordinator connects to the new node there
 (:meth:`exo_tui.cluster.coordinator.Coordinator` with ``join=True``).
 """
@@ -39,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from exo_tui.net.gate import HandshakeGate, Refused
 from exo_tui.paths import file_lock
 
 PREFIX = "exo-join1."
@@ -46,8 +51,9 @@ DEFAULT_JOIN_PORT = 52417
 DEFAULT_TTL_S = 3600.0
 MAX_LINE = 64 * 1024
 MAX_JOINING = 16
+JOIN_PER_ADDRESS = 4
 TLS_HANDSHAKE_S = 5.0
-REQUEST_S = 10.0
+REQUEST_S = 5.0
 STORE_NAME = "join-tokens.json"
 
 
@@ -236,6 +242,8 @@ class JoinServer:
         self.joined: list[str] = []
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task] = set()
+        self.gate = HandshakeGate(total=MAX_JOINING, reserved=0, per_address=JOIN_PER_ADDRESS)
+        self.refused = 0
         self.port = 0
 
     async def start(self, host: str = "0.0.0.0", port: int = DEFAULT_JOIN_PORT) -> None:
@@ -264,26 +272,42 @@ class JoinServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(self._handlers) >= MAX_JOINING:
+        peer = writer.get_extra_info("peername")
+        try:
+            ticket = self.gate.admit(str(peer[0]) if peer else "?", task.cancel)
+        except Refused:
+            self.refused += 1
             writer.transport.abort()  # busy: a real node retries; strangers get nothing to hold
             return
         self._handlers.add(task)
         try:
             try:
                 async with asyncio.timeout(REQUEST_S):
-                    reply = await self._answer(reader, writer)
+                    first = await reader.readexactly(1)
+                    self.gate.hello(ticket, proved=False)  # no longer idle; its address's cap
+                    reply = await self._answer(first, reader, writer)
+            except Refused:
+                self.refused += 1
+                writer.transport.abort()
+                return
             except (TimeoutError, ValueError, ConnectionError, asyncio.IncompleteReadError,
                     asyncio.LimitOverrunError):
                 reply = {"ok": False, "error": "bad join request"}
             with contextlib.suppress(Exception):
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            if self._server is None or self.gate.holds(ticket):  # closing, not an idle one dropped for room
+                raise
+            task.uncancel()
         finally:
             self._handlers.discard(task)
+            self.gate.release(ticket)
             writer.transport.abort() if writer.transport.is_closing() else writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict:
-        line = await reader.readuntil(b"\n")
+    async def _answer(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict:
+        line = first if first == b"\n" else first + await reader.readuntil(b"\n")
         req = json.loads(line)
         if not isinstance(req, dict) or req.get("join") != 1:
             return {"ok": False, "error": "not a join request"}

@@ -18,6 +18,7 @@ from exo_tui.net.connection import MAX_CONCURRENT_CALLS, STREAM_LIMIT, Connectio
 from exo_tui.net.errors import AuthError, ConnectError, HandshakeError
 from exo_tui.net.frame import DEFAULT_LIMITS, Limits
 from exo_tui.net.security import Security
+from exo_tui.net.slot import slot_cookie
 from exo_tui.net.transport import error_text, local_name, peer_identity, start_tls, tune_socket
 
 
@@ -67,7 +68,8 @@ async def open_authenticated(
             fp_server, name = b"", ""
             if security.enable_tls:
                 try:
-                    await start_tls(writer, security.client_context())
+                    # the slot cookie: a node under a flood of strangers still gives this side a slot
+                    await start_tls(writer, security.client_context(), slot_cookie(security.cluster_key))
                 except (ssl.SSLError, ConnectionError, OSError) as e:
                     raise _tls_refusal(peer, e) from None
                 fp_server, name = peer_identity(writer)

@@ -1,9 +1,11 @@
 """The listening side: :func:`serve` → :class:`Server`.
 
-Every accepted connection waits for its TLS ClientHello (within :data:`PRE_TLS_S`, see
-:mod:`exo_tui.net.gate`), does TLS and the HMAC handshake within
-``security.handshake_timeout_s``, and only then becomes a
-:class:`~exo_tui.net.connection.Connection` with the server's handler. Refusals are logged
+Every accepted connection waits for its TLS ClientHello (within :data:`PRE_TLS_S` while the
+slots are under pressure), shows the slot cookie in it or not (proved or a stranger, see
+:mod:`exo_tui.net.gate` and :mod:`exo_tui.net.slot`), and does TLS and the HMAC handshake: the
+whole of it within ``security.handshake_timeout_s`` of its accept, a stranger's within
+:data:`~exo_tui.net.gate.STRANGER_S` while strangers hold half their share of the slots. Only then
+does it become a :class:`~exo_tui.net.connection.Connection` with the server's handler. Refusals are logged
 (rate-limited: a flood logs once per kind) and closed; the server keeps serving the others.
 
 Example (the client side is :func:`exo_tui.net.client.connect`)::
@@ -37,9 +39,10 @@ from exo_tui.net import auth
 from exo_tui.net.connection import CLOSE_TIMEOUT_S, MAX_CONCURRENT_CALLS, STREAM_LIMIT, Connection, Handler
 from exo_tui.net.errors import AuthError, ConnectionClosed, HandshakeError
 from exo_tui.net.frame import DEFAULT_LIMITS, Limits
-from exo_tui.net.gate import HandshakeGate, Refused
+from exo_tui.net.gate import STRANGER_S, HandshakeGate, Refused, Ticket
 from exo_tui.net.ratelog import RateLimitedLog
 from exo_tui.net.security import Security
+from exo_tui.net.slot import SlotCookies, client_hello_server_name
 from exo_tui.net.transport import (
     TLSFirst,
     error_text,
@@ -81,6 +84,7 @@ class Server:
         self.connections: set[Connection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
         self.gate = gate if gate is not None else HandshakeGate()
+        self.cookies = SlotCookies(security.cluster_key)
         self.limited = RateLimitedLog(log)  # refusals and its connections' refused frames, per kind
         self.refused = 0  # connections refused before or during their handshake
         self._server: asyncio.base_events.Server | None = None
@@ -111,6 +115,7 @@ class Server:
         peername = writer.get_extra_info("peername")
         peer = format_address(peername)
         address = str(peername[0]) if isinstance(peername, tuple) and peername else peer
+        accepted = asyncio.get_running_loop().time()
         try:
             ticket = self.gate.admit(address, task.cancel)
         except Refused as e:
@@ -127,8 +132,10 @@ class Server:
                 if sec.enable_tls:
                     await self._wait_hello(writer, ticket)
                 else:
-                    ticket.hello = True
-                async with asyncio.timeout(sec.handshake_timeout_s):
+                    self.gate.hello(ticket, proved=False)
+                stranger = not ticket.proved and self.gate.under_pressure
+                deadline_s = min(STRANGER_S, sec.handshake_timeout_s) if stranger else sec.handshake_timeout_s
+                async with asyncio.timeout_at(accepted + deadline_s):
                     if sec.enable_tls:
                         try:
                             await start_tls(writer, sec.server_context())
@@ -143,11 +150,16 @@ class Server:
                         fp_client=fp_client, local=local_name(sec),
                     )
             except TimeoutError:
-                raise AuthError(f"no complete handshake within {sec.handshake_timeout_s} s") from None
+                raise AuthError(f"no complete handshake within {deadline_s} s of its connection") from None
             except (ssl.SSLError, ConnectionError, OSError) as e:
                 if isinstance(e, HandshakeError):
                     raise
                 raise AuthError(f"connection failed during the handshake: {type(e).__name__}: {error_text(e)}") from None
+        except Refused as e:
+            self.refused += 1
+            self.limited.warning("busy", "refused connection from %s: %s (someone may be flooding this port)", peer, e)
+            writer.transport.abort()
+            return
         except HandshakeError as e:
             self.refused += 1
             self.limited.warning("refused", "refused connection from %s: %s", peer, e)
@@ -168,7 +180,6 @@ class Server:
         finally:
             self._handshakes.discard(task)
             self.gate.release(ticket)
-        self.gate.authenticated(address)
         conn = Connection(
             reader, writer, handler=self.handler, limits=self.limits, peer=peer, peer_name=name,
             max_concurrent_calls=self.max_concurrent_calls, inline_types=self.inline_types, ratelog=self.limited,
@@ -188,12 +199,12 @@ class Server:
             except Exception:
                 log.exception("on_connect for %s failed", peer)
 
-    async def _wait_hello(self, writer: asyncio.StreamWriter, ticket: Any) -> None:
-        """The TLS ClientHello within :data:`PRE_TLS_S`, or :class:`AuthError`; then the
-        connection is no longer idle (see :mod:`exo_tui.net.gate`)."""
+    async def _wait_hello(self, writer: asyncio.StreamWriter, ticket: Ticket) -> None:
+        """The TLS ClientHello within :data:`PRE_TLS_S` (or :class:`AuthError`), then the gate's
+        word on it (:class:`~exo_tui.net.gate.Refused` for a stranger over its caps)."""
         protocol = getattr(writer, "_protocol", None)
         if not isinstance(protocol, TLSFirst):
-            ticket.hello = True
+            self.gate.hello(ticket, proved=False)
             return
         deadline_s = min(PRE_TLS_S, self.security.handshake_timeout_s)
         try:
@@ -211,7 +222,7 @@ class Server:
                 raise AuthError(f"no TLS ClientHello within {self.security.handshake_timeout_s} s") from None
         if protocol.not_tls:
             raise AuthError(protocol.not_tls)
-        ticket.hello = True
+        self.gate.hello(ticket, proved=self.cookies.proved(client_hello_server_name(protocol.first_record)))
 
     def close(self) -> None:
         """Stop listening and close every connection (idempotent)."""

@@ -36,18 +36,19 @@ def tune_socket(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
 
 
-async def start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext) -> None:
+async def start_tls(writer: asyncio.StreamWriter, ctx: ssl.SSLContext, server_hostname: str | None = None) -> None:
     """``writer.start_tls``, marking the stream protocol as TLS first: on CPython 3.11 an EOF that
     arrives right after the TLS handshake, before ``start_tls`` returns, otherwise makes asyncio
     warn "returning true from eof_received() has no effect when using ssl". A server's stream
-    (:class:`TLSFirst`) upgrades itself, with the bytes it held back."""
+    (:class:`TLSFirst`) upgrades itself, with the bytes it held back. ``server_hostname``: the
+    name a client's ClientHello carries (exo-tui's clients: a slot cookie, :mod:`exo_tui.net.slot`)."""
     protocol = getattr(writer, "_protocol", None)
     if protocol is not None and hasattr(protocol, "_over_ssl"):
         protocol._over_ssl = True
     if isinstance(protocol, TLSFirst):
         await protocol.upgrade(writer, ctx)
     else:
-        await writer.start_tls(ctx)
+        await writer.start_tls(ctx, server_hostname=server_hostname)
 
 
 def error_text(e: BaseException) -> str:
@@ -106,6 +107,7 @@ class TLSFirst(asyncio.StreamReaderProtocol):
         self._plain: asyncio.ReadTransport | None = None
         self.hello = asyncio.Event()  # set when a whole first TLS record arrived, or it never will
         self.not_tls = ""  # why the first bytes cannot be a TLS ClientHello
+        self.first_record = b""  # the first TLS record (the ClientHello) once ``hello`` is set
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._plain = cast(asyncio.ReadTransport, transport)  # a stream server's transport reads
@@ -125,6 +127,7 @@ class TLSFirst(asyncio.StreamReaderProtocol):
             self._refuse("TLS handshake failed: its first bytes are not TLS (plain TCP, or TLS is off on its side: "
                          "network.security.enable_tls)")
         elif len(held) >= 5 and len(held) >= 5 + int.from_bytes(held[3:5], "big"):
+            self.first_record = bytes(held[:5 + int.from_bytes(held[3:5], "big")])
             self.hello.set()
         elif len(held) > self.MAX_HELD:
             self._refuse(f"{len(held)} bytes before the TLS handshake (not a TLS client)")

@@ -274,37 +274,33 @@ async def _stalled_stranger(port: int, source: str) -> asyncio.StreamWriter:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="sources 127.0.0.2-3 need Linux's whole 127/8 on loopback")
-async def test_strangers_in_handshake_leave_the_reserved_slots_to_known_peers(coord: Security, node: Security, caplog):
-    """Strangers that stall inside TLS fill their share of the slots; a peer that authenticated
-    before still gets in (a reserved slot); a fresh server tells a refused client the real cause."""
+async def test_strangers_in_handshake_leave_the_reserved_slots_to_proved_peers(coord: Security, node: Security, tmp_path,
+                                                                              caplog):
+    """Strangers that stall inside TLS fill their share of the slots and their address's cap (the
+    coordinator's own address, 127.0.0.1, too); the coordinator, whose ClientHello proves the
+    cluster key, still gets in; a client without that proof is told the real cause."""
     caplog.set_level(logging.WARNING, logger=NET)
-    gate = HandshakeGate(total=3, reserved=1, per_address=2)
+    gate = HandshakeGate(total=4, reserved=2, per_address=1)
     async with running(node, gate=gate) as server:
-        async with await connect(HOST, server.port, security=coord) as conn:  # 127.0.0.1 is known now
-            assert (await conn.call("echo", {"n": 1})).body == {"n": 1}
-        strangers = [await _stalled_stranger(server.port, "127.0.0.2") for _ in range(2)]
+        strangers = [await _stalled_stranger(server.port, source) for source in ("127.0.0.1", "127.0.0.2")]
         try:
-            await until(lambda: len(gate) == 2 and all(t.hello for t in gate._tickets))
-            late = await _stalled_stranger(server.port, "127.0.0.3")  # no slot left for strangers
-            await until(lambda: server.refused >= 1)
-            late.transport.abort()
-            async with await connect(HOST, server.port, security=coord, timeout=3) as conn:
-                assert (await conn.call("echo", {"n": 2})).body == {"n": 2}
-        finally:
-            for w in strangers:
-                w.transport.abort()
-    assert any("handshakes are in progress from unknown addresses" in m for m in
-               [r.getMessage() for r in caplog.records])
-
-    async with running(node, gate=HandshakeGate(total=3, reserved=1, per_address=2)) as server:
-        strangers = [await _stalled_stranger(server.port, "127.0.0.2") for _ in range(2)]
-        try:
-            await until(lambda: len(server.gate) == 2 and all(t.hello for t in server.gate._tickets))
+            await until(lambda: len(gate) == 2 and all(t.hello and not t.proved for t in gate._tickets))
+            for refused, source in enumerate(("127.0.0.1", "127.0.0.3"), 1):  # its address's cap; the share
+                late = await _stalled_stranger(server.port, source)
+                await until(lambda n=refused: server.refused >= n)
+                late.transport.abort()
+            for n in range(3):  # the coordinator, from 127.0.0.1: proved, every time
+                async with await connect(HOST, server.port, security=coord, timeout=3) as conn:
+                    assert (await conn.call("echo", {"n": n})).body == {"n": n}
+            other = ensure_cluster(tmp_path / "other").security()  # its proof is of another key
             with pytest.raises(HandshakeError, match="busy refusing handshakes"):
-                await connect(HOST, server.port, security=coord, timeout=3)  # 127.0.0.1 is a stranger here
+                await connect(HOST, server.port, security=other, timeout=3)
         finally:
             for w in strangers:
                 w.transport.abort()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("1 handshakes from 127.0.0.1 are already in progress" in m for m in messages), messages
+    assert any("without a proof of the cluster key are in progress" in m for m in messages), messages
 
 
 async def test_large_frames_on_many_connections_share_the_receive_budget(coord, node, monkeypatch):

@@ -13,22 +13,25 @@ from exo_tui.net.gate import HandshakeGate, Refused
 from exo_tui.net.ratelog import RateLimitedLog
 
 
-def _admit(gate: HandshakeGate, address: str, dropped: list[str], *, hello: bool = False):
+def _admit(gate: HandshakeGate, address: str, dropped: list[str], *, hello: bool = False, proved: bool = False):
     t = gate.admit(address, lambda: dropped.append(address))
-    t.hello = hello
+    if hello:
+        gate.hello(t, proved)
     return t
 
 
-def test_strangers_fill_only_their_share_and_known_peers_get_the_reserved_slots() -> None:
+def test_strangers_fill_only_their_share_and_proved_peers_get_the_reserved_slots() -> None:
     gate = HandshakeGate(total=8, reserved=3, per_address=2)
-    gate.authenticated("10.0.0.1")
     dropped: list[str] = []
     for i in range(5):  # five busy strangers (past their ClientHello): the strangers' share is full
         _admit(gate, f"10.9.0.{i}", dropped, hello=True)
-    with pytest.raises(Refused, match="unknown addresses"):
-        _admit(gate, "10.9.0.99", dropped)
-    for _ in range(3):  # the coordinator still gets in, three times
-        _admit(gate, "10.0.0.1", dropped, hello=True)
+    assert gate.under_pressure
+    late = _admit(gate, "10.9.0.99", dropped)  # admitted idle, refused at its ClientHello
+    with pytest.raises(Refused, match="without a proof of the cluster key"):
+        gate.hello(late, False)
+    assert not gate.holds(late)
+    for _ in range(3):  # the coordinator (its ClientHello proves the key) still gets in, three times
+        _admit(gate, "10.9.0.1", dropped, hello=True, proved=True)
     with pytest.raises(Refused, match="none of them idle"):
         _admit(gate, "10.0.0.1", dropped)
     assert not dropped
@@ -37,30 +40,25 @@ def test_strangers_fill_only_their_share_and_known_peers_get_the_reserved_slots(
 def test_idle_connections_make_room_oldest_first() -> None:
     gate = HandshakeGate(total=4, reserved=1, per_address=10)
     dropped: list[str] = []
-    for i in range(3):
+    for i in range(4):
         _admit(gate, f"10.9.0.{i}", dropped)  # idle: no ClientHello yet
-    _admit(gate, "10.9.0.7", dropped)  # a fourth stranger: the oldest idle one goes
-    assert dropped == ["10.9.0.0"] and len(gate) == 3 and gate.dropped == 1
+    _admit(gate, "10.9.0.7", dropped)  # a fifth: the oldest idle one goes
+    assert dropped == ["10.9.0.0"] and len(gate) == 4 and gate.dropped == 1
 
 
-def test_one_stranger_address_holds_at_most_per_address() -> None:
+def test_one_address_loopback_too_holds_at_most_per_address_strangers() -> None:
     gate = HandshakeGate(total=100, reserved=10, per_address=2)
     dropped: list[str] = []
-    a = _admit(gate, "10.9.0.1", dropped, hello=True)
-    _admit(gate, "10.9.0.1", dropped, hello=True)
-    with pytest.raises(Refused, match="from 10.9.0.1"):
-        _admit(gate, "10.9.0.1", dropped)
+    a = _admit(gate, "127.0.0.1", dropped, hello=True)
+    _admit(gate, "127.0.0.1", dropped, hello=True)
+    third = _admit(gate, "127.0.0.1", dropped)
+    with pytest.raises(Refused, match="from 127.0.0.1"):
+        gate.hello(third, False)
+    _admit(gate, "127.0.0.1", dropped, hello=True, proved=True)  # a proved one is not capped
     gate.release(a)
     assert not gate.holds(a)
-    _admit(gate, "10.9.0.1", dropped)  # a slot freed
-    _admit(gate, "10.9.0.2", dropped)  # other addresses are not affected
-
-
-def test_addresses_remembered_are_bounded() -> None:
-    gate = HandshakeGate(total=4, reserved=1, remembered=2)
-    for a in ("a", "b", "c"):
-        gate.authenticated(a)
-    assert not gate.is_known("a") and gate.is_known("b") and gate.is_known("c")
+    _admit(gate, "127.0.0.1", dropped, hello=True)  # a slot freed
+    _admit(gate, "10.9.0.2", dropped, hello=True)  # other addresses are not affected
 
 
 async def test_the_receive_budget_queues_in_order_and_never_starves_a_big_frame() -> None:
