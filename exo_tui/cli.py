@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    known = set(parser._subparsers._group_actions[0].choices) if parser._subparsers else set()  # type: ignore[union-attr]
+    commands = parser._subparsers._group_actions[0].choices if parser._subparsers else None
+    known = set(commands or ())
     first = next((a for a in argv if not a.startswith("-")), None)
     if "tui" in known and first not in known and not {"-h", "--help", "--version"} & set(argv):
         argv = ["tui", *argv]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shlex
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,7 +44,14 @@ class SftpFiles:
         await self.sftp.chmod(remote, mode)  # whatever the umask did
 
     async def sizes(self, directory: str) -> dict[str, int]:
-        return {e.filename: int(e.attrs.size or 0) for e in await self.sftp.readdir(directory)}
+        return {os.fsdecode(e.filename): int(e.attrs.size or 0) for e in await self.sftp.readdir(directory)}
+
+
+def output_text(out: bytes | str | None) -> str:
+    """A command's output as text (bytes where the channel was opened without an encoding)."""
+    if isinstance(out, bytes):
+        return out.decode(errors="replace")
+    return out or ""
 
 
 class ChannelFiles:
@@ -57,9 +65,10 @@ class ChannelFiles:
     async def _sh(self, script: str, data: bytes | None = None) -> bytes:
         res = await self.conn.run("sh -c " + _q(script), input=data, encoding=None, check=False)
         if res.exit_status != 0:
-            err = (res.stderr or b"").decode(errors="replace").strip()
+            err = output_text(res.stderr).strip()
             raise OSError(f"remote command failed ({res.exit_status}): {script.splitlines()[0][:80]}: {err[-300:]}")
-        return res.stdout or b""
+        out = res.stdout or b""
+        return out if isinstance(out, bytes) else out.encode()
 
     async def makedirs(self, path: str) -> None:
         await self._sh(f"mkdir -p {_q(path)}")

@@ -31,7 +31,7 @@ from typing import Any
 import asyncssh
 
 import exo_tui
-from exo_tui.bootstrap.files import remote_files
+from exo_tui.bootstrap.files import output_text, remote_files
 from exo_tui.bootstrap.remote import (
     RemoteHost,
     _detect_script,
@@ -262,7 +262,7 @@ fi
 """
     res = await run(conn, script, timeout_s=300)
     if res.exit_status != 0:
-        err = _tail(f"{res.stdout}\n{res.stderr}")
+        err = _tail(f"{output_text(res.stdout)}\n{output_text(res.stderr)}")
         hint = "free disk space there" if "space" in err.lower() else "check the directory's owner and permissions"
         raise BootstrapError("venv", f"creating {host.venv} with {host.python} failed:\n{err}\n{hint}, then run again")
 
@@ -309,7 +309,7 @@ set -e
 """
     res = await run(conn, script, timeout_s=opts.pip_timeout_s)
     if res.exit_status != 0:
-        out = f"{res.stdout}\n{res.stderr}"
+        out = f"{output_text(res.stdout)}\n{output_text(res.stderr)}"
         raise BootstrapError("install", f"pip failed on {host.hostname}:\n{_tail(out)}\n{_pip_hint(out)}")
 
 

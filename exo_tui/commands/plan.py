@@ -6,7 +6,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 STRATEGY_CHOICES = ("latency", "throughput", "memory", "exo-ring")
 
@@ -111,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
             "fits_memory": pr.fits_memory,
         }
     base = comparison.get("exo-ring", {})
-    for c in comparison.values():
-        if "error" not in c and "error" not in base and base.get("tok_per_s_single"):
-            c["single_vs_exo_ring"] = c["tok_per_s_single"] / base["tok_per_s_single"]
-            c["saturated_vs_exo_ring"] = c["tok_per_s_saturated"] / base["tok_per_s_saturated"]
+    for row in comparison.values():
+        if "error" not in row and "error" not in base and base.get("tok_per_s_single"):
+            row["single_vs_exo_ring"] = row["tok_per_s_single"] / base["tok_per_s_single"]
+            row["saturated_vs_exo_ring"] = row["tok_per_s_saturated"] / base["tok_per_s_saturated"]
 
     if args.json:
         print(json.dumps({
@@ -139,9 +142,10 @@ def _print(cluster: str, spec: Any, plan: Any, profiles: list[Any], scores: dict
     pr = plan.predictions
     names = {p.node_id: p.label for p in profiles}
     t = Table(title=f"{cluster}: {spec.name}, {spec.n_layers} layers, strategy {strategy} (plan v{plan.version})")
-    for col, j in (("#", "right"), ("node", "left"), ("device", "left"), ("layers", "left"), ("n", "right"),
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("#", "right"), ("node", "left"), ("device", "left"), ("layers", "left"), ("n", "right"),
                    ("memory / free", "right"), ("compute", "right"), ("hop", "right"), ("stage", "right"),
-                   ("score", "right")):
+                   ("score", "right"))
+    for col, j in columns:
         t.add_column(col, justify=j)
     for i, s in enumerate(plan.shards):
         n = pr.node(s.node_id)

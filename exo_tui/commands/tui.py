@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from exo_tui.api.client import ClusterClient
+    from exo_tui.cluster.coordinator import Coordinator
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = with_context(config, args)
 
+    control: ClusterClient | Coordinator
     if args.attach:
         from exo_tui.api.client import ClusterClient
 

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import Any
 
 from exo_tui.discovery.service import MODES, Discovery
 from exo_tui.events import EventBus
@@ -19,7 +20,7 @@ from exo_tui.events import EventBus
 async def _main(args: argparse.Namespace) -> int:
     bus = EventBus()
     sub = bus.subscribe()
-    kw = {"interfaces": args.interface or None, "cli_peers": args.peer or ()}
+    kw: dict[str, Any] = {"interfaces": args.interface or None, "cli_peers": args.peer or ()}
     if args.mode:
         kw["mode"] = args.mode
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -80,6 +81,10 @@ class LocalPipeline:
     async def _call(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
+    def _each(self, fn: Callable[[Shard], object]) -> None:
+        for shard in self.shards:
+            fn(shard)
+
     async def load(self, model: GGUFModel, stages: list[Stage]) -> None:
         self.shards = await self._call(load_shards, model, stages)
         self.names = tuple(f"{s.backend}[{s.start}:{s.end})" for s in stages)
@@ -104,18 +109,18 @@ class LocalPipeline:
         logits = logits[-(len(draft) + 1):]
         verdict = verify(sampler, logits, tokens if sampler.params.uses_history else Length(len(tokens)), draft)
         kept = len(tokens) + verdict.accepted  # the request's tokens and the accepted drafts
-        await self._call(lambda: [shard.truncate_kv(request.id, kept) for shard in self.shards])
+        await self._call(self._each, lambda shard: shard.truncate_kv(request.id, kept))
         if request.top_logprobs is None:
             return verdict, None
         return verdict, [token_logprobs(logits[i], t, request.top_logprobs) for i, t in enumerate(verdict.tokens)]
 
     async def release(self, request: Request) -> None:
         self._samplers.pop(request.id, None)
-        await self._call(lambda: [shard.drop(request.id) for shard in self.shards])
+        await self._call(self._each, lambda shard: shard.drop(request.id))
 
     def served_by(self) -> tuple[str, ...]:
         return self.names
 
     async def close(self) -> None:
-        await self._call(lambda: [shard.close() for shard in self.shards])
+        await self._call(self._each, lambda shard: shard.close())
         self._worker.shutdown(wait=True)

@@ -156,11 +156,11 @@ class ChatTemplate:
         contents = {mark: original[i]["content"] for mark, i in marks.items()}
         for trim in (False, True):  # templates often trim a message's text
             out, spans, at = [], [], 0
-            for piece, mark in _split_marks(skeleton, marks):
+            for piece, found in _split_marks(skeleton, marks):
                 out.append(piece)
                 at += len(piece)
-                if mark is not None:
-                    content = contents[mark].strip() if trim else contents[mark]
+                if found is not None:
+                    content = contents[found].strip() if trim else contents[found]
                     out.append(content)
                     spans.append((at, at + len(content)))
                     at += len(content)

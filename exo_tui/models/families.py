@@ -286,7 +286,7 @@ def split_rows(w: Weight, sizes: list[int]) -> list[Weight]:
     edges = np.cumsum([0, *sizes])
     if edges[-1] != w.shape[0]:
         raise FamilyError(f"a fused matrix of {w.shape[0]} rows cannot split into {sizes}")
-    parts = []
+    parts: list[np.ndarray | QuantizedWeight] = []
     for a, b in zip(edges[:-1], edges[1:], strict=True):
         if isinstance(w, QuantizedWeight):
             parts.append(w.take_rows(slice(a, b)))

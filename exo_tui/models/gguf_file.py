@@ -392,7 +392,8 @@ def assemble_layer(config: ModelConfig, i: int, get: Callable[[str], Weight]) ->
     if family is None:
         raise ModelFileError(f"a shard of architecture {config.arch!r}: exo-tui runs {', '.join(SUPPORTED_ARCHITECTURES)}")
     c = config
-    ws = {f: get(f"blk.{i}.{n}") for f, n in family.layer_tensors(bool(c.n_experts)).items()}
+    # tensors, then the lists and vectors they become: LayerWeights' fields, by name
+    ws: dict[str, Any] = {f: get(f"blk.{i}.{n}") for f, n in family.layer_tensors(bool(c.n_experts)).items()}
     try:
         for f in ("experts_gate", "experts_up", "experts_down"):
             if f in ws:  # a stack of the experts' matrices, one after the other

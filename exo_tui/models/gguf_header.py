@@ -81,7 +81,7 @@ class GGUFHeader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._map = np.memmap(self.path, mode="r")
-        self._buf = memoryview(self._map)
+        self._buf = self._map.data
         self._pos = 0
         self.fields: dict[str, Any] = {}
         self.tensors: dict[str, TensorEntry] = {}

@@ -199,7 +199,7 @@ class Tokenizer:
         *,
         kind: str,
         tokens: Sequence[str],
-        token_types: Sequence[int],
+        token_types: Sequence[int] | np.ndarray,
         hf_builder: Callable[[], Any],
         bos_id: int | None,
         eos_id: int | None,
@@ -244,9 +244,9 @@ class Tokenizer:
         eos = {eos_id} if eos_id is not None else set()
         eos.update(extra_eos_ids)
         for text in END_OF_TURN_TEXTS:
-            i = self._ids.get(text)
-            if i is not None and self._types[i] in (CONTROL, USER_DEFINED):
-                eos.add(i)
+            end = self._ids.get(text)
+            if end is not None and self._types[end] in (CONTROL, USER_DEFINED):
+                eos.add(end)
         self.eos_ids: frozenset[int] = frozenset(eos)
 
     # ------------------------------------------------------------------ construction
@@ -550,7 +550,7 @@ def _sentencepiece_builder(
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)
         hf = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-        steps = [normalizers.Prepend("▁")] if add_prefix else []
+        steps: list[normalizers.Normalizer] = [normalizers.Prepend("▁")] if add_prefix else []
         steps.append(normalizers.Replace(" ", "▁"))
         hf.normalizer = normalizers.Sequence(steps)
         _add_matched_tokens(hf, tokens, types)
