@@ -417,7 +417,9 @@ async def _handshake(
     conn: asyncssh.SSHClientConnection, host: RemoteHost, result: BootstrapResult, opts: BootstrapOptions
 ) -> str:
     from exo_tui.net.client import connect as net_connect
+    from exo_tui.net.codec import call
     from exo_tui.net.errors import AuthError, ConnectError, HandshakeError, ProtocolMismatch
+    from exo_tui.net.messages import Profile, ProfileAsk
     from exo_tui.net.security import ensure_cluster
 
     security = ensure_cluster(opts.home).security()
@@ -449,8 +451,7 @@ async def _handshake(
             await asyncio.sleep(0.5)
             continue
         try:
-            reply = await node.call("profile", timeout=opts.connect_timeout_s)
-            profile = reply.body.get("profile", {}) if reply.body else {}
+            profile = (await call(node, ProfileAsk(), Profile, timeout=opts.connect_timeout_s)).profile
             return str(profile.get("node_id", ""))
         finally:
             await node.aclose()

@@ -178,11 +178,11 @@ class OperatorActions(CoordinatorParts):
             self.plan, self.ring = None, None
             self.pins.clear()
             for h in self.nodes.values():
-                if (conn := h.live_conn) is not None:
+                if h.live_conn is not None:
                     for start, end in list(h.held):
                         with contextlib.suppress(Exception):  # a node that cannot unload frees it when its plan goes
                             # its memory as it is now, for the plan made next (its last heartbeat's counts the shard)
-                            h.note_kv((await conn.call("unload", {"start": start, "end": end}, timeout=30)).body)
+                            await h.unload(start, end)
                 h.held.clear()
                 h.shards = []
         await self.replan(f"model {model.name}")

@@ -21,9 +21,21 @@ from exo_tui.cluster.view import Action, Command, HostView
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.net.client import connect
+from exo_tui.net.codec import Message, call
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import ConnectError, HandshakeError, RemoteError
 from exo_tui.net.frame import Frame
+from exo_tui.net.messages import (
+    Attach,
+    Attached,
+    Heartbeat,
+    Link,
+    LinkProbe,
+    StepFailed,
+    Token,
+    Unload,
+    Unloaded,
+)
 from exo_tui.node.profile import NodeProfile
 from exo_tui.scheduler.diff import should_rebalance
 
@@ -33,6 +45,10 @@ MONITOR_INTERVAL_S = 0.25
 STALL_S = 0.5  # a monitor tick this late means this process's loop was held: see _monitor_loop
 RECONNECT_INTERVAL_S = 2.0
 LINK_PROBE_INTERVAL_S = 10.0
+
+
+# What a node sends its coordinator unasked, by frame type.
+_NODE_FRAMES: dict[str, type[Message]] = {Token.TYPE: Token, Heartbeat.TYPE: Heartbeat, StepFailed.TYPE: StepFailed}
 
 
 class Membership(CoordinatorParts):
@@ -108,24 +124,23 @@ class Membership(CoordinatorParts):
         conn = await connect(host, port, security=self.security, timeout=timeout, handler=self._on_frame,
                              inline_types=("token", "step_failed", "heartbeat"))
         # The term fences: the node refuses the commands of an older term's coordinator from then on.
-        reply = await conn.call("attach", {"term": self.term} if self.term else None, timeout=10)
-        profile = NodeProfile.from_dict(reply.body["profile"])
+        state = await call(conn, Attach(self.term or None), Attached, timeout=10)
+        profile = NodeProfile.from_dict(state.profile)
         existing = self.nodes.get(profile.node_id)
         if existing is not None and (old := existing.live_conn) is not None and old is not conn:
             await old.aclose()
         handle = NodeHandle(profile.node_id, profile.name, host, port, profile, conn)
-        handle.note_kv(reply.body)
+        handle.note_kv(state.kv)
         # Only shards of this coordinator's model count as held: a node may still hold another
         # model's, of the same layer ranges (left by an earlier coordinator, or a switch that did
         # not finish), which are unloaded.
-        shards = list(reply.body.get("shards", []))
-        handle.shards = [s for s in shards if s.get("model", "") == self._model_key]
-        handle.held = {(s["start"], s["end"]) for s in handle.shards}
+        handle.shards = [s.to_body() for s in state.shards if s.model == self._model_key]
+        handle.held = {(s.start, s.end) for s in state.shards if s.model == self._model_key}
         self.room_notes.attached(handle.node_id, self._model_key, bool(handle.shards))
-        for s in shards:
-            if s.get("model", "") != self._model_key:
+        for s in state.shards:
+            if s.model != self._model_key:
                 with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):  # it goes with the node's next load
-                    await conn.call("unload", {"start": s["start"], "end": s["end"], "model": s.get("model", "")}, timeout=30)
+                    await call(conn, Unload(s.start, s.end, s.model), Unloaded, timeout=30)
         handle.drained = profile.node_id in self.drained
         handle.state = "drained" if handle.drained and not handle.held else "ready"
         if existing is not None:
@@ -210,35 +225,34 @@ class Membership(CoordinatorParts):
 
     async def _on_frame(self, conn: Connection, frame: Frame) -> Frame | None:
         node_id = conn.data.get("node_id", "")
-        b = frame.body
         handle = self.nodes.get(node_id)
         if handle is not None and handle.conn is conn:
             handle.last_heartbeat_s = time.monotonic()  # any frame is a sign of life
-        if frame.type == "token":
+        kind = _NODE_FRAMES.get(frame.type)
+        if kind is None:
+            raise RemoteError(f"the coordinator does not take {frame.type!r} frames")
+        msg = kind.decode(frame.body)  # the one place a node's frame is read: BadBody names what does not fit
+        if isinstance(msg, Token):
             try:
-                logprobs = None if b.get("logprobs") is None else TokenLogprobs.from_wire(b["logprobs"])
+                logprobs = None if msg.logprobs is None else TokenLogprobs.from_wire(msg.logprobs)
                 scores = None
-                if b.get("scored"):
+                if msg.scored:
                     if frame.tensor is None:
                         raise ValueError("a scored token frame came without its scores")
                     scores = scores_from_array(frame.tensor)
             except ValueError as exc:  # the step fails (and is retried); the connection stays
-                self.pipeline.on_step_failed(b["rid"], b.get("step"), frame.plan, f"node {node_id}: {exc}", node_id)
+                self.pipeline.on_step_failed(msg.rid, msg.step, frame.plan, f"node {node_id}: {exc}", node_id)
                 return None
-            self.pipeline.on_token(b["rid"], int(b["step"]), int(frame.plan or 0), int(b["token"]), logprobs, scores,
-                                   b.get("timing"))
-        elif frame.type == "heartbeat":
+            self.pipeline.on_token(msg.rid, msg.step, int(frame.plan or 0), msg.token, logprobs, scores, msg.timing)
+        elif isinstance(msg, Heartbeat):
             if handle is not None and handle.conn is conn:
-                handle.record_heartbeat(b.get("metrics", {}))
+                handle.record_heartbeat(msg.metrics)
                 self.admission.poke()  # its KV budget may have changed
                 self.events.publish(ev.NodeMetrics(node_id=node_id, metrics={k: v for k, v in handle.metrics.items() if k != "requests"}))
                 self._touch()
-        elif frame.type == "step_failed":
-            suspect = b.get("failed_node") or None
-            self.pipeline.on_step_failed(b.get("rid", ""), b.get("step"), frame.plan, str(b.get("error", "")), suspect,
-                                         kv_budget=b.get("kv_budget") is True)
-        else:
-            raise RemoteError(f"the coordinator does not take {frame.type!r} frames")
+        elif isinstance(msg, StepFailed):
+            self.pipeline.on_step_failed(msg.rid, msg.step, frame.plan, msg.error, msg.failed_node or None,
+                                         kv_budget=msg.kv_budget)
         return None
 
     # ================================================================== monitoring
@@ -338,13 +352,13 @@ class Membership(CoordinatorParts):
             try:
                 if (conn := a.live_conn) is None:
                     raise ConnectionError(f"{a.name} is not connected")
-                reply = await conn.call("link_probe", {"host": b.host, "port": b.port, "pings": 3}, timeout=10)
+                link = await call(conn, LinkProbe(b.host, b.port, pings=3), Link, timeout=10)
             except (RemoteError, ConnectionError, TimeoutError):
                 self.metrics.link_probed(a.node_id, b.node_id, None)
                 return
-            self.metrics.link_probed(a.node_id, b.node_id, reply.body.get("rtt_s"))
-            a.links[b.node_id] = float(reply.body["latency_s"])
-            if "bandwidth_bytes_per_s" in reply.body:
-                a.link_bandwidth[b.node_id] = float(reply.body["bandwidth_bytes_per_s"])
+            self.metrics.link_probed(a.node_id, b.node_id, link.rtt_s)
+            a.links[b.node_id] = link.latency_s
+            if link.bandwidth_bytes_per_s is not None:
+                a.link_bandwidth[b.node_id] = link.bandwidth_bytes_per_s
 
         await asyncio.gather(*(probe(a, b) for a in live for b in live if a is not b))

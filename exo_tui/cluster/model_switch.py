@@ -22,7 +22,6 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from exo_tui import events as ev
 from exo_tui.cluster.model_choices import change_for
@@ -31,7 +30,9 @@ from exo_tui.cluster.weights import WeightTransferError
 from exo_tui.inference.generate import GenerationError
 from exo_tui.models.model import Model
 from exo_tui.models.spec import spec_from_gguf
+from exo_tui.net.codec import call
 from exo_tui.net.errors import RemoteError
+from exo_tui.net.messages import Loaded, PlanOp, Plans
 from exo_tui.net.protocol import PlanEntry
 from exo_tui.scheduler.plan import Plan
 from exo_tui.scheduler.spec import ModelSpec
@@ -66,7 +67,7 @@ async def switch(c: CoordinatorParts, model: Model, name: str) -> None:
                               f"{serving} serves on")
     plan = change.new_plan
     ring = c._ring_for(plan, key)
-    loaded: list[tuple[PlanEntry, dict[str, Any]]] = []
+    loaded: list[tuple[PlanEntry, Loaded]] = []
     try:
         limit = max(1, c.config.scheduler.load_balancing.max_task_migration)
         for i in range(0, len(ring.ring), limit):
@@ -87,7 +88,7 @@ async def switch(c: CoordinatorParts, model: Model, name: str) -> None:
 
 
 async def _swap(c: CoordinatorParts, model: Model, name: str, spec: ModelSpec, key: str, plan: Plan,
-                loaded: list[tuple[PlanEntry, dict[str, Any]]]) -> None:
+                loaded: list[tuple[PlanEntry, Loaded]]) -> None:
     from exo_tui.cluster.switching import _moves, _shard_record
 
     async with c._plan_lock:
@@ -95,8 +96,7 @@ async def _swap(c: CoordinatorParts, model: Model, name: str, spec: ModelSpec, k
         plan = plan.with_version(c._version)
         ring = c._ring_for(plan, key)
         try:
-            await asyncio.gather(*(c.connection(e.node_id).call("plan", {"plan": ring.to_dict()}, timeout=30)
-                                   for e in ring.ring))
+            await asyncio.gather(*(call(c.connection(e.node_id), PlanOp(ring), Plans, timeout=30) for e in ring.ring))
         except LOAD_ERRORS as exc:  # a node went away meanwhile: the current model serves on
             await _unload(c, [(e.node_id, e.start, e.end) for e, _ in loaded], key)
             serving = c.model.name if c.model is not None else "the current model"
@@ -132,8 +132,8 @@ async def _unload(c: CoordinatorParts, shards: list[tuple[str, int, int]], key: 
     """Unload those (node, start, end) shards of the model tagged ``key``, where the node is up."""
     async def one(node_id: str, start: int, end: int) -> None:
         h = c.nodes.get(node_id)
-        if h is not None and (conn := h.live_conn) is not None:
+        if h is not None and h.live_conn is not None:
             with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
-                h.note_kv((await conn.call("unload", {"start": start, "end": end, "model": key}, timeout=30)).body)
+                await h.unload(start, end, key)
 
     await asyncio.gather(*(one(*s) for s in shards))

@@ -7,7 +7,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from exo_tui.net.codec import call
 from exo_tui.net.connection import Connection
+from exo_tui.net.messages import Unload, Unloaded
 from exo_tui.node.profile import NodeProfile
 
 
@@ -67,11 +69,17 @@ class NodeHandle:
             if value is not None:
                 self.history.setdefault(key, deque(maxlen=HISTORY_LEN)).append(float(value))
 
-    def note_kv(self, body: dict[str, Any]) -> None:
+    def note_kv(self, kv: dict[str, Any]) -> None:
         """The KV budget a load or unload reply carries (measured after it): admission uses it at
         once, where the last heartbeat may have been taken mid-load, with no budget left."""
-        if isinstance(body.get("kv"), dict):
-            self.metrics["kv"] = body["kv"]
+        self.metrics["kv"] = kv
+
+    async def unload(self, start: int, end: int, model: str | None = None) -> None:
+        """Unload the node's shard of layers ``[start, end)`` (of the model tagged ``model``;
+        None: whichever it holds), noting the KV budget it measures after."""
+        if (conn := self.live_conn) is None:
+            raise ConnectionError(f"{self.name} is not connected")
+        self.note_kv((await call(conn, Unload(start, end, model), Unloaded, timeout=30)).kv)
 
     @property
     def tok_per_s(self) -> float:

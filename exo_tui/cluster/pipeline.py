@@ -38,8 +38,10 @@ from exo_tui.cluster.metrics import StepSample
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.net.codec import call, send
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import ConnectionClosed, RemoteError
+from exo_tui.net.messages import Done, Drop, Forward, ScoreAsk
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.timing import HopTiming, timings_from_wire
 
@@ -370,24 +372,20 @@ class RemotePipeline:
         self._pending[key] = fut
         self._active_plans[request.id] = plan
         self._served[request.id] = tuple(e.node_id for e in plan.ring)
-        body = {
-            "rid": request.id,
-            "hop": 0,
-            "pos": pos,
-            "step": step,
-            "n_tokens": request.n_tokens if end is None else end,
-            "sampling": request.sampling.to_dict(),
-        }
-        if end is not None:
-            body["fill"] = True
-        if request.sampling.uses_history and end is None:
-            body["history"] = request.tokens
-        if adopt is not None:
-            body["adopt"] = adopt
-        if request.top_logprobs is not None:
-            body["logprobs"] = request.top_logprobs
-        if pos == 0 and request.wants_prompt_scores:
-            body["score"] = {"top": request.prompt_logprobs, "targets": request.prompt_ids[1:]}
+        body = Forward(
+            rid=request.id,
+            hop=0,
+            pos=pos,
+            step=step,
+            n_tokens=request.n_tokens if end is None else end,
+            sampling=request.sampling.to_dict(),
+            fill=end is not None,
+            history=request.tokens if request.sampling.uses_history and end is None else None,
+            adopt=adopt,
+            logprobs=request.top_logprobs,
+            score=ScoreAsk(request.prompt_logprobs, request.prompt_ids[1:])
+            if pos == 0 and request.wants_prompt_scores and request.prompt_logprobs is not None else None,
+        )
         sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos, end or request.n_tokens)
         first = plan.ring[0].node_id
         try:
@@ -400,7 +398,7 @@ class RemotePipeline:
             sent.times = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 and end is None else None)
             tokens = request.tokens_from(pos) if end is None else request.tokens[pos:end]
             try:
-                await conn.send("forward", body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
+                await send(conn, body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
             except (ConnectionError, OSError) as exc:
                 raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
         except BaseException:  # not sent (or cancelled while sending): nothing to wait for
@@ -449,7 +447,7 @@ class RemotePipeline:
     async def _drop_on(self, plan: RingPlan, rid: str, *, final: bool = False) -> None:
         async def drop(node_id: str) -> None:
             with contextlib.suppress(Exception):  # a node gone or failing drops its caches as it goes
-                await self.host.connection(node_id).call("drop", {"rid": rid, "final": final}, timeout=5)
+                await call(self.host.connection(node_id), Drop(rid, final), Done, timeout=5)
 
         await asyncio.gather(*(drop(e.node_id) for e in plan.ring))
 

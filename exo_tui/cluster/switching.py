@@ -31,8 +31,10 @@ from exo_tui.cluster.weights import load_from_path, stream_shard
 from exo_tui.config import GB
 from exo_tui.inference.generate import GenerationError
 from exo_tui.net.address import is_loopback
+from exo_tui.net.codec import call, call_frame
 from exo_tui.net.errors import RemoteError
-from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_fields, kv_from_array, kv_to_array
+from exo_tui.net.messages import KV, Done, KVExport, KVImport, Loaded, Ping, PlanOp, Plans, Pong
+from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_from_array, kv_shape, kv_to_array
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import NodeProfile
 from exo_tui.scheduler.context import InfeasiblePlan
@@ -266,7 +268,7 @@ class PlanSwitching(CoordinatorParts):
             await self._load_entries([e for e in missing if e.node_id not in short], short)
             swapped = [e for e in missing if e.node_id in short]
             conns = [self.connection(e.node_id) for e in ring.ring]
-            await asyncio.gather(*(conn.call("plan", {"plan": ring.to_dict()}, timeout=30) for conn in conns))
+            await asyncio.gather(*(call(conn, PlanOp(ring), Plans, timeout=30) for conn in conns))
             # 2. switch at a token boundary: no new step starts; wait for the ones running
             self._plan_ready.clear()
             try:
@@ -385,7 +387,7 @@ class PlanSwitching(CoordinatorParts):
         h.shards = [s for s in h.shards if (s["start"], s["end"]) != (entry.start, entry.end)]
         h.shards.append(_shard_record(entry, body, self._model_key))
 
-    async def _load_shard(self, entry: PlanEntry, model: Model, key: str) -> dict[str, Any]:
+    async def _load_shard(self, entry: PlanEntry, model: Model, key: str) -> Loaded:
         """Load ``entry``'s layers of ``model`` on its node, under the tag ``key`` (from the file
         where the node can read it, else streamed), with the node's state and progress published."""
         h = self.nodes[entry.node_id]
@@ -398,7 +400,7 @@ class PlanSwitching(CoordinatorParts):
             if self._use_path(h):
                 body = await load_from_path(conn, str(model.path), entry.start, entry.end, entry.backend, key, context)
                 self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end,
-                                                     done_bytes=int(body.get("nbytes", 0)), total_bytes=int(body.get("nbytes", 0))))
+                                                     done_bytes=body.nbytes, total_bytes=body.nbytes))
             else:
                 def progress(done: int, total: int) -> None:
                     self.events.publish(ev.ShardProgress(node_id=h.node_id, start=entry.start, end=entry.end, done_bytes=done, total_bytes=total))
@@ -408,7 +410,7 @@ class PlanSwitching(CoordinatorParts):
         finally:
             if h.state == "loading":
                 h.state = prior if prior != "loading" else "ready"
-        h.note_kv(body)
+        h.note_kv(body.kv)
         return body
 
     def _use_path(self, h: NodeHandle) -> bool:
@@ -428,7 +430,7 @@ class PlanSwitching(CoordinatorParts):
     async def _unload(self, h: NodeHandle, start: int, end: int) -> None:
         with contextlib.suppress(RemoteError, ConnectionError, TimeoutError):
             assert h.conn is not None
-            h.note_kv((await h.conn.call("unload", {"start": start, "end": end, "model": self._model_key}, timeout=30)).body)
+            await h.unload(start, end, self._model_key)
         h.held.discard((start, end))
         h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
 
@@ -482,18 +484,16 @@ class PlanSwitching(CoordinatorParts):
                 a, b = max(o.start, e.start), min(o.end, e.end)
                 if a >= b:
                     continue
-                reply = await self.connection(o.node_id).call(
-                    "kv_export", {"rid": rid, "start": a, "end": b, "model": old.model}, timeout=30)
-                parts.append(kv_from_array(a, b, np.asarray(reply.tensor), reply.body))
+                kv, frame = await call_frame(self.connection(o.node_id), KVExport(rid, a, b, old.model), KV, timeout=30)
+                parts.append(kv_from_array(a, b, np.asarray(frame.tensor), kv.length, kv.held))
             moved.append((e, _concat_kv(parts)))
         return moved
 
     async def _import_kv(self, rid: str, new: RingPlan, moved: list[tuple[PlanEntry, KVCache]]) -> None:
         for e, cache in moved:
-            await self.connection(e.node_id).call(
-                "kv_import", {"rid": rid, "start": e.start, "end": e.end, "model": new.model, **kv_fields(cache)},
-                tensor=kv_to_array(cache), timeout=30
-            )
+            length, held = kv_shape(cache)
+            await call(self.connection(e.node_id), KVImport(rid, e.start, e.end, length, held, new.model), Done,
+                       tensor=kv_to_array(cache), timeout=30)
 
     # ================================================================== PipelineHost
 
@@ -563,7 +563,7 @@ class PlanSwitching(CoordinatorParts):
             if conn is None:
                 return e.node_id
             try:
-                await conn.call("ping", {"t": time.time()}, timeout=1.0)
+                await call(conn, Ping(time.time()), Pong, timeout=1.0)
             except (RemoteError, ConnectionError, TimeoutError):
                 return e.node_id
         return None
@@ -576,10 +576,10 @@ def _concat_kv(parts: list[KVCache]) -> KVCache:
     return KVCache(parts[0].start, parts[-1].end, parts[0].length, keys, values)
 
 
-def _shard_record(entry: PlanEntry, body: dict[str, Any], key: str) -> dict[str, Any]:
+def _shard_record(entry: PlanEntry, loaded: Loaded, key: str) -> dict[str, Any]:
     """What the coordinator keeps of a shard a node loaded (as the node's describe() says it)."""
-    return {"start": entry.start, "end": entry.end, "backend": body.get("backend"), "nbytes": int(body.get("nbytes", 0)),
-            "held_bytes": held_bytes(body), "model": key}
+    return {"start": entry.start, "end": entry.end, "backend": loaded.backend, "nbytes": loaded.nbytes,
+            "held_bytes": loaded.held_bytes or loaded.nbytes, "model": key}
 
 
 def _moves(old: Plan | None, new: Plan, spec: ModelSpec) -> list[LayerMove]:

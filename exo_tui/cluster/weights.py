@@ -10,13 +10,23 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 
 from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.net.codec import call
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
+from exo_tui.net.messages import (
+    ChunkReceived,
+    Done,
+    Load,
+    LoadBegin,
+    LoadChunk,
+    LoadCommit,
+    Loaded,
+    TensorSpec,
+)
 from exo_tui.net.protocol import ChunkChecksumError
 
 CHUNK_BYTES = 4 << 20
@@ -31,13 +41,11 @@ class WeightTransferError(RuntimeError):
 
 
 async def load_from_path(conn: Connection, path: str, start: int, end: int, backend: str | None, model: str = "",
-                         context: int = 0) -> dict[str, Any]:
+                         context: int = 0) -> Loaded:
     """``model``: the tag the node keeps the shard under (a node may hold two models' shards);
     ``context``: the context the model is served at, where less than its own
     (:meth:`~backends.base.ModelConfig.at_context`)."""
-    reply = await conn.call("load", {"path": path, "start": start, "end": end, "backend": backend, "model": model,
-                                     "context": context}, timeout=LOAD_TIMEOUT_S)
-    return reply.body
+    return await call(conn, Load(path, start, end, backend, model, context), Loaded, timeout=LOAD_TIMEOUT_S)
 
 
 async def stream_shard(
@@ -51,7 +59,7 @@ async def stream_shard(
     corrupt: Callable[[int, bytes], bytes] | None = None,
     tag: str = "",
     context: int = 0,
-) -> dict[str, Any]:
+) -> Loaded:
     """Stream layers ``[start, end)`` of ``model`` to the node on ``conn`` and load them there.
 
     ``corrupt`` (tests only) may alter a chunk's bytes in transit, given its index. ``tag``: the
@@ -62,19 +70,9 @@ async def stream_shard(
     infos = [model.tensor_info(n) for n in names]
     total = sum(i.nbytes for i in infos)
     transfer_id = f"t-{os.urandom(6).hex()}"
-    await conn.call(
-        "load_begin",
-        {
-            "transfer_id": transfer_id,
-            "config": model.config.at_context(context).to_wire(),
-            "start": start,
-            "end": end,
-            "backend": backend,
-            "model": tag,
-            "tensors": [{"name": i.name, "type": i.type_name, "shape": list(i.shape), "nbytes": i.nbytes} for i in infos],
-        },
-        timeout=30,
-    )
+    tensors = [TensorSpec(i.name, i.type_name, list(i.shape), i.nbytes) for i in infos]
+    begin = LoadBegin(transfer_id, model.config.at_context(context).to_wire(), start, end, tensors, backend, tag)
+    await call(conn, begin, Done, timeout=30)
     sent = 0
     index = 0
     for chunk in _chunks(model, names):
@@ -82,7 +80,7 @@ async def stream_shard(
         for attempt in range(CHUNK_RETRIES + 1):
             data = corrupt(index, chunk) if corrupt is not None else chunk
             try:
-                await conn.call("load_chunk", {"transfer_id": transfer_id, "offset": sent, "sha256": sha}, payload=data, timeout=60)
+                await call(conn, LoadChunk(transfer_id, sent, sha), ChunkReceived, payload=data, timeout=60)
                 break
             except RemoteError as exc:
                 if exc.code != ChunkChecksumError.code or attempt == CHUNK_RETRIES:
@@ -94,8 +92,7 @@ async def stream_shard(
         index += 1
         if progress is not None:
             progress(sent, total)
-    reply = await conn.call("load_commit", {"transfer_id": transfer_id}, timeout=LOAD_TIMEOUT_S)
-    return reply.body
+    return await call(conn, LoadCommit(transfer_id), Loaded, timeout=LOAD_TIMEOUT_S)
 
 
 def _chunks(model: GGUFModel, names: list[str]) -> Iterator[bytes]:

@@ -89,7 +89,9 @@ def net_probe(security: Any, cluster: str = "") -> PeerProbe:
 
     async def probe(peer: Peer, timeout_s: float) -> NodeAdvertisement | None:
         from exo_tui.net.client import connect
+        from exo_tui.net.codec import call
         from exo_tui.net.errors import ConnectError, HandshakeError
+        from exo_tui.net.messages import Profile, ProfileAsk
 
         try:
             conn = await connect(peer.host, peer.port, security=security, timeout=timeout_s)
@@ -99,8 +101,7 @@ def net_probe(security: Any, cluster: str = "") -> PeerProbe:
         except (ConnectError, OSError):
             return None
         try:
-            reply = await conn.call("profile", timeout=timeout_s)
-            prof = (reply.body or {}).get("profile", {})
+            prof = (await call(conn, ProfileAsk(), Profile, timeout=timeout_s)).profile
         except Exception:  # a peer that does not answer a profile is not a node of ours (yet): not listed
             return None
         finally:

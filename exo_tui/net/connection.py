@@ -33,7 +33,9 @@ A handler's returned frame is sent back as the response of a call (its ``id`` an
 flag are set for you); ``None`` answers an empty ``ok`` frame. An exception answers an ``error``
 frame (a :class:`RemoteError` with its message and code; anything else with code
 ``handler_error``, logged with its traceback), and the connection stays open. The result of a
-one-way handler is ignored and its exceptions are logged (report failures with a frame of your own).
+one-way handler is ignored and its exceptions are logged (report failures with a frame of your own),
+but for :class:`~exo_tui.net.errors.BadBody` (a body that does not fit its message), answered with
+one ``error`` frame as a call's would be.
 
 A broken frame (see :mod:`exo_tui.net.frame`) closes only its connection, after an ``error`` frame
 with code ``bad_frame``; the server keeps serving the others. Everything is logged on the
@@ -61,7 +63,7 @@ from exo_tui.net.ratelog import RateLimitedLog
 if sys.platform != "win32":  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
     import fcntl
     import termios
-from exo_tui.net.errors import ConnectionClosed, RemoteError, UnknownFrameType
+from exo_tui.net.errors import BadBody, ConnectionClosed, RemoteError, UnknownFrameType
 from exo_tui.net.frame import (
     DEFAULT_LIMITS,
     PREFIX_SIZE,
@@ -163,6 +165,8 @@ class Connection:
         self._callback_tasks: set[asyncio.Future[Any]] = set()
         self._closing = False
         self._peer_error: RemoteError | None = None
+        self.refusals = 0  # one-way frames of ours the peer refused as malformed (BadBody)
+        self.last_refusal: RemoteError | None = None  # and why, the last time
         self._read_task: asyncio.Task[None] | None = None
         self._frame_since: float | None = None
         self._frame_timed_out = False
@@ -434,8 +438,14 @@ class Connection:
             else:
                 fut.set_result(frame)
             return
-        if frame.type == "error":  # the peer says why it is about to close
-            self._peer_error = _remote_error(frame)
+        if frame.type == "error":
+            err = _remote_error(frame)
+            if err.code == BadBody.code:  # a one-way frame of ours it refused; it goes on serving
+                self.refusals += 1
+                self.last_refusal = err
+                self._limited.warning("bad_body", "%s refused a frame of ours: %s", self.peer, err)
+                return
+            self._peer_error = err  # the peer says why it is about to close
             log.warning("%s reports an error: %s", self.peer, self._peer_error)
             return
         if frame.id:
@@ -512,6 +522,9 @@ class Connection:
             pass
         except RemoteError as e:
             self._limited.warning(f"one_way_refused {e.code}", "one-way %s from %s refused: %s", frame.type, self.peer, e)
+            if isinstance(e, BadBody):  # the sender learns what it sent wrong; the connection stays
+                with contextlib.suppress(ConnectionClosed):
+                    await self._write(error_frame(e.message, e.code))
         except Exception:
             log.exception("handler for one-way %s from %s failed", frame.type, self.peer)
 

@@ -10,7 +10,8 @@
      └── ConnectionClosed        a call could not complete because the connection closed
     Exception
      └── RemoteError             the peer answered a call with an ``error`` frame
-          └── UnknownFrameType   raised by a dispatcher for a type it has no handler for
+          ├── UnknownFrameType   raised by a dispatcher for a type it has no handler for
+          └── BadBody            a frame's body does not fit its message (exo_tui.net.codec)
 
 :class:`exo_tui.net.frame.FrameError` (a broken frame) is raised inside the read loop only: the
 connection is closed with an ``error`` frame, and pending calls fail with :class:`ConnectionClosed`.
@@ -63,3 +64,11 @@ class RemoteError(Exception):
 
 class UnknownFrameType(RemoteError):
     code = "unknown_type"
+
+
+class BadBody(RemoteError):
+    """A frame's body does not fit its message (:mod:`exo_tui.net.codec`); the message names the op
+    and the field. Raised by a handler, it is answered with one ``error`` frame, a one-way frame's
+    too (the sender learns what it sent wrong; the connection stays open)."""
+
+    code = "bad_body"

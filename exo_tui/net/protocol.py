@@ -1,21 +1,21 @@
 """What nodes and the coordinator send each other besides frames: the ring plan and KV caches.
 
-The coordinator builds a :class:`RingPlan` and sends it as a dict; each node checks it
-(:meth:`RingPlan.from_dict`) and forwards hidden states along it. A request's KV cache travels as
-one float32 array (:func:`kv_to_array` / :func:`kv_from_array`) and the fields of
-:func:`kv_fields` beside it in the frame's body. These types sit below both sides so neither
+The coordinator builds a :class:`RingPlan` and sends it (a typed message, see
+:mod:`exo_tui.net.messages`); each node checks it (:meth:`RingPlan.check`) and forwards hidden
+states along it. A request's KV cache travels as one float32 array (:func:`kv_to_array` /
+:func:`kv_from_array`) with its shape (:func:`kv_shape`) beside it in the frame's body. These types sit below both sides so neither
 imports the other for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from backends.base import KVCache
 from exo_tui.net.address import is_loopback
+from exo_tui.net.codec import Message
 
 FILLED = -1
 """The token of a step that fills a prompt's chunk (its ``fill`` body): the last hop draws none. A
@@ -48,8 +48,8 @@ class ChunkChecksumError(HostError):
     code = "chunk_checksum"
 
 
-@dataclass(frozen=True)
-class PlanEntry:
+@dataclass(frozen=True, slots=True)
+class PlanEntry(Message):
     node_id: str
     host: str
     port: int
@@ -58,39 +58,31 @@ class PlanEntry:
     backend: str = ""
 
 
-@dataclass(frozen=True)
-class RingPlan:
-    """The ring as a node sees it: which layers each hop runs and where to send hidden states."""
+@dataclass(frozen=True, slots=True)
+class RingPlan(Message):
+    """The ring as a node sees it: which layers each hop runs and where to send hidden states.
+    It travels as its :meth:`~exo_tui.net.codec.Message.to_body`; the node checks the ring's
+    layers with :meth:`check` once it has decoded it."""
 
     version: int
     n_layers: int
     ring: tuple[PlanEntry, ...]
     model: str = ""  # the model whose shards it runs (their load's tag): two models' shards can be held at once
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RingPlan:
-        ring = tuple(PlanEntry(**e) for e in d["ring"])
-        plan = cls(int(d["version"]), int(d["n_layers"]), ring, str(d.get("model", "")))
+    def check(self) -> RingPlan:
+        """The plan, once its hops are known to cover its layers in order, each exactly once."""
         expected = 0
-        for e in ring:
+        for e in self.ring:
             if e.start != expected or e.end <= e.start:
-                raise HostError(f"plan {plan.version} is not a contiguous ring of layers at hop {e}")
+                raise HostError(f"plan {self.version} is not a contiguous ring of layers at hop {e}")
             expected = e.end
-        if expected != plan.n_layers:
-            raise HostError(f"plan {plan.version} covers {expected} of {plan.n_layers} layers")
-        return plan
+        if expected != self.n_layers:
+            raise HostError(f"plan {self.version} covers {expected} of {self.n_layers} layers")
+        return self
 
     def on_loopback(self) -> bool:
         """Whether every hop is reached on loopback: the ring's nodes share one machine's cores."""
         return all(is_loopback(e.host) for e in self.ring)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "n_layers": self.n_layers,
-            "ring": [e.__dict__ for e in self.ring],
-            "model": self.model,
-        }
 
 
 def kv_held(cache: KVCache) -> list[int]:
@@ -102,7 +94,7 @@ def kv_to_array(cache: KVCache) -> np.ndarray:
     """A cache as one float32 array for the wire: ``(2, layers, n_kv_heads, length, head_dim)``
     when every layer holds ``length`` positions, else (windowed layers hold their last ones only)
     the layers side by side along the positions, ``(2, n_kv_heads, sum of held, head_dim)``, with
-    :func:`kv_fields`' ``held`` saying how many each has."""
+    :func:`kv_shape`'s ``held`` saying how many each has."""
     if not cache.keys:
         return np.zeros((2, 0, 0, 0, 0), np.float32)
     if all(n == cache.length for n in kv_held(cache)):
@@ -110,24 +102,23 @@ def kv_to_array(cache: KVCache) -> np.ndarray:
     return np.stack([np.concatenate(cache.keys, axis=1), np.concatenate(cache.values, axis=1)]).astype(np.float32, copy=False)
 
 
-def kv_fields(cache: KVCache) -> dict[str, Any]:
-    """The frame body's fields that go with :func:`kv_to_array`'s array."""
+def kv_shape(cache: KVCache) -> tuple[int, list[int] | None]:
+    """What goes with :func:`kv_to_array`'s array in the frame's body (``length`` and ``held`` of
+    :class:`~exo_tui.net.messages.KV`): the positions held, and each layer's where they differ."""
     held = kv_held(cache)
-    return {"length": cache.length, **({"held": held} if any(n != cache.length for n in held) else {})}
+    return cache.length, (held if any(n != cache.length for n in held) else None)
 
 
-def kv_from_array(start: int, end: int, array: np.ndarray, fields: dict[str, Any] | None = None) -> KVCache:
-    """:func:`kv_to_array`'s inverse; ``fields``: the frame body's (:func:`kv_fields`)."""
-    fields = fields or {}
-    held, n_layers = fields.get("held"), end - start
+def kv_from_array(start: int, end: int, array: np.ndarray, length: int | None = None,
+                  held: list[int] | None = None) -> KVCache:
+    """:func:`kv_to_array`'s inverse; ``length`` and ``held``: :func:`kv_shape`'s."""
+    n_layers = end - start
     if held is None:
         if array.ndim != 5 or array.shape[0] != 2 or array.shape[1] != n_layers:
             raise HostError(f"KV array of shape {array.shape} does not fit layers [{start}, {end})")
         length = array.shape[3]
         return KVCache(start, end, length, [array[0, i] for i in range(n_layers)], [array[1, i] for i in range(n_layers)])
-    length = fields.get("length")
-    if (type(length) is not int or type(held) is not list or len(held) != n_layers
-            or any(type(n) is not int or not 0 <= n <= length for n in held)):
+    if length is None or len(held) != n_layers or any(not 0 <= n <= length for n in held):
         raise HostError(f"KV fields length={length!r:.20} held={held!r:.80} do not describe layers [{start}, {end})")
     if array.ndim != 4 or array.shape[0] != 2 or array.shape[2] != sum(held):
         raise HostError(f"KV array of shape {array.shape} does not hold {sum(held)} positions of layers [{start}, {end})")

@@ -35,7 +35,7 @@ coordinator), and heartbeats. Elsewhere: the steps' queue, worker thread, batche
 does (cache adoption, truncation, scoring, sampling) in :mod:`exo_tui.node.executor`, the rules of
 batch formation in :mod:`exo_tui.node.batching` (pure), what the last hop adds to a step in
 :mod:`exo_tui.node.sampling_step`, the shards, plans and weight transfers in
-:mod:`exo_tui.node.host`, the wire types in :mod:`exo_tui.net.protocol`.
+:mod:`exo_tui.node.host`, every body sent or received as a type in :mod:`exo_tui.net.messages`.
 """
 
 from __future__ import annotations
@@ -57,11 +57,41 @@ from backends.base import PREFILL_CHUNK, BackendError, ModelConfig, prefill_rows
 from exo_tui.inference.sampling import scores_to_array
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net.client import connect
+from exo_tui.net.codec import Message, call, reply, send
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
-from exo_tui.net.protocol import FILLED, HostError, RingPlan, kv_fields, kv_from_array, kv_to_array
+from exo_tui.net.messages import (
+    KV,
+    Attach,
+    Attached,
+    ChunkReceived,
+    Done,
+    Drop,
+    Forward,
+    Heartbeat,
+    KVExport,
+    KVImport,
+    Link,
+    LinkProbe,
+    Load,
+    LoadBegin,
+    LoadChunk,
+    LoadCommit,
+    Loaded,
+    Ping,
+    PlanOp,
+    Plans,
+    Pong,
+    Profile,
+    ProfileAsk,
+    StepFailed,
+    Token,
+    Unload,
+    Unloaded,
+)
+from exo_tui.net.protocol import FILLED, HostError, RingPlan, kv_from_array, kv_shape, kv_to_array
 from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
@@ -250,56 +280,50 @@ class NodeAgent:
             raise RemoteError(f"unknown operation {frame.type!r}")
         if frame.type != "attach":
             self.fence.check(conn, frame.type)
+        handler, message = op
+        msg = message.decode(frame.body)  # the one place a body is read: BadBody names what does not fit
         try:
-            return await op(self, conn, frame)
+            return await handler(self, conn, frame, msg)
         except HostError as exc:
             raise RemoteError(str(exc), code=exc.code, detail=exc.detail) from exc
         except (ModelFileError, BackendError, KeyError, ValueError, TypeError) as exc:
             raise RemoteError(str(exc)) from exc
 
-    async def _op_attach(self, conn: Connection, frame: Frame) -> Frame:
-        self.fence.attach(conn, (frame.body or {}).get("term"))
+    async def _op_attach(self, conn: Connection, frame: Frame, msg: Attach) -> Frame:
+        self.fence.attach(conn, msg.term)
         self.coordinator = conn
-        return Frame("attached", body=self._state_body())
+        return reply(self._state())
 
-    async def _op_profile(self, conn: Connection, frame: Frame) -> Frame:
-        return Frame("profile", body={"profile": self.profile.to_dict() if self.profile else {}})
+    async def _op_profile(self, conn: Connection, frame: Frame, msg: ProfileAsk) -> Frame:
+        return reply(Profile(self.profile.to_dict() if self.profile else {}))
 
-    def _state_body(self) -> dict[str, Any]:
+    def _state(self) -> Attached:
         assert self.profile is not None and self.host is not None
-        return {
-            "profile": self.profile.to_dict(),
-            "shards": self.host.describe(),
-            "plans": sorted(self.host.plans),
-            "port": self.port,
-            "kv": self._kv_report(),  # what the process holds now: the first plan counts the room it leaves
-        }
+        # kv: what the process holds now: the first plan counts the room it leaves
+        return Attached(self.profile.to_dict(), self.host.describe(), sorted(self.host.plans), self.port,
+                        self._kv_report())
 
-    async def _op_load(self, conn: Connection, frame: Frame) -> Frame:
-        b = frame.body
-        hosted = await self._in_loader(self.host.load_from_file, b["path"], int(b["start"]), int(b["end"]), b.get("backend"),
-                                       str(b.get("model", "")), int(b.get("context") or 0))
+    async def _op_load(self, conn: Connection, frame: Frame, msg: Load) -> Frame:
+        hosted = await self._in_loader(self.host.load_from_file, msg.path, msg.start, msg.end, msg.backend,
+                                       msg.model, msg.context)
         self._shards_changed()
         return self._loaded(hosted)
 
-    async def _op_load_begin(self, conn: Connection, frame: Frame) -> Frame:
-        b = frame.body
-        tensors = [TensorInfo(t["name"], t["type"], tuple(t["shape"]), int(t["nbytes"])) for t in b["tensors"]]
-        config = ModelConfig.from_wire(b["config"])
-        self.host.begin_transfer(b["transfer_id"], config, int(b["start"]), int(b["end"]), b.get("backend"), tensors,
-                                 str(b.get("model", "")))
-        return Frame("ok")
+    async def _op_load_begin(self, conn: Connection, frame: Frame, msg: LoadBegin) -> Frame:
+        tensors = [TensorInfo(t.name, t.type, tuple(t.shape), t.nbytes) for t in msg.tensors]
+        config = ModelConfig.from_wire(msg.config)
+        self.host.begin_transfer(msg.transfer_id, config, msg.start, msg.end, msg.backend, tensors, msg.model)
+        return reply(Done())
 
-    async def _op_load_chunk(self, conn: Connection, frame: Frame) -> Frame:
-        b = frame.body
-        transfer = self.host.transfers.get(b["transfer_id"])
+    async def _op_load_chunk(self, conn: Connection, frame: Frame, msg: LoadChunk) -> Frame:
+        transfer = self.host.transfers.get(msg.transfer_id)
         if transfer is None:
-            raise HostError(f"no transfer {b['transfer_id']} in progress: send load_begin first")
-        transfer.add_chunk(int(b["offset"]), bytes(frame.payload or b""), str(b["sha256"]))
-        return Frame("ok", body={"received": transfer.received})
+            raise HostError(f"no transfer {msg.transfer_id} in progress: send load_begin first")
+        transfer.add_chunk(msg.offset, bytes(frame.payload or b""), msg.sha256)
+        return reply(ChunkReceived(transfer.received))
 
-    async def _op_load_commit(self, conn: Connection, frame: Frame) -> Frame:
-        hosted = await self._in_loader(self.host.commit_transfer, frame.body["transfer_id"])
+    async def _op_load_commit(self, conn: Connection, frame: Frame, msg: LoadCommit) -> Frame:
+        hosted = await self._in_loader(self.host.commit_transfer, msg.transfer_id)
         self._shards_changed()
         return self._loaded(hosted)
 
@@ -307,69 +331,58 @@ class NodeAgent:
         """The reply to a load: the shard, and the KV budget measured after it (the coordinator
         admits against it at once, not after the next heartbeat: the last one may have been
         taken mid-load, when the budget was nil)."""
-        return Frame("loaded", body={"start": hosted.start, "end": hosted.end, "backend": hosted.backend,
-                                     "nbytes": hosted.nbytes, "held_bytes": hosted.held_bytes,
-                                     "kv": self._kv_report()})
+        return reply(Loaded(hosted.start, hosted.end, hosted.backend, hosted.nbytes, hosted.held_bytes,
+                            self._kv_report()))
 
-    async def _op_unload(self, conn: Connection, frame: Frame) -> Frame:
-        model = frame.body.get("model")
-        done = await self.executor.in_worker(self.host.unload, int(frame.body["start"]), int(frame.body["end"]),
-                                     None if model is None else str(model))
+    async def _op_unload(self, conn: Connection, frame: Frame, msg: Unload) -> Frame:
+        done = await self.executor.in_worker(self.host.unload, msg.start, msg.end, msg.model)
         self._shards_changed()
-        return Frame("ok", body={"unloaded": done, "kv": self._kv_report()})
+        return reply(Unloaded(done, self._kv_report()))
 
-    async def _op_plan(self, conn: Connection, frame: Frame) -> Frame:
-        plan = RingPlan.from_dict(frame.body["plan"])
+    async def _op_plan(self, conn: Connection, frame: Frame, msg: PlanOp) -> Frame:
+        plan = msg.plan.check()
         self.host.add_plan(plan)
         self.executor.batching.shared_cores = plan.on_loopback()  # the newest plan is the one steps are moving to
-        return Frame("ok", body={"plans": sorted(self.host.plans)})
+        return reply(Plans(sorted(self.host.plans)))
 
-    async def _op_forward(self, conn: Connection, frame: Frame) -> None:
+    async def _op_forward(self, conn: Connection, frame: Frame, msg: Forward) -> None:
         if self._stopping.is_set():
             raise HostError(f"node {self.name} is shutting down")
         if frame.plan is None:
             raise HostError("a forward frame must name its plan version")
-        hop = int(frame.body["hop"])
-        if frame.body.get("rid") in self._finished:
+        if msg.rid in self._finished:
             return None  # the request ended while this step was on its way
-        plan, _, _ = self.host.hop(frame.plan, hop)  # refuse early: unknown plan, wrong node, shard missing
-        adopt = frame.body.get("adopt")
-        if type(adopt) is str:  # the finished request whose caches this one takes over: its own state goes
+        plan, _, _ = self.host.hop(frame.plan, msg.hop)  # refuse early: unknown plan, wrong node, shard missing
+        if (adopt := msg.adopt) is not None:  # the finished request whose caches this one takes over: its own state goes
             self.samplers.forget(adopt)
             self._stats.pop(adopt, None)
             self.executor.forget(adopt)
-        await self.executor.arrived(Step(conn, frame, hop), frame.body.get("more"),
-                                    next_ready=self._next_ready(plan, hop))
+        await self.executor.arrived(Step(conn, frame, msg), next_ready=self._next_ready(plan, msg.hop))
         return None
 
-    async def _op_kv_export(self, conn: Connection, frame: Frame) -> Frame:
-        b = frame.body
-        model = b.get("model")
-        cache = await self.executor.in_worker(self.host.export_kv, b["rid"], int(b["start"]), int(b["end"]),
-                                      None if model is None else str(model))
-        return Frame("kv", body=kv_fields(cache), tensor=kv_to_array(cache))
+    async def _op_kv_export(self, conn: Connection, frame: Frame, msg: KVExport) -> Frame:
+        cache = await self.executor.in_worker(self.host.export_kv, msg.rid, msg.start, msg.end, msg.model)
+        return reply(KV(*kv_shape(cache)), tensor=kv_to_array(cache))
 
-    async def _op_kv_import(self, conn: Connection, frame: Frame) -> Frame:
-        b = frame.body
-        start, end = int(b["start"]), int(b["end"])
-        cache = kv_from_array(start, end, np.array(frame.tensor, copy=True), b)
+    async def _op_kv_import(self, conn: Connection, frame: Frame, msg: KVImport) -> Frame:
+        start, end = msg.start, msg.end
+        cache = kv_from_array(start, end, np.array(frame.tensor, copy=True), msg.length, msg.held)
 
         def install() -> None:
-            model = b.get("model")
-            hosted = self.host.shard_for_layers(start, end, None if model is None else str(model))
+            hosted = self.host.shard_for_layers(start, end, msg.model)
             if (hosted.start, hosted.end) != (start, end):
                 raise HostError(f"KV for layers [{start}, {end}) must cover the whole shard [{hosted.start}, {hosted.end})")
-            hosted.shard.import_kv(b["rid"], cache)
-            self.kv.record(b["rid"], hosted.key, cache.length)
+            hosted.shard.import_kv(msg.rid, cache)
+            self.kv.record(msg.rid, hosted.key, cache.length)
 
         await self.executor.in_worker(install)
-        return Frame("ok")
+        return reply(Done())
 
-    async def _op_drop(self, conn: Connection, frame: Frame) -> Frame:
+    async def _op_drop(self, conn: Connection, frame: Frame, msg: Drop) -> Frame:
         """Forget a request's caches. ``final``: the request has ended, so a step of it still
         queued or in flight here is discarded rather than run (it would leave a cache behind)."""
-        rid = frame.body["rid"]
-        if frame.body.get("final"):
+        rid = msg.rid
+        if msg.final:
             self._finished[rid] = None
             while len(self._finished) > FINISHED_MEMORY:
                 self._finished.popitem(last=False)
@@ -378,28 +391,27 @@ class NodeAgent:
         self.executor.forget(rid)
         await self.executor.in_worker(self.host.drop, rid)
         self.kv.drop(rid)
-        return Frame("ok")
+        return reply(Done())
 
-    async def _op_ping(self, conn: Connection, frame: Frame) -> Frame:
-        return Frame("pong", body={"t": frame.body.get("t"), "node_id": self.profile.node_id if self.profile else ""})
+    async def _op_ping(self, conn: Connection, frame: Frame, msg: Ping) -> Frame:
+        return reply(Pong(msg.t, self.profile.node_id if self.profile else ""))
 
-    async def _op_link_probe(self, conn: Connection, frame: Frame) -> Frame:
-        b = frame.body
-        peer = await self._peer(b["host"], int(b["port"]))
+    async def _op_link_probe(self, conn: Connection, frame: Frame, msg: LinkProbe) -> Frame:
+        peer = await self._peer(msg.host, msg.port)
         rtts = []
-        for _ in range(int(b.get("pings", 5))):
+        for _ in range(msg.pings):
             t0 = time.perf_counter()
-            await peer.call("ping", {"t": t0}, timeout=5)
+            await call(peer, Ping(t0), timeout=5)
             rtts.append(time.perf_counter() - t0)
-        result: dict[str, Any] = {"latency_s": float(np.median(rtts)) / 2, "rtt_s": float(np.median(rtts))}
-        nbytes = int(b.get("bandwidth_bytes", 0))
-        if nbytes:
+        rtt_s = float(np.median(rtts))
+        bandwidth = None
+        if nbytes := msg.bandwidth_bytes:
             blob = bytes(nbytes)
             t0 = time.perf_counter()
-            await peer.call("ping", {"t": t0}, payload=blob, timeout=30)
-            elapsed = time.perf_counter() - t0 - result["rtt_s"]
-            result["bandwidth_bytes_per_s"] = nbytes / max(elapsed, 1e-6)
-        return Frame("link", body=result)
+            await call(peer, Ping(t0), payload=blob, timeout=30)
+            elapsed = time.perf_counter() - t0 - rtt_s
+            bandwidth = nbytes / max(elapsed, 1e-6)
+        return reply(Link(rtt_s / 2, rtt_s, bandwidth))
 
     # ------------------------------------------------------------------ the worker
 
@@ -467,8 +479,8 @@ class NodeAgent:
     async def _deliver(self, step: Step, result: Any, more: int = 0) -> None:
         """Send a step's result on. ``more``: how many more hidden states of the same run go to
         the same next hop right after this one (it then waits for them, to keep the batch)."""
-        f = step.frame
-        rid = f.body["rid"]
+        f, msg = step.frame, step.body
+        rid = msg.rid
         if result is DISCARDED or rid in self._finished:
             self._stats.pop(rid, None)
             return
@@ -482,8 +494,7 @@ class NodeAgent:
         if step.rows == 1:
             self.decode_steps += 1
             self.decode_compute_s += step.compute_s
-        timing = f.body.get("timing")
-        timing = [*(timing if type(timing) is list else ()),
+        timing = [*(msg.timing or ()),
                   hop_timing(self.profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
         if isinstance(result, Sampled):  # the last hop: a sampled token (or FILLED)
             token, logprobs, scores = result
@@ -491,44 +502,33 @@ class NodeAgent:
                 stats = self._stats.setdefault(rid, _RequestStats())
                 stats.tokens += 1
                 stats.last_s = time.monotonic()
-            body = {"rid": rid, "step": f.body.get("step"), "token": int(token), "timing": timing}
-            if logprobs is not None:
-                body["logprobs"] = logprobs.to_wire()
-            tensor = None
-            if scores is not None:  # the prompt's scores, as the frame's tensor
-                body["scored"] = True
-                tensor = scores_to_array(scores)
-            await self._to_coordinator(Frame("token", body=body, tensor=tensor, plan=f.plan))
+            token_msg = Token(rid, msg.step, int(token), timing, None if logprobs is None else logprobs.to_wire(),
+                              scores is not None)
+            tensor = None if scores is None else scores_to_array(scores)  # the prompt's scores, as the frame's tensor
+            await self._to_coordinator(token_msg, tensor=tensor, plan=f.plan)
             return
         nxt = plan.ring[step.hop + 1]
-        body = dict(f.body)
-        body["hop"] = step.hop + 1
-        body["timing"] = timing
-        if more:
-            body["more"] = more
-        else:
-            body.pop("more", None)
+        onward = msg.copy(hop=step.hop + 1, timing=timing, more=more)
         try:
             peer = await self._peer(nxt.host, nxt.port)
-            await peer.send("forward", body, tensor=np.ascontiguousarray(result, dtype=np.float32), plan=f.plan)
+            await send(peer, onward, tensor=np.ascontiguousarray(result, dtype=np.float32), plan=f.plan)
         except (TimeoutError, OSError, ConnectionError, RemoteError) as exc:
             await self._fail_step(step, f"cannot reach next hop {nxt.node_id} at {nxt.host}:{nxt.port}: {exc}", failed=nxt.node_id)
 
     async def _fail_step(self, step: Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
-        body = {"rid": step.frame.body.get("rid"), "step": step.frame.body.get("step"), "error": reason,
-                "node_id": self.profile.node_id if self.profile else "", "failed_node": failed}
-        if kv_budget:  # refused for want of memory: no node is at fault
-            body["kv_budget"] = True
-        log.warning("step of %s failed: %s", body["rid"], reason)
-        await self._to_coordinator(Frame("step_failed", body=body, plan=step.frame.plan))
+        # kv_budget: refused for want of memory, no node is at fault
+        failure = StepFailed(step.body.rid, reason, step.body.step, self.profile.node_id if self.profile else "", failed,
+                             kv_budget)
+        log.warning("step of %s failed: %s", failure.rid, reason)
+        await self._to_coordinator(failure, plan=step.frame.plan)
 
-    async def _to_coordinator(self, frame: Frame) -> None:
+    async def _to_coordinator(self, msg: Message, *, tensor: np.ndarray | None = None, plan: int | None = None) -> None:
         conn = self.coordinator
         if conn is None or conn.is_closed:
-            log.warning("no coordinator attached: dropping %s", frame.type)
+            log.warning("no coordinator attached: dropping %s", msg.TYPE)
             return
         try:
-            await conn.send(frame.type, frame.body, tensor=frame.tensor, plan=frame.plan)
+            await send(conn, msg, tensor=tensor, plan=plan)
         except (OSError, ConnectionError) as exc:
             log.warning("coordinator unreachable: %s", exc)
 
@@ -586,23 +586,23 @@ class NodeAgent:
                       if s.tokens > 1 and now - s.last_s < STREAMING_S else 0.0}
                 for rid, s in self._stats.items()
             }
-            metrics["shards"] = self.host.describe() if self.host else []
-            await self._to_coordinator(Frame("heartbeat", body={"metrics": metrics, "t": time.time()}))
+            metrics["shards"] = [s.to_body() for s in self.host.describe()] if self.host else []
+            await self._to_coordinator(Heartbeat(metrics, time.time()))
 
 
-_OPS = {
-    "attach": NodeAgent._op_attach,
-    "profile": NodeAgent._op_profile,
-    "load": NodeAgent._op_load,
-    "load_begin": NodeAgent._op_load_begin,
-    "load_chunk": NodeAgent._op_load_chunk,
-    "load_commit": NodeAgent._op_load_commit,
-    "unload": NodeAgent._op_unload,
-    "plan": NodeAgent._op_plan,
-    "forward": NodeAgent._op_forward,
-    "kv_export": NodeAgent._op_kv_export,
-    "kv_import": NodeAgent._op_kv_import,
-    "drop": NodeAgent._op_drop,
-    "ping": NodeAgent._op_ping,
-    "link_probe": NodeAgent._op_link_probe,
+_OPS: dict[str, tuple[Any, type[Message]]] = {  # a frame's type: its handler, and the message its body holds
+    "attach": (NodeAgent._op_attach, Attach),
+    "profile": (NodeAgent._op_profile, ProfileAsk),
+    "load": (NodeAgent._op_load, Load),
+    "load_begin": (NodeAgent._op_load_begin, LoadBegin),
+    "load_chunk": (NodeAgent._op_load_chunk, LoadChunk),
+    "load_commit": (NodeAgent._op_load_commit, LoadCommit),
+    "unload": (NodeAgent._op_unload, Unload),
+    "plan": (NodeAgent._op_plan, PlanOp),
+    "forward": (NodeAgent._op_forward, Forward),
+    "kv_export": (NodeAgent._op_kv_export, KVExport),
+    "kv_import": (NodeAgent._op_kv_import, KVImport),
+    "drop": (NodeAgent._op_drop, Drop),
+    "ping": (NodeAgent._op_ping, Ping),
+    "link_probe": (NodeAgent._op_link_probe, LinkProbe),
 }

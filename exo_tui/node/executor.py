@@ -49,6 +49,7 @@ from backends.base import BackendError
 from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.net.connection import Connection
 from exo_tui.net.frame import Frame
+from exo_tui.net.messages import Forward
 from exo_tui.net.protocol import FILLED, HostError
 from exo_tui.node.batching import Batching, decodes_first, one_step_a_key
 from exo_tui.node.host import ShardHost
@@ -63,11 +64,12 @@ DISCARDED = object()  # the result of a step of a request that ended meanwhile: 
 
 @dataclass
 class Step:
-    """One request's step waiting for this node's worker."""
+    """One request's step waiting for this node's worker: the frame (its tensor and plan) and its
+    body, decoded."""
 
     conn: Connection
     frame: Frame
-    hop: int
+    body: Forward
     received_s: float = field(default_factory=time.monotonic)
     deferred: bool = False  # a prompt that already let one run of decode steps go first
     started_s: float = 0.0  # when the run that computed it started (monotonic)
@@ -80,9 +82,13 @@ class Step:
         return int(np.shape(tensor)[0]) if tensor is not None and np.ndim(tensor) else 1
 
     @property
+    def hop(self) -> int:
+        return self.body.hop
+
+    @property
     def key(self) -> tuple[str, int]:
         """The request and hop this step is for (what ``Batching.visits`` is keyed by)."""
-        return str(self.frame.body.get("rid")), self.hop
+        return self.body.rid, self.body.hop
 
 
 class Sampled(NamedTuple):
@@ -125,12 +131,12 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ arrival
 
-    async def arrived(self, step: Step, more: Any, *, next_ready: bool) -> None:
-        """A step came (in the read loop). ``more``: the steps of the previous hop's batch that
-        follow it at once; ``next_ready``: its result can go on without connecting first."""
+    async def arrived(self, step: Step, *, next_ready: bool) -> None:
+        """A step came (in the read loop). ``next_ready``: its result can go on without
+        connecting first."""
         key = step.key
         self.batching.arrived(key, step.received_s)
-        if type(more) is int and more > 0:  # more steps of the previous hop's batch follow at once
+        if (more := step.body.more) > 0:  # more steps of the previous hop's batch follow at once
             self._burst[step.conn] = more
         else:
             self._burst.pop(step.conn, None)
@@ -262,7 +268,7 @@ class StepExecutor:
         results: list[Any] = [None] * len(batch)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, step in enumerate(batch):
-            if step.frame.body.get("rid") in self.finished:
+            if step.body.rid in self.finished:
                 results[i] = DISCARDED
                 continue
             try:
@@ -276,10 +282,9 @@ class StepExecutor:
             idxs = self._within_budget(batch, key, idxs, results)
             items = []
             for i in idxs:
-                f = batch[i].frame
-                rid, start = f.body["rid"], int(f.body["pos"])
-                adopt = f.body.get("adopt")
-                if type(adopt) is str and adopt != rid and not shard.kv_length(rid) and shard.kv_length(adopt):
+                f, body = batch[i].frame, batch[i].body
+                rid, start, adopt = body.rid, body.pos, body.adopt
+                if adopt is not None and adopt != rid and not shard.kv_length(rid) and shard.kv_length(adopt):
                     shard.rename_kv(adopt, rid)  # the next turn of a conversation: its prefix is cached
                 if shard.kv_length(rid) > start:
                     # The coordinator rebuilds this request from an earlier position (a plan
@@ -295,7 +300,7 @@ class StepExecutor:
                 x = np.asarray(f.tensor)
                 items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
             # a prompt to score needs every row's logits: it runs on its own
-            scored = [j for j, i in enumerate(idxs) if shard.is_last and "score" in batch[i].frame.body]
+            scored = [j for j, i in enumerate(idxs) if shard.is_last and batch[i].body.score is not None]
             plain = [j for j in range(len(items)) if j not in scored]
             outs: list[Any] = [None] * len(items)
             scores: dict[int, list[TokenLogprobs]] = {}
@@ -309,8 +314,9 @@ class StepExecutor:
                 _failed(shard, items, outs, plain, exc)
             for j in scored:  # each in pieces; its failure (a bad ask included) fails it alone
                 try:
-                    outs[j], scores[idxs[j]] = score_prompt(shard, batch[idxs[j]].frame.body["score"], *items[j],
-                                                            self.kv.step_room_bytes)
+                    ask = batch[idxs[j]].body.score
+                    assert ask is not None
+                    outs[j], scores[idxs[j]] = score_prompt(shard, ask, *items[j], self.kv.step_room_bytes)
                 except Exception as exc:  # noqa: BLE001
                     _failed(shard, items, outs, [j], exc)
             for i, out, (rid, _x, positions) in zip(idxs, outs, items, strict=True):
@@ -318,11 +324,11 @@ class StepExecutor:
                 self.kv.record(rid, key, 0 if isinstance(out, Exception) else int(positions[-1]) + 1)
             if shard.is_last:
                 for i in idxs:
-                    if batch[i].frame.body.get("fill") and not isinstance(results[i], Exception):
+                    if batch[i].body.fill and not isinstance(results[i], Exception):
                         results[i] = Sampled(FILLED, None, None)  # a prompt's chunk: its caches filled, nothing drawn
                     elif not isinstance(results[i], Exception):
                         try:
-                            token, logprobs = self.samplers.sample(batch[i].frame.body, results[i])
+                            token, logprobs = self.samplers.sample(batch[i].body, results[i])
                             results[i] = Sampled(token, logprobs, scores.get(i))  # scores: score_prompt's, where asked
                         except Exception as exc:  # noqa: BLE001 - bad parameters fail this request only
                             results[i] = exc
@@ -333,18 +339,17 @@ class StepExecutor:
         others' result is the refusal (the coordinator admits them again later)."""
         growth = {}
         for i in idxs:
-            b = batch[i].frame.body
-            rid, adopt = b["rid"], b.get("adopt")
-            if type(adopt) is str and not self.kv.held(rid, key):
-                self.kv.rename(adopt, rid)
-            growth[(rid, key)] = int(b["pos"]) + batch[i].rows
+            b = batch[i].body
+            if b.adopt is not None and not self.kv.held(b.rid, key):
+                self.kv.rename(b.adopt, b.rid)
+            growth[(b.rid, key)] = b.pos + batch[i].rows
         refused = self.kv.check(growth)
         if not refused:
             return idxs
         for i in idxs:
-            if (why := refused.get(batch[i].frame.body["rid"])) is not None:
+            if (why := refused.get(batch[i].body.rid)) is not None:
                 results[i] = BudgetExceeded(why)
-        return [i for i in idxs if batch[i].frame.body["rid"] not in refused]
+        return [i for i in idxs if batch[i].body.rid not in refused]
 
 
 def _failed(shard: Any, items: list[tuple[str, np.ndarray, np.ndarray]], outs: list[Any], rows: list[int],

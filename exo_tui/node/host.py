@@ -31,6 +31,7 @@ from exo_tui.models.gguf_file import (
     shard_load_peak,
     tensor_from_raw,
 )
+from exo_tui.net.messages import HeldShard
 from exo_tui.net.protocol import ChunkChecksumError, HostError, NoRoom, PlanEntry, RingPlan
 
 
@@ -283,13 +284,13 @@ class ShardHost:
         for hosted in hosted_all:
             hosted.shard.drop(request_id)
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[HeldShard]:
         """The shards held, from this host's own records: it never calls into a shard, whose
         backend may be busy with a step on the worker thread (heartbeats must not wait)."""
         with self.lock:
             hosted = list(self.shards.values())
-        return [{"start": h.start, "end": h.end, "backend": h.backend, "nbytes": h.nbytes, "model": h.model,
-                 "held_bytes": h.held_bytes, **({"precision": h.precision} if h.precision else {})} for h in hosted]
+        return [HeldShard(h.start, h.end, h.backend, h.nbytes, h.model, h.held_bytes, h.precision or None)
+                for h in hosted]
 
 
 @functools.cache

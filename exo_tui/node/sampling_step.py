@@ -18,6 +18,7 @@ import numpy as np
 from backends.base import logit_rows
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
+from exo_tui.net.messages import Forward, ScoreAsk
 
 
 class Samplers:
@@ -26,22 +27,15 @@ class Samplers:
     def __init__(self) -> None:
         self._samplers: dict[str, Sampler] = {}
 
-    def sample(self, body: dict[str, Any], logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
-        """The next token from the last row of ``logits`` for the step of ``body``, and its
-        logprobs when the step asks."""
-        rid = body["rid"]
-        sampler = self._samplers.get(rid)
+    def sample(self, step: Forward, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+        """The next token from the last row of ``logits`` for ``step``, and its logprobs when the
+        step asks."""
+        sampler = self._samplers.get(step.rid)
         if sampler is None:
-            sampler = self._samplers[rid] = Sampler(SamplingParams.from_dict(body.get("sampling") or {}))
-        history = body.get("history")
-        n_tokens = int(body["n_tokens"])
-        if history is None:
-            history = Length(n_tokens)
+            sampler = self._samplers[step.rid] = Sampler(SamplingParams.from_dict(step.sampling))
+        history = step.history if step.history is not None else Length(step.n_tokens)
         token, _ = sampler.sample(logits[-1], history)
-        top = body.get("logprobs")
-        if top is not None and type(top) is not int:
-            raise ValueError(f"logprobs must be a count of alternatives, not {top!r:.50}")
-        logprobs = None if top is None else token_logprobs(logits[-1], token, top)
+        logprobs = None if step.logprobs is None else token_logprobs(logits[-1], token, step.logprobs)
         return token, logprobs
 
     def forget(self, rid: str) -> None:
@@ -49,20 +43,13 @@ class Samplers:
         self._samplers.pop(rid, None)
 
 
-def score_prompt(shard: Any, score: Any, rid: str, x: np.ndarray, positions: np.ndarray,
+def score_prompt(shard: Any, ask: ScoreAsk, rid: str, x: np.ndarray, positions: np.ndarray,
                  room_bytes: int | None) -> tuple[np.ndarray, list[TokenLogprobs]]:
-    """The last shard's step of a prompt whose step asks ``score``: the last row's logits and the
-    scores (:func:`forward_scored`), in pieces of as many rows of logits as ``room_bytes`` holds
-    (the step's room under a limit; None: no limit)."""
-    ask = _score_ask(score)
-    return forward_scored(shard, rid, x, positions, ask["targets"], ask["top"],
+    """The last shard's step of a prompt whose step asks ``score`` (``ask``: the prompt after its
+    first token, and how many alternatives; :func:`forward_scored` checks the values): the last
+    row's logits and the scores, in pieces of as many rows of logits as ``room_bytes`` holds (the
+    step's room under a limit; None: no limit)."""
+    return forward_scored(shard, rid, x, positions, ask.targets, ask.top,
                           logit_rows(shard.config, room_bytes, SCORE_ROWS))
 
 
-def _score_ask(score: Any) -> dict[str, Any]:
-    """A step's ``score``: ``{"top": k, "targets": [token, ...]}``, the prompt after its first token
-    (:func:`forward_scored` checks the values)."""
-    if type(score) is not dict or type(score.get("top")) is not int or type(score.get("targets")) is not list \
-            or any(type(t) is not int for t in score["targets"]):
-        raise ValueError(f"score must be {{'top': int, 'targets': [int, ...]}}, not {score!r:.80}")
-    return score

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
-from exo_tui.net import Cluster, Dispatcher, Frame, Security, connect, ensure_cluster
+from exo_tui.net import Cluster, Dispatcher, Frame, RemoteError, Security, connect, ensure_cluster
 from exo_tui.net.protocol import FILLED
 from exo_tui.node.agent import NodeAgent
 from exo_tui.node.batching import GatherPolicy
@@ -324,3 +324,24 @@ async def test_a_prompt_is_scored_at_the_last_node_and_a_bad_ask_fails_alone(clu
                 await asyncio.sleep(0.01)
         assert [f["rid"] for f in r.failures] == ["bad"]
         assert "12 tokens to score, but the step runs 12" in r.failures[0]["error"]
+
+
+async def test_a_malformed_step_gets_one_error_frame_naming_the_field_and_the_node_serves_on(
+        cluster: Cluster, tiny_model: Path):
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        coordinator = r.conns[0]
+        await r.send("bad", [int(t) for t in PROMPT], 0, hop="0")  # a string where the hop's index goes
+        # a well-formed step after it on the same connection: its token comes after the refusal
+        history = (await r.prefill(["good"]))["good"]
+        await r.decode_round({"good": history})
+        assert coordinator.refusals == 1
+        assert coordinator.last_refusal is not None and coordinator.last_refusal.code == "bad_body"
+        assert str(coordinator.last_refusal) == "forward: field 'hop' must be an int, got str"
+        assert not coordinator.is_closed and not r.failures
+        assert ("bad", 0) not in r.bodies  # nothing ran for it
+        # a call's malformed body is answered with its one error frame, the same way
+        with pytest.raises(RemoteError, match="drop: field 'final' must be a bool, got int") as refused:
+            await coordinator.call("drop", {"rid": "good", "final": 1})
+        assert refused.value.code == "bad_body"
+        await r.decode_round({"good": history})
+        assert coordinator.refusals == 1 and not r.failures

@@ -217,7 +217,7 @@ def test_corrupted_chunk_is_detected_and_resent(nodes, tiny_model: Path, home: P
                 return data
 
             body = await stream_shard(conn, model, 0, model.config.n_layers, "onnx", corrupt=once)
-            assert corrupted == [0] and body["start"] == 0 and body["end"] == model.config.n_layers
+            assert corrupted == [0] and (body.start, body.end) == (0, model.config.n_layers)
 
             with pytest.raises(WeightTransferError, match="checksum"):
                 await stream_shard(conn, model, 0, 2, "onnx", corrupt=lambda i, d: d[:-1] + bytes([d[-1] ^ 1]))

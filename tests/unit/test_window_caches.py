@@ -16,7 +16,7 @@ import pytest
 from backends.base import MAX_DRAFT, BackendError, KVCache
 from backends.onnx import kernels
 from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.net.protocol import kv_fields, kv_from_array, kv_to_array
+from exo_tui.net.protocol import kv_from_array, kv_shape, kv_to_array
 from tests.unit.test_family_logits import BACKENDS, DENSE, assert_close, backend, fixture
 
 GEMMA3 = next(e for e in DENSE if e["name"] == "gemma3")
@@ -135,9 +135,9 @@ def test_a_cache_exported_past_the_window_gives_the_same_next_logits(gemma3, src
         run([first], "r", tokens[:20], 0, 20)
         cache = first.export_kv("r")
         assert [k.shape[1] for k in cache.keys] == [8, 8, 8, 8, 8, 20]
-        fields = kv_fields(cache)
-        assert fields == {"length": 20, "held": [8, 8, 8, 8, 8, 20]}
-        moved = kv_from_array(0, 6, kv_to_array(cache), fields)
+        length, held = kv_shape(cache)
+        assert (length, held) == (20, [8, 8, 8, 8, 8, 20])
+        moved = kv_from_array(0, 6, kv_to_array(cache), length, held)
         second.import_kv("moved", moved)
         assert second.kv_length("moved") == 20
         assert_bounded(second, "moved", 20)
@@ -155,7 +155,7 @@ def test_a_split_cache_moves_between_differently_split_shards(gemma3) -> None:
         run([head, tail], "r", tokens[:30], 0, 7)
         parts = [head.export_kv("r"), tail.export_kv("r")]
         joined = KVCache(0, 6, 30, parts[0].keys + parts[1].keys, parts[0].values + parts[1].values)
-        whole.import_kv("r", kv_from_array(0, 6, kv_to_array(joined), kv_fields(joined)))
+        whole.import_kv("r", kv_from_array(0, 6, kv_to_array(joined), *kv_shape(joined)))
         assert_close(run([whole], "r", tokens[30:], 30, 4), want[30:], "joined")
     finally:
         close_shards([head, tail, whole])
