@@ -243,7 +243,8 @@ class CoordinatorSetApi:
         why = getattr(c, "_serve_error", "") if c is not None else ""
         return {
             "status": "ok", "role": self.cset.role, "leader_api": self.cset.leader_api(), "term": self.cset.term,
-            "coordinator": self.cset.address, "ready": c is not None and not why and getattr(c, "ring", None) is not None,
+            "coordinator": self.cset.address, "in_charge": c is not None and self.leader_app is not None,
+            "ready": c is not None and not why and getattr(c, "ring", None) is not None,
             "error": why or None, "commit": self.cset.commit_index(),
             "coordinators": [s.to_dict() for s in self.cset.status()],
             # this coordinator's copy of the replicated state (a standby's may lag: see its lag)
@@ -275,7 +276,11 @@ class CoordinatorSetApi:
             await self.standby_app(scope, receive, send)
             return
         leader = self.cset.leader_api()
-        if leader is None or leader == self.cset.api_url:
+        if leader == self.cset.api_url:
+            await _json(send, 503, _error("this coordinator was elected leader and is taking charge (connecting to the "
+                                          "nodes): try again in a moment", "taking_charge"), {"Retry-After": "1"})
+            return
+        if leader is None:
             await _json(send, 503, _error(
                 f"no coordinator leads now ({self.cset.minority_sentence() if not self.cset.has_quorum else 'an election is under way'}): "
                 "try again in a few seconds", "no_leader"), {"Retry-After": "2"})

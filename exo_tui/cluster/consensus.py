@@ -20,6 +20,7 @@ about a second after the old one stops answering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -43,6 +44,7 @@ ELECTION_MAX_S = 1.0
 HEARTBEAT_S = 0.1
 LEASE_S = 1.2  # a leader that hears from no majority this long steps down
 SUBMIT_TIMEOUT_S = 3.0
+ADMIT_WAIT_S = 2.0
 
 
 class CoordinatorSetError(ValueError):
@@ -240,6 +242,39 @@ class CoordinatorSet:
                 await future
         except TimeoutError:
             raise NotAcknowledged(f"no majority acknowledged within {timeout_s:.0f} s: {self.minority_sentence()}") from None
+
+    async def admit(self, name: str, host: str, raft_port: int, api_port: int) -> dict[str, Any]:
+        """A coordinator joins the set (with a token, :mod:`exo_tui.discovery.join_coordinator`):
+        a Raft membership change; what the new member needs to start. The change is answered
+        once a majority holds it, or after ``ADMIT_WAIT_S`` if it is still in the leader's log:
+        where the new member is needed for a majority (a set of 1 or 3 becoming 2 or 4... of
+        which the others cannot all answer), the change commits once it starts and answers."""
+        from exo_tui.discovery.join import JoinError
+
+        address = f"{host}:{raft_port}"
+        members = [self.address, *(str(n.address) for n in self.sync.otherNodes)]
+        if address not in members:
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
+
+            def done(_result: Any, err: Any) -> None:
+                def resolve() -> None:
+                    if not future.done():
+                        if err == FAIL_REASON.SUCCESS:
+                            future.set_result(None)
+                        else:
+                            future.set_exception(JoinError(f"the set did not take the new coordinator: {fail_text(err)}"))
+                loop.call_soon_threadsafe(resolve)
+
+            if not self.is_leader:
+                raise JoinError("this coordinator no longer leads the set: make the token where the leader runs")
+            self.sync.addNodeToCluster(address, callback=done)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ADMIT_WAIT_S):
+                    await future  # a refusal (the leader lost its place) raises JoinError
+            members.append(address)
+        log.info("coordinator %s joined the set at %s", name, address)
+        return {"raft": address, "peers": members}
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait until this coordinator has caught up with the log once (or ``timeout_s``)."""

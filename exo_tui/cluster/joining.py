@@ -44,7 +44,9 @@ class JoinEndpoint:
         return self.server.port if self.server is not None else 0
 
     async def start(self, host: str, port: int) -> None:
-        self.server = await serve_join(host, port, home=self.coordinator.home, on_join=self._joined)
+        cset = getattr(self.coordinator, "coordinator_set", None)  # one of a set: coordinators join too
+        self.server = await serve_join(host, port, home=self.coordinator.home, on_join=self._joined,
+                                       on_coordinator=None if cset is None else cset.admit)
         log.info("join endpoint on %s:%d (exo-tui join-token makes its one-time tokens)", host, self.server.port)
 
     def _joined(self, joined: Joined) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import sys
@@ -30,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="where this coordinator keeps its Raft journal (default coordinators.state_dir, "
                         "<exo home>/coordinator)")
+    p.add_argument("--join", default=None, metavar="TOKEN",
+                   help="join a set of coordinators as a standby with a token from `exo-tui join-token --coordinator` "
+                        "(made where the set's leader runs): it gets the cluster's secrets and the set's members")
 
 
 def wanted(args: argparse.Namespace, config: Any) -> bool:
@@ -40,7 +44,14 @@ def wanted(args: argparse.Namespace, config: Any) -> bool:
         config.coordinators.port = args.coordinator_port
     if args.state_dir is not None:
         config.coordinators.state_dir = args.state_dir
-    return bool(config.coordinators.peers)
+    return bool(config.coordinators.peers) or bool(args.join) or _members_file(config).exists()
+
+
+def _members_file(config: Any) -> Path:
+    """Where a coordinator that joined with a token keeps the set's members (a restart reads it)."""
+    from exo_tui.paths import exo_home
+
+    return Path(config.coordinators.state_dir or exo_home() / "coordinator") / "members.json"
 
 
 async def serve_set(args: argparse.Namespace, config: Any, sock: socket.socket, host: str, port: int) -> int:
@@ -61,8 +72,29 @@ async def serve_set(args: argparse.Namespace, config: Any, sock: socket.socket, 
               file=sys.stderr)
         return 2
     cfg = config.coordinators
-    self_address, partners = parse_coordinators(cfg.peers, cfg.port)
     home = exo_home()
+    members = _members_file(config)
+    if args.join:
+        from exo_tui.discovery.join import JoinError
+        from exo_tui.discovery.join_coordinator import join_set
+        from exo_tui.net.security import SecurityError, install_cluster
+
+        try:
+            files, self_address, peers = await join_set(args.join, name=f"{socket.gethostname()}:{port}",
+                                                        raft_port=cfg.port, api_port=port)
+            await asyncio.to_thread(install_cluster, home, files)
+        except (JoinError, SecurityError) as exc:
+            print(f"exo-tui serve: join: {exc}", file=sys.stderr)
+            return 2
+        members.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        members.write_text(json.dumps({"self": self_address, "peers": peers}))
+        partners = [p for p in peers if p != self_address]
+        log.info("joined the set of coordinators as %s (members %s)", self_address, ", ".join(peers))
+    elif not cfg.peers and members.exists():
+        saved = json.loads(members.read_text())
+        self_address, partners = str(saved["self"]), [p for p in saved["peers"] if p != saved["self"]]
+    else:
+        self_address, partners = parse_coordinators(cfg.peers, cfg.port)
     cluster = await asyncio.to_thread(ensure_cluster, home)
     key = config.network.api.key
     if warning := exposure_warning(host, key):
@@ -82,6 +114,7 @@ async def serve_set(args: argparse.Namespace, config: Any, sock: socket.socket, 
         c = Coordinator(model=name, config=config, peers=list(args.peer), local_nodes=0, strategy=args.strategy,
                         discover=args.discover, persist=False, join=True)
         c.store, c.term = store, term
+        c.coordinator_set = cset  # its join endpoint admits coordinators too
         store._on_write_error = c._state_write_error
         if name == args.model:
             c.model = model

@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="join port (default network.join.port, 52417)")
     p.add_argument("--config", default=None, metavar="F", help="config file (default ~/.config/exo-tui/config.yaml)")
     p.add_argument("--serve", action="store_true", help="serve the join endpoint here until the token is used or expires")
+    p.add_argument("--coordinator", action="store_true",
+                   help="a token for a coordinator of a set (exo-tui serve --join TOKEN), not a node: it hands over "
+                        "the cluster's secrets; make it where the set's leader runs")
     p.add_argument("--revoke-all", action="store_true", help="invalidate every token and exit (says how many were still usable)")
     p.set_defaults(func=run)
 
@@ -55,15 +58,16 @@ def run(args: argparse.Namespace) -> int:
             addresses = [f"[{join.host}]:{port}" if ":" in join.host else f"{join.host}:{port}"]
         else:
             addresses = [f"{a}:{port}" for a in host_addresses(ipv6=False)] or [f"127.0.0.1:{port}"]
-        token = create_join_token(addresses, ttl_s=args.ttl * 60)
+        token = create_join_token(addresses, ttl_s=args.ttl * 60, role="coordinator" if args.coordinator else "node")
     except (JoinError, SecurityError, ValueError) as exc:
         print(f"exo-tui join-token: {exc}", file=sys.stderr)
         return 1
     print(token.encode())
     until = time.strftime("%H:%M", time.localtime(token.expires))
-    print(f"\nOn the new host: exo-tui node --join <the token above>   (works once, until {until}; "
+    command = "serve --coordinator-port PORT" if args.coordinator else "node"
+    print(f"\nOn the new host: exo-tui {command} --join <the token above>   (works once, until {until}; "
           f"join endpoint {', '.join(addresses)})", file=sys.stderr)
-    if not args.serve:
+    if not args.serve or args.coordinator:  # a coordinator's token is answered by the set's leader only
         return 0
 
     async def serve() -> int:

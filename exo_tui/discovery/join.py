@@ -144,12 +144,14 @@ class TokenStore:
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.path)
 
-    def add(self, token: JoinToken, *, now: float | None = None) -> None:
+    def add(self, token: JoinToken, *, now: float | None = None, role: str = "node") -> None:
+        """``role``: what the token joins, a ``node`` or a ``coordinator`` (of a set: it gets the
+        cluster's secrets, the CA's key included)."""
         now = time.time() if now is None else now
         with self._locked():
             data = {k: v for k, v in self._read().items() if v.get("expires", 0) > now - 86400}  # prune old
             data[token.token_id] = {"hash": _hash(token.secret), "created": now, "expires": token.expires,
-                                    "used": None, "used_by": ""}
+                                    "used": None, "used_by": "", "role": role}
             self._write(data)
 
     def _check(self, rec: dict | None, secret: str, now: float) -> None:
@@ -168,12 +170,18 @@ class TokenStore:
         with self._locked():
             self._check(self._read().get(token_id), secret, time.time() if now is None else now)
 
-    def consume(self, token_id: str, secret: str, *, name: str = "", now: float | None = None) -> None:
-        """Validate and mark used, atomically: a second use is refused."""
+    def consume(self, token_id: str, secret: str, *, name: str = "", now: float | None = None,
+                role: str = "node") -> None:
+        """Validate and mark used, atomically: a second use is refused; so is a token made for
+        another role (a node's token cannot join a coordinator, nor the reverse)."""
         now = time.time() if now is None else now
         with self._locked():
             data = self._read()
             self._check(data.get(token_id), secret, now)
+            made_for = data[token_id].get("role", "node")
+            if made_for != role:
+                raise JoinError(f"this join token is for a {made_for}, not a {role}: make one with "
+                                f"`exo-tui join-token{' --coordinator' if role == 'coordinator' else ''}`")
             data[token_id]["used"] = now
             data[token_id]["used_by"] = name
             self._write(data)
@@ -201,6 +209,7 @@ def create_join_token(
     home: Path | None = None,
     ttl_s: float = DEFAULT_TTL_S,
     now: float | None = None,
+    role: str = "node",
 ) -> JoinToken:
     """Make and record a one-time token for the join endpoint at ``addresses`` ("host:port")."""
     from exo_tui.net.security import cert_fingerprint, ensure_cluster, home_dir
@@ -216,7 +225,7 @@ def create_join_token(
         expires=float(int(now + ttl_s)),
         fingerprint=cert_fingerprint(cluster.cert_pem).hex(),
     )
-    TokenStore((home or home_dir()) / STORE_NAME).add(token, now=now)
+    TokenStore((home or home_dir()) / STORE_NAME).add(token, now=now, role=role)
     return token
 
 
@@ -232,13 +241,16 @@ def _server_context(cert_pem: bytes, key_pem: bytes, home: Path | None = None) -
 class JoinServer:
     """The join endpoint. ``on_join(joined)`` (a :class:`Joined`) is called after a bundle was handed out."""
 
-    def __init__(self, home: Path | None = None, *, on_join=None) -> None:  # noqa: ANN001
+    def __init__(self, home: Path | None = None, *, on_join=None, on_coordinator=None) -> None:  # noqa: ANN001
+        """``on_coordinator(name, host, raft_port, api_port)``: a coordinator of a set joins
+        (:mod:`exo_tui.discovery.join_coordinator`); awaited, it returns what the reply adds."""
         from exo_tui.net.security import ensure_cluster, home_dir
 
         self.home = home
         self.cluster = ensure_cluster(home)
         self.store = TokenStore((home or home_dir()) / STORE_NAME)
         self.on_join = on_join
+        self.on_coordinator = on_coordinator
         self.joined: list[str] = []
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task] = set()
@@ -314,6 +326,10 @@ class JoinServer:
         name = str(req.get("name", ""))[:64].strip()
         if not name:
             return {"ok": False, "error": "a join request needs the node's name"}
+        if "raft_port" in req:
+            from exo_tui.discovery.join_coordinator import answer_coordinator
+
+            return await answer_coordinator(self, req, name, writer)
         try:
             self.store.consume(str(req.get("id", "")), str(req.get("secret", "")), name=name)
         except JoinError as exc:
@@ -329,9 +345,9 @@ class JoinServer:
 
 
 async def serve_join(host: str = "0.0.0.0", port: int = DEFAULT_JOIN_PORT, *, home: Path | None = None,
-                     on_join=None) -> JoinServer:  # noqa: ANN001
+                     on_join=None, on_coordinator=None) -> JoinServer:  # noqa: ANN001
     """Start the join endpoint (the coordinator mounts this next to its node connections)."""
-    server = JoinServer(home, on_join=on_join)
+    server = JoinServer(home, on_join=on_join, on_coordinator=on_coordinator)
     await server.start(host, port)
     return server
 
@@ -348,6 +364,20 @@ def _split(addr: str) -> tuple[str, int]:
 async def fetch_bundle(token: JoinToken | str, *, name: str, agent_port: int | None = None,
                        timeout_s: float = 10.0) -> bytes:
     """Use the token once: connect to the join endpoint, check its certificate, get a node bundle."""
+    req: dict = {"name": name}
+    if agent_port is not None:
+        req["port"] = agent_port
+    reply = await exchange(token, req, timeout_s=timeout_s)
+    bundle = str(reply.get("bundle", "")).encode()
+    from exo_tui.net.security import parse_bundle
+
+    parse_bundle(bundle, "the bundle from the coordinator")  # raises SecurityError if bad
+    return bundle
+
+
+async def exchange(token: JoinToken | str, fields: dict, *, timeout_s: float = 10.0) -> dict:
+    """Send the token's join request (with ``fields``) to its endpoint, its certificate checked
+    against the token's pin; the endpoint's reply (raises :class:`JoinError` when it refuses)."""
     tok = JoinToken.decode(token) if isinstance(token, str) else token
     if tok.expired():
         raise JoinError("this join token has expired: make a new one with `exo-tui join-token` on the coordinator")
@@ -366,9 +396,7 @@ async def fetch_bundle(token: JoinToken | str, *, name: str, agent_port: int | N
                 if not der or not hmac.compare_digest(hashlib.sha256(der).hexdigest(), tok.fingerprint):
                     errors.append(f"{addr}: its certificate is not the coordinator's named in the token")
                     continue
-                req = {"join": 1, "id": tok.token_id, "secret": tok.secret, "name": name}
-                if agent_port is not None:
-                    req["port"] = agent_port
+                req = {"join": 1, "id": tok.token_id, "secret": tok.secret, **fields}
                 writer.write(json.dumps(req).encode() + b"\n")
                 await writer.drain()
                 reply = json.loads(await reader.readuntil(b"\n"))
@@ -381,11 +409,7 @@ async def fetch_bundle(token: JoinToken | str, *, name: str, agent_port: int | N
                 writer.close()
         if not reply.get("ok"):
             raise JoinError(f"the coordinator refused the token: {reply.get('error', 'no reason given')}")
-        bundle = str(reply.get("bundle", "")).encode()
-        from exo_tui.net.security import parse_bundle
-
-        parse_bundle(bundle, "the bundle from the coordinator")  # raises SecurityError if bad
-        return bundle
+        return reply
     raise JoinError(
         "could not reach the coordinator's join endpoint (" + "; ".join(errors) + "): is the coordinator "
         "running (exo-tui / exo-tui serve / exo-tui join-token --serve) and its join port open to this host?"

@@ -318,6 +318,29 @@ def ensure_cluster(home: Path | None = None) -> Cluster:
     return load_cluster(home)
 
 
+def install_cluster(home: Path, files: dict[str, bytes]) -> Cluster:
+    """Install a set's cluster secrets (a coordinator joining with a token): written 0600 where
+    there are none yet; where there are, they must be the same (else this home belongs to another
+    cluster: a SecurityError that says so)."""
+    home = Path(home)
+    home.mkdir(parents=True, mode=0o700, exist_ok=True)
+    d = cluster_dir(home)
+    if d.exists():
+        if any(not (d / f).exists() or read_secret(d / f) != files.get(f) for f in _FILES):
+            raise SecurityError(f"{d} holds another cluster's secrets: move it away to join this one "
+                                "(its nodes then need new bundles), or use another EXO_TUI_HOME")
+        return load_cluster(home)
+    tmp = Path(tempfile.mkdtemp(dir=home, prefix=".cluster-"))
+    try:
+        for f in _FILES:
+            write_secret(tmp / f, files[f])
+        os.rename(tmp, d)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load_cluster(home)
+
+
 def load_cluster(home: Path | None = None) -> Cluster:
     """Load existing cluster secrets (see :func:`ensure_cluster` to create them)."""
     d = cluster_dir(Path(home) if home is not None else None)

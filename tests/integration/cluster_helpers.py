@@ -105,3 +105,24 @@ def reference_answer(model_path: Path, prompt: str, max_tokens: int, *, seed: in
         return [t for t in request.generated if t not in model.tokenizer.eos_ids]
 
     return asyncio.run(run())
+
+
+def stop_groups(procs: list) -> None:  # list[subprocess.Popen]
+    """SIGCONT then SIGTERM each process group a test started (``start_new_session``), SIGKILL
+    those that linger past 20 s, and reap them all."""
+    import os
+    import signal
+    import subprocess
+
+    for p in procs:
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGCONT)  # a frozen one could not stop
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        if p is None:
+            continue
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)

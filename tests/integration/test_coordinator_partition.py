@@ -11,7 +11,6 @@ leader, one term, one state. No node agents: the change is an operator's host ad
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 from exo_tui.commands.serve import READY_PREFIX
 from tests.factory import write_tiny_llama
 from tests.helpers.netns import NetnsHost, NetnsLab, skip_reason
+from tests.integration.cluster_helpers import stop_groups
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -59,15 +59,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NetnsLab, li
                                                   f"{(d / f'{h.label}.err').read_text()[-3000:]}"
         yield lab, procs, d
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        stop_groups(procs)
         lab.close()
 
 

@@ -29,7 +29,7 @@ import pytest
 from exo_tui.commands.serve import READY_PREFIX
 from tests.factory import write_tiny_llama
 from tests.helpers.sshd import free_port
-from tests.integration.cluster_helpers import NodeSet, node_processes
+from tests.integration.cluster_helpers import NodeSet, node_processes, stop_groups
 
 pytestmark = pytest.mark.slow
 
@@ -94,18 +94,7 @@ class CoordinatorSet:
                 proc.wait(30)
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            if proc is None:
-                continue
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_groups(self.procs)
 
 
 @pytest.fixture(scope="module")
