@@ -147,6 +147,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self._specs = model_choices.SpecCache(self.config.models.context_length)  # of the catalog's models, for the picker
         self._model_key = ""  # the tag nodes keep the served model's shards under (model_switch.model_key)
         self.term = 0  # the Raft term this coordinator leads in (exo_tui.cluster.leadership); 0: a single coordinator
+        self.coordinator_set: Any = None  # its CoordinatorSet when it leads one (its join endpoint admits coordinators)
 
     # ================================================================== lifecycle
 
