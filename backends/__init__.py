@@ -36,7 +36,8 @@ def get_backend(name: str) -> Backend:
         _instances[name] = _backend_class(name)()
     backend = _instances[name]
     if not backend.available():
-        raise BackendError(f"backend {name} is not available on this machine")
+        why = f": {backend.unavailable_reason}" if backend.unavailable_reason else ""
+        raise BackendError(f"backend {name} is not available on this machine{why}")
     return backend
 
 

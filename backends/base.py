@@ -699,7 +699,7 @@ class Backend(abc.ABC):
 
     name: str = ""
     experts: bool = False  # runs mixtures of experts (ModelConfig.n_experts)
-
+    unavailable_reason: str = ""  # why available() is False: what failed, for the operator
     def describe(self) -> dict[str, str]:
         """How this backend runs shards on this machine, for the operator (a node's profile
         carries it: the console's node detail and ``exo-tui node --print-profile`` show it)."""

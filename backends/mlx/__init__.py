@@ -8,6 +8,7 @@ This module imports without MLX installed; ``available()`` then says no.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -24,6 +25,8 @@ from backends.base import (
 )
 from backends.kquants import CODE_BITS
 from backends.kquants import GROUP as KQUANT_GROUP
+
+log = logging.getLogger(__name__)
 
 SCALE_BYTES = {"Q4_0": (2, 0), "Q5_0": (2, 0), "Q8_0": (2, 0), "Q4_1": (4, 0), "Q5_1": (4, 0),
                "Q4_K": (2, 4), "Q5_K": (2, 4), "Q6_K": (1, 2)}
@@ -88,8 +91,10 @@ class MLXBackend(Backend):
 
                 mx.eval(mx.array([1.0, 2.0]) * 2)
                 self._available = True
-            except Exception:  # not installed, or no usable device
+            except Exception as exc:  # not installed, or no usable device: kept, get_backend says it
                 self._available = False
+                self.unavailable_reason = f"{type(exc).__name__}: {exc}"
+                log.info("MLX is not available here: %s", self.unavailable_reason)
         return self._available
 
     def device(self) -> str:
@@ -100,7 +105,8 @@ class MLXBackend(Backend):
 
     def load_shard(self, config: ModelConfig, weights: ShardWeights) -> Shard:
         if not self.available():
-            raise BackendError("MLX is not installed or not working here: pip install mlx (mlx[cpu] on Linux)")
+            raise BackendError(f"MLX is not installed or not working here ({self.unavailable_reason}): "
+                               "pip install mlx (mlx[cpu] on Linux)")
         problems = unsupported_features(config, experts=True)
         if problems:
             raise BackendError(f"this {config.arch} model uses {problems[0]}, which this backend does not run")

@@ -178,8 +178,11 @@ class ONNXBackend(Backend):
                 import onnxruntime as ort
 
                 self._available = "CPUExecutionProvider" in ort.get_available_providers()
-            except ImportError:
+                if not self._available:
+                    self.unavailable_reason = f"ONNX Runtime offers no CPU provider ({', '.join(ort.get_available_providers())})"
+            except ImportError as exc:
                 self._available = False
+                self.unavailable_reason = f"ImportError: {exc}"
         return self._available
 
     def describe(self) -> dict[str, str]:

@@ -20,7 +20,7 @@ from exo_tui.api.app import create_app
 from exo_tui.api.connections import ConnectionBook, connection_cap, guarded_protocol
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES
 from exo_tui.api.listen import ApiServerError, bind_api_socket
-from exo_tui.net.address import is_loopback
+from exo_tui.net.address import host_port, is_loopback
 
 log = logging.getLogger("exo_tui.api")
 
@@ -57,8 +57,7 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{host_port(self.host, self.port)}"
 
     async def start(self) -> None:
         sock = self._sock if self._sock is not None else bind_api_socket(self.host, self.port)

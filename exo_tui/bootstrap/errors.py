@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exo_tui.net.address import host_port
+
 
 class BootstrapError(Exception):
     """A bootstrap step failed. ``step`` names it; the message says what to do."""
@@ -29,7 +31,7 @@ class HostKeyUnknown(BootstrapError):
     def __init__(
         self, host: str, fingerprint: str, key_type: str = "", *, port: int | None = None, known_hosts: Path | None = None
     ) -> None:
-        self.host = host if port is None else f"{host}:{port}"
+        self.host = host if port is None else host_port(host, port)
         self.fingerprint = fingerprint
         self.key_type = key_type
         self.port = port
@@ -45,17 +47,22 @@ class HostKeyUnknown(BootstrapError):
         BootstrapError.__init__(
             self,
             "connect",
-            f"{host}:{port} presents a {key_type} host key {fingerprint} that is not in {known_hosts}. "
+            f"{host_port(host, port or 22)} presents a {key_type} host key {fingerprint} that is not in {known_hosts}. "
             f"Check it on the host (ssh-keygen -lf /etc/ssh/ssh_host_{_short(key_type)}_key.pub), then "
             "run again with --accept-new-host-key (or accept it in the console) to record it",
         )
+
+
+def known_hosts_name(host: str, port: int) -> str:
+    """How OpenSSH names a host in known_hosts: ``host`` on port 22, else ``[host]:port`` (IPv4 too)."""
+    return host if port == 22 else f"[{host}]:{port}"
 
 
 class HostKeyChanged(BootstrapError):
     """The host offers a different key than the one recorded: never accepted."""
 
     def __init__(self, host: str, port: int, fingerprint: str, key_type: str, known_hosts: Path) -> None:
-        entry = host if port == 22 else f"[{host}]:{port}"
+        entry = known_hosts_name(host, port)
         super().__init__(
             "connect",
             f"the host key of {host}:{port} has CHANGED: it now presents {key_type} {fingerprint}, "

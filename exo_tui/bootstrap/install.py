@@ -245,9 +245,16 @@ async def _detect(conn: asyncssh.SSHClientConnection, opts: BootstrapOptions) ->
     return host
 
 
-async def _make_venv(conn: asyncssh.SSHClientConnection, host: RemoteHost) -> None:
+NO_SPACE_EXIT = 28  # the venv script's exit status when the disk is full (errno ENOSPC's number)
+NO_SPACE_BYTES = 50_000_000  # a failed venv with less than this free there failed for want of space
+
+
+def venv_script(host: RemoteHost) -> str:
+    """The POSIX sh script that makes (or reuses) ``host``'s venv: prints ``reuse`` or ``created``;
+    exits :data:`NO_SPACE_EXIT` where it failed for want of disk space (ENOSPC, or under
+    :data:`NO_SPACE_BYTES` left there when it failed), else non-zero with the reason on stderr."""
     minor = ".".join(host.python_version.split(".")[:2])
-    script = f"""
+    return f"""
 set -e
 mkdir -p {_q(host.data_dir)}
 chmod 700 {_q(host.data_dir)}
@@ -256,14 +263,27 @@ if [ -x "$v/bin/python" ] && [ "$("$v/bin/python" -c 'import sys; print("%d.%d" 
   echo reuse
 else
   rm -rf "$v"
-  {_q(host.python)} -m venv "$v"
+  {_q(host.python)} - "$v" <<'EOF'
+import errno, os, subprocess, sys, venv
+target = sys.argv[1]
+try:
+    venv.EnvBuilder(with_pip=True, symlinks=os.name != "nt").create(target)
+except (OSError, subprocess.CalledProcessError) as e:
+    print(e, file=sys.stderr)
+    st = os.statvfs(os.path.dirname(target))
+    full = getattr(e, "errno", None) == errno.ENOSPC or st.f_bavail * st.f_frsize < {NO_SPACE_BYTES}
+    sys.exit({NO_SPACE_EXIT} if full else 1)
+EOF
   echo created
 fi
 """
-    res = await run(conn, script, timeout_s=300)
+
+
+async def _make_venv(conn: asyncssh.SSHClientConnection, host: RemoteHost) -> None:
+    res = await run(conn, venv_script(host), timeout_s=300)
     if res.exit_status != 0:
         err = _tail(f"{output_text(res.stdout)}\n{output_text(res.stderr)}")
-        hint = "free disk space there" if "space" in err.lower() else "check the directory's owner and permissions"
+        hint = "free disk space there" if res.exit_status == NO_SPACE_EXIT else "check the directory's owner and permissions"
         raise BootstrapError("venv", f"creating {host.venv} with {host.python} failed:\n{err}\n{hint}, then run again")
 
 

@@ -15,7 +15,6 @@ in ``~/.ssh/config``) and the agent (``SSH_AUTH_SOCK``), through asyncssh's defa
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Any
 
 import asyncssh
 
-from exo_tui.bootstrap.errors import BootstrapError, HostKeyChanged, HostKeyUnknown
-from exo_tui.net.address import split_host_port
+from exo_tui.bootstrap.errors import BootstrapError, HostKeyChanged, HostKeyUnknown, known_hosts_name
+from exo_tui.net.address import bracketed, split_host_port
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class Target:
     user: str | None = None  # None: ssh_config's User, else the local user
 
     def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = bracketed(self.host)
         user = f"{self.user}@" if self.user else ""
         port = f":{self.port}" if self.port else ""
         return f"{user}{host}{port}"
@@ -104,7 +103,7 @@ class _HostKeyCheck:
         """Append the accepted key to known_hosts, the way ``ssh`` writes it."""
         if self.presented is None:
             return
-        entry = self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+        entry = known_hosts_name(self.host, self.port)
         key_type, key_data = self.presented.export_public_key("openssh").decode().split()[:2]
         line = f"{entry} {key_type} {key_data}\n"
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -228,12 +227,3 @@ async def run(
     cmd = "sh -c " + shlex.quote(script)
     async with asyncio.timeout(timeout_s):
         return await conn.run(cmd, check=False, input=input)
-
-
-def local_user() -> str:
-    try:
-        return os.getlogin()
-    except OSError:
-        import getpass
-
-        return getpass.getuser()

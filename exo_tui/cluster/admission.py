@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from exo_tui.cluster.pipeline import RemotePipeline
 
 _T = TypeVar("_T")
+
+log = logging.getLogger("exo_tui.cluster")
 
 OPEN_STEP = 256  # positions at a time for a request without max_tokens
 CAPACITY_WAIT_S = 3.0  # a first request waits this long for the nodes' budgets (heartbeats are 1 s apart)
@@ -397,6 +400,7 @@ async def with_queue_notes(chunks: AsyncGenerator[_T, None], notes: asyncio.Queu
     while the request waits its turn: the console shows "queued (n ahead)")."""
     it = chunks
     first: asyncio.Future[_T] = asyncio.ensure_future(anext(it))
+    note: asyncio.Future[int] | None = None
     try:
         while not first.done():
             note = asyncio.ensure_future(notes.get())
@@ -413,8 +417,15 @@ async def with_queue_notes(chunks: AsyncGenerator[_T, None], notes: asyncio.Queu
         async for chunk in it:
             yield chunk
     finally:
+        if note is not None:
+            note.cancel()
         if not first.done():
             first.cancel()
-            with contextlib.suppress(BaseException):
-                await first
+            # Its end (cancelled, or an error raised while it stopped) is not this generator's to
+            # raise; a cancellation aimed at the task running this one propagates from the wait
+            # (and ``it``, still running in ``first``, is then left to end there).
+            await asyncio.wait((first,))
+            error = None if first.cancelled() else first.exception()
+            if error is not None and not isinstance(error, StopAsyncIteration):
+                log.warning("a stream ended with an error while it was being stopped", exc_info=error)
         await it.aclose()

@@ -35,7 +35,7 @@ from typing import Any
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
 
 from exo_tui.cluster.replicated_state import ClusterState, NotAcknowledged, fail_text
-from exo_tui.net.address import split_host_port
+from exo_tui.net.address import host_port, split_host_port
 
 log = logging.getLogger("exo_tui.cluster.consensus")
 
@@ -82,7 +82,7 @@ def parse_coordinators(text: str | list[str], port: int) -> tuple[str, list[str]
         host, p = split_host_port(item, 0)
         if not p:
             raise CoordinatorSetError(f"--coordinators entry {item!r} has no port: write HOST:PORT")
-        addresses.append(f"{host}:{p}")
+        addresses.append(host_port(host, p))
     if len(set(addresses)) != len(addresses):
         raise CoordinatorSetError(f"--coordinators names a coordinator twice: {', '.join(addresses)}")
     local = _local_addresses()

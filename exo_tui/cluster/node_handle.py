@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from exo_tui.net.address import host_port
 from exo_tui.net.codec import call
 from exo_tui.net.connection import Connection
 from exo_tui.net.messages import Unload, Unloaded
@@ -44,7 +45,7 @@ class NodeHandle:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     @property
     def connected(self) -> bool:

@@ -63,6 +63,7 @@ async def serve_set(args: argparse.Namespace, config: Any, sock: socket.socket, 
     from exo_tui.commands.serve import READY_PREFIX
     from exo_tui.models.model import Model
     from exo_tui.models.spec import served_context
+    from exo_tui.net.address import host_port
     from exo_tui.net.security import ensure_cluster
     from exo_tui.paths import exo_home
 
@@ -100,7 +101,7 @@ async def serve_set(args: argparse.Namespace, config: Any, sock: socket.socket, 
     if warning := exposure_warning(host, key):
         print(f"exo-tui serve: {warning}", file=sys.stderr, flush=True)
     url_host = host if host not in ("0.0.0.0", "::") else self_address.rsplit(":", 1)[0]
-    api_url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
+    api_url = f"http://{host_port(url_host, port)}"
     model = await asyncio.to_thread(lambda: Model(args.model, paths=config.models.paths))
     _ = await asyncio.to_thread(lambda: model.tokenizer)
     cset = CoordinatorSet(self_address, partners, state_dir=Path(cfg.state_dir or home / "coordinator"),

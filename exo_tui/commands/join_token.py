@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from exo_tui.config import ConfigError, load_config
     from exo_tui.discovery.join import JoinError, TokenStore, create_join_token, serve_join
     from exo_tui.discovery.mdns import host_addresses
-    from exo_tui.net.address import split_host_port
+    from exo_tui.net.address import host_port, split_host_port
     from exo_tui.net.security import SecurityError, home_dir
 
     if args.revoke_all:
@@ -53,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
     wildcard = join.host in ("0.0.0.0", "::", "")
     try:
         if args.address:
-            addresses = [":".join(map(str, split_host_port(a, port))) for a in args.address]
+            addresses = [host_port(*split_host_port(a, port)) for a in args.address]
         elif not wildcard:
-            addresses = [f"[{join.host}]:{port}" if ":" in join.host else f"{join.host}:{port}"]
+            addresses = [host_port(join.host, port)]
         else:
-            addresses = [f"{a}:{port}" for a in host_addresses(ipv6=False)] or [f"127.0.0.1:{port}"]
+            addresses = [host_port(a, port) for a in host_addresses(ipv6=False)] or [host_port("127.0.0.1", port)]
         token = create_join_token(addresses, ttl_s=args.ttl * 60, role="coordinator" if args.coordinator else "node")
     except (JoinError, SecurityError, ValueError) as exc:
         print(f"exo-tui join-token: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from typing import Any
 from exo_tui.cluster.view import Command, parse_layers
 from exo_tui.commands._args import read_secret, secret_help
 from exo_tui.commands._coordinators import coordinators_of
+from exo_tui.net.address import host_port
 
 ACTIONS = ("drain", "undrain", "pin", "unpin", "rebalance")
 
@@ -94,8 +95,7 @@ def _target(args: argparse.Namespace) -> tuple[str, str | None]:
         return args.url, key
     host = config.network.api.host
     host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{config.network.api.port}", key
+    return f"http://{host_port(host, config.network.api.port)}", key
 
 
 async def _run(args: argparse.Namespace, url: str, key: str | None) -> int:

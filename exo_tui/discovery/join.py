@@ -58,7 +58,74 @@ STORE_NAME = "join-tokens.json"
 
 
 class JoinError(Exception):
-    """A token that cannot be used (malformed, expired, used, unknown) or a failed join."""
+    """A token that cannot be used or a failed join: one subclass per cause, each with its
+    ``code`` (the join endpoint sends it with a refusal, so the node raises the same type)."""
+
+    code = "refused"
+
+
+class TokenInvalid(JoinError):
+    """Not a join token, or one copied in part."""
+
+    code = "invalid"
+
+
+class TokenUnknown(JoinError):
+    """A token this coordinator did not make, or revoked."""
+
+    code = "unknown"
+
+
+class TokenUsed(JoinError):
+    """A token used once already (tokens work once)."""
+
+    code = "used"
+
+
+class TokenExpired(JoinError):
+    """A token past its time."""
+
+    code = "expired"
+
+
+class TokenWrongRole(JoinError):
+    """A node's token used to join a coordinator, or the reverse."""
+
+    code = "wrong_role"
+
+
+class TokenStoreDamaged(JoinError):
+    """The coordinator's token file cannot be read."""
+
+    code = "store_damaged"
+
+
+class NoJoinAddress(JoinError):
+    """A token asked for with no address to put in it."""
+
+    code = "no_address"
+
+
+class JoinRefused(JoinError):
+    """The join endpoint refused the request for a reason without a type of its own."""
+
+
+class EndpointUnreachable(JoinError):
+    """No address of the token answered."""
+
+    code = "unreachable"
+
+
+class WrongCoordinator(JoinError):
+    """An address answered with a certificate other than the one the token names (another
+    cluster's endpoint, or someone in between): the secret was not sent."""
+
+    code = "wrong_coordinator"
+
+
+REFUSALS: dict[str, type[JoinError]] = {
+    cls.code: cls for cls in (TokenInvalid, TokenUnknown, TokenUsed, TokenExpired, TokenWrongRole, TokenStoreDamaged)
+}
 
 
 @dataclass(frozen=True)
@@ -89,7 +156,7 @@ class JoinToken:
     def decode(cls, text: str) -> JoinToken:
         text = "".join(text.split())  # a token pasted with line breaks still works
         if not text.startswith(PREFIX):
-            raise JoinError(f"not an exo-tui join token (it should start with {PREFIX!r}): run `exo-tui join-token` "
+            raise TokenInvalid(f"not an exo-tui join token (it should start with {PREFIX!r}): run `exo-tui join-token` "
                             "on the coordinator and copy the whole token")
         body = text[len(PREFIX):]
         try:
@@ -102,9 +169,9 @@ class JoinToken:
                 fingerprint=str(doc["f"]).lower(),
             )
         except (ValueError, KeyError, TypeError):
-            raise JoinError("the join token is damaged (copied only in part?): copy the whole token again") from None
+            raise TokenInvalid("the join token is damaged (copied only in part?): copy the whole token again") from None
         if not token.addresses or not token.token_id or len(token.secret) < 32 or len(token.fingerprint) != 64:
-            raise JoinError("the join token is incomplete: copy the whole token again")
+            raise TokenInvalid("the join token is incomplete: copy the whole token again")
         return token
 
     def expired(self, now: float | None = None) -> bool:
@@ -134,7 +201,7 @@ class TokenStore:
         except FileNotFoundError:
             return {}
         except ValueError:
-            raise JoinError(f"{self.path} is damaged: delete it (outstanding join tokens stop working)") from None
+            raise TokenStoreDamaged(f"{self.path} is damaged: delete it (outstanding join tokens stop working)") from None
         return data if isinstance(data, dict) else {}
 
     def _write(self, data: dict[str, dict]) -> None:
@@ -156,14 +223,14 @@ class TokenStore:
 
     def _check(self, rec: dict | None, secret: str, now: float) -> None:
         if rec is None or not hmac.compare_digest(rec.get("hash", ""), _hash(secret)):
-            raise JoinError("unknown join token (made for another coordinator, or revoked): make a new one "
+            raise TokenUnknown("unknown join token (made for another coordinator, or revoked): make a new one "
                             "with `exo-tui join-token`")
         if rec.get("used"):
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["used"]))
-            raise JoinError(f"this join token was already used (at {when} by {rec.get('used_by') or 'a node'}): "
+            raise TokenUsed(f"this join token was already used (at {when} by {rec.get('used_by') or 'a node'}): "
                             "tokens work once; make a new one with `exo-tui join-token`")
         if now >= rec.get("expires", 0):
-            raise JoinError("this join token has expired: make a new one with `exo-tui join-token`")
+            raise TokenExpired("this join token has expired: make a new one with `exo-tui join-token`")
 
     def validate(self, token_id: str, secret: str, *, now: float | None = None) -> None:
         """Raise :class:`JoinError` unless the token is known, unused and unexpired."""
@@ -180,7 +247,7 @@ class TokenStore:
             self._check(data.get(token_id), secret, now)
             made_for = data[token_id].get("role", "node")
             if made_for != role:
-                raise JoinError(f"this join token is for a {made_for}, not a {role}: make one with "
+                raise TokenWrongRole(f"this join token is for a {made_for}, not a {role}: make one with "
                                 f"`exo-tui join-token{' --coordinator' if role == 'coordinator' else ''}`")
             data[token_id]["used"] = now
             data[token_id]["used_by"] = name
@@ -215,7 +282,7 @@ def create_join_token(
     from exo_tui.net.security import cert_fingerprint, ensure_cluster, home_dir
 
     if not addresses:
-        raise JoinError("no address for the join endpoint: pass --address HOST[:PORT]")
+        raise NoJoinAddress("no address for the join endpoint: pass --address HOST[:PORT]")
     cluster = ensure_cluster(home)
     now = time.time() if now is None else now
     token = JoinToken(
@@ -333,7 +400,7 @@ class JoinServer:
         try:
             self.store.consume(str(req.get("id", "")), str(req.get("secret", "")), name=name)
         except JoinError as exc:
-            return {"ok": False, "error": str(exc)}
+            return {"ok": False, "error": str(exc), "code": exc.code}
         bundle = self.cluster.node_bundle(name)
         self.joined.append(name)
         if self.on_join is not None:
@@ -380,12 +447,13 @@ async def exchange(token: JoinToken | str, fields: dict, *, timeout_s: float = 1
     against the token's pin; the endpoint's reply (raises :class:`JoinError` when it refuses)."""
     tok = JoinToken.decode(token) if isinstance(token, str) else token
     if tok.expired():
-        raise JoinError("this join token has expired: make a new one with `exo-tui join-token` on the coordinator")
+        raise TokenExpired("this join token has expired: make a new one with `exo-tui join-token` on the coordinator")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE  # the pin below is the check: the token names the certificate
     errors: list[str] = []
+    impostor = False
     for addr in tok.addresses:
         host, port = _split(addr)
         writer = None
@@ -395,6 +463,7 @@ async def exchange(token: JoinToken | str, fields: dict, *, timeout_s: float = 1
                 der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
                 if not der or not hmac.compare_digest(hashlib.sha256(der).hexdigest(), tok.fingerprint):
                     errors.append(f"{addr}: its certificate is not the coordinator's named in the token")
+                    impostor = True
                     continue
                 req = {"join": 1, "id": tok.token_id, "secret": tok.secret, **fields}
                 writer.write(json.dumps(req).encode() + b"\n")
@@ -408,9 +477,14 @@ async def exchange(token: JoinToken | str, fields: dict, *, timeout_s: float = 1
             if writer is not None:
                 writer.close()
         if not reply.get("ok"):
-            raise JoinError(f"the coordinator refused the token: {reply.get('error', 'no reason given')}")
+            refusal = REFUSALS.get(str(reply.get("code")), JoinRefused)
+            raise refusal(f"the coordinator refused the token: {reply.get('error', 'no reason given')}")
         return reply
-    raise JoinError(
+    if impostor:
+        raise WrongCoordinator(
+            "no address of the token answered as the coordinator that made it (" + "; ".join(errors) + "): the "
+            "secret was not sent; check the address (another cluster's coordinator, or someone in between?)")
+    raise EndpointUnreachable(
         "could not reach the coordinator's join endpoint (" + "; ".join(errors) + "): is the coordinator "
         "running (exo-tui / exo-tui serve / exo-tui join-token --serve) and its join port open to this host?"
     )

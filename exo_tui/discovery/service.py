@@ -102,7 +102,9 @@ def net_probe(security: Any, cluster: str = "") -> PeerProbe:
             return None
         try:
             prof = (await call(conn, ProfileAsk(), Profile, timeout=timeout_s)).profile
-        except Exception:  # a peer that does not answer a profile is not a node of ours (yet): not listed
+        except Exception as exc:  # a peer that does not answer a profile is not a node of ours (yet): not listed
+            log.info("peer %s:%s is not listed: it did not answer a profile (%s: %s)", peer.host, peer.port,
+                     type(exc).__name__, exc)
             return None
         finally:
             await conn.aclose()
@@ -247,15 +249,6 @@ class Discovery:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-    def add_peer(self, text: str) -> Peer:
-        """Add a ``HOST[:PORT]`` peer at run time (the console's "add host"); probed next pass."""
-        from exo_tui.discovery.static import parse_peer
-
-        peer = parse_peer(text, source="peer", default_port=self.node_port)
-        if all(p.key != peer.key for p in self.peers):
-            self.peers.append(peer)
-        return peer
 
     # ------------------------------------------------------------------ foreign / member
 

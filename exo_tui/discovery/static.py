@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exo_tui.discovery.mdns import DEFAULT_NODE_PORT
-from exo_tui.net.address import split_host_port
+from exo_tui.net.address import host_port, split_host_port
 
 ENV_KNOWN_PEERS = "EXO_TUI_KNOWN_PEERS"
 
@@ -30,7 +30,7 @@ class Peer:
 
     @property
     def key(self) -> str:
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bracketed(host: str) -> str:
+    """``host`` as it stands before ``:port`` in an address or a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def host_port(host: str, port: int | str) -> str:
+    """``host:port``, ``[v6]:port`` for an IPv6 address (what :func:`split_host_port` reads back)."""
+    return f"{bracketed(host)}:{port}"
+
+
 def split_host_port(text: str, default_port: int) -> tuple[str, int]:
     """``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address → (host, port).
 

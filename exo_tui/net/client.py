@@ -14,12 +14,13 @@ import ssl
 from collections.abc import Collection
 
 from exo_tui.net import auth
+from exo_tui.net.address import host_port
 from exo_tui.net.connection import MAX_CONCURRENT_CALLS, STREAM_LIMIT, Connection, Handler
 from exo_tui.net.errors import AuthError, ConnectError, HandshakeError
 from exo_tui.net.frame import DEFAULT_LIMITS, Limits
 from exo_tui.net.security import Security
 from exo_tui.net.slot import slot_cookie
-from exo_tui.net.transport import error_text, local_name, peer_identity, start_tls, tune_socket
+from exo_tui.net.transport import error_text, is_tls_alert, local_name, peer_identity, start_tls, tune_socket
 
 
 def _tls_refusal(peer: str, e: BaseException) -> HandshakeError:
@@ -30,7 +31,7 @@ def _tls_refusal(peer: str, e: BaseException) -> HandshakeError:
             "this cluster's CA (another cluster's node, or not a node of ours)"
         )
     if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError):
-        if "alert" in error_text(e):
+        if is_tls_alert(e):
             return AuthError(f"{peer} refused this side's certificate during TLS ({error_text(e)}): it is not from "
                              "that node's cluster CA")
         return HandshakeError(
@@ -53,7 +54,7 @@ async def open_authenticated(
 
     For tools and tests that speak raw bytes; applications use :func:`connect`. Raises like it.
     """
-    peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    peer = host_port(host, port)
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(timeout):
@@ -116,7 +117,7 @@ async def connect(
     reader, writer, name = await open_authenticated(host, port, security=security, timeout=timeout)
     conn = Connection(
         reader, writer, handler=handler, limits=limits,
-        peer=f"[{host}]:{port}" if ":" in host else f"{host}:{port}", peer_name=name,
+        peer=host_port(host, port), peer_name=name,
         max_concurrent_calls=max_concurrent_calls, inline_types=inline_types,
     )
     conn.start()

@@ -13,6 +13,7 @@ import socket
 import ssl
 from typing import Any, cast
 
+from exo_tui.net.address import host_port
 from exo_tui.net.errors import AuthError
 from exo_tui.net.security import Security
 
@@ -58,6 +59,17 @@ def error_text(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+def is_tls_alert(e: ssl.SSLError) -> bool:
+    """Whether the peer ended the TLS handshake with an alert (it refused something of ours, such
+    as our certificate). ``ssl`` raises no type of its own for it: OpenSSL's reason code says it
+    (``TLSV1_ALERT_UNKNOWN_CA``, ``SSLV3_ALERT_BAD_CERTIFICATE``, ``TLSV13_ALERT_CERTIFICATE_REQUIRED``)."""
+    reason = getattr(e, "reason", None) or ""
+    return reason.startswith(TLS_ALERT_REASONS)
+
+
+TLS_ALERT_REASONS = ("SSLV3_ALERT_", "TLSV1_ALERT_", "TLSV13_ALERT_")
+
+
 def local_name(sec: Security) -> str:
     if sec.name == "coordinator":
         return "this coordinator"
@@ -83,8 +95,7 @@ def peer_identity(writer: asyncio.StreamWriter) -> tuple[bytes, str]:
 def format_address(addr: Any) -> str:
     """A socket address as ``host:port`` (``[host]:port`` for IPv6)."""
     if isinstance(addr, tuple) and len(addr) >= 2:
-        host = addr[0]
-        return f"[{host}]:{addr[1]}" if ":" in str(host) else f"{host}:{addr[1]}"
+        return host_port(str(addr[0]), addr[1])
     return str(addr or "?")
 
 

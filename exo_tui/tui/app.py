@@ -142,7 +142,7 @@ class ExoApp(App):
             try:
                 await self._on_stop()
             except Exception:  # the console is quitting: node agents it started exit with it anyway
-                pass
+                log.warning("the cluster did not stop cleanly", exc_info=True)
 
     async def action_quit(self) -> None:
         await self._stop_cluster()

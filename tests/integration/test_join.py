@@ -73,7 +73,7 @@ async def test_node_joins_with_a_token_and_the_token_is_then_spent(tmp_path: Pat
 
 
 async def test_join_token_serve_waits_for_the_node_and_exits(tmp_path: Path) -> None:
-    from exo_tui.discovery.join import fetch_bundle
+    from exo_tui.discovery.join import EndpointUnreachable, fetch_bundle
 
     home = tmp_path / "coordinator"
     home.mkdir(mode=0o700)
@@ -89,9 +89,7 @@ async def test_join_token_serve_waits_for_the_node_and_exits(tmp_path: Path) -> 
             try:
                 bundle = await fetch_bundle(token, name="served", timeout_s=2)
                 break
-            except Exception as exc:
-                if "could not reach" not in str(exc):
-                    raise
+            except EndpointUnreachable:
                 await asyncio.sleep(0.25)
         assert bundle is not None and b'"name": "served"' in bundle
         _out, err = await asyncio.wait_for(proc.communicate(), 30)

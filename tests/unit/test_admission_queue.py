@@ -174,3 +174,37 @@ async def test_a_ring_with_no_memory_for_caches_says_what_to_do() -> None:
     adm = Admission(lambda: 0)
     with pytest.raises(TooLarge, match="larger --memory-limit"):
         await adm.enter(adm.ticket(req(10, 10), 1000))
+
+
+async def test_a_cancel_while_the_first_chunk_is_being_stopped_is_not_swallowed() -> None:
+    """The consumer stops reading before the first chunk; while the stream takes its time to
+    stop, the consumer's task is cancelled: the task ends cancelled, it does not carry on."""
+    notes: asyncio.Queue[int] = asyncio.Queue()
+    stopping, release = asyncio.Event(), asyncio.Event()
+    carried_on = []
+
+    async def chunks():  # noqa: ANN202
+        notes.put_nowait(2)
+        try:
+            await asyncio.Event().wait()  # the first chunk never comes
+        except asyncio.CancelledError:
+            stopping.set()
+            await release.wait()  # a slow stop (a node to tell)
+            raise
+        yield "never"
+
+    async def consume() -> None:
+        stream = with_queue_notes(chunks(), notes)
+        assert await anext(stream) == 2
+        await stream.aclose()  # stop reading: the stream stops its first chunk
+        carried_on.append(True)
+
+    task = asyncio.ensure_future(consume())
+    async with asyncio.timeout(10):
+        await stopping.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(10):
+            await task
+    release.set()
+    assert task.cancelled() and not carried_on

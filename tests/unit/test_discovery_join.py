@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 
 from exo_tui.discovery.join import (
-    JoinError,
+    EndpointUnreachable,
     JoinToken,
+    TokenExpired,
+    TokenInvalid,
     TokenStore,
+    TokenUnknown,
+    TokenUsed,
+    WrongCoordinator,
     create_join_token,
     fetch_bundle,
     join_cluster,
@@ -34,9 +39,9 @@ def test_token_round_trip_and_damage(home: Path) -> None:
     assert text.startswith("exo-join1.")
     assert JoinToken.decode(text) == tok
     assert JoinToken.decode(text[:30] + "\n  " + text[30:]) == tok  # pasted with a line break
-    with pytest.raises(JoinError, match="copy the whole token"):
+    with pytest.raises(TokenInvalid, match="copy the whole token"):
         JoinToken.decode(text[:-20])
-    with pytest.raises(JoinError, match="not an exo-tui join token"):
+    with pytest.raises(TokenInvalid, match="not an exo-tui join token"):
         JoinToken.decode("hello")
     # The store keeps only a hash of the secret, 0600.
     store = home / "join-tokens.json"
@@ -49,9 +54,9 @@ def test_a_token_works_once(home: Path) -> None:
     store = TokenStore(home / "join-tokens.json")
     store.validate(tok.token_id, tok.secret)
     store.consume(tok.token_id, tok.secret, name="pi")
-    with pytest.raises(JoinError, match="already used .* by pi"):
+    with pytest.raises(TokenUsed, match="already used .* by pi"):
         store.consume(tok.token_id, tok.secret, name="pi")
-    with pytest.raises(JoinError, match="already used"):
+    with pytest.raises(TokenUsed, match="already used"):
         store.validate(tok.token_id, tok.secret)
 
 
@@ -59,18 +64,18 @@ def test_expired_wrong_and_unknown_tokens_are_refused(home: Path) -> None:
     now = time.time()
     tok = create_join_token(["127.0.0.1:1"], home=home, ttl_s=60, now=now)
     store = TokenStore(home / "join-tokens.json")
-    with pytest.raises(JoinError, match="expired"):
+    with pytest.raises(TokenExpired, match="expired"):
         store.consume(tok.token_id, tok.secret, now=now + 61)
-    with pytest.raises(JoinError, match="unknown"):
+    with pytest.raises(TokenUnknown, match="unknown"):
         store.consume(tok.token_id, "0" * 32)
-    with pytest.raises(JoinError, match="unknown"):
+    with pytest.raises(TokenUnknown, match="unknown"):
         store.consume("nosuchid", tok.secret)
     store.consume(tok.token_id, tok.secret, now=now + 59)  # still fine just before expiry
     assert store.outstanding() == 0
     t2 = create_join_token(["127.0.0.1:1"], home=home)
     create_join_token(["127.0.0.1:1"], home=home, ttl_s=60, now=time.time() - 3600)  # expired: not counted
     assert store.outstanding() == 1 and store.revoke_all() == 1
-    with pytest.raises(JoinError, match="unknown"):
+    with pytest.raises(TokenUnknown, match="unknown"):
         store.consume(t2.token_id, t2.secret)
 
 
@@ -86,7 +91,7 @@ async def test_join_endpoint_hands_out_a_bundle_once(home: Path, tmp_path: Path)
         assert [(j.name, j.host, j.port) for j in joined] == [("laptop", "127.0.0.1", 52499)]
         Security.from_bundle(bundle)  # usable as a node's security
 
-        with pytest.raises(JoinError, match="already used"):
+        with pytest.raises(TokenUsed, match="already used"):
             await fetch_bundle(tok, name="laptop")
     finally:
         await server.close()
@@ -97,10 +102,10 @@ async def test_join_endpoint_refuses_expired_tokens_even_if_the_client_clock_dis
     try:
         past = time.time() - 7200
         tok = create_join_token([f"127.0.0.1:{server.port}"], home=home, ttl_s=60, now=past)
-        with pytest.raises(JoinError, match="expired"):
+        with pytest.raises(TokenExpired, match="expired"):
             await fetch_bundle(tok, name="x")  # refused here, before connecting
         lying = JoinToken(tok.addresses, tok.token_id, tok.secret, time.time() + 600, tok.fingerprint)
-        with pytest.raises(JoinError, match="refused the token: this join token has expired"):
+        with pytest.raises(TokenExpired, match="refused the token: this join token has expired"):
             await fetch_bundle(lying, name="x")
     finally:
         await server.close()
@@ -113,7 +118,7 @@ async def test_an_impostor_endpoint_never_sees_the_secret(home: Path, tmp_path: 
     impostor = await serve_join("127.0.0.1", 0, home=other)
     try:
         tok = create_join_token([f"127.0.0.1:{impostor.port}"], home=home)
-        with pytest.raises(JoinError, match="not the coordinator's"):
+        with pytest.raises(WrongCoordinator, match="not the coordinator's"):
             await fetch_bundle(tok, name="x")
         TokenStore(home / "join-tokens.json").validate(tok.token_id, tok.secret)  # still unused
         assert impostor.joined == []
@@ -125,7 +130,7 @@ async def test_unreachable_endpoint_says_what_to_check(home: Path) -> None:
     from tests.helpers.sshd import free_port
 
     tok = create_join_token([f"127.0.0.1:{free_port()}"], home=home)
-    with pytest.raises(JoinError, match="could not reach the coordinator's join endpoint"):
+    with pytest.raises(EndpointUnreachable, match="could not reach the coordinator's join endpoint"):
         await fetch_bundle(tok, name="x", timeout_s=2)
 
 

@@ -21,6 +21,7 @@ from exo_tui.discovery import (
     static_peers,
     tailscale_hosts,
 )
+from exo_tui.net.address import bracketed, host_port, split_host_port
 
 
 def test_peer_forms() -> None:
@@ -31,6 +32,14 @@ def test_peer_forms() -> None:
     for bad in ("", "host:0", "host:99999", "host:abc", "[::1", "[::1]x"):
         with pytest.raises(ValueError):
             parse_peer(bad)
+
+
+def test_an_address_is_written_as_it_is_read() -> None:
+    """host:port, [v6]:port: what host_port writes, split_host_port reads back, and a peer's key is it."""
+    for host, port in (("10.0.0.5", 52416), ("mini.local", 6000), ("fe80::1", 7000), ("::1", 1)):
+        assert split_host_port(host_port(host, port), 0) == (host, port)
+    assert host_port("fe80::1", 7000) == "[fe80::1]:7000" and bracketed("::1") == "[::1]" and bracketed("pi") == "pi"
+    assert parse_peer("[fe80::1]:7000").key == "[fe80::1]:7000"
 
 
 def test_static_peers_merge_cli_env_config_without_duplicates() -> None:

@@ -128,3 +128,21 @@ def test_commands_on_a_full_disk_say_what_to_do(tmp_path: Path) -> None:
             assert "Traceback" not in out.stderr, (argv, out.stderr)
             assert "disk" in out.stderr and ("free some space" in out.stderr or "free some disk space" in out.stderr), (argv, out.stderr)
             assert str(disk / "home") in out.stderr, (argv, out.stderr)
+
+
+def test_a_venv_on_a_full_disk_fails_with_its_own_exit_status(tmp_path: Path) -> None:
+    """Bootstrap's venv script says "no space" by its exit status (not by its error's words); a
+    venv it cannot make for another reason (its directory cannot be made) exits otherwise."""
+    from exo_tui.bootstrap.install import NO_SPACE_EXIT, venv_script
+    from exo_tui.bootstrap.remote import RemoteHost
+
+    version = ".".join(str(n) for n in sys.version_info[:3])
+    with small_disk(tmp_path / "disk", size="8m") as disk:
+        host = RemoteHost(data_dir=str(disk / "exo-tui"), python=sys.executable, python_version=version)
+        res = subprocess.run(["sh", "-c", venv_script(host)], capture_output=True, text=True, timeout=300)
+        assert res.returncode == NO_SPACE_EXIT, res.stderr
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    host = RemoteHost(data_dir=str(not_a_dir / "exo-tui"), python=sys.executable, python_version=version)
+    res = subprocess.run(["sh", "-c", venv_script(host)], capture_output=True, text=True, timeout=300)
+    assert res.returncode not in (0, NO_SPACE_EXIT) and "Not a directory" in res.stderr, res

@@ -6,6 +6,8 @@ from textual import on
 from textual.screen import Screen
 from textual.widgets import DataTable, Input
 
+from exo_tui.tui.widgets.tables import selected_row_key
+
 
 class KeyedTable(DataTable):
     """A row-cursor table whose columns are ``COLUMNS`` (key, label) and whose rows have keys."""
@@ -21,12 +23,7 @@ class KeyedTable(DataTable):
 
     @property
     def selected_key(self) -> str | None:
-        if not self.row_count:
-            return None
-        try:
-            return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
-        except Exception:
-            return None
+        return selected_row_key(self)
 
 
 class FilteredScreen(Screen):

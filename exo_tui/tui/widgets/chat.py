@@ -15,6 +15,7 @@ the user scrolls up to read. Errors become notifications and the prompt comes ba
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 
@@ -29,6 +30,8 @@ from textual.worker import Worker
 from exo_tui.cluster.view import ChatChunk, ChatParams
 from exo_tui.tui import keymap
 from exo_tui.tui.widgets.style import theme_style
+
+log = logging.getLogger("exo_tui.tui")
 
 _CHAT_KEYS = {k.id: k for k in keymap.specs("chat")}
 FLUSH_S = 0.1  # the answer on screen trails the tokens by at most this (10 screen updates a second)
@@ -270,11 +273,10 @@ class ChatPane(Vertical):
             try:
                 await agen.aclose()
             except Exception:  # the answer has ended either way; its error, if any, is shown below
-                pass
-        try:
-            answer.finish(dark=app.current_theme.dark)
-        except Exception:  # the chat was closed while the answer ended: nothing left to show it in
+                log.warning("the answer's stream failed as it closed", exc_info=True)
+        if not answer.is_attached:  # the chat was closed while the answer ended: nothing left to show it in
             return
+        answer.finish(dark=app.current_theme.dark)
         if error:
             answer.status.update(Text(f"✗ {error}", style=theme_style(app, "error")))
             self.notify(f"The answer failed: {error}", title="Chat", severity="error", timeout=8)

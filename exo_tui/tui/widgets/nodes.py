@@ -23,6 +23,7 @@ from exo_tui.tui.format import (
     short,
 )
 from exo_tui.tui.widgets.style import theme_style
+from exo_tui.tui.widgets.tables import selected_row_key
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("mark", " "),
@@ -95,12 +96,7 @@ class NodesTable(DataTable):
 
     @property
     def selected_node_id(self) -> str | None:
-        if not self.row_count:
-            return None
-        try:
-            return self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value
-        except Exception:  # the rows are being replaced: no node is selected for this moment
-            return None
+        return selected_row_key(self)
 
     def targets(self) -> tuple[str, ...]:
         """The marked nodes, or the selected one."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.style import Style
 from textual.app import App
-from textual.color import Color
+from textual.color import Color, ColorParseError
 
 
 def theme_color(app: App, var: str) -> Color:
@@ -12,7 +12,7 @@ def theme_color(app: App, var: str) -> Color:
     value = variables.get(var) or variables.get("foreground", "white")
     try:
         color = Color.parse(value)
-    except Exception:  # a variable like "auto 60%": fall back to the muted foreground
+    except ColorParseError:  # a variable like "auto 60%": fall back to the muted foreground
         color = Color.parse(variables.get("foreground-muted", variables.get("foreground", "white")))
     if color.a < 1:
         color = Color.parse(variables.get("background", "black")) + color
