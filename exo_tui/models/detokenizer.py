@@ -36,9 +36,6 @@ class StreamingDetokenizer:
                 piece = piece[1:]
         return self._decoder.decode(piece)
 
-    def add_many(self, token_ids: list[int]) -> str:
-        return "".join(self.add(i) for i in token_ids)
-
     def flush(self) -> str:
         """The end of the stream: bytes still held (an unfinished character) come out as U+FFFD."""
         return self._decoder.decode(b"", final=True)

@@ -189,12 +189,6 @@ class GGUFModel:
             return None
         return value if isinstance(value, np.ndarray) else np.asarray(value)
 
-    def _required(self, key: str) -> Any:
-        value = self.field(key)
-        if value is None:
-            raise ModelFileError(f"{self.path} lacks metadata {key}: the file is incomplete or not a model of a family exo-tui runs")
-        return value
-
     @cached_property
     def config(self) -> ModelConfig:
         def shape(name: str) -> tuple[int, ...] | None:

@@ -253,11 +253,6 @@ class KVBudget:
         }
 
 
-def shard_position_bytes(n_kv_heads: int, head_dim: int, start: int, end: int, value_bytes: int) -> int:
-    """Bytes one position of a request's cache takes on a shard of layers ``[start, end)``."""
-    return bytes_per_position(end - start, n_kv_heads, head_dim, value_bytes)
-
-
 def shard_cost(n_kv_heads: int, head_dim: int, start: int, end: int, value_bytes: int, ring_layers: int = 0,
                window: int = 0) -> ShardCost:
     """:class:`ShardCost` of a shard of layers ``[start, end)`` of which ``ring_layers`` keep

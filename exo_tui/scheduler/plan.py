@@ -51,10 +51,6 @@ class Predictions:
     def node(self, node_id: str) -> NodePrediction | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
-    @property
-    def memory_per_node(self) -> dict[str, int]:
-        return {n.node_id: n.memory_bytes for n in self.nodes}
-
 
 @dataclass(frozen=True)
 class Plan:

@@ -29,7 +29,7 @@ timeout makes it 0. A node is eligible when it is not drained or failed and its 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
@@ -275,7 +275,3 @@ def score_nodes(
         work = work_for_model(work, ps)
     weights = dynamic_weights(config, state or cluster_state(ps))
     return {p.node_id: score_node(p, work, weights, config, now) for p in ps}
-
-
-def eligible_ids(scores: Mapping[str, NodeScore]) -> list[str]:
-    return [n for n, s in scores.items() if s.eligible]

@@ -6,15 +6,8 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from exo_tui.cluster.view import ClusterSnapshot, PlanPreview
+from exo_tui.cluster.view import PlanPreview
 from exo_tui.events import Event
-
-
-@dataclass
-class SnapshotRefreshed(Message):
-    """A new picture of the cluster to render."""
-
-    snapshot: ClusterSnapshot
 
 
 @dataclass
