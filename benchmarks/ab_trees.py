@@ -91,8 +91,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import numpy as np
 
+    from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
-    from exo_tui.models.registry import resolve_model
 
     path = resolve_model(args.model)
     vocab = GGUFModel(path).config.vocab_size

@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.onnx import ONNXBackend  # noqa: E402
+from exo_tui.models.catalog import resolve_model  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
-from exo_tui.models.registry import resolve_model  # noqa: E402
 
 
 def capacity_of(shard) -> int:

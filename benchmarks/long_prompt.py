@@ -39,7 +39,7 @@ async def _ttft(c, tokens: list[int]) -> float:  # noqa: ANN001
 async def run(args: argparse.Namespace, home: Path) -> None:
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
-    from exo_tui.models.registry import resolve_model
+    from exo_tui.models.catalog import resolve_model
 
     c = Coordinator(model=str(resolve_model(None)), local_nodes=args.nodes, local_backends=["onnx"], config=Config(),
                     home=home, persist=False, strategy="even")

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.base import Shard  # noqa: E402
 from backends.onnx import ONNXBackend, physical_cores  # noqa: E402
+from exo_tui.models.catalog import resolve_model  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
-from exo_tui.models.registry import resolve_model  # noqa: E402
 
 
 @dataclass

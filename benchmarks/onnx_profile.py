@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--against", default=None, help="a second model: per op type, what the first costs beyond it")
     args = ap.parse_args()
     from benchmarks.single_node import _bench_model
-    from exo_tui.models.registry import resolve_model
+    from exo_tui.models.catalog import resolve_model
 
     folder = Path(tempfile.mkdtemp(prefix="exo-onnx-profile-"))  # every session's profile, kept
     results = []

@@ -53,8 +53,8 @@ def _connect(port: int) -> socket.socket:
 def _node(start: int, end: int, listener: socket.socket, next_port: int, ready: mp.synchronize.Event) -> None:
     """One shard: read a step, run it, send the hidden state (or the greedy token) on."""
     from backends import get_backend
+    from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
-    from exo_tui.models.registry import resolve_model
 
     model = GGUFModel(resolve_model())
     shard = get_backend("onnx").load_shard(model.config, model.shard_weights(start, end))
@@ -133,8 +133,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
+    from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
-    from exo_tui.models.registry import resolve_model
 
     layers = GGUFModel(resolve_model()).config.n_layers
     counts = [int(v) for v in args.nodes.split(",")]

@@ -216,7 +216,7 @@ def _model_names(model: str | None) -> list[str | None]:
 
 
 def _model_path(name: str | None) -> Path:
-    from exo_tui.models.registry import resolve_model
+    from exo_tui.models.catalog import resolve_model
 
     return _bench_model(name[len("bench:"):]) if name and name.startswith("bench:") else resolve_model(name)
 

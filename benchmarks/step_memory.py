@@ -74,8 +74,8 @@ def main() -> None:
         ort.SessionOptions = Options
 
     from backends.onnx import ONNXBackend
+    from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
-    from exo_tui.models.registry import resolve_model
 
     with tempfile.TemporaryDirectory() as tmp:  # the random model's file goes once its shard is loaded
         if args.big_model_shape:

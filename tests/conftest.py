@@ -34,7 +34,7 @@ def tiny_model(tiny_models: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    from exo_tui.models.registry import resolve_model
+    from exo_tui.models.catalog import resolve_model
 
     return resolve_model()
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.view import Action, ModelChoice, PlanPreview
 from exo_tui.models import catalog
+from exo_tui.models.catalog import resolve_model
 from exo_tui.models.gguf_file import ModelFileError
-from exo_tui.models.registry import resolve_model
 from exo_tui.models.spec import spec_from_gguf
 from exo_tui.scheduler.diff import ChangePreview, preview_change
 from exo_tui.scheduler.spec import ModelSpec

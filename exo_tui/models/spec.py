@@ -72,7 +72,7 @@ def resolve_spec(name_or_path: str | os.PathLike[str] | None, context_length: in
         except ValueError as exc:
             raise ModelFileError(str(exc)) from exc
         return dataclasses.replace(spec, context_length=context_length or served_context(spec.context_length, context_limit))
-    from exo_tui.models.registry import resolve_model
+    from exo_tui.models.catalog import resolve_model
 
     path = resolve_model(text)
     return spec_from_gguf(Path(path), context_length, context_limit=context_limit)

@@ -248,9 +248,9 @@ def test_the_default_model_on_a_node_that_holds_two_answers(tmp_path: Path) -> N
     """The same on the real default model, smaller: six answers at once on a node whose limit
     holds two or three (the room its load needs beside the model leaves its caches a little more
     than two); every one is its solo answer, the node stays under its limit above its baseline."""
+    from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
     from exo_tui.models.model import Model
-    from exo_tui.models.registry import resolve_model
     from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
 
     model = resolve_model(None)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from exo_tui.models import catalog
+from exo_tui.models.catalog import resolve_model
 from exo_tui.models.gguf_file import ModelFileError
 from exo_tui.models.model import Model
-from exo_tui.models.registry import resolve_model
 from tests.model_store import Store, build_store
 
 

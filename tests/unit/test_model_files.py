@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from backends.base import QuantizedWeight, dense
+from exo_tui.models.catalog import resolve_model
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, tensor_from_raw
 from exo_tui.models.gguf_header import GGUFFormatError, GGUFHeader
-from exo_tui.models.registry import resolve_model
 from tests.conftest import WEIGHT_TYPES
 from tests.factory import write_tiny_llama
 

@@ -24,7 +24,7 @@ import ctypes, gc, hashlib, json, sys
 import onnxruntime, numpy  # imported before the baseline, as in a node
 import exo_tui.node.host as host_module
 from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.models.registry import resolve_model
+from exo_tui.models.catalog import resolve_model
 
 mode, start, end = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if mode == "keep":
