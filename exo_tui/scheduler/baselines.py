@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from exo_tui.scheduler.context import _Ctx
-from exo_tui.scheduler.dp import _dp, _dp_any, _ordered
+from exo_tui.scheduler.context import PlanContext
+from exo_tui.scheduler.dp import dp_split, dp_split_any, ordered_ring
 from exo_tui.scheduler.profile import DeviceProfile
 
 # ------------------------------------------------------------------------------- strategies
@@ -84,7 +84,7 @@ def _proportional(total: int, weight: Mapping[str, float], cap: Mapping[str, int
     return alloc
 
 
-def _memory_targets(ctx: _Ctx, cands: Sequence[str]) -> dict[str, float]:
+def _memory_targets(ctx: PlanContext, cands: Sequence[str]) -> dict[str, float]:
     spec = ctx.spec
     pinned = sum(p.end - p.start for p in ctx.pins)
     free_layers = spec.n_layers - pinned
@@ -99,12 +99,12 @@ def _memory_targets(ctx: _Ctx, cands: Sequence[str]) -> dict[str, float]:
         weight[drop] = 0.0
 
 
-def _memory_shards(ctx: _Ctx, cands: Sequence[str]) -> list[tuple[str, int, int]] | None:
+def memory_split(ctx: PlanContext, cands: Sequence[str]) -> list[tuple[str, int, int]] | None:
     pinned = sorted({p.node_id for p in ctx.pins})
     if not cands:
-        return _dp(ctx, [], "dev", {})
+        return dp_split(ctx, [], "dev", {})
     targets = _memory_targets(ctx, cands)
-    seq = [n for n in _ordered(ctx, list(cands) + pinned) if n not in pinned]
+    seq = [n for n in ordered_ring(ctx, list(cands) + pinned) if n not in pinned]
     if not ctx.pins:
         # The program's optimum is the targets themselves when they fit in this order (cost 0):
         # lay them out and check each shard exactly before running it.
@@ -116,4 +116,4 @@ def _memory_shards(ctx: _Ctx, cands: Sequence[str]) -> list[tuple[str, int, int]
                 pos += k
         if pos == ctx.spec.n_layers and all(ctx.need(n, s, e) <= ctx.usable[n] for n, s, e in out):
             return out
-    return _dp_any(ctx, seq, "dev", targets)
+    return dp_split_any(ctx, seq, "dev", targets)

@@ -1,6 +1,6 @@
 """What every part of the partitioner reads: a cluster's numbers for one model, and its errors.
 
-:class:`_Ctx` holds, per node, the memory it may use, its seconds per layer, its backend and its
+:class:`PlanContext` holds, per node, the memory it may use, its seconds per layer, its backend and its
 KV bytes per layer, with the model's spec, the pins and caches of ring orders and predictions.
 """
 
@@ -38,7 +38,7 @@ def gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
 
 
-def _ms(s: float) -> str:
+def ms_text(s: float) -> str:
     return f"{s * 1000:.1f} ms"
 
 
@@ -46,7 +46,7 @@ def _ms(s: float) -> str:
 
 
 @dataclass
-class _Ctx:
+class PlanContext:
     spec: ModelSpec
     profiles: dict[str, DeviceProfile]
     usable: dict[str, int]
@@ -95,9 +95,9 @@ class _Ctx:
         return index, lat, bw
 
 
-def _make_ctx(
+def make_context(
     profiles: Mapping[str, DeviceProfile], spec: ModelSpec, config: SchedulerConfig, constraints: Constraints
-) -> _Ctx:
+) -> PlanContext:
     rr = config.resource_reservation
     usable, t, head_t, backend, kv = {}, {}, {}, {}, {}
     head_layers = spec.head_bytes / spec.mean_layer_bytes
@@ -108,6 +108,6 @@ def _make_ctx(
         t[nid] = p.layer_s(spec, backend[nid])
         head_t[nid] = t[nid] * head_layers
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
-    return _Ctx(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
+    return PlanContext(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
                 m, min(constraints.prompt_tokens, max(1, spec.context_length - 1)),  # a prompt the context holds
                 spec.activation_bytes_per_token)

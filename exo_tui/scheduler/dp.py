@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from exo_tui.scheduler.context import TOKEN_BYTES, _Ctx
+from exo_tui.scheduler.context import TOKEN_BYTES, PlanContext
 from exo_tui.scheduler.order import ring_order
 from exo_tui.scheduler.plan import Pin
 from exo_tui.scheduler.spec import ModelSpec
@@ -20,7 +20,8 @@ from exo_tui.scheduler.spec import ModelSpec
 
 
 @lru_cache(maxsize=64)
-def _prefix(spec: ModelSpec) -> np.ndarray:
+def layer_weight_prefix(spec: ModelSpec) -> np.ndarray:
+    """Cumulative layer weights (bytes over the mean layer's), 0 first: ``p[b] - p[a]`` weighs ``[a, b)``."""
     w = np.array(spec.layers, dtype=np.float64) / spec.mean_layer_bytes
     return np.concatenate([[0.0], np.cumsum(w)])
 
@@ -45,7 +46,7 @@ def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int, backend: str 
     """The ranges' matrices, their bytes as ``backend``'s shards hold them (None: the file's)."""
     L = spec.n_layers
     held = spec.held_bytes(backend)
-    W = _prefix(spec)
+    W = layer_weight_prefix(spec)
     e = np.arange(L + 1)[:, None]
     n = np.arange(L + 1)[None, :]
     start = e - n
@@ -78,8 +79,8 @@ def _mats(spec: ModelSpec, pins: tuple[Pin, ...], min_layers: int, backend: str 
 # ------------------------------------------------------------------------------- the dynamic program
 
 
-def _dp(
-    ctx: _Ctx,
+def dp_split(
+    ctx: PlanContext,
     seq: Sequence[str],
     mode: str,
     targets: Mapping[str, float] | None = None,
@@ -100,7 +101,7 @@ def _dp(
     """
     spec = ctx.spec
     L = spec.n_layers
-    if mode == "sum" and not skip and not ctx.pins and cap is None and _uniform(spec):
+    if mode == "sum" and not skip and not ctx.pins and cap is None and uniform_layers(spec):
         return _fill_fastest(ctx, seq)
     mats = _mats(spec, ctx.pins, ctx.min_layers)
     inf = np.inf
@@ -108,7 +109,7 @@ def _dp(
     cur[0] = 0.0
     ends = np.arange(L + 1)
     steps: list[tuple[str, str, np.ndarray]] = []
-    W = _prefix(spec)
+    W = layer_weight_prefix(spec)
     pin_cost = {}
     for p in ctx.pins:
         c = ctx.t[p.node_id] * float(W[p.end] - W[p.start]) + (ctx.head_t[p.node_id] if p.end == L else 0.0)
@@ -204,11 +205,12 @@ def _dp(
 
 
 @lru_cache(maxsize=64)
-def _uniform(spec: ModelSpec) -> bool:
+def uniform_layers(spec: ModelSpec) -> bool:
+    """Whether every layer of ``spec`` has the same bytes."""
     return len(set(spec.layers)) == 1
 
 
-def _fill_fastest(ctx: _Ctx, seq: Sequence[str]) -> list[tuple[str, int, int]] | None:
+def _fill_fastest(ctx: PlanContext, seq: Sequence[str]) -> list[tuple[str, int, int]] | None:
     """The latency split of equal layers over ``seq`` in this order, every node used.
 
     With the order fixed, the hops are fixed and each layer costs its node's seconds per layer,
@@ -242,14 +244,14 @@ def _fill_fastest(ctx: _Ctx, seq: Sequence[str]) -> list[tuple[str, int, int]] |
     return out
 
 
-def _dp_any(
-    ctx: _Ctx, seq: Sequence[str], mode: str, targets: Mapping[str, float] | None = None, close: bool = True
+def dp_split_any(
+    ctx: PlanContext, seq: Sequence[str], mode: str, targets: Mapping[str, float] | None = None, close: bool = True
 ) -> list[tuple[str, int, int]] | None:
-    """:func:`_dp` on ``seq``; if nothing fits in that order, on its rotations and reversal (the
+    """:func:`dp_split` on ``seq``; if nothing fits in that order, on its rotations and reversal (the
     first and last shards carry the embedding and the head, so the order can decide whether a
     split fits): starting at the roomiest node, then (up to :data:`ROTATE_MAX` nodes) every
     rotation and reversal, then (up to :data:`PERMUTE_MAX` nodes) every order."""
-    out = _dp(ctx, seq, mode, targets, close=close)
+    out = dp_split(ctx, seq, mode, targets, close=close)
     if out is not None or len(seq) < 2:
         return out
     seq = list(seq)
@@ -267,7 +269,7 @@ def _dp_any(
         if tuple(order) in tried:
             continue
         tried.add(tuple(order))
-        out = _dp(ctx, order, mode, targets, close=close)
+        out = dp_split(ctx, order, mode, targets, close=close)
         if out is not None:
             return out
     return None
@@ -277,14 +279,14 @@ PERMUTE_MAX = 5
 ROTATE_MAX = 12
 
 
-def _cost_matrix(ctx: _Ctx, ids: Sequence[str]) -> np.ndarray:
+def _cost_matrix(ctx: PlanContext, ids: Sequence[str]) -> np.ndarray:
     index, lat, bw = ctx.links
     ix = np.array([index[n] for n in ids])
     cost: np.ndarray = lat[np.ix_(ix, ix)] + ctx.act_bytes / bw[np.ix_(ix, ix)]
     return cost
 
 
-def _ordered(ctx: _Ctx, ids: Sequence[str]) -> list[str]:
+def ordered_ring(ctx: PlanContext, ids: Sequence[str]) -> list[str]:
     """``ids`` in ring order, starting after the costliest hop (the closing hop carries only a
     token id). Memoised per planning call."""
     ids = sorted(ids)

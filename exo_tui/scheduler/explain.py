@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.context import MEMORY_HEADROOM, TOKEN_BYTES, InfeasiblePlan, _Ctx, _ms, gb
+from exo_tui.scheduler.context import MEMORY_HEADROOM, TOKEN_BYTES, InfeasiblePlan, PlanContext, gb, ms_text
 from exo_tui.scheduler.plan import Pin, Predictions
 from exo_tui.scheduler.profile import DeviceProfile
 
 # ------------------------------------------------------------------------------- checks and errors
 
 
-def _check_pins(ctx: _Ctx, eligible: set[str], excluded: Mapping[str, str]) -> None:
+def check_pins(ctx: PlanContext, eligible: set[str], excluded: Mapping[str, str]) -> None:
     L = ctx.spec.n_layers
     seen: dict[str, Pin] = {}
     for p in ctx.pins:
@@ -55,7 +55,7 @@ def _check_pins(ctx: _Ctx, eligible: set[str], excluded: Mapping[str, str]) -> N
             f"{ctx.min_layers}: move the pins or lower the minimum", "min_layers_per_shard")
 
 
-def _free_ranges(ctx: _Ctx) -> list[tuple[int, int]]:
+def _free_ranges(ctx: PlanContext) -> list[tuple[int, int]]:
     out, pos = [], 0
     for p in ctx.pins:
         if p.start > pos:
@@ -66,7 +66,7 @@ def _free_ranges(ctx: _Ctx) -> list[tuple[int, int]]:
     return out
 
 
-def _reserve_text(config: SchedulerConfig, profiles: Sequence[DeviceProfile]) -> str:
+def reserve_text(config: SchedulerConfig, profiles: Sequence[DeviceProfile]) -> str:
     """What the free memory of ``profiles`` is after: the reserves, or their --memory-limit."""
     rr = config.resource_reservation
     reserves = (f"reserves ({rr.system_reserved_ram:g} GB RAM, {rr.system_reserved_vram:g} GB VRAM, "
@@ -79,7 +79,7 @@ def _reserve_text(config: SchedulerConfig, profiles: Sequence[DeviceProfile]) ->
     return f"after {reserves}"
 
 
-def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) -> InfeasiblePlan:
+def explain_no_fit(ctx: PlanContext, cands: Sequence[str], config: SchedulerConfig) -> InfeasiblePlan:
     spec = ctx.spec
     free = _free_ranges(ctx)
     # at the smallest KV cache and weights any candidate keeps: if even those do not fit, nothing does
@@ -94,7 +94,7 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
         what = "the model" if not ctx.pins else "the unpinned layers"
         return InfeasiblePlan(
             f"{what} needs {gb(need)} (weights plus a KV cache of {gb(kv)} for {spec.context_length} tokens) but the "
-            f"eligible nodes have {gb(have)} free {_reserve_text(config, [ctx.profiles[n] for n in cands])}: needs {gb(need - have)} more{largest_text}. "
+            f"eligible nodes have {gb(have)} free {reserve_text(config, [ctx.profiles[n] for n in cands])}: needs {gb(need - have)} more{largest_text}. "
             "Add a node, free memory, or serve a shorter context (--context, models.context_length).", "memory",
             need - have)
     # Enough bytes in total, but not in whole layers per node (or in the minimum shard size).
@@ -121,8 +121,8 @@ def _explain_no_fit(ctx: _Ctx, cands: Sequence[str], config: SchedulerConfig) ->
 MAX_NODE_REASONS = 6
 
 
-def _reasons(
-    ctx: _Ctx,
+def plan_reasons(
+    ctx: PlanContext,
     shards: Sequence[tuple[str, int, int]],
     strategy: str,
     elig: Sequence[str],
@@ -166,7 +166,7 @@ def _reasons(
         if strategy == "throughput":
             node_reasons.append(f"{n} left unused: with it the slowest stage would not get shorter")
         elif delta > 0:
-            node_reasons.append(f"{n} left unused: adding it would slow one stream by {_ms(delta)}/token")
+            node_reasons.append(f"{n} left unused: adding it would slow one stream by {ms_text(delta)}/token")
         else:
             node_reasons.append(f"{n} left unused by the {strategy} split")
     for n, why in sorted(excluded.items()):

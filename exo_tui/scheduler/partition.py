@@ -38,22 +38,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.baselines import _memory_shards, exo_ring_shards
 from exo_tui.scheduler.baselines import exo_map_partitions as exo_map_partitions  # re-exported
 from exo_tui.scheduler.baselines import exo_ring_partitions as exo_ring_partitions  # re-exported
-from exo_tui.scheduler.context import STRATEGIES, InfeasiblePlan, _Ctx, _make_ctx, gb
-from exo_tui.scheduler.dp import _dp, _dp_any, _ordered
-from exo_tui.scheduler.explain import _check_pins, _explain_no_fit, _reasons, _reserve_text
+from exo_tui.scheduler.baselines import exo_ring_shards, memory_split
+from exo_tui.scheduler.context import STRATEGIES, InfeasiblePlan, PlanContext, gb, make_context
+from exo_tui.scheduler.dp import dp_split, dp_split_any, ordered_ring
+from exo_tui.scheduler.explain import check_pins, explain_no_fit, plan_reasons, reserve_text
 from exo_tui.scheduler.plan import Constraints, Plan, PlanShard
-from exo_tui.scheduler.prediction import _predict, _predict_cached
 from exo_tui.scheduler.prediction import predict as predict  # re-exported
+from exo_tui.scheduler.prediction import predict_cached, predict_shards
 from exo_tui.scheduler.profile import DeviceProfile
 from exo_tui.scheduler.score import NodeScore, score_nodes
 from exo_tui.scheduler.search import (
     LOCAL_SEARCH_MAX_NODES,
-    _latency_shortlist,
-    _local_search,
-    _throughput_candidates,
+    latency_shortlist,
+    local_search,
+    throughput_candidates,
 )
 from exo_tui.scheduler.spec import ModelSpec
 
@@ -115,12 +115,12 @@ def make_plan(
     if strategy not in STRATEGIES:
         raise InfeasiblePlan(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}", "strategy")
     ps = {p.node_id: p for p in profiles}
-    ctx = _make_ctx(ps, spec, config, constraints)
+    ctx = make_context(ps, spec, config, constraints)
     elig, scores, excluded = eligible_nodes(ps.values(), spec, config, constraints, now, scores)
     if not elig:
         why = "; ".join(f"{n}: {r}" for n, r in sorted(excluded.items())) or "the cluster has no nodes"
         raise InfeasiblePlan(f"no node can take layers ({why}): add a node, undrain one, or check heartbeats", "eligibility")
-    _check_pins(ctx, set(elig), excluded)
+    check_pins(ctx, set(elig), excluded)
     pinned = {p.node_id for p in ctx.pins}
     cands = [n for n in elig if n not in pinned]
 
@@ -141,29 +141,29 @@ def make_plan(
             over = max(plan.predictions.nodes, key=lambda n: n.memory_bytes - n.usable_bytes)
             raise InfeasiblePlan(
                 f"exo-ring puts {gb(over.memory_bytes)} on {over.node_id}, which has {gb(over.usable_bytes)} free "
-                f"{_reserve_text(config, [ctx.profiles[over.node_id]])} (over by {gb(over.memory_bytes - over.usable_bytes)}): exo splits by total "
+                f"{reserve_text(config, [ctx.profiles[over.node_id]])} (over by {gb(over.memory_bytes - over.usable_bytes)}): exo splits by total "
                 "memory alone; use the memory or latency strategy", "memory", over.memory_bytes - over.usable_bytes)
         return plan
 
-    memory_shards = _memory_shards(ctx, cands)
+    memory_shards = memory_split(ctx, cands)
     if memory_shards is None:
-        raise _explain_no_fit(ctx, cands, config)
+        raise explain_no_fit(ctx, cands, config)
     if strategy == "memory":
         return _finish(ctx, memory_shards, "memory", version, elig, excluded, config)
 
     candidates = [memory_shards]
     if not ctx.pins:
         exo = exo_ring_shards([ps[n] for n in elig], spec.n_layers)
-        exo_pred = _predict(ctx, exo) if exo else None
+        exo_pred = predict_shards(ctx, exo) if exo else None
         if exo_pred and exo_pred.fits_memory and all(e - s >= ctx.min_layers for _, s, e in exo):
             candidates.append(exo)
-    seq = [n for n in _ordered(ctx, cands + sorted(pinned)) if n not in pinned]
+    seq = [n for n in ordered_ring(ctx, cands + sorted(pinned)) if n not in pinned]
 
     def latency_key(sh: Sequence[tuple[str, int, int]]) -> float:
-        return _predict_cached(ctx, sh).decode_s_per_token
+        return predict_cached(ctx, sh).decode_s_per_token
 
     def throughput_key(sh: Sequence[tuple[str, int, int]]) -> tuple[float, float]:
-        pr = _predict_cached(ctx, sh)
+        pr = predict_cached(ctx, sh)
         return (round(1.0 / pr.tok_per_s_saturated, 12), pr.decode_s_per_token)
 
     key: Callable[[Sequence[tuple[str, int, int]]], float | tuple[float, float]]
@@ -171,12 +171,12 @@ def make_plan(
     if strategy == "latency":
         # Over all nodes the first stage is not known, so the token's way back is left out;
         # over the nodes that pass chose, in their own ring order, it is counted.
-        first = _dp_any(ctx, _latency_shortlist(ctx, seq), "sum", close=False)
+        first = dp_split_any(ctx, latency_shortlist(ctx, seq), "sum", close=False)
         if first is not None:
             candidates.append(first)
             used = sorted({n for n, _, _ in first} - pinned)
-            seq2 = [n for n in _ordered(ctx, used + sorted(pinned)) if n not in pinned]
-            second = _dp(ctx, seq2, "sum", skip=False) or _dp(ctx, seq2, "sum")
+            seq2 = [n for n in ordered_ring(ctx, used + sorted(pinned)) if n not in pinned]
+            second = dp_split(ctx, seq2, "sum", skip=False) or dp_split(ctx, seq2, "sum")
             if second is not None:
                 candidates.append(second)
         if not ctx.pins:  # the fastest node that holds the whole model alone: no hops at all
@@ -184,17 +184,17 @@ def make_plan(
             if alone and spec.n_layers >= ctx.min_layers:
                 candidates.append([(min(alone, key=lambda n: (ctx.t[n], n)), 0, spec.n_layers)])
         if len(cands) <= LOCAL_SEARCH_MAX_NODES:
-            candidates.append(_local_search(ctx, min(candidates, key=latency_key), cands, pinned, latency_key, "sum"))
+            candidates.append(local_search(ctx, min(candidates, key=latency_key), cands, pinned, latency_key, "sum"))
     else:
-        bound = _dp_any(ctx, seq, "max")
+        bound = dp_split_any(ctx, seq, "max")
         if bound is not None:
-            candidates.extend(_throughput_candidates(ctx, bound, pinned))
+            candidates.extend(throughput_candidates(ctx, bound, pinned))
             used = sorted({n for n, _, _ in bound} - pinned)
-            seq2 = [n for n in _ordered(ctx, used + sorted(pinned)) if n not in pinned]
+            seq2 = [n for n in ordered_ring(ctx, used + sorted(pinned)) if n not in pinned]
             if seq2 != seq:
-                bound2 = _dp(ctx, seq2, "max")
+                bound2 = dp_split(ctx, seq2, "max")
                 if bound2 is not None:
-                    candidates.extend(_throughput_candidates(ctx, bound2, pinned))
+                    candidates.extend(throughput_candidates(ctx, bound2, pinned))
 
     best_shards = min(candidates, key=key)
     kept = _keepable(ctx, current, elig) if current is not None else None
@@ -212,7 +212,7 @@ def _objective(key: float | tuple[float, float]) -> float:
     return key[0] if isinstance(key, tuple) else key
 
 
-def _keepable(ctx: _Ctx, current: Plan, elig: Sequence[str]) -> list[tuple[str, int, int]] | None:
+def _keepable(ctx: PlanContext, current: Plan, elig: Sequence[str]) -> list[tuple[str, int, int]] | None:
     """The serving plan's shards, if a plan could still be made of them: the same model (a
     :class:`Plan` covers its layers in order), every node eligible and in it once, every pin where
     it asks, each unpinned shard at least ``min_layers`` and everything within memory. Else None."""
@@ -225,11 +225,11 @@ def _keepable(ctx: _Ctx, current: Plan, elig: Sequence[str]) -> list[tuple[str, 
         return None
     if any(e - s < ctx.min_layers and (n, s, e) not in pinned for n, s, e in shards):
         return None
-    return shards if _predict_cached(ctx, shards).fits_memory else None
+    return shards if predict_cached(ctx, shards).fits_memory else None
 
 
 def _finish(
-    ctx: _Ctx,
+    ctx: PlanContext,
     shards: Sequence[tuple[str, int, int]],
     strategy: str,
     version: int,
@@ -238,7 +238,7 @@ def _finish(
     config: SchedulerConfig,
 ) -> Plan:
     pinned = {p.node_id for p in ctx.pins}
-    pred = _predict_cached(ctx, shards)
+    pred = predict_cached(ctx, shards)
     plan_shards = tuple(PlanShard(n, s, e, ctx.backend[n], n in pinned) for n, s, e in shards)
-    reasons = _reasons(ctx, shards, strategy, elig, excluded, pred)
+    reasons = plan_reasons(ctx, shards, strategy, elig, excluded, pred)
     return Plan(ctx.spec.name, ctx.spec.n_layers, plan_shards, strategy, version, pred, tuple(reasons))

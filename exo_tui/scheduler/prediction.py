@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.context import TOKEN_BYTES, _Ctx, _make_ctx
-from exo_tui.scheduler.dp import _prefix
+from exo_tui.scheduler.context import TOKEN_BYTES, PlanContext, make_context
+from exo_tui.scheduler.dp import layer_weight_prefix
 from exo_tui.scheduler.plan import Constraints, NodePrediction, PlanShard, Predictions
 from exo_tui.scheduler.profile import DeviceProfile
 from exo_tui.scheduler.spec import ModelSpec
@@ -27,13 +27,13 @@ def predict(
 ) -> Predictions:
     """The predictions of a ring of shards (in order) on these profiles."""
     config = config or SchedulerConfig()
-    ctx = _make_ctx(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens))
-    return _predict(ctx, [(s.node_id, s.start, s.end) if isinstance(s, PlanShard) else (s[0], s[1], s[2]) for s in shards])
+    ctx = make_context(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens))
+    return predict_shards(ctx, [(s.node_id, s.start, s.end) if isinstance(s, PlanShard) else (s[0], s[1], s[2]) for s in shards])
 
 
-def _predict(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
+def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> Predictions:
     spec = ctx.spec
-    W = _prefix(spec)
+    W = layer_weight_prefix(spec)
     L = spec.n_layers
     P = max(1, ctx.prompt_tokens)
     nodes = []
@@ -71,8 +71,8 @@ def _predict(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
     )
 
 
-def _predict_cached(ctx: _Ctx, shards: Sequence[tuple[str, int, int]]) -> Predictions:
+def predict_cached(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> Predictions:
     key = tuple((n, a, b) for n, a, b in shards)
     if key not in ctx.predictions:
-        ctx.predictions[key] = _predict(ctx, shards)
+        ctx.predictions[key] = predict_shards(ctx, shards)
     return ctx.predictions[key]

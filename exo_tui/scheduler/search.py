@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from exo_tui.scheduler.context import TOKEN_BYTES, _Ctx
-from exo_tui.scheduler.dp import _dp, _prefix, _uniform
+from exo_tui.scheduler.context import TOKEN_BYTES, PlanContext
+from exo_tui.scheduler.dp import dp_split, layer_weight_prefix, uniform_layers
 
 LOCAL_SEARCH_MAX_NODES = 12  # clusters this small also get the local search below
 LOCAL_SEARCH_BUDGET = 80
@@ -19,8 +19,8 @@ LOCAL_SEARCH_ROTATE_MAX = 5  # rings this short are also tried from every starti
 LOCAL_SEARCH_MOVE_MAX = 8  # rings this short also try moving each node to every other place
 
 
-def _local_search(
-    ctx: _Ctx,
+def local_search(
+    ctx: PlanContext,
     start: Sequence[tuple[str, int, int]],
     cands: Sequence[str],
     pinned: set[str],
@@ -36,7 +36,7 @@ def _local_search(
     t = ctx.t
     # orders tried, in all rounds: bounds the decision time (equal layers without pins take the
     # exact greedy split, which is cheap; otherwise each order runs the program)
-    fast = mode == "sum" and not ctx.pins and _uniform(ctx.spec)
+    fast = mode == "sum" and not ctx.pins and uniform_layers(ctx.spec)
     budget = LOCAL_SEARCH_BUDGET if fast else LOCAL_SEARCH_BUDGET_SLOW
     for _ in range(LOCAL_SEARCH_ROUNDS):
         seq = [n for n, _, _ in best if n not in pinned]
@@ -61,11 +61,11 @@ def _local_search(
             budget -= 1
             if budget < 0:
                 return best
-            found = _dp(ctx, order, mode, skip=False)
+            found = dp_split(ctx, order, mode, skip=False)
             if found is None:
                 continue
             if mode == "max":
-                options = _throughput_candidates(ctx, found, pinned)
+                options = throughput_candidates(ctx, found, pinned)
             else:
                 options = [found]
             for sh in options:
@@ -80,7 +80,7 @@ def _local_search(
 SHORTLIST_MIN = 16
 
 
-def _latency_shortlist(ctx: _Ctx, seq: Sequence[str]) -> list[str]:
+def latency_shortlist(ctx: PlanContext, seq: Sequence[str]) -> list[str]:
     """For one stream, the nodes worth the program's time on a large cluster: the fastest ones
     that can hold a shard, until they could hold the model 1.5 times over (at least
     :data:`SHORTLIST_MIN`), and the four roomiest; in ``seq``'s order."""
@@ -99,19 +99,19 @@ def _latency_shortlist(ctx: _Ctx, seq: Sequence[str]) -> list[str]:
     return [n for n in seq if n in keep]
 
 
-def _throughput_candidates(
-    ctx: _Ctx, bound: list[tuple[str, int, int]], pinned: set[str]
+def throughput_candidates(
+    ctx: PlanContext, bound: list[tuple[str, int, int]], pinned: set[str]
 ) -> list[list[tuple[str, int, int]]]:
     """The min-max plan, and the fastest single stream among plans with no slower stage."""
     order = [n for n, _, _ in bound if n not in pinned]
-    best = _dp(ctx, order, "sum", cap=_dp_stage_cap(ctx, order, bound))
+    best = dp_split(ctx, order, "sum", cap=_dp_stage_cap(ctx, order, bound))
     return [bound] + ([best] if best is not None else [])
 
 
-def _dp_stage_cap(ctx: _Ctx, seq: Sequence[str], bound: Sequence[tuple[str, int, int]]) -> float:
+def _dp_stage_cap(ctx: PlanContext, seq: Sequence[str], bound: Sequence[tuple[str, int, int]]) -> float:
     """The DP's own (approximate) slowest stage of ``bound``, to constrain the second pass."""
     spec = ctx.spec
-    W = _prefix(spec)
+    W = layer_weight_prefix(spec)
     L = spec.n_layers
     pinned = {p.node_id for p in ctx.pins}
     n = len(seq)
