@@ -9,22 +9,20 @@ server may add.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.cluster.view import (
     ClusterSnapshot,
-    HostView,
-    LayerMove,
-    LinkView,
-    NodeView,
     PlanPreview,
     PlanView,
-    QueueView,
-    ShardView,
 )
 
 if TYPE_CHECKING:
@@ -59,71 +57,74 @@ def event_to_dict(event: ev.Event) -> dict[str, Any]:
     return out
 
 
-def _build(cls: type[_T], data: dict[str, Any]) -> _T:
-    """A dataclass from its JSON form: lists become tuples where the field is a tuple, unknown keys
-    are ignored, and missing keys take the field's default."""
+@functools.cache
+def _adapter(cls: type[_T]) -> TypeAdapter[_T]:
+    return TypeAdapter(cls)
+
+
+def _takes_none(hint: Any) -> bool:
+    return hint is Any or hint is type(None) or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint))
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass a field holds, itself or as the items of a tuple (None: neither)."""
+    for tp in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            return tp
+    return None
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[str, bool, type | None], ...]:
+    """Each init field of the dataclass ``cls``: its name, whether a null in it is stray (it takes
+    none and has a default to fall back on), and the dataclass it holds (None: none)."""
     hints = typing.get_type_hints(cls)
-    kwargs = {}
+    out = []
     for f in dataclasses.fields(cls):
-        if f.name not in data or not f.init:
+        if f.init:
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            out.append((f.name, has_default and not _takes_none(hints[f.name]), _dataclass_in(hints[f.name])))
+    return tuple(out)
+
+
+def _stray_nulls_dropped(cls: type, data: Any) -> Any:
+    """``data`` for the dataclass ``cls`` without the nulls its fields do not take (a non-finite
+    float is written as null): such a field takes its default. Nested dataclasses alike."""
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for name, stray_null, inner in _fields(cls):
+        if name not in data or (data[name] is None and stray_null):
             continue
-        value = data[f.name]
-        hint = str(hints.get(f.name, ""))
-        if isinstance(value, list) and "tuple" in hint:
-            value = tuple(value)
-        elif isinstance(value, dict) and "tuple[float" in hint:  # history: metric -> values
-            value = {k: tuple(v) for k, v in value.items()}
-        kwargs[f.name] = value
-    return cls(**kwargs)
+        value = data[name]
+        if inner is not None and isinstance(value, list):
+            value = [_stray_nulls_dropped(inner, v) for v in value]
+        elif inner is not None:
+            value = _stray_nulls_dropped(inner, value)
+        out[name] = value
+    return out
 
 
-def _node_from_dict(d: dict[str, Any]) -> NodeView:
-    node = _build(NodeView, d)
-    return dataclasses.replace(
-        node,
-        layers=tuple(d["layers"]) if d.get("layers") else None,
-        pinned=tuple(d["pinned"]) if d.get("pinned") else None,
-        history={k: tuple(v) for k, v in (d.get("history") or {}).items()},
-    )
+def _build(cls: type[_T], data: dict[str, Any]) -> _T:
+    """A dataclass from its JSON form, by pydantic's TypeAdapter: lists become the tuples its
+    fields declare, nested dataclasses are built, unknown keys are ignored and missing keys take
+    the field's default (a null its field does not take too)."""
+    adapter: TypeAdapter[_T] = _adapter(cls)
+    return adapter.validate_python(_stray_nulls_dropped(cls, data))
 
 
 def plan_from_dict(d: dict[str, Any] | None) -> PlanView | None:
-    if not d:
-        return None
-    plan = _build(PlanView, d)
-    return dataclasses.replace(plan, shards=tuple(_build(ShardView, s) for s in d.get("shards", ())))
+    return _build(PlanView, d) if d else None
 
 
 def snapshot_from_dict(d: dict[str, Any]) -> ClusterSnapshot:
-    return ClusterSnapshot(
-        name=d.get("name", ""),
-        model=d.get("model", ""),
-        nodes=tuple(_node_from_dict(n) for n in d.get("nodes", ())),
-        links=tuple(_build(LinkView, x) for x in d.get("links", ())),
-        plan=plan_from_dict(d.get("plan")),
-        hosts=tuple(_build(HostView, h) for h in d.get("hosts", ())),
-        tok_per_s=float(d.get("tok_per_s") or 0.0),
-        updated_at=float(d.get("updated_at") or 0.0),
-        readonly=bool(d.get("readonly", False)),
-        sampling=dict(d.get("sampling") or {}),
-        metrics=ClusterFigures.from_dict(d.get("metrics")),
-        queue=_build(QueueView, d["queue"]) if d.get("queue") is not None else None,
-    )
+    snapshot = _build(ClusterSnapshot, {k: v for k, v in d.items() if k != "metrics"})
+    return dataclasses.replace(snapshot, metrics=ClusterFigures.from_dict(d.get("metrics")))
 
 
 def preview_from_dict(d: dict[str, Any]) -> PlanPreview:
-    return PlanPreview(
-        action=d.get("action", ""),
-        targets=tuple(d.get("targets", ())),
-        moves=tuple(_build(LayerMove, m) for m in d.get("moves", ())),
-        bytes_moved=int(d.get("bytes_moved") or 0),
-        tok_per_s_before=float(d.get("tok_per_s_before") or 0.0),
-        tok_per_s_after=float(d.get("tok_per_s_after") or 0.0),
-        new_plan=plan_from_dict(d.get("new_plan")),
-        error=d.get("error") or "",
-        note=d.get("note") or "",
-        layers=(int(d["layers"][0]), int(d["layers"][1])) if d.get("layers") else None,
-    )
+    return _build(PlanPreview, d)
 
 
 def _event_classes() -> dict[str, type[ev.Event]]:
@@ -147,5 +148,5 @@ def event_from_dict(d: dict[str, Any]) -> ev.Event | None:
         return None
     try:
         return _build(cls, d)
-    except TypeError:
+    except ValidationError:
         return None

@@ -207,3 +207,13 @@ def test_server_serves_and_stops(idle: Coordinator) -> None:
             return r.status_code
 
     assert asyncio.run(run()) == 200
+
+
+def test_a_null_where_a_field_takes_none_takes_its_default() -> None:
+    """A non-finite float is written as null: read back, a field that takes no null has its default."""
+    data = to_jsonable(PlanPreview("rebalance", (), tok_per_s_before=float("inf"), new_plan=PLAN))
+    assert data["tok_per_s_before"] is None
+    data["new_plan"]["shards"][0]["weight_bytes"] = None
+    back = preview_from_dict(data | {"from_a_newer_server": 1})
+    assert back.tok_per_s_before == 0.0 and back.new_plan.shards[0].weight_bytes == 0
+    assert back.new_plan.shards == tuple(back.new_plan.shards) and back.action == "rebalance"
