@@ -12,11 +12,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from textual import work
 from textual.app import App, ScreenStackError, SystemCommand
 from textual.css.query import NoMatches
+from textual.dom import DOMNode
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Input
 
@@ -61,6 +62,13 @@ GLOBAL_ACTIONS = frozenset(k.action for k in keymap.specs("global"))
 
 log = logging.getLogger("exo_tui.tui")
 
+
+
+@runtime_checkable
+class Restyles(Protocol):
+    """A widget that redraws itself in the theme's colours."""
+
+    def restyle(self) -> None: ...
 
 class ExoApp(App):
     """``control`` is the cluster; ``on_start``/``on_stop`` (optional) start and stop it on this
@@ -256,7 +264,7 @@ class ExoApp(App):
         return True
 
     def _focused_scope(self) -> str:
-        node = self.screen.focused
+        node: DOMNode | None = self.screen.focused
         while node is not None:
             scope = getattr(node, "HELP_SCOPE", None)
             if scope:
@@ -316,7 +324,8 @@ class ExoApp(App):
                 self.notify(f"Could not save the theme: {exc}", severity="warning")
         if self.main_screen is not None and self.main_screen.is_mounted:
             for widget in self.main_screen.query("NodesTable, EventsLog, PartitionBar, Topology, ClusterHeader, ClusterStrip"):
-                widget.restyle()
+                if isinstance(widget, Restyles):
+                    widget.restyle()
         if self.snapshot is not None:
             self._render_screens(self.snapshot)
 
@@ -327,14 +336,14 @@ class ExoApp(App):
         if screen.maximized is not None:
             screen.minimize()
             return
-        node = screen.focused
+        node: DOMNode | None = screen.focused
         panes = (NodesTable, ChatPane, EventsLog)
         while node is not None and not isinstance(node, panes):
             node = node.parent
-        if node is not None:
+        if isinstance(node, panes):
             screen.maximize(node, container=False)
 
-    def action_back(self) -> None:
+    async def action_back(self) -> None:
         if len(self.screen_stack) > 2 or (self.screen is not self.main_screen and len(self.screen_stack) > 1):
             self.pop_screen()
         elif self.main_screen is not None and self.main_screen.maximized is not None:
@@ -449,7 +458,7 @@ class ExoApp(App):
         if action == Action.MODEL:
             self._preview(Command(Action.MODEL, model=targets[0]))
         else:
-            self._preview(Command(action, targets, layers))
+            self._preview(Command(Action.of(action), targets, layers))
 
     def request_pin_layers(self, node: Any) -> None:
         """Ask for a range of layers (inclusive, as the table shows them) to pin to ``node``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 # Scopes: where a key works. "global" keys work on the main screen whatever pane has focus
 # (unless a text input takes the key).
@@ -127,7 +127,7 @@ def specs(scope: str) -> tuple[KeySpec, ...]:
     return tuple(k for k in KEYS if k.scope == scope)
 
 
-def bindings(scope: str) -> list[Binding]:
+def bindings(scope: str) -> list[BindingType]:
     """The ``BINDINGS`` of the widget or screen that serves ``scope``."""
     return [k.binding() for k in specs(scope)]
 

@@ -28,7 +28,7 @@ async def test_a_load_shows_each_node_s_progress_then_returns_to_the_chat(make_a
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmChange))
         assert app.screen.preview.targets == ("llama3.2:1b",) and app.screen.preview.bytes_moved > 0
         await pilot.press("y")
-        await wait_until(pilot, lambda: picker.loading == "llama3.2:1b" and len(picker.progress) == 1)
+        await wait_until(pilot, lambda: picker.loading_model == "llama3.2:1b" and len(picker.progress) == 1)
         text = plain(picker.query_one("#model-detail"))
         assert "loading llama3.2:1b" in text and "mac-studio" in text and "134.6 MB / 269.2 MB" in text
         for _ in range(5):  # the other half of the first node, then the other two nodes

@@ -80,8 +80,8 @@ class HostsScreen(FilteredScreen):
                 table.move_cursor(row=keys.index(selected), animate=False)
         else:
             for h in hosts:
-                for (col, _), cell in zip(HOST_COLUMNS, self._cells(h), strict=True):
-                    table.update_cell(h.host, col, cell, update_width=True)
+                for (col, _label), shown in zip(HOST_COLUMNS, self._cells(h), strict=True):
+                    table.update_cell(h.host, col, shown, update_width=True)
         table.border_title = f"Hosts [{len(hosts)}]" + (f" · /{self.filter_text}" if self.filter_text else "")
         self.render_progress()
 

@@ -44,7 +44,7 @@ class ModelsScreen(FilteredScreen):
         super().__init__()
         self.choices: list[ModelChoice] | None = None  # None: still looking
         self.error = ""
-        self.loading: str | None = None  # the model being loaded from here
+        self.loading_model: str | None = None  # the model being loaded from here
         self.progress: dict[str, tuple[str, int, int]] = {}  # node id -> (what, done bytes, total bytes)
 
     def compose(self) -> ComposeResult:
@@ -151,11 +151,11 @@ class ModelsScreen(FilteredScreen):
         box = self.query_one("#model-detail", Static)
         muted = theme_style(app, "foreground-muted")
         t = Text()
-        if self.loading is not None:
-            box.border_title = f"Loading {self.loading}"
-            t.append(f"loading {self.loading} across the cluster", theme_style(app, "warning", bold=True))
+        if self.loading_model is not None:
+            box.border_title = f"Loading {self.loading_model}"
+            t.append(f"loading {self.loading_model} across the cluster", theme_style(app, "warning", bold=True))
             for node_id, (what, done, total) in sorted(self.progress.items()):
-                name = app.node_name(node_id) if hasattr(app, "node_name") else node_id  # type: ignore[attr-defined]
+                name = app.node_name(node_id) if hasattr(app, "node_name") else node_id
                 t.append(f"\n {name:<16} ", theme_style(app, "foreground", bold=True))
                 if total:
                     share = done / total
@@ -193,7 +193,7 @@ class ModelsScreen(FilteredScreen):
 
     def on_load_event(self, event: ev.Event) -> None:
         """A node's load progress (ShardProgress, NodeStateChanged) while a model loads from here."""
-        if self.loading is None:
+        if self.loading_model is None:
             return
         if isinstance(event, ev.ShardProgress):
             self.progress[event.node_id] = (f"layers {event.start}–{event.end - 1}", event.done_bytes, event.total_bytes)
@@ -202,12 +202,12 @@ class ModelsScreen(FilteredScreen):
         self.render_detail()
 
     def load_started(self, name: str) -> None:
-        self.loading, self.progress = name, {}
+        self.loading_model, self.progress = name, {}
         self.render_detail()
 
     def load_finished(self, error: str = "") -> None:
         """The load ended without the switch (the app shows ``error``): the list again, planned afresh."""
-        self.loading = None
+        self.loading_model = None
         self.action_reload()
 
     @on(DataTable.RowHighlighted)
@@ -232,8 +232,8 @@ class ModelsScreen(FilteredScreen):
         if not c.usable:
             self.notify(f"{c.name} cannot run here: {c.reason}", title="Model", severity="warning", timeout=10)
             return
-        if self.loading is not None:
-            self.notify(f"{self.loading} is loading: wait for it to finish.", severity="warning")
+        if self.loading_model is not None:
+            self.notify(f"{self.loading_model} is loading: wait for it to finish.", severity="warning")
             return
         self.app.request_change("model", (c.name,))  # type: ignore[attr-defined]
 

@@ -10,9 +10,11 @@ The strip re-renders only when its figures changed: idle, it costs the console n
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from rich.style import Style
 from rich.text import Text
-from textual.app import ComposeResult
+from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widget import Widget
 
@@ -33,13 +35,13 @@ def fmt_share(x: float | None) -> str:
     return "—" if x is None else f"{x * 100:.0f}%"
 
 
-def figure_lines(app: object, f: ClusterFigures, names: dict[str, str]) -> list[list[Text]]:
+def figure_lines(app: App[Any], f: ClusterFigures, names: dict[str, str]) -> list[list[Text]]:
     """The strip's figures: two rows of (label, value) items."""
     muted = theme_style(app, "foreground-muted")
     plain = theme_style(app, "foreground")
     rows: list[list[Text]] = [[]]
 
-    def item(label: str, value: str, style: object = plain) -> None:
+    def item(label: str, value: str, style: Style = plain) -> None:
         t = Text()
         t.append(f"{label} ", muted)
         t.append(value, style)
@@ -217,7 +219,7 @@ class ClusterStrip(Vertical):
             self.query_one(f"#strip-{k}", Spark).set(values)
 
 
-def node_lines(app: object, f: ClusterFigures | None, node_id: str, names: dict[str, str]) -> Text:
+def node_lines(app: App[Any], f: ClusterFigures | None, node_id: str, names: dict[str, str]) -> Text:
     """A node's measured figures, for its detail view: its stage and share of each token,
     sensors, and its links' probes."""
     muted = theme_style(app, "foreground-muted")
@@ -254,7 +256,7 @@ def node_lines(app: object, f: ClusterFigures | None, node_id: str, names: dict[
     return t
 
 
-def measured_vs_predicted(app: object, snapshot: object) -> Text:
+def measured_vs_predicted(app: App[Any], snapshot: object) -> Text:
     """`` · measured X tok/s`` beside a plan's prediction: the scheduler's accuracy, live."""
     f: ClusterFigures | None = getattr(snapshot, "metrics", None)
     plan = getattr(snapshot, "plan", None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.text import Text
+from textual.events import Resize
 from textual.widgets import RichLog
 
 from exo_tui import events as ev
@@ -94,7 +95,7 @@ class EventsLog(RichLog):
         self.border_title = "Events"
         self._logged: list[tuple[ev.Event, dict[str, str]]] = []
 
-    def on_resize(self) -> None:
+    def on_resize(self, event: Resize) -> None:
         if self._logged:
             self.restyle()
 

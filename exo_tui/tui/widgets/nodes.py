@@ -7,6 +7,7 @@ undrain act on the marked set, or on the selected node when nothing is marked.
 
 from __future__ import annotations
 
+from rich.console import JustifyMethod
 from rich.text import Text
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey
@@ -186,7 +187,7 @@ class NodesTable(DataTable):
             style = theme_style(app, "foreground")
         if (node.node_id, col) in self._changed:
             style = style + theme_style(app, "accent", bold=True, reverse=True)
-        justify = "right" if col in {"cpu", "tok_s", "hb", "memory"} else "left"
+        justify: JustifyMethod = "right" if col in {"cpu", "tok_s", "hb", "memory"} else "left"
         return Text(value, style=style, justify=justify)
 
     # ------------------------------------------------------------------ actions
