@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from exo_tui.config import load_yaml  # noqa: E402
 from exo_tui.scheduler import (  # noqa: E402
     Constraints,
     InfeasiblePlan,
@@ -196,7 +196,7 @@ def versus_optimum(n_cases: int) -> list[float]:
 def examples() -> list[tuple[str, str, float, float, float, float, bool]]:
     out = []
     for path in sorted((ROOT / "examples" / "clusters").glob("*.yaml")):
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
         profiles = profiles_from_cluster(data)
         for model in ("synthetic:1b", "synthetic:8b", "synthetic:70b"):
             spec = synthetic_spec(model)

@@ -17,9 +17,11 @@ Environment overrides (applied after the file):
 * ``EXO_TUI_KNOWN_PEERS=host:port,host:port`` → ``network.discovery.known_peers``
 * ``EXO_TUI_API_KEY=...`` → ``network.api.key``
 * the general scheme ``EXO_TUI__SECTION__KEY=value`` (double underscores between the parts of the
-  dotted key, case-insensitive), e.g. ``EXO_TUI__SCHEDULER__PARTITION__STRATEGY=throughput``; the
-  value is read as YAML (``true``, ``3``, ``0.5``, ``[a, b]``).
+  dotted key, case-insensitive), e.g. ``EXO_TUI__SCHEDULER__PARTITION__STRATEGY=throughput``,
+  gathered by pydantic-settings; the value is read as YAML (``true``, ``3``, ``0.5``, ``[a, b]``).
 
+YAML is read and written with ruamel.yaml alone (YAML 1.2: ``yes`` and ``on`` are strings, a key
+given twice is an error): :func:`load_yaml` and :func:`dump_yaml` for every reader of the project.
 :func:`save_config` writes changed values back with ruamel.yaml's round trip, so the rest of the
 file (other keys, their order, comments) stays as the operator wrote it.
 """
@@ -36,10 +38,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
-from ruamel.yaml import YAML
+from pydantic_settings import BaseSettings, EnvSettingsSource
+from ruamel.yaml import YAML, YAMLError
 from ruamel.yaml.comments import CommentedMap
 
 ENV_CONFIG = "EXO_TUI_CONFIG"
@@ -51,6 +61,25 @@ GB = 1024**3
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key and what is allowed."""
+
+
+def _safe_yaml() -> YAML:
+    y = YAML(typ="safe", pure=True)
+    y.default_flow_style = False
+    y.representer.sort_base_mapping_type_on_output = False  # keys in the order they were given
+    return y
+
+
+def load_yaml(text: str) -> Any:
+    """The data of a YAML document (plain dicts, lists, scalars); :class:`YAMLError` if it is not YAML."""
+    return _safe_yaml().load(text)
+
+
+def dump_yaml(data: Any) -> str:
+    """``data`` as a YAML document, block style, keys in their order."""
+    out = io.StringIO()
+    _safe_yaml().dump(data, out)
+    return out.getvalue()
 
 
 # ------------------------------------------------------------------------------- schema
@@ -373,8 +402,8 @@ def _read_yaml(p: Path) -> dict[str, Any]:
     if not p.exists():
         return {}
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
+        data = load_yaml(p.read_text(encoding="utf-8"))
+    except YAMLError as exc:
         raise ConfigError(f"config file {p} is not valid YAML ({exc}): fix the file or delete it") from exc
     except OSError as exc:
         raise ConfigError(f"config file {p} cannot be read ({exc}): check its permissions") from exc
@@ -397,17 +426,46 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Dotted key → value from the ``EXO_TUI_*`` environment variables."""
-    env = os.environ if env is None else env
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in sorted(env):
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def _env_value(name: str, value: Any) -> Any:
+    """A variable's value as YAML text says it (pydantic-settings has read what is JSON already)."""
+    if not isinstance(value, str):
+        return value
+    if value == "":
+        return None
+    try:
+        return load_yaml(value)
+    except YAMLError as exc:
+        raise ConfigError(f"environment variable {name} is not a valid value ({exc})") from exc
+
+
+def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Dotted key → value from the ``EXO_TUI_*`` environment variables. pydantic-settings gathers
+    the ``EXO_TUI__SECTION__KEY`` ones into sections; a variable for a section the config does not
+    have is kept, so that validation names it as an unknown key."""
+    env = os.environ if env is None else env
+    fields: dict[str, Any] = {name: (dict[str, Any], {}) for name in Config.model_fields}
+    sections = create_model("EnvSections", __base__=BaseSettings, **fields)
+    source = EnvSettingsSource(sections, case_sensitive=False, env_prefix=ENV_PREFIX, env_nested_delimiter="__")
+    source.env_vars = {name.lower(): value for name, value in env.items()}
+    nested = dict(source())
+    for name in env:
         if name.upper().startswith(ENV_PREFIX):
-            dotted = ".".join(p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p)
-            try:
-                out[dotted] = yaml.safe_load(env[name]) if env[name] != "" else None
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"environment variable {name} is not a valid value ({exc})") from exc
+            section = name[len(ENV_PREFIX):].split("__", 1)[0].lower()
+            if section not in Config.model_fields:
+                nested[name[len(ENV_PREFIX):].lower().replace("__", ".")] = env[name]
+    out = {dotted: _env_value(f"{ENV_PREFIX}{dotted.upper().replace('.', '__')}", value)
+           for dotted, value in sorted(_flatten(nested).items())}
     peers = env.get("EXO_TUI_KNOWN_PEERS")
     if peers is not None:
         out["network.discovery.known_peers"] = [p.strip() for p in peers.split(",") if p.strip()]
@@ -448,11 +506,11 @@ def save_config(
     Config.from_dict(data)  # validate the whole result
     text = _edit_yaml_text(text, changes)
     try:
-        edited_ok = (yaml.safe_load(text) or {}) == data
-    except yaml.YAMLError:
+        edited_ok = (load_yaml(text) or {}) == data
+    except YAMLError:
         edited_ok = False
-    if not edited_ok:  # the round trip wrote something PyYAML reads otherwise (YAML 1.1's yes/no): rewrite
-        text = yaml.safe_dump(data, sort_keys=False)
+    if not edited_ok:  # the round trip wrote something that reads otherwise: write the data plainly
+        text = dump_yaml(data)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
@@ -482,4 +540,4 @@ def _edit_yaml_text(text: str, changes: Mapping[str, Any]) -> str:
 
 def default_config_yaml() -> str:
     """The defaults as YAML text (for ``exo-tui config --defaults`` or docs)."""
-    return yaml.safe_dump(Config().to_dict(), sort_keys=False)
+    return dump_yaml(Config().to_dict())

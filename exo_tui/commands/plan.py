@@ -48,9 +48,9 @@ def _fail(args: argparse.Namespace, message: str, code: int, **extra: Any) -> in
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
+    from ruamel.yaml import YAMLError
 
-    from exo_tui.config import ConfigError, load_config
+    from exo_tui.config import ConfigError, load_config, load_yaml
     from exo_tui.models.gguf_file import ModelFileError
     from exo_tui.models.spec import resolve_spec
     from exo_tui.scheduler import Constraints, InfeasiblePlan, Pin, make_plan, score_nodes
@@ -62,10 +62,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(args, str(exc), 2)
     path = Path(args.cluster)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except OSError as exc:
         return _fail(args, f"cannot read cluster file {path}: {exc.strerror or exc}; see examples/clusters/", 2)
-    except yaml.YAMLError as exc:
+    except YAMLError as exc:
         return _fail(args, f"cluster file {path} is not valid YAML: {exc}", 2)
     try:
         profiles = profiles_from_cluster(data, now=0.0)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
 import pytest
-import yaml
 
 from exo_tui.config import (
     Config,
@@ -16,6 +16,7 @@ from exo_tui.config import (
     default_config_yaml,
     env_overrides,
     load_config,
+    load_yaml,
     save_config,
 )
 
@@ -69,13 +70,13 @@ def env(tmp_path: Path) -> dict[str, str]:
 def test_defaults_are_those_of_the_spec(env: dict[str, str]) -> None:
     cfg = load_config(env=env)
     d = cfg.to_dict()
-    spec = yaml.safe_load(SPEC_DEFAULTS)
+    spec = load_yaml(SPEC_DEFAULTS)
     for section in ("scheduler", "network", "resources"):
         assert d[section] == spec[section]
     assert cfg.ui.theme == "exo-dark"
     assert cfg.cluster.name == socket.gethostname().split(".")[0]
     assert Config.from_dict(spec).to_dict()["scheduler"] == d["scheduler"]
-    assert yaml.safe_load(default_config_yaml())["scheduler"] == spec["scheduler"]
+    assert load_yaml(default_config_yaml())["scheduler"] == spec["scheduler"]
 
 
 def test_locations(tmp_path: Path) -> None:
@@ -149,6 +150,25 @@ def test_bad_env_values_are_errors_naming_the_key(env: dict[str, str]) -> None:
         load_config(env=env | {"EXO_TUI_KNOWN_PEERS": "nohost"})
     with pytest.raises(ConfigError, match="unknown config key scheduler.nope"):
         load_config(env=env | {"EXO_TUI__SCHEDULER__NOPE": "1"})
+
+
+def test_env_values_are_yaml_and_unknown_sections_are_named(env: dict[str, str]) -> None:
+    got = env_overrides(env | {"exo_tui__network__discovery__known_peers": "[a:1, b:2]", "EXO_TUI__UI__THEME": "",
+                               "EXO_TUI__SCHEDULER__SCORING__RESOURCE_WEIGHT": "0.5", "EXO_TUI__BOGUS__X": "1"})
+    assert got == {"network.discovery.known_peers": ["a:1", "b:2"], "ui.theme": None,
+                   "scheduler.scoring.resource_weight": 0.5, "bogus.x": 1}
+    with pytest.raises(ConfigError, match="unknown config key bogus in the top level"):
+        load_config(env=env | {"EXO_TUI__BOGUS__X": "1"})
+
+
+def test_the_file_is_yaml_1_2_and_a_key_given_twice_is_an_error(tmp_path: Path, env: dict[str, str]) -> None:
+    p = tmp_path / "config.yaml"
+    p.write_text("scheduler:\n  load_balancing:\n    auto_rebalance: yes\n")
+    with pytest.raises(ConfigError, match="auto_rebalance is 'yes'; it must be true or false"):
+        load_config(p, env=env)
+    p.write_text("ui:\n  theme: nord\nui:\n  theme: exo-light\n")
+    with pytest.raises(ConfigError, match=rf"(?s)config file {re.escape(str(p))} is not valid YAML .*duplicate key"):
+        load_config(p, env=env)
 
 
 def test_save_changes_only_the_given_keys_and_keeps_comments(tmp_path: Path, env: dict[str, str]) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from exo_tui.cli import main
+from exo_tui.config import load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples" / "clusters").glob("*.yaml"))
@@ -41,9 +42,8 @@ def test_examples_plan_and_latency_beats_exo_ring(capsys: pytest.CaptureFixture[
     assert set(cmp) == {"latency", "throughput", "memory", "exo-ring"}
     assert cmp["latency"]["tok_per_s_single"] >= cmp["exo-ring"]["tok_per_s_single"]
     assert cmp["latency"]["single_vs_exo_ring"] >= 1.0
-    import yaml
 
-    ids = {n["id"] for n in yaml.safe_load(cluster.read_text())["nodes"]}
+    ids = {n["id"] for n in load_yaml(cluster.read_text())["nodes"]}
     assert set(out["scores"]) == ids
     assert all(set(s["parts"]) == {"vram_fit", "cpu", "ram", "device_type", "performance", "load_balance", "network"}
                for s in out["scores"].values())
