@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.inference.speculative import Draft, Verdict
 
 if TYPE_CHECKING:
     from exo_tui.cluster.pipeline import RemotePipeline
@@ -335,6 +336,18 @@ class AdmittedRunner:
                 if self.admission.alone(self.ticket):
                     raise  # nothing else holds memory it could wait for
                 await self._preempt(request, need)
+
+    async def verify(self, request: Request, start: int, draft: Draft) -> tuple[Verdict, list[TokenLogprobs] | None]:
+        """A verify step, its drafted positions reserved like any others; where they find no room
+        (in the reservation, or on a node), a plain step instead: drafts are never worth a wait."""
+        need = request.n_tokens + len(draft)
+        if need <= self.ticket.reserved or self.admission.grow(self.ticket, need):
+            try:
+                return await self.pipeline.verify(request, start, draft)
+            except KVBudgetExceeded:
+                pass  # the caches were given back: the plain step rebuilds them
+        token, logprobs = await self.step(request, start)
+        return Verdict((token,), 0, 0), None if logprobs is None else [logprobs]
 
     async def _preempt(self, request: Request, need: int) -> None:
         await self.pipeline.evict(request)

@@ -59,6 +59,7 @@ from exo_tui.cluster.view import (
 from exo_tui.config import Config, load_config
 from exo_tui.inference.generate import Chunk, GenerationError, generate
 from exo_tui.inference.request import Request
+from exo_tui.inference.speculation import Speculation
 from exo_tui.models.model import Model
 from exo_tui.models.spec import served_context, spec_from_gguf
 from exo_tui.net.address import split_host_port
@@ -109,6 +110,9 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.pins: dict[str, Pin] = {}
         self.drained: set[str] = set()
         self.retry_limit = self.config.scheduler.fault_tolerance.task_retry_limit
+        # Speculative decoding for requests that do not say (exo_tui.inference.speculation):
+        # off, auto or a fixed number of drafted tokens; ``exo-tui serve --speculative``.
+        self.speculative: str | int = "auto"
         self.pipeline = RemotePipeline(self)
         self.pipeline.window = lambda: self.model.config.at_context(self.context_length).ring_window if self.model is not None else 0
         adm = self.config.admission
@@ -326,6 +330,9 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         self.metrics.queue_wait(time.monotonic() - arrived)
         self._active[request.id] = request
         self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
+        if request.speculation is None:
+            mode = request.speculative if request.speculative is not None else self.speculative
+            request.speculation = Speculation.for_request(mode, request.predicted)
         chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,
                           context_length=self.context_length)
         try:
@@ -346,7 +353,10 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
         assert self.model is not None
         sampling = params.sampling(self.model.sampling).with_seed()
-        return Request(self.model.chat_prompt_ids(messages), sampling, params.max_tokens, tuple(params.stop))
+        predicted = self.model.tokenizer.encode(params.prediction, add_special=False, parse_special=False) \
+            if params.prediction else None
+        return Request(self.model.chat_prompt_ids(messages), sampling, params.max_tokens, tuple(params.stop),
+                       speculative=params.speculative, predicted=predicted)
 
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
         request = self.new_request(messages, params)
@@ -378,8 +388,10 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
                 nodes=nodes, error=error,
             )
             self.events.publish(done)
+        stats = request.speculation.stats if request.speculation is not None else None
         yield ChatChunk(
             finish_reason=finish or "stop", prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.generated),
+            drafted_tokens=stats.drafted if stats else 0, accepted_tokens=stats.accepted if stats else 0,
             ttft_s=request.ttft_s, tok_per_s=request.decode_tok_per_s, nodes=nodes, error=error,
         )
 

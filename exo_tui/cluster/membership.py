@@ -17,6 +17,7 @@ from typing import Any
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.parts import CoordinatorParts
+from exo_tui.cluster.pipeline import verdict_from_wire
 from exo_tui.cluster.view import Action, Command, HostView
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
@@ -240,10 +241,12 @@ class Membership(CoordinatorParts):
                     if frame.tensor is None:
                         raise ValueError("a scored token frame came without its scores")
                     scores = scores_from_array(frame.tensor)
+                verdict = None if msg.tokens is None else verdict_from_wire(msg)
             except ValueError as exc:  # the step fails (and is retried); the connection stays
                 self.pipeline.on_step_failed(msg.rid, msg.step, frame.plan, f"node {node_id}: {exc}", node_id)
                 return None
-            self.pipeline.on_token(msg.rid, msg.step, int(frame.plan or 0), msg.token, logprobs, scores, msg.timing)
+            self.pipeline.on_token(msg.rid, msg.step, int(frame.plan or 0), msg.token, logprobs, scores, msg.timing,
+                                   verdict)
         elif isinstance(msg, Heartbeat):
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(msg.metrics)

@@ -38,10 +38,11 @@ from exo_tui.cluster.metrics import StepSample
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.inference.speculative import Draft, Verdict
 from exo_tui.net.codec import call, send
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import ConnectionClosed, RemoteError
-from exo_tui.net.messages import Done, Drop, Forward, ScoreAsk
+from exo_tui.net.messages import Done, Drop, Forward, ScoreAsk, Token
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.timing import HopTiming, timings_from_wire
 
@@ -120,6 +121,24 @@ def _shared_prefix(a: list[int], b: tuple[int, ...]) -> int:
 # What a step gives back: the token, its logprobs (when asked) and the prompt's scores (when asked
 # and the step ran the prompt from its start).
 _Result = tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]
+# What a verify step gives back besides: the tokens kept (the accepted drafts, then the next
+# token), how many drafts were accepted, and each token's logprobs (when asked).
+VerdictReply = tuple[tuple[int, ...], int, list[TokenLogprobs] | None]
+
+
+def verdict_from_wire(msg: Token) -> VerdictReply:
+    """A verify step's token frame's ``tokens``, ``accepted`` and ``listed``; ValueError when
+    they do not fit together."""
+    tokens, accepted, listed = msg.tokens, msg.accepted, msg.listed
+    if not tokens or accepted is None or accepted != len(tokens) - 1 or tokens[-1] != msg.token:
+        raise ValueError(f"a verify step's reply must list the accepted drafts and the next token (accepted + 1 "
+                         f"token ids, the last its token), not tokens={tokens!r:.80} accepted={accepted!r}")
+    lps = None
+    if listed is not None:
+        if len(listed) != len(tokens):
+            raise ValueError("a verify step's listed logprobs must be one for each of its tokens")
+        lps = [TokenLogprobs.from_wire(x) for x in listed]
+    return tuple(tokens), accepted, lps
 
 
 @dataclass
@@ -133,6 +152,7 @@ class _Sent:
     end: int  # the positions its request's caches hold once it has run
     times: tuple[float, float, float | None] = (0.0, 0.0, None)  # sent (monotonic, wall), the coordinator's share
     timer: asyncio.TimerHandle | None = None
+    verdict: VerdictReply | None = None  # a verify step's, once its reply came
 
 
 def _expire(fut: asyncio.Future[Any]) -> None:
@@ -154,8 +174,10 @@ class RemotePipeline:
         # Each step's timing goes to this, when set (the coordinator's metrics).
         self.on_step_timed: Callable[[StepSample], None] | None = None
         self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
+        self._verdicts: dict[tuple[str, int, int], VerdictReply] = {}  # verify steps' replies, by step
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
         self.filled_chunks = 0  # steps that filled a prompt's chunk (_fill_and_run)
+        self.failed_steps = 0  # steps that failed and were tried again
         self._chunk_ids = itertools.count(1)  # a chunk's step id, negated (_send)
         self.most_chunks_in_flight = 0  # the most chunks of one prompt sent and not yet back
         # The model's windowed layers' cache bound (ModelConfig.ring_window; 0: none): a kept
@@ -165,10 +187,13 @@ class RemotePipeline:
     # ------------------------------------------------------------------ frames from nodes
 
     def on_token(self, rid: str, step: int, plan_version: int, token: int, logprobs: TokenLogprobs | None,
-                 scores: list[TokenLogprobs] | None = None, timing: Any = None) -> None:
+                 scores: list[TokenLogprobs] | None = None, timing: Any = None,
+                 verdict: VerdictReply | None = None) -> None:
         fut = self._pending.get((rid, step, plan_version))
         if fut is not None and not fut.done():
             self._timing[(rid, step, plan_version)] = (timings_from_wire(timing), time.monotonic(), time.time())
+            if verdict is not None:
+                self._verdicts[(rid, step, plan_version)] = verdict
             fut.set_result((token, logprobs, scores))
 
     def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None,
@@ -208,6 +233,21 @@ class RemotePipeline:
         self._models[rid] = model
 
     async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
+        token, logprobs, _ = await self._step(request, start, None)
+        return token, logprobs
+
+    async def verify(self, request: Request, start: int, draft: Draft) -> tuple[Verdict, list[TokenLogprobs] | None]:
+        """A verify step (:class:`~exo_tui.inference.generate.Verifier`): the request's last token
+        and ``draft``'s run as one step, the last hop checking them. Where the caches must be
+        rebuilt first (a new plan, a failure), the step is a plain one and the draft waits."""
+        token, logprobs, reply = await self._step(request, start, draft)
+        if reply is None:
+            return Verdict((token,), 0, 0), None if logprobs is None else [logprobs]
+        tokens, accepted, listed = reply
+        return Verdict(tokens, accepted, len(draft)), listed
+
+    async def _step(self, request: Request, start: int,
+                    draft: Draft | None) -> tuple[int, TokenLogprobs | None, VerdictReply | None]:
         attempts = 0
         while True:
             plan = await self.host.plan_ready()
@@ -233,10 +273,15 @@ class RemotePipeline:
             adopted = self._take_kept(request, plan) if may_adopt else None
             if adopted is not None:
                 pos = request.cached_tokens = adopted[1]
+            # drafts run with the last token only: caches to rebuild first take a plain step
+            drafts = draft if draft is not None and pos == request.n_tokens - 1 and adopted is None else None
+            reply: VerdictReply | None = None
             try:
                 try:
                     adopt = adopted[0] if adopted else None
-                    if request.wants_prompt_scores:  # a prompt to score runs whole, as it is scored
+                    if drafts is not None:
+                        (token, logprobs, scores), reply = await self._run_verify(plan, request, pos, drafts)
+                    elif request.wants_prompt_scores:  # a prompt to score runs whole, as it is scored
                         token, logprobs, scores = await self._run(plan, request, pos, adopt)
                     else:
                         token, logprobs, scores = await self._fill_and_run(plan, request, pos, adopt)
@@ -254,6 +299,7 @@ class RemotePipeline:
                     self._cached.pop(request.id, None)
                     raise KVBudgetExceeded(str(exc)) from exc  # admission decides: wait, or fail
                 attempts += 1
+                self.failed_steps += 1
                 failure = exc if isinstance(exc, StepFailure) else StepFailure(str(exc) or type(exc).__name__)
                 log.warning("request %s: step failed on plan %d (%s); attempt %d", request.id, plan.version, failure, attempts)
                 self._cached.pop(request.id, None)
@@ -263,10 +309,12 @@ class RemotePipeline:
                     ) from exc
                 await self.host.step_failed(failure, plan)
                 continue
-            self._cached[request.id] = _Cached(plan.version, request.n_tokens)
+            # the caches hold the request's tokens and the drafts accepted (the rejected ones'
+            # positions are cut back when the next step begins there)
+            self._cached[request.id] = _Cached(plan.version, request.n_tokens + (reply[1] if reply else 0))
             if scores is not None:
                 request.prompt_scores = scores
-            return token, logprobs
+            return token, logprobs, reply
 
     async def _fill_and_run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None) -> _Result:
         """The step: a long prompt goes through the ring a chunk at a time, the last chunk drawing
@@ -359,8 +407,22 @@ class RemotePipeline:
         next token."""
         return await self._result(await self._send(plan, request, pos, adopt))
 
+    async def _run_verify(self, plan: RingPlan, request: Request, pos: int,
+                          draft: Draft) -> tuple[_Result, VerdictReply | None]:
+        """A verify step through the ring, and its last hop's verdict."""
+        sent = await self._send(plan, request, pos, draft=draft)
+        result = await self._result(sent)
+        reply = sent.verdict
+        if reply is None:
+            last = plan.ring[-1].node_id
+            raise StepFailure(f"node {last} answered a verify step without its verdict", last)
+        if len(reply[0]) > len(draft) + 1 or list(reply[0][:-1]) != list(draft.tokens[: len(reply[0]) - 1]):
+            last = plan.ring[-1].node_id
+            raise StepFailure(f"node {last} accepted tokens that were not the draft's", last)
+        return result, reply
+
     async def _send(self, plan: RingPlan, request: Request, pos: int,
-                    adopt: str | None = None, end: int | None = None) -> _Sent:
+                    adopt: str | None = None, end: int | None = None, draft: Draft | None = None) -> _Sent:
         """Send a step to the ring's first node: the request's tokens from ``pos``, the last hop
         drawing the next token; or (``end``) its tokens up to ``end`` only, filling the caches (a
         prompt's chunk, which comes back as FILLED). A chunk's correlation id (``step``) is its
@@ -372,6 +434,7 @@ class RemotePipeline:
         self._pending[key] = fut
         self._active_plans[request.id] = plan
         self._served[request.id] = tuple(e.node_id for e in plan.ring)
+        drafted = list(draft.tokens) if draft is not None else []
         body = Forward(
             rid=request.id,
             hop=0,
@@ -385,8 +448,10 @@ class RemotePipeline:
             logprobs=request.top_logprobs,
             score=ScoreAsk(request.prompt_logprobs, request.prompt_ids[1:])
             if pos == 0 and request.wants_prompt_scores and request.prompt_logprobs is not None else None,
+            draft=drafted or None,
         )
-        sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos, end or request.n_tokens)
+        sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos + len(drafted),
+                     (end or request.n_tokens) + len(drafted))
         first = plan.ring[0].node_id
         try:
             try:
@@ -396,7 +461,7 @@ class RemotePipeline:
             sent_m = time.monotonic()
             last = self._last_token_s.get(request.id)
             sent.times = (sent_m, time.time(), sent_m - last if last is not None and pos > 0 and end is None else None)
-            tokens = request.tokens_from(pos) if end is None else request.tokens[pos:end]
+            tokens = request.tokens_from(pos) + drafted if end is None else request.tokens[pos:end]
             try:
                 await send(conn, body, tensor=np.asarray(tokens, dtype=np.int64), plan=plan.version)
             except (ConnectionError, OSError) as exc:
@@ -415,6 +480,7 @@ class RemotePipeline:
         """What a sent step gives back (raises its failure); it is then no longer waited for."""
         try:
             result = await sent.fut
+            sent.verdict = self._verdicts.pop(sent.key, None)
             self._timed(sent.key, sent.plan, sent.rows, sent.times)
             return result
         finally:
@@ -431,6 +497,7 @@ class RemotePipeline:
             sent.fut.exception()  # retrieved: a failure behind the one being raised is not logged as lost
         self._pending.pop(sent.key, None)
         self._timing.pop(sent.key, None)
+        self._verdicts.pop(sent.key, None)
 
     def _timed(self, key: tuple[str, int, int], plan: RingPlan, rows: int, sent: tuple[float, float, float | None]) -> None:
         """Hand the step's timing (the hops' records that came with its token) to ``on_step_timed``."""

@@ -446,7 +446,7 @@ class PlanSwitching(CoordinatorParts):
             if cached is None or cached[0] != old.version:
                 continue
             try:
-                moved = await self._export_kv(rid, old, new)
+                moved = await self._export_kv(rid, old, new, cached[1])
                 if swap is None:
                     await self._import_kv(rid, new, moved)
             except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError, HostError) as exc:
@@ -473,8 +473,10 @@ class PlanSwitching(CoordinatorParts):
                 continue
             self.pipeline.set_cached(rid, new.version, n)
 
-    async def _export_kv(self, rid: str, old: RingPlan, new: RingPlan) -> list[tuple[PlanEntry, KVCache]]:
-        """Request ``rid``'s caches for each shard of ``new`` that is not already where it was."""
+    async def _export_kv(self, rid: str, old: RingPlan, new: RingPlan, length: int) -> list[tuple[PlanEntry, KVCache]]:
+        """Request ``rid``'s caches for each shard of ``new`` that is not already where it was: its
+        first ``length`` positions, what its tokens so far fill (a verify step's rejected drafts
+        stay behind)."""
         moved = []
         for e in new.ring:
             if any(o.node_id == e.node_id and (o.start, o.end) == (e.start, e.end) for o in old.ring):
@@ -484,7 +486,8 @@ class PlanSwitching(CoordinatorParts):
                 a, b = max(o.start, e.start), min(o.end, e.end)
                 if a >= b:
                     continue
-                kv, frame = await call_frame(self.connection(o.node_id), KVExport(rid, a, b, old.model), KV, timeout=30)
+                kv, frame = await call_frame(self.connection(o.node_id), KVExport(rid, a, b, old.model, length), KV,
+                                             timeout=30)
                 parts.append(kv_from_array(a, b, np.asarray(frame.tensor), kv.length, kv.held))
             moved.append((e, _concat_kv(parts)))
         return moved

@@ -17,6 +17,7 @@ from exo_tui.bootstrap.errors import HostKeyUnknown as HostKeyUnknown  # the fro
 from exo_tui.cluster.figures import ClusterFigures
 from exo_tui.events import EventBus
 from exo_tui.inference.sampling import SamplingParams, with_defaults
+from exo_tui.inference.speculation import parse_mode
 
 if TYPE_CHECKING:
     from exo_tui.config import Config
@@ -277,8 +278,10 @@ class ChatParams:
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    speculative: str | int | None = None  # off | auto | k drafted tokens; None: the cluster's (serve --speculative)
+    prediction: str = ""  # text the answer is expected to copy (OpenAI's Predicted Outputs): drafted from
 
-    SETTINGS = tuple(_SETTING_RULES)
+    SETTINGS = (*_SETTING_RULES, "speculative")
 
     def sampling(self, recommended: Mapping[str, Any]) -> SamplingParams:
         """The sampling these settings ask for, where left out the model's ``recommended``."""
@@ -294,6 +297,8 @@ class ChatParams:
             raise ValueError(f"no setting {name!r}: choose one of {', '.join(self.SETTINGS)}")
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)
+        if key == "speculative":
+            return replace(self, speculative=parse_mode(value))
         if key in _MODELS_OWN and value.lower() in ("default", "model", ""):
             unset: dict[str, Any] = {key: None}
             return replace(self, **unset)
@@ -316,8 +321,9 @@ class ChatParams:
             return f"{name} {getattr(s, name):g}{mark}"
 
         seed = "none" if self.seed is None else str(self.seed)
+        spec = "" if self.speculative is None else f" · speculative {self.speculative}"
         return (f"{show('temperature')} · {show('top_p')} · {show('top_k')} · max_tokens {self.max_tokens} · "
-                f"{show('repetition_penalty')} · seed {seed}")
+                f"{show('repetition_penalty')} · seed {seed}{spec}")
 
 
 @dataclass(frozen=True)
@@ -329,6 +335,8 @@ class ChatChunk:
     finish_reason: str | None = None  # stop | length | cancelled | error
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted, and of them accepted
+    accepted_tokens: int = 0
     ttft_s: float = 0.0
     tok_per_s: float = 0.0
     nodes: tuple[str, ...] = ()

@@ -39,6 +39,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose caches an earlier turn of the conversation left
     finish_reason: str | None = None  # "stop" or "length" once it has run to its end; else None
     speculation: Speculation | None = None  # drafts checked by verify steps (None: plain steps only)
+    speculative: str | int | None = None  # the request's own mode (off, auto, k); None: the cluster's
+    predicted: list[int] | None = None  # OpenAI's prediction, tokenized: drafted from first
 
     @property
     def tokens(self) -> list[int]:

@@ -47,6 +47,7 @@ class Forward(Message):
     score: ScoreAsk | None = None
     more: int = 0  # hidden states of the previous hop's run that follow this one at once
     timing: list[Any] | None = None  # the hops' records so far (exo_tui.net.timing)
+    draft: list[int] | None = None  # a verify step: the drafted tokens its last rows run (inference.speculative)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,9 @@ class Token(Message):
     timing: list[Any] | None = None
     logprobs: list[Any] | None = None  # TokenLogprobs.to_wire()
     scored: bool = False
+    tokens: list[int] | None = None  # a verify step's: the drafts accepted, then ``token``
+    accepted: int | None = None  # of its drafts, how many were kept
+    listed: list[Any] | None = None  # each of ``tokens``' TokenLogprobs.to_wire(), where logprobs were asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +274,7 @@ class KVExport(Message):
     start: int
     end: int
     model: str | None = None
+    length: int | None = None  # cut back to this many positions first (a verify step's rejected drafts are past it)
 
 
 @dataclass(frozen=True, slots=True)

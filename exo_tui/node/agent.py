@@ -361,7 +361,9 @@ class NodeAgent:
         return None
 
     async def _op_kv_export(self, conn: Connection, frame: Frame, msg: KVExport) -> Frame:
-        cache = await self.executor.in_worker(self.host.export_kv, msg.rid, msg.start, msg.end, msg.model)
+        if msg.length is not None and msg.length < 0:
+            raise HostError(f"kv_export's length must be a number of positions, not {msg.length}")
+        cache = await self.executor.in_worker(self.host.export_kv, msg.rid, msg.start, msg.end, msg.model, msg.length)
         return reply(KV(*kv_shape(cache)), tensor=kv_to_array(cache))
 
     async def _op_kv_import(self, conn: Connection, frame: Frame, msg: KVImport) -> Frame:
@@ -497,13 +499,16 @@ class NodeAgent:
         timing = [*(msg.timing or ()),
                   hop_timing(self.profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
         if isinstance(result, Sampled):  # the last hop: a sampled token (or FILLED)
-            token, logprobs, scores = result
+            token, logprobs, scores = result.token, result.logprobs, result.scores
             if token != FILLED:
                 stats = self._stats.setdefault(rid, _RequestStats())
-                stats.tokens += 1
+                stats.tokens += 1 if result.verdict is None else len(result.verdict.tokens)
                 stats.last_s = time.monotonic()
+            verdict = result.verdict  # a verify step's: the drafts kept and the next token
             token_msg = Token(rid, msg.step, int(token), timing, None if logprobs is None else logprobs.to_wire(),
-                              scores is not None)
+                              scores is not None, None if verdict is None else list(verdict.tokens),
+                              None if verdict is None else verdict.accepted,
+                              None if result.listed is None else [x.to_wire() for x in result.listed])
             tensor = None if scores is None else scores_to_array(scores)  # the prompt's scores, as the frame's tensor
             await self._to_coordinator(token_msg, tensor=tensor, plan=f.plan)
             return

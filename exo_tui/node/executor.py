@@ -47,6 +47,7 @@ import numpy as np
 
 from backends.base import BackendError
 from exo_tui.inference.sampling import TokenLogprobs
+from exo_tui.inference.speculative import Verdict
 from exo_tui.net.connection import Connection
 from exo_tui.net.frame import Frame
 from exo_tui.net.messages import Forward
@@ -93,11 +94,14 @@ class Step:
 
 class Sampled(NamedTuple):
     """The last hop's result of a step: the token drawn (or FILLED), its logprobs where asked, and
-    the prompt's scores where asked."""
+    the prompt's scores where asked; of a verify step (its ``draft``), the verdict and each of its
+    tokens' logprobs where asked (``token`` is then the verdict's last)."""
 
     token: int
     logprobs: TokenLogprobs | None
     scores: list[TokenLogprobs] | None
+    verdict: Verdict | None = None
+    listed: list[TokenLogprobs] | None = None
 
 
 # What a step gives: the hidden state for the next hop, the last hop's Sampled, the error that
@@ -299,9 +303,11 @@ class StepExecutor:
                             shard.drop(rid)
                 x = np.asarray(f.tensor)
                 items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
-            # a prompt to score needs every row's logits: it runs on its own
+            # a prompt to score, and a verify step (its drafts), need every row's logits: each runs on its own
             scored = [j for j, i in enumerate(idxs) if shard.is_last and batch[i].body.score is not None]
-            plain = [j for j in range(len(items)) if j not in scored]
+            verifying = [j for j, i in enumerate(idxs) if shard.is_last and batch[i].body.draft is not None
+                         and j not in scored]
+            plain = [j for j in range(len(items)) if j not in scored and j not in verifying]
             outs: list[Any] = [None] * len(items)
             scores: dict[int, list[TokenLogprobs]] = {}
             try:
@@ -312,6 +318,11 @@ class StepExecutor:
                         outs[j] = out
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which rebuilds
                 _failed(shard, items, outs, plain, exc)
+            for j in verifying:
+                try:
+                    outs[j] = shard.forward(*items[j], all_logits=True)
+                except Exception as exc:  # noqa: BLE001
+                    _failed(shard, items, outs, [j], exc)
             for j in scored:  # each in pieces; its failure (a bad ask included) fails it alone
                 try:
                     ask = batch[idxs[j]].body.score
@@ -326,6 +337,12 @@ class StepExecutor:
                 for i in idxs:
                     if batch[i].body.fill and not isinstance(results[i], Exception):
                         results[i] = Sampled(FILLED, None, None)  # a prompt's chunk: its caches filled, nothing drawn
+                    elif not isinstance(results[i], Exception) and batch[i].body.draft is not None:
+                        try:
+                            verdict, listed = self.samplers.verify(batch[i].body, results[i])
+                            results[i] = Sampled(verdict.tokens[-1], None, None, verdict, listed)
+                        except Exception as exc:  # noqa: BLE001 - a bad draft fails this request only
+                            results[i] = exc
                     elif not isinstance(results[i], Exception):
                         try:
                             token, logprobs = self.samplers.sample(batch[i].body, results[i])

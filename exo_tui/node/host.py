@@ -275,8 +275,15 @@ class ShardHost:
                 return hosted
         raise HostError(f"node {self.node_id} holds no shard covering layers [{start}, {end})")
 
-    def export_kv(self, request_id: str, start: int, end: int, model: str | None = None) -> KVCache:
-        return self.shard_for_layers(start, end, model).shard.export_kv(request_id).slice_layers(start, end)
+    def export_kv(self, request_id: str, start: int, end: int, model: str | None = None,
+                  length: int | None = None) -> KVCache:
+        """The request's cache of layers ``[start, end)``; with ``length``, cut back to that many
+        positions first (what the coordinator knows its tokens fill: a verify step's rejected
+        drafts are past it)."""
+        shard = self.shard_for_layers(start, end, model).shard
+        if length is not None and shard.kv_length(request_id) > length:
+            shard.truncate_kv(request_id, length)
+        return shard.export_kv(request_id).slice_layers(start, end)
 
     def drop(self, request_id: str) -> None:
         with self.lock:

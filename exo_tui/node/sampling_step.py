@@ -4,20 +4,23 @@ The node that holds a model's last shard ends every step of a request: it draws 
 with the request's sampler (made from the step's ``sampling`` at the request's first step here,
 and kept, with its resolved seed, until the request is forgotten), gives the token's logprobs
 where the step asks (``logprobs``: k alternatives), and scores the prompt where the step asks
-(``score``: each of its tokens given those before it). The agent (:mod:`exo_tui.node.agent`) runs
+(``score``: each of its tokens given those before it); a verify step's ``draft`` (the tokens
+its last rows ran) is checked against those rows (:mod:`exo_tui.inference.speculative`). The agent (:mod:`exo_tui.node.agent`) runs
 the steps and sends the token on; what a step's body asks of the last hop, and how that is
 answered, is here, apart from the worker's state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from backends.base import logit_rows
+from backends.base import MAX_DRAFT, logit_rows
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
+from exo_tui.inference.speculative import Draft, Verdict, verify
 from exo_tui.net.messages import Forward, ScoreAsk
 
 
@@ -27,16 +30,36 @@ class Samplers:
     def __init__(self) -> None:
         self._samplers: dict[str, Sampler] = {}
 
-    def sample(self, step: Forward, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
-        """The next token from the last row of ``logits`` for ``step``, and its logprobs when the
-        step asks."""
+    def _sampler(self, step: Forward) -> tuple[Sampler, Sequence[int]]:
+        """The request's sampler and its history (a Length where only that matters)."""
         sampler = self._samplers.get(step.rid)
         if sampler is None:
             sampler = self._samplers[step.rid] = Sampler(SamplingParams.from_dict(step.sampling))
-        history = step.history if step.history is not None else Length(step.n_tokens)
+        return sampler, step.history if step.history is not None else Length(step.n_tokens)
+
+    def sample(self, step: Forward, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+        """The next token from the last row of ``logits`` for ``step``, and its logprobs when the
+        step asks."""
+        sampler, history = self._sampler(step)
         token, _ = sampler.sample(logits[-1], history)
         logprobs = None if step.logprobs is None else token_logprobs(logits[-1], token, step.logprobs)
         return token, logprobs
+
+    def verify(self, step: Forward, logits: np.ndarray) -> tuple[Verdict, list[TokenLogprobs] | None]:
+        """A verify step's ``draft`` (the tokens its last ``k`` rows ran) checked against the last
+        ``k + 1`` rows of ``logits`` (:func:`exo_tui.inference.speculative.verify`), and each
+        kept token's logprobs when the step asks."""
+        draft = step.draft or []
+        vocab = logits.shape[-1]
+        if not 0 < len(draft) <= MAX_DRAFT or len(draft) >= logits.shape[0] or any(not 0 <= t < vocab for t in draft):
+            raise ValueError(f"draft must be 1..{MAX_DRAFT} token ids under {vocab}, the step's last rows, "
+                             f"not {draft!r:.80}")
+        sampler, history = self._sampler(step)
+        rows = logits[-(len(draft) + 1) :]
+        verdict = verify(sampler, rows, history, Draft(tuple(draft)))
+        if step.logprobs is None:
+            return verdict, None
+        return verdict, [token_logprobs(rows[i], t, step.logprobs) for i, t in enumerate(verdict.tokens)]
 
     def forget(self, rid: str) -> None:
         """Request ``rid`` has ended here, or another took its caches over: its sampler goes."""
