@@ -24,13 +24,6 @@ N = 32
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("exo-home")
-    os.environ["EXO_TUI_HOME"] = str(home)
-    return home
-
-
-@pytest.fixture(scope="module")
 def reference(default_model_path: Path) -> list[int]:
     return reference_answer(default_model_path, PROMPT, N)
 
@@ -52,9 +45,9 @@ async def answer(c: Coordinator, params: ChatParams, during=None) -> tuple[list[
     return [t for t in tokens if t not in eos], drafted, accepted
 
 
-def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(home: Path, reference: list[int]) -> None:
+def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(exo_home: Path, reference: list[int]) -> None:
     """Prompt lookup (k = 4), a prediction that is the answer, and one edited: the same tokens."""
-    with node_processes(home, ["onnx", "mlx", "onnx"]) as ns:
+    with node_processes(exo_home, ["onnx", "mlx", "onnx"]) as ns:
 
         async def run() -> None:
             async with coordinator(ns) as c:
@@ -85,9 +78,9 @@ def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(home: Path
 
 
 @pytest.mark.parametrize("disturbance", ["kill-9-middle", "drain-middle"])
-def test_a_failure_or_drain_during_speculation_gives_the_same_text(home: Path, reference: list[int],
+def test_a_failure_or_drain_during_speculation_gives_the_same_text(exo_home: Path, reference: list[int],
                                                                    disturbance: str) -> None:
-    with node_processes(home, ["onnx", "onnx", "onnx"]) as ns:
+    with node_processes(exo_home, ["onnx", "onnx", "onnx"]) as ns:
 
         async def run() -> None:
             async with coordinator(ns) as c:
