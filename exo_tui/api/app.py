@@ -54,6 +54,7 @@ from exo_tui.cluster.view import ServingCluster
 from exo_tui.inference.generate import GenerationError, Listed
 from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import SamplingParams, with_defaults
+from exo_tui.inference.speculation import parse_mode
 from exo_tui.models.model import Model
 
 log = logging.getLogger("exo_tui.api")
@@ -177,7 +178,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
                                 f"{context - len(prompt_ids)}{context_note(coordinator)}", param="max_tokens",
                            code="context_length_exceeded")
         return GenRequest(prompt_ids, sampling(body), max_tokens, stops(body.stop), top_logprobs=top_logprobs,
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, **speculation_of(body))
 
     async def start(http: Request, request: GenRequest) -> Generation:
         """Start generating; wait for the first chunk so a cluster that cannot serve is a 503."""
@@ -209,10 +210,29 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         except GenerationError as exc:  # the cluster lost the ability to serve mid-answer
             raise ApiError(503, str(exc), type="server_error", code="cluster_unavailable") from exc
 
+    def speculation_of(body: s._Sampling) -> dict[str, Any]:
+        """A request's ``speculative`` and ``prediction`` (its tokens), as the Request takes them."""
+        out: dict[str, Any] = {}
+        if body.speculative is not None:
+            try:
+                out["speculative"] = parse_mode(body.speculative)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="speculative", code="invalid_parameter") from exc
+        if body.prediction is not None and body.prediction.text():
+            out["predicted"] = served().tokenizer.encode(body.prediction.text(), add_special=False, parse_special=False)
+        return out
+
     def usage(request: GenRequest) -> dict[str, Any]:
         p, c = len(request.prompt_ids), len(request.generated)
+        stats = request.speculation.stats if request.speculation is not None else None
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": request.cached_tokens},
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": stats.prediction_accepted if stats else 0,
+                    "rejected_prediction_tokens": stats.prediction_rejected if stats else 0,
+                    "reasoning_tokens": 0,
+                    "drafted_tokens": stats.drafted if stats else 0,  # extensions: every source's drafts
+                    "accepted_drafted_tokens": stats.accepted if stats else 0}}
 
     # ------------------------------------------------------------------ models
 

@@ -276,6 +276,10 @@ class ClusterClient:
                 body[name] = getattr(params, name)
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.speculative is not None:
+            body["speculative"] = params.speculative
+        if params.prediction:
+            body["prediction"] = {"type": "content", "content": params.prediction}
         started = time.monotonic()
         first: float | None = None
         finish, error = None, ""
@@ -313,8 +317,10 @@ class ClusterClient:
         end = time.monotonic()
         completion = int(usage.get("completion_tokens", 0))
         decode_s = end - first if first else 0.0
+        drafts = usage.get("completion_tokens_details") or {}
         yield ChatChunk(
             finish_reason=finish or "stop", prompt_tokens=int(usage.get("prompt_tokens", 0)), completion_tokens=completion,
+            drafted_tokens=int(drafts.get("drafted_tokens", 0)), accepted_tokens=int(drafts.get("accepted_drafted_tokens", 0)),
             ttft_s=(first - started) if first else 0.0,
             tok_per_s=(completion - 1) / decode_s if completion > 1 and decode_s > 0 else 0.0,
             nodes=tuple(n.name for n in self._snapshot.nodes if n.layers), error=error,

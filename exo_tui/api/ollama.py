@@ -10,7 +10,10 @@ catalog is a 404 that says how to switch to it.
 
 ``options`` map to sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``num_predict``, ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``,
-``frequency_penalty``; Ollama's others (``num_ctx``, ``num_gpu``, ``mirostat``…) are ignored, as
+``frequency_penalty``; exo-tui's own ``speculative`` (off, auto or k drafted tokens) and
+``prediction`` (text the answer is expected to copy, drafted from: OpenAI's Predicted Outputs; the
+last object counts ``draft_count``, ``draft_accepted_count`` and the prediction's accepted and
+rejected tokens); Ollama's others (``num_ctx``, ``num_gpu``, ``mirostat``…) are ignored, as
 Ollama ignores those it does not know. What a request leaves out takes the model's recommendation,
 then OpenAI's defaults — as on ``/v1``, so one prompt gets one answer on either API. What exo-tui
 cannot do (``format``, ``tools``, ``images``, ``think``, ``suffix``, ``template``) is a 400 that says
@@ -47,6 +50,7 @@ from exo_tui.cluster.admission import wait_for_plan
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request as GenRequest
 from exo_tui.inference.sampling import with_defaults
+from exo_tui.inference.speculation import parse_mode
 from exo_tui.models import catalog
 from exo_tui.models.sampling_params import COUNT_MAX
 
@@ -302,7 +306,25 @@ def ollama_router(coordinator: Any, prompts: Prompts | None = None) -> APIRouter
             raise OllamaError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds {context}: "
                                    f"shorten it{context_note(coordinator)}")
         room = context - len(prompt_ids)
-        return GenRequest(prompt_ids, params, min(num_predict or room, room), stops)
+        return GenRequest(prompt_ids, params, min(num_predict or room, room), stops, **speculation_options(options))
+
+    def speculation_options(options: Any) -> dict[str, Any]:
+        """exo-tui's options ``speculative`` (off, auto or k) and ``prediction`` (text the answer
+        is expected to copy, as OpenAI's Predicted Outputs), as the Request takes them."""
+        options = options if isinstance(options, dict) else {}
+        out: dict[str, Any] = {}
+        if options.get("speculative") is not None:
+            try:
+                out["speculative"] = parse_mode(options["speculative"])
+            except ValueError as exc:
+                raise OllamaError(400, f"option {exc}") from exc
+        prediction = options.get("prediction")
+        if prediction is not None:
+            if not isinstance(prediction, str):
+                raise OllamaError(400, "option prediction must be the text the answer is expected to copy")
+            if prediction:
+                out["predicted"] = coordinator.model.tokenizer.encode(prediction, add_special=False, parse_special=False)
+        return out
 
     async def start(http: Request, request: GenRequest) -> Generation:
         await ready()  # at once, unless the plan changed since check_served
@@ -321,9 +343,13 @@ def ollama_router(coordinator: Any, prompts: Prompts | None = None) -> APIRouter
         ttft = request.ttft_s
         rate = request.decode_tok_per_s
         eval_s = (len(request.generated) - 1) / rate if rate > 0 else 0.0
+        spec = request.speculation.stats if request.speculation is not None else None
+        drafts = {} if spec is None else {"draft_count": spec.drafted, "draft_accepted_count": spec.accepted,
+                                          "accepted_prediction_count": spec.prediction_accepted,
+                                          "rejected_prediction_count": spec.prediction_rejected}
         return {"total_duration": int((time.monotonic() - began_s) * 1e9), "load_duration": 0,
                 "prompt_eval_count": len(request.prompt_ids), "prompt_eval_duration": int(ttft * 1e9),
-                "eval_count": len(request.generated), "eval_duration": int(eval_s * 1e9)}
+                "eval_count": len(request.generated), "eval_duration": int(eval_s * 1e9), **drafts}
 
     async def answer(http: Request, body: dict[str, Any], name: str, prompt_ids: list[int], chat: bool,
                      began_s: float) -> Response:

@@ -53,6 +53,24 @@ class StreamOptions(BaseModel):
 
 
 Stop = str | list[str] | None
+PREDICTION_MAX_CHARS = 1 << 20
+
+
+class PredictionPart(BaseModel):
+    type: Literal["text"] = "text"
+    text: str = Field(max_length=PREDICTION_MAX_CHARS)
+
+
+class PredictionContent(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to copy largely (code to edit);
+    its tokens are drafted and checked, so the answer is the same, only sooner."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[PredictionPart] = Field(max_length=PREDICTION_MAX_CHARS)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class _Sampling(BaseModel):
@@ -70,6 +88,10 @@ class _Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=0, le=COUNT_MAX, description="extension: 0 is off")
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10, description="extension: 1 is off")
     user: str | None = None
+    prediction: PredictionContent | None = Field(default=None, description="Predicted Outputs: text the answer is "
+                                                 "expected to copy; drafted from, checked token by token")
+    speculative: str | int | None = Field(default=None, description="extension: off, auto or a number of drafted "
+                                          "tokens a step (1..32); default: the cluster's (serve --speculative)")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -96,11 +118,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(default=0, description="prompt tokens not run again: an earlier turn of the conversation left their caches")
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(default=0, description="tokens of the prediction the answer kept")
+    rejected_prediction_tokens: int = Field(default=0, description="tokens of the prediction drafted and not kept")
+    reasoning_tokens: int = 0
+    drafted_tokens: int = Field(default=0, description="extension: tokens drafted by any source (speculative decoding)")
+    accepted_drafted_tokens: int = Field(default=0, description="extension: of them, kept")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class AssistantMessage(BaseModel):

@@ -66,6 +66,7 @@ class ClusterFigures:
     cancelled: int = 0
     rejected: int = 0
     success_rate: float | None = None  # completed / (completed + failed + rejected)
+    draft_acceptance: float | None = None  # speculative decoding: drafted tokens kept, of the window's requests
     token_s: float | None = None  # mean time of one decode token around the ring (plan in force)
     coordinator_s: float | None = None  # of which in the coordinator, between a token and the next step
     comm_share: float | None = None  # of which on the links

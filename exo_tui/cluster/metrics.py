@@ -185,6 +185,8 @@ class ClusterMetrics:
         self.queued = 0
         self.probes: dict[tuple[str, str], deque[float | None]] = {}
         self.series: dict[str, deque[float]] = {k: deque(maxlen=SERIES_LEN) for k in ("tok_per_s", "ttft_s", "queue_depth")}
+        self.drafted = Window(window_s)  # speculative decoding: each ended request's drafted tokens ...
+        self.accepted = Window(window_s)  # ... and of them those kept
         self._running: dict[str, float] = {}  # request id -> its last token's time (or its start)
         self._first: set[str] = set()  # requests that have their first token
 
@@ -214,6 +216,11 @@ class ClusterMetrics:
     def ended(self, request: Any) -> None:
         self._running.pop(request.id, None)
         self._first.discard(request.id)
+        spec = getattr(request, "speculation", None)
+        if spec is not None and spec.stats.drafted:
+            now = self.clock()
+            self.drafted.add(spec.stats.drafted, now)
+            self.accepted.add(spec.stats.accepted, now)
 
     def outcome(self, finish_reason: str) -> None:
         name = OUTCOMES.get(finish_reason, "failed")
@@ -329,6 +336,7 @@ class ClusterMetrics:
             itl_p95_s=self.itl.percentile(95, now),
             tok_per_s=self.tokens.count(now) / TOK_RATE_S,
             success_rate=outcomes["completed"] / judged if judged else None,
+            draft_acceptance=_ratio(sum(self.accepted.values(now)), sum(self.drafted.values(now))),
             token_s=token_s,
             coordinator_s=_mean([t.coordinator_s for t in tokens]),
             comm_share=comm,
@@ -408,3 +416,7 @@ def _mean(values: list[float]) -> float | None:
 
 def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None

@@ -293,12 +293,13 @@ class ChatParams:
         ``ValueError`` says what is wrong and what is allowed."""
         key = name.strip().lower().replace("-", "_")
         value = value.strip()
+        if key == "speculative":
+            return replace(self, speculative=parse_mode(value))
         if key not in _SETTING_RULES:
             raise ValueError(f"no setting {name!r}: choose one of {', '.join(self.SETTINGS)}")
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)
-        if key == "speculative":
-            return replace(self, speculative=parse_mode(value))
+
         if key in _MODELS_OWN and value.lower() in ("default", "model", ""):
             unset: dict[str, Any] = {key: None}
             return replace(self, **unset)

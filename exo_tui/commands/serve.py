@@ -44,9 +44,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default=None, choices=["latency", "throughput", "memory", "exo-ring", "even"],
                    help="partition strategy (default: the config's)")
     p.add_argument("--discover", action="store_true", help="browse mDNS for node agents and hosts of this cluster")
+    p.add_argument("--speculative", default="auto", type=speculative_mode, metavar="off|auto|K",
+                   help="speculative decoding for requests that do not say: auto (default: prompt lookup and "
+                        "predictions, drafting where a stream measures a gain), off, or K drafted tokens a step")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve_set.add_arguments(p)
     p.set_defaults(func=run)
+
+
+def speculative_mode(text: str) -> str | int:
+    """``--speculative``: off, auto or a number of drafted tokens."""
+    from exo_tui.inference.speculation import parse_mode
+
+    try:
+        return parse_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def memory_gb(text: str) -> float:
@@ -124,6 +137,7 @@ async def _serve(args: argparse.Namespace) -> int:
                               local_backends=backends, strategy=args.strategy, discover=args.discover,
                               local_memory_limits_gb=[args.local_memory_limit] * local if args.local_memory_limit else None,
                               join=True)
+    coordinator.speculative = args.speculative
     server = ApiServer(coordinator, host=host, port=port, api_key=key, max_body_bytes=config.network.api.max_body_bytes,
                        log_level="warning" if args.log_level != "debug" else "info", sock=sock)
     log = logging.getLogger("exo_tui.serve")

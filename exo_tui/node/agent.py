@@ -451,7 +451,7 @@ class NodeAgent:
             c = hosted.shard.config
             per_position[key] = shard_cost(c.n_kv_heads, c.head_dim, hosted.start, hosted.end,
                                            get_backend(hosted.backend).kv_value_bytes(), hosted.shard.ring_layers,
-                                           c.ring_window)
+                                           c.ring_rows)
         self.kv.set_shards(per_position)
         self.kv.observe(process_rss_bytes(), psutil.virtual_memory().available, settled=True)
         # under a limit, a prompt's chunks small enough for their temporaries to fit the reserve

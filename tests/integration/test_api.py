@@ -374,3 +374,45 @@ def test_disconnected_client_stops_its_generation(live: Live, stream: bool) -> N
     assert _tokens_of(live, rid) == made, "the cancelled request kept generating"
     assert rid not in live.coordinator.pipeline.in_flight()
     assert rid not in _node_requests(live), "a node still holds the cancelled request's cache"
+
+
+COPY = [{"role": "user", "content": "Write a Python function named add that returns the sum of a and b."}]
+
+
+def test_a_prediction_is_drafted_and_its_accepted_tokens_counted(client: openai.OpenAI) -> None:
+    """OpenAI's Predicted Outputs through the official client: the answer is the one without
+    speculation, the prediction's kept and drafted-but-rejected tokens are in the usage (streamed
+    too, with include_usage), and on /v1/completions (extra_body)."""
+    plain = client.chat.completions.create(model="smollm2-135m", messages=COPY, temperature=0, max_tokens=40,
+                                           extra_body={"speculative": "off"})
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    same = client.chat.completions.create(model="smollm2-135m", messages=COPY, temperature=0, max_tokens=40,
+                                          prediction={"type": "content", "content": text})
+    assert same.choices[0].message.content == text
+    details = same.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= same.usage.completion_tokens // 2
+    edited = text.replace("a", "e")
+    stream = client.chat.completions.create(model="smollm2-135m", messages=COPY, temperature=0, max_tokens=40,
+                                            prediction={"type": "content", "content": [{"type": "text", "text": edited}]},
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    usage = chunks[-1].usage.completion_tokens_details
+    assert usage.rejected_prediction_tokens > 0 and usage.accepted_prediction_tokens > 0
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    legacy = client.completions.create(model="smollm2-135m", prompt=prompt, temperature=0, max_tokens=16,
+                                       extra_body={"speculative": "off"})
+    predicted = client.completions.create(model="smollm2-135m", prompt=prompt, temperature=0, max_tokens=16,
+                                          extra_body={"prediction": {"type": "content", "content": legacy.choices[0].text}})
+    assert predicted.choices[0].text == legacy.choices[0].text
+    assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_speculation_asked_wrongly_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="speculative must be off, auto or a number of drafted tokens"):
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=2,
+                                       extra_body={"speculative": "fast"})
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=2,
+                                       prediction={"type": "image", "content": "x"})  # type: ignore[typeddict-item]

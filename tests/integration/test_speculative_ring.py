@@ -45,6 +45,11 @@ async def answer(c: Coordinator, params: ChatParams, during=None) -> tuple[list[
     return [t for t in tokens if t not in eos], drafted, accepted
 
 
+async def drain(c: Coordinator, node_id: str) -> None:
+    done = await c.apply(await c.preview(Command("drain", (node_id,))))
+    assert not done.error, done.error
+
+
 def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(exo_home: Path, reference: list[int]) -> None:
     """Prompt lookup (k = 4), a prediction that is the answer, and one edited: the same tokens."""
     with node_processes(exo_home, ["onnx", "mlx", "onnx"]) as ns:
@@ -67,8 +72,8 @@ def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(exo_home: 
                 tokens, drafted, _ = await answer(c, ChatParams(temperature=0.0, max_tokens=N))
                 assert tokens == reference and drafted == 0
                 c.speculative = "auto"
-                await c.apply(Command("drain", (c.plan.shards[0].node_id,)))
-                await c.apply(Command("drain", (c.plan.shards[0].node_id,)))
+                await drain(c, c.plan.shards[0].node_id)
+                await drain(c, c.plan.shards[0].node_id)
                 assert len(c.plan.shards) == 1  # one node holds the model
                 tokens, drafted, accepted = await answer(c, ChatParams(temperature=0.0, max_tokens=N, prediction=text))
                 assert tokens == reference and accepted >= N // 2
@@ -93,7 +98,7 @@ def test_a_failure_or_drain_during_speculation_gives_the_same_text(exo_home: Pat
                         proc = next(n for n in ns.nodes if n.port == c.nodes[middle].port)
                         os.kill(proc.pid, signal.SIGKILL)
                     else:
-                        await c.apply(Command("drain", (middle,)))
+                        await drain(c, middle)
 
                 params = ChatParams(temperature=0.0, max_tokens=N, speculative=6, prediction=edited)
                 tokens, drafted, accepted = await answer(c, params, during=disturb)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from backends import available_backends
+from backends.base import MAX_DRAFT
 from exo_tui.cluster.view import ChatParams, Command
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
 from tests.integration.test_admission import kv_report
@@ -32,7 +33,8 @@ def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Pa
 
         async def run() -> None:
             async with coordinator(ns, model=MODEL) as c:
-                params = ChatParams(temperature=0.0, max_tokens=24, seed=1, stop=())
+                # no drafts: a kept cache then holds what the coordinator counts, nothing rejected past it
+                params = ChatParams(temperature=0.0, max_tokens=24, seed=1, stop=(), speculative="off")
                 async for _ in c.chat([{"role": "user", "content": PROMPT}], params):
                     pass
                 for _ in range(100):  # the finished request's caches stay for a next turn, once it is released
@@ -46,7 +48,8 @@ def test_the_kv_bytes_a_node_counts_past_the_window_are_the_windows(tmp_path: Pa
                     layers = range(shard.start, shard.end)
                     ring = sum(layer < 5 for layer in layers)
                     per_layer = report["bytes_per_position"] // len(layers)  # one position of one layer
-                    assert report["used_bytes"] == per_layer * ((len(layers) - ring) * n + ring * WINDOW), shard
+                    rows = min(n, WINDOW + MAX_DRAFT)  # a ring's rows: its window and a verify step's drafts
+                    assert report["used_bytes"] == per_layer * ((len(layers) - ring) * n + ring * rows), shard
                     assert report["used_bytes"] < report["bytes_per_position"] * n  # full-length caches' bytes
                     plain.append(report["budget_bytes"] // report["bytes_per_position"])
                 # admission counts the rings at their window too: more positions than a position's bytes say

@@ -94,3 +94,31 @@ def test_verified_steps_are_counted_by_source() -> None:
     s = spec.stats
     assert (s.steps, s.drafted, s.accepted, s.prediction_accepted, s.prediction_rejected, s.k_chosen) == \
         (2, 5, 4, 2, 1, [3, 2])
+
+
+def test_the_console_sets_a_chats_speculation() -> None:
+    from exo_tui.cluster.view import ChatParams
+
+    params = ChatParams()
+    assert params.with_setting("speculative", "8").speculative == 8
+    assert params.with_setting("speculative", "off").speculative == "off"
+    assert "speculative auto" in params.with_setting("speculative", "AUTO").describe()
+    with pytest.raises(ValueError, match="speculative must be off, auto or a number of drafted tokens"):
+        params.with_setting("speculative", "lots")
+
+
+def test_the_cluster_figures_count_the_drafts_kept() -> None:
+    from types import SimpleNamespace
+
+    from exo_tui.cluster.metrics import ClusterMetrics
+
+    m = ClusterMetrics(clock=lambda: 100.0)
+    assert m.figures([]).draft_acceptance is None
+    for drafted, accepted in ((10, 9), (0, 0), (30, 21)):
+        spec = Speculation(4, [PromptLookup()])
+        spec.stats.drafted, spec.stats.accepted = drafted, accepted
+        request = SimpleNamespace(id=f"r{drafted}", prompt_ids=[1], created_s=100.0, speculation=spec)
+        m.started(request)
+        m.ended(request)
+    m.ended(SimpleNamespace(id="plain", speculation=None))
+    assert m.figures([]).draft_acceptance == pytest.approx(30 / 40)

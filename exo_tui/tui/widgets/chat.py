@@ -307,6 +307,8 @@ class ChatPane(Vertical):
                 f"ttft {final.ttft_s * 1000:.0f} ms · {final.tok_per_s:.1f} tok/s",
                 muted,
             )
+            if final.drafted_tokens:  # speculative decoding: what was drafted and kept
+                t.append(f" · drafted {final.drafted_tokens} / accepted {final.accepted_tokens}", muted)
             if names:
                 t.append(" · " + " → ".join(names), muted)
         else:

@@ -58,6 +58,8 @@ def figure_lines(app: App[Any], f: ClusterFigures, names: dict[str, str]) -> lis
     item(f"last {f.window_s:.0f}s", outcomes)
     ok = f.success_rate is None or f.success_rate >= 0.99
     item("success", fmt_share(f.success_rate), theme_style(app, "success" if ok else "error", bold=not ok))
+    if f.draft_acceptance is not None:
+        item("drafts kept", fmt_share(f.draft_acceptance))
     rows.append([])
     item("TTFT p50/p95", f"{fmt_ms(f.ttft_p50_s)}/{fmt_ms(f.ttft_p95_s)}")
     item("ITL p50/p95", f"{fmt_ms(f.itl_p50_s)}/{fmt_ms(f.itl_p95_s)}")

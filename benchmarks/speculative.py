@@ -1,0 +1,216 @@
+"""Speculative decoding (issue 42), side by side in one run: decode tok/s of the default model with
+and without speculation, on one node and on a 3-node ring (ONNX node processes on loopback), and
+beside llama.cpp's own prompt-lookup speculation on one process.
+
+Tasks (greedy, so every configuration gives the same text; the benchmark checks it does):
+
+* ``copy``: the model is given a code block and asked to repeat it; with speculation the block is
+  the request's ``prediction`` (OpenAI's Predicted Outputs). Target: >= 3x off, one node and ring.
+* ``chat``: a free question; speculation ``auto`` (prompt lookup, drafting only where it measures a
+  gain). Target: >= 0.97x off.
+* headline: the 3-node ring with speculation against one node without, on ``copy``: >= 1.0x.
+* llama.cpp (llama-cpp-python's ``LlamaPromptLookupDecoding``, the same threads, the copy prompt):
+  one node of exo-tui with prompt lookup and with the prediction against it: >= 1.5x.
+
+The clusters are all up at once and take turns, ``--rounds`` times (a shared machine's speed
+drifts over minutes; measured one after the other, the drift would land in the ratios). Then, per
+stage of a 3-way split of the model, in this process: the time of a step of ``k + 1`` rows against
+a 1-row step (what a verify step costs a node). Medians.
+
+    python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 2] [--no-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CODE = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out
+'''
+COPY = [{"role": "user", "content": f"Repeat this Python code exactly, in a code block:\n\n```python\n{CODE}```"}]
+CHAT = [{"role": "user", "content": "Tell me about the history of bicycles."}]
+
+
+async def _decode(c: Any, messages: list[dict[str, str]], tokens: int, mode: str | int,
+                  prediction: str | None = None) -> dict[str, Any]:
+    """One greedy answer: its tokens, decode tok/s (after the first token) and speculation stats."""
+    from exo_tui.inference.request import Request
+    from exo_tui.inference.sampling import SamplingParams
+
+    request = Request(c.model.chat_prompt_ids(messages), SamplingParams(temperature=0.0, seed=1), tokens,
+                      speculative=mode,
+                      predicted=c.model.tokenizer.encode(prediction, add_special=False) if prediction else None)
+    async for _ in c.generate(request):
+        pass
+    s = request.speculation.stats if request.speculation is not None else None
+    return {"tokens": list(request.generated), "tok_s": request.decode_tok_per_s,
+            "drafted": s.drafted if s else 0, "accepted": s.accepted if s else 0,
+            "k": list(s.k_chosen) if s else []}
+
+
+CASES = [  # (name, nodes, task, speculation, with the prediction)
+    ("copy off", 1, "copy", "off", False), ("copy prediction", 1, "copy", "auto", True),
+    ("copy lookup", 1, "copy", "auto", False),
+    ("chat off", 1, "chat", "off", False), ("chat auto", 1, "chat", "auto", False),
+    ("copy off", 3, "copy", "off", False), ("copy prediction", 3, "copy", "auto", True),
+    ("chat off", 3, "chat", "off", False), ("chat auto", 3, "chat", "auto", False),
+]
+
+
+async def _clusters(rounds: int, tokens: int, home: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.config import Config
+
+    config = Config()
+    config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
+    clusters: dict[int, Coordinator] = {}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(name, n): [] for name, n, *_ in CASES}
+    try:
+        for n in sorted({n for _, n, *_ in CASES}):
+            c = Coordinator(local_nodes=n, local_backends=["onnx"], strategy="even", config=config,
+                            home=home / f"{n}-nodes", persist=False)
+            await c.start()
+            clusters[n] = c
+        for c in clusters.values():  # warm up: the first answers run slower
+            await _decode(c, COPY, 16, "off")
+        for _ in range(rounds):
+            for name, n, task, mode, predicted in CASES:
+                messages = COPY if task == "copy" else CHAT
+                runs[(name, n)].append(await _decode(clusters[n], messages, tokens, mode, CODE if predicted else None))
+        return runs
+    finally:
+        for c in clusters.values():
+            await c.stop()
+
+
+def _llama(model: Path, threads: int, tokens: int, rounds: int) -> dict[str, list[float]]:
+    """llama.cpp on the copy prompt, without and with LlamaPromptLookupDecoding: decode tok/s."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    out: dict[str, list[float]] = {"llama.cpp off": [], "llama.cpp prompt lookup": []}
+    plain = Llama(str(model), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+    lookup = Llama(str(model), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False,
+                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    for _ in range(rounds):
+        for name, llm in (("llama.cpp off", plain), ("llama.cpp prompt lookup", lookup)):
+            stamps = []
+            for _chunk in llm.create_chat_completion(COPY, temperature=0.0, max_tokens=tokens, stream=True):
+                stamps.append(time.perf_counter())
+            n = len(stamps) - 2  # the role chunk and the first token left out
+            out[name].append(n / (stamps[-1] - stamps[1]) if n > 0 else 0.0)
+    return out
+
+
+def _stage_costs(ks: list[int], repeats: int) -> list[tuple[str, int, float, float]]:
+    """Per stage of a 3-way ONNX split of the default model: a 1-row step's median seconds and a
+    (k + 1)-row step's, after 200 positions cached."""
+    import numpy as np
+
+    from exo_tui.inference.local import even_split, load_shards
+    from exo_tui.models.gguf_file import GGUFModel
+    from exo_tui.models.registry import resolve_model
+
+    model = GGUFModel(resolve_model())
+    shards = load_shards(model, even_split(model.config.n_layers, ["onnx"] * 3))
+    rows_out = []
+    try:
+        rng = np.random.default_rng(0)
+        for shard in shards:
+            def x_of(t: int, shard: Any = shard) -> np.ndarray:
+                if shard.is_first:
+                    return rng.integers(0, model.config.vocab_size, size=t)
+                return rng.standard_normal((t, model.config.hidden_size)).astype(np.float32)
+
+            shard.forward("warm", x_of(200), np.arange(200))
+
+            def timed(t: int, shard: Any = shard) -> float:
+                times = []
+                for _ in range(repeats):
+                    x = x_of(t)
+                    t0 = time.perf_counter()
+                    shard.forward("warm", x, np.arange(200, 200 + t), all_logits=shard.is_last)
+                    times.append(time.perf_counter() - t0)
+                    shard.truncate_kv("warm", 200)
+                return statistics.median(times)
+
+            one = timed(1)
+            name = f"[{shard.start}, {shard.end})" + (" + head" if shard.is_last else "")
+            for k in ks:
+                rows_out.append((name, k, one, timed(k + 1)))
+    finally:
+        for shard in shards:
+            shard.close()
+    return rows_out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (a node uses the machine's cores)")
+    ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--ks", default="1,4,8,16,32", help="drafted tokens whose step cost is measured per stage")
+    args = ap.parse_args()
+    from exo_tui.models.registry import resolve_model
+    from exo_tui.net import loop as event_loop
+
+    with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
+        runs = event_loop.run(_clusters(args.rounds, args.tokens, Path(d)))
+    llama = {} if args.no_llama else _llama(resolve_model(), args.threads, args.tokens, args.rounds)
+
+    def med(key: tuple[str, int]) -> float:
+        return statistics.median(r["tok_s"] for r in runs[key])
+
+    print(f"\nThe default model, greedy, {args.tokens} tokens, ONNX node processes on loopback, {args.rounds} rounds "
+          f"taking turns, medians (a shared 2-core machine: noisy)\n")
+    print("| nodes | case | decode tok/s | ÷ off | acceptance | k chosen (median) | same text as off |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for name, n, task, _mode, _p in CASES:
+        off = (f"{task} off", n)
+        drafted = sum(r["drafted"] for r in runs[(name, n)])
+        accepted = sum(r["accepted"] for r in runs[(name, n)])
+        ks = [k for r in runs[(name, n)] for k in r["k"]]
+        same = all(r["tokens"] == o["tokens"] for r, o in zip(runs[(name, n)], runs[off], strict=True))
+        print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | "
+              f"{accepted / drafted if drafted else 0:.2f} | {statistics.median(ks) if ks else 0:g} | {same} |")
+    print(f"\nHeadline: 3-node ring, copy with the prediction ÷ one node off: "
+          f"{med(('copy prediction', 3)) / med(('copy off', 1)):.2f}x")
+    if llama:
+        ref = statistics.median(llama["llama.cpp prompt lookup"])
+        print(f"\nllama.cpp ({args.threads} threads), copy prompt: off {statistics.median(llama['llama.cpp off']):.1f} "
+              f"tok/s, LlamaPromptLookupDecoding {ref:.1f} tok/s")
+        print(f"exo-tui one node, copy with prompt lookup ÷ llama.cpp prompt lookup: {med(('copy lookup', 1)) / ref:.2f}x; "
+              f"with the prediction: {med(('copy prediction', 1)) / ref:.2f}x")
+    ks = [int(k) for k in args.ks.split(",")]
+    print("\nA verify step's cost per stage (3-way ONNX split, 200 positions cached): (k + 1)-row step ÷ 1-row step\n")
+    print("| stage | 1 row, ms | " + " | ".join(f"k={k}" for k in ks) + " |")
+    print("|---|---:|" + "---:|" * len(ks))
+    costs = _stage_costs(ks, 15)
+    for stage in dict.fromkeys(c[0] for c in costs):
+        mine = [c for c in costs if c[0] == stage]
+        print(f"| {stage} | {mine[0][2] * 1000:.2f} | " + " | ".join(f"{c[3] / c[2]:.2f}" for c in mine) + " |")
+
+
+if __name__ == "__main__":
+    main()
