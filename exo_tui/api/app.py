@@ -230,9 +230,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
                 "completion_tokens_details": {
                     "accepted_prediction_tokens": stats.prediction_accepted if stats else 0,
                     "rejected_prediction_tokens": stats.prediction_rejected if stats else 0,
-                    "reasoning_tokens": 0,
-                    "drafted_tokens": stats.drafted if stats else 0,  # extensions: every source's drafts
-                    "accepted_drafted_tokens": stats.accepted if stats else 0}}
+                    "reasoning_tokens": 0}}
 
     # ------------------------------------------------------------------ models
 
@@ -272,7 +270,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": chat_logprobs(tokenizer, listed) if top is not None else None,
                          "finish_reason": gen.finish_reason}],
-            "usage": usage(request), "system_fingerprint": f"exo-tui-{__version__}",
+            "usage": usage(request), "system_fingerprint": f"exo-tui-{__version__}", **speculation(request),
         }
 
     # ------------------------------------------------------------------ completions
@@ -321,7 +319,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
         return {
             "id": cid, "object": "text_completion", "created": gen.created, "model": mid,
             "choices": [{"index": 0, "text": prefix + text, "logprobs": logprobs, "finish_reason": gen.finish_reason}],
-            "usage": usage(request), "system_fingerprint": f"exo-tui-{__version__}",
+            "usage": usage(request), "system_fingerprint": f"exo-tui-{__version__}", **speculation(request),
         }
 
     # ------------------------------------------------------------------ cluster
@@ -338,6 +336,16 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
 # ---------------------------------------------------------------------- streaming
 
 
+
+
+def speculation(request: GenRequest) -> dict[str, Any]:
+    """The extension ``speculation``: every draft source's drafted tokens and those kept (it
+    varies with the stream's measurements, so it stays out of OpenAI's ``usage``)."""
+    stats = request.speculation.stats if request.speculation is not None else None
+    if stats is None or not stats.drafted:
+        return {}
+    return {"speculation": {"drafted_tokens": stats.drafted, "accepted_tokens": stats.accepted,
+                            "verify_steps": stats.steps}}
 
 
 async def _collect(gen: Generation) -> tuple[str, list[Listed]]:
@@ -377,7 +385,7 @@ async def _chat_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
                 yield content(c.text)
         yield chunk({}, gen.finish_reason)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(gen.request)})
+            yield sse({**base, "choices": [], "usage": usage(gen.request), **speculation(gen.request)})
     except Exception as exc:  # noqa: BLE001 - the stream has begun: tell the client in the stream
         yield _stream_error(exc)
     finally:
@@ -412,7 +420,7 @@ async def _text_stream(gen: Generation, cid: str, mid: str, include_usage: bool,
                 yield content(c.text)
         yield chunk("", gen.finish_reason)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(gen.request)})
+            yield sse({**base, "choices": [], "usage": usage(gen.request), **speculation(gen.request)})
     except Exception as exc:  # noqa: BLE001
         yield _stream_error(exc)
     finally:

@@ -284,6 +284,7 @@ class ClusterClient:
         first: float | None = None
         finish, error = None, ""
         usage: dict[str, Any] = {}
+        drafts: dict[str, Any] = {}  # the extension "speculation", with the usage
         try:
             async with self._http.stream("POST", "/v1/chat/completions", json=body,
                                          timeout=httpx.Timeout(None, connect=5.0)) as r:
@@ -301,6 +302,7 @@ class ClusterClient:
                         finish, error = "error", data["error"].get("message", "error")
                         continue
                     usage = data.get("usage") or usage
+                    drafts = data.get("speculation") or drafts
                     for choice in data.get("choices", ()):
                         text = choice.get("delta", {}).get("content") or ""
                         if text:
@@ -317,10 +319,9 @@ class ClusterClient:
         end = time.monotonic()
         completion = int(usage.get("completion_tokens", 0))
         decode_s = end - first if first else 0.0
-        drafts = usage.get("completion_tokens_details") or {}
         yield ChatChunk(
             finish_reason=finish or "stop", prompt_tokens=int(usage.get("prompt_tokens", 0)), completion_tokens=completion,
-            drafted_tokens=int(drafts.get("drafted_tokens", 0)), accepted_tokens=int(drafts.get("accepted_drafted_tokens", 0)),
+            drafted_tokens=int(drafts.get("drafted_tokens", 0)), accepted_tokens=int(drafts.get("accepted_tokens", 0)),
             ttft_s=(first - started) if first else 0.0,
             tok_per_s=(completion - 1) / decode_s if completion > 1 and decode_s > 0 else 0.0,
             nodes=tuple(n.name for n in self._snapshot.nodes if n.layers), error=error,

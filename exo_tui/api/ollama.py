@@ -344,7 +344,7 @@ def ollama_router(coordinator: Any, prompts: Prompts | None = None) -> APIRouter
         rate = request.decode_tok_per_s
         eval_s = (len(request.generated) - 1) / rate if rate > 0 else 0.0
         spec = request.speculation.stats if request.speculation is not None else None
-        drafts = {} if spec is None else {"draft_count": spec.drafted, "draft_accepted_count": spec.accepted,
+        drafts = {} if spec is None or not spec.drafted else {"draft_count": spec.drafted, "draft_accepted_count": spec.accepted,
                                           "accepted_prediction_count": spec.prediction_accepted,
                                           "rejected_prediction_count": spec.prediction_rejected}
         return {"total_duration": int((time.monotonic() - began_s) * 1e9), "load_duration": 0,

@@ -122,8 +122,6 @@ class CompletionTokensDetails(BaseModel):
     accepted_prediction_tokens: int = Field(default=0, description="tokens of the prediction the answer kept")
     rejected_prediction_tokens: int = Field(default=0, description="tokens of the prediction drafted and not kept")
     reasoning_tokens: int = 0
-    drafted_tokens: int = Field(default=0, description="extension: tokens drafted by any source (speculative decoding)")
-    accepted_drafted_tokens: int = Field(default=0, description="extension: of them, kept")
 
 
 class Usage(BaseModel):
