@@ -160,9 +160,21 @@ class MLXShard(Shard):
 
     def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """Decode steps (one token each) of several requests run as one batch: each matmul runs
-        once for all of them. Anything else runs one by one. A bad item fails the whole call
+        once for all of them; a step of several rows among them runs alone. A bad item fails the whole call
         before any cache changes."""
         items = [(rid, np.asarray(x), np.asarray(p)) for rid, x, p in items]
+        single = [i for i, (_, _, p) in enumerate(items) if p.shape == (1,)]
+        if 2 <= len(single) < len(items) and len({r for r, _, _ in items}) == len(items):
+            # several rows of some (a verify step's drafts, a prompt): those alone, the decode steps batched
+            with self._lock:
+                for rid, x, p in items:  # every item checked before any cache changes
+                    self._begin(rid, x, p)
+                out: list[np.ndarray | None] = [None] * len(items)
+                for i, got in zip(single, self.forward_batch([items[i] for i in single]), strict=True):
+                    out[i] = got
+                for i in (i for i in range(len(items)) if out[i] is None):
+                    out[i] = self.forward(*items[i])
+                return out  # type: ignore[return-value]
         if len(items) < 2 or any(p.shape != (1,) for _, _, p in items) or len({r for r, _, _ in items}) < len(items):
             return super().forward_batch(items)
         with self._lock:

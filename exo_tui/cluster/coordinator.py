@@ -333,6 +333,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
         if request.speculation is None:
             mode = request.speculative if request.speculative is not None else self.speculative
             request.speculation = Speculation.for_request(mode, request.predicted)
+        if request.speculation is not None:
+            request.speculation.streams = lambda: len(self._active)
         chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,
                           context_length=self.context_length)
         try:

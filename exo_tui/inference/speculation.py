@@ -10,7 +10,9 @@ that maximises the expected tokens a step per unit of step time, from what it me
   of a ``k + 1``-row step against a 1-row one on this plan, through the whole ring, the other
   streams batched beside it included).
 
-Where no ``k`` is expected to beat plain steps by :data:`MIN_GAIN`, the stream does not draft: it
+Where more than :data:`BUSY_STREAMS` streams run, a stream without a prediction does not draft
+either: the ring's steps are batches then, whose rows every stream pays for. Where no ``k`` is
+expected to beat plain steps by :data:`MIN_GAIN`, the stream does not draft: it
 keeps proposing drafts without running them and checks them against the tokens that come (a
 "shadow" draft; free for lookups), so it starts again when its answer turns to copying. A
 prediction (OpenAI's Predicted Outputs) is drafted from the first step, since it is given to be
@@ -20,7 +22,7 @@ copied.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from backends.base import MAX_DRAFT
@@ -29,6 +31,7 @@ from exo_tui.inference.speculative import Draft, Verdict
 
 MODES = ("off", "auto")
 MIN_GAIN = 1.05  # auto drafts only where it expects at least this many times plain steps' tok/s
+BUSY_STREAMS = 4  # auto drafts lookups only while at most this many streams run (a prediction: always)
 PRIOR_ACCEPT = 0.5  # a stream's acceptance rate before it has measured one (a prediction's: PRIOR_PREDICTED)
 PRIOR_PREDICTED = 0.9
 PRIOR_ROW_COST = 0.15  # what each row past the first adds to a step, relative to a 1-row step, until measured
@@ -81,6 +84,7 @@ class Speculation:
         self.step_s: float | None = None  # a 1-row step's time
         self.row_s: float | None = None  # what each further row adds
         self._shadow: tuple[int, tuple[int, ...]] | None = None  # (where a draft not run begins, its tokens)
+        self.streams: Callable[[], int] | None = None  # the streams running beside it (the coordinator's)
 
     @classmethod
     def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True) -> Speculation | None:
@@ -116,6 +120,8 @@ class Speculation:
     def best_k(self, most: int) -> int:
         """The k with the most expected tokens per unit of step time (0: none beats plain steps
         by MIN_GAIN)."""
+        if not self.predicted and self.streams is not None and self.streams() > BUSY_STREAMS:
+            return 0  # a busy ring's steps are batches already: drafts would cost the others
         a = min(self.accept_rate, 0.999)
         row = self.row_cost()
         best, gain = 0, MIN_GAIN

@@ -122,3 +122,15 @@ def test_the_cluster_figures_count_the_drafts_kept() -> None:
         m.ended(request)
     m.ended(SimpleNamespace(id="plain", speculation=None))
     assert m.figures([]).draft_acceptance == pytest.approx(30 / 40)
+
+
+def test_a_busy_ring_drafts_only_predictions() -> None:
+    from exo_tui.inference.speculation import BUSY_STREAMS
+
+    lookup, predicted = Speculation("auto", [PromptLookup()]), Speculation("auto", [Prediction([1, 2]), PromptLookup()])
+    for spec in (lookup, predicted):
+        spec.accept_rate = 0.9
+        spec.streams = lambda: BUSY_STREAMS + 1
+    assert lookup.best_k(8) == 0 and predicted.best_k(8) > 0
+    lookup.streams = lambda: BUSY_STREAMS
+    assert lookup.best_k(8) > 0

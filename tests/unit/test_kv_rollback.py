@@ -140,3 +140,23 @@ def test_an_imported_ring_is_not_cut_back_past_what_came(name: str) -> None:
         assert_close(step([dst], "r", tokens[20:24], 20), want[20:24], f"{name}: imported, drafted, cut back")
     finally:
         close([src, dst])
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_verify_step_in_a_batch_of_decode_steps(model, name: str) -> None:
+    """A batch of two decode steps and a verify step's rows (as a node runs requests that are at
+    its shard together): each one's logits are the model's."""
+    gguf, tokens, want = model
+    [shard] = load(gguf, name, [(0, gguf.config.n_layers)])
+    try:
+        for rid, n in (("a", 9), ("b", 14), ("v", 20)):
+            step([shard], rid, tokens[:n], 0)
+        items = [("a", tokens[9:10], np.array([9])), ("v", tokens[20:26], np.arange(20, 26)),
+                 ("b", tokens[14:15], np.array([14]))]
+        got = shard.forward_batch(items)
+        assert_close(got[0], want[9:10], f"{name}: decode a")
+        assert_close(got[2], want[14:15], f"{name}: decode b")
+        assert_close(got[1][-1:], want[25:26], f"{name}: the verify step's last row")
+        assert [shard.kv_length(r) for r in "avb"] == [10, 26, 15]
+    finally:
+        shard.close()
