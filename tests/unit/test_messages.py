@@ -26,9 +26,9 @@ SAMPLES: list[Message] = [
     m.ScoreAsk(top=2, targets=[5, 6]),
     m.Forward(rid="r", hop=1, pos=12, step=-3, n_tokens=13, sampling={"temperature": 0.7, "seed": 4}, fill=True,
               history=[1, 2, 3], adopt="old", logprobs=2, score=m.ScoreAsk(1, [2]), more=3,
-              timing=[["n1", 0.0, 0.01, 1.5, 1.6]]),
+              timing=[["n1", 0.0, 0.01, 1.5, 1.6]], draft=[7, 8]),
     m.Token(rid="r", step=4, token=17, timing=[["n1", 0.0, 0.01, 1.5, 1.6]], logprobs=[17, -0.5, [[17, -0.5]]],
-            scored=True),
+            scored=True, tokens=[7, 17], accepted=1, listed=[[7, -0.1, []], [17, -0.5, []]]),
     m.StepFailed(rid="r", error="boom", step=None, node_id="n2", failed_node="n3", kv_budget=True),
     m.Heartbeat(metrics={"cpu_percent": 3.5, "kv": {"budget_bytes": 10}}, t=1.25),
     m.HeldShard(start=0, end=2, backend="onnx", nbytes=100, model="m", held_bytes=90, precision="int8"),
@@ -51,7 +51,7 @@ SAMPLES: list[Message] = [
     PLAN,
     m.PlanOp(plan=PLAN),
     m.Plans(plans=[2, 3]),
-    m.KVExport(rid="r", start=0, end=2, model="m"),
+    m.KVExport(rid="r", start=0, end=2, model="m", length=18),
     m.KV(length=20, held=[8, 20]),
     m.KVImport(rid="r", start=0, end=2, length=20, held=[8, 20], model="m"),
     m.Drop(rid="r", final=True),
@@ -145,8 +145,8 @@ def test_a_required_field_missing_is_refused_by_name(cls: type[Message], name: s
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
 def test_a_field_the_message_does_not_have_is_refused(msg: Message) -> None:
-    with pytest.raises(BadBody, match="field 'draft' is not a field of"):
-        type(msg).decode({**_on_the_wire(msg), "draft": [1, 2]})
+    with pytest.raises(BadBody, match="field 'drafts' is not a field of"):
+        type(msg).decode({**_on_the_wire(msg), "drafts": [1, 2]})
 
 
 @pytest.mark.parametrize(("body", "says"), [
