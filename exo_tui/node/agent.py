@@ -403,14 +403,14 @@ class NodeAgent:
         rtts = []
         for _ in range(msg.pings):
             t0 = time.perf_counter()
-            await call(peer, Ping(t0), timeout=5)
+            await call(peer, Ping(t0), Pong, timeout=5)
             rtts.append(time.perf_counter() - t0)
         rtt_s = float(np.median(rtts))
         bandwidth = None
         if nbytes := msg.bandwidth_bytes:
             blob = bytes(nbytes)
             t0 = time.perf_counter()
-            await call(peer, Ping(t0), payload=blob, timeout=30)
+            await call(peer, Ping(t0), Pong, payload=blob, timeout=30)
             elapsed = time.perf_counter() - t0 - rtt_s
             bandwidth = nbytes / max(elapsed, 1e-6)
         return reply(Link(rtt_s / 2, rtt_s, bandwidth))

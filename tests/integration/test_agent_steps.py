@@ -17,6 +17,8 @@ import pytest
 
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.net import Cluster, Dispatcher, Frame, RemoteError, Security, connect, ensure_cluster
+from exo_tui.net import messages as wire
+from exo_tui.net.codec import call
 from exo_tui.net.protocol import FILLED
 from exo_tui.node.agent import NodeAgent
 from exo_tui.node.batching import GatherPolicy
@@ -345,3 +347,11 @@ async def test_a_malformed_step_gets_one_error_frame_naming_the_field_and_the_no
         assert refused.value.code == "bad_body"
         await r.decode_round({"good": history})
         assert coordinator.refusals == 1 and not r.failures
+
+
+async def test_a_node_probes_its_link_to_another_with_typed_pings(cluster: Cluster, tiny_model: Path):
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        probe = wire.LinkProbe("127.0.0.1", r.agents[1].port, pings=2, bandwidth_bytes=1 << 16)
+        link = await call(r.conns[0], probe, wire.Link, timeout=30)
+        assert link.rtt_s > 0 and link.latency_s == link.rtt_s / 2
+        assert link.bandwidth_bytes_per_s is not None and link.bandwidth_bytes_per_s > 0
