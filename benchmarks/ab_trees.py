@@ -79,22 +79,29 @@ for line in sys.stdin:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trees", nargs="+")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("trees", nargs="*", help="(with --quick, none: this checkout)")
+    ap.add_argument("--model", default=None, help="a GGUF path, a registered name, or bench:SHAPE (benchmarks/big_model.py)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--no-llama", action="store_true", help="no llama.cpp worker")
-    args = ap.parse_args()
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.quick import have_llama_cpp, parse
+
+    args = parse(ap, rounds=1, prompt=8, decode=4, model="bench:tiny")
+    if not args.trees:
+        if not args.quick:
+            ap.error("name at least one tree")
+        args.trees = [str(Path(__file__).resolve().parents[1])]
+    if not args.no_llama and not have_llama_cpp():
+        args.no_llama = True
     import numpy as np
 
-    from exo_tui.models.catalog import resolve_model
+    from benchmarks.single_node import _model_path
     from exo_tui.models.gguf_file import GGUFModel
 
-    path = resolve_model(args.model)
+    path = _model_path(args.model)
     vocab = GGUFModel(path).config.vocab_size
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(min(100, vocab // 4), min(40000, vocab - 16), size=args.prompt)]

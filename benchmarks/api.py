@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.api.server import ApiServer  # noqa: E402
 from exo_tui.cluster.coordinator import Coordinator  # noqa: E402
 from exo_tui.cluster.view import ChatParams  # noqa: E402
@@ -197,7 +198,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="runs of every stream count, alternated; medians reported")
     ap.add_argument("--http-clients", choices=["process", "loop"], default="process",
                     help="where the HTTP clients run: a process of their own, or this process's event loop")
-    args = ap.parse_args()
+    args = parse(ap, tokens=4, nodes="1", streams="1,2", rounds=1)
     counts = [int(x) for x in args.streams.split(",")]
     rows = []
     for n_nodes in (int(x) for x in args.nodes.split(",")):

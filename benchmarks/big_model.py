@@ -49,9 +49,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
+
 SHAPES = {  # layers, hidden, intermediate, heads, kv heads, vocab, tied
     "1b": (16, 2048, 8192, 32, 8, 128256, True),
     "8b": (32, 4096, 14336, 32, 8, 128256, False),
+    "tiny": (2, 256, 512, 4, 2, 8192, True),  # --quick's: shows the benchmark runs
 }
 FAMILY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 FAMILY_WIDTH = (8, 2048, 8192, 32, 8, 32768, True)  # as SHAPES: 8 of Llama-3.2-1B's layers, a 32k vocabulary
@@ -206,7 +209,7 @@ def _write(path: Path, arch: str, name: str, fields: dict[str, int | float],
     tokens, types, merges = tiny_vocab()
     tokens = tokens + [f"<unused_{i}>" for i in range(vocab - len(tokens))]
     types = types + [1] * (vocab - len(types))
-    tmp = path.with_suffix(".part")
+    tmp = path.with_suffix(f".{os.getpid()}.part")  # one writer each: two processes may write it at once
     w = gguf.GGUFWriter(str(tmp), arch)
     w.add_name(name)
     for key, value in fields.items():
@@ -255,7 +258,7 @@ def _write(path: Path, arch: str, name: str, fields: dict[str, int | float],
             pieces = [blocks(rng, min(4096, rows - a), cols, kind, std) for a in range(0, rows, 4096)]
             w.write_tensor_data(np.concatenate(pieces).reshape(*lead, -1))
     w.close()
-    tmp.rename(path)
+    tmp.replace(path)
 
 
 def _random_legacy_blocks(rng: np.random.Generator, rows: int, cols: int, type_name: str, std: float) -> np.ndarray:
@@ -334,8 +337,7 @@ def one_node(path: Path, threads: int, prompt: int, tokens: int, reps: int = 1,
                                 str(tokens)], capture_output=True, text=True,
                                env={**os.environ, "EXO_TUI_THREADS": str(threads)})
             if r.returncode:
-                print(f"{engine} failed:\n{r.stderr[-3000:]}", file=sys.stderr)
-                continue
+                raise SystemExit(f"{engine} failed:\n{r.stderr[-3000:]}")
             out.setdefault(engine, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
     return out
 
@@ -507,7 +509,7 @@ def main() -> None:
                     help="one node: MLX too (on Linux its CPU build, whose scalar kernels take minutes on the 1B shape)")
     ap.add_argument("--reps", type=int, default=1,
                     help="one node: rounds of every engine, alternated (medians, and each round's ratios)")
-    args = ap.parse_args()
+    args = parse(ap, shape="tiny", prompt=8, tokens=4, local_nodes=2, ring_tokens=12, memory_limit=0.2, context=512)
     if args.local_nodes == 1:
         ap.error("--local-nodes needs at least 2 nodes (one is drained)")
 

@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.net import Dispatcher, Frame, Security, connect, ensure_cluster, serve  # noqa: E402
 from exo_tui.net import loop as event_loop  # noqa: E402
 
@@ -191,7 +192,7 @@ def main() -> int:
     ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (both ends run on it)")
     ap.add_argument("--serve", choices=["floor", "plain", "tls"], help=argparse.SUPPRESS)
     ap.add_argument("--home", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse(ap, n=50, rounds=1)
     if args.serve:
         event_loop.run(_serve(args.serve, args.home))
         return 0

@@ -1,9 +1,9 @@
-"""One stream decoding a long answer on one ONNX shard of the default model: the step time at
+"""One stream decoding a long answer on one ONNX shard of the default model (``--model``): the step time at
 each growth of the KV pool it is in (256, 768, 1792, ... positions: its cache copied into larger
 arrays, see ``backends/onnx/shard.py``) against the median step around it, so a stall in a long
 answer shows.
 
-    .venv/bin/python benchmarks/kv_growth.py [--positions 4200] [--precision int16]
+    .venv/bin/python benchmarks/kv_growth.py [--positions 4200] [--precision int16] [--model NAME]
 
 Prints one row per growth: the position, the new capacity, that step's time and the median of the
 32 steps before it.
@@ -22,7 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.onnx import ONNXBackend  # noqa: E402
-from exo_tui.models.catalog import resolve_model  # noqa: E402
+from benchmarks.quick import parse  # noqa: E402
+from benchmarks.single_node import _model_path  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 
 
@@ -36,8 +37,9 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=4200)
     ap.add_argument("--precision", default="int16", choices=["int16", "float32", "int8"])
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    model = GGUFModel(resolve_model())
+    ap.add_argument("--model", default=None, help="a GGUF path, a registered name, or bench:SHAPE (default: the default model)")
+    args = parse(ap, positions=260, model="bench:tiny")
+    model = GGUFModel(_model_path(args.model))
     cfg = model.config
     shard = ONNXBackend(threads=args.threads, precision=args.precision).load_shard(cfg, model.shard_weights(0, cfg.n_layers))
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 32)

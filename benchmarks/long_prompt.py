@@ -24,6 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
+
 
 async def _ttft(c, tokens: list[int]) -> float:  # noqa: ANN001
     from exo_tui.inference.request import Request
@@ -72,7 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=4)
-    args = ap.parse_args()
+    args = parse(ap, nodes=2, prompt=600, rounds=1)
     os.environ["EXO_TUI_THREADS"] = str(args.threads)  # the node processes take it
     from exo_tui.net import loop as event_loop
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.base import Shard  # noqa: E402
 from backends.onnx import ONNXBackend, physical_cores  # noqa: E402
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.models.catalog import resolve_model  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 
@@ -218,7 +219,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS),
                     choices=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
                     help="--matmul: the block formats to time")
-    args = ap.parse_args()
+    args = parse(ap, threads=[1], precision=["int8"], prompt=8, decode=4, repeats=1, rows=[1, 2])
     if args.matmul:
         matmul_table(args.matmul, args.threads, tuple(args.formats), rows=args.matmul_rows)
         return

@@ -30,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
+
 
 def _profiled_shard(path: Path, threads: int, prefix: str):  # noqa: ANN202 - an ONNXShard
     """The whole model as one shard whose session profiles itself; ``(shard, vocabulary size)``."""
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=0, help="profile prompts of this many tokens instead of decode")
     ap.add_argument("--against", default=None, help="a second model: per op type, what the first costs beyond it")
-    args = ap.parse_args()
+    args = parse(ap, model="bench:tiny", decode=4)
     from benchmarks.single_node import _bench_model
     from exo_tui.models.catalog import resolve_model
 

@@ -5,7 +5,9 @@ bounded time, or spin until the step returns (``backends.onnx.SPIN_US``). Spinni
 wake-up of a sleeping thread at each op; where another process wants the core, a spinning thread
 keeps it from the step's other thread. This measures both sides: one whole-model shard of the
 default model per policy, all loaded at once and taking turns (the machine drifts over minutes),
-first alone, then beside 1, 2, ... processes that each keep a core busy.
+first alone, then beside 1, 2, ... processes that each keep a core busy. The last column is the
+CPU time the process spends in the 200 ms after a step returns (median of 3): spinning is between
+a step's ops only, so it stays near zero under every policy.
 
     .venv/bin/python benchmarks/onnx_spin.py [--spin 0,15,25,40,until-end] [--busy 0,1,2]
                                              [--pin off|on|off,on] [--rounds 10] [--tokens 24]
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.base import Shard  # noqa: E402
 from backends.onnx import ONNXBackend, physical_cores  # noqa: E402
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.models.catalog import resolve_model  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 
@@ -56,6 +59,17 @@ def decode_steps(shard: Shard, tokens: int) -> list[float]:
     return steps
 
 
+def idle_cpu_ms(shard: Shard, idle_s: float = 0.2) -> float:
+    """CPU time (ms) this process spends in the ``idle_s`` after a step returns: spinning is
+    between a step's ops only, so this stays near zero under every policy."""
+    shard.forward("idle", np.arange(1, 17), np.arange(16))
+    cpu = time.process_time()  # right as the step returns
+    time.sleep(idle_s)
+    used = time.process_time() - cpu
+    shard.drop("idle")
+    return used * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spin", default="0,15,25,40,until-end", help="policies: microseconds, or until-end")
@@ -64,7 +78,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=physical_cores())
-    args = ap.parse_args()
+    args = parse(ap, spin="0,until-end", busy="0", rounds=1, tokens=4)
 
     model = GGUFModel(resolve_model())
     weights = model.shard_weights(0, model.config.n_layers)
@@ -91,14 +105,16 @@ def main() -> None:
                 h.wait()
         for n in names:
             medians[(n, busy)] = statistics.median(steps[n])
+    idle = {n: statistics.median(idle_cpu_ms(shard) for _ in range(3)) for n, shard in shards.items()}
 
     print(f"\nDecode step of the default model, one ONNX shard, {args.threads} threads, median ms of "
           f"{args.rounds} rounds x {args.tokens} steps, the policies taking turns\n")
-    print("| idle threads spin | pinned | " + " | ".join(f"beside {b} busy, ms" for b in busy_counts) + " |")
-    print("|---|---|" + "---:|" * len(busy_counts))
+    print("| idle threads spin | pinned | " + " | ".join(f"beside {b} busy, ms" for b in busy_counts)
+          + " | CPU ms in the 200 ms after a step |")
+    print("|---|---|" + "---:|" * (len(busy_counts) + 1))
     for n in names:
         cells = " | ".join(f"{medians[(n, b)] * 1000:.1f}" for b in busy_counts)
-        print(f"| {_label(n[0])} | {n[1]} | {cells} |")
+        print(f"| {_label(n[0])} | {n[1]} | {cells} | {idle[n]:.1f} |")
 
 
 if __name__ == "__main__":

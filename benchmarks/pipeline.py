@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
+
 VARIANTS = {  # name -> the environment the node processes start with (see backends/onnx/__init__.py)
     "default": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
     "nospin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "0", "EXO_TUI_THREADS": ""},
@@ -98,7 +100,7 @@ def main() -> None:
     ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (uvloop needs uvloop installed)")
     ap.add_argument("--tls", default="on,off", help="TLS settings to measure: on, off or on,off")
     ap.add_argument("--variants", default="default", help=f"ONNX settings to compare, of {', '.join(VARIANTS)}")
-    args = ap.parse_args()
+    args = parse(ap, tokens=4, rounds=1, nodes="2", loops="asyncio", tls="on")
     from exo_tui.net import loop as event_loop
 
     counts = [int(x) for x in args.nodes.split(",")]

@@ -29,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
+
 HEADER = struct.Struct("<iii")  # payload bytes, first position, request number
 PROMPT = np.array([1, 2, 3, 4, 5], np.int64)
 
@@ -132,7 +134,7 @@ def main() -> None:
     ap.add_argument("--nodes", default="1,2,3")
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=6)
-    args = ap.parse_args()
+    args = parse(ap, nodes="2", tokens=4, rounds=1)
     from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
 

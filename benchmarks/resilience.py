@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.net import loop as event_loop  # noqa: E402
 
 SCENARIOS = ("none", "drain", "rebalance", "kill first", "kill middle", "kill last", "coordinator kill -9")
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=120)
     ap.add_argument("--at", type=int, default=30, help="token at which the disturbance happens")
     ap.add_argument("--only", action="append", choices=SCENARIOS, help="run only these scenarios (repeatable)")
-    args = ap.parse_args()
+    args = parse(ap, tokens=12, at=5, only=["drain"])
     rows: list[tuple[str, float, float, float | None]] = []
     leader_s = None
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:

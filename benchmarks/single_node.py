@@ -38,6 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
+
 
 def _clock() -> Callable[[int], tuple[float, float]]:
     """Started now: ``rate(n)``, n tokens' tok/s by wall time and by this process's CPU time (all
@@ -135,7 +137,7 @@ def main() -> None:
                     help="a GGUF path or registered name (default: the default model); several, comma-separated, "
                          "are measured side by side against the first; bench:families is every family shape")
     ap.add_argument("--raw", type=Path, default=None, help="with several models: each repetition's tok/s, as JSON, here")
-    args = ap.parse_args()
+    args = parse(ap, reps=1, prompt=8, decode=4, backends="onnx", model="bench:tiny")
 
     from backends import available_backends
     from exo_tui.models.gguf_file import GGUFModel

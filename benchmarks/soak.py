@@ -2,13 +2,14 @@
 a few at a time, some cancelled midway and some whose client vanishes, with a drain and a
 ``kill -9`` of a node during the run. It prints what was lost (should be 0), how many completed
 greedy answers differ from their solo run (should be 0), each process's resident memory growth
-between the 200th request and the last, and the time to first token (p50/p99).
+between the 200th request (``--steady-from``) and the last, and the time to first token (p50/p99).
 
     python benchmarks/soak.py [--requests 1000] [--concurrency 8] [--drain-at 40] [--kill-at 120]
+                             [--steady-from 200] [--prompts 8] [--lengths 8,24,64]
 
 Cancelled: the client stops reading after half its tokens and closes the response. Disconnected:
 a raw socket sends the request, reads a little of the stream and is closed with a reset.
-The drain (undone 30 requests later) and the kill happen before the 200th request, so that the
+The drain (undone 30 requests later, ``--undrain-after``) and the kill happen before the 200th request, so that the
 growth measured afterwards is that of a steady cluster (the kill leaves one node holding every
 layer, which adds the other half of the weights to its memory).
 """
@@ -30,6 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.quick import parse  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about rain.", "List three uses of copper.",
@@ -95,6 +98,7 @@ async def run(args: argparse.Namespace) -> None:
     from exo_tui.api.server import ApiServer
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.cluster.local_nodes import free_port
+    from exo_tui.cluster.view import Command
     from exo_tui.config import Config
 
     config = Config()
@@ -125,7 +129,8 @@ async def run(args: argparse.Namespace) -> None:
     kinds = ["complete"] * args.requests
     for i in rng.sample(range(args.requests), args.requests // 5):
         kinds[i] = "cancel" if i % 2 else "vanish"
-    plan = [(rng.choice(PROMPTS), rng.choice(LENGTHS), k) for k in kinds]
+    prompts, lengths = PROMPTS[: args.prompts], tuple(int(n) for n in args.lengths.split(","))
+    plan = [(rng.choice(prompts), rng.choice(lengths), k) for k in kinds]
     procs = {"coordinator": psutil.Process()} | {n.name: psutil.Process(n.process.pid) for n in c._local}
     lost: list[str] = []
     differ: list[int] = []
@@ -137,8 +142,8 @@ async def run(args: argparse.Namespace) -> None:
     try:
         async with httpx.AsyncClient(timeout=600) as http:
             solo = {}
-            for p in PROMPTS:
-                for n in LENGTHS:
+            for p in prompts:
+                for n in lengths:
                     text, _, finish = await stream(http, url, p, n)
                     assert finish in ("stop", "length"), finish
                     solo[(p, n)] = text
@@ -165,13 +170,13 @@ async def run(args: argparse.Namespace) -> None:
                         lost.append(f"request {i} ({kind}): {type(exc).__name__}: {exc}")
                     counts[kind] += 1
                     done += 1
-                    if done == 200:
-                        rss_at["200"] = {k: p.memory_info().rss for k, p in procs.items() if p.is_running()}
+                    if done == args.steady_from:
+                        rss_at["steady"] = {k: p.memory_info().rss for k, p in procs.items() if p.is_running()}
                     if done == args.drain_at:
                         name = c._local[0].name
-                        asyncio.create_task(c.apply(await c.preview("drain", (name,))))
-                    if done == args.drain_at + 30:
-                        asyncio.create_task(c.apply(await c.preview("undrain", (c._local[0].name,))))
+                        asyncio.create_task(c.apply(await c.preview(Command("drain", (name,)))))
+                    if done == args.drain_at + args.undrain_after:
+                        asyncio.create_task(c.apply(await c.preview(Command("undrain", (c._local[0].name,)))))
                     if done == args.kill_at:
                         victim = c._local[1]
                         os.kill(victim.process.pid, signal.SIGKILL)
@@ -191,9 +196,9 @@ async def run(args: argparse.Namespace) -> None:
     print("cluster changes during the run:" + "".join(f"\n  {x}" for x in changes))
     print(f"lost: {len(lost)}" + "".join(f"\n  {x}" for x in lost[:10]))
     print(f"completed greedy answers unlike their solo run: {len(differ)} {differ[:10]}")
-    print("resident memory, 200th request -> last:")
+    print(f"resident memory, request {args.steady_from} -> last:")
     for k in rss_at.get("end", {}):
-        a, b = rss_at.get("200", {}).get(k), rss_at["end"][k]
+        a, b = rss_at.get("steady", {}).get(k), rss_at["end"][k]
         if a:
             print(f"  {k:24s} {a / 1e6:7.1f} MB -> {b / 1e6:7.1f} MB  ({(b - a) / a * 100:+.1f} %)")
     print("nodes' KV after: " + ", ".join(f"{n}: {d.get('requests', '?')} requests, {d.get('used_bytes', 0) / 1e6:.1f} MB"
@@ -211,7 +216,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--drain-at", type=int, default=40)
     ap.add_argument("--kill-at", type=int, default=120)
-    args = ap.parse_args()
+    ap.add_argument("--undrain-after", type=int, default=30, help="requests after the drain, the undrain")
+    ap.add_argument("--steady-from", type=int, default=200, help="the request from which memory growth is measured")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="the answers' max_tokens, drawn from")
+    args = parse(ap, requests=24, concurrency=4, drain_at=3, undrain_after=5, kill_at=18, steady_from=20, prompts=2,
+                 lengths="4,8")
     asyncio.run(run(args))
 
 

@@ -30,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
+
 MB = 1e6
 
 
@@ -55,7 +57,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=0, help="the shard's prefill chunk (default: the backend's)")
     ap.add_argument("--mem-pattern", action="store_true", help="ONNX Runtime's memory patterns on (the shard has them off)")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = parse(ap, steps="a:0:1,a:1:1,b:0:64")
 
     import onnxruntime as ort
 

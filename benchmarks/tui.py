@@ -19,7 +19,7 @@ done) for ``down`` in the nodes table, median and p95, with the ratio to the 100
 to the drain confirmation on screen (a preview worker round trip); and the app process's CPU use
 over 10 s without keys, as a fraction of one core, with the ratio to the 5 % target.
 
-    .venv/bin/python benchmarks/tui.py [--seconds 10] [--presses 60] [--token-s 0.005]
+    .venv/bin/python benchmarks/tui.py [--seconds 10] [--presses 60] [--token-s 0.005] [--scenarios idle,...]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from textual import events  # noqa: E402
 
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.cluster.view import ChatParams  # noqa: E402
 from exo_tui.tui.app import ExoApp  # noqa: E402
 from exo_tui.tui.screens.dialogs import ConfirmChange  # noqa: E402
@@ -230,6 +231,9 @@ async def _strip_cost(args: argparse.Namespace) -> tuple[float, float, float]:
     return statistics.median(cpu[False]), statistics.median(cpu[True]), statistics.median(own)
 
 
+SCENARIOS = ("idle", "idle, strip (M)", "chat streaming", "paused (Z)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -242,9 +246,13 @@ def main() -> None:
         "0: as fast as the event loop hands them out)",
     )
     parser.add_argument("--strip-rounds", type=int, default=3, help="rounds of the strip hidden/shown (default 3)")
-    args = parser.parse_args()
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"some of: {', '.join(SCENARIOS)}")
+    args = parse(parser, seconds=0.5, presses=3, strip_rounds=1, scenarios="chat streaming")
+    scenarios = args.scenarios.split(",")
+    if not set(scenarios) <= set(SCENARIOS):
+        parser.error(f"--scenarios takes some of: {', '.join(SCENARIOS)}")
     rows = []
-    for scenario in ("idle", "idle, strip (M)", "chat streaming", "paused (Z)"):
+    for scenario in scenarios:
         rows.append((scenario, asyncio.run(_measure(scenario, args))))
     print(f"20 nodes updating every second; {args.presses} key presses; CPU over {args.seconds:.0f} s (fraction of one core)")
     print(f"{'scenario':<17} {'key p50 ms':>10} {'key p95 ms':>10} {'p95/target':>10} {'D→confirm ms':>13} {'CPU %':>7} {'CPU/target':>10}")

@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.net.frame import Frame, decode_frame, frame_bytes  # noqa: E402
 from exo_tui.net.messages import Forward  # noqa: E402
 
@@ -88,9 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="tiny parameters: checks that it runs")
-    args = ap.parse_args()
-    frames, rounds = (200, 1) if args.quick else (args.frames, args.rounds)
+    args = parse(ap, frames=200, rounds=1)
+    frames, rounds = args.frames, args.rounds
     for body in BODIES.values():  # the same bodies both ways
         assert typed(body) == {k: v for k, v in untyped(body).items() if k != "more"}
     print(f"per forward frame, median of {rounds} rounds of {frames} (us)")
