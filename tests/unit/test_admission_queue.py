@@ -27,7 +27,8 @@ async def test_requests_run_while_they_fit_and_wait_in_order() -> None:
     await asyncio.sleep(0)
     assert adm.ahead(d.rid) == 0 and adm.stats().queued == 1
     with pytest.raises(QueueFull, match="busy") as e:  # past the bound (30 s: only fails a hung test)
-        await asyncio.wait_for(adm.enter(adm.ticket(req(10, 90), 1000)), 30)
+        async with asyncio.timeout(30):
+            await adm.enter(adm.ticket(req(10, 90), 1000))
     assert e.value.retry_after_s >= 1
     adm.leave(a)
     await waiting
