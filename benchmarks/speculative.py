@@ -17,7 +17,7 @@ drifts over minutes; measured one after the other, the drift would land in the r
 stage of a 3-way split of the model, in this process: the time of a step of ``k + 1`` rows against
 a 1-row step (what a verify step costs a node). Medians.
 
-    python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 2] [--no-llama]
+    python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 2] [--no-llama] [--nodes 1,3]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.quick import have_llama_cpp, parse  # noqa: E402
 
 CODE = '''def merge_sorted(a, b):
     """Merge two sorted lists into one sorted list."""
@@ -77,16 +79,18 @@ CASES = [  # (name, nodes, task, speculation, with the prediction)
 ]
 
 
-async def _clusters(rounds: int, tokens: int, home: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
+async def _clusters(rounds: int, tokens: int, home: Path,
+                    sizes: tuple[int, ...] = (1, 3)) -> dict[tuple[str, int], list[dict[str, Any]]]:
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
 
     config = Config()
     config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
     clusters: dict[int, Coordinator] = {}
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(name, n): [] for name, n, *_ in CASES}
+    cases = [case for case in CASES if case[1] in sizes]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(name, n): [] for name, n, *_ in cases}
     try:
-        for n in sorted({n for _, n, *_ in CASES}):
+        for n in sorted({n for _, n, *_ in cases}):
             c = Coordinator(local_nodes=n, local_backends=["onnx"], strategy="even", config=config,
                             home=home / f"{n}-nodes", persist=False)
             await c.start()
@@ -94,7 +98,7 @@ async def _clusters(rounds: int, tokens: int, home: Path) -> dict[tuple[str, int
         for c in clusters.values():  # warm up: the first answers run slower
             await _decode(c, COPY, 16, "off")
         for _ in range(rounds):
-            for name, n, task, mode, predicted in CASES:
+            for name, n, task, mode, predicted in cases:
                 messages = COPY if task == "copy" else CHAT
                 runs[(name, n)].append(await _decode(clusters[n], messages, tokens, mode, CODE if predicted else None))
         return runs
@@ -128,8 +132,8 @@ def _stage_costs(ks: list[int], repeats: int) -> list[tuple[str, int, float, flo
     import numpy as np
 
     from exo_tui.inference.local import even_split, load_shards
+    from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
-    from exo_tui.models.registry import resolve_model
 
     model = GGUFModel(resolve_model())
     shards = load_shards(model, even_split(model.config.n_layers, ["onnx"] * 3))
@@ -171,12 +175,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (a node uses the machine's cores)")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--ks", default="1,4,8,16,32", help="drafted tokens whose step cost is measured per stage")
-    args = ap.parse_args()
-    from exo_tui.models.registry import resolve_model
+    ap.add_argument("--nodes", default="1,3", help="the clusters' sizes: 1, 3 or 1,3")
+    ap.add_argument("--repeats", type=int, default=15, help="steps timed per stage and k (medians)")
+    args = parse(ap, rounds=1, tokens=8, ks="1,4", nodes="1", repeats=2)
+    sizes = tuple(int(n) for n in args.nodes.split(","))
+    if not set(sizes) <= {1, 3}:
+        ap.error("--nodes takes 1, 3 or 1,3")
+    if not args.no_llama and not have_llama_cpp():
+        args.no_llama = True
+    from exo_tui.models.catalog import resolve_model
     from exo_tui.net import loop as event_loop
 
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        runs = event_loop.run(_clusters(args.rounds, args.tokens, Path(d)))
+        runs = event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes))
     llama = {} if args.no_llama else _llama(resolve_model(), args.threads, args.tokens, args.rounds)
 
     def med(key: tuple[str, int]) -> float:
@@ -186,7 +197,7 @@ def main() -> None:
           f"taking turns, medians (a shared 2-core machine: noisy)\n")
     print("| nodes | case | decode tok/s | ÷ off | acceptance | k chosen (median) | same text as off |")
     print("|---:|---|---:|---:|---:|---:|---|")
-    for name, n, task, _mode, _p in CASES:
+    for name, n, task, _mode, _p in (case for case in CASES if case[1] in sizes):
         off = (f"{task} off", n)
         drafted = sum(r["drafted"] for r in runs[(name, n)])
         accepted = sum(r["accepted"] for r in runs[(name, n)])
@@ -194,9 +205,10 @@ def main() -> None:
         same = all(r["tokens"] == o["tokens"] for r, o in zip(runs[(name, n)], runs[off], strict=True))
         print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | "
               f"{accepted / drafted if drafted else 0:.2f} | {statistics.median(ks) if ks else 0:g} | {same} |")
-    print(f"\nHeadline: 3-node ring, copy with the prediction ÷ one node off: "
-          f"{med(('copy prediction', 3)) / med(('copy off', 1)):.2f}x")
-    if llama:
+    if sizes == (1, 3):
+        print(f"\nHeadline: 3-node ring, copy with the prediction ÷ one node off: "
+              f"{med(('copy prediction', 3)) / med(('copy off', 1)):.2f}x")
+    if llama and 1 in sizes:
         ref = statistics.median(llama["llama.cpp prompt lookup"])
         print(f"\nllama.cpp ({args.threads} threads), copy prompt: off {statistics.median(llama['llama.cpp off']):.1f} "
               f"tok/s, LlamaPromptLookupDecoding {ref:.1f} tok/s")
@@ -206,7 +218,7 @@ def main() -> None:
     print("\nA verify step's cost per stage (3-way ONNX split, 200 positions cached): (k + 1)-row step ÷ 1-row step\n")
     print("| stage | 1 row, ms | " + " | ".join(f"k={k}" for k in ks) + " |")
     print("|---|---:|" + "---:|" * len(ks))
-    costs = _stage_costs(ks, 15)
+    costs = _stage_costs(ks, args.repeats)
     for stage in dict.fromkeys(c[0] for c in costs):
         mine = [c for c in costs if c[0] == stage]
         print(f"| {stage} | {mine[0][2] * 1000:.2f} | " + " | ".join(f"{c[3] / c[2]:.2f}" for c in mine) + " |")
