@@ -187,6 +187,23 @@ class BootstrapProgress(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PredictionGap(Event):
+    """The plan in force runs more than 15 % off its prediction (scheduler/calibration.py):
+    ``remeasured_tok_per_s`` is the plan predicted again on the measured figures, and
+    ``rebalance_tok_per_s`` what the rebalance it would make is predicted to give (0: it would
+    move nothing); ``applied`` when ``scheduler.load_balancing.auto_rebalance`` made it."""
+
+    kind: ClassVar[str] = "prediction_gap"
+    plan_version: int
+    predicted_tok_per_s: float
+    measured_tok_per_s: float
+    remeasured_tok_per_s: float = 0.0
+    rebalance_tok_per_s: float = 0.0
+    moves: int = 0
+    applied: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class Notice(Event):
     """Something the operator should read (a warning, a rebalance proposal)."""
 

@@ -41,6 +41,8 @@ from exo_tui.cluster.admission import (
     wait_for_plan,
     with_queue_notes,
 )
+from exo_tui.cluster.calibrate import Calibrator
+from exo_tui.cluster.following import Following
 from exo_tui.cluster.joining import JoinEndpoint, reaches_beyond_loopback
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
 from exo_tui.cluster.membership import Membership
@@ -67,10 +69,11 @@ from exo_tui.net.protocol import RingPlan
 from exo_tui.net.security import Security, ensure_cluster, write_node_bundle
 from exo_tui.node.profile import process_rss_bytes
 from exo_tui.paths import exo_home
+from exo_tui.scheduler.calibration import FollowState
 from exo_tui.scheduler.plan import Pin, Plan
 
 
-class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
+class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Following):
     """The cluster's brain. Implements :class:`~exo_tui.cluster.view.ClusterControl`."""
 
     def __init__(
@@ -123,7 +126,11 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
                                    kept_requests=self.pipeline.kept_requests)
         self.metrics = ClusterMetrics()  # measured figures (exo_tui/cluster/metrics.py)
         self.room_notes = RoomNotes()  # what nodes' refused loads said of their room (exo_tui/cluster/room.py)
-        self.pipeline.on_step_timed = self.metrics.step
+        self.calibrator = Calibrator()  # the scheduler's measured figures (exo_tui/cluster/calibrate.py)
+        self.pipeline.on_step_timed = self._step_timed
+        self._remeasured: tuple[int, float] | None = None  # (plan version, its prediction on the measured figures)
+        self._follow_state = FollowState()
+        self._gap_noted: tuple[int, float] | None = None  # (plan version, measured tok/s) of the gap last shown
         self.security: Security | None = None
         self._local: list[LocalNode] = []
         self._plan_ready = asyncio.Event()
@@ -185,6 +192,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots):
             await self._start_join_endpoint()
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="coordinator-monitor"))
         self._tasks.append(asyncio.create_task(self._link_loop(), name="coordinator-links"))
+        self._tasks.append(asyncio.create_task(self._follow_loop(), name="coordinator-follow"))
         self._tasks.append(asyncio.create_task(self.metrics.follow(self.events), name="coordinator-metrics"))
         if self.nodes:
             await self._probe_links()

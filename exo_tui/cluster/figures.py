@@ -72,6 +72,7 @@ class ClusterFigures:
     comm_share: float | None = None  # of which on the links
     measured_tok_per_s: float | None = None  # 1 / token_s: one stream's rate on the plan in force
     predicted_tok_per_s: float | None = None  # the plan's prediction of the same
+    remeasured_tok_per_s: float | None = None  # the plan in force predicted again on the measured figures
     plan_version: int | None = None
     nodes: tuple[NodeFigures, ...] = ()
     links: tuple[LinkFigures, ...] = ()

@@ -6,6 +6,7 @@ A part of :class:`~exo_tui.cluster.coordinator.Coordinator`, which holds the sta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -65,6 +66,8 @@ class Snapshots(CoordinatorParts):
         now = time.monotonic()
         profiles = self.device_profiles()
         scores = score_nodes(profiles, self.spec, self.config.scheduler, now) if self.spec is not None and profiles else {}
+        startup = {p.node_id: p.layer_s(self.spec) for p in self.device_profiles(measured=False)} if self.spec is not None else {}
+        measured = self.calibrator.measurements().nodes
         nodes = []
         for h in self.nodes.values():
             s = scores.get(h.node_id)
@@ -88,6 +91,8 @@ class Snapshots(CoordinatorParts):
                     profile=h.profile.to_dict(),
                     history={k: tuple(v) for k, v in h.history.items()},
                     kv={k: int(v) for k, v in (h.metrics.get("kv") or {}).items()},
+                    layer_s_startup=startup.get(h.node_id),
+                    layer_s_measured=measured[h.node_id].decode_s_per_layer if h.node_id in measured else None,
                 )
             )
         for d in self.discovered.values():
@@ -132,8 +137,10 @@ class Snapshots(CoordinatorParts):
         """The measured figures (exo_tui/cluster/metrics.py) beside the plan's prediction."""
         self.metrics.set_queued(self.admission.stats().queued)
         pred = self.plan.predictions if self.plan is not None else None
-        return self.metrics.figures(self.nodes.values(), ring=self.ring, plan_version=self.ring.version if self.ring else None,
-                                    predicted_tok_per_s=pred.tok_per_s_single if pred else None)
+        figures = self.metrics.figures(self.nodes.values(), ring=self.ring,
+                                       plan_version=self.ring.version if self.ring else None,
+                                       predicted_tok_per_s=pred.tok_per_s_single if pred else None)
+        return dataclasses.replace(figures, remeasured_tok_per_s=self.remeasured_tok_per_s())
 
 
 def _shard_view(s: PlanShard, pins: dict[str, Pin], spec: ModelSpec | None, pred: Predictions | None,

@@ -37,6 +37,7 @@ from exo_tui.net.messages import KV, Done, KVExport, KVImport, Loaded, Ping, Pla
 from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_from_array, kv_shape, kv_to_array
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import NodeProfile
+from exo_tui.scheduler.calibration import calibrate, measured_constraints
 from exo_tui.scheduler.context import InfeasiblePlan
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
@@ -58,10 +59,12 @@ class PlanSwitching(CoordinatorParts):
 
     # ================================================================== planning
 
-    def device_profiles(self, spec: ModelSpec | None = None, limit_bytes: int | None = None) -> list[DeviceProfile]:
+    def device_profiles(self, spec: ModelSpec | None = None, limit_bytes: int | None = None, *,
+                        measured: bool = True) -> list[DeviceProfile]:
         """The nodes as the scheduler sees them, for planning ``spec`` (a load's peak is the
-        model's: the one served by default). ``limit_bytes``: as if every memory-limited node had
-        that limit (what limit would serve: cluster/room.py)."""
+        model's: the one served by default): their start-up figures corrected by what the ring
+        measures (``measured=False``: the start-up ones). ``limit_bytes``: as if every
+        memory-limited node had that limit (what limit would serve: cluster/room.py)."""
         now = time.monotonic()
         rc = self.config.scheduler.resource_reservation
         planned = spec or self.spec
@@ -114,7 +117,9 @@ class PlanSwitching(CoordinatorParts):
                     memory_limited=bool(p.memory_limit_bytes),
                 )
             )
-        return out
+        if planned is None or not measured:
+            return out
+        return calibrate(out, planned, self.calibrator.measurements())  # measured, then planned
 
     def _load_peak_bytes(self, backend: str, spec: ModelSpec | None = None) -> int:
         """What a load of ``spec``'s model (by default the served one) on ``backend`` takes at its
@@ -137,11 +142,11 @@ class PlanSwitching(CoordinatorParts):
         see :meth:`broken_pins`."""
         failed = frozenset(n for n, h in self.nodes.items() if h.state == "failed")
         pins = pins if pins is not None else self.pins
-        return Constraints(
+        return measured_constraints(Constraints(
             pins=tuple(p for n, p in pins.items() if n in self.nodes and n not in failed),
             drained=frozenset(drained if drained is not None else self.drained),
             failed=failed,
-        )
+        ), self.calibrator.measurements())
 
     def _preview(self, constraints: Constraints) -> ChangePreview:
         if self.strategy == "even":

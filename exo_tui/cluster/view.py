@@ -54,6 +54,10 @@ class NodeView:
     profile: dict[str, Any] = field(default_factory=dict)  # the node's full profile (JSON-able)
     history: dict[str, tuple[float, ...]] = field(default_factory=dict)  # metric -> recent values
     kv: dict[str, int] = field(default_factory=dict)  # its KV budget: budget_bytes, used_bytes, requests, ...
+    # seconds a decode token takes in one (mean) layer of the served model: from the start-up
+    # benchmark, and as the ring measures it now (None before it held layers: cluster/calibrate.py)
+    layer_s_startup: float | None = None
+    layer_s_measured: float | None = None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class PlanContext:
     min_layers: int
     prompt_tokens: int
     act_bytes: int
+    coordinator_s: float | None = None  # measured: the token's way back (Constraints.coordinator_s)
     orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
     predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
 
@@ -110,4 +111,4 @@ def make_context(
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
     return PlanContext(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
                 m, min(constraints.prompt_tokens, max(1, spec.context_length - 1)),  # a prompt the context holds
-                spec.activation_bytes_per_token)
+                spec.activation_bytes_per_token, constraints.coordinator_s)

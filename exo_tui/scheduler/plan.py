@@ -152,3 +152,7 @@ class Constraints:
     failed: frozenset[str] = frozenset()
     min_layers_per_shard: int | None = None  # None: the config's value
     prompt_tokens: int = 512  # for the time-to-first-token prediction
+    # The coordinator's measured share of a decode token (its own time and its links to the first
+    # and from the last stage: scheduler/calibration.py), counted in place of the token's way back
+    # from the last stage to the first; None: that hop as the links predict it.
+    coordinator_s: float | None = None

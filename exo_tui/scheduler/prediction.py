@@ -24,10 +24,12 @@ def predict(
     spec: ModelSpec,
     config: SchedulerConfig | None = None,
     prompt_tokens: int = 512,
+    coordinator_s: float | None = None,
 ) -> Predictions:
-    """The predictions of a ring of shards (in order) on these profiles."""
+    """The predictions of a ring of shards (in order) on these profiles; ``coordinator_s``: the
+    coordinator's measured share of a token (:attr:`Constraints.coordinator_s`)."""
     config = config or SchedulerConfig()
-    ctx = make_context(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens))
+    ctx = make_context(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens, coordinator_s=coordinator_s))
     return predict_shards(ctx, [(s.node_id, s.start, s.end) if isinstance(s, PlanShard) else (s[0], s[1], s[2]) for s in shards])
 
 
@@ -44,10 +46,12 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
         p = ctx.profiles[nid]
         w = W[e] - W[s]
         compute = ctx.t[nid] * w + (ctx.head_t[nid] if e == L else 0.0)
-        if n == 1:
-            hop = 0.0
-        elif i < n - 1:
+        if i < n - 1:
             hop = ctx.hop(nid, shards[i + 1][0])
+        elif ctx.coordinator_s is not None:  # measured: the token's way back by the coordinator
+            hop = ctx.coordinator_s
+        elif n == 1:
+            hop = 0.0
         else:
             hop = ctx.hop(nid, shards[0][0], TOKEN_BYTES)
         prefill = p.prefill_s(spec, ctx.backend[nid]) * P * w + (ctx.head_t[nid] if e == L else 0.0)

@@ -80,6 +80,9 @@ class DeviceProfile:
     # Under a --memory-limit: its available memory is what the limit leaves, the reserves of
     # resource_reservation already given back (they are for a machine's other programs).
     memory_limited: bool = False
+    # Its compute figures were measured on the ring (scheduler/calibration.py): the decode time
+    # holds everything, so the memory-bandwidth floor is not put under it.
+    calibrated: bool = False
 
     def __hash__(self) -> int:
         return hash(self.node_id)
@@ -142,7 +145,7 @@ class DeviceProfile:
         streamed = spec.mean_active_layer_bytes / (max(self.memory_bandwidth_bytes_per_s, 1.0) * BANDWIDTH_EFFICIENCY)
         if t is not None and t > 0:
             t = t * self._scale(spec)
-            if self.device_type == "cpu":  # no faster than its weights stream from memory
+            if self.device_type == "cpu" and not self.calibrated:  # no faster than its weights stream from memory
                 t = max(t, streamed)
         else:
             t = streamed

@@ -124,6 +124,10 @@ class NodeDetailScreen(Screen):
         table.add_row("cpu", f"{node.cpu_percent:.0f} %")
         table.add_row("layers", fmt_layers(node.layers) + (" (pinned)" if node.pinned else ""))
         table.add_row("tok/s", fmt_rate(node.tok_per_s))
+        if node.layer_s_startup is not None or node.layer_s_measured is not None:  # start-up beside measured
+            startup = fmt_seconds(node.layer_s_startup) if node.layer_s_startup is not None else "—"
+            measured = fmt_seconds(node.layer_s_measured) if node.layer_s_measured is not None else "not yet"
+            table.add_row("layer time", f"{measured} measured · {startup} start-up (decode, a layer)")
         table.add_row("heartbeat", fmt_age(node.heartbeat_age_s))
         table.add_row("drained", "yes" if node.drained else "no")
         return table

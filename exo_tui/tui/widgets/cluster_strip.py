@@ -271,4 +271,7 @@ def measured_vs_predicted(app: App[Any], snapshot: object) -> Text:
     t.append(f"{f.measured_tok_per_s:.1f} tok/s", theme_style(app, "success" if good else "warning", bold=True))
     if ratio is not None:
         t.append(f" ({ratio * 100:.0f}%)", theme_style(app, "foreground-muted"))
+    remeasured = getattr(f, "remeasured_tok_per_s", None)
+    if not good and remeasured:  # the gap: what the plan predicts on the measured figures
+        t.append(f" · on measured figures {remeasured:.1f} tok/s", theme_style(app, "foreground-muted"))
     return t

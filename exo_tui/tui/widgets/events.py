@@ -80,6 +80,8 @@ def describe(event: ev.Event, names: dict[str, str]) -> tuple[str, str] | None:
         if event.finish_reason == "error":
             return "error", f"✗ request {event.request_id} failed: {event.error}"
         return None
+    if isinstance(event, ev.PredictionGap):  # its notice says it for the operator
+        return None
     if isinstance(event, ev.Notice):
         return {"error": "error", "warning": "warning"}.get(event.level, "primary"), f"! {event.message}"
     return "foreground", f"{event.kind}"

@@ -1,0 +1,142 @@
+"""Measured, then planned: the cost model corrected by what the ring measures.
+
+Pure, like the rest of the scheduler: the coordinator (:mod:`exo_tui.cluster.calibrate`) measures
+and hands the figures in as values; nothing here reads a clock or a socket.
+
+* :class:`NodeMeasure` — a node's measured seconds per layer: a decode token's compute on its
+  shard (the hops' own timing, one stream at a time) over the shard's layers in mean layers of the
+  model (the output head counted as :func:`shard_layer_units` does), and a prompt token's the same
+  way during prefill;
+* :class:`LinkMeasure` — the time a decode token's hidden state spent on a link, and its bytes;
+* :class:`Measurements` — those, with the coordinator's share of a token (its own time between a
+  token and the next step, and its links to the first and from the last stage).
+
+:func:`calibrate` gives the profiles those figures in place of the start-up benchmark's (a node
+with no measurement keeps its own); :func:`measured_constraints` carries the coordinator's share
+into the predictions. :func:`prediction_gap` and :func:`follow` are the rule that acts on a gap:
+beyond :data:`GAP` it is shown; a rebalance is applied alone only when the gap has held for
+``hold_s``, the new plan is predicted :data:`MIN_GAIN` better on the measured figures, and
+``cooldown_s`` have passed since the last one (hysteresis: a plan never flaps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from exo_tui.scheduler.plan import Constraints
+from exo_tui.scheduler.profile import DeviceProfile, Link
+from exo_tui.scheduler.spec import ModelSpec
+
+GAP = 0.15  # measured speed this far from the prediction is shown, and may be acted on
+MIN_GAIN = 0.10  # a rebalance applied alone must be predicted this much faster
+HOLD_S = 5.0  # seconds a gap must hold before a rebalance is applied alone
+COOLDOWN_S = 30.0  # seconds between two rebalances applied alone
+
+
+def shard_layer_units(spec: ModelSpec, start: int, end: int) -> float:
+    """Layers ``[start, end)`` in mean layers of ``spec`` (a layer weighs its bytes over the mean),
+    plus the output head on the last shard (its bytes in mean layers): the units a node's seconds
+    per layer are counted in (:meth:`~exo_tui.scheduler.profile.DeviceProfile.layer_s`)."""
+    units = sum(spec.layers[start:end]) / spec.mean_layer_bytes
+    if end == spec.n_layers:
+        units += spec.head_bytes / spec.mean_layer_bytes
+    return units
+
+
+@dataclass(frozen=True)
+class NodeMeasure:
+    decode_s_per_layer: float | None = None  # one decode token, one mean layer (compute only)
+    prefill_s_per_layer_token: float | None = None  # one prompt token, one mean layer
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class LinkMeasure:
+    hop_s: float  # mean time a decode token's hidden state spent on the link
+    nbytes: float  # what it carried
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class Measurements:
+    nodes: Mapping[str, NodeMeasure] = field(default_factory=dict)
+    links: Mapping[tuple[str, str], LinkMeasure] = field(default_factory=dict)
+    coordinator_s: float | None = None  # a token's time in the coordinator and on its links, per token
+
+    @property
+    def empty(self) -> bool:
+        return not self.nodes and not self.links and self.coordinator_s is None
+
+
+def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Measurements) -> list[DeviceProfile]:
+    """``profiles`` with the measured figures in place of the start-up ones.
+
+    A measured decode time replaces the benchmark's for the node's backend (on this model's
+    layers: scaled for another model by its layers' bytes); its other work is in the measurement,
+    so ``load_factor`` is 0, and the memory-bandwidth floor is not applied (``calibrated``). The
+    score's performance figure moves by the same ratio: the node is re-scored.
+    Prefill, where not measured, keeps the start-up ratio of prefill to decode. A measured link
+    keeps its probed bandwidth; its latency is what the hop took beyond the bytes' time."""
+    out = []
+    for p in profiles:
+        m = measured.nodes.get(p.node_id)
+        if m is not None and m.decode_s_per_layer:
+            backend = p.best_backend()
+            startup_decode = p.layer_s(spec, backend)
+            startup_prefill = p.prefill_s(spec, backend)
+            prefill = m.prefill_s_per_layer_token or startup_prefill * m.decode_s_per_layer / max(startup_decode, 1e-12)
+            p = replace(p, decode_s_per_layer={backend: m.decode_s_per_layer},
+                        prefill_s_per_layer_token={backend: prefill},
+                        compute_ref_layer_bytes=int(round(spec.mean_active_layer_bytes)), load_factor=0.0,
+                        benchmark_score=p.benchmark_score * startup_decode / m.decode_s_per_layer, calibrated=True)
+        links = dict(p.links)
+        for (a, b), lm in measured.links.items():
+            if a != p.node_id or lm.samples <= 0:
+                continue
+            known = p.link_to(b)
+            latency = max(0.0, lm.hop_s - lm.nbytes / max(known.bandwidth_bytes_per_s, 1.0))
+            links[b] = Link(latency, known.bandwidth_bytes_per_s, known.loss)
+        if links != p.links:
+            p = replace(p, links=links)
+        out.append(p)
+    return out
+
+
+def measured_constraints(constraints: Constraints, measured: Measurements) -> Constraints:
+    """``constraints`` with the coordinator's measured share of a token, which the predictions
+    count in place of the token's way back from the last stage to the first."""
+    if measured.coordinator_s is None:
+        return constraints
+    return replace(constraints, coordinator_s=measured.coordinator_s)
+
+
+def prediction_gap(predicted_tok_per_s: float, measured_tok_per_s: float) -> float | None:
+    """How far the measured speed is from the prediction, as a fraction of it (negative:
+    slower); None without both."""
+    if predicted_tok_per_s <= 0 or measured_tok_per_s <= 0:
+        return None
+    return measured_tok_per_s / predicted_tok_per_s - 1.0
+
+
+@dataclass(frozen=True)
+class FollowState:
+    """What :func:`follow` remembers between checks."""
+
+    gap_since: float | None = None  # when the gap (beyond GAP) was first seen, on the caller's clock
+    last_applied: float | None = None  # when a rebalance was last applied alone
+
+
+def follow(state: FollowState, gap: float | None, gain: float | None, now: float, *, hold_s: float = HOLD_S,
+           cooldown_s: float = COOLDOWN_S) -> tuple[FollowState, bool]:
+    """(the new state, whether to apply the rebalance now). ``gap``: :func:`prediction_gap` of the
+    plan in force; ``gain``: the rebalance's predicted speed-up on the measured figures (after /
+    before - 1), None when it moves nothing."""
+    if gap is None or abs(gap) <= GAP:
+        return replace(state, gap_since=None), False
+    since = state.gap_since if state.gap_since is not None else now
+    state = replace(state, gap_since=since)
+    cooled = state.last_applied is None or now - state.last_applied >= cooldown_s
+    if now - since >= hold_s and cooled and gain is not None and gain >= MIN_GAIN:
+        return FollowState(None, now), True
+    return state, False
