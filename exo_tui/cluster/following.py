@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from exo_tui import events as ev
 from exo_tui.cluster.metrics import StepSample
-from exo_tui.cluster.view import Command
+from exo_tui.cluster.parts import CoordinatorParts
+from exo_tui.cluster.view import Action, Command
 from exo_tui.scheduler.calibration import GAP, follow, prediction_gap
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ log = logging.getLogger("exo_tui.cluster")
 FOLLOW_INTERVAL_S = 1.0
 
 
-class Following:
+class Following(CoordinatorParts):
     """Measured figures in, gaps shown, rebalances made (a part of the Coordinator)."""
 
     def _step_timed(self, sample: StepSample) -> None:
@@ -75,7 +76,7 @@ class Following:
         auto = self.config.scheduler.load_balancing.auto_rebalance
         self._follow_state, go = follow(self._follow_state, gap, gain, now)
         if go and auto:
-            preview = await self.preview(Command("rebalance"))
+            preview = await self.preview(Command(Action.REBALANCE))
             done = await self.apply(preview)
             applied = not done.error
             self.events.publish(ev.PredictionGap(

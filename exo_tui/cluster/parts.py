@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from exo_tui import events as ev
     from exo_tui.cluster.admission import Admission
+    from exo_tui.cluster.calibrate import Calibrator
     from exo_tui.cluster.joining import JoinEndpoint
     from exo_tui.cluster.local_nodes import LocalNode
     from exo_tui.cluster.metrics import ClusterMetrics
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from exo_tui.net.messages import Loaded
     from exo_tui.net.protocol import PlanEntry, RingPlan
     from exo_tui.net.security import Security
+    from exo_tui.scheduler.calibration import FollowState
     from exo_tui.scheduler.diff import ChangePreview
     from exo_tui.scheduler.plan import Constraints, Pin, Plan
     from exo_tui.scheduler.profile import DeviceProfile
@@ -92,6 +94,10 @@ class CoordinatorParts:
     _specs: SpecCache
     _model_key: str
     room_notes: RoomNotes
+    calibrator: Calibrator
+    _remeasured: tuple[int, float] | None
+    _follow_state: FollowState
+    _gap_noted: tuple[int, float] | None
     term: int  # the Raft term this coordinator leads in; 0: a single coordinator
 
     if TYPE_CHECKING:
@@ -105,7 +111,8 @@ class CoordinatorParts:
 
         # PlanSwitching
         def constraints(self, *, drained: set[str] | None = None, pins: dict[str, Pin] | None = None) -> Constraints: ...
-        def device_profiles(self, spec: ModelSpec | None = None) -> list[DeviceProfile]: ...
+        def device_profiles(self, spec: ModelSpec | None = None, limit_bytes: int | None = None, *,
+                            measured: bool = True) -> list[DeviceProfile]: ...
         def _node_backend(self, h: NodeHandle) -> str: ...
         def _preview(self, constraints: Constraints) -> ChangePreview: ...
         def _cannot_serve(self, why: str) -> None: ...
@@ -125,6 +132,9 @@ class CoordinatorParts:
         # Snapshots
         def _touch(self) -> None: ...
         def _notice(self, level: str, message: str) -> None: ...
+
+        # Following
+        def remeasured_tok_per_s(self) -> float | None: ...
 
         # the Coordinator
         def served_context_of(self, model: Model) -> int: ...
