@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -257,7 +257,7 @@ class ClusterClient:
                 return rebalanced
         return _merge(action, results)
 
-    async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
+    async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncGenerator[ChatChunk, None]:
         body: dict[str, Any] = {
             "model": self._model_id, "messages": messages, "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": params.max_tokens,

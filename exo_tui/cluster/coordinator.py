@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -368,7 +368,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
         return Request(self.model.chat_prompt_ids(messages), sampling, params.max_tokens, tuple(params.stop),
                        speculative=params.speculative, predicted=predicted)
 
-    async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
+    async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncGenerator[ChatChunk, None]:
         request = self.new_request(messages, params)
         finish, error = None, ""
         notes: asyncio.Queue[int] = asyncio.Queue()

@@ -8,7 +8,7 @@ so does the HTTP client used by ``exo-tui --attach URL``. Front ends never reach
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -376,7 +376,7 @@ class ClusterControl(Protocol):
         """Carry out a previewed change; returns what was done (``error`` set on failure)."""
         ...
 
-    def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
+    def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncGenerator[ChatChunk, None]:
         """Stream an answer; closing the iterator (or cancelling its task) stops generation."""
         ...
 

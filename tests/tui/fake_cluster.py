@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures, LinkFigures, NodeFigures
@@ -388,7 +388,7 @@ class FakeCluster:
             self.events.publish(ev.OperatorAction(action=preview.action, target=t, result="ok", ts=T0 + self.version))
         return preview
 
-    async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncIterator[ChatChunk]:
+    async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncGenerator[ChatChunk, None]:
         self.chats.append(messages)
         self.chat_params.append(params)
         if self.fail_next_chat:

@@ -12,6 +12,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 from exo_tui.cluster.view import ClusterSnapshot, HostView
 from exo_tui.tui import keymap
 from exo_tui.tui.format import HOST_STATE_COLOR_VAR, HOST_STATE_GLYPH, STEP_COLOR_VAR, STEP_GLYPH, fmt_clock
+from exo_tui.tui.owner import exo_app
 from exo_tui.tui.screens.filtered import FilteredScreen, KeyedTable
 from exo_tui.tui.widgets.style import theme_style
 
@@ -147,10 +148,10 @@ class HostsScreen(FilteredScreen):
         if host is None:
             self.notify("No host selected: a adds one.", severity="warning")
             return
-        self.app.start_bootstrap(host)  # type: ignore[attr-defined]
+        exo_app(self).start_bootstrap(host)
 
     def action_add_host(self) -> None:
-        self.app.action_add_host()  # type: ignore[attr-defined]
+        exo_app(self).action_add_host()
 
     def refilter(self) -> None:
         snapshot = getattr(self.app, "snapshot", None)

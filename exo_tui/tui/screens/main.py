@@ -11,6 +11,7 @@ from textual.widgets import Footer, Input
 
 from exo_tui.cluster.view import ClusterSnapshot
 from exo_tui.tui import keymap
+from exo_tui.tui.owner import exo_app
 from exo_tui.tui.widgets.chat import ChatPane
 from exo_tui.tui.widgets.cluster import ClusterHeader, PartitionBar, Topology
 from exo_tui.tui.widgets.cluster_strip import ClusterStrip
@@ -106,7 +107,7 @@ class MainScreen(Screen):
         event.stop()
         event.input.display = False
         self.set_focus(self.query_one(NodesTable))  # now, so a pane the command focuses stays focused
-        self.app.run_command(event.value)  # type: ignore[attr-defined]
+        exo_app(self).run_command(event.value)
 
     def on_key(self, event) -> None:  # noqa: ANN001
         if event.key != "escape":

@@ -18,6 +18,7 @@ from exo_tui import events as ev
 from exo_tui.cluster.view import ModelChoice
 from exo_tui.tui import keymap
 from exo_tui.tui.format import fmt_bytes
+from exo_tui.tui.owner import exo_app
 from exo_tui.tui.screens.filtered import FilteredScreen, KeyedTable
 from exo_tui.tui.widgets.style import theme_style
 
@@ -67,7 +68,7 @@ class ModelsScreen(FilteredScreen):
     @work(group="models", exclusive=True)
     async def reload(self) -> None:
         try:
-            choices = await self.app.control.models()  # type: ignore[attr-defined]
+            choices = await exo_app(self).control.models()
         except Exception as exc:
             self.error, choices = str(exc) or type(exc).__name__, []
         else:
@@ -235,7 +236,7 @@ class ModelsScreen(FilteredScreen):
         if self.loading_model is not None:
             self.notify(f"{self.loading_model} is loading: wait for it to finish.", severity="warning")
             return
-        self.app.request_change("model", (c.name,))  # type: ignore[attr-defined]
+        exo_app(self).request_change("model", (c.name,))
 
     def refilter(self) -> None:
         self.render_all()

@@ -29,6 +29,7 @@ from textual.worker import Worker
 
 from exo_tui.cluster.view import ChatChunk, ChatParams
 from exo_tui.tui import keymap
+from exo_tui.tui.owner import exo_app
 from exo_tui.tui.widgets.style import theme_style
 
 log = logging.getLogger("exo_tui.tui")
@@ -200,7 +201,7 @@ class ChatPane(Vertical):
             # ":set temperature 0" typed here is a command, not a question for the model
             self.prompt_input.remember(prompt)
             self.prompt_input.value = ""
-            self.app.run_command(prompt)  # type: ignore[attr-defined]
+            exo_app(self).run_command(prompt)
             return
         if self.streaming:
             self.notify("An answer is still streaming: esc stops it.", severity="warning")
@@ -220,7 +221,7 @@ class ChatPane(Vertical):
 
     async def _stream(self, prompt: str, user: UserMessage, answer: Answer) -> None:
         app = self.app
-        control = app.control  # type: ignore[attr-defined]
+        control = exo_app(self).control
         messages = [*self.messages, {"role": "user", "content": prompt}]
         final: ChatChunk | None = None
         error = ""
@@ -301,7 +302,7 @@ class ChatPane(Vertical):
         elif final.finish_reason == "length":
             t.append("… length limit · ", theme_style(app, "warning"))
         if final is not None and final.completion_tokens:
-            names = [app.node_name(n) for n in final.nodes]  # type: ignore[attr-defined]
+            names = [exo_app(self).node_name(n) for n in final.nodes]
             t.append(
                 f"{final.prompt_tokens} prompt · {final.completion_tokens} completion · "
                 f"ttft {final.ttft_s * 1000:.0f} ms · {final.tok_per_s:.1f} tok/s",

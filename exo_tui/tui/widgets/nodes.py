@@ -23,6 +23,7 @@ from exo_tui.tui.format import (
     fmt_rate,
     short,
 )
+from exo_tui.tui.owner import exo_app
 from exo_tui.tui.widgets.style import theme_style
 from exo_tui.tui.widgets.tables import selected_row_key
 
@@ -200,7 +201,7 @@ class NodesTable(DataTable):
     def action_details(self) -> None:
         node = self.selected_node_id
         if node:
-            self.app.open_node_detail(node)  # type: ignore[attr-defined]
+            exo_app(self).open_node_detail(node)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         event.stop()
@@ -217,16 +218,18 @@ class NodesTable(DataTable):
             self.move_cursor(row=self.cursor_row + 1, animate=False)
 
     def action_filter(self) -> None:
-        self.screen.open_filter()  # type: ignore[attr-defined]
+        screen = self.screen
+        if hasattr(screen, "open_filter"):  # the main screen's filter box
+            screen.open_filter()
 
     def action_drain(self) -> None:
-        self.app.request_change("drain", self.targets())  # type: ignore[attr-defined]
+        exo_app(self).request_change("drain", self.targets())
 
     def action_undrain(self) -> None:
-        self.app.request_change("undrain", self.targets())  # type: ignore[attr-defined]
+        exo_app(self).request_change("undrain", self.targets())
 
     def action_remove(self) -> None:
-        self.app.request_change("remove", self.targets())  # type: ignore[attr-defined]
+        exo_app(self).request_change("remove", self.targets())
 
     def action_pin(self) -> None:
         node_id = self.selected_node_id
@@ -235,10 +238,10 @@ class NodesTable(DataTable):
         node = next((n for n in self._snapshot.nodes if n.node_id == node_id), None)
         if node is None:
             return
-        self.app.request_change("unpin" if node.pinned else "pin", (node_id,))  # type: ignore[attr-defined]
+        exo_app(self).request_change("unpin" if node.pinned else "pin", (node_id,))
 
     def action_pin_layers(self) -> None:
         node_id = self.selected_node_id
         node = next((n for n in self._snapshot.nodes if n.node_id == node_id), None) if self._snapshot else None
         if node is not None:
-            self.app.request_pin_layers(node)  # type: ignore[attr-defined]
+            exo_app(self).request_pin_layers(node)
