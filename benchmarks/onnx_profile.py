@@ -19,7 +19,6 @@ import argparse
 import bisect
 import collections
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -35,10 +34,9 @@ from benchmarks.quick import parse  # noqa: E402
 
 def _profiled_shard(path: Path, threads: int, prefix: str):  # noqa: ANN202 - an ONNXShard
     """The whole model as one shard whose session profiles itself; ``(shard, vocabulary size)``."""
-    os.environ["EXO_TUI_THREADS"] = str(threads)
     import onnxruntime as ort
 
-    from backends import get_backend
+    from backends import configure_backend
     from exo_tui.models.gguf_file import GGUFModel
 
     plain = ort.SessionOptions
@@ -54,7 +52,7 @@ def _profiled_shard(path: Path, threads: int, prefix: str):  # noqa: ANN202 - an
         model = GGUFModel(path)
         weights = model.shard_weights(0, model.config.n_layers)
         weights.disposable = True
-        shard = get_backend("onnx").load_shard(model.config, weights)
+        shard = configure_backend("onnx", threads=threads).load_shard(model.config, weights)
     finally:
         ort.SessionOptions = plain
     return shard, model.config.vocab_size

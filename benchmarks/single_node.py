@@ -52,15 +52,15 @@ def _ours(
     backend: str, model_path: Path, threads: int, spin: bool | int | None = None, pin: bool = False,
     kernel: bool = True, precision: str | None = None,
 ) -> tuple[Callable[[list[int]], float], Callable[[list[int], int], float]]:
-    os.environ["EXO_TUI_THREADS"] = str(threads)
-    os.environ["EXO_TUI_ONNX_KERNEL"] = "1" if kernel else "0"  # read when a shard is made
-    from backends import get_backend
-    from backends.onnx import ONNXBackend
+    from backends import configure_backend
+    from backends.onnx import ONNXBackend, kernels
+
+    kernels.use(kernel)  # followed by the shards made from now on
     from exo_tui.models.gguf_file import GGUFModel
 
     model = GGUFModel(model_path)
     custom = spin is not None or pin or precision is not None
-    engine = ONNXBackend(threads=threads, spin=spin, pin=pin, precision=precision) if custom else get_backend(backend)
+    engine = ONNXBackend(threads=threads, spin=spin, pin=pin, precision=precision) if custom else configure_backend(backend, threads=threads)
     weights = model.shard_weights(0, model.config.n_layers)
     weights.disposable = True  # as a node loads: each layer goes once the backend has its own form of it
     shard = engine.load_shard(model.config, weights)

@@ -282,6 +282,38 @@ class CoordinatorsConfig(_Section):
     state_dir: str = ""  # its Raft journal; empty: <exo home>/coordinator
 
 
+ONNX_PRECISIONS = ("auto", "int16", "float32", "int8")  # backends.onnx.SETTINGS (tests/unit/test_config.py)
+_SPIN_RE = re.compile(r"^\d+us$")
+
+
+class OnnxConfig(_Section):
+    """The ONNX backend of a node started on this machine (``exo-tui node``, the console's local
+    nodes); each key's environment variable overrides it. See backends/onnx/__init__.py."""
+
+    precision: Literal["auto", "int16", "float32", "int8"] = "auto"  # EXO_TUI_ONNX_PRECISION; --precision wins
+    spin: Annotated[int | str, _check(lambda v: v in (0, 1) if isinstance(v, int) else bool(_SPIN_RE.match(v)),
+                                      "0 (never spin), 1 (spin until each step ends) or microseconds such as 15us")
+                    ] = "15us"  # EXO_TUI_ONNX_SPIN
+    pin: bool = False  # EXO_TUI_ONNX_PIN: a step's threads on cores of their own
+    kernel: bool = True  # EXO_TUI_ONNX_KERNEL: exo-tui's kernels (off: MatMulNBits and ONNX Runtime's attention)
+
+
+class NodeConfig(_Section):
+    """A node agent started on this machine; its backend gets these as plain values."""
+
+    threads: Annotated[int | None, _range(1)] = None  # EXO_TUI_THREADS; --threads wins; null: the physical cores
+    onnx: OnnxConfig = Field(default_factory=OnnxConfig)
+
+    def backend_settings(self, backend: str) -> dict[str, Any]:
+        """What ``backends.configure_backend(backend, ...)`` takes from these keys."""
+        out: dict[str, Any] = {} if self.threads is None else {"threads": self.threads}
+        if backend == "onnx":
+            spin = self.onnx.spin
+            out |= {"precision": self.onnx.precision, "pin": self.onnx.pin, "kernel": self.onnx.kernel,
+                    "spin": int(spin[:-2]) if isinstance(spin, str) else bool(spin)}
+        return out
+
+
 class Config(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
@@ -291,6 +323,7 @@ class Config(_Section):
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     coordinators: CoordinatorsConfig = Field(default_factory=CoordinatorsConfig)
+    node: NodeConfig = Field(default_factory=NodeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
@@ -449,6 +482,17 @@ def _env_value(name: str, value: Any) -> Any:
         raise ConfigError(f"environment variable {name} is not a valid value ({exc})") from exc
 
 
+NODE_ENV = {  # the node's backend settings, each an environment variable of its own too
+    "EXO_TUI_THREADS": "node.threads",
+    "EXO_TUI_ONNX_PRECISION": "node.onnx.precision",
+    "EXO_TUI_ONNX_SPIN": "node.onnx.spin",
+    "EXO_TUI_ONNX_PIN": "node.onnx.pin",
+    "EXO_TUI_ONNX_KERNEL": "node.onnx.kernel",
+}
+_FLAG_KEYS = ("node.onnx.pin", "node.onnx.kernel")
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Dotted key → value from the ``EXO_TUI_*`` environment variables. pydantic-settings gathers
     the ``EXO_TUI__SECTION__KEY`` ones into sections; a variable for a section the config does not
@@ -466,6 +510,15 @@ def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
                 nested[name[len(ENV_PREFIX):].lower().replace("__", ".")] = env[name]
     out = {dotted: _env_value(f"{ENV_PREFIX}{dotted.upper().replace('.', '__')}", value)
            for dotted, value in sorted(_flatten(nested).items())}
+    for name, dotted in NODE_ENV.items():
+        if env.get(name, "").strip():
+            value = _env_value(name, env[name].strip())
+            flag = _FLAGS.get(str(value).lower())
+            if flag is not None and dotted in _FLAG_KEYS:
+                value = flag
+            elif flag is not None and dotted == "node.onnx.spin":  # on: until each step ends, off: never
+                value = int(flag)
+            out[dotted] = value
     peers = env.get("EXO_TUI_KNOWN_PEERS")
     if peers is not None:
         out["network.discovery.known_peers"] = [p.strip() for p in peers.split(",") if p.strip()]

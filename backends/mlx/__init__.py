@@ -9,7 +9,6 @@ This module imports without MLX installed; ``available()`` then says no.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 
@@ -39,8 +38,8 @@ class MLXBackend(Backend):
     """Shards on MLX's default device.
 
     ``threads``: on MLX's CPU build, each matmul is cut into this many row blocks run at once on
-    as many CPU streams (MLX's CPU kernels use one core each); default: env ``EXO_TUI_THREADS``,
-    else the physical cores (at most 8). Ignored on a GPU. ``compile_decode``: run one-token steps
+    as many CPU streams (MLX's CPU kernels use one core each); default the physical cores (at most
+    8; a node passes its config's ``node.threads``). Ignored on a GPU. ``compile_decode``: run one-token steps
     as one ``mx.compile``-d function.
     """
 
@@ -64,14 +63,7 @@ class MLXBackend(Backend):
 
     def __init__(self, *, threads: int | None = None, compile_decode: bool = True) -> None:
         if threads is None:
-            env = os.environ.get("EXO_TUI_THREADS", "").strip()
-            if env:
-                try:
-                    threads = int(env)
-                except ValueError:
-                    raise BackendError(f"EXO_TUI_THREADS={env!r} is not a whole number of threads") from None
-            else:
-                threads = min(physical_cores(), MAX_DEFAULT_THREADS)
+            threads = min(physical_cores(), MAX_DEFAULT_THREADS)
         if threads < 1:
             raise BackendError(f"threads must be at least 1, got {threads}")
         self.threads = threads

@@ -6,8 +6,6 @@ the kernel library)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from backends.base import (
@@ -84,7 +82,7 @@ int16: there int8 would round as llama.cpp does, no finer, and on the default mo
 some greedy answers from float32's."""
 DEFAULT_PRECISION = AUTO
 SETTINGS = (AUTO, *PRECISIONS)
-"""What ``precision`` (``--precision``, ``EXO_TUI_ONNX_PRECISION``) takes."""
+"""What ``precision`` (``--precision``, ``node.onnx.precision``, ``EXO_TUI_ONNX_PRECISION``) takes."""
 ACCURACY_LEVEL = {"float32": 1, "int16": 1, "int8": 4}
 """``MatMulNBits``' ``accuracy_level`` per precision, for the matrices it runs."""
 
@@ -92,18 +90,20 @@ ACCURACY_LEVEL = {"float32": 1, "int16": 1, "int8": 4}
 class ONNXBackend(Backend):
     """Shards on ONNX Runtime (CPU).
 
-    ``threads``: intra-op threads per shard (default: env ``EXO_TUI_THREADS``, else the number of
-    physical cores). ``precision``: ``"auto"`` (default: :data:`AUTO`), ``"int16"``,
-    ``"float32"`` or ``"int8"`` (env ``EXO_TUI_ONNX_PRECISION``; see :data:`PRECISIONS`), the
-    integer ones faster but not bit-faithful to float32 math.
+    Its settings are plain values (a node passes its config's ``node.threads`` and ``node.onnx.*``,
+    with their environment overrides, through ``backends.configure_backend``); it reads no
+    environment. ``threads``: intra-op threads per shard (default: the number of physical cores).
+    ``precision``: ``"auto"`` (default: :data:`AUTO`), ``"int16"``, ``"float32"`` or ``"int8"``
+    (see :data:`PRECISIONS`), the integer ones faster but not bit-faithful to float32 math.
     ``spin``: how long an idle intra-op thread busy-waits for the next op of a step before it
     sleeps: ``False`` never, ``True`` until the step returns, an int at most that many
-    microseconds (env ``EXO_TUI_ONNX_SPIN``: ``0``, ``1`` or e.g. ``15us``). Default
-    :data:`SPIN_US`, see there for why; threads never spin between steps, so an idle node uses no
-    CPU. ``pin``: whether a step's threads run on cores of their own (env ``EXO_TUI_ONNX_PIN`` =
-    1/0). Off by default, a trade measured in :mod:`backends.onnx.affinity`: it speeds up nodes
-    that hand steps to each other on one machine and slows down nodes whose cores other work
-    wants too. ``session_config``: extra ONNX Runtime session config entries.
+    microseconds. Default :data:`SPIN_US`, see there for why; threads never spin between steps,
+    so an idle node uses no CPU. ``pin``: whether a step's threads run on cores of their own. Off
+    by default, a trade measured in :mod:`backends.onnx.affinity`: it speeds up nodes that hand
+    steps to each other on one machine and slows down nodes whose cores other work wants too.
+    ``kernel``: exo-tui's kernels on (the default) or off for this process (``MatMulNBits`` and
+    ONNX Runtime's attention only; see :func:`backends.onnx.kernels.use`); None leaves it as it is.
+    ``session_config``: extra ONNX Runtime session config entries.
     """
 
     name = "onnx"
@@ -145,18 +145,16 @@ class ONNXBackend(Backend):
         session_config: dict[str, str] | None = None,
         spin: bool | int | None = None,
         pin: bool | None = None,
+        kernel: bool | None = None,
     ) -> None:
-        if threads is None:
-            env = os.environ.get("EXO_TUI_THREADS", "").strip()
-            if env:
-                try:
-                    threads = int(env)
-                except ValueError:
-                    raise BackendError(f"EXO_TUI_THREADS={env!r} is not a whole number of threads") from None
         if threads is not None and threads < 1:
             raise BackendError(f"threads must be at least 1, got {threads}")
         self.threads = threads or physical_cores()
-        precision = precision or os.environ.get("EXO_TUI_ONNX_PRECISION", "").strip() or DEFAULT_PRECISION
+        if kernel is not None:
+            from backends.onnx import kernels
+
+            kernels.use(kernel)
+        precision = precision or DEFAULT_PRECISION
         if precision not in SETTINGS:
             raise BackendError(
                 f"unknown ONNX precision {precision!r}: choose one of {', '.join(SETTINGS)}"
@@ -164,7 +162,7 @@ class ONNXBackend(Backend):
         self.precision = precision
         self.spin_us = _spin_us(spin)
         self.session_config = _spin_config(self.spin_us)
-        self.pin = pin if pin is not None else bool(_env_flag("EXO_TUI_ONNX_PIN", default=False))
+        self.pin = bool(pin)
         self.cores = core_plan(self.threads) if self.pin else None
         if self.cores is not None:
             self.session_config["session.intra_op_thread_affinities"] = self.cores.ort_affinities
@@ -240,7 +238,7 @@ class ONNXBackend(Backend):
 def _spin_us(spin: bool | int | None) -> int | None:
     """The spin policy in microseconds: 0 never, None until the step returns, else at most that."""
     if spin is None:
-        spin = _spin_from_env()
+        spin = SPIN_US
     if spin is True:
         return None
     if spin is False:
@@ -248,14 +246,6 @@ def _spin_us(spin: bool | int | None) -> int | None:
     if spin < 0:
         raise BackendError(f"spin must be at least 0 microseconds, got {spin}")
     return int(spin)
-
-
-def _spin_from_env() -> bool | int:
-    value = os.environ.get("EXO_TUI_ONNX_SPIN", "").strip().lower()
-    if value.endswith("us") and value[:-2].strip().isdigit():
-        return int(value[:-2])
-    hint = f"use 0 (never spin), 1 (spin until each step ends) or microseconds such as {SPIN_US}us"
-    return _env_flag("EXO_TUI_ONNX_SPIN", default=SPIN_US, hint=hint)
 
 
 def _spin_config(spin_us: int | None) -> dict[str, str]:
@@ -272,18 +262,6 @@ def _spin_config(spin_us: int | None) -> dict[str, str]:
             return {"session.intra_op.allow_spinning": "0"}
         config["session.intra_op.spin_duration_us"] = str(spin_us)
     return config
-
-
-def _env_flag(name: str, *, default: bool | int, hint: str = "use 1 or 0") -> bool | int:
-    """An on/off environment setting: ``default`` when unset; else an error with ``hint``."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise BackendError(f"{name}={value!r}: {hint}")
 
 
 def check_shard(config: ModelConfig, weights: ShardWeights) -> None:

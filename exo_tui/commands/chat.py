@@ -155,8 +155,13 @@ async def _cluster_runner(args: argparse.Namespace):  # noqa: ANN201
 @contextlib.asynccontextmanager
 async def _local_runner(model, backend_names: list[str]):  # noqa: ANN001, ANN201
     """Load the shards for an in-process run and close them afterwards."""
+    from backends import configure_backend
+    from exo_tui.config import load_config
     from exo_tui.inference.local import LocalPipeline, even_split
 
+    node = load_config().node
+    for name in set(backend_names):  # the shards run here: this machine's node settings apply
+        configure_backend(name, **node.backend_settings(name))
     pipeline = LocalPipeline()
     try:
         await pipeline.load(model.gguf, even_split(model.config.n_layers, backend_names))

@@ -53,15 +53,16 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or socket.gethostname()
     backend = default_backend_name() if args.backend == "auto" else args.backend
     limit = int(args.memory_limit * 1e9) if args.memory_limit else None
-    settings = {k: v for k, v in (("precision", args.precision), ("threads", args.threads)) if v is not None}
-    if settings:
-        from backends import configure_backend
+    from backends import configure_backend
+    from exo_tui.config import ConfigError, load_config
 
-        try:
-            configure_backend(backend, **settings)
-        except BackendError as exc:
-            print(f"exo-tui node: {exc}", file=sys.stderr)
-            return 2
+    try:  # the config's node.* keys (their environment variables override them), then the flags
+        settings = load_config().node.backend_settings(backend)
+        settings |= {k: v for k, v in (("precision", args.precision), ("threads", args.threads)) if v is not None}
+        configure_backend(backend, **settings)
+    except (ConfigError, BackendError) as exc:
+        print(f"exo-tui node: {exc}", file=sys.stderr)
+        return 2
     if args.print_profile:
         from exo_tui.node.profile import benchmark, device_profile, runs_on
 

@@ -215,3 +215,24 @@ def test_save_refuses_bad_values_and_leaves_the_file(tmp_path: Path, env: dict[s
     with pytest.raises(ConfigError, match="unknown config key"):
         save_config({"ui.colour": "red"}, env=env)
     assert p.read_text() == "ui:\n  theme: exo-dark\n"
+
+
+def test_a_nodes_backend_settings_are_config_keys_with_the_environment_over_them(tmp_path: Path, env: dict[str, str]) -> None:
+    from backends.onnx import SETTINGS
+    from exo_tui.config import ONNX_PRECISIONS
+
+    assert set(ONNX_PRECISIONS) == set(SETTINGS)  # the config takes what the backend does
+    node = load_config(env=env).node
+    assert node.backend_settings("onnx") == {"precision": "auto", "spin": 15, "pin": False, "kernel": True}
+    assert node.backend_settings("mlx") == {}
+    p = tmp_path / "config.yaml"
+    p.write_text("node:\n  threads: 4\n  onnx:\n    spin: 0\n    pin: true\n")
+    node = load_config(p, env=env | {"EXO_TUI_ONNX_KERNEL": "off", "EXO_TUI_THREADS": "2"}).node
+    assert node.backend_settings("onnx") == {"threads": 2, "precision": "auto", "spin": False, "pin": True, "kernel": False}
+    assert node.backend_settings("mlx") == {"threads": 2}
+    for name, value, says in (("EXO_TUI_THREADS", "many", "node.threads is 'many'; it must be an integer or null"),
+                              ("EXO_TUI_THREADS", "0", "node.threads is 0; it must be a number >= 1"),
+                              ("EXO_TUI_ONNX_PRECISION", "fp4", "node.onnx.precision is 'fp4'; it must be one of 'auto'"),
+                              ("EXO_TUI_ONNX_PIN", "maybe", "node.onnx.pin is 'maybe'; it must be true or false")):
+        with pytest.raises(ConfigError, match=re.escape(says) + r".*EXO_TUI_\* environment variable"):
+            load_config(env=env | {name: value})

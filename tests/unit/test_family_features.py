@@ -173,6 +173,8 @@ def test_onnx_runtime_own_ops_run_every_feature(family, references, monkeypatch)
     carry the same features (its window, scale and tables)."""
     if "onnx" not in BACKENDS:
         pytest.skip("ONNX Runtime is not installed")
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "0")
+    from backends.onnx import kernels
+
+    monkeypatch.setattr(kernels, "_enabled", False)
     cfg = FEATURES[family]
     close(run_all([backend("onnx").load_shard(cfg, random_weights(cfg))], TOKENS), references[family])

@@ -511,12 +511,7 @@ def test_bad_weights_and_options(tiny_models, monkeypatch):
         MLXBackend().load_shard(cfg, weights)
     with pytest.raises(BackendError, match="threads"):
         MLXBackend(threads=0)
-    monkeypatch.setenv("EXO_TUI_THREADS", "many")
-    with pytest.raises(BackendError, match="EXO_TUI_THREADS"):
-        MLXBackend()
-    monkeypatch.setenv("EXO_TUI_THREADS", "3")
-    assert MLXBackend().threads == 3
-    monkeypatch.delenv("EXO_TUI_THREADS")
+    assert MLXBackend(threads=3).threads == 3
     backend = get_backend("mlx")
     assert backend.name == "mlx" and backend.available() and backend.threads >= 1
 

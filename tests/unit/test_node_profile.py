@@ -124,7 +124,8 @@ def test_print_profile(tmp_path: Path) -> None:
 
 
 def test_node_precision_and_threads_flags(tmp_path: Path) -> None:
-    """What bootstrap passes to a node on another host, where no environment of ours reaches."""
+    """What bootstrap passes to a node on another host, where no environment of ours reaches; the
+    config's node.* keys, and their environment variables over them, where no flag is given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_TUI_ONNX") and k != "EXO_TUI_THREADS"}
     env["EXO_TUI_HOME"] = str(tmp_path)
     base = [sys.executable, "-m", "exo_tui.cli", "node", "--print-profile", "--no-benchmark", "--name", "probe"]
@@ -133,6 +134,15 @@ def test_node_precision_and_threads_flags(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     engine = json.loads(out.stdout)["engine"]
     assert engine["precision"] == "int8" and engine["threads"] == "1"
+    (tmp_path / "config.yaml").write_text("node:\n  threads: 2\n  onnx:\n    precision: float32\n")
+    out = subprocess.run([*base, "--backend", "onnx"], capture_output=True, text=True, timeout=120,
+                         env=env | {"EXO_TUI_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    engine = json.loads(out.stdout)["engine"]
+    assert engine["precision"] == "float32" and engine["threads"] == "1"
+    out = subprocess.run([*base, "--backend", "onnx"], capture_output=True, text=True, timeout=120,
+                         env=env | {"EXO_TUI_ONNX_PIN": "maybe"})
+    assert out.returncode == 2 and "node.onnx.pin is 'maybe'; it must be true or false" in out.stderr
     out = subprocess.run([*base, "--backend", "mlx", "--precision", "int8"], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 2 and "backend mlx has no setting precision" in out.stderr and not out.stdout
@@ -164,7 +174,6 @@ def test_a_timing_is_keyed_by_how_the_node_runs(monkeypatch: pytest.MonkeyPatch)
     """``exo-tui node --precision``/``--threads`` set the backend up in the process: the cache
     key follows the backend as set up, not the environment it was started from."""
     monkeypatch.setattr(backends, "_instances", {})
-    monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
     default = _cache_key("onnx")
     configure_backend("onnx", precision="int8")
     assert "precision=int8" in _cache_key("onnx") and "precision=auto" in default
@@ -175,9 +184,9 @@ def test_a_timing_is_keyed_by_how_the_node_runs(monkeypatch: pytest.MonkeyPatch)
 def test_a_timing_says_whether_the_onnx_kernel_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     """Figures taken on MatMulNBits (before the kernel, or with it off) are not those of a node
     that runs QLinear: the cache key says which ran."""
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "0")
+    monkeypatch.setattr(kernels, "_enabled", False)
     off = _cache_key("onnx")
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "1")
+    monkeypatch.setattr(kernels, "_enabled", True)
     on = _cache_key("onnx")
     assert off.endswith("|qlinear=none") and on != off and "|qlinear=" in on
     library = kernels.library()

@@ -20,6 +20,7 @@ from backends import available_backends, get_backend
 from backends.base import BackendError, KVCache, QuantizedWeight, dense
 from backends.onnx import SPIN_US, ONNXBackend, kernels, physical_cores
 from backends.onnx.affinity import CorePlan, core_plan
+from exo_tui.config import ConfigError, load_config
 from exo_tui.models.gguf_file import GGUFModel
 from tests.conftest import WEIGHT_TYPES
 from tests.factory import write_tiny_llama
@@ -54,8 +55,8 @@ def decode_tokens(n: int, start: int) -> list[tuple[np.ndarray, np.ndarray]]:
 @pytest.mark.parametrize("weight_type", [*WEIGHT_TYPES, "F32-untied"])
 def test_logits_match_reference(tiny_models, weight_type, kernel, monkeypatch):
     """Both ways of running 4-bit matrices: exo-tui's kernel (the default where it builds) and
-    MatMulNBits with a correction (``EXO_TUI_ONNX_KERNEL=0``, and where it does not)."""
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", kernel)
+    MatMulNBits with a correction (``node.onnx.kernel`` off, and where it does not)."""
+    monkeypatch.setattr(kernels, "_enabled", kernel == "1")
     cfg, weights, shard = load(tiny_models[weight_type])
     if weight_type.startswith(("Q4", "Q5")):
         assert bool(shard.kernel) == (kernel == "1")
@@ -228,23 +229,11 @@ def test_bad_weights_and_options(tiny_models, monkeypatch):
         ONNXBackend(precision="fp4")
     with pytest.raises(BackendError, match="threads"):
         ONNXBackend(threads=0)
-    monkeypatch.setenv("EXO_TUI_THREADS", "many")
-    with pytest.raises(BackendError, match="EXO_TUI_THREADS"):
-        ONNXBackend()
-    monkeypatch.setenv("EXO_TUI_THREADS", "2")
-    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "sometimes")
-    with pytest.raises(BackendError, match="EXO_TUI_ONNX_SPIN"):
-        ONNXBackend()
-    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "0")
-    monkeypatch.setenv("EXO_TUI_ONNX_PIN", "maybe")
-    with pytest.raises(BackendError, match="EXO_TUI_ONNX_PIN"):
-        ONNXBackend()
 
 
-def test_options_defaults_and_env(monkeypatch):
-    monkeypatch.delenv("EXO_TUI_THREADS", raising=False)
-    monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
-    monkeypatch.delenv("EXO_TUI_ONNX_SPIN", raising=False)
+def test_options_defaults_and_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("EXO_TUI_THREADS", "1")  # read by the config, never by the backend
+    monkeypatch.setenv("EXO_TUI_ONNX_PRECISION", "int8")
     backend = ONNXBackend()
     assert backend.threads == physical_cores() and backend.precision == "auto"
     assert backend.spin_us == SPIN_US  # a bounded spin between the ops of a step
@@ -253,10 +242,10 @@ def test_options_defaults_and_env(monkeypatch):
     # The shared instance is made once per process: made under the settings below it would hand
     # int8 math to every later test that asks for it.
     assert get_backend("onnx").name == "onnx"
-    monkeypatch.setenv("EXO_TUI_THREADS", "1")
-    monkeypatch.setenv("EXO_TUI_ONNX_PRECISION", "int8")
-    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "1")
-    backend = ONNXBackend()
+    env = {"EXO_TUI_HOME": str(tmp_path), "EXO_TUI_THREADS": "1", "EXO_TUI_ONNX_PRECISION": "int8", "EXO_TUI_ONNX_SPIN": "1"}
+    settings = load_config(env=env).node.backend_settings("onnx")
+    assert settings == {"threads": 1, "precision": "int8", "spin": True, "pin": False, "kernel": True}
+    backend = ONNXBackend(**{k: v for k, v in settings.items() if k != "kernel"})
     assert backend.threads == 1 and backend.precision == "int8" and backend.spin_us is None
     assert backend.session_config["session.intra_op.allow_spinning"] == "1"
     assert "session.intra_op.spin_duration_us" not in backend.session_config  # until the step ends
@@ -271,7 +260,6 @@ def test_auto_runs_k_quant_files_at_int8_and_the_others_at_int16(tmp_path, monke
     from backends.onnx.shard import resolve_precision
     from exo_tui.node.host import Transfer
 
-    monkeypatch.delenv("EXO_TUI_ONNX_PRECISION", raising=False)
     library = kernels.library()
     int8 = "int8" if library is not None and library.integer else "int16"
     shape = dict(hidden=256, intermediate=256, n_heads=4, n_kv_heads=2, n_layers=2, tied=False)
@@ -309,9 +297,9 @@ def test_auto_runs_k_quant_files_at_int8_and_the_others_at_int16(tmp_path, monke
 @pytest.mark.parametrize(
     ("env", "spin_us", "allow"), [("0", 0, "0"), ("off", 0, "0"), ("40us", 40, "1"), ("0us", 0, "0"), ("on", None, "1")]
 )
-def test_spin_policy_from_env(monkeypatch, env, spin_us, allow):
-    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", env)
-    backend = ONNXBackend()
+def test_spin_policy_from_the_config_and_env(tmp_path, env, spin_us, allow):
+    settings = load_config(env={"EXO_TUI_HOME": str(tmp_path), "EXO_TUI_ONNX_SPIN": env}).node.backend_settings("onnx")
+    backend = ONNXBackend(**{k: v for k, v in settings.items() if k != "kernel"})
     assert backend.spin_us == spin_us
     assert backend.session_config["session.intra_op.allow_spinning"] == allow
     if spin_us:
@@ -321,10 +309,10 @@ def test_spin_policy_from_env(monkeypatch, env, spin_us, allow):
 
 
 @pytest.mark.parametrize("env", ["5", "fast", "-3us"])
-def test_a_bad_spin_setting_says_what_to_write(monkeypatch, env):
-    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", env)
-    with pytest.raises(BackendError, match=r"EXO_TUI_ONNX_SPIN=.*use 0 \(never spin\), 1 .* or microseconds such as 15us"):
-        ONNXBackend()
+def test_a_bad_spin_setting_says_what_to_write(tmp_path, env):
+    with pytest.raises(ConfigError, match=r"node.onnx.spin is .*; it must be 0 \(never spin\), 1 .* or microseconds such as 15us"
+                                          r".*EXO_TUI_\* environment variable"):
+        load_config(env={"EXO_TUI_HOME": str(tmp_path), "EXO_TUI_ONNX_SPIN": env})
     with pytest.raises(BackendError, match="at least 0 microseconds"):
         ONNXBackend(spin=-1)
 
@@ -333,8 +321,7 @@ def test_an_idle_shard_does_not_spin(tiny_models, monkeypatch):
     """Spinning is between the ops of a step only: the session a shard runs is told to stop its
     pool's spinning once a step returns. (What an idle shard's threads cost in CPU time is
     measured in benchmarks/onnx_spin.py, not bounded here.)"""
-    monkeypatch.setenv("EXO_TUI_ONNX_SPIN", "1")  # the longest spin there is
-    _, _, shard = load(tiny_models["Q4_1"])
+    _, _, shard = load(tiny_models["Q4_1"], spin=True)  # the longest spin there is
     shard.forward("r0", PROMPT, np.arange(len(PROMPT)))
     options = shard._session.get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
@@ -399,10 +386,9 @@ def _thread_cores() -> dict[str, set[int]]:
                     reason="needs Linux thread affinity and at least two cores")
 @pytest.mark.parametrize("pin", [True, False])
 def test_a_step_runs_on_its_own_cores_and_gives_them_back(tiny_models, monkeypatch, pin):
-    monkeypatch.setenv("EXO_TUI_ONNX_PIN", "1" if pin else "0")
     mine = os.sched_getaffinity(0)
     before = _thread_cores()
-    cfg, weights, shard = load(tiny_models["Q4_1"])
+    cfg, weights, shard = load(tiny_models["Q4_1"], pin=pin)
     plan = core_plan(2, mine)
     assert plan is not None
     pool = {tid: cores for tid, cores in _thread_cores().items() if tid not in before}
@@ -885,7 +871,7 @@ def test_weight_arrays_are_made_again_when_the_session_reads_them(tiny_models, m
 @pytest.mark.parametrize("kernel", ["1", "0"], ids=["qlinear", "matmulnbits"])
 @pytest.mark.parametrize("precision", ["int16", "float32"])
 def test_the_backend_tells_the_scheduler_the_cache_precision_its_shards_keep(tiny_models, precision, kernel, monkeypatch):
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", kernel)
+    monkeypatch.setattr(kernels, "_enabled", kernel == "1")
     _, _, shard = load(tiny_models["Q4_1"], precision=precision)
     assert ONNXBackend(precision=precision).kv_value_bytes() == shard.kv_dtype.itemsize
     library = kernels.library()

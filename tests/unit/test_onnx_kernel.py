@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 
-from backends.base import BLOCK_TYPES, BackendError, QuantizedWeight
+from backends.base import BLOCK_TYPES, QuantizedWeight
 from backends.kquants import GROUP, decode
 from backends.onnx import kernels
 from tests.factory import random_kquant_blocks
@@ -52,7 +52,7 @@ def library() -> kernels.Library:
     if lib is None:
         why = kernels.unavailable()
         if why is None:
-            pytest.skip("the kernel is turned off here (EXO_TUI_ONNX_KERNEL=0)")
+            pytest.skip("the kernel is turned off here (node.onnx.kernel, EXO_TUI_ONNX_KERNEL=0)")
         if isinstance(why, kernels.NoCompiler):
             pytest.skip(f"{why} (the fallback is tested below)")
         pytest.fail(f"the kernel is not used here: {why}")
@@ -592,9 +592,15 @@ def test_a_cache_folder_it_cannot_write_means_matmulnbits_not_a_crash(
         kernels._library.cache_clear()
 
 
-def test_the_kernel_can_be_turned_off_and_a_bad_setting_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "0")
-    assert kernels.library() is None
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "maybe")
-    with pytest.raises(BackendError, match="EXO_TUI_ONNX_KERNEL='maybe': use 1"):
-        kernels.library()
+def test_the_kernel_can_be_turned_off_and_a_bad_setting_says_how(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from backends.onnx import ONNXBackend
+    from exo_tui.config import ConfigError, load_config
+
+    monkeypatch.setattr(kernels, "_enabled", True)  # put back after the test
+    env = {"EXO_TUI_HOME": str(tmp_path), "EXO_TUI_ONNX_KERNEL": "0"}
+    ONNXBackend(**load_config(env=env).node.backend_settings("onnx"))
+    assert not kernels.enabled() and kernels.library() is None
+    ONNXBackend(kernel=True)
+    assert kernels.enabled()
+    with pytest.raises(ConfigError, match="node.onnx.kernel is 'maybe'; it must be true or false"):
+        load_config(env=env | {"EXO_TUI_ONNX_KERNEL": "maybe"})

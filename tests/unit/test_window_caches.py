@@ -166,7 +166,9 @@ def test_full_length_caches_move_to_rings_and_back(gemma3, monkeypatch) -> None:
     imports into rings, and a ring's export (the window only) into it."""
     model, tokens, want = gemma3
     rings = load(model, "onnx", 0, 6)
-    monkeypatch.setenv("EXO_TUI_ONNX_KERNEL", "0")
+    from backends.onnx import kernels
+
+    monkeypatch.setattr(kernels, "_enabled", False)
     full = load(model, "onnx", 0, 6)
     try:
         assert full.ring_layers == 0 and rings.ring_layers == 5

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from backends import kquants
-from backends.base import BLOCK_TYPES, BackendError, QuantizedWeight
+from backends.base import BLOCK_TYPES, QuantizedWeight
 from backends.onnx.kernels.tiles import (  # noqa: F401  (the package's names for its callers)
     BLOCK,
     K_BLOCK_BYTES,
@@ -87,13 +87,19 @@ class Library:
         return Path(self.path).stem
 
 
+_enabled = True
+
+
+def use(on: bool) -> None:
+    """Turn exo-tui's kernels on (the default) or off for this process (a node's
+    ``node.onnx.kernel``, ``EXO_TUI_ONNX_KERNEL``): off, shards run ``MatMulNBits`` and ONNX
+    Runtime's attention only. Shards built afterwards follow it."""
+    global _enabled
+    _enabled = bool(on)
+
+
 def enabled() -> bool:
-    value = os.environ.get("EXO_TUI_ONNX_KERNEL", "").strip().lower()
-    if value in ("", "1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise BackendError(f"EXO_TUI_ONNX_KERNEL={value!r}: use 1 (on, the default) or 0 (MatMulNBits only)")
+    return _enabled
 
 
 def library() -> Library | None:
