@@ -99,6 +99,7 @@ class CoordinatorParts:
     _follow_state: FollowState
     _gap_noted: tuple[int, float] | None
     term: int  # the Raft term this coordinator leads in; 0: a single coordinator
+    coordinator_set: Any  # its CoordinatorSet when it leads one (exo_tui.cluster.consensus); else None
 
     if TYPE_CHECKING:
         # Membership

@@ -18,6 +18,7 @@ from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.view import (
     Action,
     ClusterSnapshot,
+    CoordinatorView,
     LayerMove,
     LinkView,
     NodeView,
@@ -128,6 +129,8 @@ class Snapshots(CoordinatorParts):
             sampling=dict(self.model.sampling) if self.model else {},
             metrics=self.figures(),
             queue=QueueView(**self.admission.stats().to_dict()),
+            coordinators=tuple(CoordinatorView(**s.to_dict()) for s in self.coordinator_set.status())
+            if self.coordinator_set is not None else (),
         )
 
 

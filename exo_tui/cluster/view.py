@@ -118,10 +118,24 @@ class ClusterSnapshot:
     sampling: Mapping[str, Any] = field(default_factory=dict)  # the model's recommended sampling
     metrics: ClusterFigures | None = None  # measured figures (exo_tui/cluster/metrics.py)
     queue: QueueView | None = None  # admission: requests running and waiting for the ring's memory
+    coordinators: tuple[CoordinatorView, ...] = ()  # a set's coordinators; empty for a single one
 
     @property
     def ready_count(self) -> int:
         return sum(1 for n in self.nodes if n.state == "ready")
+
+
+@dataclass(frozen=True)
+class CoordinatorView:
+    """One coordinator of a set (exo_tui.cluster.consensus), as the leader sees it."""
+
+    address: str  # its Raft address
+    name: str
+    api: str
+    role: str  # leader | standby | unreachable
+    term: int
+    lag: int  # log entries it has not applied (-1: unknown)
+    applied: int = -1
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,9 @@ def test_status_shows_the_coordinators_roles_terms_and_lag(cset: CoordinatorSet)
     table = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert table.returncode == 0, table.stderr
     assert f"leader {cset.url(lead)}" in table.stdout and "★ leader" in table.stdout and "(this one)" in table.stdout
+    # the snapshot an attached console shows them from (its coordinators pane)
+    snap = httpx.get(f"{cset.url(standby)}/v1/cluster", timeout=30).json()["coordinators"]
+    assert sorted(c["role"] for c in snap) == ["leader", "standby", "standby"]
 
 
 async def test_an_attached_console_follows_the_set_when_its_coordinator_dies(cset: CoordinatorSet) -> None:

@@ -159,6 +159,7 @@ class FakeCluster:
         self.chats: list[list[dict[str, str]]] = []
         self.chat_params: list[ChatParams] = []
         self.queue: QueueView | None = None  # admission's counts in the snapshot
+        self.coordinators: tuple = ()  # a set's coordinators (CoordinatorView) in the snapshot
         self.queued_ahead: list[int] = []  # notes a chat yields before its answer, as while it waits its turn
         self.admit = asyncio.Event()  # set: the waiting chat is admitted
         self.admit.set()
@@ -299,6 +300,7 @@ class FakeCluster:
             updated_at=T0,
             metrics=make_figures(self.nodes, self.shards, self.version, plan.predicted_tok_per_s),
             queue=self.queue,
+            coordinators=self.coordinators,
         )
 
     async def preview(self, command: Command) -> PlanPreview:

@@ -553,3 +553,25 @@ async def test_a_chat_waiting_for_memory_says_so_and_the_header_counts_the_queue
         fake.admit.set()
         await wait_until(pilot, lambda: not chat.streaming)
         assert "**Paris**" in chat.query_one(Answer).text and "tok/s" in plain(chat.query_one(Answer).status)
+
+
+async def test_the_coordinators_pane_shows_a_sets_roles_term_and_lag(make_app, fake):
+    from exo_tui.cluster.view import CoordinatorView
+    from exo_tui.tui.widgets.coordinators import CoordinatorsPane
+
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        pane = app.main_screen.query_one(CoordinatorsPane)
+        assert not pane.display  # a single coordinator: no pane
+        fake.coordinators = (
+            CoordinatorView("10.0.0.1:52418", "mac-studio", "http://10.0.0.1:52415", "leader", 7, 0),
+            CoordinatorView("10.0.0.2:52418", "nuc", "http://10.0.0.2:52415", "standby", 7, 3),
+            CoordinatorView("10.0.0.3:52418", "pi", "http://10.0.0.3:52415", "unreachable", 7, -1),
+        )
+        fake.version += 1  # a change the console refreshes for
+        fake.events.publish(ev.Notice(level="info", message="coordinator mac-studio leads in term 7"))
+        await wait_until(pilot, lambda: pane.display)
+        text = plain(pane)
+        assert "term 7" in text and "★ mac-studio leader" in text and "● nuc standby lag 3" in text
+        assert "✖ pi unreachable" in text

@@ -15,6 +15,7 @@ from exo_tui.tui.owner import exo_app
 from exo_tui.tui.widgets.chat import ChatPane
 from exo_tui.tui.widgets.cluster import ClusterHeader, PartitionBar, Topology
 from exo_tui.tui.widgets.cluster_strip import ClusterStrip
+from exo_tui.tui.widgets.coordinators import CoordinatorsPane
 from exo_tui.tui.widgets.events import EventsLog
 from exo_tui.tui.widgets.nodes import NodesTable
 
@@ -24,6 +25,7 @@ class MainScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield ClusterHeader(id="header")
+        yield CoordinatorsPane(id="coordinators")
         yield ClusterStrip(id="strip")
         with Vertical(id="top"):
             yield Input(placeholder="filter nodes (esc clears)", id="filter")
@@ -61,6 +63,7 @@ class MainScreen(Screen):
 
     def render_snapshot(self, snapshot: ClusterSnapshot, *, now: float, paused: bool, readonly: bool) -> None:
         self.query_one(ClusterHeader).show(snapshot, now=now, paused=paused, readonly=readonly)
+        self.query_one(CoordinatorsPane).show(snapshot)
         self.query_one(NodesTable).show(snapshot)
         self.query_one(PartitionBar).show(snapshot)
         self.query_one(Topology).show(snapshot)
