@@ -4,7 +4,10 @@ coordinator (the snapshot lists none)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.text import Text
+from textual.app import App
 from textual.widgets import Static
 
 from exo_tui.cluster.view import ClusterSnapshot
@@ -14,7 +17,7 @@ GLYPHS = {"leader": "★", "standby": "●", "unreachable": "✖"}
 ROLE_STYLES = {"leader": "success", "standby": "foreground", "unreachable": "error"}
 
 
-def coordinators_line(app: object, snapshot: ClusterSnapshot) -> Text:
+def coordinators_line(app: App[Any], snapshot: ClusterSnapshot) -> Text:
     muted = theme_style(app, "foreground-muted")
     t = Text(no_wrap=False, overflow="fold")
     terms = {c.term for c in snapshot.coordinators}
