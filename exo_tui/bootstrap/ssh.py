@@ -162,8 +162,8 @@ async def connect(
             opts["agent_path"] = agent_path
         if ssh_config is False:
             opts["config"] = None
-        elif ssh_config not in (True, None):
-            opts["config"] = [str(p) for p in ssh_config]  # type: ignore[union-attr]
+        elif ssh_config is not True and ssh_config is not None:
+            opts["config"] = [str(p) for p in ssh_config]
         where = str(t)
         try:
             async with asyncio.timeout(connect_timeout_s + 1):

@@ -21,6 +21,7 @@ import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 from zeroconf import DNSAddress, DNSOutgoing, InterfaceChoice, IPVersion, ServiceStateChange, Zeroconf
@@ -256,9 +257,9 @@ class NodeAdvertiser:
 
     async def update(self, **changes: object) -> None:
         """Change advertised fields (``memory_bytes``, ``backends``, ``name``...) and re-announce."""
-        fields = dict(changes)
+        fields: dict[str, Any] = dict(changes)  # NodeAdvertisement's fields, checked by the dataclass
         if "backends" in fields:
-            fields["backends"] = tuple(fields["backends"])  # type: ignore[arg-type]
+            fields["backends"] = tuple(fields["backends"])
         self.advertisement = _replace(self.advertisement, **fields)
         await self._reannounce(self.addresses, rescan=False)
 
@@ -318,10 +319,10 @@ class NodeAdvertiser:
                 log.exception("re-announcing %s failed", self.instance)
 
 
-def _replace(adv: NodeAdvertisement, **changes: object) -> NodeAdvertisement:
+def _replace(adv: NodeAdvertisement, **changes: Any) -> NodeAdvertisement:
     import dataclasses
 
-    return dataclasses.replace(adv, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(adv, **changes)
 
 
 # ---------------------------------------------------------------------- browsing
@@ -407,11 +408,11 @@ class MdnsBrowser:
         except Exception:
             log.exception("handling mDNS change for %s failed", name)
 
-    async def _emit(self, service_type: str, name: str, record: object) -> None:
-        if service_type == NODE_SERVICE:
-            result = self.on_node(name, record)  # type: ignore[arg-type]
-        elif self.on_host is not None:
-            result = self.on_host(name, record)  # type: ignore[arg-type]
+    async def _emit(self, service_type: str, name: str, record: NodeAdvertisement | SshServiceRecord | None) -> None:
+        if service_type == NODE_SERVICE and not isinstance(record, SshServiceRecord):
+            result = self.on_node(name, record)
+        elif self.on_host is not None and not isinstance(record, NodeAdvertisement):
+            result = self.on_host(name, record)
         else:
             return
         if asyncio.iscoroutine(result):

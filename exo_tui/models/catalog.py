@@ -212,7 +212,7 @@ def _split_found(name: str, source: str, group: list[Path], qualifier: str) -> F
     if not m:
         return Found(name, source, first, (first,), qualifier=qualifier)
     count = int(m.group("count"))
-    have = {int(_SPLIT_RE.match(p.name).group("no")) for p in group}  # type: ignore[union-attr]
+    have = {int(part.group("no")) for p in group if (part := _SPLIT_RE.match(p.name))}
     missing = [i for i in range(1, count + 1) if i not in have]
     problem = ""
     if missing:

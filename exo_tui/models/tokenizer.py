@@ -398,10 +398,10 @@ class Tokenizer:
             hf = self._hf if parse_special else self._plain()
             ids = hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special:
-            if self.add_bos and (not ids or ids[0] != self.bos_id):
-                ids.insert(0, self.bos_id)  # type: ignore[arg-type]
-            if self.add_eos:
-                ids.append(self.eos_id)  # type: ignore[arg-type]
+            if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+                ids.insert(0, self.bos_id)
+            if self.add_eos and self.eos_id is not None:
+                ids.append(self.eos_id)
         return ids
 
     def _encode_outside(self, text: str, plain: Sequence[tuple[int, int]]) -> list[int]:

@@ -138,8 +138,10 @@ class ExoApp(App):
 
     @work(group="lifecycle")
     async def _start_cluster(self) -> None:
+        if self._on_start is None:
+            return
         try:
-            await self._on_start()  # type: ignore[misc]
+            await self._on_start()
         except Exception as exc:
             self.notify(f"The cluster did not start: {exc}", title="exo-tui", severity="error", timeout=30)
         self.refresh_now()

@@ -165,7 +165,7 @@ class NodeDetailScreen(Screen):
                 t.append(f"  runs at {s.precision}", theme_style(app, "foreground"))
             if s.pinned:
                 t.append("  ⚑ pinned", theme_style(app, "accent"))
-            t.append(f"  plan v{snapshot.plan.version}\n", theme_style(app, "foreground-muted"))  # type: ignore[union-attr]
+            t.append(f"  plan v{snapshot.plan.version if snapshot.plan else 0}\n", theme_style(app, "foreground-muted"))
         t.rstrip()
         return t
 
