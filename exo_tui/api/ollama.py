@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
@@ -235,9 +236,14 @@ def sampling_options(options: Any, recommended: dict[str, Any]) -> tuple[Any, in
         value = options.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
-            raise OllamaError(400, f"option {key} must be {'a whole number' if kind is int else 'a number'}, not {value!r}")
-        given[name] = kind(value)
+        try:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or \
+                    (kind is int and value != int(value)):
+                raise ValueError
+            given[name] = kind(value)
+        except (ValueError, OverflowError):  # NaN, infinities, integers past a float's range
+            raise OllamaError(400, f"option {key} must be {'a whole number' if kind is int else 'a number'}, "
+                                   f"not {value!r}") from None
     last_n = options.get("repeat_last_n")
     if last_n is not None:
         if isinstance(last_n, bool) or not isinstance(last_n, int) or not -1 <= last_n <= COUNT_MAX:

@@ -1,6 +1,6 @@
 """Schemathesis hooks (``SCHEMATHESIS_HOOKS=tests/helpers/fuzz_hooks.py``) that widen its fuzzing
 past what a schema allows, to what a stranger sends: each generated JSON body also comes with one
-of its integers made 2**64, 2**70 or -2**64, or one of its strings made to hold a lone surrogate
+of its integers made 2**64, 2**70, -2**64 or 10**400, or one of its strings made to hold a lone surrogate
 (``"\\ud800x"``, which JSON can spell and Python decodes). The server must answer them 4xx."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import schemathesis
 from hypothesis import strategies as st
 
-HUGE = (2**64, 2**70, -(2**64))
+HUGE = (2**64, 2**70, -(2**64), 10**400)
 LONE = "\ud800x"
 
 

@@ -47,6 +47,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from exo_tui.cluster.local_nodes import READY_LINE, free_port
 from exo_tui.commands.serve import READY_PREFIX
@@ -933,3 +935,55 @@ def test_a_join_completes_under_silent_tls_connections(cluster: Cluster) -> None
             _stop(proc)
         _stop(attacker)
     assert stats["peak"] >= 16 and stats["opened"] > 24, stats  # held the endpoint's slots, dropped, reopened
+
+
+def _ollama_bodies() -> st.SearchStrategy[tuple[str, dict]]:
+    """Ollama requests as a stranger writes them: a valid request (an answer of one token) with one
+    field made hostile — an integer past 64 bits, a lone surrogate, a wrong type."""
+    from exo_tui.api.ollama import SAMPLING_OPTIONS
+
+    hostile = st.sampled_from([2**64, 2**70, -(2**64), 2**63, 10**400, -2, 1.5, float("nan"), float("inf"), "\ud800x",
+                               "a\udfff", "",
+                               True, None, [], {}, [2**64], ["\ud800"]])
+    options = [f"options.{k}" for k in (*SAMPLING_OPTIONS, "repeat_last_n", "num_predict", "stop", "num_ctx")]
+    chat = {"model": "tiny-hostile", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+            "options": {"num_predict": 1}}
+    generate = {"model": "tiny-hostile", "prompt": "hi", "system": "be brief", "raw": True, "stream": False,
+                "options": {"num_predict": 1}}
+    routes = [("/api/chat", chat, [*options, "messages.0.content", "messages.0.role", "messages", "stream"]),
+              ("/api/generate", generate, [*options, "prompt", "system", "raw", "context", "stream"])]
+
+    def made(route: int, field: str, value: object) -> tuple[str, dict]:
+        path, base, _ = routes[route]
+        body = json.loads(json.dumps(base))
+        *parents, last = field.split(".")
+        at = body
+        for p in parents:
+            at = at[int(p)] if isinstance(at, list) else at[p]
+        at[int(last) if isinstance(at, list) else last] = value
+        return path, body
+
+    return st.integers(0, 1).flatmap(lambda r: st.builds(made, st.just(r), st.sampled_from(routes[r][2]), hostile))
+
+
+def test_ollama_routes_fuzzed_answer_no_5xx(cluster: Cluster) -> None:
+    """The Ollama routes read raw JSON (no schema for schemathesis to fuzz): requests with one field
+    made hostile (integers past 64 bits, lone surrogates, wrong types) are answered 2xx or 4xx."""
+    import json as jsonlib
+
+    seen: list[int] = []
+
+    @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_ollama_bodies())
+    def check(case: tuple[str, dict]) -> None:
+        path, body = case
+        r = httpx.post(cluster.url + path, content=jsonlib.dumps(body).encode(), timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+        seen.append(r.status_code)
+        assert r.status_code < 500, (path, body, r.text[:500])
+        if r.status_code >= 400:
+            assert r.json()["error"], r.text
+
+    check()
+    assert any(s >= 400 for s in seen) and any(s == 200 for s in seen), seen
+    assert "Traceback" not in cluster.serve_err.read_text()
