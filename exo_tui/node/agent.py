@@ -98,7 +98,14 @@ from exo_tui.node import sensors
 from exo_tui.node.executor import DISCARDED, Sampled, Step, StepExecutor
 from exo_tui.node.fencing import Fence
 from exo_tui.node.host import ShardHost
-from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, BudgetExceeded, KVBudget, shard_cost
+from exo_tui.node.kv_budget import (
+    RESERVE_MIN_BYTES,
+    BudgetExceeded,
+    KVBudget,
+    ShardCost,
+    ShardKey,
+    shard_cost,
+)
 from exo_tui.node.profile import (
     NodeProfile,
     benchmark,
@@ -173,6 +180,20 @@ class NodeAgent:
         # the queue, the worker thread, batch formation, and what a run does to each step
         self.executor = StepExecutor(self.kv, self.samplers, self._finished, self._deliver)
 
+    @property
+    def started_host(self) -> ShardHost:
+        """The shards and plans this node holds (set when it starts)."""
+        if self.host is None:
+            raise HostError("the node agent has not started: it holds no shards yet")
+        return self.host
+
+    @property
+    def started_profile(self) -> NodeProfile:
+        """This device's profile (measured when it starts)."""
+        if self.profile is None:
+            raise HostError("the node agent has not started: it has no profile yet")
+        return self.profile
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -217,11 +238,11 @@ class NodeAgent:
         ca = getattr(self.security, "ca_cert_pem", None)
         self._advertiser = NodeAdvertiser(
             cluster=cluster_fingerprint(ca) if ca else "",
-            node_id=self.profile.node_id,
+            node_id=self.started_profile.node_id,
             name=self.name,
             port=self.port,
-            backends=self.profile.backends,
-            memory_bytes=self.profile.offered_memory_bytes(),
+            backends=self.started_profile.backends,
+            memory_bytes=self.started_profile.offered_memory_bytes(),
         )
         await self._advertiser.start()
 
@@ -248,7 +269,7 @@ class NodeAgent:
         self.executor.close()
         self._loader.shutdown(wait=True)
         if self.host is not None:
-            self.host.unload_all()
+            self.started_host.unload_all()
 
     async def run_until_signalled(self) -> None:
         loop = asyncio.get_running_loop()
@@ -258,7 +279,7 @@ class NodeAgent:
         await self.start()
         if self.parent_pid:
             self._tasks.append(asyncio.create_task(self._watch_parent(), name="node-parent"))
-        print(f"exo-tui node {self.name} ({self.profile.node_id}) listening on port {self.port}", flush=True)
+        print(f"exo-tui node {self.name} ({self.started_profile.node_id}) listening on port {self.port}", flush=True)
         await self._stopping.wait()
         await self.stop()
 
@@ -300,11 +321,11 @@ class NodeAgent:
     def _state(self) -> Attached:
         assert self.profile is not None and self.host is not None
         # kv: what the process holds now: the first plan counts the room it leaves
-        return Attached(self.profile.to_dict(), self.host.describe(), sorted(self.host.plans), self.port,
+        return Attached(self.profile.to_dict(), self.started_host.describe(), sorted(self.started_host.plans), self.port,
                         self._kv_report())
 
     async def _op_load(self, conn: Connection, frame: Frame, msg: Load) -> Frame:
-        hosted = await self._in_loader(self.host.load_from_file, msg.path, msg.start, msg.end, msg.backend,
+        hosted = await self._in_loader(self.started_host.load_from_file, msg.path, msg.start, msg.end, msg.backend,
                                        msg.model, msg.context)
         self._shards_changed()
         return self._loaded(hosted)
@@ -312,18 +333,18 @@ class NodeAgent:
     async def _op_load_begin(self, conn: Connection, frame: Frame, msg: LoadBegin) -> Frame:
         tensors = [TensorInfo(t.name, t.type, tuple(t.shape), t.nbytes) for t in msg.tensors]
         config = ModelConfig.from_wire(msg.config)
-        self.host.begin_transfer(msg.transfer_id, config, msg.start, msg.end, msg.backend, tensors, msg.model)
+        self.started_host.begin_transfer(msg.transfer_id, config, msg.start, msg.end, msg.backend, tensors, msg.model)
         return reply(Done())
 
     async def _op_load_chunk(self, conn: Connection, frame: Frame, msg: LoadChunk) -> Frame:
-        transfer = self.host.transfers.get(msg.transfer_id)
+        transfer = self.started_host.transfers.get(msg.transfer_id)
         if transfer is None:
             raise HostError(f"no transfer {msg.transfer_id} in progress: send load_begin first")
         transfer.add_chunk(msg.offset, bytes(frame.payload or b""), msg.sha256)
         return reply(ChunkReceived(transfer.received))
 
     async def _op_load_commit(self, conn: Connection, frame: Frame, msg: LoadCommit) -> Frame:
-        hosted = await self._in_loader(self.host.commit_transfer, msg.transfer_id)
+        hosted = await self._in_loader(self.started_host.commit_transfer, msg.transfer_id)
         self._shards_changed()
         return self._loaded(hosted)
 
@@ -335,15 +356,15 @@ class NodeAgent:
                             self._kv_report()))
 
     async def _op_unload(self, conn: Connection, frame: Frame, msg: Unload) -> Frame:
-        done = await self.executor.in_worker(self.host.unload, msg.start, msg.end, msg.model)
+        done = await self.executor.in_worker(self.started_host.unload, msg.start, msg.end, msg.model)
         self._shards_changed()
         return reply(Unloaded(done, self._kv_report()))
 
     async def _op_plan(self, conn: Connection, frame: Frame, msg: PlanOp) -> Frame:
         plan = msg.plan.check()
-        self.host.add_plan(plan)
+        self.started_host.add_plan(plan)
         self.executor.batching.shared_cores = plan.on_loopback()  # the newest plan is the one steps are moving to
-        return reply(Plans(sorted(self.host.plans)))
+        return reply(Plans(sorted(self.started_host.plans)))
 
     async def _op_forward(self, conn: Connection, frame: Frame, msg: Forward) -> None:
         if self._stopping.is_set():
@@ -352,7 +373,7 @@ class NodeAgent:
             raise HostError("a forward frame must name its plan version")
         if msg.rid in self._finished:
             return None  # the request ended while this step was on its way
-        plan, _, _ = self.host.hop(frame.plan, msg.hop)  # refuse early: unknown plan, wrong node, shard missing
+        plan, _, _ = self.started_host.hop(frame.plan, msg.hop)  # refuse early: unknown plan, wrong node, shard missing
         if (adopt := msg.adopt) is not None:  # the finished request whose caches this one takes over: its own state goes
             self.samplers.forget(adopt)
             self._stats.pop(adopt, None)
@@ -363,7 +384,7 @@ class NodeAgent:
     async def _op_kv_export(self, conn: Connection, frame: Frame, msg: KVExport) -> Frame:
         if msg.length is not None and msg.length < 0:
             raise HostError(f"kv_export's length must be a number of positions, not {msg.length}")
-        cache = await self.executor.in_worker(self.host.export_kv, msg.rid, msg.start, msg.end, msg.model, msg.length)
+        cache = await self.executor.in_worker(self.started_host.export_kv, msg.rid, msg.start, msg.end, msg.model, msg.length)
         return reply(KV(*kv_shape(cache)), tensor=kv_to_array(cache))
 
     async def _op_kv_import(self, conn: Connection, frame: Frame, msg: KVImport) -> Frame:
@@ -371,7 +392,7 @@ class NodeAgent:
         cache = kv_from_array(start, end, np.array(frame.tensor, copy=True), msg.length, msg.held)
 
         def install() -> None:
-            hosted = self.host.shard_for_layers(start, end, msg.model)
+            hosted = self.started_host.shard_for_layers(start, end, msg.model)
             if (hosted.start, hosted.end) != (start, end):
                 raise HostError(f"KV for layers [{start}, {end}) must cover the whole shard [{hosted.start}, {hosted.end})")
             hosted.shard.import_kv(msg.rid, cache)
@@ -391,7 +412,7 @@ class NodeAgent:
         self.samplers.forget(rid)
         self._stats.pop(rid, None)
         self.executor.forget(rid)
-        await self.executor.in_worker(self.host.drop, rid)
+        await self.executor.in_worker(self.started_host.drop, rid)
         self.kv.drop(rid)
         return reply(Done())
 
@@ -444,9 +465,9 @@ class NodeAgent:
         process holds besides caches, measured again."""
         import psutil
 
-        per_position = {}
-        with self.host.lock:  # the loader thread installs shards under it
-            hosted_all = list(self.host.shards.items())
+        per_position: dict[ShardKey, ShardCost | int] = {}
+        with self.started_host.lock:  # the loader thread installs shards under it
+            hosted_all = list(self.started_host.shards.items())
         for key, hosted in hosted_all:
             c = hosted.shard.config
             per_position[key] = shard_cost(c.n_kv_heads, c.head_dim, hosted.start, hosted.end,
@@ -465,8 +486,8 @@ class NodeAgent:
         that the coordinator sends a long prompt through the ring a chunk at a time: whole, its
         hidden states received and sent (rows x hidden floats each, a few copies) would not fit."""
         report = self.kv.report()
-        with self.host.lock:
-            chunks = [h.shard.prefill_chunk for h in self.host.shards.values()]
+        with self.started_host.lock:
+            chunks = [h.shard.prefill_chunk for h in self.started_host.shards.values()]
         report["prefill_rows"] = min(chunks, default=PREFILL_CHUNK)
         return report
 
@@ -489,7 +510,7 @@ class NodeAgent:
         if isinstance(result, Exception):
             await self._fail_step(step, str(result), kv_budget=isinstance(result, BudgetExceeded))
             return
-        plan = self.host.plans.get(f.plan)
+        plan = self.started_host.plans.get(f.plan) if f.plan is not None else None
         if plan is None:
             await self._fail_step(step, f"plan {f.plan} was dropped during the step")
             return
@@ -497,7 +518,7 @@ class NodeAgent:
             self.decode_steps += 1
             self.decode_compute_s += step.compute_s
         timing = [*(msg.timing or ()),
-                  hop_timing(self.profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
+                  hop_timing(self.started_profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
         if isinstance(result, Sampled):  # the last hop: a sampled token (or FILLED)
             token, logprobs, scores = result.token, result.logprobs, result.scores
             if token != FILLED:
@@ -591,7 +612,7 @@ class NodeAgent:
                       if s.tokens > 1 and now - s.last_s < STREAMING_S else 0.0}
                 for rid, s in self._stats.items()
             }
-            metrics["shards"] = [s.to_body() for s in self.host.describe()] if self.host else []
+            metrics["shards"] = [s.to_body() for s in self.started_host.describe()] if self.host else []
             await self._to_coordinator(Heartbeat(metrics, time.time()))
 
 

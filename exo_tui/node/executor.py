@@ -54,7 +54,7 @@ from exo_tui.net.messages import Forward
 from exo_tui.net.protocol import FILLED, HostError
 from exo_tui.node.batching import Batching, decodes_first, one_step_a_key
 from exo_tui.node.host import ShardHost
-from exo_tui.node.kv_budget import BudgetExceeded, KVBudget
+from exo_tui.node.kv_budget import BudgetExceeded, KVBudget, ShardKey
 from exo_tui.node.sampling_step import Samplers, score_prompt
 
 log = logging.getLogger("exo_tui.node")
@@ -132,6 +132,13 @@ class StepExecutor:
 
     def start(self, host: ShardHost) -> None:
         self.host = host
+
+    @property
+    def started_host(self) -> ShardHost:
+        """The shards and plans this node holds (set when it starts)."""
+        if self.host is None:
+            raise HostError("the node agent has not started: it holds no shards yet")
+        return self.host
 
     # ------------------------------------------------------------------ arrival
 
@@ -211,7 +218,7 @@ class StepExecutor:
         after it (the ``more`` of ``deliver``)."""
         dest: list[tuple[str, int] | None] = []
         for step, result in zip(batch, results, strict=True):
-            plan = self.host.plans.get(step.frame.plan)
+            plan = self.started_host.plans.get(step.frame.plan) if step.frame.plan is not None else None
             d = None
             if isinstance(result, np.ndarray) and plan is not None and step.hop + 1 < len(plan.ring):
                 nxt = plan.ring[step.hop + 1]
@@ -234,7 +241,7 @@ class StepExecutor:
         through the queue, where batches form."""
         if self.queue or self._burst or not self._worker_idle():
             return False
-        if np.ndim(step.frame.tensor) == 0 or step.rows > INLINE_MAX_ROWS:
+        if step.frame.tensor is None or np.ndim(step.frame.tensor) == 0 or step.rows > INLINE_MAX_ROWS:
             return False  # a prefill runs on the worker: the loop keeps answering pings meanwhile
         if step.conn.input_pending():
             return False  # another frame is already here: it may join this step's batch
@@ -270,19 +277,19 @@ class StepExecutor:
         """Runs on the worker thread (or inline, when the worker is idle). Groups steps by shard
         and fuses them where the backend can."""
         results: list[Any] = [None] * len(batch)
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[ShardKey, list[int]] = {}
         for i, step in enumerate(batch):
             if step.body.rid in self.finished:
                 results[i] = DISCARDED
                 continue
             try:
-                _, _, hosted = self.host.hop(step.frame.plan, step.hop)
+                _, _, hosted = self.started_host.hop(step.frame.plan, step.hop)
             except HostError as exc:
                 results[i] = exc
                 continue
             groups.setdefault(hosted.key, []).append(i)
         for key, idxs in groups.items():
-            shard = self.host.shards[key].shard
+            shard = self.started_host.shards[key].shard
             idxs = self._within_budget(batch, key, idxs, results)
             items = []
             for i in idxs:
@@ -351,7 +358,7 @@ class StepExecutor:
                             results[i] = exc
         return results
 
-    def _within_budget(self, batch: list[Step], key: tuple[int, int], idxs: list[int], results: list[Any]) -> list[int]:
+    def _within_budget(self, batch: list[Step], key: ShardKey, idxs: list[int], results: list[Any]) -> list[int]:
         """The steps of ``idxs`` (on shard ``key``) whose caches fit this node's KV budget; the
         others' result is the refusal (the coordinator admits them again later)."""
         growth = {}

@@ -249,9 +249,9 @@ class ShardHost:
         for version in sorted(self.plans)[:-keep]:
             del self.plans[version]
 
-    def hop(self, version: int, hop: int) -> tuple[RingPlan, PlanEntry, HostedShard]:
+    def hop(self, version: int | None, hop: int) -> tuple[RingPlan, PlanEntry, HostedShard]:
         """The plan, this hop's entry and the shard that serves it — or why not."""
-        plan = self.plans.get(version)
+        plan = self.plans.get(version) if version is not None else None
         if plan is None:
             raise HostError(f"node {self.node_id} does not hold plan {version} (holds {sorted(self.plans)})")
         if not 0 <= hop < len(plan.ring):

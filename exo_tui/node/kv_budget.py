@@ -35,6 +35,7 @@ the ring's budgets hold. Pure and clock-free: the agent feeds it measurements.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ a step moves whole: its hidden states received and sent, a few copies of ``rows 
 floats (0.8 MB each for 96 rows at hidden 2048), and a cache pool's growth (it copies one layer's
 caches at a time)."""
 
-ShardKey = tuple[int, int]
+ShardKey = tuple[str, int, int]  # a shard of a model: (model tag, start, end)
 
 
 def process_budget_bytes(limit_bytes: int | None, baseline_bytes: int) -> int | None:
@@ -113,13 +114,13 @@ class KVBudget:
                 if settled or self.runtime_bytes < self._settled_runtime:
                     self.settled_runtime_bytes = self.runtime_bytes
 
-    def set_shards(self, per_position: dict[ShardKey, ShardCost | int]) -> None:
+    def set_shards(self, per_position: Mapping[ShardKey, ShardCost | int]) -> None:
         """The shards held now and the bytes a request's positions take on each (an int: that
         many each); requests' counts for shards no longer held go."""
         with self._lock:
             self._set_shards(per_position)
 
-    def _set_shards(self, per_position: dict[ShardKey, ShardCost | int]) -> None:
+    def _set_shards(self, per_position: Mapping[ShardKey, ShardCost | int]) -> None:
         self.per_position = {k: c if isinstance(c, ShardCost) else ShardCost(int(c)) for k, c in per_position.items()}
         for rid in list(self.positions):
             kept = {k: n for k, n in self.positions[rid].items() if k in self.per_position}
