@@ -103,17 +103,19 @@ class Prediction(DraftSource):
         self.predicted = [int(t) for t in predicted]
         self._index = _NgramIndex(max_ngram)
         self._index.extend([*self.predicted, -1])  # every n-gram listed, the last one too
-        self._cursor = 0  # where in the prediction the answer was last found to be
+        self._cursor = 0  # where in the prediction the answer's end was last found to be ...
+        self._answered = 0  # ... when the answer had this many tokens
 
     async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
         answer = tokens[prompt_len:]
         if not answer:
-            self._cursor = 0
+            self._cursor = self._answered = 0
             return Draft(tuple(self.predicted[:k]), self.name)
+        guess = self._cursor + len(answer) - self._answered  # where it is now, if it went on as predicted
         for size in range(min(self._index.max_ngram, len(answer)), 0, -1):
-            at = self._index.follow(tuple(int(t) for t in answer[-size:]), near=max(0, self._cursor - size))
+            at = self._index.follow(tuple(int(t) for t in answer[-size:]), near=max(0, guess - size))
             if at is not None:
-                self._cursor = at
+                self._cursor, self._answered = at, len(answer)
                 return Draft(tuple(self.predicted[at : at + k]), self.name)
         return Draft((), self.name)
 

@@ -134,3 +134,11 @@ def test_a_busy_ring_drafts_only_predictions() -> None:
     assert lookup.best_k(8) == 0 and predicted.best_k(8) > 0
     lookup.streams = lambda: BUSY_STREAMS
     assert lookup.best_k(8) > 0
+
+
+def test_a_prediction_that_repeats_itself_is_followed_where_the_answer_is() -> None:
+    """The answer went on as predicted past a second "1 2 3": drafts come from after that one."""
+    predicted = [1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 6]
+    pred = Prediction(predicted)
+    assert propose(pred, [0, 1], 1, 2) == (2, 3)  # the answer [1] is at the prediction's start
+    assert propose(pred, [0, *predicted[:9]], 1, 2) == (5, 6)  # not (4, 9): it is past the second "1 2 3"
