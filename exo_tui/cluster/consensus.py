@@ -34,6 +34,7 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
 
+from exo_tui.cluster import raft_lib  # noqa: F401  (undoes pysyncobj's patch of socket.inet_ntop)
 from exo_tui.cluster.replicated_state import ClusterState, NotAcknowledged, fail_text
 from exo_tui.net.address import host_port, split_host_port
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObjConsumer, replicated
 
+from exo_tui.cluster import raft_lib  # noqa: F401  (undoes pysyncobj's patch of socket.inet_ntop)
 from exo_tui.cluster.store import AuditEntry, KnownNode
 
 AUDIT_KEPT = 2000  # audit lines the replicated log keeps (the oldest go first)
