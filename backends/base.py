@@ -34,6 +34,7 @@ import itertools
 import os
 from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -168,7 +169,8 @@ class ModelConfig:
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise BackendError(f"model config has unknown fields {unknown}: the sender runs a newer exo-tui")
-        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()})
+        checked: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()}
+        return cls(**checked)
 
 
 def unsupported_features(config: ModelConfig, experts: bool = False) -> list[str]:
@@ -222,7 +224,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)  # type: ignore[return-value]
+        return tuple(self.q.shape)
 
     def take_rows(self, rows: slice | np.ndarray) -> QuantizedWeight:
         """The matrix of rows ``rows`` (a slice, or indices in any order), fields and all."""

@@ -12,6 +12,7 @@ Q8_0 ``d * (q - 128)`` with unsigned codes ``q``, Q4_1 and Q5_1 ``d * q + m``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +67,11 @@ class FileBlocks(QuantizedWeight):
     under what it has read go once read. A subclass names its types' bytes (``BYTES``, per
     ``WEIGHTS`` weights), codes and groups, and decodes them (``_decode``)."""
 
+    raw: np.ndarray  # set in __init__ (the dataclass is frozen)
+    cols: int
+    _decoded: dict[int, Any]  # q, scales, biases by index; a subclass's own fields after them
+    _release: Callable[[np.ndarray], None] | None
+
     BYTES: dict[str, int] = {}
     WEIGHTS = BLOCK
     BITS: dict[str, int] = {}
@@ -81,7 +87,7 @@ class FileBlocks(QuantizedWeight):
                             ("source_type", type_name), ("_decoded", {}), ("_release", release)):
             object.__setattr__(self, name, value)
 
-    def _decode(self) -> tuple[np.ndarray, ...]:
+    def _decode(self) -> tuple[Any, ...]:
         """``(codes, scales, biases)`` of all rows, then anything else the type keeps."""
         raise NotImplementedError
 
@@ -98,9 +104,9 @@ class FileBlocks(QuantizedWeight):
             self.release_pages()
         return cache[i]
 
-    q = property(lambda self: self._field(0))  # type: ignore[assignment]
-    scales = property(lambda self: self._field(1))  # type: ignore[assignment]
-    biases = property(lambda self: self._field(2))  # type: ignore[assignment]
+    q = property(lambda self: self._field(0))
+    scales = property(lambda self: self._field(1))
+    biases = property(lambda self: self._field(2))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -145,5 +151,5 @@ class BlockWeight(FileBlocks):
             self.release_pages()
         return cache[i]
 
-    scales = property(lambda self: self._group_field(1))  # type: ignore[assignment]
-    biases = property(lambda self: self._group_field(2))  # type: ignore[assignment]
+    scales = property(lambda self: self._group_field(1))
+    biases = property(lambda self: self._group_field(2))

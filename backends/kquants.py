@@ -49,11 +49,16 @@ def _scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
+# codes, scales, biases, then the super-blocks' fields (d, dmin, sc, m)
+Decoded = tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, ...]]
+
+
 def decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(codes, scales, biases)`` of K-quant rows ``raw`` uint8 ``(rows, cols / 256 * block)``:
     codes uint8 ``(rows, cols)``, scales and biases float32 ``(rows, cols / group)``, with
     ``weight = scale * code + bias``."""
-    return _decode(raw, type_name, cols)[:3]
+    q, scales, biases, _ = _decode(raw, type_name, cols)
+    return q, scales, biases
 
 
 def weight(raw: np.ndarray, type_name: str, cols: int) -> QuantizedWeight:
@@ -76,10 +81,10 @@ class KQuantWeight(FileBlocks):
     BITS = BITS
     GROUP = GROUP
 
-    def _decode(self) -> tuple[np.ndarray, ...]:
+    def _decode(self) -> Decoded:
         return _decode(self.raw, self.source_type, self.cols)
 
-    @property  # type: ignore[override]
+    @property
     def superblocks(self) -> tuple[np.ndarray, ...]:
         """The file's fields ``(d, dmin, sc, m)``, read without decoding the codes (kept)."""
         cache = self._decoded
@@ -101,7 +106,7 @@ def _fields(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...
     return _half16(b[..., 0:2]), _half16(b[..., 2:4]), sc.reshape(rows, -1), m.reshape(rows, -1)
 
 
-def _decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, ...]:
+def _decode(raw: np.ndarray, type_name: str, cols: int) -> Decoded:
     """:func:`decode`'s three arrays, then the super-blocks' fields ``(d, dmin, sc, m)``."""
     if type_name not in BLOCK_BYTES:
         raise ValueError(f"{type_name} is not a K-quant type ({', '.join(BLOCK_BYTES)})")

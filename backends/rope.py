@@ -60,7 +60,7 @@ def _yarn(config: ModelConfig, base: float, freqs: np.ndarray) -> np.ndarray:
         return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(config.rope_yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(config.rope_yarn_beta_slow)), d - 1)
+    high: float = min(math.ceil(correction_dim(config.rope_yarn_beta_slow)), d - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
