@@ -115,7 +115,8 @@ async def generate(
             raise GenerationError("the prompt is empty: give at least one token")
         if request.max_tokens == 0 and request.wants_prompt_scores:
             await runner.step(request, 0)  # the prompt scored; the token it samples is no part of any answer
-        spec = request.speculation if isinstance(runner, Verifier) else None
+        verifier = runner if isinstance(runner, Verifier) else None
+        spec = request.speculation if verifier is not None else None
         done = False
         while not done and len(request.generated) < request.max_tokens:
             if request.n_tokens >= context_length:
@@ -124,9 +125,9 @@ async def generate(
             decoding = start >= len(request.prompt_ids)  # the prompt is in the caches (a prompt's step runs no drafts)
             draft = await spec.draft(request.tokens, len(request.prompt_ids), room) if spec is not None and decoding else None
             began = time.monotonic()
-            if draft is not None and len(draft):
-                verdict, listed_lps = await runner.verify(request, start, draft)  # type: ignore[attr-defined]
-                spec.verified(draft, verdict)  # type: ignore[union-attr]
+            if draft is not None and len(draft) and verifier is not None and spec is not None:
+                verdict, listed_lps = await verifier.verify(request, start, draft)
+                spec.verified(draft, verdict)
                 tokens: tuple[int, ...] = verdict.tokens
                 lps: list[TokenLogprobs | None] = list(listed_lps) if listed_lps is not None else [None] * len(tokens)
             else:
