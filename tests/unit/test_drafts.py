@@ -142,3 +142,10 @@ def test_a_prediction_that_repeats_itself_is_followed_where_the_answer_is() -> N
     pred = Prediction(predicted)
     assert propose(pred, [0, 1], 1, 2) == (2, 3)  # the answer [1] is at the prediction's start
     assert propose(pred, [0, *predicted[:9]], 1, 2) == (5, 6)  # not (4, 9): it is past the second "1 2 3"
+
+
+def test_auto_starts_lookups_unrun_and_predictions_drafting() -> None:
+    """Before anything is measured: a lookup's drafts are only checked against what comes (free
+    chat must not get slower), a prediction's are run."""
+    assert Speculation("auto", [PromptLookup()]).best_k(16) == 0
+    assert Speculation("auto", [Prediction([1, 2, 3]), PromptLookup()]).best_k(16) >= 4
