@@ -250,7 +250,7 @@ class CoordinatorSet:
         once a majority holds it, or after ``ADMIT_WAIT_S`` if it is still in the leader's log:
         where the new member is needed for a majority (a set of 1 or 3 becoming 2 or 4... of
         which the others cannot all answer), the change commits once it starts and answers."""
-        from exo_tui.discovery.join import JoinError
+        from exo_tui.discovery.join import NotLeader, SetRefused
 
         address = f"{host}:{raft_port}"
         members = [self.address, *(str(n.address) for n in self.sync.otherNodes)]
@@ -264,15 +264,15 @@ class CoordinatorSet:
                         if err == FAIL_REASON.SUCCESS:
                             future.set_result(None)
                         else:
-                            future.set_exception(JoinError(f"the set did not take the new coordinator: {fail_text(err)}"))
+                            future.set_exception(SetRefused(f"the set did not take the new coordinator: {fail_text(err)}"))
                 loop.call_soon_threadsafe(resolve)
 
             if not self.is_leader:
-                raise JoinError("this coordinator no longer leads the set: make the token where the leader runs")
+                raise NotLeader("this coordinator no longer leads the set: make the token where the leader runs")
             self.sync.addNodeToCluster(address, callback=done)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ADMIT_WAIT_S):
-                    await future  # a refusal (the leader lost its place) raises JoinError
+                    await future  # a refusal (the leader lost its place) raises SetRefused
             members.append(address)
         log.info("coordinator %s joined the set at %s", name, address)
         return {"raft": address, "peers": members}

@@ -106,6 +106,24 @@ class NoJoinAddress(JoinError):
     code = "no_address"
 
 
+class NotLeader(JoinError):
+    """A coordinator's token used where the coordinator that made it no longer leads its set."""
+
+    code = "not_leader"
+
+
+class SetRefused(JoinError):
+    """The set of coordinators did not take the new one (its Raft refused the change)."""
+
+    code = "set_refused"
+
+
+class AnswerIncomplete(JoinError):
+    """The leader's answer to a coordinator's join lacks what a join needs (another version?)."""
+
+    code = "answer_incomplete"
+
+
 class JoinRefused(JoinError):
     """The join endpoint refused the request for a reason without a type of its own."""
 
@@ -124,7 +142,8 @@ class WrongCoordinator(JoinError):
 
 
 REFUSALS: dict[str, type[JoinError]] = {
-    cls.code: cls for cls in (TokenInvalid, TokenUnknown, TokenUsed, TokenExpired, TokenWrongRole, TokenStoreDamaged)
+    cls.code: cls for cls in (TokenInvalid, TokenUnknown, TokenUsed, TokenExpired, TokenWrongRole, TokenStoreDamaged,
+                              NotLeader, SetRefused)
 }
 
 

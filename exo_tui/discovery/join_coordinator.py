@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from exo_tui.discovery.join import JoinError, JoinToken, exchange
+from exo_tui.discovery.join import AnswerIncomplete, JoinError, JoinToken, exchange
 
 SECRET_FILES = ("ca.crt", "ca.key", "cluster.key", "coordinator.crt", "coordinator.key")
 
@@ -31,12 +31,12 @@ async def answer_coordinator(server: Any, req: dict[str, Any], name: str, writer
     try:
         server.store.consume(str(req.get("id", "")), str(req.get("secret", "")), name=name, role="coordinator")
     except JoinError as exc:
-        return {"ok": False, "error": str(exc)}
+        return {"ok": False, "error": str(exc), "code": exc.code}
     peer = writer.get_extra_info("peername")
     try:
         added = await server.on_coordinator(name, str(peer[0]) if peer else "", raft_port, api_port)
     except JoinError as exc:
-        return {"ok": False, "error": str(exc)}
+        return {"ok": False, "error": str(exc), "code": exc.code}
     from exo_tui.net.security import cluster_dir, read_secret
 
     d = cluster_dir(server.home)
@@ -53,4 +53,4 @@ async def join_set(token: JoinToken | str, *, name: str, raft_port: int, api_por
         files = {k: base64.b64decode(reply["secrets"][k]) for k in SECRET_FILES}
         return files, str(reply["raft"]), [str(p) for p in reply["peers"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise JoinError(f"the leader's answer to the join lacks {exc}: is it the same version of exo-tui?") from None
+        raise AnswerIncomplete(f"the leader's answer to the join lacks {exc}: is it the same version of exo-tui?") from None

@@ -16,6 +16,7 @@ from exo_tui.discovery.join import (
     TokenStore,
     TokenUnknown,
     TokenUsed,
+    TokenWrongRole,
     WrongCoordinator,
     create_join_token,
     fetch_bundle,
@@ -93,6 +94,26 @@ async def test_join_endpoint_hands_out_a_bundle_once(home: Path, tmp_path: Path)
 
         with pytest.raises(TokenUsed, match="already used"):
             await fetch_bundle(tok, name="laptop")
+    finally:
+        await server.close()
+
+
+async def test_a_refusal_reaches_the_joiner_as_its_own_type(home: Path) -> None:
+    """The endpoint sends the cause's code with a refusal; the joining side raises that type."""
+    from exo_tui.discovery.join import NotLeader
+    from exo_tui.discovery.join_coordinator import join_set
+
+    async def lost_the_lead(*_: object) -> dict:
+        raise NotLeader("this coordinator no longer leads the set: make the token where the leader runs")
+
+    server = await serve_join("127.0.0.1", 0, home=home, on_coordinator=lost_the_lead)
+    try:
+        for_a_coordinator = create_join_token([f"127.0.0.1:{server.port}"], home=home, role="coordinator")
+        with pytest.raises(TokenWrongRole, match="refused the token: this join token is for a coordinator, not a node"):
+            await fetch_bundle(for_a_coordinator, name="x")
+        again = create_join_token([f"127.0.0.1:{server.port}"], home=home, role="coordinator")
+        with pytest.raises(NotLeader, match="no longer leads the set"):
+            await join_set(again, name="c2", raft_port=52418, api_port=52415)
     finally:
         await server.close()
 
