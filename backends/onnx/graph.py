@@ -35,12 +35,13 @@ external initializers handed to the session as NumPy-backed ``OrtValue``s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from backends.base import ModelConfig, ShardWeights, Weight
+from backends.base import BackendError, ModelConfig, ShardWeights, Weight
 from backends.onnx.kernels import (
     ATTENTION,
     ATTENTION_F16,
@@ -213,7 +214,7 @@ class _Builder:
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
         if self.kernel and all(runs_on_kernel(w) for w in weights):  # one format: see linear
             blocks = pack(weights, self.xbits)  # type: ignore[arg-type]
-            n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]  # type: ignore[union-attr]
+            n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
             attributes = op_attributes(weights[0])  # type: ignore[arg-type]
             w = self.weight(f"{stem}_{kernel_format(weights[0]).lower()}", blocks)  # type: ignore[union-attr]
             self.in_place.add(w)
@@ -339,6 +340,8 @@ def build_shard_graph(
             bias = b.weight(f"l{i}_qkv_bias", np.concatenate([lw.bq, lw.bk, lw.bv]).astype(np.float32))
             (qkv,) = b.node("Add", [qkv, bias], f"l{i}_qkv_b")
         if lw.q_norm is not None:
+            if lw.k_norm is None:
+                raise BackendError(f"layer {i} has a q_norm without a k_norm")
             qkv = b.head_norms(qkv, lw.q_norm, lw.k_norm, f"l{i}_qk")
         pk, pv, ok, ov = f"past_key_{i}", f"past_value_{i}", f"present_key_{i}", f"present_value_{i}"
         shape = kv_shape if not (kernel and c.windowed(layer)) else [kv_shape[0], c.n_kv_heads, "window", c.head_dim]
@@ -350,7 +353,7 @@ def build_shard_graph(
         rest = ["seqlens_k", "total_seq_len", cos_name, sin_name]
         if kernel:  # exo-tui's own: the same math, a batch's rows at the cost of each alone
             op, domain, ins = ATTENTION_F16 if half_kv else ATTENTION, DOMAIN, [qkv, pk, pv, *rest, "slots"]
-            extra = {"scale": float(c.query_scale), "window": c.window(layer)}
+            extra: dict[str, Any] = {"scale": float(c.query_scale), "window": c.window(layer)}
         else:
             op, domain, ins = "GroupQueryAttention", MS, [qkv, "", "", pk, pv, *rest]
             extra = {"scale": float(c.query_scale), "do_rotary": 1, "rotary_interleaved": 1,
@@ -369,6 +372,8 @@ def build_shard_graph(
                 weights.layers[i] = None  # type: ignore[call-overload]
                 del lw
             continue
+        if lw.w_gate is None or lw.w_up is None or lw.w_down is None:
+            raise BackendError(f"layer {i} has neither experts nor its gate, up and down matrices")
         gu = b.linear(m, [lw.w_gate, lw.w_up], f"l{i}_gateup")
         split = b.const("split", np.array([c.intermediate_size, c.intermediate_size], dtype=np.int64))
         g, u = b.node("Split", [gu, split], f"l{i}_gu", n_out=2, axis=-1)
@@ -412,6 +417,8 @@ def build_shard_graph(
         outputs.insert(0, helper.make_tensor_value_info("logits", f32, ["batch", "tail", c.vocab_size]))
         graph.output = "logits"
     else:
+        if skip is None:
+            raise BackendError("a shard with no layers has no hidden state to send on")
         b.nodes.append(helper.make_node("Add", [h, skip], ["hidden_out"], name="hidden_out"))
         outputs.insert(0, helper.make_tensor_value_info("hidden_out", f32, ["batch", "seq", c.hidden_size]))
 

@@ -16,6 +16,7 @@ A :class:`~backends.base.QuantizedWeight` is ``w = s * q + b`` per block of ``gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -137,7 +138,7 @@ class EmbeddingRows:
     cols: int
     scales: np.ndarray | None = None  # (rows, cols // group), where there are no fields
     biases: np.ndarray | None = None
-    fields: tuple[np.ndarray, ...] | None = None  # (d, dmin, sc, m) as QuantizedWeight.superblocks
+    fields: tuple[Any, ...] | None = None  # (d, dmin, sc, m) as QuantizedWeight.superblocks; Q6_K's dmin, m: None
     six_k: bool = False  # Q6_K: bias = -32 * scale (its dmin and m are not kept)
 
     @classmethod
@@ -187,8 +188,10 @@ class EmbeddingRows:
             scales = np.repeat(d[ids].astype(np.float32), per, axis=1) * sc[ids].astype(np.float32)
             biases = (np.float32(-32.0) * scales if self.six_k
                       else -(np.repeat(dmin[ids].astype(np.float32), per, axis=1) * m[ids].astype(np.float32)))
-        else:
+        elif self.scales is not None and self.biases is not None:
             scales, biases = self.scales[ids].astype(np.float32), self.biases[ids].astype(np.float32)
+        else:
+            raise ValueError("embedding rows need their scales and biases or their super-blocks' fields")
         out = q.reshape(t, self.cols // g, g).astype(np.float32)
         out *= scales[:, :, None]
         out += biases[:, :, None]

@@ -41,6 +41,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -240,10 +241,10 @@ def _check(path: Path) -> Library:
     for (rows, tokens, slots, scale, window), half in itertools.product(shapes, (False, True)):
         case = AttentionCase.random(rng, rows, tokens, heads=4, kv_heads=2, head_dim=16, capacity=12, half=half,
                                     slots=slots, scale=scale, window=window)
-        want = case.reference()
+        expected = case.reference()
         got = case.call(lib)
         rtol, atol = (HALF_RTOL, 1e-4) if half else (1e-4, 1e-5)
-        if not all(np.allclose(g, w, rtol=rtol, atol=atol) for g, w in zip(got, want, strict=True)):
+        if not all(np.allclose(g, w, rtol=rtol, atol=atol) for g, w in zip(got, expected, strict=True)):
             raise KernelUnavailable(f"the {isa} attention built here disagrees with NumPy ({rows} rows of {tokens} "
                                     f"tokens, {'float16' if half else 'float32'} caches)")
         if not all(np.array_equal(g, s) for g, s in zip(case.in_session(path), got, strict=True)):
@@ -338,7 +339,7 @@ def run_in_session(path: str | Path, x: np.ndarray, blob: np.ndarray, bits: int,
     from onnx import TensorProto, helper, numpy_helper
 
     k = x.shape[-1]
-    extra = {"kquant": kquant} if kquant else {}
+    extra: dict[str, Any] = {"kquant": kquant} if kquant else {}
     node = helper.make_node(OP, ["x", "w"], ["y"], domain=DOMAIN, K=k, N=n, bits=bits, xbits=xbits, **extra)
     graph = helper.make_graph(
         [node], "check", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],

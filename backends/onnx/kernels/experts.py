@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -123,7 +124,7 @@ def call(lib: ctypes.CDLL, x: np.ndarray, logits: np.ndarray, w1: np.ndarray, w2
 
 
 def run_in_session(path: str | Path, x: np.ndarray, logits: np.ndarray, w1: np.ndarray, w2: np.ndarray, k: int,
-                   norm: bool, attrs: dict[str, int], xbits: int = 0, threads: int = 1) -> np.ndarray:
+                   norm: bool, attrs: dict[str, Any], xbits: int = 0, threads: int = 1) -> np.ndarray:
     """``Experts`` in a one-node ONNX Runtime session on ``threads`` threads; ``x`` ``(M, H)``."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper

@@ -31,7 +31,8 @@ def _code_map(bits: int, xbits: int) -> tuple[tuple[np.ndarray, np.ndarray, int,
     ``(32, 32)`` each, how many bits it has and the bit of the code it starts at. Found by packing,
     block by block, one code with one bit set."""
     n = TILE * BLOCK * bits
-    byte, bit = np.empty(n, np.int64), np.empty(n, np.int64)
+    byte: np.ndarray = np.empty(n, np.int64)
+    bit: np.ndarray = np.empty(n, np.int64)
     for lo in range(0, n, PROBES):  # a few blocks at a time: no temporaries of megabytes, which leave
         hi = min(n, lo + PROBES)  # glibc's heap more fragmented than a node's unload can give back
         c, k, i = np.unravel_index(np.arange(lo, hi), (TILE, BLOCK, bits))
@@ -43,11 +44,12 @@ def _code_map(bits: int, xbits: int) -> tuple[tuple[np.ndarray, np.ndarray, int,
             raise AssertionError(f"a {bits}-bit code's bit is not one bit of its tile block (xbits {xbits})")
         byte[lo:hi], bit[lo:hi] = at, np.log2(laid[block, at]).astype(np.int64)
     byte, bit = byte.reshape(TILE, BLOCK, bits), bit.reshape(TILE, BLOCK, bits)
-    runs, first = [], 0
-    for i in range(1, bits + 1):  # a run ends where the next bit of the code lies elsewhere, for any code
-        if i == bits or not (np.all(byte[..., i] == byte[..., i - 1]) and np.all(bit[..., i] == bit[..., i - 1] + 1)):
-            runs.append((byte[..., first], bit[..., first].astype(np.uint8), i - first, first))
-            first = i
+    runs: list[tuple[np.ndarray, np.ndarray, int, int]] = []
+    first = 0
+    for j in range(1, bits + 1):  # a run ends where the next bit of the code lies elsewhere, for any code
+        if j == bits or not (np.all(byte[..., j] == byte[..., j - 1]) and np.all(bit[..., j] == bit[..., j - 1] + 1)):
+            runs.append((byte[..., first], bit[..., first].astype(np.uint8), j - first, first))
+            first = j
     return tuple(runs)
 
 
@@ -97,7 +99,7 @@ class TileRows:
             return np.ascontiguousarray(header[:, :, lo : lo + 64]).view(np.float16)[rows, :, col[:, None]].reshape(t, units).astype(np.float32)
 
         def column_bytes(lo: int, n: int, dtype: type) -> np.ndarray:  # n bytes a column from lo, (T, units, n)
-            a = np.ascontiguousarray(header[:, :, lo : lo + 32 * n]).view(dtype).reshape(t, units, n, TILE)
+            a: np.ndarray = np.ascontiguousarray(header[:, :, lo : lo + 32 * n]).view(dtype).reshape(t, units, n, TILE)
             return a[np.arange(t), :, :, col].astype(np.float32)
 
         if self.type_name not in KQUANT:

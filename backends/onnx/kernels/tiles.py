@@ -178,7 +178,7 @@ def _rows(weights: list[QuantizedWeight], lo: int, hi: int) -> list[QuantizedWei
 
 def _stacked(arrays: list[np.ndarray], rows: int, dtype: type) -> np.ndarray:
     """``arrays`` one after the other along their rows, zeros after them up to ``rows``."""
-    part = np.zeros((rows, arrays[0].shape[1]), dtype)
+    part: np.ndarray = np.zeros((rows, arrays[0].shape[1]), dtype)
     start = 0
     for a in arrays:
         part[start : start + a.shape[0]] = a
