@@ -249,6 +249,7 @@ class CoordinatorSetApi:
             "coordinators": [s.to_dict() for s in self.cset.status()],
             # this coordinator's copy of the replicated state (a standby's may lag: see its lag)
             "drains": sorted(st.drains), "pins": {n: list(p) for n, p in st.pins.items()}, "hosts": sorted(st.hosts),
+            "join_tokens": sorted(st.join_tokens),  # the ids of the join tokens' records (hashes stay inside)
             "plan_version": st.plan[0] if st.plan else None, "elections": [list(e) for e in st.elections[-10:]],
         }
 

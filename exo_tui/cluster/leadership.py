@@ -18,14 +18,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from exo_tui.cluster.consensus import CoordinatorSet
 from exo_tui.cluster.replicated_state import NotAcknowledged, ReplicatedStore
+from exo_tui.discovery.join import STORE_NAME, TokenStore
 
 log = logging.getLogger("exo_tui.cluster.leadership")
 
 POLL_S = 0.05
+TOKENS_POLL_S = 1.0
 
 
 class Leadership:
@@ -42,6 +45,7 @@ class Leadership:
         self.in_charge = asyncio.Event()  # set while a started coordinator leads
         self.last_error = ""
         self._task: asyncio.Task[None] | None = None
+        self._tokens: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.cset.bind_loop(asyncio.get_running_loop())
@@ -91,10 +95,26 @@ class Leadership:
         self.in_charge.set()
         if self.on_change is not None:
             await self.on_change(coordinator)
+        self._tokens = asyncio.create_task(self._share_join_tokens(coordinator.home), name="join-token records")
+
+    async def _share_join_tokens(self, home: Path) -> None:
+        """The join tokens' records (hashes) are replicated state: the new leader takes in those of
+        earlier leaders (a token made on another coordinator's machine works here), then
+        replicates its own as they change (``exo-tui join-token`` writes them to its file)."""
+        tokens = TokenStore(home / STORE_NAME)
+        await asyncio.to_thread(tokens.merge, dict(self.cset.state.join_tokens))
+        while self.store is not None:
+            records = await asyncio.to_thread(tokens.records)
+            if records != self.cset.state.join_tokens:
+                self.store.save_join_tokens(records)
+            await asyncio.sleep(TOKENS_POLL_S)
 
     async def _step_down(self, why: str) -> None:
         coordinator, self.coordinator = self.coordinator, None
         self.in_charge.clear()
+        if self._tokens is not None:
+            self._tokens.cancel()
+            self._tokens = None
         if coordinator is None:
             return
         log.warning("stepping down from term %d: %s", self.term, why)
@@ -111,6 +131,8 @@ class Leadership:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        if self._tokens is not None:
+            self._tokens.cancel()
         coordinator, self.coordinator = self.coordinator, None
         if coordinator is not None:
             with contextlib.suppress(Exception):

@@ -287,11 +287,12 @@ class PlanSwitching(CoordinatorParts):
                     await swap()
                 self.plan, self.ring = new, ring
                 self._serve_error = ""
-                # 4. unload what the new plan does not use before steps resume: the nodes' memory
-                # and KV budgets are the new plan's when they do; drained nodes become drained
-                await self._unload_unused(ring)
             finally:
                 self._plan_ready.set()
+            # 4. unload what the new plan does not use, once steps have resumed: the nodes held the
+            # old shards beside the new ones while both plans' shards loaded (a node short of room
+            # swapped its shards during the pause instead, above); drained nodes become drained
+            await self._unload_unused(ring)
             self._refresh_states()
             if self.store is not None:
                 self.store.save_plan(new.version, str(self.model.path) if self.model else "", new.to_dict())

@@ -272,6 +272,22 @@ class TokenStore:
             data[token_id]["used_by"] = name
             self._write(data)
 
+    def records(self) -> dict[str, dict]:
+        """Every token's record (hashes, never secrets): what a set of coordinators replicates."""
+        with self._locked():
+            return self._read()
+
+    def merge(self, records: dict[str, dict]) -> None:
+        """Take in another coordinator's records (a set's new leader): tokens it made work here,
+        and a token used anywhere stays used."""
+        with self._locked():
+            data = self._read()
+            for token_id, rec in records.items():
+                mine = data.get(token_id)
+                if mine is None or (rec.get("used") and not mine.get("used")):
+                    data[token_id] = dict(rec)
+            self._write(data)
+
     def revoke_all(self, *, now: float | None = None) -> int:
         """Forget every token; returns how many were still usable (unused and unexpired)."""
         now = time.time() if now is None else now

@@ -80,7 +80,9 @@ def test_a_coordinator_joins_a_set_with_a_token_and_catches_up(tmp_path: Path) -
         deadline = time.monotonic() + WAIT_S
         while True:
             h = httpx.get(f"{url_b}/health", timeout=10).json()
-            if h["role"] == "standby" and h["leader_api"] == url_a and "10.7.7.7" in h["hosts"]:
+            # the join tokens' records (made in the first's home) are replicated state too
+            if h["role"] == "standby" and h["leader_api"] == url_a and "10.7.7.7" in h["hosts"] \
+                    and len(h["join_tokens"]) == 2:
                 break
             assert time.monotonic() < deadline, f"the joined coordinator did not catch up: {h}"
             time.sleep(0.1)
