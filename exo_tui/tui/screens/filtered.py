@@ -16,8 +16,8 @@ class KeyedTable(DataTable):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(cursor_type="row", **kwargs)
-
-    def on_mount(self) -> None:
+        # Its columns from the start: the screen may render rows into it before its own on_mount
+        # runs (a loaded machine: "More values provided than there are columns").
         for key, label in self.COLUMNS:
             self.add_column(label, key=key)
 
