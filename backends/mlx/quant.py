@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -109,6 +110,10 @@ def split_rows(rows: int, n_parts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
 
 
+
+def _rows(a: int, b: int) -> Callable[[mx.array], mx.array]:
+    return lambda x: x[a:b]
+
 class MLXQuantized:
     """A matrix ``(out, in)`` as MLX affine-quantized arrays: packed codes and :class:`GroupScales`.
 
@@ -123,7 +128,7 @@ class MLXQuantized:
         self.bits = bits
         self.group = group
         ranges = split_rows(packed.shape[0], n_parts) if n_parts > 1 else []
-        self.parts = [(packed[a:b], scales.map(lambda x, a=a, b=b: x[a:b])) for a, b in ranges]
+        self.parts = [(packed[a:b], scales.map(_rows(a, b))) for a, b in ranges]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -178,7 +183,7 @@ class MLXSmallGroups:
         self.bits = bits
         self.group = group
         ranges = split_rows(packed.shape[0], n_parts) if n_parts > 1 else []
-        self.parts = [(packed[a:b], scales.map(lambda x, a=a, b=b: x[a:b])) for a, b in ranges]
+        self.parts = [(packed[a:b], scales.map(_rows(a, b))) for a, b in ranges]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -213,7 +218,7 @@ class MLXDense:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)  # type: ignore[return-value]
+        return (self.weight.shape[0], self.weight.shape[1])
 
     def arrays(self) -> list[mx.array]:
         return [self.weight, *self.parts]
@@ -288,6 +293,11 @@ class RowStack(QuantizedWeight):
     few rows at a time (``take_rows``, what :func:`to_mlx` does): no matrix is decoded whole, nor
     copied, to stack it. ``q``, ``scales`` and ``biases`` join the parts' whole (kept)."""
 
+    parts: list[QuantizedWeight]  # set in __init__ (the dataclass is frozen)
+    cols: int
+    starts: list[int]
+    _joined: dict[str, np.ndarray]
+
     def __init__(self, parts: list[QuantizedWeight]) -> None:
         first = parts[0]
         starts = [0]
@@ -330,9 +340,9 @@ class RowStack(QuantizedWeight):
             self._joined[name] = np.concatenate([getattr(p, name) for p in self.parts])
         return self._joined[name]
 
-    q = property(lambda self: self._field("q"))  # type: ignore[assignment]
-    scales = property(lambda self: self._field("scales"))  # type: ignore[assignment]
-    biases = property(lambda self: self._field("biases"))  # type: ignore[assignment]
+    q = property(lambda self: self._field("q"))
+    scales = property(lambda self: self._field("scales"))
+    biases = property(lambda self: self._field("biases"))
 
 
 def fuse_rows(weights: list[Weight]) -> Weight | None:
@@ -346,7 +356,7 @@ def fuse_rows(weights: list[Weight]) -> Weight | None:
             for w in weights
         ):
             return None
-        return RowStack(weights)
+        return RowStack([w for w in weights if isinstance(w, QuantizedWeight)])
     if any(isinstance(w, QuantizedWeight) for w in weights):
         return None
     arrays = [np.asarray(w) for w in weights]
