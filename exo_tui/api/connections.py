@@ -69,7 +69,7 @@ def guarded_protocol(book: ConnectionBook) -> type[H11Protocol]:
         _counted = False
         _timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
             if book.open >= book.cap and not self._drop_oldest_idle():
                 book.refused += 1
                 book.limited.warning("refused", "refused an API connection from %s: %d connections are open, each busy "

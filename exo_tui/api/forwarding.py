@@ -227,7 +227,7 @@ class CoordinatorSetApi:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
         self.state = self.standby_app.state  # ApiServer sets state.closing as it stops
         self.guarded = ApiGuard(self, api_key=api_key, max_body_bytes=max_body_bytes)
-        self.guarded.state = self.state  # type: ignore[attr-defined]
+        self.guarded.state = self.state
 
     async def set_leader(self, coordinator: Any) -> None:
         """The coordinator this process runs as leader (None: it stands by)."""

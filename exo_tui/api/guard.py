@@ -106,6 +106,7 @@ class ApiGuard:
         if max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
         self.app = app
+        self.state: Any = getattr(app, "state", None)  # the app's, where a server reads it through the guard
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
 
