@@ -169,12 +169,8 @@ class MLXShard(Shard):
             with self._lock:
                 for rid, x, p in items:  # every item checked before any cache changes
                     self._begin(rid, x, p)
-                out: list[np.ndarray | None] = [None] * len(items)
-                for i, got in zip(single, self.forward_batch([items[i] for i in single]), strict=True):
-                    out[i] = got
-                for i in (i for i in range(len(items)) if out[i] is None):
-                    out[i] = self.forward(*items[i])
-                return out  # type: ignore[return-value]
+                batched = dict(zip(single, self.forward_batch([items[i] for i in single]), strict=True))
+                return [batched[i] if i in batched else self.forward(*items[i]) for i in range(len(items))]
         if len(items) < 2 or any(p.shape != (1,) for _, _, p in items) or len({r for r, _, _ in items}) < len(items):
             return super().forward_batch(items)
         with self._lock:
@@ -182,18 +178,18 @@ class MLXShard(Shard):
             cached = [self._begin(rid, x, p) for rid, x, p in items]
             caches = [self._cache_for(rid, n + 1) for (rid, _, _), n in zip(items, cached, strict=True)]
             steps = [self._step_inputs(n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
-            x = self._inputs(np.concatenate([x for _, x, _ in items]))
+            hidden = self._inputs(np.concatenate([x for _, x, _ in items]))
             if self.config.n_experts and on_cpu():  # eager: each chosen expert once on its rows (backends.mlx.experts)
-                out, keys, values = self.model.decode_batch(x, steps, [c.keys for c in caches], [c.values for c in caches])
+                ran, keys, values = self.model.decode_batch(hidden, steps, [c.keys for c in caches], [c.values for c in caches])
             else:
-                out, keys, values = self._compiled("decode_batch", self._batch_step)(
-                    x, [_flat(s) for s in steps], [c.keys for c in caches], [c.values for c in caches],
+                ran, keys, values = self._compiled("decode_batch", self._batch_step)(
+                    hidden, [_flat(s) for s in steps], [c.keys for c in caches], [c.values for c in caches],
                 )
             for cache, n, ks, vs in zip(caches, cached, keys, values, strict=True):
                 cache.keys, cache.values, cache.length = ks, vs, n + 1
-            self._evaluate([rid for rid, _, _ in items], out, keys, values)
-            out = np.array(out, dtype=np.float32)
-            return [out[i : i + 1] for i in range(len(items))]
+            self._evaluate([rid for rid, _, _ in items], ran, keys, values)
+            rows = np.array(ran, dtype=np.float32)
+            return [rows[i : i + 1] for i in range(len(items))]
 
     def _evaluate(self, request_ids: list[str], *arrays: Any) -> None:
         """Run the step; when it fails, its requests' caches are half-written, so they are dropped
@@ -339,7 +335,7 @@ class MLXShard(Shard):
     def close(self) -> None:
         with self._lock:
             self._caches.clear()
-            self.model = None  # type: ignore[assignment]
+            self.model = None  # type: ignore[assignment]  # closed: its arrays go; nothing runs on it after
         mx.clear_cache()
 
     # ------------------------------------------------------------------ sizes
@@ -350,7 +346,7 @@ class MLXShard(Shard):
             attn = layer.self_attn
             out += [a for a in (layer.input_layernorm, layer.post_attention_layernorm, layer.attn_post_norm,
                                 layer.ffn_post_norm, attn.qkv_bias, attn.q_norm, attn.k_norm) if a is not None]
-            out += attn.bias or []
+            out += [b for b in attn.bias or [] if b is not None]
             for w in (layer.self_attn.qkv_proj, layer.self_attn.q_proj, layer.self_attn.k_proj,
                       layer.self_attn.v_proj, layer.self_attn.o_proj):
                 out += _weight_arrays(w)
