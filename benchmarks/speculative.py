@@ -13,6 +13,11 @@ Tasks (greedy, so every configuration gives the same text; the benchmark checks 
   gain). Target: >= 0.97x off.
 * headline: the 3-node ring with speculation against one node without, on ``copy``: >= 1.0x.
 * 8 streams at once on one node, ``auto`` against ``off``: the throughput must not drop.
+* ``draft``: a draft model (``--draft``): the default Q4_1 file drafting for its own F16
+  requantization (``benchmarks/draft_f16.py``, llama.cpp's quantizer) on free chat, the F16 model
+  served with the draft model against without, ``auto`` and a fixed ``k`` of 4. Target: >= 1.5x off,
+  one node and ring; the ring with it against one node without: >= 1.0x. (Needs llama_cpp for the
+  F16 file: skipped with a note where it is not installed.)
 * llama.cpp (llama-cpp-python's ``LlamaPromptLookupDecoding``, the same threads, the copy prompt):
   one node of exo-tui with prompt lookup and with the prediction against it: >= 1.5x. (llama.cpp
   has no predictions: its lookup drafts from the prompt and answer only.)
@@ -22,13 +27,14 @@ drifts over minutes; measured one after the other, the drift would land in the r
 stage of a 3-way split of the model, in this process: the time of a step of ``k + 1`` rows against
 a 1-row step (what a verify step costs a node). Medians.
 
-    python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--nodes 1,3]
+    python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft] [--nodes 1,3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import statistics
 import sys
@@ -109,6 +115,66 @@ async def _clusters(rounds: int, tokens: int, home: Path,
             await c.stop()
 
 
+DRAFT_CASES = [("chat off", "off", False), ("chat draft auto", "auto", True), ("chat draft k=4", 4, True)]
+
+
+async def _draft_clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int, ...], target: Path,
+                          draft: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """The draft-model case: ``target`` served on 1 and 3 nodes with ``draft`` as its draft model,
+    free chat with and without it, taking turns."""
+    from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.cluster.drafting import load_draft
+    from exo_tui.config import Config
+
+    config = Config()
+    config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
+    clusters: dict[int, Coordinator] = {}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(name, n): [] for name, *_ in DRAFT_CASES for n in sizes}
+    try:
+        for n in sizes:
+            c = Coordinator(model=str(target), local_nodes=n, local_backends=["onnx"], strategy="even", config=config,
+                            home=home / f"draft-{n}-nodes", persist=False)
+            await c.start()
+            c.draft = load_draft(str(draft), c, c.model)
+            clusters[n] = c
+        for c in clusters.values():  # warm up, the draft model loaded on its node too
+            await _decode(c, CHAT, 16, 4)
+        for _ in range(rounds):
+            for n, c in clusters.items():
+                for name, mode, drafting in DRAFT_CASES:
+                    saved, c.draft = c.draft, c.draft if drafting else None
+                    try:
+                        runs[(name, n)].append(await _decode(c, CHAT, tokens, mode))
+                    finally:
+                        c.draft = saved
+        return runs
+    finally:
+        for c in clusters.values():
+            await c.stop()
+
+
+def _print_draft(runs: dict[tuple[str, int], list[dict[str, Any]]], sizes: tuple[int, ...], target: Path,
+                 draft: Path) -> None:
+    def med(key: tuple[str, int]) -> float:
+        return statistics.median(r["tok_s"] for r in runs[key])
+
+    print(f"\nA draft model: {draft.name} drafting for {target.name} (llama.cpp's requantization), free chat\n")
+    print("| nodes | case | decode tok/s | ÷ off | acceptance | k chosen (median) | same text as off |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for n in sizes:
+        off = ("chat off", n)
+        for name, *_ in DRAFT_CASES:
+            rs = runs[(name, n)]
+            drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
+            ks = [k for r in rs for k in r["k"]]
+            same = all(r["tokens"] == o["tokens"] for r, o in zip(rs, runs[off], strict=True))
+            print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | "
+                  f"{accepted / drafted if drafted else 0:.2f} | {statistics.median(ks) if ks else 0:g} | {same} |")
+    if 1 in sizes and 3 in sizes:
+        best = max(med(("chat draft auto", 3)), med(("chat draft k=4", 3)))
+        print(f"\nHeadline: 3-node ring with the draft model ÷ one node off: {best / med(('chat off', 1)):.2f}x")
+
+
 def _llama(model: Path, threads: int, tokens: int, rounds: int) -> dict[str, list[float]]:
     """llama.cpp on the copy prompt, without and with LlamaPromptLookupDecoding: decode tok/s."""
     from llama_cpp import Llama
@@ -178,6 +244,7 @@ def main() -> None:
                     help="threads of every node and of llama.cpp (EXO_TUI_THREADS; on a loaded shared machine, spinning "
                          "threads of 2 lose most of their time to each other)")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--no-draft", action="store_true", help="leave the draft-model case out")
     ap.add_argument("--ks", default="1,4,8,16,32", help="drafted tokens whose step cost is measured per stage")
     ap.add_argument("--nodes", default="1,3", help="the clusters' sizes: 1, 3 or 1,3")
     ap.add_argument("--repeats", type=int, default=15, help="steps timed per stage and k (medians)")
@@ -188,11 +255,21 @@ def main() -> None:
     os.environ["EXO_TUI_THREADS"] = str(args.threads)  # the node processes and this process's shards read it
     if not args.no_llama and not have_llama_cpp():
         args.no_llama = True
+    if not args.no_draft and importlib.util.find_spec("llama_cpp") is None:
+        print("draft model: skipped (the F16 target is made by llama.cpp's quantizer, and llama_cpp is not installed)")
+        args.no_draft = True
     from exo_tui.models.catalog import resolve_model
     from exo_tui.net import loop as event_loop
 
+    draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         runs = event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes))
+        if not args.no_draft:
+            from benchmarks.draft_f16 import default_out_dir, f16_requantization
+
+            draft = resolve_model()
+            target = f16_requantization(draft, default_out_dir())
+            draft_runs = event_loop.run(_draft_clusters(args.rounds, args.tokens, Path(d), sizes, target, draft))
     llama = {} if args.no_llama else _llama(resolve_model(), args.threads, args.tokens, args.rounds)
 
     def med(key: tuple[str, int]) -> float:
@@ -223,6 +300,8 @@ def main() -> None:
               f"tok/s, LlamaPromptLookupDecoding {ref:.1f} tok/s")
         print(f"exo-tui one node, copy with prompt lookup ÷ llama.cpp prompt lookup: {med(('copy lookup', 1)) / ref:.2f}x; "
               f"with the prediction: {med(('copy prediction', 1)) / ref:.2f}x")
+    if draft_runs:
+        _print_draft(draft_runs, sizes, target, draft)
     ks = [int(k) for k in args.ks.split(",")]
     print("\nA verify step's cost per stage (3-way ONNX split, 200 positions cached): (k + 1)-row step ÷ 1-row step\n")
     print("| stage | 1 row, ms | " + " | ".join(f"k={k}" for k in ks) + " |")

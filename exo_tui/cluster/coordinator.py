@@ -42,6 +42,7 @@ from exo_tui.cluster.admission import (
     with_queue_notes,
 )
 from exo_tui.cluster.calibrate import Calibrator
+from exo_tui.cluster.drafting import ClusterDraft
 from exo_tui.cluster.following import Following
 from exo_tui.cluster.joining import JoinEndpoint, reaches_beyond_loopback
 from exo_tui.cluster.local_nodes import LocalNode, spawn_node, stop_node, wait_ready
@@ -116,6 +117,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
         # Speculative decoding for requests that do not say (exo_tui.inference.speculation):
         # off, auto or a fixed number of drafted tokens; ``exo-tui serve --speculative``.
         self.speculative: str | int = "auto"
+        self.draft: ClusterDraft | None = None  # a draft model (``--draft``, exo_tui.cluster.drafting)
         self.pipeline = RemotePipeline(self)
         self.pipeline.window = lambda: self.model.config.at_context(self.context_length).ring_window if self.model is not None else 0
         adm = self.config.admission
@@ -341,6 +343,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
         if request.speculation is None:
             mode = request.speculative if request.speculative is not None else self.speculative
             request.speculation = Speculation.for_request(mode, request.predicted)
+        if request.speculation is not None and self.draft is not None:
+            self.draft.attach(request.speculation, request.id)
         if request.speculation is not None:
             request.speculation.streams = lambda: len(self._active)
         chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from exo_tui import events as ev
     from exo_tui.cluster.admission import Admission
     from exo_tui.cluster.calibrate import Calibrator
+    from exo_tui.cluster.drafting import ClusterDraft
     from exo_tui.cluster.joining import JoinEndpoint
     from exo_tui.cluster.local_nodes import LocalNode
     from exo_tui.cluster.metrics import ClusterMetrics
@@ -68,6 +69,7 @@ class CoordinatorParts:
     drained: set[str]
     retry_limit: int
     pipeline: RemotePipeline
+    draft: ClusterDraft | None  # a draft model (--draft)
     admission: Admission
     metrics: ClusterMetrics
     security: Security | None

@@ -120,7 +120,8 @@ class Snapshots(CoordinatorParts):
             nodes=tuple(nodes),
             links=tuple(links),
             plan=_plan_view(self.plan, self.pins, self.spec,
-                            _reported_precisions(self.nodes.values(), self.ring.model if self.ring else ""))
+                            _reported_precisions(self.nodes.values(), self.ring.model if self.ring else ""),
+                            self.draft.describe() if self.draft is not None else "")
             if self.plan else None,
             hosts=tuple(self.hosts.values()),
             tok_per_s=self.tok_per_s(),
@@ -169,7 +170,7 @@ def _reported_precisions(handles: Iterable[NodeHandle], model: str) -> dict[tupl
 
 
 def _plan_view(plan: Plan, pins: dict[str, Pin], spec: ModelSpec | None,
-               precisions: dict[tuple[str, int, int], str] | None = None) -> PlanView:
+               precisions: dict[tuple[str, int, int], str] | None = None, draft: str = "") -> PlanView:
     pred = plan.predictions
     held = precisions or {}
     return PlanView(
@@ -182,6 +183,7 @@ def _plan_view(plan: Plan, pins: dict[str, Pin], spec: ModelSpec | None,
         predicted_ttft_prompt_tokens=pred.prompt_tokens if pred else 0,
         reasons=plan.reasons,
         context_length=spec.context_length if spec is not None else 0,
+        draft=draft,
     )
 
 

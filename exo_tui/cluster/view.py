@@ -92,6 +92,7 @@ class PlanView:
     predicted_ttft_prompt_tokens: int = 0  # the prompt length predicted_ttft_s is for
     reasons: tuple[str, ...] = ()
     context_length: int = 0  # the tokens a request may reach: its shards' KV caches are counted at it
+    draft: str = ""  # the draft model and the node it runs on (``--draft``, exo_tui.cluster.drafting); "" when none
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,8 @@ def _print_status(d: dict[str, Any], url: str, health: dict[str, Any] | None = N
                       f"{plan.get('predicted_tok_per_s', 0.0):.1f} tok/s, ttft {plan.get('predicted_ttft_s', 0.0) * 1000:.0f} ms"
                       + (f" for a {n}-token prompt" if (n := plan.get("predicted_ttft_prompt_tokens")) else ""),
                       highlight=False, markup=False)
+        if plan.get("draft"):
+            console.print(plan["draft"], highlight=False, markup=False)
         t = Table()
         for col in ("stage", "node", "layers", "runs at", "pinned"):
             t.add_column(col)

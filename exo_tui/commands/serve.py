@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from exo_tui.commands import _serve_set as serve_set
 from exo_tui.commands._args import whole_number
@@ -47,9 +47,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative", default="auto", type=speculative_mode, metavar="off|auto|K",
                    help="speculative decoding for requests that do not say: auto (default: prompt lookup and "
                         "predictions, drafting where a stream measures a gain), off, or K drafted tokens a step")
+    add_draft(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve_set.add_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_draft(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a draft model for speculative decoding: a name `exo-tui models` lists or a path to a .gguf "
+                        "of the served model's vocabulary (a smaller one of its family); one node runs it whole")
+
+
+def with_draft(coordinator: Any, args: argparse.Namespace, config: Any) -> None:
+    """``--draft``: the coordinator's draft model; ValueError (one sentence) before anything starts
+    when its vocabulary is not the served model's."""
+    if not args.draft:
+        return
+    from exo_tui.cluster.drafting import load_draft
+    from exo_tui.models.model import Model
+
+    coordinator.draft = load_draft(args.draft, coordinator, Model(args.model, paths=config.models.paths),
+                                   paths=config.models.paths)
 
 
 def speculative_mode(text: str) -> str | int:
@@ -138,6 +157,7 @@ async def _serve(args: argparse.Namespace) -> int:
                               local_memory_limits_gb=[args.local_memory_limit] * local if args.local_memory_limit else None,
                               join=True)
     coordinator.speculative = args.speculative
+    with_draft(coordinator, args, config)
     server = ApiServer(coordinator, host=host, port=port, api_key=key, max_body_bytes=config.network.api.max_body_bytes,
                        log_level="warning" if args.log_level != "debug" else "info", sock=sock)
     log = logging.getLogger("exo_tui.serve")
@@ -149,6 +169,8 @@ async def _serve(args: argparse.Namespace) -> int:
             state = "no plan yet (no node could serve the model: see the errors above)"
         else:
             state = f"{snap.model} on {snap.ready_count} node(s)"
+            if coordinator.draft is not None:
+                state += f", {coordinator.draft.describe()}"
         print(f"{READY_PREFIX}{server.url}/v1 — {state}", flush=True)
         log.info("API at %s/v1 (OpenAPI at %s/docs)%s", server.url, server.url, ", API key required" if key else "")
         if coordinator.joining is not None:

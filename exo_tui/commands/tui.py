@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--readonly", action="store_true", help="watch only: no drain, rebalance, pin, bootstrap or model change")
     p.add_argument("--model", default=None, metavar="M", help="a name `exo-tui models` lists (smollm2-135m, llama3.2:1b...) or a path to a .gguf (default smollm2-135m)")
     p.add_argument("--attach", default=None, metavar="URL", help="attach to a running `exo-tui serve` instead of embedding one")
+    from exo_tui.commands.serve import add_draft
+
+    add_draft(p)
     p.add_argument("--theme", default=None, help="theme for this run (default: ui.theme of the config)")
     p.add_argument(
         "--no-discover", action="store_true",
@@ -54,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         print(f"exo-tui: {exc}", file=sys.stderr)
+        return 2
+    if args.attach and args.draft:
+        print("exo-tui: --draft is the draft model of the console's own coordinator; the one at --attach has its own "
+              "(its `exo-tui serve --draft`)", file=sys.stderr)
         return 2
     if args.attach and args.context is not None:
         print("exo-tui: --context is the context of the console's own coordinator; the one at --attach serves "
@@ -84,6 +91,14 @@ def run(args: argparse.Namespace) -> int:
                 join=True,  # exo-tui node --join TOKEN reaches this console's coordinator (network.join)
             )
         except RuntimeError as exc:  # its state file cannot be opened (corrupt, a full disk)
+            print(f"exo-tui: {exc}", file=sys.stderr)
+            return 2
+        from exo_tui.commands.serve import with_draft
+        from exo_tui.models.gguf_file import ModelFileError
+
+        try:
+            with_draft(control, args, config)
+        except (ValueError, ModelFileError) as exc:
             print(f"exo-tui: {exc}", file=sys.stderr)
             return 2
         on_start, on_stop = control.start, control.stop

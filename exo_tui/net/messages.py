@@ -69,6 +69,33 @@ class Token(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class DraftStep(Message):
+    """Draft ``k`` tokens for a stream with the draft model at ``path`` (loaded whole on its first
+    ask; :mod:`exo_tui.inference.draft_model`): its cache cut back to ``pos`` positions, then the
+    frame's tensor (the token ids accepted since) run. Sent by the coordinator to the draft's node."""
+
+    TYPE: ClassVar[str] = "draft_step"
+
+    rid: str
+    path: str
+    pos: int
+    k: int
+    backend: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Drafted(Message):
+    """A draft step's tokens. ``lost``: the node held fewer of the stream's positions than ``pos``
+    (ask again from 0); ``nbytes``: the draft model's weights here."""
+
+    TYPE: ClassVar[str] = "ok"
+
+    tokens: list[int]
+    lost: bool = False
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StepFailed(Message):
     """A step could not run on a node, to the coordinator. ``failed_node``: the node to suspect
     (an unreachable next hop); ``kv_budget``: refused for want of memory, no node at fault."""

@@ -68,6 +68,7 @@ from exo_tui.net.messages import (
     Attached,
     ChunkReceived,
     Done,
+    DraftStep,
     Drop,
     Forward,
     Heartbeat,
@@ -95,6 +96,7 @@ from exo_tui.net.protocol import FILLED, HostError, RingPlan, kv_from_array, kv_
 from exo_tui.net.server import serve
 from exo_tui.net.timing import hop_timing
 from exo_tui.node import sensors
+from exo_tui.node.drafting import NodeDrafts
 from exo_tui.node.executor import DISCARDED, Sampled, Step, StepExecutor
 from exo_tui.node.fencing import Fence
 from exo_tui.node.host import ShardHost
@@ -179,6 +181,7 @@ class NodeAgent:
         self.kv = KVBudget(memory_limit_bytes)  # the bytes KV caches may take here, and what they hold
         # the queue, the worker thread, batch formation, and what a run does to each step
         self.executor = StepExecutor(self.kv, self.samplers, self._finished, self._deliver)
+        self.drafts = NodeDrafts(self.backend)  # a draft model, where the coordinator asks this node to run one
 
     @property
     def started_host(self) -> ShardHost:
@@ -267,6 +270,7 @@ class NodeAgent:
         for step in self.executor.drain():
             await self._fail_step(step, "node is shutting down")
         self.executor.close()
+        self.drafts.close()
         self._loader.shutdown(wait=True)
         if self.host is not None:
             self.started_host.unload_all()
@@ -414,7 +418,13 @@ class NodeAgent:
         self.executor.forget(rid)
         await self.executor.in_worker(self.started_host.drop, rid)
         self.kv.drop(rid)
+        await self.drafts.drop(rid)
         return reply(Done())
+
+    async def _op_draft_step(self, conn: Connection, frame: Frame, msg: DraftStep) -> Frame:
+        if self._stopping.is_set():
+            raise HostError(f"node {self.name} is shutting down")
+        return reply(await self.drafts.step(msg, np.asarray(frame.tensor if frame.tensor is not None else [], np.int64)))
 
     async def _op_ping(self, conn: Connection, frame: Frame, msg: Ping) -> Frame:
         return reply(Pong(msg.t, self.profile.node_id if self.profile else ""))
@@ -612,6 +622,7 @@ class NodeAgent:
                       if s.tokens > 1 and now - s.last_s < STREAMING_S else 0.0}
                 for rid, s in self._stats.items()
             }
+            metrics["draft"] = self.drafts.metrics()
             metrics["shards"] = [s.to_body() for s in self.started_host.describe()] if self.host else []
             await self._to_coordinator(Heartbeat(metrics, time.time()))
 
@@ -629,6 +640,7 @@ _OPS: dict[str, tuple[Any, type[Message]]] = {  # a frame's type: its handler, a
     "kv_export": (NodeAgent._op_kv_export, KVExport),
     "kv_import": (NodeAgent._op_kv_import, KVImport),
     "drop": (NodeAgent._op_drop, Drop),
+    "draft_step": (NodeAgent._op_draft_step, DraftStep),
     "ping": (NodeAgent._op_ping, Ping),
     "link_probe": (NodeAgent._op_link_probe, LinkProbe),
 }

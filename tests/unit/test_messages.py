@@ -29,6 +29,8 @@ SAMPLES: list[Message] = [
               timing=[["n1", 0.0, 0.01, 1.5, 1.6]], draft=[7, 8]),
     m.Token(rid="r", step=4, token=17, timing=[["n1", 0.0, 0.01, 1.5, 1.6]], logprobs=[17, -0.5, [[17, -0.5]]],
             scored=True, tokens=[7, 17], accepted=1, listed=[[7, -0.1, []], [17, -0.5, []]]),
+    m.DraftStep(rid="r", path="/d.gguf", pos=12, k=4, backend="onnx"),
+    m.Drafted(tokens=[7, 8, 9], lost=True, nbytes=100),
     m.StepFailed(rid="r", error="boom", step=None, node_id="n2", failed_node="n3", kv_budget=True),
     m.Heartbeat(metrics={"cpu_percent": 3.5, "kv": {"budget_bytes": 10}}, t=1.25),
     m.HeldShard(start=0, end=2, backend="onnx", nbytes=100, model="m", held_bytes=90, precision="int8"),

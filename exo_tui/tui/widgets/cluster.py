@@ -167,6 +167,8 @@ class PartitionBar(Widget):
         head.append(f" · plan v{plan.version} · {plan.strategy}", muted)
         if plan.context_length:
             head.append(f" · context {plan.context_length}", muted)
+        if plan.draft:
+            head.append(f" · {plan.draft}", muted)
         head.append(" · predicted ", muted)
         head.append(f"{plan.predicted_tok_per_s:.1f} tok/s", theme_style(app, "success", bold=True))
         head.append_text(measured_vs_predicted(app, snap))

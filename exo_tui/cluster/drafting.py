@@ -1,0 +1,174 @@
+"""The cluster's draft model (``--draft MODEL``): where it runs, and the draft source of each stream.
+
+The draft model runs whole on one node (:mod:`exo_tui.node.drafting`). Drafting is a round trip
+from the coordinator to that node before each verify step, whichever node it is; what differs is
+the work it puts beside a stage's. So it goes to the plan's first stage's node (the stage that
+waits for the coordinator's token anyway: it drafts while the last stages finish the step before)
+when that node's KV budget holds its weights and a stream's cache with room to spare, else to the
+ring's node with the most budget left. Once loaded, the weights count in that node's memory like
+any other (the node's budget is measured from its process), and its heartbeat lists them.
+
+Each stream asks one node (:class:`ModelDrafts`, a :class:`~exo_tui.inference.drafts.DraftSource`
+drafted before prompt lookup): the tokens accepted since its last ask and ``k``. When that node
+fails (gone, refusing, no answer within :data:`DRAFT_TIMEOUT_S`), the stream drafts from the model
+no more: its other sources go on, and its steps are plain ones where it has none. Nothing else
+changes; a new stream asks the node that the plan in force places the draft model on then.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from exo_tui.inference.draft_model import vocabulary_mismatch
+from exo_tui.inference.drafts import DraftSource, PromptLookup
+from exo_tui.inference.speculation import Speculation
+from exo_tui.inference.speculative import Draft
+from exo_tui.models.model import Model
+from exo_tui.net.codec import call
+from exo_tui.net.connection import Connection
+from exo_tui.net.errors import BadBody, ConnectionClosed, RemoteError
+from exo_tui.net.messages import Drafted, DraftStep
+from exo_tui.net.protocol import RingPlan
+
+log = logging.getLogger("exo_tui.cluster")
+
+DRAFT_TIMEOUT_S = 120.0  # a first ask loads the model on its node
+STREAM_KV_POSITIONS = 4096  # positions of a stream's draft cache counted against a node's budget when placing it
+
+
+class DraftHost(Protocol):
+    """What the draft model needs from the coordinator."""
+
+    ring: RingPlan | None
+    model: Model | None
+    nodes: dict[str, Any]
+
+    def connection(self, node_id: str) -> Connection:
+        ...
+
+
+class ClusterDraft:
+    """The served model's draft model and where it runs."""
+
+    def __init__(self, model: Model, host: DraftHost, target: Model, backend: str | None = None) -> None:
+        self.model = model
+        self.target = str(target.path)  # the model it drafts for (another one served: no drafts)
+        self.host = host
+        self.backend = backend
+        self.path = str(model.path)
+        cfg = model.config
+        self.nbytes = model.path.stat().st_size  # its file's bytes: about what its weights take
+        self.kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * STREAM_KV_POSITIONS
+        self.turned_off = 0  # streams that stopped drafting from it because its node failed
+        self.failed: dict[str, str] = {}  # node id -> why it stopped drafting there
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def node_id(self) -> str | None:
+        """The node the draft model runs on for new streams (None: no plan)."""
+        plan = self.host.ring
+        if plan is None or not plan.ring:
+            return None
+        need = self.nbytes + self.kv_bytes
+        ids = [e.node_id for e in plan.ring if e.node_id not in self.failed]
+        if not ids:
+            return None
+
+        def room(node_id: str) -> int:
+            handle = self.host.nodes.get(node_id)
+            kv = (getattr(handle, "metrics", None) or {}).get("kv") or {}
+            here = ((getattr(handle, "metrics", None) or {}).get("draft") or {}).get("path") == self.path
+            budget = int(kv.get("budget_bytes", 0) or 0) - int(kv.get("used_bytes", 0) or 0)
+            return budget + (need if here else 0)  # where it is loaded already, its bytes are in the budget
+
+        first = ids[0]
+        if room(first) >= 2 * need:
+            return first
+        return max(ids, key=room)
+
+    def attach(self, speculation: Speculation, rid: str) -> ModelDrafts | None:
+        """Give a stream's speculation the draft model as a source (before prompt lookup)."""
+        node = self.node_id()
+        served = self.host.model
+        if node is None or served is None or str(served.path) != self.target:
+            return None
+        source = ModelDrafts(self, node, rid)
+        sources = speculation.drafter.sources
+        at = next((i for i, s in enumerate(sources) if isinstance(s, PromptLookup)), len(sources))
+        sources.insert(at, source)
+        return source
+
+    def stream_failed(self, node_id: str, why: str) -> None:
+        self.turned_off += 1
+        self.failed.setdefault(node_id, why)
+
+    def describe(self) -> str:
+        """A line for the partition view and ``exo-tui status``."""
+        node = self.node_id()
+        where = self.host.nodes[node].name if node is not None and node in self.host.nodes else "no node"
+        size = f"{self.nbytes / 1e6:.0f} MB" if self.nbytes else "?"
+        off = f", {self.turned_off} stream(s) turned off by a node failure" if self.turned_off else ""
+        return f"draft model {self.name} ({size}) on {where}{off}"
+
+
+def load_draft(name_or_path: str, host: DraftHost, target: Model, backend: str | None = None,
+               paths: Sequence[str] | None = None) -> ClusterDraft:
+    """The draft model ``name_or_path`` (a name ``exo-tui models`` lists or a path) for ``target``;
+    ValueError (one sentence) when its vocabulary is not the target's."""
+    model = Model(name_or_path, paths=paths)
+    why = vocabulary_mismatch(target.tokenizer, model.tokenizer, model.name)
+    if why:
+        raise ValueError(why)
+    return ClusterDraft(model, host, target, backend)
+
+
+class ModelDrafts(DraftSource):
+    """One stream's drafts from the draft model on one node."""
+
+    name = "model"
+
+    def __init__(self, drafts: ClusterDraft, node_id: str, rid: str) -> None:
+        self.drafts = drafts
+        self.node_id = node_id
+        self.rid = rid
+        self.off = False
+        self._held: list[int] = []  # the positions the node's cache holds for the stream
+
+    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
+        if self.off or k <= 0:
+            return Draft(())
+        n = _shared(tokens, self._held)
+        for _ in range(2):
+            try:
+                conn = self.drafts.host.connection(self.node_id)
+                got = await call(conn, DraftStep(self.rid, self.drafts.path, n, k, self.drafts.backend), Drafted,
+                                 tensor=np.asarray(tokens[n:], dtype=np.int64), timeout=DRAFT_TIMEOUT_S)
+            except (KeyError, ConnectionClosed, ConnectionError, OSError, RemoteError, TimeoutError, BadBody) as exc:
+                why = str(exc) or type(exc).__name__
+                log.warning("request %s: the draft model's node %s failed (%s): no more drafts from it for this "
+                            "stream", self.rid, self.node_id, why)
+                self.off = True
+                self.drafts.stream_failed(self.node_id, why)
+                return Draft(())
+            if not got.lost:
+                break
+            n, self._held = 0, []  # the node lost the stream's cache: its tokens again, from the start
+        else:
+            return Draft(())
+        drafted = [int(t) for t in got.tokens[:k]]
+        self._held = [*tokens, *drafted[:-1]]  # the node ran every draft but the last
+        return Draft(tuple(drafted), self.name)
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if len(diff) else n

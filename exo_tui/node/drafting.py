@@ -1,0 +1,71 @@
+"""A node's draft model (``draft_step``, :mod:`exo_tui.inference.draft_model`): loaded whole on the
+first ask that names it, run on a thread of its own beside the worker that runs the ring's steps,
+so a stream's drafts for its next step are made while other streams' steps run here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from exo_tui.inference.draft_model import DraftModel, DraftStateLost
+from exo_tui.models.gguf_file import GGUFModel
+from exo_tui.net.messages import Drafted, DraftStep
+
+log = logging.getLogger("exo_tui.node")
+
+
+class NodeDrafts:
+    """The draft model this node runs (one at a time: a new path replaces it)."""
+
+    def __init__(self, default_backend: str) -> None:
+        self.default_backend = default_backend
+        self.model: DraftModel | None = None
+        self.path = ""
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-draft")
+        self._lock = asyncio.Lock()
+
+    async def step(self, msg: DraftStep, tokens: np.ndarray) -> Drafted:
+        async with self._lock:  # one ask at a time: the model and its caches are the thread's
+            loop = asyncio.get_running_loop()
+            if self.model is None or self.path != msg.path:
+                await loop.run_in_executor(self._thread, self._load, msg.path, msg.backend or self.default_backend)
+            model = self.model
+            assert model is not None
+            try:
+                drafts = await loop.run_in_executor(self._thread, model.propose, msg.rid, msg.pos,
+                                                    np.asarray(tokens).reshape(-1).tolist(), msg.k)
+            except DraftStateLost:
+                return Drafted([], lost=True, nbytes=model.nbytes)
+            return Drafted(drafts, nbytes=model.nbytes)
+
+    def _load(self, path: str, backend: str) -> None:
+        if self.model is not None:
+            self.model.close()
+            self.model, self.path = None, ""
+        log.info("loading the draft model %s on %s", path, backend)
+        self.model = DraftModel(GGUFModel(path), backend)
+        self.path = path
+
+    async def drop(self, rid: str) -> None:
+        if self.model is not None:
+            async with self._lock:
+                model = self.model
+                if model is not None:
+                    await asyncio.get_running_loop().run_in_executor(self._thread, model.drop, rid)
+
+    def metrics(self) -> dict[str, Any]:
+        """What a heartbeat says of the draft model here (empty: none loaded)."""
+        m = self.model
+        if m is None:
+            return {}
+        return {"path": self.path, "nbytes": m.nbytes, "streams": m.streams(), "steps": m.steps}
+
+    def close(self) -> None:
+        if self.model is not None:
+            self._thread.submit(self.model.close).result()
+            self.model = None
+        self._thread.shutdown(wait=True)

@@ -1,0 +1,69 @@
+"""A draft model (``--draft``, issue 42) through a ring of real node processes: a tiny random model
+drafts for its F32 twin (the same weights at 4 bits) on the first stage's node; greedy answers are
+token for token those of one process without speculation; a kill -9 of the draft model's node
+mid-answer turns the stream's drafts from it off and gives the same text."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from exo_tui.cluster.drafting import load_draft
+from exo_tui.cluster.view import ChatParams
+from tests.factory import write_tiny_llama
+from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
+from tests.integration.test_speculative_ring import PROMPT, answer
+
+pytestmark = pytest.mark.slow
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models: dict[str, Path]) -> list[int]:
+    return reference_answer(tiny_models["F32-untied"], PROMPT, N)
+
+
+def greedy(k: int = 4) -> ChatParams:
+    return ChatParams(temperature=0.0, max_tokens=N, speculative=k)
+
+
+def test_a_draft_model_gives_the_plain_greedy_answer_and_its_node_dying_only_stops_its_drafts(
+        exo_home: Path, tiny_models: dict[str, Path], reference: list[int], tmp_path: Path) -> None:
+    # the target's weights again at 4 bits (untied: a tied tiny random model only repeats its last token)
+    draft = write_tiny_llama(tmp_path / "draft-Q4_0.gguf", weight_type="Q4_0", tied=False, seed=2)
+    with node_processes(exo_home, ["onnx", "onnx"]) as ns:
+
+        async def run() -> None:
+            async with coordinator(ns, model=tiny_models["F32-untied"]) as c:
+                assert len(c.plan.shards) == 2
+                c.draft = load_draft(str(draft), c, c.model)
+                first = c.ring.ring[0].node_id
+                assert c.draft.node_id() == first
+                tokens, drafted, accepted = await answer(c, greedy())
+                assert tokens == reference
+                assert drafted > accepted > 0  # some drafts rejected: the draft cache was cut back
+                assert c.draft.turned_off == 0 and c.pipeline.failed_steps == 0
+                assert "draft model" in c.draft.describe() and c.nodes[first].name in c.draft.describe()
+
+                async def kill_draft_node() -> None:
+                    proc = next(n for n in ns.nodes if n.port == c.nodes[first].port)
+                    os.kill(proc.pid, signal.SIGKILL)
+
+                tokens, _, _ = await answer(c, greedy(), during=kill_draft_node)
+                assert tokens == reference
+                assert c.draft.turned_off == 1 and first in c.draft.failed
+                assert first not in c.plan.node_ids
+
+        asyncio.run(run())
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models: dict[str, Path], default_model_path: Path) -> None:
+    from exo_tui.models.model import Model
+
+    with pytest.raises(ValueError, match="vocabulary of 49152 tokens.*must share the served model's tokenizer"):
+        load_draft(str(default_model_path), None, Model(tiny_models["F32"]))  # type: ignore[arg-type]
