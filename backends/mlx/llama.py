@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from backends.base import LayerWeights, ModelConfig, ShardWeights
+from backends.base import BackendError, LayerWeights, ModelConfig, ShardWeights
 from backends.mlx.experts import SwitchGLU
 from backends.mlx.quant import MLXWeight, fuse_rows, to_mlx
 from backends.rope import angles, table_key
@@ -116,9 +116,10 @@ def step_inputs(config: ModelConfig, start: int, t: int, n_keys: int, kinds: Kin
         cos.append(mx.array(c[:, None, :].astype(np.float32)))
         sin.append(mx.array(s[:, None, :].astype(np.float32)))
     keys, queries = np.arange(n_keys)[None, :], positions[:, None]
-    masks, rings = [], []
-    for window, ring in zip(kinds.windows, kinds.rings, strict=True):
-        if ring:
+    masks: list[mx.array] = []
+    rings: list[Ring | None] = []
+    for window, is_ring in zip(kinds.windows, kinds.rings, strict=True):
+        if is_ring:
             size = config.ring_rows
             mask, ring = ring_inputs(window, size, start, t, min(size, capacity or n_keys))
             masks.append(mask)
@@ -181,7 +182,7 @@ class Attention:
         self.k_proj = None if fused is not None else to_mlx(w.wk, f"{name}.attn_k", n_parts)
         self.v_proj = None if fused is not None else to_mlx(w.wv, f"{name}.attn_v", n_parts)
         self.o_proj = to_mlx(w.wo, f"{name}.attn_output", n_parts)
-        self.bias = [vector(b) for b in (w.bq, w.bk, w.bv)] if w.bq is not None else None
+        self.bias = [mx.array(np.asarray(b, dtype=np.float32)) for b in (w.bq, w.bk, w.bv)] if w.bq is not None else None
         self.qkv_bias = mx.concatenate(self.bias) if self.bias is not None else None
         self.q_norm, self.k_norm = vector(w.q_norm), vector(w.k_norm)
 
@@ -219,6 +220,8 @@ class Attention:
                 return _heads_first(qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv :])
             q, k, v = qkv[:, :, :nh], qkv[:, :, nh : nh + nkv], qkv[:, :, nh + nkv :]
         else:
+            if self.q_proj is None or self.k_proj is None or self.v_proj is None:
+                raise BackendError("attention without its fused or its q, k and v projections")
             q, k, v = (p.matmul(x) for p in (self.q_proj, self.k_proj, self.v_proj))
             if self.bias is not None:
                 q, k, v = q + self.bias[0], k + self.bias[1], v + self.bias[2]
@@ -256,9 +259,9 @@ class Attention:
         return self.o_proj.matmul(o.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
-def _heads_first(*arrays: mx.array) -> tuple[mx.array, ...]:
+def _heads_first(q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """``(B, T, heads, head_dim)`` arrays as ``(B, heads, T, head_dim)``."""
-    return tuple(a.transpose(0, 2, 1, 3) for a in arrays)
+    return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def gelu_tanh(x: mx.array) -> mx.array:
@@ -276,6 +279,8 @@ def activation(config: ModelConfig):
 
 class MLP:
     def __init__(self, config: ModelConfig, w: LayerWeights, name: str, n_parts: int = 1) -> None:
+        if w.w_gate is None or w.w_up is None or w.w_down is None:
+            raise BackendError(f"{name} has neither experts nor its gate, up and down matrices")
         fused = fuse_rows([w.w_gate, w.w_up])
         self.gate_up_proj = to_mlx(fused, f"{name}.ffn_gate_up", n_parts) if fused is not None else None
         self.gate_proj = None if fused is not None else to_mlx(w.w_gate, f"{name}.ffn_gate", n_parts)
@@ -291,8 +296,10 @@ class MLP:
     def __call__(self, x: mx.array) -> mx.array:
         if self.gate_up_proj is not None:
             gate, up = mx.split(self.gate_up_proj.matmul(x), [self.intermediate], axis=-1)
-        else:
+        elif self.gate_proj is not None and self.up_proj is not None:
             gate, up = self.gate_proj.matmul(x), self.up_proj.matmul(x)
+        else:
+            raise BackendError("an MLP without its gate and up projections")
         return self.down_proj.matmul(self.act(gate) * up)
 
 
@@ -346,7 +353,7 @@ class ShardModel:
             self.layers.append(TransformerBlock(config, lw, f"blk.{weights.start + i}", n_parts,
                                                 self.kinds.table_of[i], self.kinds.window_of[i]))
             if weights.disposable:  # its arrays are MLX's now (see ShardWeights.disposable)
-                weights.layers[i] = None
+                weights.layers[i] = None  # type: ignore[call-overload]  # its arrays are MLX's now: see ShardWeights
             del lw
         self.embed_tokens: MLXWeight | None = (
             to_mlx(weights.embed, "token_embd", n_parts) if weights.embed is not None else None
