@@ -48,12 +48,16 @@ from backends.mlx.quant import (
     thread_streams,
     to_mlx,
 )
+from backends.mlx.scales import GroupScales
 
 
 def on_cpu() -> bool:
     """Whether MLX runs on the CPU here (its gathered products then run pair by pair)."""
     return mx.default_device() == mx.cpu
 
+
+# a row block of the stacked experts: their main arrays and, quantized, their scales
+Part = tuple[mx.array, GroupScales | None]
 
 class StackedExperts:
     """One kind of matrix of all the experts, ``(n_experts, out, in)`` as MLX arrays of one
@@ -101,10 +105,12 @@ class StackedExperts:
                 outs.append(self._run(x, experts, sorted_indices, part))
         return mx.concatenate(outs, axis=-1)
 
-    def _run(self, x: mx.array, experts: mx.array, sorted_indices: bool, part: tuple) -> mx.array:
+    def _run(self, x: mx.array, experts: mx.array, sorted_indices: bool, part: Part) -> mx.array:
         main, scales = part
         if self.kind is MLXDense:
             return mx.gather_mm(x, main.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_indices)
+        if scales is None:
+            raise BackendError("quantized experts without their scales")
         # the chosen experts only: their scales are made (and Q6_K's codes unpacked) for them alone
         chosen, slot = distinct(experts, sorted_indices, self.n_experts)
         if chosen is not None:
@@ -134,10 +140,12 @@ class StackedExperts:
                 mx.eval(outs[-1])
         return mx.concatenate(outs)[:, None]
 
-    def _expert(self, rows: mx.array, e: int, part: tuple) -> mx.array:
+    def _expert(self, rows: mx.array, e: int, part: Part) -> mx.array:
         main, scales = part
         if self.kind is MLXDense:
             return rows @ main[e].T
+        if scales is None:
+            raise BackendError("quantized experts without their scales")
         scales = scales.map(lambda a: a[e])
         if self.kind is MLXQuantized:
             return mx.quantized_matmul(rows, main[e], *scales.pair(), transpose=True, group_size=self.group,
@@ -170,13 +178,17 @@ class SwitchGLU:
         self.norm = config.expert_weights_norm
         self.width = config.expert_width
         self.act = act
+        if w.router is None or w.experts_gate is None or w.experts_up is None or w.experts_down is None:
+            raise BackendError(f"{name} is a mixture-of-experts layer without its router and experts' matrices")
         self.router = to_mlx(w.router, f"{name}.ffn_gate_inp")
         fused = [fuse_rows([g, u]) for g, u in zip(w.experts_gate, w.experts_up, strict=True)]
-        if all(f is not None for f in fused) and fuse_rows(fused) is not None:
-            self.gate_up = StackedExperts(fused, f"{name}.ffn_gate_up_exps", n_parts)
-            self.gate = self.up = None
+        whole = [f for f in fused if f is not None]
+        self.gate_up: StackedExperts | None = None
+        self.gate: StackedExperts | None = None
+        self.up: StackedExperts | None = None
+        if len(whole) == len(fused) and fuse_rows(whole) is not None:
+            self.gate_up = StackedExperts(whole, f"{name}.ffn_gate_up_exps", n_parts)
         else:  # gate and up in different formats
-            self.gate_up = None
             self.gate = StackedExperts(w.experts_gate, f"{name}.ffn_gate_exps", n_parts)
             self.up = StackedExperts(w.experts_up, f"{name}.ffn_up_exps", n_parts)
         self.down = StackedExperts(w.experts_down, f"{name}.ffn_down_exps", n_parts)
@@ -225,8 +237,10 @@ class SwitchGLU:
 
         if self.gate_up is not None:
             gate, up = mx.split(self.gate_up(xs, pairs, many, grouping(self.gate_up)), [self.width], axis=-1)
-        else:
+        elif self.gate is not None and self.up is not None:
             gate, up = self.gate(xs, pairs, many, grouping(self.gate)), self.up(xs, pairs, many, grouping(self.up))
+        else:
+            raise BackendError("experts without their gate and up matrices")
         y = self.down(self.act(gate) * up, pairs, many, grouping(self.down))[:, 0]  # (N * k, hidden)
         if many:
             y = y[back]
