@@ -6,6 +6,7 @@ are converted a chunk at a time (:class:`ScaleStaging`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +66,10 @@ class GroupScales:
         return scales, (scales * -self.offset if biases is None else biases)
 
 
-def widen(base: mx.array, codes: mx.array | None, float32=mx.float32) -> mx.array:  # noqa: ANN001
+Arrays = TypeVar("Arrays", mx.array, np.ndarray)  # widen works on either library's
+
+
+def widen(base: Arrays, codes: Arrays | None, float32: Any = mx.float32) -> Arrays:
     """Float32 values a group: ``base`` itself, or ``base`` (one a super-block) times ``codes``
     (one a group), both exact in float32 (an 11-bit significand times an 8-bit integer). On MLX
     arrays, or on NumPy's with ``float32=np.float32``."""
@@ -112,34 +116,56 @@ class ScaleStaging:
         self.arrays: dict[str, np.ndarray | None] | None = None
 
     def add(self, start: int, form: dict[str, np.ndarray | None]) -> None:
-        n = len(form["scale"] if form["scale_codes"] is None else form["scale_codes"])
+        codes = form["scale_codes"]
+        n = len(codes if codes is not None else _required(form, "scale"))
         if self.arrays is None:
             self.arrays = {k: None if v is None else np.empty((self.rows, *v.shape[1:]), v.dtype)
                            for k, v in form.items()}
-        elif any((a is None) != (form[k] is None) or (a is not None and (a.dtype, a.shape[1:]) !=
-                 (form[k].dtype, form[k].shape[1:])) for k, a in self.arrays.items()):
+        elif any(not _same_form(a, form[k]) for k, a in self.arrays.items()):
             self.arrays = self._as_float(self.arrays, start, self.rows)
             form = self._as_float(form, n, None)
         for k, v in form.items():
-            if v is not None:
-                self.arrays[k][start : start + n] = v
+            target = self.arrays[k]
+            if v is not None and target is not None:
+                target[start : start + n] = v
 
     def _as_float(self, form: dict[str, np.ndarray | None], done: int, rows: int | None) -> dict[str, np.ndarray | None]:
         """``form``'s first ``done`` rows as float32 scales and biases (``rows`` of them allocated,
         None: as many as ``done``)."""
         def rows_of(name: str) -> np.ndarray | None:
-            return None if form[name] is None else form[name][:done]
+            v = form[name]
+            return None if v is None else v[:done]
 
-        scales = widen(rows_of("scale"), rows_of("scale_codes"), np.float32)
-        biases = -self.offset * scales if form["bias"] is None else widen(rows_of("bias"), rows_of("bias_codes"), np.float32)
+        scales = widen(_required(form, "scale")[:done], rows_of("scale_codes"), np.float32)
+        biases = (-self.offset * scales if form["bias"] is None
+                  else widen(_required(form, "bias")[:done], rows_of("bias_codes"), np.float32))
         if rows is None:
             return {"scale": scales, "bias": biases.astype(np.float32), "scale_codes": None, "bias_codes": None}
-        out = {"scale": np.empty((rows, scales.shape[1]), np.float32), "bias": np.empty((rows, scales.shape[1]), np.float32),
-               "scale_codes": None, "bias_codes": None}
-        out["scale"][:done], out["bias"][:done] = scales, biases
-        return out
+        all_scales = np.empty((rows, scales.shape[1]), np.float32)
+        all_biases = np.empty((rows, scales.shape[1]), np.float32)
+        all_scales[:done], all_biases[:done] = scales, biases
+        return {"scale": all_scales, "bias": all_biases, "scale_codes": None, "bias_codes": None}
 
     def result(self) -> GroupScales:
         a = self.arrays
         assert a is not None, "no rows staged"
-        return GroupScales(offset=self.offset, **{k: None if v is None else mx.array(v) for k, v in a.items()})
+        def held(name: str) -> mx.array | None:
+            v = a[name]
+            return None if v is None else mx.array(v)
+
+        return GroupScales(mx.array(_required(a, "scale")), held("bias"), self.offset, held("scale_codes"),
+                           held("bias_codes"))
+
+
+def _required(form: dict[str, np.ndarray | None], name: str) -> np.ndarray:
+    v = form[name]
+    if v is None:
+        raise ValueError(f"a scale form without its {name}")
+    return v
+
+
+def _same_form(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Whether two of a form's arrays are held alike (both absent, or of one dtype and row shape)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return (a.dtype, a.shape[1:]) == (b.dtype, b.shape[1:])
