@@ -4,7 +4,7 @@ A :class:`DraftSource` looks at a request's tokens so far (prompt and answer) an
 ``k`` tokens to follow; a verify step (:mod:`exo_tui.inference.speculative`) keeps those the model
 agrees with. Two sources need no model:
 
-* :class:`PromptLookup`: the last few tokens (an n-gram, the longest of ``max_ngram`` .. 1 that
+* :class:`PromptLookup`: the last few tokens (an n-gram, the longest of ``max_ngram`` .. 2 that
   occurred before) looked up in the request's own tokens, and what followed their latest earlier
   occurrence proposed (llama.cpp's ``LlamaPromptLookupDecoding``, vLLM's n-gram speculator). An
   answer that quotes its prompt, or repeats itself, is drafted from there.
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from exo_tui.inference.speculative import Draft
 
 MAX_NGRAM = 3
+MIN_NGRAM = 2  # a lookup's shortest n-gram: one token recurs too often in free text to predict what follows it
 
 
 class DraftSource(abc.ABC):
@@ -81,13 +82,14 @@ class PromptLookup(DraftSource):
 
     name = "lookup"
 
-    def __init__(self, max_ngram: int = MAX_NGRAM) -> None:
+    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
         self._index = _NgramIndex(max_ngram)
+        self.min_ngram = min_ngram
 
     async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
         index = self._index
         index.extend(tokens)
-        for size in range(min(index.max_ngram, len(tokens)), 0, -1):
+        for size in range(min(index.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             at = index.follow(tuple(index.tokens[-size:]))
             if at is not None:
                 return Draft(tuple(index.tokens[at : at + k]), self.name)

@@ -30,8 +30,8 @@ from exo_tui.inference.drafts import Drafter, DraftSource, Prediction, PromptLoo
 from exo_tui.inference.speculative import Draft, Verdict
 
 MODES = ("off", "auto")
-MIN_GAIN = 1.05  # auto drafts only where it expects at least this many times plain steps' tok/s
-BUSY_STREAMS = 4  # auto drafts lookups only while at most this many streams run (a prediction: always)
+MIN_GAIN = 1.15  # auto drafts only where it expects at least this many times plain steps' tok/s
+BUSY_STREAMS = 2  # auto drafts lookups only while at most this many streams run (a prediction: always)
 PRIOR_ACCEPT = 0.2  # a stream's acceptance rate before it has measured one: lookups start from drafts not run ...
 # ... (free chat rarely repeats itself; a copy shows in the first drafts checked), a prediction from this:
 PRIOR_PREDICTED = 0.9

@@ -22,17 +22,19 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence() ->
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
     # the trigram 1 2 3 occurred at 0 only: 4 5 9 followed
     assert propose(lookup, tokens, 5, 3) == (4, 5, 9)
-    # the answer grows; the bigram 3 7 ... : "7 8" followed "2 3" most recently
+    # the answer grows: "3 7" occurred once, "7 8 1" followed it
     tokens += [7]
-    assert propose(lookup, tokens, 5, 2) == (8, 1)
+    assert propose(lookup, tokens, 5, 3) == (8, 1, 2)
     assert propose(lookup, [10, 11, 12], 3, 4) == ()  # nothing repeats
-    assert propose(lookup, [1, 2, 1], 3, 4) == (2, 1)  # runs up to the end of what there is
+    assert propose(lookup, [1, 2, 1, 2], 3, 4) == (1, 2)  # runs up to the end of what there is
+    assert propose(lookup, [5, 6, 7, 5], 3, 4) == ()  # one token is not enough to go on
+    assert propose(PromptLookup(min_ngram=1), [5, 6, 7, 5], 3, 4) == (6, 7, 5)
 
 
 def test_a_new_history_starts_the_index_again() -> None:
     lookup = PromptLookup()
     assert propose(lookup, [1, 2, 3, 1, 2], 3, 2) == (3, 1)
-    assert propose(lookup, [7, 8, 7], 2, 2) == (8, 7)  # another request's tokens: not 1 2 3's
+    assert propose(lookup, [7, 8, 9, 7, 8], 2, 2) == (9, 7)  # another request's tokens: not 1 2 3's
 
 
 def test_a_prediction_is_followed_from_where_the_answer_is_in_it() -> None:
