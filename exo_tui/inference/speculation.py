@@ -35,7 +35,9 @@ BUSY_STREAMS = 2  # auto drafts lookups only while at most this many streams run
 PRIOR_ACCEPT = 0.2  # a stream's acceptance rate before it has measured one: lookups start from drafts not run ...
 # ... (free chat rarely repeats itself; a copy shows in the first drafts checked), a prediction from this:
 PRIOR_PREDICTED = 0.9
-PRIOR_ROW_COST = 0.15  # what each row past the first adds to a step, relative to a 1-row step, until measured
+# What each row past the first adds to a step, relative to a 1-row step, until measured: a verify
+# step runs the output head on every row (the default model's last stage took 4x a 1-row step at k = 4)
+PRIOR_ROW_COST = 0.5
 EMA = 0.2  # the weight of a new measurement in the running estimates
 
 

@@ -150,4 +150,4 @@ def test_auto_starts_lookups_unrun_and_predictions_drafting() -> None:
     """Before anything is measured: a lookup's drafts are only checked against what comes (free
     chat must not get slower), a prediction's are run."""
     assert Speculation("auto", [PromptLookup()]).best_k(16) == 0
-    assert Speculation("auto", [Prediction([1, 2, 3]), PromptLookup()]).best_k(16) >= 4
+    assert Speculation("auto", [Prediction([1, 2, 3]), PromptLookup()]).best_k(16) >= 2
