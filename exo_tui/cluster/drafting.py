@@ -132,6 +132,7 @@ class ModelDrafts(DraftSource):
     """One stream's drafts from the draft model on one node."""
 
     name = "model"
+    cheap = False  # each proposal is k steps of the draft model on a node
 
     def __init__(self, drafts: ClusterDraft, node_id: str, rid: str) -> None:
         self.drafts = drafts

@@ -35,6 +35,9 @@ class DraftSource(abc.ABC):
     """Proposes tokens to follow a request's tokens."""
 
     name: str = ""
+    cheap: bool = True
+    """Its proposals cost next to nothing (a lookup): a stream not drafting now still asks it, and
+    checks what it proposed against the tokens that come (a draft model's are not asked so)."""
 
     @abc.abstractmethod
     async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
@@ -128,10 +131,13 @@ class Drafter:
     def __init__(self, sources: Sequence[DraftSource]) -> None:
         self.sources = list(sources)
 
-    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
+    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int, *, cheap_only: bool = False) -> Draft:
+        """The first proposal of up to ``k`` tokens; ``cheap_only``: from the cheap sources only."""
         if k <= 0:
             return Draft(())
         for source in self.sources:
+            if cheap_only and not source.cheap:
+                continue
             draft = await source.propose(tokens, prompt_len, k)
             if len(draft):
                 return draft.cut(k)

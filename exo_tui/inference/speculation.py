@@ -35,6 +35,7 @@ BUSY_STREAMS = 2  # auto drafts lookups only while at most this many streams run
 PRIOR_ACCEPT = 0.2  # a stream's acceptance rate before it has measured one: lookups start from drafts not run ...
 # ... (free chat rarely repeats itself; a copy shows in the first drafts checked), a prediction from this:
 PRIOR_PREDICTED = 0.9
+PRIOR_MODEL = 0.8  # a stream with a draft model (whose drafts are not asked for while it does not draft)
 # What each row past the first adds to a step, relative to a 1-row step, until measured: a verify
 # step runs the output head on every row (the default model's last stage took 4x a 1-row step at k = 4)
 PRIOR_ROW_COST = 0.5
@@ -88,6 +89,7 @@ class Speculation:
         self.row_s: float | None = None  # what each further row adds
         self._shadow: tuple[int, tuple[int, ...]] | None = None  # (where a draft not run begins, its tokens)
         self.streams: Callable[[], int] | None = None  # the streams running beside it (the coordinator's)
+        self._primed = False  # the priors were set for the sources it has (a draft model is attached late)
 
     @classmethod
     def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True) -> Speculation | None:
@@ -112,8 +114,11 @@ class Speculation:
         most = min(MAX_DRAFT, room - 1)
         if most <= 0:
             return Draft(())
+        if not self._primed and any(not s.cheap for s in self.drafter.sources):  # a draft model attached
+            self.accept_rate = max(self.accept_rate, PRIOR_MODEL)
+        self._primed = True
         k = self.mode if isinstance(self.mode, int) else self.best_k(most)
-        draft = await self.drafter.propose(tokens, prompt_len, min(k, most) if k else most)
+        draft = await self.drafter.propose(tokens, prompt_len, min(k, most) if k else most, cheap_only=not k)
         if not k:  # not worth a verify step now: remembered, to be checked against what comes
             if len(draft) and self._shadow is None:
                 self._shadow = (len(tokens), draft.tokens)

@@ -151,3 +151,26 @@ def test_auto_starts_lookups_unrun_and_predictions_drafting() -> None:
     chat must not get slower), a prediction's are run."""
     assert Speculation("auto", [PromptLookup()]).best_k(16) == 0
     assert Speculation("auto", [Prediction([1, 2, 3]), PromptLookup()]).best_k(16) >= 2
+
+
+def test_a_stream_not_drafting_asks_only_its_cheap_sources() -> None:
+    """A draft model's proposals cost k of its steps: not asked while the stream does not draft
+    (lookups are, to learn); with one attached the stream starts drafting."""
+    from exo_tui.inference.drafts import DraftSource
+    from exo_tui.inference.speculation import PRIOR_MODEL
+
+    class Counted(DraftSource):
+        name, cheap, asked = "model", False, 0
+
+        async def propose(self, tokens, prompt_len, k):  # noqa: ANN001, ANN201
+            self.asked += 1
+            return Draft(tuple(tokens[-1:]) * k, self.name)
+
+    model = Counted()
+    spec = Speculation("auto", [PromptLookup()])
+    spec.drafter.sources.insert(0, model)  # attached after the speculation was made, as the coordinator does
+    spec.streams = lambda: 9  # busy: nothing drafts
+    assert asyncio.run(spec.draft([1, 2, 3, 1, 2], 3, 10)) == Draft(())
+    assert model.asked == 0 and spec.accept_rate == PRIOR_MODEL
+    spec.streams = lambda: 1
+    assert len(asyncio.run(spec.draft([1, 2, 3, 1, 2], 3, 10))) > 0 and model.asked == 1
