@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from backends.base import BackendError, ModelConfig, ShardWeights, Weight
+from backends.base import BackendError, ModelConfig, QuantizedWeight, ShardWeights, Weight
 from backends.onnx.kernels import (
     ATTENTION,
     ATTENTION_F16,
@@ -212,17 +212,20 @@ class _Builder:
         return self.node("Concat", outs, stem, axis=-1)[0]
 
     def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
+        quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
         if self.kernel and all(runs_on_kernel(w) for w in weights):  # one format: see linear
-            blocks = pack(weights, self.xbits)  # type: ignore[arg-type]
-            n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
-            attributes = op_attributes(weights[0])  # type: ignore[arg-type]
-            w = self.weight(f"{stem}_{kernel_format(weights[0]).lower()}", blocks)  # type: ignore[union-attr]
+            blocks = pack(quantized, self.xbits)  # runs_on_kernel: quantized, every one
+            n, k = sum(w.shape[0] for w in quantized), quantized[0].shape[1]
+            attributes = op_attributes(quantized[0])
+            w = self.weight(f"{stem}_{str(kernel_format(quantized[0])).lower()}", blocks)
             self.in_place.add(w)
             return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, xbits=self.xbits, **attributes)[0]
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
-        ql = quantized_linear(weights)  # type: ignore[arg-type]
+        if len(quantized) != len(weights):
+            raise BackendError(f"{stem}: one matmul over dense and quantized matrices")
+        ql = quantized_linear(quantized)
         outs = []
         for part in ql.parts:
             b = self.weight(f"{stem}_q", part.packed)
@@ -369,7 +372,7 @@ def build_shard_graph(
             if lw.ffn_post_norm is not None:
                 skip = b.norm(skip, lw.ffn_post_norm)
             if weights.disposable:
-                weights.layers[i] = None  # type: ignore[call-overload]
+                weights.layers[i] = None  # type: ignore[call-overload]  # its arrays are built; see ShardWeights
                 del lw
             continue
         if lw.w_gate is None or lw.w_up is None or lw.w_down is None:

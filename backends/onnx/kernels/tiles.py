@@ -75,6 +75,14 @@ def _has_superblocks(w: QuantizedWeight) -> bool:
     return isinstance(w, kquants.KQuantWeight) or _superblocks(w) is not None
 
 
+def _fields_of(w: QuantizedWeight) -> tuple[np.ndarray, ...]:
+    """A K-quant matrix's super-block fields (:func:`_superblocks`), which it always has."""
+    fields = _superblocks(w)
+    if fields is None:
+        raise ValueError(f"a {w.source_type} matrix whose super-block fields cannot be found")
+    return fields
+
+
 def _superblocks(w: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
     """``w``'s super-block fields (d, dmin, sc, m): its own (the GGUF reader's carry them), else
     found once per matrix while it lives."""
@@ -142,7 +150,7 @@ def _pack_kquant(weights: list[QuantizedWeight], xbits: int) -> np.ndarray:
 
         def columns(i: int, dtype: type, parts: list[QuantizedWeight] = parts, count: int = count) -> np.ndarray:
             """Field ``i`` of the chunk's columns, ``(tile, super-block, ..., column)``."""
-            a = _stacked([_superblocks(p)[i] for p in parts], count * TILE, dtype)  # type: ignore[index]
+            a = _stacked([_fields_of(p)[i] for p in parts], count * TILE, dtype)
             a = a.reshape(count, TILE, ns, -1).transpose(0, 2, 3, 1)
             return np.ascontiguousarray(a).reshape(count, ns, -1)
 
@@ -170,7 +178,7 @@ def _rows(weights: list[QuantizedWeight], lo: int, hi: int) -> list[QuantizedWei
             part = w.take_rows(rows)
             if part.source_type in KQUANT and not isinstance(part, kquants.KQuantWeight) and part.superblocks is None:
                 # found once, for the whole
-                part = dataclasses.replace(part, superblocks=tuple(f[rows] for f in _superblocks(w)))  # type: ignore[union-attr]
+                part = dataclasses.replace(part, superblocks=tuple(f[rows] for f in _fields_of(w)))
             parts.append(part)
         start += w.shape[0]
     return parts
