@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.quick import parse  # noqa: E402
 from exo_tui.cluster.view import ChatParams  # noqa: E402
 from exo_tui.scheduler.prediction import predict  # noqa: E402
 from tests.helpers.emulation import CpuQuota, Relay, cpu_quota_unavailable, slow_down  # noqa: E402
@@ -165,7 +166,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of every strategy in turn (medians over them)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--model", default=None, help="default: smollm2-135m")
-    args = p.parse_args()
+    args = parse(p, scenarios="slow-link", tokens=8, answers=1, rounds=1)
     os.environ.setdefault("EXO_TUI_LOG_LEVEL", "warning")
     rows: list[dict] = []
     for name in args.scenarios.split(","):
