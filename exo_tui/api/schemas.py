@@ -132,6 +132,15 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
+class SpeculationCounts(BaseModel):
+    """Extension: what speculative decoding drafted (from any source) and kept, and its verify steps;
+    there when anything was drafted."""
+
+    drafted_tokens: int
+    accepted_tokens: int
+    verify_steps: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -167,6 +176,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    speculation: SpeculationCounts | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -191,6 +201,7 @@ class Completion(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    speculation: SpeculationCounts | None = None
 
 
 class ModelCard(BaseModel):

@@ -392,6 +392,9 @@ def test_a_prediction_is_drafted_and_its_accepted_tokens_counted(client: openai.
     assert same.choices[0].message.content == text
     details = same.usage.completion_tokens_details
     assert details.accepted_prediction_tokens >= same.usage.completion_tokens // 2
+    counts = same.model_extra["speculation"]  # the extension: every source's drafts
+    assert counts["accepted_tokens"] >= details.accepted_prediction_tokens and counts["verify_steps"] > 0
+    assert plain.model_extra.get("speculation") is None  # nothing drafted
     edited = text.replace("a", "e")
     stream = client.chat.completions.create(model="smollm2-135m", messages=COPY, temperature=0, max_tokens=40,
                                             prediction={"type": "content", "content": [{"type": "text", "text": edited}]},
