@@ -575,3 +575,13 @@ async def test_the_coordinators_pane_shows_a_sets_roles_term_and_lag(make_app, f
         text = plain(pane)
         assert "term 7" in text and "★ mac-studio leader" in text and "● nuc standby lag 3" in text
         assert "✖ pi unreachable" in text
+
+
+async def test_node_detail_shows_the_measured_layer_time_beside_the_start_up_one(make_app, fake):
+    fake.nodes["n00"] = dataclasses.replace(fake.nodes["n00"], layer_s_startup=0.00021, layer_s_measured=0.00084)
+    app = make_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: table(app).row_count == 3)
+        await pilot.press("down", "enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, NodeDetailScreen))
+        await wait_until(pilot, lambda: "840 µs measured · 210 µs start-up" in plain(app.screen.query_one("#detail-summary")))
