@@ -16,8 +16,9 @@ In each scenario one coordinator first serves exo's ring (every node and link me
 plans each strategy on the measured figures (exo_tui/scheduler/calibration.py) and serves it:
 a warm-up answer, then ``--answers`` answers of ``--tokens`` tokens, one at a time; the
 strategies take turns for ``--rounds`` rounds (the machine's load drifts). Reported per plan:
-its layers, the medians of predicted and measured tok/s (one stream, decode) and time to first
-token, measured over predicted, and measured tok/s over exo's ring measured in the same scenario.
+its layers, the medians of predicted and measured tok/s (one stream, decode, speculative decoding
+off: the predictions are of one token a step) and time to first token (each answer's prompt its
+own, so none reuses a cached one), measured over predicted, and measured tok/s over exo's ring measured in the same scenario.
 Timings on a shared machine are noisy: the ratios are measured side by side, one scenario at a
 time.
 """
@@ -75,12 +76,21 @@ def scenario(name: str, home: Path) -> Iterator[tuple[object, list[str], str]]:
         yield nodes, peers, note
 
 
+_ASKED = [0]
+
+
+def _prompt(n: int) -> str:
+    """The prompt of answer ``n``: its number first, so no answer reuses another's cached prompt."""
+    return f"{n}. {PROMPT}"
+
+
 async def _answer(c: object, tokens: int) -> tuple[float, float]:
     """(time to first token, decode tokens/s after it) of one answer."""
+    _ASKED[0] += 1
     start = time.monotonic()
     first = last = None
     n = 0
-    async for chunk in c.chat([{"role": "user", "content": PROMPT}],  # type: ignore[attr-defined]
+    async for chunk in c.chat([{"role": "user", "content": _prompt(_ASKED[0])}],  # type: ignore[attr-defined]
                               ChatParams(temperature=0.0, max_tokens=tokens, seed=1)):
         if chunk.error:
             raise RuntimeError(chunk.error)
@@ -105,9 +115,10 @@ async def _serve_each(name: str, note: str, nodes: object, peers: list[str], arg
     config = cluster_config()
     config.models.context_length = args.context
     async with coordinator(nodes, model=args.model, peers=peers, strategy="exo-ring", config=config) as c:  # type: ignore[arg-type]
+        c.speculative = "off"  # the predictions are of one token a step
         for _ in range(2):
             await _answer(c, args.tokens)  # measured: every node and link of the ring
-        prompt = len(c.model.chat_prompt_ids([{"role": "user", "content": PROMPT}]))
+        prompt = len(c.model.chat_prompt_ids([{"role": "user", "content": _prompt(100)}]))
         runs: dict[str, list[tuple[str, float, float, float, float]]] = {}
         errors: dict[str, str] = {}
         for _ in range(args.rounds):  # the strategies in turn, round after round: the machine's load drifts

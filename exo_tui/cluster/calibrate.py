@@ -65,9 +65,14 @@ class Calibrator:
         self.token_version: int | None = None  # the plan version ``token`` measures
         self.act_bytes = 0  # a decode token's hidden state, the bytes a link's hop carried
 
-    def step(self, sample: StepSample, ring: Any, spec: ModelSpec | None, running: int, act_bytes: int) -> None:
-        """One step's timing, taken on ``ring`` (the RingPlan in force) with ``running`` requests."""
+    def step(self, sample: StepSample, ring: Any, spec: ModelSpec | None, running: int, act_bytes: int,
+             *, answering: bool = False) -> None:
+        """One step's timing, taken on ``ring`` (the RingPlan in force) with ``running`` requests;
+        ``answering``: the request has its first token (a step of several rows is then a
+        speculative verify step: neither a prompt's nor one token's, so not counted)."""
         if spec is None or ring is None or sample.plan_version != ring.version or running != 1 or not sample.hops:
+            return
+        if answering and sample.rows != 1:
             return
         entries = {e.node_id: e for e in ring.ring}
         if [h.node_id for h in sample.hops] != [e.node_id for e in ring.ring]:

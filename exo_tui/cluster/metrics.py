@@ -213,6 +213,11 @@ class ClusterMetrics:
             self.itl_hist.observe(gap)
         self._running[request.id] = now
 
+    def has_first_token(self, request_id: str) -> bool:
+        """Whether a running request has its first token (its steps of several rows after it are
+        speculative verify steps, not its prompt's)."""
+        return request_id in self._first
+
     def ended(self, request: Any) -> None:
         self._running.pop(request.id, None)
         self._first.discard(request.id)
