@@ -27,7 +27,7 @@ drifts over minutes; measured one after the other, the drift would land in the r
 stage of a 3-way split of the model, in this process: the time of a step of ``k + 1`` rows against
 a 1-row step (what a verify step costs a node). Medians.
 
-    python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft] [--nodes 1,3]
+    python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft | --draft-only] [--nodes 1,3]
 """
 
 from __future__ import annotations
@@ -245,6 +245,7 @@ def main() -> None:
                          "threads of 2 lose most of their time to each other)")
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--no-draft", action="store_true", help="leave the draft-model case out")
+    ap.add_argument("--draft-only", action="store_true", help="the draft-model case alone")
     ap.add_argument("--ks", default="1,4,8,16,32", help="drafted tokens whose step cost is measured per stage")
     ap.add_argument("--nodes", default="1,3", help="the clusters' sizes: 1, 3 or 1,3")
     ap.add_argument("--repeats", type=int, default=15, help="steps timed per stage and k (medians)")
@@ -263,13 +264,17 @@ def main() -> None:
 
     draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        runs = event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes))
+        runs = {} if args.draft_only else event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes))
         if not args.no_draft:
             from benchmarks.draft_f16 import default_out_dir, f16_requantization
 
             draft = resolve_model()
             target = f16_requantization(draft, default_out_dir())
             draft_runs = event_loop.run(_draft_clusters(args.rounds, args.tokens, Path(d), sizes, target, draft))
+    if args.draft_only:
+        if draft_runs:
+            _print_draft(draft_runs, sizes, target, draft)
+        return
     llama = {} if args.no_llama else _llama(resolve_model(), args.threads, args.tokens, args.rounds)
 
     def med(key: tuple[str, int]) -> float:

@@ -123,8 +123,8 @@ async def generate(
                 break
             room = min(request.max_tokens - len(request.generated), context_length - request.n_tokens)
             decoding = start >= len(request.prompt_ids)  # the prompt is in the caches (a prompt's step runs no drafts)
+            began = time.monotonic()  # a step's time includes its drafting's (a draft model's steps grow with k)
             draft = await spec.draft(request.tokens, len(request.prompt_ids), room) if spec is not None and decoding else None
-            began = time.monotonic()
             if draft is not None and len(draft) and verifier is not None and spec is not None:
                 verdict, listed_lps = await verifier.verify(request, start, draft)
                 spec.verified(draft, verdict)
