@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,17 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models: dict[str, P
 
     with pytest.raises(ValueError, match="vocabulary of 49152 tokens.*must share the served model's tokenizer"):
         load_draft(str(default_model_path), None, Model(tiny_models["F32"]))  # type: ignore[arg-type]
+
+
+def test_serve_refuses_a_draft_model_of_another_vocabulary_before_starting(exo_home: Path,
+                                                                         tiny_models: dict[str, Path]) -> None:
+    from tests.helpers.sshd import free_port
+
+    env = {**os.environ, "EXO_TUI_HOME": str(exo_home)}
+    r = subprocess.run([sys.executable, "-m", "exo_tui.cli", "serve", "--local-nodes", "0", "--api-port",
+                        str(free_port()), "--draft", str(tiny_models["F32"])],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "exo-tui serve: the draft model tiny-llama has a vocabulary of 264 tokens, the model served 49152: a draft "
+        "model must share the served model's tokenizer (the same family)")
