@@ -5,7 +5,7 @@ K-quants' super-blocks (:class:`backends.kquants.KQuantWeight`) are.
 A block is its float16 scale ``d`` (Q4_1 and Q5_1: then a float16 bias ``m``), for the 5-bit
 types a little-endian 32-bit word of the codes' fifth bits (bit ``j`` code ``j``), then the codes:
 Q8_0's 32 signed bytes, or 16 bytes whose low nibbles are codes 0-15 and high nibbles 16-31. As a
-:class:`~backends.base.QuantizedWeight`: Q4_0 and Q5_0 are ``d * (q - 8)`` and ``d * (q - 16)``,
+:class:`~backends.weights.QuantizedWeight`: Q4_0 and Q5_0 are ``d * (q - 8)`` and ``d * (q - 16)``,
 Q8_0 ``d * (q - 128)`` with unsigned codes ``q``, Q4_1 and Q5_1 ``d * q + m``.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import BLOCK_TYPES, QuantizedWeight
+from backends.weights import BLOCK_TYPES, QuantizedWeight
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}

@@ -8,7 +8,7 @@ A super-block holds 256 weights of a row; ``ggml-quants.c`` dequantizes it as
 * Q6_K (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, sixteen int8 scales, ``d``:
   weight = ``d * sc[j] * (q - 32)`` in group ``j`` of 16.
 
-So each is a :class:`~backends.base.QuantizedWeight`: codes ``q`` with a float32 ``scale`` and
+So each is a :class:`~backends.weights.QuantizedWeight`: codes ``q`` with a float32 ``scale`` and
 ``bias`` per group (``d * sc`` and ``-dmin * m``, or ``-32 d sc``), both exact in float32 (an
 11-bit float16 significand times a 6- or 8-bit integer), which is how a backend keeps the file's
 blocks (MLX's affine groups of 32 are Q4_K's and Q5_K's sub-blocks exactly).
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.base import BLOCK_TYPES, QuantizedWeight
-from backends.base import KQUANT_BLOCK_BYTES as BLOCK_BYTES
 from backends.blocks import FileBlocks
+from backends.weights import BLOCK_TYPES, QuantizedWeight
+from backends.weights import KQUANT_BLOCK_BYTES as BLOCK_BYTES
 
 QK_K = 256
 GROUP = {"Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
@@ -62,7 +62,7 @@ def decode(raw: np.ndarray, type_name: str, cols: int) -> tuple[np.ndarray, np.n
 
 
 def weight(raw: np.ndarray, type_name: str, cols: int) -> QuantizedWeight:
-    """K-quant rows ``raw`` as a :class:`~backends.base.QuantizedWeight` (see :func:`decode`) that
+    """K-quant rows ``raw`` as a :class:`~backends.weights.QuantizedWeight` (see :func:`decode`) that
     carries its super-blocks' own fields (``superblocks``, as :func:`superblocks` describes them),
     so a kernel that reads them need not search for them."""
     q, scales, biases, fields = _decode(raw, type_name, cols)

@@ -1,6 +1,6 @@
 """One stream decoding a long answer on one ONNX shard of the default model (``--model``): the step time at
 each growth of the KV pool it is in (256, 768, 1792, ... positions: its cache copied into larger
-arrays, see ``backends/onnx/shard.py``) against the median step around it, so a stall in a long
+arrays, see ``backends/onnx/kv_pool.py``) against the median step around it, so a stall in a long
 answer shows.
 
     .venv/bin/python benchmarks/kv_growth.py [--positions 4200] [--precision int16] [--model NAME]
@@ -29,7 +29,7 @@ from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 
 def capacity_of(shard) -> int:
     """The positions the stream's pool holds (the shard's own bookkeeping)."""
-    return shard._caches["r"].capacity
+    return shard.kv.caches["r"].capacity
 
 
 def main() -> None:

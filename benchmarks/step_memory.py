@@ -2,7 +2,7 @@
 memory above what the process held before it (Linux's VmHWM, reset before each step through
 /proc/self/clear_refs), what stays held after it (ONNX Runtime's arena keeps what it grew by), and
 the bytes of cache the step wrote. So the node's KV reserve (``exo_tui/node/kv_budget.py``) can be
-checked against a prefill's chunk (``backends/onnx/shard.py`` PREFILL_CHUNK) and against a growth
+checked against a prefill's chunk (``backends/base.py`` PREFILL_CHUNK) and against a growth
 of the cache pool (its caches copied into larger arrays).
 
     .venv/bin/python benchmarks/step_memory.py [--model PATH | --big-model-shape --layers 15]
@@ -123,7 +123,7 @@ def main() -> None:
         shard.forward(rid, x, positions)
         ms = (time.perf_counter() - t0) * 1e3
         peak, after = _status("VmHWM"), _status("VmRSS")
-        print(f"{spec:>14} {shard._caches[rid].capacity:>5} {int(n) * kv_position / MB:>14.1f} {held / MB:>11.1f} "
+        print(f"{spec:>14} {shard.kv.caches[rid].capacity:>5} {int(n) * kv_position / MB:>14.1f} {held / MB:>11.1f} "
               f"{(peak - before) / MB:>14.1f} {(after - before) / MB:>8.1f} {ms:>7.0f}")
     shard.close()
 

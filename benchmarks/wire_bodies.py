@@ -5,7 +5,8 @@ Per forward frame, a node reads the body (the dispatch's decode; then the execut
 sends the next hop's (its body with ``hop``, ``timing`` and ``more`` changed, encoded). Both ways
 are timed in one run, interleaved, on the same bodies: a decode step's, one with a 512-token
 history (a sampler with a repetition penalty sends it on every step) and a scored prompt's.
-Also the whole frame's msgpack encode and decode of the header, for scale.
+``decode``: the typed body's check alone (the dispatch's ``Forward.decode``); ``frame codec``: the
+whole frame's encoding and decoding (header, body and a 576-float hidden state), for scale.
 
     python benchmarks/wire_bodies.py [--frames 20000] [--rounds 5] [--quick]
 """
@@ -94,15 +95,16 @@ def main() -> None:
     for body in BODIES.values():  # the same bodies both ways
         assert typed(body) == {k: v for k, v in untyped(body).items() if k != "more"}
     print(f"per forward frame, median of {rounds} rounds of {frames} (us)")
-    print(f"{'body':<14} {'untyped':>8} {'typed':>8} {'extra':>8} {'frame codec':>12}")
+    print(f"{'body':<14} {'untyped':>8} {'typed':>8} {'extra':>8} {'decode':>8} {'frame codec':>12}")
     for name, body in BODIES.items():
-        old, new = [], []
+        old, new, dec = [], [], []
         for _ in range(rounds):
             old.append(per_frame_us(untyped, body, frames))
             new.append(per_frame_us(typed, body, frames))
+            dec.append(per_frame_us(Forward.decode, body, frames))
         codec = frame_us(body, max(1, frames // 4))
         o, n = statistics.median(old), statistics.median(new)
-        print(f"{name:<14} {o:8.2f} {n:8.2f} {n - o:8.2f} {codec:12.2f}")
+        print(f"{name:<14} {o:8.2f} {n:8.2f} {n - o:8.2f} {statistics.median(dec):8.2f} {codec:12.2f}")
 
 
 if __name__ == "__main__":

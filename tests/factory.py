@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 from gguf.quants import quantize
 
-from backends.base import KQUANT_BLOCK_BYTES
 from backends.kquants import random_blocks as random_kquant_blocks  # noqa: F401 (the tests' name)
+from backends.weights import KQUANT_BLOCK_BYTES
 from exo_tui.models.tokenizer import bytes_to_unicode
 
 CHAT_TEMPLATE = (

@@ -8,7 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from backends.base import LayerWeights, ModelConfig, QuantizedWeight, ShardWeights
+from backends.base import ModelConfig
+from backends.weights import LayerWeights, QuantizedWeight, ShardWeights
 
 BASE = ModelConfig(n_layers=4, hidden_size=64, intermediate_size=96, n_heads=4, n_kv_heads=2, head_dim=16,
                    vocab_size=96, rms_eps=1e-6, rope_theta=10000.0, context_length=64)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.base import ModelConfig, ShardWeights, dense
+from backends.base import ModelConfig
 from backends.rope import angles
+from backends.weights import ShardWeights, dense
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

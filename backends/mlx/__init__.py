@@ -12,18 +12,10 @@ import logging
 
 import numpy as np
 
-from backends.base import (
-    Backend,
-    BackendError,
-    ModelConfig,
-    Shard,
-    ShardWeights,
-    check_shard_layers,
-    physical_cores,
-    unsupported_features,
-)
+from backends.base import Backend, BackendError, ModelConfig, Shard, physical_cores, unsupported_features
 from backends.kquants import CODE_BITS
 from backends.kquants import GROUP as KQUANT_GROUP
+from backends.weights import ShardWeights, check_shard_layers
 
 log = logging.getLogger(__name__)
 

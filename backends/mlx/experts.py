@@ -37,7 +37,7 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 
-from backends.base import BackendError, LayerWeights, ModelConfig, Weight
+from backends.base import BackendError, ModelConfig
 from backends.mlx.quant import (
     MLXDense,
     MLXQuantized,
@@ -49,6 +49,7 @@ from backends.mlx.quant import (
     to_mlx,
 )
 from backends.mlx.scales import GroupScales
+from backends.weights import LayerWeights, Weight
 
 
 def on_cpu() -> bool:

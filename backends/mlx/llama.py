@@ -33,10 +33,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from backends.base import BackendError, LayerWeights, ModelConfig, ShardWeights
+from backends.base import BackendError, ModelConfig
 from backends.mlx.experts import SwitchGLU
 from backends.mlx.quant import MLXWeight, fuse_rows, to_mlx
 from backends.rope import angles, table_key
+from backends.weights import LayerWeights, ShardWeights
 
 GELU_C = math.sqrt(2.0 / math.pi)
 

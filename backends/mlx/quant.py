@@ -1,6 +1,6 @@
 """From the contract's weights to MLX arrays: affine-quantized matrices stay quantized.
 
-:class:`~backends.base.QuantizedWeight` holds one unsigned code per element and a float32 scale
+:class:`~backends.weights.QuantizedWeight` holds one unsigned code per element and a float32 scale
 and bias per group along each row. MLX's ``mx.quantize`` affine layout is that, once the codes are
 packed into ``uint32`` words as a little-endian bit stream: code ``j`` of a row takes bits
 ``j * bits .. (j + 1) * bits - 1`` (for 2, 4 and 8 bits, word ``j // (32 // bits)`` at bit
@@ -46,8 +46,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from backends.base import BackendError, QuantizedWeight, Weight
+from backends.base import BackendError
 from backends.mlx.scales import GroupScales, ScaleStaging, chunk_form
+from backends.weights import QuantizedWeight, Weight
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # MLX's affine bit widths
 SUPPORTED_GROUPS = (32, 64, 128)  # MLX's quantized matmul's groups

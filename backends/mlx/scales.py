@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from backends.base import KQUANT_BLOCK_BYTES, QuantizedWeight
 from backends.kquants import superblocks as find_superblocks
+from backends.weights import KQUANT_BLOCK_BYTES, QuantizedWeight
 
 
 class GroupScales:

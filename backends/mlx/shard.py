@@ -28,11 +28,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from backends.base import BackendError, KVCache, ModelConfig, Shard, ShardWeights, validate_forward_input
+from backends.base import BackendError, KVCache, ModelConfig, Shard, validate_forward_input
 from backends.mlx.experts import on_cpu
 from backends.mlx.llama import Kinds, Ring, ShardModel, Step, step_inputs
 from backends.mlx.quant import MLXWeight
 from backends.rings import RingLayout
+from backends.weights import ShardWeights
 
 CACHE_STEP = 256
 """KV cache buffers grow by this many positions at a time."""

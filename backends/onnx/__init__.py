@@ -8,17 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.base import (
-    Backend,
-    BackendError,
-    ModelConfig,
-    Shard,
-    ShardWeights,
-    check_shard_layers,
-    physical_cores,
-    unsupported_features,
-)
+from backends.base import Backend, BackendError, ModelConfig, Shard, physical_cores, unsupported_features
 from backends.onnx.affinity import core_plan
+from backends.weights import ShardWeights, check_shard_layers
 
 SPIN_US = 15
 """How long (µs) an idle intra-op thread spins for the next op of a step before it sleeps.
@@ -70,7 +62,7 @@ quantized matrix product (0: none).
   ``QLinear``'s integer products where its build has them (AVX-512 VNNI, or AVX2's pair sums,
   the same numbers), else on ``MatMulNBits``'."""
 AUTO = "auto"
-"""The default setting: each shard's precision by its file's blocks (``shard.resolve_precision``):
+"""The default setting: each shard's precision by its file's blocks (``precision.resolve_precision``):
 ``int8`` where most of its quantized bytes are K-quant super-blocks (Q4_K, Q5_K, Q6_K) and the
 build has integer products, ``int16`` otherwise. On a K-quant file llama.cpp itself rounds the
 activations to 8 bits, once per 256 (Q8_K), where int8 rounds them per 32: it computes such a
@@ -185,7 +177,7 @@ class ONNXBackend(Backend):
 
     def describe(self) -> dict[str, str]:
         from backends.onnx import kernels
-        from backends.onnx.shard import integer_codes, kernel_for
+        from backends.onnx.precision import integer_codes, kernel_for
 
         auto = self.precision == AUTO
         precision = self._base_precision
@@ -208,7 +200,7 @@ class ONNXBackend(Backend):
                 "idle threads spin": spin, "pinned": "yes" if self.pin else "no"}
 
     def kv_value_bytes(self) -> int:
-        from backends.onnx.shard import caches_half, integer_codes, kernel_for
+        from backends.onnx.precision import caches_half, integer_codes, kernel_for
 
         library = kernel_for(self._base_precision)
         return 2 if caches_half(library, integer_codes(self._base_precision, library)) else 4

@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from backends.base import BackendError, ModelConfig, QuantizedWeight, ShardWeights, Weight
+from backends.base import BackendError, ModelConfig
 from backends.onnx.kernels import (
     ATTENTION,
     ATTENTION_F16,
@@ -64,6 +64,7 @@ from backends.onnx.weights import (
     same_kind,
 )
 from backends.rope import rope_tables, table_key
+from backends.weights import QuantizedWeight, ShardWeights, Weight
 
 MS = "com.microsoft"
 OPSET = 21

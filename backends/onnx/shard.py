@@ -16,7 +16,7 @@ kept for a next turn) leave holes between the live ones, and those cost nothing.
 ``GroupQueryAttention`` (row b is slot b) a run covers a contiguous range of slots instead, and a
 slot inside it whose request is not in the batch rides along as a padding row: it writes one junk
 position just past its cache's end, which its next real step overwrites. So a slot always keeps
-one free position (``_capacity_for``), except at the model's full context, where such a slot
+one free position (``KVPool.capacity_for``), except at the model's full context, where such a slot
 splits the range instead. When a request outgrows the pool's capacity (a multiple of 256
 positions, up to the context length), the pool grows to at least twice it, every request's
 positions copied into its slot of the new arrays; when its slots are full it doubles them. So all
@@ -26,45 +26,33 @@ capacity, requests at 150 and at 300 positions took two runs: 10.8 ms for eight 
 memory maps: a page is resident only once a position in it is written. On the kernel a windowed
 layer's caches are rings of its window's positions beside those (``backends/rings.py``), which never grow.
 
-Over ~600 lines on purpose, for now: the pool's slots and the session's bindings are one concern
-(a run binds the pool's arrays in place; a pool that grows drops the bindings). The next step is the
-pool (its slots, growth, export and import) as a class of its own that the shard binds.
+The pool (its slots, growth, export and import) is :class:`backends.onnx.kv_pool.KVPool`, which
+this shard binds; what precision and kernel a shard runs at is :mod:`backends.onnx.precision`.
 """
 
 from __future__ import annotations
 
 import functools
-import mmap
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
-from backends.base import (
-    BackendError,
-    KVCache,
-    LayerWeights,
-    LazyLayers,
-    ModelConfig,
-    QuantizedWeight,
-    Shard,
-    ShardWeights,
-    validate_forward_input,
-)
-from backends.kquants import mostly_kquant
-from backends.onnx import ACCURACY_LEVEL, AUTO, DEFAULT_PRECISION, PRECISIONS, kernels
+from backends.base import BackendError, KVCache, ModelConfig, Shard, validate_forward_input
+from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph
 from backends.onnx.kernels import runs_on_kernel
 from backends.onnx.kernels.tile_rows import TileRows
+from backends.onnx.kv_pool import CacheEntry, KVPool, PoolArrays
+from backends.onnx.precision import caches_half, integer_codes, kernel_for, resolve_precision
 from backends.onnx.weights import compact_embedding, embedding_rows
 from backends.rings import RingLayout
+from backends.weights import LayerWeights, QuantizedWeight, ShardWeights
 
-CAPACITY_STEP = 256  # pools hold multiples of this many positions
-FIRST_SLOTS = 4  # slots of a new pool; it doubles when full
 MAX_PADDING = 2  # GroupQueryAttention: padding rows a batch accepts between two requests before it splits
 MIN_BATCH = 2
 """Single-token steps of at least this many requests run as one batch (else one by one): every
@@ -75,61 +63,13 @@ of 1 / 4 / 8 / 16 rows takes 2.8 / 4.1 / 5.9 / 10.8 ms batched at the int16 prec
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 
 
-def _zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Zeros in an anonymous memory map: its pages come on first write, 4 KB at a time. (NumPy
-    asks for huge pages for arrays this large, and a request's first positions in a new pool then
-    fault in a 2 MB page per layer and head, zeroed, after the kernel compacts memory for it:
-    moving a request to a larger pool stalled its stream 0.2-0.6 s, where this takes ~6 ms.)"""
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype, int(np.prod(shape))).reshape(shape)
-
-
-def _release_layer(array: np.ndarray, layer: int) -> None:
-    """Give the pages of ``array[layer]`` (an array of :func:`_zeroed`, copied elsewhere) back to
-    the system; they read as zeros after. (The map is shared memory: MADV_REMOVE frees its pages,
-    where MADV_DONTNEED would only unmap them from this process.)"""
-    buf = array.base
-    while buf is not None and not isinstance(buf, mmap.mmap):
-        buf = buf.obj if isinstance(buf, memoryview) else getattr(buf, "base", None)
-    if buf is None or not hasattr(mmap, "MADV_REMOVE"):
-        return
-    size = array[layer].nbytes
-    start = -(-layer * size // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the layer only
-    end = (layer + 1) * size // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        buf.madvise(mmap.MADV_REMOVE, start, end - start)
-
-
-@dataclass
-class _Pool:
-    """Slots of one capacity; ``owners[s]`` is the request in slot ``s`` or None."""
-
-    capacity: int
-    keys: np.ndarray  # (full-length layers, slots, n_kv_heads, capacity, head_dim)
-    values: np.ndarray
-    owners: list[str | None]
-    bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = field(default_factory=dict)
-    ring_keys: np.ndarray | None = None  # (windowed layers, slots, n_kv_heads, ring rows, head_dim): backends/rings.py
-    ring_values: np.ndarray | None = None
-
-    def layer(self, rings: RingLayout, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Shard layer ``i``'s keys and values, ``(slots, n_kv_heads, positions, head_dim)``."""
-        if rings.ring_of[i] >= 0:
-            return self.ring_keys[rings.ring_of[i]], self.ring_values[rings.ring_of[i]]  # type: ignore[index]
-        return self.keys[rings.full_of[i]], self.values[rings.full_of[i]]
-
-    @property
-    def slots(self) -> int:
-        return len(self.owners)
-
-
 @dataclass
 class _Step:
     """One request's single-token step inside ``forward_batch``: ``index`` is its place in the batch."""
 
     index: int
     rid: str
-    entry: _Entry
+    entry: CacheEntry
     hidden: np.ndarray  # (1, hidden)
 
 
@@ -145,20 +85,6 @@ class _StepInputs:
     seqlens: np.ndarray  # (B,) int32
     total: np.ndarray  # () int32
     out: np.ndarray  # (B, rows, vocab) or (B, 1, hidden) float32
-
-
-@dataclass
-class _Entry:
-    """Where a request's cache lives and how many positions it holds."""
-
-    pool: _Pool
-    slot: int
-    length: int
-    floor: int = 0  # the rings hold no position before it (backends/rings.py: first_held)
-
-    @property
-    def capacity(self) -> int:
-        return self.pool.capacity
 
 
 class ONNXShard(Shard):
@@ -230,9 +156,8 @@ class ONNXShard(Shard):
                 f"ONNX Runtime cannot build layers [{self.start}, {self.end}) ({exc}); "
                 "check that onnxruntime >= 1.20 is installed"
             ) from exc
-        self._kv_pool: _Pool | None = None
+        self.kv = KVPool(config, self.start, self.end, self.rings, self.kv_dtype)  # the requests' caches
         self._step_inputs: weakref.WeakKeyDictionary[ort.IOBinding, _StepInputs] = weakref.WeakKeyDictionary()
-        self._caches: dict[str, _Entry] = {}
         self._lock = threading.RLock()
         if not weights.disposable:
             self._release_weight_copies(
@@ -287,86 +212,11 @@ class ONNXShard(Shard):
                 step = self._run(rid, hidden[n:], n, all_logits=True)
                 return np.concatenate([prompt, step])
             finally:
-                self._release(rid)
+                self.kv.release(rid)
 
     # ------------------------------------------------------------------ caches
 
-    @property
-    def n_layers(self) -> int:
-        return self.end - self.start
-
-    def _capacity_for(self, needed: int) -> int:
-        """The pool for a cache of ``needed`` positions: one spare position (see the module's
-        docstring), rounded up to ``CAPACITY_STEP``, never past the model's context."""
-        cap = -(-(needed + 1) // CAPACITY_STEP) * CAPACITY_STEP
-        return max(1, min(cap, self.config.context_length))
-
-    def _pool(self, capacity: int) -> _Pool:
-        """The pool, with at least ``capacity`` positions a slot: made, or grown (to at least
-        twice its capacity) with every request in its slot."""
-        pool = self._kv_pool
-        if pool is None:
-            keys, values, ring_keys, ring_values = self._kv_arrays(FIRST_SLOTS, capacity)
-            pool = self._kv_pool = _Pool(capacity, keys, values, [None] * FIRST_SLOTS,
-                                         ring_keys=ring_keys, ring_values=ring_values)
-        elif pool.capacity < capacity:
-            self._remake(pool, pool.slots, max(capacity, self._capacity_for(2 * pool.capacity)))
-        return pool
-
-    def _kv_arrays(self, slots: int, capacity: int) -> tuple[np.ndarray, ...]:
-        """Keys and values of the full-length layers, then the windowed layers' rings."""
-        c = self.config
-        shape = (self.rings.n_full, slots, c.n_kv_heads, capacity, c.head_dim)
-        ring = (self.rings.n_ring, slots, c.n_kv_heads, self.rings.size, c.head_dim)
-        return (_zeroed(shape, self.kv_dtype), _zeroed(shape, self.kv_dtype),
-                _zeroed(ring, self.kv_dtype), _zeroed(ring, self.kv_dtype))
-
-    def _remake(self, pool: _Pool, slots: int, capacity: int) -> None:
-        """New arrays for ``pool``, of ``slots`` slots of ``capacity`` positions; each request's
-        positions in use are copied (the rest of the new pages stay untouched)."""
-        keys, values, ring_keys, ring_values = self._kv_arrays(slots, capacity)
-        entries = list(self._caches.values())  # every cache is in the one pool
-        for new, old, ring in ((keys, pool.keys, False), (values, pool.values, False),
-                               (ring_keys, pool.ring_keys, True), (ring_values, pool.ring_values, True)):
-            for layer in range(old.shape[0]):
-                for e in entries:
-                    n = min(e.length, self.rings.size) if ring else e.length
-                    new[layer, e.slot, :, :n] = old[layer, e.slot, :, :n]
-                _release_layer(old, layer)  # so a growth holds one layer's caches twice, not every layer's
-        pool.keys, pool.values, pool.capacity = keys, values, capacity
-        pool.ring_keys, pool.ring_values = ring_keys, ring_values
-        pool.owners += [None] * (slots - pool.slots)
-        pool.bindings.clear()  # they point at the old arrays
-
-    def _take_slot(self, pool: _Pool, request_id: str) -> int:
-        """The lowest free slot of ``pool`` (so live requests stay packed), doubling it when full."""
-        for slot, owner in enumerate(pool.owners):
-            if owner is None:
-                pool.owners[slot] = request_id
-                return slot
-        slot = pool.slots
-        self._remake(pool, 2 * slot, pool.capacity)
-        pool.owners[slot] = request_id
-        return slot
-
-    def _release(self, request_id: str) -> None:
-        entry = self._caches.pop(request_id, None)
-        if entry is None:
-            return
-        pool = entry.pool
-        pool.owners[entry.slot] = None
-        if not any(pool.owners):
-            self._kv_pool = None  # its memory goes back; the next request makes a new one
-
-    def _cache_with_room(self, request_id: str, needed: int) -> _Entry:
-        """The request's entry, in a pool with room for ``needed`` positions."""
-        pool = self._pool(self._capacity_for(needed))
-        entry = self._caches.get(request_id)
-        if entry is None:
-            entry = self._caches[request_id] = _Entry(pool, self._take_slot(pool, request_id), 0)
-        return entry
-
-    def _binding(self, pool: _Pool, a: int, b: int) -> ort.IOBinding:
+    def _binding(self, pool: PoolArrays, a: int, b: int) -> ort.IOBinding:
         """An IOBinding with slots ``[a, b)`` of ``pool`` as every layer's past and present K/V."""
         cached = pool.bindings.get((a, b))
         if cached is not None:
@@ -431,9 +281,9 @@ class ONNXShard(Shard):
                         outs.append(out)
             except BackendError:  # all or nothing: forget the chunks that did run
                 if cached == 0 or self.rings.n_ring:  # (a ring's rows are overwritten by them: it goes)
-                    self._release(request_id)
-                elif request_id in self._caches:
-                    self._caches[request_id].length = cached
+                    self.kv.release(request_id)
+                elif request_id in self.kv.caches:
+                    self.kv.caches[request_id].length = cached
                 raise
             return np.concatenate(outs)
 
@@ -457,12 +307,12 @@ class ONNXShard(Shard):
                 if positions.shape[0] != 1:
                     results[i] = self.forward(rid, x, positions)
                     continue
-                new = rid not in self._caches
+                new = rid not in self.kv.caches
                 try:
-                    entry = self._cache_with_room(rid, cached + 1)
+                    entry = self.kv.with_room(rid, cached + 1)
                 except Exception:
                     if new:
-                        self._release(rid)
+                        self.kv.release(rid)
                     raise
                 steps.append(_Step(i, rid, entry, self._hidden(x)))
             steps.sort(key=lambda step: step.entry.slot)  # all in the one pool
@@ -481,7 +331,7 @@ class ONNXShard(Shard):
         for step in group[1:]:
             between = range(runs[-1][-1].entry.slot + 1, step.entry.slot)
             full = any(
-                (owner := pool.owners[s]) is not None and self._caches[owner].length >= pool.capacity
+                (owner := pool.owners[s]) is not None and self.kv.caches[owner].length >= pool.capacity
                 for s in between
             )
             if len(between) > MAX_PADDING or full:
@@ -504,7 +354,7 @@ class ONNXShard(Shard):
         else:
             slots = np.arange(run[0].entry.slot, run[-1].entry.slot + 1, dtype=np.int32)
         row = {int(s): i for i, s in enumerate(slots)}
-        seqlens = np.array([self._caches[o].length if (o := pool.owners[s]) is not None else 0 for s in slots], np.int32)
+        seqlens = np.array([self.kv.caches[o].length if (o := pool.owners[s]) is not None else 0 for s in slots], np.int32)
         hidden = np.zeros((len(slots), 1, c.hidden_size), np.float32)
         for step in run:
             hidden[row[step.entry.slot], 0] = step.hidden[0]
@@ -513,7 +363,7 @@ class ONNXShard(Shard):
         except Exception as exc:
             for step in run:
                 if step.entry.length == 0:
-                    self._release(step.rid)
+                    self.kv.release(step.rid)
             raise BackendError(
                 f"ONNX Runtime failed on layers [{self.start}, {self.end}) for a batch of {len(run)} requests ({exc})"
             ) from exc
@@ -522,7 +372,7 @@ class ONNXShard(Shard):
         return [(step.index, out[row[step.entry.slot]]) for step in run]
 
     def _session_run(
-        self, pool: _Pool, slots: np.ndarray, hidden: np.ndarray, seqlens: np.ndarray, rows: int
+        self, pool: PoolArrays, slots: np.ndarray, hidden: np.ndarray, seqlens: np.ndarray, rows: int
     ) -> np.ndarray:
         """Runs ``hidden`` ``(B, T, hidden)``, row i in slot ``slots[i]`` of the pool, whose cache
         holds ``seqlens[i]`` positions: on ``Attention`` the pool is bound whole and ``slots`` given
@@ -594,8 +444,8 @@ class ONNXShard(Shard):
     def _run(self, request_id: str, hidden: np.ndarray, cached: int, all_logits: bool) -> np.ndarray:
         """One ``session.run`` of ``hidden`` ``(T, hidden)`` after ``cached`` positions."""
         t = hidden.shape[0]
-        new_request = request_id not in self._caches
-        entry = self._cache_with_room(request_id, cached + t)
+        new_request = request_id not in self.kv.caches
+        entry = self.kv.with_room(request_id, cached + t)
         try:
             out = self._session_run(
                 entry.pool, np.array([entry.slot], np.int32), hidden.reshape(1, t, -1),
@@ -603,7 +453,7 @@ class ONNXShard(Shard):
             )
         except Exception as exc:
             if new_request:
-                self._release(request_id)
+                self.kv.release(request_id)
             raise BackendError(
                 f"ONNX Runtime failed on layers [{self.start}, {self.end}) for request {request_id} "
                 f"at position {cached} ({exc})"
@@ -616,137 +466,46 @@ class ONNXShard(Shard):
         return self.rings.n_ring
 
     def kv_length(self, request_id: str) -> int:
-        entry = self._caches.get(request_id)
-        return entry.length if entry is not None else 0
+        return self.kv.length(request_id)
 
     def export_kv(self, request_id: str) -> KVCache:
-        c = self.config
         with self._lock:
-            entry = self._caches.get(request_id)
-            if entry is None:
-                empty = np.zeros((c.n_kv_heads, 0, c.head_dim), np.float32)
-                return KVCache(self.start, self.end, 0, [empty.copy() for _ in range(self.n_layers)],
-                               [empty.copy() for _ in range(self.n_layers)])
-            n, s, pool = entry.length, entry.slot, entry.pool
-            keys, values = [], []
-            for i in range(self.n_layers):  # a ring: its last positions, oldest first
-                rows = self.rings.rows(n) if self.rings.ring_of[i] >= 0 else slice(0, n)
-                layer_keys, layer_values = pool.layer(self.rings, i)
-                keys.append(layer_keys[s][:, rows].astype(np.float32))
-                values.append(layer_values[s][:, rows].astype(np.float32))
-            return KVCache(self.start, self.end, n, keys, values)
+            return self.kv.export(request_id)
 
     def import_kv(self, request_id: str, cache: KVCache) -> None:
-        c = self.config
-        if not (cache.start <= self.start and self.end <= cache.end):
-            raise BackendError(
-                f"cache of layers [{cache.start}, {cache.end}) does not cover this shard's [{self.start}, {self.end})"
-            )
-        part = cache.slice_layers(self.start, self.end)
-        n = int(part.length)
-        if n > c.context_length:
-            raise BackendError(f"cache of {n} tokens exceeds the model's context of {c.context_length}")
-        if len(part.keys) != self.n_layers or len(part.values) != self.n_layers:
-            raise BackendError(f"cache has {len(part.keys)} key / {len(part.values)} value layers, expected {self.n_layers}")
-        kept = [self.rings.check_import(i, n, k, v, c.n_kv_heads, c.head_dim, self.start)
-                for i, (k, v) in enumerate(zip(part.keys, part.values, strict=True))]
+        n, kept = self.kv.checked(cache)
         with self._lock:
             self._check_open()
-            self._release(request_id)
-            entry = self._cache_with_room(request_id, n)
-            for i, (first, k, v) in enumerate(kept):
-                layer_keys, layer_values = entry.pool.layer(self.rings, i)
-                rows = self.rings.rows(n) if self.rings.ring_of[i] >= 0 else slice(first, n)
-                layer_keys[entry.slot][:, rows] = k
-                layer_values[entry.slot][:, rows] = v
-            entry.length, entry.floor = n, max(0, n - self.rings.window)
+            self.kv.install(request_id, n, kept)
 
     def truncate_kv(self, request_id: str, length: int) -> None:
         with self._lock:
-            entry = self._caches.get(request_id)
-            if entry is not None:
-                if length < 0:
-                    raise BackendError(f"cannot truncate a KV cache to {length} positions")
-                if not self.rings.can_truncate(entry.length, int(length), entry.floor):
-                    raise self.rings.truncate_error(request_id, entry.length, int(length), entry.floor)
-                entry.floor = self.rings.first_held(entry.length, entry.floor)
-                entry.length = min(int(length), entry.length)
+            self.kv.truncate(request_id, length)
 
     def drop(self, request_id: str) -> None:
         with self._lock:
-            self._release(request_id)
+            self.kv.release(request_id)
 
     def rename_kv(self, old: str, new: str) -> None:
-        with self._lock:  # the slot changes owner: nothing is copied
-            if new in self._caches:
-                raise BackendError(f"request {new} already has a cache here")
-            entry = self._caches.pop(old, None)
-            if entry is None:
-                raise BackendError(f"request {old} has no cache here to hand over")
-            entry.pool.owners[entry.slot] = new
-            self._caches[new] = entry
+        with self._lock:
+            self.kv.rename(old, new)
 
     def requests(self) -> list[str]:
         # Without the lock: callers such as heartbeats must not wait for a long step to end.
         while True:
             try:
-                return [rid for rid in list(self._caches) if rid != PROBE_ID]
+                return [rid for rid in list(self.kv.caches) if rid != PROBE_ID]
             except RuntimeError:  # the dict changed size while being copied; copy again
                 continue
 
     def close(self) -> None:
         with self._lock:
-            self._caches.clear()
-            self._kv_pool = None
+            self.kv.clear()
             self._session = None  # type: ignore[assignment]
             self._weight_values.clear()
             self._weight_arrays = {}
             self._in_place = {}
             self._embed = None
-
-
-def kernel_for(precision: str) -> kernels.Library | None:
-    """The QLinear build a shard of this precision runs on, if any: float32 and int16 on any build
-    (int16 on float32 products where the build has no integer products: as exact, not as fast),
-    int8 on one with integer products (else it stays on MatMulNBits' int8 products)."""
-    library = kernels.library()
-    if library is None or precision != "int8":
-        return library
-    return library if library.integer else None
-
-
-def resolve_precision(precision: str, weights: ShardWeights) -> str:
-    """The precision a shard runs at: ``precision``, or for ``auto`` (:data:`~backends.onnx.AUTO`)
-    int8 where most of the shard's quantized bytes (the file's, by type: ``stored_types``; else
-    those of the weights in memory, without making a lazy layer) are K-quant super-blocks and the
-    build has int8 products, int16 otherwise."""
-    if precision != AUTO:
-        return precision
-    if kernel_for("int8") is None:
-        return "int16"
-    return "int8" if mostly_kquant(weights.stored_types or _quantized_bytes_in_memory(weights)) else "int16"
-
-
-def _quantized_bytes_in_memory(weights: ShardWeights) -> dict[str, int]:
-    made = [] if isinstance(weights.layers, LazyLayers) else [lw for lw in weights.layers if lw is not None]
-    matrices = [getattr(lw, f.name) for lw in made for f in fields(lw)] + [weights.embed, weights.output]
-    out: dict[str, int] = {}
-    for w in (m for v in matrices for m in (v if isinstance(v, list) else [v])):
-        if isinstance(w, QuantizedWeight):
-            kind = w.source_type or ("Q8_0" if w.bits == 8 else "Q4_0")
-            out[kind] = out.get(kind, 0) + w.nbytes
-    return out
-
-
-def caches_half(library: object, xbits: int) -> bool:
-    """Whether a shard keeps float16 KV caches: with the kernels' integer products it does (they
-    read them as float16); float32 math (products) keeps float32 caches."""
-    return library is not None and xbits != 0
-
-
-def integer_codes(precision: str, library: kernels.Library | None) -> int:
-    """The bits of the integer codes QLinear rounds a shard's activations to (0: float32 products)."""
-    return PRECISIONS[precision] if library is not None and library.integer else 0
 
 
 @functools.cache

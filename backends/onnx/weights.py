@@ -1,7 +1,7 @@
 """Weights in the forms ONNX Runtime's own CPU kernels run fast and exactly (for matrices that
 exo-tui's ``QLinear`` kernel does not take, or where it cannot be built: :mod:`backends.onnx.kernels`).
 
-A :class:`~backends.base.QuantizedWeight` is ``w = s * q + b`` per block of ``group`` codes.
+A :class:`~backends.weights.QuantizedWeight` is ``w = s * q + b`` per block of ``group`` codes.
 ``com.microsoft`` ``MatMulNBits`` computes ``(q - zp) * s`` with 4-bit codes packed two per byte
 (low nibble first) and a default zero point of 8. So:
 
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from backends import kquants
-from backends.base import QuantizedWeight, Weight
 from backends.onnx.kernels.tile_rows import TileRows
+from backends.weights import QuantizedWeight, Weight
 
 
 def pack_nibbles(q: np.ndarray, group: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from backends.base import MIN_PREFILL_CHUNK
+from backends.memory import MIN_PREFILL_CHUNK
 from exo_tui.cluster.admission import KVBudgetExceeded
 from exo_tui.cluster.metrics import StepSample
 from exo_tui.inference.generate import GenerationError

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from backends.base import FILL_QUEUED, LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED, PREFILL_CHUNK, KVCache
+from backends.base import PREFILL_CHUNK, KVCache
+from backends.memory import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
 from exo_tui.cluster.parts import CoordinatorParts
@@ -34,7 +35,15 @@ from exo_tui.net.address import is_loopback
 from exo_tui.net.codec import call, call_frame
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.messages import KV, Done, KVExport, KVImport, Loaded, Ping, PlanOp, Plans, Pong
-from exo_tui.net.protocol import HostError, PlanEntry, RingPlan, kv_from_array, kv_shape, kv_to_array
+from exo_tui.net.protocol import (
+    FILL_QUEUED,
+    HostError,
+    PlanEntry,
+    RingPlan,
+    kv_from_array,
+    kv_shape,
+    kv_to_array,
+)
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import NodeProfile
 from exo_tui.scheduler.calibration import calibrate, measured_constraints

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from backends.base import BLOCK_TYPES, KQUANT_BLOCK_BYTES
+from backends.weights import BLOCK_TYPES, KQUANT_BLOCK_BYTES
 from exo_tui.models.gguf_header import GGUFHeader, type_name
 from exo_tui.models.registry import DEFAULT_MODEL, REGISTRY, package_dir
 

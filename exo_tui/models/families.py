@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import ModelConfig, QuantizedWeight, Weight, unsupported_features
+from backends.base import ModelConfig, unsupported_features
+from backends.weights import QuantizedWeight, Weight
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
 KNOWN_UNSUPPORTED = {

@@ -14,16 +14,9 @@ from typing import Any
 import numpy as np
 
 from backends import backend_class, blocks, kquants
-from backends.base import (
-    LayerWeights,
-    LazyLayers,
-    LoadPiece,
-    ModelConfig,
-    QuantizedWeight,
-    ShardWeights,
-    Weight,
-    load_peak_bytes,
-)
+from backends.base import ModelConfig
+from backends.memory import LoadPiece, load_peak_bytes
+from backends.weights import LayerWeights, LazyLayers, QuantizedWeight, ShardWeights, Weight
 from exo_tui.models.families import (
     CONFIG_TENSORS,
     END_TENSORS,
@@ -76,7 +69,7 @@ def _grouped(tensors: Iterable[TensorInfo]) -> list[list[TensorInfo]]:
 
 def load_pieces(tensors: Iterable[TensorInfo], backend: str) -> list[LoadPiece]:
     """A shard's ``tensors`` as the pieces its load on ``backend`` reads at once (:func:`_grouped`),
-    for :func:`backends.base.load_peak_bytes`: each tensor as (GGUF type name, file bytes, bytes
+    for :func:`backends.memory.load_peak_bytes`: each tensor as (GGUF type name, file bytes, bytes
     as the backend holds it), a mixture's experts with no type name: they are decoded whole."""
     return _load_pieces(_grouped(tensors), backend)
 
@@ -90,7 +83,7 @@ def _load_pieces(pieces: list[list[TensorInfo]], backend: str) -> list[LoadPiece
 def shard_load_peak(backend: str, tensors: Iterable[TensorInfo], *, first: bool, last: bool) -> int:
     """What the load of a shard of ``tensors`` on ``backend`` takes at its peak beside the arrays
     it holds once loaded: each piece's temporaries beside the arrays of the pieces read so far
-    (:func:`backends.base.load_peak_bytes` with each piece's :func:`held_nbytes`)."""
+    (:func:`backends.memory.load_peak_bytes` with each piece's :func:`held_nbytes`)."""
     tensors = list(tensors)
     tied = last and not any(t.name == "output.weight" for t in tensors)  # the shard's, not a piece's
     pieces = _grouped(tensors)
@@ -280,7 +273,7 @@ class GGUFModel:
 
     def most_load_peak_nbytes(self, backend: str) -> int:
         """The most a load of any shard of this model on ``backend`` takes at its peak beside its
-        arrays (what a plan leaves a node for it: :func:`backends.base.load_peak_bytes`)."""
+        arrays (what a plan leaves a node for it: :func:`backends.memory.load_peak_bytes`)."""
         names = self.shard_tensor_names(0, self.config.n_layers)
         return load_peak_bytes(backend, load_pieces((self.tensor_info(n) for n in names), backend))
 

@@ -22,6 +22,12 @@ FILLED = -1
 long prompt goes through the ring in such steps, each of the rows a node's ``prefill_rows`` holds,
 the last one drawing the first token."""
 
+FILL_QUEUED = 2
+"""A long prompt's chunks that may wait at a node while it runs another of the same request: the
+coordinator keeps at most this many more in flight than the one running (one a node of the ring,
+up to ``FILL_QUEUED + 1``), and a node sizes its chunks for them
+(:func:`backends.memory.prefill_rows`)."""
+
 
 class HostError(Exception):
     """A request this node cannot serve; the message says why and what to do. ``code`` is what

@@ -15,14 +15,22 @@ back to the coordinator (wire protocol 3). A record is a short list of plain val
 
 A record that does not parse is ignored (the step's token still counts): timing is for the
 operator's figures, never a reason to fail a step.
+
+A link's own latency and bandwidth, as a node measures them for the coordinator's ``link_probe``,
+is :func:`measure_link`.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from exo_tui.net.codec import call
+from exo_tui.net.connection import Connection
+from exo_tui.net.messages import Link, Ping, Pong
 
 MAX_HOPS = 64  # a longer list is not a ring we made
 
@@ -69,3 +77,20 @@ def hop_timing(node_id: str, received_s: float, started_s: float, compute_s: flo
     now_m, now_w = time.monotonic(), time.time()
     return HopTiming(node_id, max(0.0, started_s - received_s), max(0.0, compute_s),
                      now_w - (now_m - received_s), now_w)
+
+
+async def measure_link(peer: Connection, pings: int, bandwidth_bytes: int = 0) -> Link:
+    """The link to ``peer``: the median of ``pings`` round trips (latency is half of it) and, with
+    ``bandwidth_bytes``, the rate of a ping carrying that many bytes beyond its round trip."""
+    rtts = []
+    for _ in range(pings):
+        t0 = time.perf_counter()
+        await call(peer, Ping(t0), Pong, timeout=5)
+        rtts.append(time.perf_counter() - t0)
+    rtt_s = float(statistics.median(rtts))
+    bandwidth = None
+    if bandwidth_bytes:
+        t0 = time.perf_counter()
+        await call(peer, Ping(t0), Pong, payload=bytes(bandwidth_bytes), timeout=30)
+        bandwidth = bandwidth_bytes / max(time.perf_counter() - t0 - rtt_s, 1e-6)
+    return Link(rtt_s / 2, rtt_s, bandwidth)

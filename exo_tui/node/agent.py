@@ -47,54 +47,33 @@ import signal
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from backends import default_backend_name, get_backend
-from backends.base import PREFILL_CHUNK, BackendError, ModelConfig, prefill_rows
+from backends.base import PREFILL_CHUNK, BackendError, ModelConfig
+from backends.memory import prefill_rows
 from exo_tui.inference.sampling import scores_to_array
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
+from exo_tui.net import messages as wire
 from exo_tui.net.client import connect
-from exo_tui.net.codec import Message, call, reply, send
+from exo_tui.net.codec import Message, reply, send
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
-from exo_tui.net.messages import (
-    KV,
-    Attach,
-    Attached,
-    ChunkReceived,
-    Done,
-    DraftStep,
-    Drop,
-    Forward,
-    Heartbeat,
-    KVExport,
-    KVImport,
-    Link,
-    LinkProbe,
-    Load,
-    LoadBegin,
-    LoadChunk,
-    LoadCommit,
-    Loaded,
-    Ping,
-    PlanOp,
-    Plans,
-    Pong,
-    Profile,
-    ProfileAsk,
-    StepFailed,
-    Token,
-    Unload,
-    Unloaded,
+from exo_tui.net.protocol import (
+    FILL_QUEUED,
+    FILLED,
+    HostError,
+    RingPlan,
+    kv_from_array,
+    kv_shape,
+    kv_to_array,
 )
-from exo_tui.net.protocol import FILLED, HostError, RingPlan, kv_from_array, kv_shape, kv_to_array
 from exo_tui.net.server import serve
-from exo_tui.net.timing import hop_timing
+from exo_tui.net.timing import hop_timing, measure_link
 from exo_tui.node import sensors
 from exo_tui.node.drafting import NodeDrafts
 from exo_tui.node.executor import DISCARDED, Sampled, Step, StepExecutor
@@ -110,6 +89,7 @@ from exo_tui.node.kv_budget import (
 )
 from exo_tui.node.profile import (
     NodeProfile,
+    RequestRates,
     benchmark,
     device_profile,
     live_metrics,
@@ -122,16 +102,6 @@ log = logging.getLogger("exo_tui.node")
 
 HEARTBEAT_INTERVAL_S = 1.0
 FINISHED_MEMORY = 10_000  # ended requests remembered, so late steps of theirs are discarded
-
-
-STREAMING_S = 3.0  # a request is streaming while its last token is this recent
-
-
-@dataclass
-class _RequestStats:
-    tokens: int = 0
-    first_s: float = field(default_factory=time.monotonic)
-    last_s: float = field(default_factory=time.monotonic)
 
 
 class NodeAgent:
@@ -172,7 +142,7 @@ class NodeAgent:
         # its current shards while it loads the next plan's (a drain or rebalance does not stall).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-loader")
         self.samplers = Samplers()  # the last hop's: each request's, from its first step here until it ends
-        self._stats: dict[str, _RequestStats] = {}
+        self._stats = RequestRates()  # each request's tokens drawn here and their rate
         self._finished: OrderedDict[str, None] = OrderedDict()  # requests ended for good
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = asyncio.Event()
@@ -314,40 +284,40 @@ class NodeAgent:
         except (ModelFileError, BackendError, KeyError, ValueError, TypeError) as exc:
             raise RemoteError(str(exc)) from exc
 
-    async def _op_attach(self, conn: Connection, frame: Frame, msg: Attach) -> Frame:
+    async def _op_attach(self, conn: Connection, frame: Frame, msg: wire.Attach) -> Frame:
         self.fence.attach(conn, msg.term)
         self.coordinator = conn
         return reply(self._state())
 
-    async def _op_profile(self, conn: Connection, frame: Frame, msg: ProfileAsk) -> Frame:
-        return reply(Profile(self.profile.to_dict() if self.profile else {}))
+    async def _op_profile(self, conn: Connection, frame: Frame, msg: wire.ProfileAsk) -> Frame:
+        return reply(wire.Profile(self.profile.to_dict() if self.profile else {}))
 
-    def _state(self) -> Attached:
+    def _state(self) -> wire.Attached:
         assert self.profile is not None and self.host is not None
         # kv: what the process holds now: the first plan counts the room it leaves
-        return Attached(self.profile.to_dict(), self.started_host.describe(), sorted(self.started_host.plans), self.port,
+        return wire.Attached(self.profile.to_dict(), self.started_host.describe(), sorted(self.started_host.plans), self.port,
                         self._kv_report())
 
-    async def _op_load(self, conn: Connection, frame: Frame, msg: Load) -> Frame:
+    async def _op_load(self, conn: Connection, frame: Frame, msg: wire.Load) -> Frame:
         hosted = await self._in_loader(self.started_host.load_from_file, msg.path, msg.start, msg.end, msg.backend,
                                        msg.model, msg.context)
         self._shards_changed()
         return self._loaded(hosted)
 
-    async def _op_load_begin(self, conn: Connection, frame: Frame, msg: LoadBegin) -> Frame:
+    async def _op_load_begin(self, conn: Connection, frame: Frame, msg: wire.LoadBegin) -> Frame:
         tensors = [TensorInfo(t.name, t.type, tuple(t.shape), t.nbytes) for t in msg.tensors]
         config = ModelConfig.from_wire(msg.config)
         self.started_host.begin_transfer(msg.transfer_id, config, msg.start, msg.end, msg.backend, tensors, msg.model)
-        return reply(Done())
+        return reply(wire.Done())
 
-    async def _op_load_chunk(self, conn: Connection, frame: Frame, msg: LoadChunk) -> Frame:
+    async def _op_load_chunk(self, conn: Connection, frame: Frame, msg: wire.LoadChunk) -> Frame:
         transfer = self.started_host.transfers.get(msg.transfer_id)
         if transfer is None:
             raise HostError(f"no transfer {msg.transfer_id} in progress: send load_begin first")
         transfer.add_chunk(msg.offset, bytes(frame.payload or b""), msg.sha256)
-        return reply(ChunkReceived(transfer.received))
+        return reply(wire.ChunkReceived(transfer.received))
 
-    async def _op_load_commit(self, conn: Connection, frame: Frame, msg: LoadCommit) -> Frame:
+    async def _op_load_commit(self, conn: Connection, frame: Frame, msg: wire.LoadCommit) -> Frame:
         hosted = await self._in_loader(self.started_host.commit_transfer, msg.transfer_id)
         self._shards_changed()
         return self._loaded(hosted)
@@ -356,21 +326,21 @@ class NodeAgent:
         """The reply to a load: the shard, and the KV budget measured after it (the coordinator
         admits against it at once, not after the next heartbeat: the last one may have been
         taken mid-load, when the budget was nil)."""
-        return reply(Loaded(hosted.start, hosted.end, hosted.backend, hosted.nbytes, hosted.held_bytes,
+        return reply(wire.Loaded(hosted.start, hosted.end, hosted.backend, hosted.nbytes, hosted.held_bytes,
                             self._kv_report()))
 
-    async def _op_unload(self, conn: Connection, frame: Frame, msg: Unload) -> Frame:
+    async def _op_unload(self, conn: Connection, frame: Frame, msg: wire.Unload) -> Frame:
         done = await self.executor.in_worker(self.started_host.unload, msg.start, msg.end, msg.model)
         self._shards_changed()
-        return reply(Unloaded(done, self._kv_report()))
+        return reply(wire.Unloaded(done, self._kv_report()))
 
-    async def _op_plan(self, conn: Connection, frame: Frame, msg: PlanOp) -> Frame:
+    async def _op_plan(self, conn: Connection, frame: Frame, msg: wire.PlanOp) -> Frame:
         plan = msg.plan.check()
         self.started_host.add_plan(plan)
         self.executor.batching.shared_cores = plan.on_loopback()  # the newest plan is the one steps are moving to
-        return reply(Plans(sorted(self.started_host.plans)))
+        return reply(wire.Plans(sorted(self.started_host.plans)))
 
-    async def _op_forward(self, conn: Connection, frame: Frame, msg: Forward) -> None:
+    async def _op_forward(self, conn: Connection, frame: Frame, msg: wire.Forward) -> None:
         if self._stopping.is_set():
             raise HostError(f"node {self.name} is shutting down")
         if frame.plan is None:
@@ -380,18 +350,18 @@ class NodeAgent:
         plan, _, _ = self.started_host.hop(frame.plan, msg.hop)  # refuse early: unknown plan, wrong node, shard missing
         if (adopt := msg.adopt) is not None:  # the finished request whose caches this one takes over: its own state goes
             self.samplers.forget(adopt)
-            self._stats.pop(adopt, None)
+            self._stats.forget(adopt)
             self.executor.forget(adopt)
         await self.executor.arrived(Step(conn, frame, msg), next_ready=self._next_ready(plan, msg.hop))
         return None
 
-    async def _op_kv_export(self, conn: Connection, frame: Frame, msg: KVExport) -> Frame:
+    async def _op_kv_export(self, conn: Connection, frame: Frame, msg: wire.KVExport) -> Frame:
         if msg.length is not None and msg.length < 0:
             raise HostError(f"kv_export's length must be a number of positions, not {msg.length}")
         cache = await self.executor.in_worker(self.started_host.export_kv, msg.rid, msg.start, msg.end, msg.model, msg.length)
-        return reply(KV(*kv_shape(cache)), tensor=kv_to_array(cache))
+        return reply(wire.KV(*kv_shape(cache)), tensor=kv_to_array(cache))
 
-    async def _op_kv_import(self, conn: Connection, frame: Frame, msg: KVImport) -> Frame:
+    async def _op_kv_import(self, conn: Connection, frame: Frame, msg: wire.KVImport) -> Frame:
         start, end = msg.start, msg.end
         cache = kv_from_array(start, end, np.array(frame.tensor, copy=True), msg.length, msg.held)
 
@@ -403,9 +373,9 @@ class NodeAgent:
             self.kv.record(msg.rid, hosted.key, cache.length)
 
         await self.executor.in_worker(install)
-        return reply(Done())
+        return reply(wire.Done())
 
-    async def _op_drop(self, conn: Connection, frame: Frame, msg: Drop) -> Frame:
+    async def _op_drop(self, conn: Connection, frame: Frame, msg: wire.Drop) -> Frame:
         """Forget a request's caches. ``final``: the request has ended, so a step of it still
         queued or in flight here is discarded rather than run (it would leave a cache behind)."""
         rid = msg.rid
@@ -414,37 +384,23 @@ class NodeAgent:
             while len(self._finished) > FINISHED_MEMORY:
                 self._finished.popitem(last=False)
         self.samplers.forget(rid)
-        self._stats.pop(rid, None)
+        self._stats.forget(rid)
         self.executor.forget(rid)
         await self.executor.in_worker(self.started_host.drop, rid)
         self.kv.drop(rid)
         await self.drafts.drop(rid)
-        return reply(Done())
+        return reply(wire.Done())
 
-    async def _op_draft_step(self, conn: Connection, frame: Frame, msg: DraftStep) -> Frame:
+    async def _op_draft_step(self, conn: Connection, frame: Frame, msg: wire.DraftStep) -> Frame:
         if self._stopping.is_set():
             raise HostError(f"node {self.name} is shutting down")
         return reply(await self.drafts.step(msg, np.asarray(frame.tensor if frame.tensor is not None else [], np.int64)))
 
-    async def _op_ping(self, conn: Connection, frame: Frame, msg: Ping) -> Frame:
-        return reply(Pong(msg.t, self.profile.node_id if self.profile else ""))
+    async def _op_ping(self, conn: Connection, frame: Frame, msg: wire.Ping) -> Frame:
+        return reply(wire.Pong(msg.t, self.profile.node_id if self.profile else ""))
 
-    async def _op_link_probe(self, conn: Connection, frame: Frame, msg: LinkProbe) -> Frame:
-        peer = await self._peer(msg.host, msg.port)
-        rtts = []
-        for _ in range(msg.pings):
-            t0 = time.perf_counter()
-            await call(peer, Ping(t0), Pong, timeout=5)
-            rtts.append(time.perf_counter() - t0)
-        rtt_s = float(np.median(rtts))
-        bandwidth = None
-        if nbytes := msg.bandwidth_bytes:
-            blob = bytes(nbytes)
-            t0 = time.perf_counter()
-            await call(peer, Ping(t0), Pong, payload=blob, timeout=30)
-            elapsed = time.perf_counter() - t0 - rtt_s
-            bandwidth = nbytes / max(elapsed, 1e-6)
-        return reply(Link(rtt_s / 2, rtt_s, bandwidth))
+    async def _op_link_probe(self, conn: Connection, frame: Frame, msg: wire.LinkProbe) -> Frame:
+        return reply(await measure_link(await self._peer(msg.host, msg.port), msg.pings, msg.bandwidth_bytes))
 
     # ------------------------------------------------------------------ the worker
 
@@ -488,7 +444,7 @@ class NodeAgent:
         # under a limit, a prompt's chunks small enough for their temporaries to fit the reserve
         room = self.kv.step_room_bytes
         for _, hosted in hosted_all:
-            hosted.shard.prefill_chunk = prefill_rows(hosted.shard.config, room)
+            hosted.shard.prefill_chunk = prefill_rows(hosted.shard.config, room, FILL_QUEUED)
 
     def _kv_report(self) -> dict[str, Any]:
         """The KV budget's report, and the rows a step of a prompt should carry at most here: its
@@ -515,7 +471,7 @@ class NodeAgent:
         f, msg = step.frame, step.body
         rid = msg.rid
         if result is DISCARDED or rid in self._finished:
-            self._stats.pop(rid, None)
+            self._stats.forget(rid)
             return
         if isinstance(result, Exception):
             await self._fail_step(step, str(result), kv_budget=isinstance(result, BudgetExceeded))
@@ -532,11 +488,9 @@ class NodeAgent:
         if isinstance(result, Sampled):  # the last hop: a sampled token (or FILLED)
             token, logprobs, scores = result.token, result.logprobs, result.scores
             if token != FILLED:
-                stats = self._stats.setdefault(rid, _RequestStats())
-                stats.tokens += 1 if result.verdict is None else len(result.verdict.tokens)
-                stats.last_s = time.monotonic()
+                self._stats.drew(rid, 1 if result.verdict is None else len(result.verdict.tokens))
             verdict = result.verdict  # a verify step's: the drafts kept and the next token
-            token_msg = Token(rid, msg.step, int(token), timing, None if logprobs is None else logprobs.to_wire(),
+            token_msg = wire.Token(rid, msg.step, int(token), timing, None if logprobs is None else logprobs.to_wire(),
                               scores is not None, None if verdict is None else list(verdict.tokens),
                               None if verdict is None else verdict.accepted,
                               None if result.listed is None else [x.to_wire() for x in result.listed])
@@ -553,7 +507,7 @@ class NodeAgent:
 
     async def _fail_step(self, step: Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
         # kv_budget: refused for want of memory, no node is at fault
-        failure = StepFailed(step.body.rid, reason, step.body.step, self.profile.node_id if self.profile else "", failed,
+        failure = wire.StepFailed(step.body.rid, reason, step.body.step, self.profile.node_id if self.profile else "", failed,
                              kv_budget)
         log.warning("step of %s failed: %s", failure.rid, reason)
         await self._to_coordinator(failure, plan=step.frame.plan)
@@ -607,40 +561,32 @@ class NodeAgent:
             self.kv.observe(metrics["process_rss_bytes"], psutil.virtual_memory().available)
             metrics["kv"] = self._kv_report()
             ex = self.executor
-            metrics["queue_depth"] = len(ex.queue)
-            metrics["batch_sizes"] = {str(k): v for k, v in sorted(ex.batch_sizes.items())}
-            metrics["inline_steps"] = ex.inline_steps
+            metrics.update(ex.report())
             metrics["decode_steps"], metrics["decode_compute_s"] = self.decode_steps, self.decode_compute_s
             metrics.update(sensors.read())
             ex.batching.prune(now)
             metrics["busy_fraction"] = (ex.batching.busy_s - last_busy) / max(now - last_t, 1e-6)
             last_busy, last_t = ex.batching.busy_s, now
-            # A request that has streamed no token for STREAMING_S (ended, its cache kept for a next
-            # turn) makes no tok/s now: its average would show on a node long after (a drained one too).
-            metrics["requests"] = {
-                rid: {"tokens": s.tokens, "tok_per_s": (s.tokens - 1) / max(s.last_s - s.first_s, 1e-6)
-                      if s.tokens > 1 and now - s.last_s < STREAMING_S else 0.0}
-                for rid, s in self._stats.items()
-            }
+            metrics["requests"] = self._stats.report(now)
             metrics["draft"] = self.drafts.metrics()
             metrics["shards"] = [s.to_body() for s in self.started_host.describe()] if self.host else []
-            await self._to_coordinator(Heartbeat(metrics, time.time()))
+            await self._to_coordinator(wire.Heartbeat(metrics, time.time()))
 
 
 _OPS: dict[str, tuple[Any, type[Message]]] = {  # a frame's type: its handler, and the message its body holds
-    "attach": (NodeAgent._op_attach, Attach),
-    "profile": (NodeAgent._op_profile, ProfileAsk),
-    "load": (NodeAgent._op_load, Load),
-    "load_begin": (NodeAgent._op_load_begin, LoadBegin),
-    "load_chunk": (NodeAgent._op_load_chunk, LoadChunk),
-    "load_commit": (NodeAgent._op_load_commit, LoadCommit),
-    "unload": (NodeAgent._op_unload, Unload),
-    "plan": (NodeAgent._op_plan, PlanOp),
-    "forward": (NodeAgent._op_forward, Forward),
-    "kv_export": (NodeAgent._op_kv_export, KVExport),
-    "kv_import": (NodeAgent._op_kv_import, KVImport),
-    "drop": (NodeAgent._op_drop, Drop),
-    "draft_step": (NodeAgent._op_draft_step, DraftStep),
-    "ping": (NodeAgent._op_ping, Ping),
-    "link_probe": (NodeAgent._op_link_probe, LinkProbe),
+    "attach": (NodeAgent._op_attach, wire.Attach),
+    "profile": (NodeAgent._op_profile, wire.ProfileAsk),
+    "load": (NodeAgent._op_load, wire.Load),
+    "load_begin": (NodeAgent._op_load_begin, wire.LoadBegin),
+    "load_chunk": (NodeAgent._op_load_chunk, wire.LoadChunk),
+    "load_commit": (NodeAgent._op_load_commit, wire.LoadCommit),
+    "unload": (NodeAgent._op_unload, wire.Unload),
+    "plan": (NodeAgent._op_plan, wire.PlanOp),
+    "forward": (NodeAgent._op_forward, wire.Forward),
+    "kv_export": (NodeAgent._op_kv_export, wire.KVExport),
+    "kv_import": (NodeAgent._op_kv_import, wire.KVImport),
+    "drop": (NodeAgent._op_drop, wire.Drop),
+    "draft_step": (NodeAgent._op_draft_step, wire.DraftStep),
+    "ping": (NodeAgent._op_ping, wire.Ping),
+    "link_probe": (NodeAgent._op_link_probe, wire.LinkProbe),
 }

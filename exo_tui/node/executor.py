@@ -15,6 +15,7 @@ Interface, as :mod:`exo_tui.node.agent` uses it:
 ``work()``                  the loop that runs what is queued (the agent's task)
 ``run(batch)``              one run of steps on the shards: hidden states, ``Sampled`` or errors
 ``in_worker(fn, *args)``    another operation on the worker thread (caches are touched by one)
+``report()``                what a heartbeat carries of the steps (queue, runs by size)
 ``drain()`` / ``close()``   stopping: the steps still queued, then the worker thread's end
 ==========================  =====================================================================
 
@@ -156,6 +157,12 @@ class StepExecutor:
         else:
             self.queue.append(step)
             self._wakeup.set()
+
+    def report(self) -> dict[str, Any]:
+        """What a heartbeat carries of the steps: how many wait, the runs by their size, the
+        steps run inline."""
+        return {"queue_depth": len(self.queue), "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "inline_steps": self.inline_steps}
 
     def forget(self, rid: str) -> None:
         """A request ended (or its caches were taken over): it is not expected back."""

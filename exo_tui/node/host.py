@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from backends import get_backend
-from backends.base import KVCache, ModelConfig, Shard, ShardWeights
+from backends.base import KVCache, ModelConfig, Shard
+from backends.weights import ShardWeights
 from exo_tui.models.gguf_file import (
     GGUFModel,
     ModelFileError,
@@ -142,7 +143,7 @@ class ShardHost:
 
     def _check_room(self, nbytes: int, peak: int, start: int, end: int) -> None:
         """Refuse a load of ``nbytes`` that would take the process past its memory limit at its
-        peak (``peak`` beside them: :func:`backends.base.load_peak_bytes`): it is enforced here,
+        peak (``peak`` beside them: :func:`backends.memory.load_peak_bytes`): it is enforced here,
         not only planned around. A shard holds its backend's form of its tensors once loaded
         (:func:`~exo_tui.models.gguf_file.held_nbytes`)."""
         room = self.room()

@@ -43,7 +43,7 @@ RESERVE_MIN_BYTES = 48 << 20
 RESERVE_FRACTION = 0.2
 STEP_SHARE = 0.5
 """Of the reserve, what a step's temporaries in the backend may take: a node under a limit runs a
-prompt in chunks that small (:func:`backends.base.prefill_rows`), and the coordinator sends it
+prompt in chunks that small (:func:`backends.memory.prefill_rows`), and the coordinator sends it
 through the ring in steps no larger (the node reports its ``prefill_rows``). The rest is for what
 a step moves whole: its hidden states received and sent, a few copies of ``rows x hidden``
 floats (0.8 MB each for 96 rows at hidden 2048), and a cache pool's growth (it copies one layer's

@@ -24,8 +24,9 @@ import numpy as np
 import psutil
 
 from backends import available_backends, get_backend, is_apple_silicon
-from backends.base import BackendError, LayerWeights, ModelConfig, QuantizedWeight, ShardWeights
+from backends.base import BackendError, ModelConfig
 from backends.kquants import KQuantWeight, random_blocks
+from backends.weights import LayerWeights, QuantizedWeight, ShardWeights
 from exo_tui import __version__
 from exo_tui.paths import exo_home, file_lock
 
@@ -347,6 +348,40 @@ def _benchmark(profile: NodeProfile, cache_path: Path, use_cache: bool, backends
     except OSError:
         pass
     return profile
+
+
+STREAMING_S = 3.0  # a request is streaming while its last token is this recent
+
+
+@dataclass
+class _Drawn:
+    tokens: int = 0
+    first_s: float = field(default_factory=time.monotonic)
+    last_s: float = field(default_factory=time.monotonic)
+
+
+class RequestRates:
+    """The tokens a node's last hop drew for each request, and its rate while it streams (the
+    heartbeat's ``requests``)."""
+
+    def __init__(self) -> None:
+        self._drawn: dict[str, _Drawn] = {}
+
+    def drew(self, rid: str, tokens: int) -> None:
+        d = self._drawn.setdefault(rid, _Drawn())
+        d.tokens += tokens
+        d.last_s = time.monotonic()
+
+    def forget(self, rid: str) -> None:
+        self._drawn.pop(rid, None)
+
+    def report(self, now: float) -> dict[str, dict[str, float]]:
+        """Each request's tokens and tok/s. One that has streamed no token for STREAMING_S (ended,
+        its cache kept for a next turn) makes no tok/s now: its average would show on a node long
+        after (a drained one too)."""
+        return {rid: {"tokens": d.tokens, "tok_per_s": (d.tokens - 1) / max(d.last_s - d.first_s, 1e-6)
+                      if d.tokens > 1 and now - d.last_s < STREAMING_S else 0.0}
+                for rid, d in self._drawn.items()}
 
 
 def live_metrics(memory_limit_bytes: int | None = None) -> dict[str, Any]:

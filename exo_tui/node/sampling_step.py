@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import MAX_DRAFT, logit_rows
+from backends.base import MAX_DRAFT
+from backends.memory import logit_rows
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
 from exo_tui.inference.speculative import Draft, Verdict, verify

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from backends import get_backend
-from backends.base import LOAD_CHUNK_BYTES, load_peak_bytes
+from backends.memory import LOAD_CHUNK_BYTES, load_peak_bytes
 from backends.mlx import MLXBackend
 from exo_tui.models.gguf_file import GGUFModel, held_nbytes
 from exo_tui.models.spec import spec_from_gguf

@@ -12,8 +12,8 @@ import pytest
 from gguf.quants import dequantize
 
 from backends import available_backends, get_backend
-from backends.base import KQUANT_BLOCK_BYTES, QuantizedWeight
 from backends.kquants import GROUP, decode
+from backends.weights import KQUANT_BLOCK_BYTES, QuantizedWeight
 from exo_tui.models.gguf_file import GGUFModel
 from tests.factory import random_kquant_blocks, write_tiny_llama
 from tests.reference import ReferenceShard

@@ -145,26 +145,20 @@ def test_a_node_under_a_limit_runs_a_prompt_in_chunks_its_reserve_holds() -> Non
     """A prompt's chunk on a node under a limit is as many rows as fit the reserve's step share
     with their step's temporaries and the chunks that may wait beside it (a multiple of
     MIN_PREFILL_CHUNK, between it and PREFILL_CHUNK); without a limit, PREFILL_CHUNK."""
-    from backends.base import (
-        FILL_QUEUED,
-        MIN_PREFILL_CHUNK,
-        PREFILL_CHUNK,
-        ModelConfig,
-        prefill_row_bytes,
-        prefill_rows,
-        step_row_bytes,
-    )
+    from backends.base import PREFILL_CHUNK, ModelConfig
+    from backends.memory import MIN_PREFILL_CHUNK, prefill_row_bytes, prefill_rows, step_row_bytes
+    from exo_tui.net.protocol import FILL_QUEUED
     from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, STEP_SHARE
 
     wide = ModelConfig(n_layers=16, hidden_size=2048, intermediate_size=5632, n_heads=16, n_kv_heads=2, head_dim=128,
                        vocab_size=32000)
     room = int(STEP_SHARE * RESERVE_MIN_BYTES)
-    rows = prefill_rows(wide, room)
+    rows = prefill_rows(wide, room, FILL_QUEUED)
     assert rows % MIN_PREFILL_CHUNK == 0 and MIN_PREFILL_CHUNK <= rows < PREFILL_CHUNK
-    assert rows * prefill_row_bytes(wide) <= room < (rows + MIN_PREFILL_CHUNK) * prefill_row_bytes(wide)
-    assert prefill_row_bytes(wide) == step_row_bytes(wide) + FILL_QUEUED * 4 * wide.hidden_size
-    assert prefill_rows(wide, None) == PREFILL_CHUNK and prefill_rows(wide, 1 << 40) == PREFILL_CHUNK
-    assert prefill_rows(wide, 1) == MIN_PREFILL_CHUNK  # a step runs however little is left
+    assert rows * prefill_row_bytes(wide, FILL_QUEUED) <= room < (rows + MIN_PREFILL_CHUNK) * prefill_row_bytes(wide, FILL_QUEUED)
+    assert prefill_row_bytes(wide, FILL_QUEUED) == step_row_bytes(wide) + FILL_QUEUED * 4 * wide.hidden_size
+    assert prefill_rows(wide, None, FILL_QUEUED) == PREFILL_CHUNK and prefill_rows(wide, 1 << 40, FILL_QUEUED) == PREFILL_CHUNK
+    assert prefill_rows(wide, 1, FILL_QUEUED) == MIN_PREFILL_CHUNK  # a step runs however little is left
     experts = ModelConfig(n_layers=2, hidden_size=2048, intermediate_size=768, n_heads=16, n_kv_heads=2, head_dim=128,
                           vocab_size=32000, n_experts=8, n_experts_used=4)
     assert step_row_bytes(experts) > step_row_bytes(dataclasses.replace(experts, n_experts=0, n_experts_used=0))
@@ -173,7 +167,8 @@ def test_a_node_under_a_limit_runs_a_prompt_in_chunks_its_reserve_holds() -> Non
 def test_a_scored_prompt_holds_as_many_rows_of_logits_as_the_reserve_takes() -> None:
     """A prompt scored under a limit (every position's logits, a vocabulary of floats a row) runs
     in pieces the reserve's step share holds, however large the vocabulary."""
-    from backends.base import ModelConfig, logit_rows
+    from backends.base import ModelConfig
+    from backends.memory import logit_rows
     from exo_tui.inference.scoring import SCORE_ROWS
     from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, STEP_SHARE
 

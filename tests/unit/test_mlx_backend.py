@@ -16,13 +16,14 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from backends import get_backend  # noqa: E402
-from backends.base import BackendError, KVCache, ModelConfig, QuantizedWeight  # noqa: E402
+from backends.base import BackendError, KVCache, ModelConfig  # noqa: E402
 from backends.kquants import BITS, GROUP, decode  # noqa: E402
 from backends.mlx import MLXBackend  # noqa: E402
 from backends.mlx import shard as mlx_shard  # noqa: E402
 from backends.mlx.llama import rope, step_inputs  # noqa: E402
 from backends.mlx.quant import MLXQuantized, MLXSmallGroups, pack_codes, to_mlx, unpack_codes  # noqa: E402
 from backends.onnx import ONNXBackend  # noqa: E402
+from backends.weights import QuantizedWeight  # noqa: E402
 from exo_tui.models.gguf_file import GGUFModel  # noqa: E402
 from tests.conftest import WEIGHT_TYPES  # noqa: E402
 from tests.factory import random_kquant_blocks, write_tiny_llama  # noqa: E402

@@ -13,11 +13,12 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from backends import available_backends  # noqa: E402
-from backends.base import BackendError, QuantizedWeight, ShardWeights  # noqa: E402
+from backends.base import BackendError  # noqa: E402
 from backends.kquants import BITS, GROUP, decode  # noqa: E402
 from backends.mlx import MLXBackend  # noqa: E402
 from backends.mlx.experts import StackedExperts, distinct  # noqa: E402
 from backends.mlx.quant import MLXSmallGroups  # noqa: E402
+from backends.weights import QuantizedWeight, ShardWeights  # noqa: E402
 from tests.factory import random_kquant_blocks  # noqa: E402
 from tests.family_models import BASE, random_weights, sub_shard  # noqa: E402
 from tests.helpers.threads import on_another_thread  # noqa: E402

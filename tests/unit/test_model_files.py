@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from backends.base import QuantizedWeight, dense
+from backends.weights import QuantizedWeight, dense
 from exo_tui.models.catalog import resolve_model
 from exo_tui.models.gguf_file import GGUFModel, ModelFileError, tensor_from_raw
 from exo_tui.models.gguf_header import GGUFFormatError, GGUFHeader

@@ -146,7 +146,7 @@ POOL_GROWTH = r"""
 import gc, json, sys
 import numpy as np
 from backends.onnx import ONNXBackend
-from backends.onnx.shard import FIRST_SLOTS
+from backends.onnx.kv_pool import FIRST_SLOTS
 from exo_tui.models.gguf_file import GGUFModel
 model = GGUFModel(sys.argv[1])
 cfg = model.config

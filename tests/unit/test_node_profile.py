@@ -55,7 +55,7 @@ def test_the_layers_timed_are_the_kind_a_node_runs() -> None:
     """GGUF's blocks have float16 scales; the benchmark's do too, so on ONNX they run on the
     node's kernel (with float32 scales they fell back to MatMulNBits and timed that). The K-quant
     layers are the file's super-blocks, which ``auto`` runs at int8 where the build has it."""
-    from backends.onnx.shard import kernel_for, resolve_precision
+    from backends.onnx.precision import kernel_for, resolve_precision
     from exo_tui.node.profile import BENCH_CONFIG, KQUANT_BENCH_CONFIG, _bench_weights
 
     for cfg, kquant in ((BENCH_CONFIG, False), (KQUANT_BENCH_CONFIG, True)):

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from backends import available_backends, get_backend
-from backends.base import BackendError, KVCache, QuantizedWeight, dense
+from backends.base import BackendError, KVCache
 from backends.onnx import SPIN_US, ONNXBackend, kernels, physical_cores
 from backends.onnx.affinity import CorePlan, core_plan
+from backends.weights import QuantizedWeight, dense
 from exo_tui.config import ConfigError, load_config
 from exo_tui.models.gguf_file import GGUFModel
 from tests.conftest import WEIGHT_TYPES
@@ -257,7 +258,7 @@ def test_auto_runs_k_quant_files_at_int8_and_the_others_at_int16(tmp_path, monke
     and the embedding's types count too), read from the file's header without making a layer, or
     from the weights in memory; a precision asked for is kept. Builds without int8 products run
     every file at int16."""
-    from backends.onnx.shard import resolve_precision
+    from backends.onnx.precision import resolve_precision
     from exo_tui.node.host import Transfer
 
     library = kernels.library()
@@ -449,7 +450,7 @@ def test_integer_precisions_keep_float16_caches_and_hand_them_over_as_float32(ti
     cache = fast.export_kv("r")
     assert cache.length == len(PROMPT) and all(k.dtype == v.dtype == np.float32 for k, v in zip(cache.keys, cache.values, strict=True))
     assert all(np.array_equal(k, k.astype(np.float16)) for k in cache.keys)  # float16 values, exactly
-    pool = fast._caches["r"].pool
+    pool = fast.kv.caches["r"].pool
     assert pool.keys.dtype == pool.values.dtype == np.float16
     exact.import_kv("r", cache)
     for tok, p in decode_tokens(4, len(PROMPT)):
@@ -695,7 +696,8 @@ def _decode_batch(shard, ref, rids: list[str], token: int) -> None:
 
 @pytest.mark.parametrize("layers", [(0, None), (0, 2), (2, None)])
 def test_batched_decode_matches_reference_at_different_positions(tiny_models, layers):
-    from backends.onnx.shard import FIRST_SLOTS, MIN_BATCH
+    from backends.onnx.kv_pool import FIRST_SLOTS
+    from backends.onnx.shard import MIN_BATCH
 
     start, end = layers
     path = tiny_models["Q4_1"]
@@ -782,7 +784,7 @@ def test_a_batch_of_scattered_slots_runs_its_rows_and_no_others(tiny_models, mon
 def test_batched_decode_goes_on_in_one_run_as_the_pool_grows(tmp_path, monkeypatch):
     """A request outgrowing the pool's capacity grows the pool for everyone (caches copied, slots
     kept): requests far apart in length still decode as one run, and all of them correctly."""
-    from backends.onnx.shard import CAPACITY_STEP
+    from backends.onnx.kv_pool import CAPACITY_STEP
 
     path = write_tiny_llama(tmp_path / "long.gguf", weight_type="Q4_0", context_length=700, seed=4)
     cfg, weights, shard = load(path)
@@ -792,7 +794,7 @@ def test_batched_decode_goes_on_in_one_run_as_the_pool_grows(tmp_path, monkeypat
     for step in range(5):  # "long" outgrows the first capacity on the way
         _decode_batch(shard, ref, ["a", "long", "b", "c", "d"], 3 * step)
     assert shard.kv_length("long") == CAPACITY_STEP + 2
-    assert shard._kv_pool.capacity > CAPACITY_STEP
+    assert shard.kv.pool.capacity > CAPACITY_STEP
     if shard.kernel:  # on GroupQueryAttention a contiguous range: the same five rows here
         assert rows == [5] * 5
 
@@ -826,7 +828,7 @@ def test_batched_decode_after_kv_import(tiny_models):
     assert sorted(shard.requests()) == ["a", "b", "c", "d"]
     for rid in ("a", "b", "c", "d"):
         shard.drop(rid)
-    assert shard.requests() == [] and shard._kv_pool is None  # an empty pool gives its memory back
+    assert shard.requests() == [] and shard.kv.pool is None  # an empty pool gives its memory back
 
 
 def test_requests_and_kv_length_do_not_wait_for_a_running_step(tiny_models):

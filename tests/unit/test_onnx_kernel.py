@@ -12,9 +12,9 @@ import logging
 import numpy as np
 import pytest
 
-from backends.base import BLOCK_TYPES, QuantizedWeight
 from backends.kquants import GROUP, decode
 from backends.onnx import kernels
+from backends.weights import BLOCK_TYPES, QuantizedWeight
 from tests.factory import random_kquant_blocks
 from tests.reference import ReferenceShard
 from tests.unit.test_onnx_backend import PROMPT, close, load

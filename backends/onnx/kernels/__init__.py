@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 
 from backends import kquants
-from backends.base import BLOCK_TYPES, QuantizedWeight
 from backends.onnx.kernels.tiles import (  # noqa: F401  (the package's names for its callers)
     BLOCK,
     K_BLOCK_BYTES,
@@ -62,6 +61,7 @@ from backends.onnx.kernels.tiles import (  # noqa: F401  (the package's names fo
     pack,
     runs_on_kernel,
 )
+from backends.weights import BLOCK_TYPES, QuantizedWeight
 
 log = logging.getLogger("exo_tui.backends.onnx")
 

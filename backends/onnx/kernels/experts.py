@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import BLOCK_TYPES, QuantizedWeight, Weight
 from backends.onnx.kernels import (
     BLOCK,
     DOMAIN,
@@ -31,6 +30,7 @@ from backends.onnx.kernels import (
     pack,
     random_kquant,
 )
+from backends.weights import BLOCK_TYPES, QuantizedWeight, Weight
 
 OP = "Experts"
 

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from backends import kquants
-from backends.base import BLOCK_TYPES, QuantizedWeight
+from backends.weights import BLOCK_TYPES, QuantizedWeight
 
 BLOCK = 32  # weights per scale and bias, along K
 TILE = 32  # output columns per tile
