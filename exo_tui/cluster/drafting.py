@@ -65,6 +65,7 @@ class ClusterDraft:
         self.kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * STREAM_KV_POSITIONS
         self.turned_off = 0  # streams that stopped drafting from it because its node failed
         self.failed: dict[str, str] = {}  # node id -> why it stopped drafting there
+        self._warned = False  # that another model is served now, and it drafts for none
 
     @property
     def name(self) -> str:
@@ -96,7 +97,13 @@ class ClusterDraft:
         """Give a stream's speculation the draft model as a source (before prompt lookup)."""
         node = self.node_id()
         served = self.host.model
-        if node is None or served is None or str(served.path) != self.target:
+        if served is not None and str(served.path) != self.target:
+            if not self._warned:
+                log.warning("the draft model %s drafts for %s, not for %s served now: no drafts from it (serve again "
+                            "with a --draft of this model's family)", self.name, self.target, served.path)
+                self._warned = True
+            return None
+        if node is None or served is None:
             return None
         source = ModelDrafts(self, node, rid)
         sources = speculation.drafter.sources

@@ -142,6 +142,9 @@ async def _serve(args: argparse.Namespace) -> int:
     # Listen before the heavy imports: a client's first request is queued by the kernel, then served.
     sock = bind_api_socket(host, port)
     if serve_set.wanted(args, config):
+        if args.draft:
+            raise ValueError("--draft is for a single coordinator: a coordinator set does not run a draft model yet "
+                             "(leave out --draft, or serve without the set)")
         return await serve_set.serve_set(args, config, sock, host, port)
     from exo_tui.api.server import ApiServer, exposure_warning
     from exo_tui.cluster.coordinator import Coordinator
