@@ -56,8 +56,9 @@ def _value(samples: dict, name: str, **labels: str) -> float:
 
 
 async def _answer(c: Coordinator, n: int) -> list[int]:
+    """n tokens, a decode step each: speculation off, as these tests count and time one-token steps."""
     tokens: list[int] = []
-    async for chunk in c.chat([{"role": "user", "content": PROMPT}], ChatParams(temperature=0.0, max_tokens=n, seed=7)):
+    async for chunk in c.chat([{"role": "user", "content": PROMPT}], ChatParams(temperature=0.0, max_tokens=n, seed=7, speculative="off")):
         tokens.extend(chunk.token_ids)
         assert chunk.finish_reason in (None, "stop", "length"), chunk.error
     return tokens
