@@ -42,6 +42,20 @@ from exo_tui.scheduler.diff import should_rebalance
 
 log = logging.getLogger("exo_tui.cluster")
 
+
+class NodeGone(KeyError):
+    """A node the coordinator needs a link to has none (it failed or left). A KeyError, as the
+    handlers of a vanished node expect, whose text says so (a bare KeyError read as its id alone:
+    an undrain after a kill answered "'n-83b6aa2509f1'")."""
+
+    def __init__(self, node_id: str, name: str) -> None:
+        super().__init__(node_id)
+        self.node_id, self.name = node_id, name
+
+    def __str__(self) -> str:
+        return (f"node {self.name} has no live link (it failed or left the cluster): "
+                "wait for it to rejoin, or drain or remove it")
+
 MONITOR_INTERVAL_S = 0.25
 STALL_S = 0.5  # a monitor tick this late means this process's loop was held: see _monitor_loop
 RECONNECT_INTERVAL_S = 2.0
@@ -217,9 +231,10 @@ class Membership(CoordinatorParts):
         return handle.name if handle is not None else node_id
 
     def connection(self, node_id: str) -> Connection:
-        conn = self.nodes[node_id].live_conn
+        handle = self.nodes.get(node_id)
+        conn = handle.live_conn if handle is not None else None
         if conn is None:
-            raise KeyError(node_id)
+            raise NodeGone(node_id, self.node_name(node_id))
         return conn
 
     # ================================================================== frames from nodes
