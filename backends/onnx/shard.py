@@ -49,9 +49,9 @@ from backends.onnx.kernels import runs_on_kernel
 from backends.onnx.kernels.tile_rows import TileRows
 from backends.onnx.kv_pool import CacheEntry, KVPool, PoolArrays
 from backends.onnx.precision import caches_half, integer_codes, kernel_for, resolve_precision
-from backends.onnx.weights import compact_embedding, embedding_rows
+from backends.onnx.weights import EmbeddingRows, compact_embedding, embedding_rows
 from backends.rings import RingLayout
-from backends.weights import LayerWeights, QuantizedWeight, ShardWeights
+from backends.weights import LayerWeights, QuantizedWeight, ShardWeights, Weight
 
 MAX_PADDING = 2  # GroupQueryAttention: padding rows a batch accepts between two requests before it splits
 MIN_BATCH = 2
@@ -109,7 +109,8 @@ class ONNXShard(Shard):
         # (TileRows, once the graph has them): one form of the matrix, not two.
         tied_head = (self.is_first and self.is_last and weights.output is weights.embed and library is not None
                      and runs_on_kernel(weights.embed))
-        self._embed = compact_embedding(weights.embed) if self.is_first and not tied_head else None
+        self._embed: Weight | EmbeddingRows | TileRows | None = (
+            compact_embedding(weights.embed) if self.is_first and not tied_head else None)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
         half_kv = caches_half(library, self.xbits)
@@ -122,6 +123,8 @@ class ONNXShard(Shard):
         self._kv_inputs, self._kv_outputs, self._output = graph.kv_inputs, graph.kv_outputs, graph.output
         if tied_head:
             e = weights.embed
+            if not isinstance(e, QuantizedWeight) or graph.head_tiles is None:
+                raise BackendError("a tied head on the kernel needs its quantized embedding and the head's tiles")
             self._embed = TileRows(graph.initializers[graph.head_tiles], e.source_type, e.bits, self.xbits, e.shape[1])
         model_bytes = graph.model.SerializeToString()
         options = ort.SessionOptions()
@@ -501,7 +504,7 @@ class ONNXShard(Shard):
     def close(self) -> None:
         with self._lock:
             self.kv.clear()
-            self._session = None  # type: ignore[assignment]
+            self._session = None
             self._weight_values.clear()
             self._weight_arrays = {}
             self._in_place = {}
