@@ -323,7 +323,10 @@ class ONNXShard(Shard):
             for run in filter(None, runs):
                 for i, out in self._run_rows(run) if len(run) >= MIN_BATCH else self._run_each(run):
                     results[i] = out
-            return results  # type: ignore[return-value]
+            done = [r for r in results if r is not None]
+            if len(done) != len(results):
+                raise BackendError("a batch step gave no output for some of its items")
+            return done
 
     def _runs(self, group: list[_Step]) -> list[list[_Step]]:
         """Splits one pool's steps (sorted by slot) into ranges worth running as one batch: a gap
