@@ -13,16 +13,13 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
-
-from backends.base import PREFILL_CHUNK, KVCache
+from backends.base import PREFILL_CHUNK
 from backends.memory import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED
 from exo_tui import events as ev
+from exo_tui.cluster.kv_moves import KVMoves
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
-from exo_tui.cluster.parts import CoordinatorParts
 from exo_tui.cluster.pipeline import StepFailure
 from exo_tui.cluster.room import REPLANS_AFTER_REFUSAL, is_refusal, limit_needed
 from exo_tui.cluster.view import (
@@ -32,17 +29,13 @@ from exo_tui.cluster.weights import load_from_path, stream_shard
 from exo_tui.config import GB
 from exo_tui.inference.generate import GenerationError
 from exo_tui.net.address import is_loopback
-from exo_tui.net.codec import call, call_frame
+from exo_tui.net.codec import call
 from exo_tui.net.errors import RemoteError
-from exo_tui.net.messages import KV, Done, KVExport, KVImport, Loaded, Ping, PlanOp, Plans, Pong
+from exo_tui.net.messages import Loaded, Ping, PlanOp, Plans, Pong
 from exo_tui.net.protocol import (
     FILL_QUEUED,
-    HostError,
     PlanEntry,
     RingPlan,
-    kv_from_array,
-    kv_shape,
-    kv_to_array,
 )
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import NodeProfile
@@ -60,10 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("exo_tui.cluster")
 
-KV_HOLD_BYTES = 1 << 30  # in-flight caches the coordinator holds while short nodes swap their shards
-
-
-class PlanSwitching(CoordinatorParts):
+class PlanSwitching(KVMoves):
     """The plan in force and every change of it (a part of the Coordinator)."""
 
     # ================================================================== planning
@@ -449,70 +439,6 @@ class PlanSwitching(CoordinatorParts):
         h.held.discard((start, end))
         h.shards = [s for s in h.shards if (s["start"], s["end"]) != (start, end)]
 
-    async def _move_kv(self, old: RingPlan, new: RingPlan, swap: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Move every in-flight request's caches from the old ring's shards to the new ones, a
-        request at a time. With ``swap`` (nodes short of memory swap their shards), every cache is
-        read first and held here (up to ``KV_HOLD_BYTES``; the others are rebuilt from their
-        tokens), then ``swap`` runs, then the caches are written."""
-        held: list[tuple[str, int, list[tuple[PlanEntry, KVCache]]]] = []
-        held_bytes = 0
-        for rid in self.pipeline.in_flight():
-            cached = self.pipeline.cached(rid)
-            if cached is None or cached[0] != old.version:
-                continue
-            try:
-                moved = await self._export_kv(rid, old, new, cached[1])
-                if swap is None:
-                    await self._import_kv(rid, new, moved)
-            except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError, HostError) as exc:
-                log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
-                continue
-            if swap is None:
-                self.pipeline.set_cached(rid, new.version, cached[1])
-                continue
-            nbytes = sum(k.nbytes + v.nbytes for _, c in moved for k, v in zip(c.keys, c.values, strict=True))
-            if held_bytes + nbytes > KV_HOLD_BYTES:
-                log.info("KV of %s not held through the swap (%d MB held already): it will be rebuilt from its tokens",
-                         rid, held_bytes >> 20)
-                continue
-            held.append((rid, cached[1], moved))
-            held_bytes += nbytes
-        if swap is None:
-            return
-        await swap()
-        for rid, n, moved in held:
-            try:
-                await self._import_kv(rid, new, moved)
-            except (RemoteError, ConnectionError, TimeoutError, KeyError, ValueError, HostError) as exc:
-                log.info("KV of %s not moved (%s): it will be rebuilt from its tokens", rid, exc)
-                continue
-            self.pipeline.set_cached(rid, new.version, n)
-
-    async def _export_kv(self, rid: str, old: RingPlan, new: RingPlan, length: int) -> list[tuple[PlanEntry, KVCache]]:
-        """Request ``rid``'s caches for each shard of ``new`` that is not already where it was: its
-        first ``length`` positions, what its tokens so far fill (a verify step's rejected drafts
-        stay behind)."""
-        moved = []
-        for e in new.ring:
-            if any(o.node_id == e.node_id and (o.start, o.end) == (e.start, e.end) for o in old.ring):
-                continue  # the same shard on the same node keeps its cache
-            parts = []
-            for o in old.ring:
-                a, b = max(o.start, e.start), min(o.end, e.end)
-                if a >= b:
-                    continue
-                kv, frame = await call_frame(self.connection(o.node_id), KVExport(rid, a, b, old.model, length), KV,
-                                             timeout=30)
-                parts.append(kv_from_array(a, b, np.asarray(frame.tensor), kv.length, kv.held))
-            moved.append((e, _concat_kv(parts)))
-        return moved
-
-    async def _import_kv(self, rid: str, new: RingPlan, moved: list[tuple[PlanEntry, KVCache]]) -> None:
-        for e, cache in moved:
-            length, held = kv_shape(cache)
-            await call(self.connection(e.node_id), KVImport(rid, e.start, e.end, length, held, new.model), Done,
-                       tensor=kv_to_array(cache), timeout=30)
-
     # ================================================================== PipelineHost
 
     async def plan_ready(self) -> RingPlan:
@@ -585,13 +511,6 @@ class PlanSwitching(CoordinatorParts):
             except (RemoteError, ConnectionError, TimeoutError):
                 return e.node_id
         return None
-
-
-def _concat_kv(parts: list[KVCache]) -> KVCache:
-    parts = sorted(parts, key=lambda c: c.start)
-    keys = [k for p in parts for k in p.keys]
-    values = [v for p in parts for v in p.values]
-    return KVCache(parts[0].start, parts[-1].end, parts[0].length, keys, values)
 
 
 def _shard_record(entry: PlanEntry, loaded: Loaded, key: str) -> dict[str, Any]:
