@@ -106,8 +106,11 @@ def test_a_cut_off_leader_steps_down_refuses_changes_and_follows_after_the_heal(
         assert refused.status_code == 503, refused.text
         message = refused.json()["error"]["message"]
         assert "reaches 1 of the 3 coordinators, not a majority" in message, message
-        taken = httpx.post(f"{api(next(h for h in others if h is not new))}/v1/cluster/hosts",
-                           json={"host": "10.8.8.8"}, timeout=30)
+        peer = next(h for h in others if h is not new)
+        # a standby forwards once it has heard from the new leader (until then it answers 503,
+        # "an election is under way")
+        wait(lambda: health(peer)["leader_api"] == api(new), "the majority's standby follows the new leader")
+        taken = httpx.post(f"{api(peer)}/v1/cluster/hosts", json={"host": "10.8.8.8"}, timeout=30)
         assert taken.status_code == 200, taken.text
         assert "10.8.8.8" not in health(old)["hosts"]
     finally:
