@@ -4,6 +4,9 @@ The app only ever talks to the cluster through that contract: it reads ``snapsho
 refresh (``Z`` pauses), follows the event bus in a worker, and runs every slow call (previews,
 plan changes, bootstrap, model loads, chat) in a worker that reports back by message, so keys keep
 working while an answer streams.
+
+One concern at ~600 lines: the app's wiring (panes, keys, workers and their messages); the panes,
+screens and their help live in widgets/ and screens/.
 """
 
 from __future__ import annotations
