@@ -11,6 +11,13 @@ step: ``(step(N) - step(1)) / (N - 1)``.
 
     python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 5] [--nodes 1,2,3,4]
                                   [--loops uvloop,asyncio] [--variants default,nospin,spin,pin,1thread]
+                                  [--in-process]
+
+``--in-process`` adds, taking turns with the clusters, the whole model on one shard in this
+process (the same generation loop over :class:`~exo_tui.inference.local.LocalPipeline`, the same
+speculation mode as the coordinator's): "served ÷ in-process" is a cluster's tok/s over it. A
+second table splits each cluster's decode token as the coordinator's ring figures do (the nodes'
+compute and queue, the links, the coordinator's own share) and counts the hops a token crosses.
 
 ``--variants`` runs every cluster in each of these ONNX settings, side by side: ``default``
 (intra-op threads spin up to ``SPIN_US`` between the ops of a step), ``nospin`` (they never spin,
@@ -45,6 +52,7 @@ VARIANTS = {  # name -> the environment the node processes start with (see backe
 
 if TYPE_CHECKING:
     from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.inference.local import LocalPipeline
 
 
 async def _steps(c: Coordinator, tokens: int) -> list[float]:
@@ -61,13 +69,46 @@ async def _steps(c: Coordinator, tokens: int) -> list[float]:
     return [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
 
 
+async def _local_steps(pipeline: LocalPipeline, c: Coordinator, tokens: int) -> list[float]:
+    """As :func:`_steps`, the model on one shard in this process (speculation as ``c``'s)."""
+    from exo_tui.inference.generate import generate
+    from exo_tui.inference.request import Request
+    from exo_tui.inference.sampling import SamplingParams
+    from exo_tui.inference.speculation import Speculation
+
+    prompt = c.model.chat_prompt_ids([{"role": "user", "content": "Write a long poem about the sea."}])
+    request = Request(prompt, SamplingParams(temperature=0.0, seed=1), tokens)
+    request.speculation = Speculation.for_request(c.speculative)
+    stamps: list[float] = []
+    async for chunk in generate(pipeline, c.model.tokenizer, request, context_length=c.context_length):
+        if chunk.token_id is not None:
+            stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
+
+
+def _split(c: Coordinator) -> dict[str, float]:
+    """The mean decode token of ``c``'s ring figures, split (seconds), and the hops it crossed."""
+    ring = list(c.metrics.ring)
+    if not ring:
+        return {}
+    n = len(ring)
+    return {"total": sum(t.total_s for t in ring) / n,
+            "compute": sum(sum(t.compute.values()) for t in ring) / n,
+            "queue": sum(sum(t.queue.values()) for t in ring) / n,
+            "links": sum(sum(t.links.values()) for t in ring) / n,
+            "coordinator": sum(t.coordinator_s for t in ring) / n,
+            "hops": sum(len(t.links) for t in ring) / n}
+
+
 async def _group(
-    counts: list[int], variants: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path
+    counts: list[int], variants: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path,
+    in_process: bool = False, splits: dict[tuple[str, int], dict[str, float]] | None = None,
 ) -> dict[tuple[str, int], float]:
-    """Median seconds per decode step for each variant and node count, the clusters taking
-    turns."""
+    """Median seconds per decode step for each variant and node count (and ``("in-process", 1)``),
+    the clusters taking turns; each cluster's token split into ``splits``."""
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
+    from exo_tui.inference.local import LocalPipeline, Stage
 
     config = Config()
     config.network.security.enable_tls = tls
@@ -81,12 +122,27 @@ async def _group(
                                 home=home / f"{n}-nodes-{variant}", persist=False)
                 await c.start()
                 coordinators[(variant, n)] = c
+        local = None
+        if in_process:
+            c0 = next(iter(coordinators.values()))
+            assert c0.model is not None
+            local = LocalPipeline()
+            await local.load(c0.model.gguf, [Stage(backend, 0, c0.model.config.n_layers)])
         gaps: dict[tuple[str, int], list[float]] = {k: [] for k in coordinators}
+        if local is not None:
+            gaps[("in-process", 1)] = []
         for _ in range(rounds):
             for k, c in coordinators.items():
                 gaps[k] += await _steps(c, tokens)
+            if local is not None:
+                gaps[("in-process", 1)] += await _local_steps(local, c0, tokens)
+        if splits is not None:
+            for k, c in coordinators.items():
+                splits[k] = _split(c)
         return {k: statistics.median(g) for k, g in gaps.items()}
     finally:
+        if local is not None:
+            await local.close()
         for c in coordinators.values():
             await c.stop()
 
@@ -100,6 +156,8 @@ def main() -> None:
     ap.add_argument("--loops", default="uvloop,asyncio", help="event loops to compare (uvloop needs uvloop installed)")
     ap.add_argument("--tls", default="on,off", help="TLS settings to measure: on, off or on,off")
     ap.add_argument("--variants", default="default", help=f"ONNX settings to compare, of {', '.join(VARIANTS)}")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also the whole model in this process, taking turns with the clusters")
     args = parse(ap, tokens=4, rounds=1, nodes="2", loops="asyncio", tls="on")
     from exo_tui.net import loop as event_loop
 
@@ -112,14 +170,19 @@ def main() -> None:
     if not set(variants) <= set(VARIANTS):
         ap.error(f"--variants takes some of {', '.join(VARIANTS)}")
     med: dict[tuple[str, bool, str, int], float] = {}
+    splits: dict[tuple[str, bool, str, int], dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         for loop in loops:
             os.environ[event_loop.ENV] = loop  # node processes inherit it
             for tls in tls_settings:
                 home = Path(d) / f"{loop}-{'tls' if tls else 'plain'}"
-                steps = event_loop.run(_group(counts, variants, args.backend, tls, args.tokens, args.rounds, home))
+                split: dict[tuple[str, int], dict[str, float]] = {}
+                steps = event_loop.run(_group(counts, variants, args.backend, tls, args.tokens, args.rounds, home,
+                                              args.in_process, split))
                 for (variant, n), step in steps.items():
                     med[(loop, tls, variant, n)] = step
+                for (variant, n), parts in split.items():
+                    splits[(loop, tls, variant, n)] = parts
     print(f"\nDecode of the default model, one stream, {args.backend} on every node, loopback, "
           f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, medians\n")
     print("| loop | TLS | variant | nodes | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
@@ -133,6 +196,21 @@ def main() -> None:
                     ratio = f"{one / s:.2f}" if one else "–"
                     hop = f"{(s - one) / (n - 1) * 1000:.2f}" if one and n > 1 else "–"
                     print(f"| {loop} | {'on' if tls else 'off'} | {variant} | {n} | {s * 1000:.1f} | {1 / s:.1f} | {ratio} | {hop} |")
+            local = med.get((loop, tls, "in-process", 1))
+            if local:
+                print(f"| {loop} | {'on' if tls else 'off'} | in-process | 1 | {local * 1000:.1f} | {1 / local:.1f} | – | – |")
+    if any(k[2] == "in-process" for k in med):
+        print("\nEach cluster's decode token as its ring figures split it (means, ms), and served ÷ in-process\n")
+        print("| loop | TLS | variant | nodes | compute | queue | links | coordinator | hops a token | served ÷ in-process |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for (loop, tls, variant, n), parts in splits.items():
+            local = med.get((loop, tls, "in-process", 1))
+            ratio = f"{local / med[(loop, tls, variant, n)]:.2f}" if local else "–"
+            if not parts:
+                continue
+            ms = {k: f"{v * 1000:.2f}" for k, v in parts.items()}
+            print(f"| {loop} | {'on' if tls else 'off'} | {variant} | {n} | {ms['compute']} | {ms['queue']} | "
+                  f"{ms['links']} | {ms['coordinator']} | {parts['hops']:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":
