@@ -5,23 +5,36 @@ The pipeline hands every step's timing to :meth:`Calibrator.step` (beside the cl
 :class:`~exo_tui.cluster.metrics.ClusterMetrics`): each hop's residence at its node (the frame's
 arrival to its result leaving: the run and the wait for it, on the node's own clock) over the
 layers it holds in the ring in force gives its seconds per (mean) layer, a decode step's per
-token, a prompt's step's per prompt token. The links and the coordinator take what the round
-trip leaves (:func:`~exo_tui.cluster.metrics.split_token`), so the parts add up to the token. Only steps taken while one request runs count: a batch's run
-is shared, and its time is not one stream's. The figures are means over the last
-:data:`WINDOW_S` seconds, so a node that slows down (other work, a CPU quota, heat, a battery) is
-seen within seconds; a node's last figure is kept while it holds no layers (nothing measures it
-then) for :data:`KEEP_S`, after which its start-up benchmark counts again.
+token, a prompt's step's per prompt token, kept per bucket of load: the requests running (the
+nodes run their steps together) and the positions the step's request holds. The shard with the
+output head gives the head's time, once the node was also measured without it (SmolLM2's head is
+13.6 layers' bytes and takes about 5 layers' time on ONNX: counted by its bytes, the node holding
+it looked twice as fast as it was). The links and the coordinator take what the round trip
+leaves (:func:`~exo_tui.cluster.metrics.split_token`), so the parts add up to the token; they,
+and the token, count only while one request runs (a batch's round trip is shared). The figures
+are means over the last :data:`WINDOW_S` seconds, so a node that slows down (other work, a CPU
+quota, heat, a battery) is seen within seconds; a figure no longer measured (the node holds no
+layers, or another shard, or the load moved) is kept for :data:`KEEP_S`, after which its start-up
+benchmark counts again.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from exo_tui.cluster.metrics import COORDINATOR, StepSample, split_token
-from exo_tui.scheduler.calibration import LinkMeasure, Measurements, NodeMeasure, shard_layer_units
+from exo_tui.scheduler.calibration import (
+    LinkMeasure,
+    Measurements,
+    NodeMeasure,
+    head_bytes_layers,
+    load_bucket,
+    shard_layer_units,
+)
 from exo_tui.scheduler.spec import ModelSpec
 
 WINDOW_S = 10.0  # figures are means over this window
@@ -52,25 +65,52 @@ class _Series:
         return None
 
 
+Bucket = tuple[int, int]  # (batch, context): scheduler/calibration.py's load_bucket
+
+
+def _median(values: Iterable[float]) -> float | None:
+    got = sorted(values)
+    return statistics.median(got) if got else None
+
+
+def _head_layers(rates: dict[tuple[str, Bucket], tuple[float, int]],
+                 heads: dict[tuple[str, Bucket], tuple[float, float, int]]) -> dict[tuple[str, Bucket], float]:
+    """The output head's decode time in layers, for each node (and load) measured both with the
+    head (its step's time, its layers) and without it (its seconds per layer): what the step
+    with the head leaves beyond its layers."""
+    out = {}
+    for key, (residence, units, _) in heads.items():
+        if key in rates and rates[key][0] > 0:
+            out[key] = max(0.0, residence - rates[key][0] * units) / rates[key][0]
+    return out
+
+
 class Calibrator:
     """Measured figures for the scheduler, from the steps' timing."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.decode: dict[str, _Series] = defaultdict(_Series)
-        self.prefill: dict[str, _Series] = defaultdict(_Series)
+        # per (node, load bucket): a decode step's seconds per layer on shards without the head; on
+        # the shard with it, the step's time and its layers (the head's time is what they leave)
+        self.decode: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
+        self.head: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
+        self.head_units: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
+        self.prefill: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
         self.links: dict[tuple[str, str], _Series] = defaultdict(_Series)
         self.coordinator = _Series()
         self.token = _Series()  # a decode token's whole time (the ring and the coordinator)
         self.token_version: int | None = None  # the plan version ``token`` measures
         self.act_bytes = 0  # a decode token's hidden state, the bytes a link's hop carried
+        self.load: Bucket = load_bucket(1, 1)  # the latest decode step's: the load plans are predicted for
+        self.head_prior = 0.0  # the head in layers by its bytes, for a node measured only with it
 
     def step(self, sample: StepSample, ring: Any, spec: ModelSpec | None, running: int, act_bytes: int,
              *, answering: bool = False) -> None:
-        """One step's timing, taken on ``ring`` (the RingPlan in force) with ``running`` requests;
-        ``answering``: the request has its first token (a step of several rows is then a
-        speculative verify step: neither a prompt's nor one token's, so not counted)."""
-        if spec is None or ring is None or sample.plan_version != ring.version or running != 1 or not sample.hops:
+        """One step's timing, taken on ``ring`` (the RingPlan in force) with ``running`` requests
+        (the nodes run their steps together: the batch); ``answering``: the request has its first
+        token (a step of several rows is then a speculative verify step: neither a prompt's nor
+        one token's, so not counted)."""
+        if spec is None or ring is None or sample.plan_version != ring.version or not sample.hops:
             return
         if answering and sample.rows != 1:
             return
@@ -78,17 +118,26 @@ class Calibrator:
         if [h.node_id for h in sample.hops] != [e.node_id for e in ring.ring]:
             return
         now = self.clock()
+        bucket = load_bucket(max(1, running), sample.context)
+        self.head_prior = head_bytes_layers(spec)
         for h in sample.hops:
             e = entries[h.node_id]
-            units = shard_layer_units(spec, e.start, e.end)
-            if units <= 0:
+            layers = shard_layer_units(spec, e.start, e.end, head_layers=0.0)
+            if layers <= 0:
                 continue
+            key = (h.node_id, bucket)
             # its residence: the run, and the wait for it (a node short of CPU waits to run)
-            if sample.rows == 1:
-                self.decode[h.node_id].add(now, h.residence_s / units)
+            if sample.rows != 1:  # the head runs on one row of a prompt's: left out
+                self.prefill[key].add(now, h.residence_s / sample.rows / layers)
+            elif e.end == spec.n_layers:
+                self.head[key].add(now, h.residence_s)
+                self.head_units[key].add(now, layers)
             else:
-                self.prefill[h.node_id].add(now, h.residence_s / sample.rows / units)
+                self.decode[key].add(now, h.residence_s / layers)
         if sample.rows != 1:
+            return
+        self.load = bucket
+        if running != 1:  # the links and the token: one stream's
             return
         token = split_token(sample, now)
         coordinator = token.coordinator_s
@@ -104,21 +153,33 @@ class Calibrator:
         self.act_bytes = act_bytes
 
     def measurements(self) -> Measurements:
+        """The figures, every load bucket's, and each node's at the latest decode step's load."""
         now = self.clock()
-        nodes = {}
-        for nid, series in self.decode.items():
-            got = series.mean(now)
-            if got is None:
-                continue
-            pre = self.prefill[nid].mean(now, 1) if nid in self.prefill else None
-            nodes[nid] = NodeMeasure(got[0], pre[0] if pre else None, got[1])
+        rates = {key: got for key, s in self.decode.items() if (got := s.mean(now)) is not None}
+        heads = {}
+        for key, s in self.head.items():
+            got, units = s.mean(now), self.head_units[key].mean(now)
+            if got is not None and units is not None and units[0] > 0:
+                heads[key] = (got[0], units[0], got[1])
+        head_layers = _head_layers(rates, heads)
+        by_load: dict[str, dict[Bucket, NodeMeasure]] = defaultdict(dict)
+        for key in {*rates, *heads}:
+            nid, bucket = key
+            h = head_layers.get(key, _median(v for (_, b), v in head_layers.items() if b == bucket))
+            if key in rates:
+                rate, n = rates[key]
+            else:
+                residence, units, n = heads[key]
+                rate = residence / (units + (h if h is not None else self.head_prior))
+            pre = self.prefill[key].mean(now, 1) if key in self.prefill else None
+            by_load[nid][bucket] = NodeMeasure(rate, pre[0] if pre else None, n, h)
         links = {}
         for key, series in self.links.items():
             got = series.mean(now)
             if got is not None:
                 links[key] = LinkMeasure(got[0], float(self.act_bytes), got[1])
         coord = self.coordinator.mean(now)
-        return Measurements(nodes, links, coord[0] if coord else None)
+        return Measurements({}, links, coord[0] if coord else None, dict(by_load)).at(*self.load)
 
     def measured_tok_per_s(self, plan_version: int | None) -> tuple[float, int] | None:
         """One stream's measured tokens/s on plan ``plan_version`` over the window, and the tokens

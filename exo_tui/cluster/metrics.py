@@ -121,6 +121,7 @@ class StepSample:
     round_trip_s: float  # the step's send to its token (the coordinator's clock)
     coordinator_s: float | None  # the request's previous token to this step's send
     hops: tuple[HopTiming, ...]
+    context: int = 0  # positions the request's caches hold once the step has run
 
 
 @dataclass

@@ -481,7 +481,7 @@ class RemotePipeline:
         try:
             result = await sent.fut
             sent.verdict = self._verdicts.pop(sent.key, None)
-            self._timed(sent.key, sent.plan, sent.rows, sent.times)
+            self._timed(sent.key, sent.plan, sent.rows, sent.times, sent.end)
             return result
         finally:
             self._abandon(sent)
@@ -499,7 +499,8 @@ class RemotePipeline:
         self._timing.pop(sent.key, None)
         self._verdicts.pop(sent.key, None)
 
-    def _timed(self, key: tuple[str, int, int], plan: RingPlan, rows: int, sent: tuple[float, float, float | None]) -> None:
+    def _timed(self, key: tuple[str, int, int], plan: RingPlan, rows: int, sent: tuple[float, float, float | None],
+               context: int) -> None:
         """Hand the step's timing (the hops' records that came with its token) to ``on_step_timed``."""
         got = self._timing.pop(key, None)
         if got is None:
@@ -509,7 +510,8 @@ class RemotePipeline:
         if self.on_step_timed is None or hops is None or [h.node_id for h in hops] != [e.node_id for e in plan.ring]:
             return
         sent_m, sent_w, coordinator_s = sent
-        self.on_step_timed(StepSample(key[0], plan.version, rows, sent_w, recv_w, recv_m - sent_m, coordinator_s, hops))
+        self.on_step_timed(StepSample(key[0], plan.version, rows, sent_w, recv_w, recv_m - sent_m, coordinator_s, hops,
+                                      context))
 
     async def _drop_on(self, plan: RingPlan, rid: str, *, final: bool = False) -> None:
         async def drop(node_id: str) -> None:

@@ -3,10 +3,14 @@
 Pure, like the rest of the scheduler: the coordinator (:mod:`exo_tui.cluster.calibrate`) measures
 and hands the figures in as values; nothing here reads a clock or a socket.
 
-* :class:`NodeMeasure` — a node's measured seconds per layer: a decode token's compute on its
-  shard (the hops' own timing, one stream at a time) over the shard's layers in mean layers of the
-  model (the output head counted as :func:`shard_layer_units` does), and a prompt token's the same
-  way during prefill;
+* :class:`NodeMeasure` — a node's measured seconds per layer: a decode step's time on its shard
+  (the hops' own timing) over the shard's layers in mean layers of the model, and a prompt
+  token's the same way during prefill; and the output head's decode time in this node's layers,
+  where the node was measured both with and without it (the head's bytes say little of its time:
+  SmolLM2's is 13.6 layers' bytes and runs in about 5 layers' time on ONNX);
+* by load: the figures are kept per bucket of batch size (the requests whose steps the nodes run
+  together) and context length (:func:`load_bucket`), since a step's time grows with both;
+  :meth:`Measurements.at` picks a load's, the nearest bucket measured where its own is not;
 * :class:`LinkMeasure` — the time a decode token's hidden state spent on a link, and its bytes;
 * :class:`Measurements` — those, with the coordinator's share of a token (its own time between a
   token and the next step, and its links to the first and from the last stage).
@@ -21,6 +25,7 @@ beyond :data:`GAP` it is shown; a rebalance is applied alone only when the gap h
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -34,21 +39,48 @@ HOLD_S = 5.0  # seconds a gap must hold before a rebalance is applied alone
 COOLDOWN_S = 30.0  # seconds between two rebalances applied alone
 
 
-def shard_layer_units(spec: ModelSpec, start: int, end: int) -> float:
+def head_bytes_layers(spec: ModelSpec) -> float:
+    """The output head in mean layers of ``spec`` by its bytes: its time where none is measured."""
+    return spec.head_bytes / spec.mean_layer_bytes
+
+
+def shard_layer_units(spec: ModelSpec, start: int, end: int, head_layers: float | None = None) -> float:
     """Layers ``[start, end)`` in mean layers of ``spec`` (a layer weighs its bytes over the mean),
-    plus the output head on the last shard (its bytes in mean layers): the units a node's seconds
-    per layer are counted in (:meth:`~exo_tui.scheduler.profile.DeviceProfile.layer_s`)."""
+    plus the output head on the last shard (``head_layers``, by default its bytes in mean
+    layers): the units a node's seconds per layer are counted in
+    (:meth:`~exo_tui.scheduler.profile.DeviceProfile.layer_s`)."""
     units = sum(spec.layers[start:end]) / spec.mean_layer_bytes
     if end == spec.n_layers:
-        units += spec.head_bytes / spec.mean_layer_bytes
+        units += head_bytes_layers(spec) if head_layers is None else head_layers
     return units
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_BUCKETS = tuple(2**k for k in range(7, 18))  # 128 .. 131,072 positions
+
+
+def load_bucket(batch: int, context: int) -> tuple[int, int]:
+    """The (batch, context) bucket a step of ``batch`` requests at ``context`` positions counts
+    in: each rounded up to a power of two (the last bucket holds everything larger)."""
+    b = next((x for x in BATCH_BUCKETS if batch <= x), BATCH_BUCKETS[-1])
+    c = next((x for x in CONTEXT_BUCKETS if context <= x), CONTEXT_BUCKETS[-1])
+    return b, c
+
+
+def _nearest(buckets: Iterable[tuple[int, int]], want: tuple[int, int]) -> tuple[int, int] | None:
+    """The measured bucket nearest ``want``: the same batch first (a batch's step time differs
+    more than a context's), then the nearest context, the smaller on a tie."""
+    def distance(b: tuple[int, int]) -> tuple[float, float, int]:
+        return abs(math.log2(b[0] / want[0])), abs(math.log2(b[1] / want[1])), b[1]
+    return min(buckets, key=distance, default=None)
 
 
 @dataclass(frozen=True)
 class NodeMeasure:
-    decode_s_per_layer: float | None = None  # one decode token, one mean layer (compute only)
+    decode_s_per_layer: float | None = None  # one decode step, one mean layer
     prefill_s_per_layer_token: float | None = None  # one prompt token, one mean layer
     samples: int = 0
+    head_layers: float | None = None  # the output head's decode time in this node's layers, measured
 
 
 @dataclass(frozen=True)
@@ -60,13 +92,25 @@ class LinkMeasure:
 
 @dataclass(frozen=True)
 class Measurements:
-    nodes: Mapping[str, NodeMeasure] = field(default_factory=dict)
+    nodes: Mapping[str, NodeMeasure] = field(default_factory=dict)  # at the load planned for
     links: Mapping[tuple[str, str], LinkMeasure] = field(default_factory=dict)
     coordinator_s: float | None = None  # a token's time in the coordinator and on its links, per token
+    by_load: Mapping[str, Mapping[tuple[int, int], NodeMeasure]] = field(default_factory=dict)  # every bucket
 
     @property
     def empty(self) -> bool:
         return not self.nodes and not self.links and self.coordinator_s is None
+
+    def at(self, batch: int, context: int) -> Measurements:
+        """These measurements with each node's figures for ``batch`` requests at ``context``
+        positions: its bucket's, else its nearest measured bucket's."""
+        want = load_bucket(batch, context)
+        nodes = {}
+        for nid, loads in self.by_load.items():
+            got = want if want in loads else _nearest(loads, want)
+            if got is not None:
+                nodes[nid] = loads[got]
+        return replace(self, nodes=nodes)
 
 
 def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Measurements) -> list[DeviceProfile]:
@@ -76,7 +120,8 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
     layers: scaled for another model by its layers' bytes); its other work is in the measurement,
     so ``load_factor`` is 0, and the memory-bandwidth floor is not applied (``calibrated``). The
     score's performance figure moves by the same ratio: the node is re-scored.
-    Prefill, where not measured, keeps the start-up ratio of prefill to decode. A measured link
+    The head's measured time (in the node's layers) replaces its bytes' estimate. Prefill, where
+    not measured, keeps the start-up ratio of prefill to decode. A measured link
     keeps its probed bandwidth; its latency is what the hop took beyond the bytes' time."""
     out = []
     for p in profiles:
@@ -87,7 +132,7 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
             startup_prefill = p.prefill_s(spec, backend)
             prefill = m.prefill_s_per_layer_token or startup_prefill * m.decode_s_per_layer / max(startup_decode, 1e-12)
             p = replace(p, decode_s_per_layer={backend: m.decode_s_per_layer},
-                        prefill_s_per_layer_token={backend: prefill},
+                        prefill_s_per_layer_token={backend: prefill}, head_layers=m.head_layers,
                         compute_ref_layer_bytes=int(round(spec.mean_active_layer_bytes)), load_factor=0.0,
                         benchmark_score=p.benchmark_score * startup_decode / m.decode_s_per_layer, calibrated=True)
         links = dict(p.links)

@@ -83,6 +83,9 @@ class DeviceProfile:
     # Its compute figures were measured on the ring (scheduler/calibration.py): the decode time
     # holds everything, so the memory-bandwidth floor is not put under it.
     calibrated: bool = False
+    # The output head's decode time in this node's layers, as the ring measured it (None: its
+    # bytes over a layer's).
+    head_layers: float | None = None
 
     def __hash__(self) -> int:
         return hash(self.node_id)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from exo_tui.cluster.calibrate import Calibrator
+from exo_tui.cluster.metrics import StepSample
+from exo_tui.net.protocol import PlanEntry, RingPlan
+from exo_tui.net.timing import HopTiming
 from exo_tui.scheduler import Constraints, DeviceProfile, Link, make_plan, predict, synthetic_spec
 from exo_tui.scheduler.calibration import (
     GAP,
@@ -78,3 +82,37 @@ def test_a_rebalance_is_applied_once_the_gap_held_and_never_twice_within_the_coo
     s, go = follow(s, -0.5, 0.8, 47.0)
     assert go
     assert not follow(FollowState(), GAP * 0.9, 0.8, 100.0)[1]
+
+
+def _ring(version: int, *shards: tuple[str, int, int]) -> RingPlan:
+    return RingPlan(version, SPEC.n_layers, tuple(PlanEntry(n, "127.0.0.1", 1, a, b) for n, a, b in shards))
+
+
+def _step(c: Calibrator, ring: RingPlan, residences: dict[str, float], *, running: int = 1, context: int = 100) -> None:
+    hops = tuple(HopTiming(e.node_id, 0.0, r, 0.0, r) for e in ring.ring for r in [residences[e.node_id]])
+    c.step(StepSample("r", ring.version, 1, 0.0, 1.0, sum(residences.values()) + 0.002, None, hops, context),
+           ring, SPEC, running, SPEC.activation_bytes_per_token)
+
+
+def test_measured_figures_are_per_load_and_the_head_takes_the_time_it_was_measured_to_take() -> None:
+    """a: 1 ms a layer; b: 2 ms a layer and its head 10 ms (5 of its layers, not its bytes' 30+);
+    at a batch of 4 and 3,000 positions, a takes 3 ms a layer."""
+    t = [0.0]
+    c = Calibrator(clock=lambda: t[0])
+    half, L = SPEC.n_layers // 2, SPEC.n_layers
+    units = shard_layer_units(SPEC, 0, half)
+    v1, v2 = _ring(1, ("a", 0, half), ("b", half, L)), _ring(2, ("b", 0, half), ("a", half, L))
+    for _ in range(6):
+        t[0] += 0.1
+        _step(c, v1, {"a": 1e-3 * units, "b": 2e-3 * units + 0.010})
+        _step(c, v2, {"b": 2e-3 * units, "a": 1e-3 * units + 0.005})
+        _step(c, v1, {"a": 3e-3 * units, "b": 6e-3 * units}, running=4, context=3000)
+    one = c.measurements().at(1, 100).nodes
+    assert one["a"].decode_s_per_layer == pytest.approx(1e-3) and one["b"].decode_s_per_layer == pytest.approx(2e-3)
+    assert one["b"].head_layers == pytest.approx(5.0) and one["a"].head_layers == pytest.approx(5.0)
+    assert c.measurements().nodes["a"].decode_s_per_layer == pytest.approx(3e-3)  # the latest load: batch 4
+    assert c.measurements().at(3, 2500).nodes["a"].decode_s_per_layer == pytest.approx(3e-3)  # its bucket
+    assert c.measurements().at(2, 300).nodes["a"].decode_s_per_layer == pytest.approx(1e-3)  # the nearest measured
+    b = next(p for p in calibrate([_node("a"), _node("b")], SPEC, c.measurements().at(1, 100)) if p.node_id == "b")
+    full = predict([("b", 0, L)], {"b": b}, SPEC)
+    assert full.decode_s_per_token == pytest.approx(2e-3 * shard_layer_units(SPEC, 0, L, head_layers=5.0))
