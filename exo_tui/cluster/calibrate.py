@@ -3,15 +3,15 @@ hop, the coordinator's share of a token (exo_tui/scheduler/calibration.py plans 
 
 The pipeline hands every step's timing to :meth:`Calibrator.step` (beside the cluster strip's
 :class:`~exo_tui.cluster.metrics.ClusterMetrics`): each hop's residence at its node (the frame's
-arrival to its result leaving: the run and the wait for it, on the node's own clock) over the
-layers it holds in the ring in force gives its seconds per (mean) layer, a decode step's per
-token, a prompt's step's per prompt token, kept per bucket of load: the requests running (the
-nodes run their steps together) and the positions the step's request holds. The shard with the
-output head gives the head's time, once the node was also measured without it (SmolLM2's head is
-13.6 layers' bytes and takes about 5 layers' time on ONNX: counted by its bytes, the node holding
-it looked twice as fast as it was). The links and the coordinator take what the round trip
-leaves (:func:`~exo_tui.cluster.metrics.split_token`), so the parts add up to the token; they,
-and the token, count only while one request runs (a batch's round trip is shared). The figures
+arrival to its result leaving: the run and the wait for it, on the node's own clock) over the layers
+it holds in the ring in force gives its seconds per (mean) layer, a decode step's per token, a
+prompt's step's per prompt token, kept per bucket of load: the requests running (the nodes run their
+steps together) and the positions the step's request holds. The shard with the output head gives the
+head's time, once the node was also measured without it or with it on shards of other sizes
+(SmolLM2's head is 13.6 layers' bytes and takes about 5 layers' time on ONNX: counted by its bytes,
+the node holding it looked twice as fast as it was). The links and the coordinator take what the
+round trip leaves (:func:`~exo_tui.cluster.metrics.split_token`), so the parts add up to the token;
+they, and the token, count only while one request runs (a batch's round trip is shared). The figures
 are means over the last :data:`WINDOW_S` seconds, so a node that slows down (other work, a CPU
 quota, heat, a battery) is seen within seconds; a figure no longer measured (the node holds no
 layers, or another shard, or the load moved) is kept for :data:`KEEP_S`, after which its start-up
@@ -41,6 +41,7 @@ WINDOW_S = 10.0  # figures are means over this window
 MIN_SAMPLES = 5  # decode tokens a node's figure needs in the window
 KEEP_S = 300.0  # a figure no longer measured is kept this long
 SAMPLES_MAX = 4096
+HEAD_FIT_LAYERS = 4.0  # a head found from two shards with it: their layers this far apart
 
 
 class _Series:
@@ -74,14 +75,22 @@ def _median(values: Iterable[float]) -> float | None:
 
 
 def _head_layers(rates: dict[tuple[str, Bucket], tuple[float, int]],
-                 heads: dict[tuple[str, Bucket], tuple[float, float, int]]) -> dict[tuple[str, Bucket], float]:
-    """The output head's decode time in layers, for each node (and load) measured both with the
-    head (its step's time, its layers) and without it (its seconds per layer): what the step
-    with the head leaves beyond its layers."""
+                 heads: dict[tuple[str, Bucket], list[tuple[float, float, int]]]) -> dict[tuple[str, Bucket], float]:
+    """The output head's decode time in layers, for each node (and load) measured with the head
+    (its steps' time at each count of layers it held with it) and either without it (its seconds
+    per layer: the head is what the step leaves beyond its layers) or with it at two counts of
+    layers at least :data:`HEAD_FIT_LAYERS` apart (the step's time over its layers is a line:
+    its slope a layer's time, what it leaves at no layers the head's)."""
     out = {}
-    for key, (residence, units, _) in heads.items():
+    for key, got in heads.items():
+        units, residence, _ = max(got, key=lambda g: g[2])
         if key in rates and rates[key][0] > 0:
             out[key] = max(0.0, residence - rates[key][0] * units) / rates[key][0]
+            continue
+        low, high = min(got), max(got)
+        if high[0] - low[0] >= HEAD_FIT_LAYERS and high[1] > low[1]:
+            rate = (high[1] - low[1]) / (high[0] - low[0])
+            out[key] = max(0.0, low[1] / rate - low[0])
     return out
 
 
@@ -93,8 +102,7 @@ class Calibrator:
         # per (node, load bucket): a decode step's seconds per layer on shards without the head; on
         # the shard with it, the step's time and its layers (the head's time is what they leave)
         self.decode: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
-        self.head: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
-        self.head_units: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
+        self.head: dict[tuple[str, Bucket, float], _Series] = defaultdict(_Series)  # by its layers
         self.prefill: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
         self.links: dict[tuple[str, str], _Series] = defaultdict(_Series)
         self.coordinator = _Series()
@@ -130,8 +138,7 @@ class Calibrator:
             if sample.rows != 1:  # the head runs on one row of a prompt's: left out
                 self.prefill[key].add(now, h.residence_s / sample.rows / layers)
             elif e.end == spec.n_layers:
-                self.head[key].add(now, h.residence_s)
-                self.head_units[key].add(now, layers)
+                self.head[(*key, round(layers, 2))].add(now, h.residence_s)
             else:
                 self.decode[key].add(now, h.residence_s / layers)
         if sample.rows != 1:
@@ -156,11 +163,10 @@ class Calibrator:
         """The figures, every load bucket's, and each node's at the latest decode step's load."""
         now = self.clock()
         rates = {key: got for key, s in self.decode.items() if (got := s.mean(now)) is not None}
-        heads = {}
-        for key, s in self.head.items():
-            got, units = s.mean(now), self.head_units[key].mean(now)
-            if got is not None and units is not None and units[0] > 0:
-                heads[key] = (got[0], units[0], got[1])
+        heads: dict[tuple[str, Bucket], list[tuple[float, float, int]]] = defaultdict(list)
+        for (nid, bucket, units), s in self.head.items():
+            if (got := s.mean(now)) is not None:
+                heads[(nid, bucket)].append((units, got[0], got[1]))
         head_layers = _head_layers(rates, heads)
         by_load: dict[str, dict[Bucket, NodeMeasure]] = defaultdict(dict)
         for key in {*rates, *heads}:
@@ -169,7 +175,7 @@ class Calibrator:
             if key in rates:
                 rate, n = rates[key]
             else:
-                residence, units, n = heads[key]
+                units, residence, n = max(heads[key], key=lambda g: g[2])  # the most measured
                 rate = residence / (units + (h if h is not None else self.head_prior))
             pre = self.prefill[key].mean(now, 1) if key in self.prefill else None
             by_load[nid][bucket] = NodeMeasure(rate, pre[0] if pre else None, n, h)

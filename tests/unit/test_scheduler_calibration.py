@@ -102,14 +102,19 @@ def test_measured_figures_are_per_load_and_the_head_takes_the_time_it_was_measur
     half, L = SPEC.n_layers // 2, SPEC.n_layers
     units = shard_layer_units(SPEC, 0, half)
     v1, v2 = _ring(1, ("a", 0, half), ("b", half, L)), _ring(2, ("b", 0, half), ("a", half, L))
+    v3, v4 = _ring(3, ("a", 0, half), ("c", half, L)), _ring(4, ("a", 0, 2), ("c", 2, L))  # c: only with the head
     for _ in range(6):
         t[0] += 0.1
         _step(c, v1, {"a": 1e-3 * units, "b": 2e-3 * units + 0.010})
         _step(c, v2, {"b": 2e-3 * units, "a": 1e-3 * units + 0.005})
+        for v in (v3, v4):
+            _step(c, v, {"a": 1e-3 * shard_layer_units(SPEC, 0, v.ring[0].end),
+                         "c": 4e-3 * (shard_layer_units(SPEC, v.ring[0].end, L, head_layers=0.0) + 3)})
         _step(c, v1, {"a": 3e-3 * units, "b": 6e-3 * units}, running=4, context=3000)
     one = c.measurements().at(1, 100).nodes
     assert one["a"].decode_s_per_layer == pytest.approx(1e-3) and one["b"].decode_s_per_layer == pytest.approx(2e-3)
     assert one["b"].head_layers == pytest.approx(5.0) and one["a"].head_layers == pytest.approx(5.0)
+    assert one["c"].head_layers == pytest.approx(3.0) and one["c"].decode_s_per_layer == pytest.approx(4e-3)
     assert c.measurements().nodes["a"].decode_s_per_layer == pytest.approx(3e-3)  # the latest load: batch 4
     assert c.measurements().at(3, 2500).nodes["a"].decode_s_per_layer == pytest.approx(3e-3)  # its bucket
     assert c.measurements().at(2, 300).nodes["a"].decode_s_per_layer == pytest.approx(1e-3)  # the nearest measured
