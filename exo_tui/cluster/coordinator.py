@@ -344,7 +344,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
             mode = request.speculative if request.speculative is not None else self.speculative
             request.speculation = Speculation.for_request(mode, request.predicted)
         if request.speculation is not None and self.draft is not None:
-            self.draft.attach(request.speculation, request.id)
+            self.draft.attach(request.speculation, request.id, request.sampling)
         if request.speculation is not None:
             request.speculation.streams = lambda: len(self._active)
         chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,

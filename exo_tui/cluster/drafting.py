@@ -25,8 +25,9 @@ import numpy as np
 
 from exo_tui.inference.draft_model import vocabulary_mismatch
 from exo_tui.inference.drafts import DraftSource, PromptLookup
+from exo_tui.inference.sampling import SamplingParams
 from exo_tui.inference.speculation import Speculation
-from exo_tui.inference.speculative import Draft
+from exo_tui.inference.speculative import Draft, DraftProbs
 from exo_tui.models.model import Model
 from exo_tui.net.codec import call
 from exo_tui.net.connection import Connection
@@ -93,8 +94,9 @@ class ClusterDraft:
             return first
         return max(ids, key=room)
 
-    def attach(self, speculation: Speculation, rid: str) -> ModelDrafts | None:
-        """Give a stream's speculation the draft model as a source (before prompt lookup)."""
+    def attach(self, speculation: Speculation, rid: str, sampling: SamplingParams | None = None) -> ModelDrafts | None:
+        """Give a stream's speculation the draft model as a source (before prompt lookup);
+        ``sampling``: the request's (its drafts are drawn with them; None: greedy drafts)."""
         node = self.node_id()
         served = self.host.model
         if served is not None and str(served.path) != self.target:
@@ -105,7 +107,7 @@ class ClusterDraft:
             return None
         if node is None or served is None:
             return None
-        source = ModelDrafts(self, node, rid)
+        source = ModelDrafts(self, node, rid, sampling)
         sources = speculation.drafter.sources
         at = next((i for i, s in enumerate(sources) if isinstance(s, PromptLookup)), len(sources))
         sources.insert(at, source)
@@ -141,10 +143,11 @@ class ModelDrafts(DraftSource):
     name = "model"
     cheap = False  # each proposal is k steps of the draft model on a node
 
-    def __init__(self, drafts: ClusterDraft, node_id: str, rid: str) -> None:
+    def __init__(self, drafts: ClusterDraft, node_id: str, rid: str, sampling: SamplingParams | None = None) -> None:
         self.drafts = drafts
         self.node_id = node_id
         self.rid = rid
+        self.sampling = None if sampling is None else sampling.to_dict()
         self.off = False
         self._held: list[int] = []  # the positions the node's cache holds for the stream
 
@@ -155,9 +158,15 @@ class ModelDrafts(DraftSource):
         for _ in range(2):
             try:
                 conn = self.drafts.host.connection(self.node_id)
-                got = await call(conn, DraftStep(self.rid, self.drafts.path, n, k, self.drafts.backend), Drafted,
-                                 tensor=np.asarray(tokens[n:], dtype=np.int64), timeout=DRAFT_TIMEOUT_S)
-            except (KeyError, ConnectionClosed, ConnectionError, OSError, RemoteError, TimeoutError, BadBody) as exc:
+                ask = DraftStep(self.rid, self.drafts.path, n, k, self.drafts.backend, self.sampling)
+                got = await call(conn, ask, Drafted, tensor=np.asarray(tokens[n:], dtype=np.int64),
+                                 timeout=DRAFT_TIMEOUT_S)
+                q = None if got.q is None else DraftProbs.from_wire(got.q.counts, got.q.ids, got.q.probs)
+                if not got.lost and (len(got.tokens) != k or (q is not None and len(q) != k)):
+                    raise BadBody(f"draft_step: {len(got.tokens)} tokens and {len(q or ())} distributions "
+                                  f"drafted, not {k}")
+            except (KeyError, ConnectionClosed, ConnectionError, OSError, RemoteError, TimeoutError, BadBody,
+                    ValueError) as exc:
                 why = str(exc) or type(exc).__name__
                 log.warning("request %s: the draft model's node %s failed (%s): no more drafts from it for this "
                             "stream", self.rid, self.node_id, why)
@@ -169,9 +178,9 @@ class ModelDrafts(DraftSource):
             n, self._held = 0, []  # the node lost the stream's cache: its tokens again, from the start
         else:
             return Draft(())
-        drafted = [int(t) for t in got.tokens[:k]]
+        drafted = [int(t) for t in got.tokens]
         self._held = [*tokens, *drafted[:-1]]  # the node ran every draft but the last
-        return Draft(tuple(drafted), self.name)
+        return Draft(tuple(drafted), self.name, q)
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:

@@ -42,7 +42,7 @@ from exo_tui.inference.speculative import Draft, Verdict
 from exo_tui.net.codec import call, send
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import ConnectionClosed, RemoteError
-from exo_tui.net.messages import Done, Drop, Forward, ScoreAsk, Token
+from exo_tui.net.messages import Done, DraftQ, Drop, Forward, ScoreAsk, Token
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.timing import HopTiming, timings_from_wire
 
@@ -449,6 +449,7 @@ class RemotePipeline:
             score=ScoreAsk(request.prompt_logprobs, request.prompt_ids[1:])
             if pos == 0 and request.wants_prompt_scores and request.prompt_logprobs is not None else None,
             draft=drafted or None,
+            draft_q=DraftQ(*draft.q.to_wire()) if draft is not None and draft.q is not None else None,
         )
         sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos + len(drafted),
                      (end or request.n_tokens) + len(drafted))

@@ -5,14 +5,15 @@
 (:mod:`exo_tui.cluster.drafting` picks the node and asks it; the node's op is ``draft_step``).
 For each stream it keeps a KV cache of its own and, asked with the tokens accepted since its last
 call and ``k``, cuts that cache back to what is still accepted, runs the new tokens and then ``k``
-greedy steps (:class:`DraftModel`).
+draft steps (:class:`DraftModel`).
 
-The drafts are the draft model's argmax: deterministic drafts
-(:mod:`exo_tui.inference.speculative`), which a verify step accepts where the target's own draw
-is the drafted token. So answers are token for token those without speculation, greedy and
-sampled alike, and seeds stay reproducible; a sampled request accepts fewer drafts than
-speculative sampling with the draft's probabilities would (``p(d)`` against
-``sum(min(p, q))``), and the wire carries ``k`` token ids, not ``k`` rows of the vocabulary.
+A greedy request's drafts are the draft model's argmax (after the request's penalties), checked
+for equality. A sampled request's are drawn with the request's own sampler (its temperature,
+top-k, top-p, min-p, penalties and seed, at the position, on the draft's own random stream:
+:func:`~exo_tui.inference.speculative.draw_draft`), and each comes with the distribution it was
+drawn from, which the last stage checks with speculative sampling (``min(1, p/q)``, the residual
+``max(0, p - q)``): the answers keep the model's distribution, and a seed gives the same answer
+again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 
 from backends import get_backend
 from backends.base import BackendError, Shard
+from exo_tui.inference.sampling import Length, Sampler, SamplingParams
+from exo_tui.inference.speculative import Draft, DraftProbs, draw_draft
 from exo_tui.models.gguf_file import GGUFModel
 from exo_tui.models.tokenizer import Tokenizer
 
@@ -46,6 +49,9 @@ def vocabulary_mismatch(target: Tokenizer, draft: Tokenizer, draft_name: str) ->
     return ""
 
 
+_GREEDY = Sampler(SamplingParams(temperature=0.0))
+
+
 class DraftStateLost(Exception):
     """The draft model holds fewer of a stream's tokens than the ask assumed (it restarted, or
     forgot the stream): ask again from position 0."""
@@ -63,12 +69,15 @@ class DraftModel:
         self.shard: Shard = get_backend(backend).load_shard(gguf.config, weights)
         self.max_streams = max_streams
         self._held: OrderedDict[str, list[int]] = OrderedDict()  # stream -> the positions its cache holds
+        self._samplers: dict[str, Sampler] = {}  # a sampled stream's sampler (its seed resolved once)
         self.steps = 0  # draft steps run (one token each), for the node's metrics
 
-    def propose(self, rid: str, pos: int, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, rid: str, pos: int, tokens: Sequence[int], k: int,
+                sampling: SamplingParams | None = None) -> Draft:
         """``k`` drafted tokens to follow the stream's tokens: its first ``pos`` as held here
-        (the cache is cut back to them) and then ``tokens``. DraftStateLost when fewer than
-        ``pos`` are held."""
+        (the cache is cut back to them) and then ``tokens``; with the distributions they were
+        drawn from where ``sampling`` (the request's) is not greedy. DraftStateLost when fewer
+        than ``pos`` are held."""
         if k < 1:
             raise ValueError(f"a draft step drafts 1 or more tokens, not {k}")
         held = self._held.pop(rid, [])
@@ -87,11 +96,20 @@ class DraftModel:
             self.shard.drop(rid)
             raise DraftStateLost(f"the draft model cannot cut request {rid}'s cache back to {pos}") from None
         held = held[:pos]
+        sampler = self._sampler(rid, sampling)
         logits = self._run(rid, new, pos)
         held.extend(new)
         drafts: list[int] = []
+        ids: list[np.ndarray] = []
+        probs: list[np.ndarray] = []
         for i in range(k):
-            token = int(np.argmax(logits))
+            seen = held if sampler.params.uses_history else Length(len(held))
+            if sampler.params.greedy:
+                token = sampler.sample(logits, seen)[0]
+            else:
+                token, row_ids, row_probs = draw_draft(sampler, logits, seen)
+                ids.append(row_ids)
+                probs.append(row_probs)
             drafts.append(token)
             if i + 1 < k:
                 logits = self._run(rid, [token], len(held))
@@ -99,8 +117,18 @@ class DraftModel:
         self._held[rid] = held
         while len(self._held) > self.max_streams:
             old, _ = self._held.popitem(last=False)
+            self._samplers.pop(old, None)
             self.shard.drop(old)
-        return drafts
+        return Draft(tuple(drafts), "model", DraftProbs(ids, probs) if ids else None)
+
+    def _sampler(self, rid: str, sampling: SamplingParams | None) -> Sampler:
+        """The stream's sampler (``sampling``'s, its seed resolved once); plain greedy without."""
+        if sampling is None:
+            return _GREEDY
+        sampler = self._samplers.get(rid)
+        if sampler is None or (sampling.seed is not None and sampler.params != sampling):
+            sampler = self._samplers[rid] = Sampler(sampling)
+        return sampler
 
     def _run(self, rid: str, tokens: list[int], pos: int) -> np.ndarray:
         self.steps += 1
@@ -109,6 +137,7 @@ class DraftModel:
         return np.asarray(out).reshape(-1, out.shape[-1])[-1]
 
     def drop(self, rid: str) -> None:
+        self._samplers.pop(rid, None)
         if self._held.pop(rid, None) is not None:
             self.shard.drop(rid)
 

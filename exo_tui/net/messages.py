@@ -28,6 +28,16 @@ class ScoreAsk(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class DraftQ(Message):
+    """A draft model's distributions for its drafted tokens (``DraftProbs.to_wire``): each row's
+    length, then every row's token ids (int32) and probabilities (float32), little-endian."""
+
+    counts: list[int]
+    ids: bytes
+    probs: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Forward(Message):
     """One step of one request through a node's layers (the frame's tensor: token ids at the first
     hop, hidden states after). Sent by the coordinator to the first hop, by each hop to the next."""
@@ -48,6 +58,7 @@ class Forward(Message):
     more: int = 0  # hidden states of the previous hop's run that follow this one at once
     timing: list[Any] | None = None  # the hops' records so far (exo_tui.net.timing)
     draft: list[int] | None = None  # a verify step: the drafted tokens its last rows run (inference.speculative)
+    draft_q: DraftQ | None = None  # the distributions the drafts were drawn from (a sampled draft model's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,18 +92,21 @@ class DraftStep(Message):
     pos: int
     k: int
     backend: str | None = None
+    sampling: dict[str, Any] | None = None  # the request's SamplingParams.to_dict() (None: greedy drafts)
 
 
 @dataclass(frozen=True, slots=True)
 class Drafted(Message):
-    """A draft step's tokens. ``lost``: the node held fewer of the stream's positions than ``pos``
-    (ask again from 0); ``nbytes``: the draft model's weights here."""
+    """A draft step's tokens, and (a sampled request's) the distributions they were drawn from.
+    ``lost``: the node held fewer of the stream's positions than ``pos`` (ask again from 0);
+    ``nbytes``: the draft model's weights here."""
 
     TYPE: ClassVar[str] = "ok"
 
     tokens: list[int]
     lost: bool = False
     nbytes: int = 0
+    q: DraftQ | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from exo_tui.inference.draft_model import DraftModel, DraftStateLost
+from exo_tui.inference.sampling import SamplingParams
 from exo_tui.models.gguf_file import GGUFModel
-from exo_tui.net.messages import Drafted, DraftStep
+from exo_tui.net.messages import Drafted, DraftQ, DraftStep
 
 log = logging.getLogger("exo_tui.node")
 
@@ -35,12 +36,14 @@ class NodeDrafts:
                 await loop.run_in_executor(self._thread, self._load, msg.path, msg.backend or self.default_backend)
             model = self.model
             assert model is not None
+            sampling = None if msg.sampling is None else SamplingParams.from_dict(msg.sampling)
             try:
-                drafts = await loop.run_in_executor(self._thread, model.propose, msg.rid, msg.pos,
-                                                    np.asarray(tokens).reshape(-1).tolist(), msg.k)
+                draft = await loop.run_in_executor(self._thread, model.propose, msg.rid, msg.pos,
+                                                   np.asarray(tokens).reshape(-1).tolist(), msg.k, sampling)
             except DraftStateLost:
                 return Drafted([], lost=True, nbytes=model.nbytes)
-            return Drafted(drafts, nbytes=model.nbytes)
+            q = None if draft.q is None else DraftQ(*draft.q.to_wire())
+            return Drafted(list(draft.tokens), nbytes=model.nbytes, q=q)
 
     def _load(self, path: str, backend: str) -> None:
         if self.model is not None:

@@ -5,7 +5,8 @@ with the request's sampler (made from the step's ``sampling`` at the request's f
 and kept, with its resolved seed, until the request is forgotten), gives the token's logprobs
 where the step asks (``logprobs``: k alternatives), and scores the prompt where the step asks
 (``score``: each of its tokens given those before it); a verify step's ``draft`` (the tokens
-its last rows ran) is checked against those rows (:mod:`exo_tui.inference.speculative`). The agent (:mod:`exo_tui.node.agent`) runs
+its last rows ran, and ``draft_q``, the distributions a draft model drew them from) is checked
+against those rows (:mod:`exo_tui.inference.speculative`). The agent (:mod:`exo_tui.node.agent`) runs
 the steps and sends the token on; what a step's body asks of the last hop, and how that is
 answered, is here, apart from the worker's state.
 """
@@ -21,7 +22,7 @@ from backends.base import MAX_DRAFT
 from backends.memory import logit_rows
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
-from exo_tui.inference.speculative import Draft, Verdict, verify
+from exo_tui.inference.speculative import Draft, DraftProbs, Verdict, verify
 from exo_tui.net.messages import Forward, ScoreAsk
 
 
@@ -57,7 +58,9 @@ class Samplers:
                              f"not {draft!r:.80}")
         sampler, history = self._sampler(step)
         rows = logits[-(len(draft) + 1) :]
-        verdict = verify(sampler, rows, history, Draft(tuple(draft)))
+        q = None if step.draft_q is None else DraftProbs.from_wire(step.draft_q.counts, step.draft_q.ids,
+                                                                   step.draft_q.probs)
+        verdict = verify(sampler, rows, history, Draft(tuple(draft), q=q))
         if step.logprobs is None:
             return verdict, None
         return verdict, [token_logprobs(rows[i], t, step.logprobs) for i, t in enumerate(verdict.tokens)]

@@ -1,6 +1,7 @@
 """A draft model (``--draft``, issue 42) through a ring of real node processes: a tiny random model
 drafts for its F32 twin (the same weights at 4 bits) on the first stage's node; greedy answers are
-token for token those of one process without speculation; a kill -9 of the draft model's node
+token for token those of one process without speculation; sampled answers (drafts drawn with
+their distributions, checked by speculative sampling) repeat with their seed; a kill -9 of the draft model's node
 mid-answer turns the stream's drafts from it off and gives the same text."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,14 @@ def test_a_draft_model_gives_the_plain_greedy_answer_and_its_node_dying_only_sto
                 assert drafted > accepted > 0  # some drafts rejected: the draft cache was cut back
                 assert c.draft.turned_off == 0 and c.pipeline.failed_steps == 0
                 assert "draft model" in c.draft.describe() and c.nodes[first].name in c.draft.describe()
+                # sampled: the drafts come with their distributions (speculative sampling draws other
+                # tokens than plain decoding, from the same distribution), and a seed repeats its answer
+                sampled = ChatParams(temperature=0.9, seed=7, max_tokens=N, speculative=4)
+                tokens, drafted, accepted = await answer(c, sampled)
+                assert drafted > accepted > 0
+                assert (await answer(c, sampled))[0] == tokens
+                plain, _, _ = await answer(c, replace(sampled, speculative="off"))
+                assert plain != tokens
 
                 async def kill_draft_node() -> None:
                     proc = next(n for n in ns.nodes if n.port == c.nodes[first].port)

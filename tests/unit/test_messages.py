@@ -24,13 +24,15 @@ PLAN = RingPlan(3, 4, (PlanEntry("n1", "10.0.0.1", 52416, 0, 2, "onnx"), PlanEnt
 # One of each message, its optional fields set where it has them (so that they travel too).
 SAMPLES: list[Message] = [
     m.ScoreAsk(top=2, targets=[5, 6]),
+    m.DraftQ(counts=[2], ids=b"\x07\0\0\0\x08\0\0\0", probs=b"\0\0\0?\0\0\0?"),
     m.Forward(rid="r", hop=1, pos=12, step=-3, n_tokens=13, sampling={"temperature": 0.7, "seed": 4}, fill=True,
               history=[1, 2, 3], adopt="old", logprobs=2, score=m.ScoreAsk(1, [2]), more=3,
-              timing=[["n1", 0.0, 0.01, 1.5, 1.6]], draft=[7, 8]),
+              timing=[["n1", 0.0, 0.01, 1.5, 1.6]], draft=[7, 8],
+              draft_q=m.DraftQ(counts=[1, 1], ids=b"\x07\0\0\0\x08\0\0\0", probs=b"\0\0\x80?\0\0\x80?")),
     m.Token(rid="r", step=4, token=17, timing=[["n1", 0.0, 0.01, 1.5, 1.6]], logprobs=[17, -0.5, [[17, -0.5]]],
             scored=True, tokens=[7, 17], accepted=1, listed=[[7, -0.1, []], [17, -0.5, []]]),
-    m.DraftStep(rid="r", path="/d.gguf", pos=12, k=4, backend="onnx"),
-    m.Drafted(tokens=[7, 8, 9], lost=True, nbytes=100),
+    m.DraftStep(rid="r", path="/d.gguf", pos=12, k=4, backend="onnx", sampling={"temperature": 0.7, "seed": 4}),
+    m.Drafted(tokens=[7, 8, 9], lost=True, nbytes=100, q=m.DraftQ([3], b"\0" * 12, b"\0" * 12)),
     m.StepFailed(rid="r", error="boom", step=None, node_id="n2", failed_node="n3", kv_budget=True),
     m.Heartbeat(metrics={"cpu_percent": 3.5, "kv": {"budget_bytes": 10}}, t=1.25),
     m.HeldShard(start=0, end=2, backend="onnx", nbytes=100, model="m", held_bytes=90, precision="int8"),
@@ -112,6 +114,8 @@ def _wrong(tp: Any) -> tuple[Any, str]:
         return 1, "must be a string, got int"
     if tp is bool:
         return 1, "must be a bool, got int"
+    if tp is bytes:
+        return "ab", "must be bytes, got str"
     if origin in (list, tuple):
         return {"a": 1}, "must be a list of "
     if origin is dict or (isinstance(tp, type) and issubclass(tp, Message)):

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams
-from exo_tui.inference.speculative import Draft, Verdict, verify
+from exo_tui.inference.speculative import Draft, DraftProbs, Verdict, verify
 
 PARAMS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -93,8 +93,8 @@ def test_rows_that_do_not_fit_the_draft_are_refused() -> None:
     sampler = Sampler(SamplingParams(temperature=0.0))
     with pytest.raises(ValueError, match="a draft of 2 tokens is checked against 3 rows of logits"):
         verify(sampler, np.zeros((2, 10)), Length(1), Draft((1, 2)))
-    with pytest.raises(ValueError, match=r"needs q of \(2, vocab\)"):
-        Draft((1, 2), q=np.ones((3, 10)))
+    with pytest.raises(ValueError, match=r"needs as many rows of q, not 3"):
+        Draft((1, 2), q=DraftProbs.dense(np.ones((3, 10))))
 
 
 # ------------------------------------------------------------------ the distribution kept
@@ -115,7 +115,7 @@ def speculate(target: Bigram, drafter: Bigram, sampler: Sampler, draft_sampler: 
             drafts.append(d)
             q.append(p)
             ctx.append(d)
-        verdict = verify(sampler, target.rows(seq, tuple(drafts)), seen(sampler, seq), Draft(tuple(drafts), q=np.stack(q)))
+        verdict = verify(sampler, target.rows(seq, tuple(drafts)), seen(sampler, seq), Draft(tuple(drafts), q=DraftProbs.dense(np.stack(q))))
         seq += verdict.tokens
         tally["drafted"] += verdict.drafted
         tally["accepted"] += verdict.accepted
@@ -186,6 +186,6 @@ def test_a_draft_model_that_is_the_model_is_always_accepted() -> None:
         sampler = Sampler(SamplingParams(temperature=1.0, seed=run))
         p = sampler.probabilities(target.logits([1]), Length(1))
         d = int(np.argmax(p))
-        verdict = verify(sampler, target.rows([1], (d,)), Length(1), Draft((d,), q=p[None, :]))
+        verdict = verify(sampler, target.rows([1], (d,)), Length(1), Draft((d,), q=DraftProbs.dense(p[None, :])))
         accepted += verdict.accepted
     assert accepted == 200
