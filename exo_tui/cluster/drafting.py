@@ -1,18 +1,19 @@
 """The cluster's draft model (``--draft MODEL``): where it runs, and the draft source of each stream.
 
-The draft model runs whole on one node (:mod:`exo_tui.node.drafting`). Drafting is a round trip
-from the coordinator to that node before each verify step, whichever node it is; what differs is
-the work it puts beside a stage's. So it goes to the plan's first stage's node (the stage that
-waits for the coordinator's token anyway: it drafts while the last stages finish the step before)
-when that node's KV budget holds its weights and a stream's cache with room to spare, else to the
-ring's node with the most budget left. Once loaded, the weights count in that node's memory like
-any other (the node's budget is measured from its process), and its heartbeat lists them.
+The draft model runs whole on one node (:mod:`exo_tui.node.drafting`). The plan places it and
+counts its bytes there (:meth:`ClusterDraft.need`, :mod:`exo_tui.scheduler.draft`: its weights
+and one stream's KV cache at the served context, on the node where it costs the ring least), so
+no shard is given that memory; the plan's :class:`~exo_tui.scheduler.plan.PlanDraft` names the
+node, for the partition view and ``exo-tui status``. Once loaded, its bytes are in that node's
+measured memory, and its heartbeat lists them (:meth:`ClusterDraft.held_on` counts them back
+for the next plan, as a shard's are).
 
 Each stream asks one node (:class:`ModelDrafts`, a :class:`~exo_tui.inference.drafts.DraftSource`
-drafted before prompt lookup): the tokens accepted since its last ask and ``k``. When that node
-fails (gone, refusing, no answer within :data:`DRAFT_TIMEOUT_S`), the stream drafts from the model
-no more: its other sources go on, and its steps are plain ones where it has none. Nothing else
-changes; a new stream asks the node that the plan in force places the draft model on then.
+drafted before prompt lookup): the tokens accepted since its last ask, ``k`` and the request's
+sampling. When that node fails (gone, refusing, no answer within :data:`DRAFT_TIMEOUT_S`), the
+stream drafts from the model no more: its other sources go on, and its steps are plain ones where
+it has none. Nothing else changes; a new stream asks the node that the plan in force places the
+draft model on then.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from exo_tui.inference.sampling import SamplingParams
 from exo_tui.inference.speculation import Speculation
 from exo_tui.inference.speculative import Draft, DraftProbs
 from exo_tui.models.model import Model
+from exo_tui.models.spec import spec_from_gguf
 from exo_tui.net.codec import call
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import BadBody, ConnectionClosed, RemoteError
 from exo_tui.net.messages import Drafted, DraftStep
 from exo_tui.net.protocol import RingPlan
+from exo_tui.scheduler.plan import DraftNeed, Plan, PlanDraft
+from exo_tui.scheduler.spec import ModelSpec
 
 log = logging.getLogger("exo_tui.cluster")
 
@@ -45,8 +49,13 @@ class DraftHost(Protocol):
     """What the draft model needs from the coordinator."""
 
     ring: RingPlan | None
+    plan: Plan | None
     model: Model | None
     nodes: dict[str, Any]
+
+    @property
+    def context_length(self) -> int:
+        ...
 
     def connection(self, node_id: str) -> Connection:
         ...
@@ -67,14 +76,41 @@ class ClusterDraft:
         self.turned_off = 0  # streams that stopped drafting from it because its node failed
         self.failed: dict[str, str] = {}  # node id -> why it stopped drafting there
         self._warned = False  # that another model is served now, and it drafts for none
+        self._specs: dict[int, ModelSpec] = {}  # its spec at a served context
 
     @property
     def name(self) -> str:
         return self.model.name
 
+    def need(self) -> DraftNeed | None:
+        """What the scheduler places and counts: the draft's spec at the served context (None: the
+        model served is not the one it drafts for)."""
+        served = self.host.model
+        if served is None or str(served.path) != self.target:
+            return None
+        context = self.host.context_length
+        if context not in self._specs:
+            self._specs[context] = spec_from_gguf(self.model.gguf, context)
+        return DraftNeed(self.name, self._specs[context])
+
+    def held_on(self, handle: Any) -> int:
+        """Its weights' bytes loaded on the node of ``handle`` (its heartbeat's), else 0."""
+        draft = (getattr(handle, "metrics", None) or {}).get("draft") or {}
+        return int(draft.get("nbytes", 0) or 0) if draft.get("path") == self.path else 0
+
+    def placed(self) -> PlanDraft | None:
+        """Where the plan in force runs it (None: a plan made without it, or no plan)."""
+        plan = self.host.plan
+        placed = plan.draft if plan is not None else None
+        return placed if placed is not None and placed.model == self.name else None
+
     def node_id(self) -> str | None:
-        """The node the draft model runs on for new streams (None: no plan)."""
-        plan = self.host.ring
+        """The node the draft model runs on for new streams (None: none, or no plan)."""
+        placed = self.placed()
+        if placed is not None:
+            ok = placed.node_id and placed.node_id not in self.failed and placed.node_id in self.host.nodes
+            return placed.node_id if ok else None
+        plan = self.host.ring  # a plan made before the draft model was given: beside its shards
         if plan is None or not plan.ring:
             return None
         need = self.nbytes + self.kv_bytes
@@ -121,9 +157,14 @@ class ClusterDraft:
         """A line for the partition view and ``exo-tui status``."""
         node = self.node_id()
         where = self.host.nodes[node].name if node is not None and node in self.host.nodes else "no node"
-        size = f"{self.nbytes / 1e6:.0f} MB" if self.nbytes else "?"
+        placed = self.placed()
+        if placed is not None and placed.nbytes:
+            size = f"{placed.nbytes / 1e6:.0f} MB counted: weights and one stream's KV at {self.host.context_length} tokens"
+        else:
+            size = f"{self.nbytes / 1e6:.0f} MB"
         off = f", {self.turned_off} stream(s) turned off by a node failure" if self.turned_off else ""
-        return f"draft model {self.name} ({size}) on {where}{off}"
+        nowhere = ": no node has room for it" if placed is not None and not placed.node_id else ""
+        return f"draft model {self.name} ({size}) on {where}{nowhere}{off}"
 
 
 def load_draft(name_or_path: str, host: DraftHost, target: Model, backend: str | None = None,

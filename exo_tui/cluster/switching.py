@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from backends.base import PREFILL_CHUNK
@@ -74,7 +75,7 @@ class PlanSwitching(KVMoves):
             backend = self._node_backend(h)
             timing = p.layer_timing.get(backend)
             decode_s, prefill_s, ref_bytes = timing.for_model(kquant) if timing else (0, 0, 0)
-            held = sum(held_bytes(s) for s in h.shards)
+            held = sum(held_bytes(s) for s in h.shards) + (self.draft.held_on(h) if self.draft is not None else 0)
             avail = int(h.metrics.get("ram_available_bytes", p.ram_available_bytes)) + held
             total = p.ram_total_bytes
             limit = (limit_bytes or p.memory_limit_bytes) if p.memory_limit_bytes else 0
@@ -141,10 +142,12 @@ class PlanSwitching(KVMoves):
         see :meth:`broken_pins`."""
         failed = frozenset(n for n, h in self.nodes.items() if h.state == "failed")
         pins = pins if pins is not None else self.pins
+        draft = self.draft.need() if self.draft is not None else None  # counted on its node (scheduler/draft.py)
         return measured_constraints(Constraints(
             pins=tuple(p for n, p in pins.items() if n in self.nodes and n not in failed),
             drained=frozenset(drained if drained is not None else self.drained),
             failed=failed,
+            draft=draft,
         ), self.calibrator.measurements())
 
     def _preview(self, constraints: Constraints) -> ChangePreview:
@@ -259,6 +262,8 @@ class PlanSwitching(KVMoves):
             old_plan, old_ring = self.plan, self.ring
             same = old_plan is not None and self._plan_alive() and old_plan.shards == new.shards
             if same and not self._serve_error:
+                if old_plan is not None and old_plan.draft != new.draft:  # the draft model placed anew: no shard moves
+                    self.plan = replace(old_plan, draft=new.draft, predictions=new.predictions, reasons=new.reasons)
                 self._plan_ready.set()
                 self._refresh_states()
                 return

@@ -26,7 +26,16 @@ from exo_tui.scheduler.diff import (
     should_rebalance,
 )
 from exo_tui.scheduler.partition import eligible_nodes, make_plan
-from exo_tui.scheduler.plan import Constraints, NodePrediction, Pin, Plan, PlanShard, Predictions
+from exo_tui.scheduler.plan import (
+    Constraints,
+    DraftNeed,
+    NodePrediction,
+    Pin,
+    Plan,
+    PlanDraft,
+    PlanShard,
+    Predictions,
+)
 from exo_tui.scheduler.prediction import predict
 from exo_tui.scheduler.profile import DeviceProfile, Link
 from exo_tui.scheduler.score import (
@@ -48,6 +57,7 @@ __all__ = [
     "ChangePreview",
     "ClusterState",
     "Constraints",
+    "DraftNeed",
     "DeviceProfile",
     "InfeasiblePlan",
     "LayerMove",
@@ -58,6 +68,7 @@ __all__ = [
     "NodeScore",
     "Pin",
     "Plan",
+    "PlanDraft",
     "PlanDiff",
     "PlanShard",
     "Predictions",

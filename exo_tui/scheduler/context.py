@@ -108,6 +108,9 @@ def make_context(
         kv[nid] = p.kv_bytes_per_layer(spec, backend[nid])
         t[nid] = p.layer_s(spec, backend[nid])
         head_t[nid] = t[nid] * (head_layers if p.head_layers is None else p.head_layers)
+    for nid, nbytes in constraints.reserved:  # kept for other work (a draft model: scheduler/draft.py)
+        if nid in usable:
+            usable[nid] -= nbytes
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
     return PlanContext(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
                 m, min(constraints.prompt_tokens, max(1, spec.context_length - 1)),  # a prompt the context holds

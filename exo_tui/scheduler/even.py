@@ -3,16 +3,19 @@
 ``exo-tui chat --nodes A,B,C`` (and a coordinator whose strategy is ``even``) asks for it: the ring
 is the order the nodes were given, each pinned range stays where it is pinned, and every range
 the pins leave free is shared by the next unpinned nodes (:func:`share`), split evenly by layer
-count. Nothing is measured or optimised; the plan still carries its predictions.
+count. Nothing is measured or optimised; the plan still carries its predictions, and a draft model
+(``constraints.draft``) goes beside the shards where it costs the ring least, or nowhere.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.context import InfeasiblePlan
+from exo_tui.scheduler.context import InfeasiblePlan, make_context
+from exo_tui.scheduler.draft import place_beside, with_draft, without_draft
 from exo_tui.scheduler.plan import Constraints, Pin, Plan, PlanShard
 from exo_tui.scheduler.prediction import predict
 from exo_tui.scheduler.profile import DeviceProfile
@@ -45,7 +48,15 @@ def even_plan(
         shards += [PlanShard(n, bounds[i], bounds[i + 1], backends[n]) for i, n in enumerate(group)]
     ordered = tuple(sorted(shards, key=lambda s: s.start))
     predictions = predict(ordered, profiles, spec, config)
-    return Plan(spec.name, n_layers, ordered, "even", version, predictions, ("layers split evenly in node order",))
+    plan = Plan(spec.name, n_layers, ordered, "even", version, predictions, ("layers split evenly in node order",))
+    need = constraints.draft
+    if need is None:
+        return plan
+    ctx = make_context(profiles, spec, config, replace(constraints, draft=None))
+    where = place_beside(ctx, plan, need, order)  # the layers stay as dealt: beside them, or nowhere
+    if where is None:
+        return without_draft(ctx, plan, need, order)
+    return with_draft(ctx, plan, need, where, "the cheapest node with room beside the shards")
 
 
 def unpinned_ranges(pins: Sequence[Pin], n_layers: int, free_nodes: int) -> list[tuple[int, int]]:

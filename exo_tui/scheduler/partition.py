@@ -36,6 +36,7 @@ search for small clusters), :mod:`.explain` (checks, errors and a plan's reasons
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from exo_tui.config import SchedulerConfig
 from exo_tui.scheduler.baselines import exo_map_partitions as exo_map_partitions  # re-exported
@@ -43,6 +44,7 @@ from exo_tui.scheduler.baselines import exo_ring_partitions as exo_ring_partitio
 from exo_tui.scheduler.baselines import exo_ring_shards, memory_split
 from exo_tui.scheduler.context import STRATEGIES, InfeasiblePlan, PlanContext, gb, make_context
 from exo_tui.scheduler.dp import dp_split, dp_split_any, ordered_ring
+from exo_tui.scheduler.draft import by_cost, draft_bytes, draft_cost, place_beside, with_draft, without_draft
 from exo_tui.scheduler.explain import check_pins, explain_no_fit, plan_reasons, reserve_text
 from exo_tui.scheduler.plan import Constraints, Plan, PlanShard
 from exo_tui.scheduler.prediction import predict as predict  # re-exported
@@ -108,9 +110,70 @@ def make_plan(
     ``current``: the plan serving now. The latency and throughput strategies keep them while
     they still honour every constraint and no plan is predicted more than ``KEEP_GAIN`` better:
     a switch moves weights and caches, which two equal nodes trading places would pay for nothing.
+    ``constraints.draft``: a draft model the plan places and counts (:mod:`.draft`).
     """
     config = config or SchedulerConfig()
     constraints = constraints or Constraints()
+    need = constraints.draft
+    ps = list(profiles)
+    bare = replace(constraints, draft=None)
+    plan = _make_plan(ps, spec, strategy, bare, config, now=now, version=version, scores=scores,
+                      check_memory=check_memory, current=current)
+    if need is None:
+        return plan
+    ctx = make_context({p.node_id: p for p in ps}, spec, config, bare)
+    elig = eligible_nodes(ps, spec, config, bare, now, scores)[0]
+    where = place_beside(ctx, plan, need, elig)
+    if where is not None:
+        return with_draft(ctx, plan, need, where, "the cheapest node with room beside the shards")
+    key = _plan_key(strategy or config.partition.strategy)
+    best: tuple[tuple[float, float], Plan, str] | None = None
+    for nid in by_cost(ctx, plan, need, elig):  # the draft's bytes kept out of one node, each in turn
+        nbytes = draft_bytes(ctx, need, nid)
+        if nbytes > ctx.usable[nid]:
+            continue
+        kept = replace(bare, reserved=(*bare.reserved, (nid, nbytes)))
+        try:
+            other = _make_plan(ps, spec, strategy, kept, config, now=now, version=version, scores=scores,
+                               check_memory=check_memory, current=current)
+        except InfeasiblePlan:
+            continue
+        k = (key(other), draft_cost(ctx, other, need, nid))
+        if best is None or k < best[0]:
+            best = (k, other, nid)
+    if best is None:
+        return without_draft(ctx, plan, need, elig)
+    return with_draft(ctx, best[1], need, best[2], "no node had room beside the shards: the plan leaves it this room")
+
+
+def _plan_key(strategy: str) -> Callable[[Plan], float]:
+    """A made plan's objective under ``strategy``: seconds a token (one stream), or a token's
+    time at the slowest stage (throughput)."""
+    def key(plan: Plan) -> float:
+        pred = plan.predictions
+        if pred is None:
+            return float("inf")
+        if strategy == "throughput":
+            return 1.0 / pred.tok_per_s_saturated if pred.tok_per_s_saturated > 0 else float("inf")
+        return pred.decode_s_per_token
+
+    return key
+
+
+def _make_plan(
+    profiles: Iterable[DeviceProfile],
+    spec: ModelSpec,
+    strategy: str | None,
+    constraints: Constraints,
+    config: SchedulerConfig,
+    *,
+    now: float,
+    version: int,
+    scores: Mapping[str, NodeScore] | None,
+    check_memory: bool,
+    current: Plan | None,
+) -> Plan:
+    """:func:`make_plan` without a draft model."""
     strategy = strategy or config.partition.strategy
     if strategy not in STRATEGIES:
         raise InfeasiblePlan(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}", "strategy")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from exo_tui.scheduler.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,21 @@ class Predictions:
 
 
 @dataclass(frozen=True)
+class PlanDraft:
+    """Where the plan runs a draft model (``--draft``; :mod:`exo_tui.scheduler.draft`): ``node_id``
+    ("" where no node has room for it), the bytes counted there (its weights and one stream's KV
+    cache at the served context) and one draft token's predicted seconds there."""
+
+    model: str
+    node_id: str
+    nbytes: int
+    token_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The ordered ring of shards that covers every layer exactly once."""
+    """The ordered ring of shards that covers every layer exactly once, and where a draft model
+    runs beside it."""
 
     model: str
     n_layers: int
@@ -63,6 +78,7 @@ class Plan:
     version: int = 1
     predictions: Predictions | None = None
     reasons: tuple[str, ...] = ()
+    draft: PlanDraft | None = None
 
     def __post_init__(self) -> None:
         pos = 0
@@ -95,7 +111,7 @@ class Plan:
         return self.predictions.tok_per_s_single if self.predictions else 0.0
 
     def with_version(self, version: int) -> Plan:
-        return Plan(self.model, self.n_layers, self.shards, self.strategy, version, self.predictions, self.reasons)
+        return replace(self, version=version)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -121,6 +137,7 @@ class Plan:
             version=int(d.get("version", 1)),
             predictions=predictions,
             reasons=tuple(d.get("reasons", ())),
+            draft=PlanDraft(**d["draft"]) if d.get("draft") else None,
         )
 
 
@@ -156,3 +173,14 @@ class Constraints:
     # and from the last stage: scheduler/calibration.py), counted in place of the token's way back
     # from the last stage to the first; None: that hop as the links predict it.
     coordinator_s: float | None = None
+    draft: DraftNeed | None = None  # a draft model to place beside the plan (scheduler/draft.py)
+    reserved: tuple[tuple[str, int], ...] = ()  # (node, bytes) kept out of a node's memory for other work
+
+
+@dataclass(frozen=True)
+class DraftNeed:
+    """A draft model to run whole on one node: its name and its spec at the served context (its
+    bytes and time counted as a one-shard plan's)."""
+
+    model: str
+    spec: ModelSpec

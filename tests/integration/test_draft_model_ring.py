@@ -1,5 +1,5 @@
 """A draft model (``--draft``, issue 42) through a ring of real node processes: a tiny random model
-drafts for its F32 twin (the same weights at 4 bits) on the first stage's node; greedy answers are
+drafts for its F32 twin (the same weights at 4 bits) on the node the plan places it on; greedy answers are
 token for token those of one process without speculation; sampled answers (drafts drawn with
 their distributions, checked by speculative sampling) repeat with their seed; a kill -9 of the draft model's node
 mid-answer turns the stream's drafts from it off and gives the same text."""
@@ -46,8 +46,11 @@ def test_a_draft_model_gives_the_plain_greedy_answer_and_its_node_dying_only_sto
             async with coordinator(ns, model=tiny_models["F32-untied"]) as c:
                 assert len(c.plan.shards) == 2
                 c.draft = load_draft(str(draft), c, c.model)
-                first = c.ring.ring[0].node_id
-                assert c.draft.node_id() == first
+                await c.replan("a draft model")  # the plan places it and counts its bytes
+                assert c.plan.draft is not None and c.plan.draft.nbytes > draft.stat().st_size
+                first = c.draft.node_id()
+                assert first == c.plan.draft.node_id and first in c.plan.node_ids
+                assert any(r.startswith(f"draft model {c.draft.name} on ") for r in c.plan.reasons)
                 tokens, drafted, accepted = await answer(c, greedy())
                 assert tokens == reference
                 assert drafted > accepted > 0  # some drafts rejected: the draft cache was cut back
