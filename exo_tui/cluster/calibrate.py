@@ -41,6 +41,9 @@ WINDOW_S = 10.0  # figures are means over this window
 MIN_SAMPLES = 5  # decode tokens a node's figure needs in the window
 KEEP_S = 300.0  # a figure no longer measured is kept this long
 SAMPLES_MAX = 4096
+MIN_BUSY = 0.05  # a node's CPU a second of runs is measured over heartbeats it ran this share of
+QUOTA_HELD = 0.8  # ... and used less than this share of its CPU quota
+CPU_SAMPLES = 3  # heartbeats the figure needs in the window
 HEAD_FIT_LAYERS = 4.0  # a head found from two shards with it: their layers this far apart
 
 
@@ -111,6 +114,30 @@ class Calibrator:
         self.act_bytes = 0  # a decode token's hidden state, the bytes a link's hop carried
         self.load: Bucket = load_bucket(1, 1)  # the latest decode step's: the load plans are predicted for
         self.head_prior = 0.0  # the head in layers by its bytes, for a node measured only with it
+        self.cpu: dict[str, _Series] = defaultdict(_Series)  # a node's CPU seconds a second of its runs
+        self._cpu_last: dict[str, tuple[float, float, float]] = {}  # its last heartbeat's (time, CPU, busy)
+        self.held: set[str] = set()  # nodes their CPU quota held back at their last heartbeat
+
+    def heartbeat(self, node_id: str, metrics: dict[str, Any]) -> None:
+        """A node's heartbeat: the CPU its process took since the last one over the time its runs
+        took, where it ran enough to tell (:data:`MIN_BUSY`) and no quota held it back (then
+        the CPU is the quota's, not what its runs would take)."""
+        cpu, busy = metrics.get("cpu_time_s"), metrics.get("busy_s")
+        if not isinstance(cpu, (int, float)) or not isinstance(busy, (int, float)):
+            return
+        now = self.clock()
+        last, self._cpu_last[node_id] = self._cpu_last.get(node_id), (now, float(cpu), float(busy))
+        if last is None or now <= last[0]:
+            return
+        dt, d_cpu, d_busy = now - last[0], cpu - last[1], busy - last[2]
+        quota = metrics.get("cpu_quota_cores")
+        held = isinstance(quota, (int, float)) and quota > 0 and d_cpu / dt > QUOTA_HELD * quota
+        if held:
+            self.held.add(node_id)
+        else:
+            self.held.discard(node_id)
+            if d_busy >= MIN_BUSY * dt and d_cpu > 0:
+                self.cpu[node_id].add(now, d_cpu / d_busy)
 
     def step(self, sample: StepSample, ring: Any, spec: ModelSpec | None, running: int, act_bytes: int,
              *, answering: bool = False) -> None:
@@ -134,6 +161,8 @@ class Calibrator:
             if layers <= 0:
                 continue
             key = (h.node_id, bucket)
+            if h.node_id in self.held:  # its time is the quota's wait: the prediction counts that apart
+                continue
             # its residence: the run, and the wait for it (a node short of CPU waits to run)
             if sample.rows != 1:  # the head runs on one row of a prompt's: left out
                 self.prefill[key].add(now, h.residence_s / sample.rows / layers)
@@ -185,7 +214,8 @@ class Calibrator:
             if got is not None:
                 links[key] = LinkMeasure(got[0], float(self.act_bytes), got[1])
         coord = self.coordinator.mean(now)
-        return Measurements({}, links, coord[0] if coord else None, dict(by_load)).at(*self.load)
+        cpu = {nid: got[0] for nid, s in self.cpu.items() if (got := s.mean(now, CPU_SAMPLES)) is not None}
+        return Measurements({}, links, coord[0] if coord else None, dict(by_load), cpu).at(*self.load)
 
     def measured_tok_per_s(self, plan_version: int | None) -> tuple[float, int] | None:
         """One stream's measured tokens/s on plan ``plan_version`` over the window, and the tokens

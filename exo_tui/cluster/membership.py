@@ -265,6 +265,7 @@ class Membership(CoordinatorParts):
         elif isinstance(msg, Heartbeat):
             if handle is not None and handle.conn is conn:
                 handle.record_heartbeat(msg.metrics)
+                self.calibrator.heartbeat(node_id, msg.metrics)
                 self.admission.poke()  # its KV budget may have changed
                 self.events.publish(ev.NodeMetrics(node_id=node_id, metrics={k: v for k, v in handle.metrics.items() if k != "requests"}))
                 self._touch()

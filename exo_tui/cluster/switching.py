@@ -115,6 +115,8 @@ class PlanSwitching(KVMoves):
                     drained=h.node_id in self.drained,
                     failed=h.state == "failed",
                     memory_limited=bool(p.memory_limit_bytes),
+                    cpu_quota_cores=quota if isinstance(quota := h.metrics.get("cpu_quota_cores"), (int, float)) else None,
+                    host_id=p.hostname,
                 )
             )
         if planned is None or not measured:

@@ -566,6 +566,8 @@ class NodeAgent:
             metrics.update(sensors.read())
             ex.batching.prune(now)
             metrics["busy_fraction"] = (ex.batching.busy_s - last_busy) / max(now - last_t, 1e-6)
+            # the CPU its runs take a second (the coordinator's ratio of the two: a quota's bound)
+            metrics["busy_s"], metrics["cpu_time_s"] = ex.batching.busy_s, time.process_time()
             last_busy, last_t = ex.batching.busy_s, now
             metrics["requests"] = self._stats.report(now)
             metrics["draft"] = self.drafts.metrics()

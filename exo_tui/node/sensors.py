@@ -4,7 +4,9 @@
 (``/sys/class/power_supply``), else the CPU package's, from the RAPL energy counter
 (``/sys/class/powercap/intel-rapl:0``) between two readings. ``vram_used_bytes`` and
 ``vram_total_bytes``: the NVIDIA GPUs' memory, from ``nvidia-smi`` (read at most every
-``GPU_EVERY_S``: it takes tens of milliseconds). A reading the platform does not give is left out,
+``GPU_EVERY_S``: it takes tens of milliseconds). ``cpu_quota_cores``: the CPU a cgroup quota leaves
+this process, in cores (v1 ``cpu.cfs_quota_us`` over its period, v2 ``cpu.max``), where one holds
+it: a container's limit, or an emulated slow node. A reading the platform does not give is left out,
 never reported as zero. (Temperature comes with :func:`exo_tui.node.profile.live_metrics`.)
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 POWER_SUPPLY = Path("/sys/class/power_supply")
+CGROUP = Path("/sys/fs/cgroup")
 RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
 GPU_EVERY_S = 5.0
 
@@ -69,9 +72,41 @@ def gpu_memory() -> dict[str, Any]:
     return out
 
 
+def _numbers(path: Path) -> list[str] | None:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return None
+
+
+def cpu_quota_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP) -> float | None:
+    """The cores a cgroup CPU quota leaves this process (None: no quota, or no cgroup to read)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            quota = _numbers(root / controllers / group.lstrip("/") / "cpu.cfs_quota_us")
+            period = _numbers(root / controllers / group.lstrip("/") / "cpu.cfs_period_us")
+            if quota and period and int(quota[0]) > 0 and int(period[0]) > 0:
+                return int(quota[0]) / int(period[0])
+            return None
+        if not controllers:  # v2: the unified hierarchy
+            for base in (root, root / "unified"):
+                got = _numbers(base / group.lstrip("/") / "cpu.max")
+                if got and got[0] != "max" and len(got) == 2 and int(got[1]) > 0:
+                    return int(got[0]) / int(got[1])
+    return None
+
+
 def read() -> dict[str, Any]:
     """The readings this platform gives now (an empty dict where it gives none)."""
     out = dict(gpu_memory())
+    quota = cpu_quota_cores()
+    if quota is not None:
+        out["cpu_quota_cores"] = round(quota, 3)
     watts = power_w()
     if watts is not None:
         out["power_w"] = round(watts, 2)

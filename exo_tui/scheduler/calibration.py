@@ -96,6 +96,7 @@ class Measurements:
     links: Mapping[tuple[str, str], LinkMeasure] = field(default_factory=dict)
     coordinator_s: float | None = None  # a token's time in the coordinator and on its links, per token
     by_load: Mapping[str, Mapping[tuple[int, int], NodeMeasure]] = field(default_factory=dict)  # every bucket
+    cpu_per_busy_s: Mapping[str, float] = field(default_factory=dict)  # a node's CPU seconds a second of its runs
 
     @property
     def empty(self) -> bool:
@@ -135,6 +136,8 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
                         prefill_s_per_layer_token={backend: prefill}, head_layers=m.head_layers,
                         compute_ref_layer_bytes=int(round(spec.mean_active_layer_bytes)), load_factor=0.0,
                         benchmark_score=p.benchmark_score * startup_decode / m.decode_s_per_layer, calibrated=True)
+        if p.node_id in measured.cpu_per_busy_s:
+            p = replace(p, cpu_per_busy_s=measured.cpu_per_busy_s[p.node_id])
         links = dict(p.links)
         for (a, b), lm in measured.links.items():
             if a != p.node_id or lm.samples <= 0:

@@ -1,5 +1,12 @@
 """Predictions of a ring of shards: time to first token, tokens/s for one stream and saturated,
 memory per node.
+
+A node's CPU bounds what it can run: each token takes its compute times the CPU seconds a second of
+its runs takes (``cpu_per_busy_s``, its threads). Under a CPU quota of ``q`` cores, a token can come
+no faster than that CPU over ``q`` (the quota's period holds the rest back): a node on a quarter of a
+core is fast for its first few milliseconds of a period and then stopped, so a short shard there
+measures fast and a long one slow. When many streams fill the ring, the nodes of one host
+(``host_id``) share its cores: their CPU per token over the host's cores bounds the tokens/s too.
 """
 
 from __future__ import annotations
@@ -62,7 +69,9 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
     stages = np.array([x.stage_s for x in nodes]) if nodes else np.zeros(1)
     mean = float(stages.mean())
     coeff = float(stages.std() / mean) if mean > 0 and len(nodes) > 1 else 0.0
-    slowest = float(stages.max())
+    quota_s, host_s = cpu_bounds(ctx, nodes)
+    decode = max(decode, quota_s)
+    slowest = max(float(stages.max()), quota_s, host_s)
     return Predictions(
         decode_s_per_token=decode,
         tok_per_s_single=1.0 / decode if decode > 0 else 0.0,
@@ -73,6 +82,23 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
         nodes=tuple(nodes),
         fits_memory=all(x.fits for x in nodes),
     )
+
+
+def cpu_bounds(ctx: PlanContext, nodes: Sequence[NodePrediction]) -> tuple[float, float]:
+    """(the least time a token takes by the nodes' CPU quotas, the least by their hosts' cores
+    when the stages run at once): a node's CPU a token is its compute times its CPU a second."""
+    quota_s = 0.0
+    hosts: dict[str, tuple[float, int]] = {}
+    for x in nodes:
+        p = ctx.profiles[x.node_id]
+        cpu = x.compute_s * p.cpu_per_busy_s
+        if p.cpu_quota_cores:
+            quota_s = max(quota_s, cpu / p.cpu_quota_cores)
+        if p.host_id:
+            spent, cores = hosts.get(p.host_id, (0.0, 0))
+            hosts[p.host_id] = (spent + cpu, max(cores, p.cpu_cores))
+    host_s = max((spent / max(cores, 1) for spent, cores in hosts.values()), default=0.0)
+    return quota_s, host_s
 
 
 def predict_cached(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> Predictions:

@@ -86,6 +86,13 @@ class DeviceProfile:
     # The output head's decode time in this node's layers, as the ring measured it (None: its
     # bytes over a layer's).
     head_layers: float | None = None
+    # The CPU its process may use under a quota (a container's, a cgroup's), in cores (None: no
+    # quota), and the CPU seconds a second of its runs takes (its threads; measured on the ring,
+    # 1 until then): a step needing more CPU a second than the quota gives waits for it
+    # (scheduler/prediction.py). Nodes with the same ``host_id`` share ``cpu_cores``.
+    cpu_quota_cores: float | None = None
+    cpu_per_busy_s: float = 1.0
+    host_id: str = ""
 
     def __hash__(self) -> int:
         return hash(self.node_id)

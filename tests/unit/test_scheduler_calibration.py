@@ -121,3 +121,22 @@ def test_measured_figures_are_per_load_and_the_head_takes_the_time_it_was_measur
     b = next(p for p in calibrate([_node("a"), _node("b")], SPEC, c.measurements().at(1, 100)) if p.node_id == "b")
     full = predict([("b", 0, L)], {"b": b}, SPEC)
     assert full.decode_s_per_token == pytest.approx(2e-3 * shard_layer_units(SPEC, 0, L, head_layers=5.0))
+
+
+def test_a_cpu_quota_bounds_a_token_and_nodes_of_one_host_share_its_cores() -> None:
+    """Unthrottled, a's shard takes 10 ms; a quarter of a core at 1.5 CPU seconds a second of its
+    runs makes a token 60 ms. Many streams: two nodes of one 2-core host at 20 ms of CPU each a
+    token give at most one token each 20 ms, though each stage takes 10 ms."""
+    a = _node("a").with_(decode_s_per_layer={"onnx": 10e-3 / SPEC.n_layers})
+    alone = predict([("a", 0, SPEC.n_layers)], {"a": a}, SPEC)
+    held = predict([("a", 0, SPEC.n_layers)], {"a": a.with_(cpu_quota_cores=0.25, cpu_per_busy_s=1.5)}, SPEC)
+    assert held.decode_s_per_token == pytest.approx(alone.decode_s_per_token * 1.5 / 0.25)
+    half = SPEC.n_layers // 2
+    pair = {n: _node(n, 10e-3 / half).with_(cpu_per_busy_s=2.0, cpu_cores=2, links={}) for n in "ab"}
+    apart = predict([("a", 0, half), ("b", half, SPEC.n_layers)], pair, SPEC)
+    shared = predict([("a", 0, half), ("b", half, SPEC.n_layers)], {n: p.with_(host_id="h") for n, p in pair.items()}, SPEC)
+    slowest = max(n.stage_s for n in apart.nodes)
+    assert apart.tok_per_s_saturated == pytest.approx(1 / slowest)
+    cpu = sum(n.compute_s for n in apart.nodes) * 2.0 / 2
+    assert shared.tok_per_s_saturated == pytest.approx(1 / cpu) and cpu > slowest
+    assert shared.decode_s_per_token == apart.decode_s_per_token  # one stream: one stage at a time
