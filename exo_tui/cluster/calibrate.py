@@ -26,7 +26,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from exo_tui.cluster.metrics import COORDINATOR, StepSample, split_token
+from exo_tui.cluster.metrics import StepSample, split_token
 from exo_tui.scheduler.calibration import (
     LinkMeasure,
     Measurements,
@@ -176,13 +176,9 @@ class Calibrator:
         if running != 1:  # the links and the token: one stream's
             return
         token = split_token(sample, now)
-        coordinator = token.coordinator_s
-        for (a, b), s in token.links.items():
-            if COORDINATOR in (a, b):
-                coordinator += s
-            else:
-                self.links[(a, b)].add(now, s)
-        self.coordinator.add(now, coordinator)
+        for (a, b), s in token.links.items():  # the coordinator's own too (its ends of the ring)
+            self.links[(a, b)].add(now, s)
+        self.coordinator.add(now, token.coordinator_s)
         if self.token_version != sample.plan_version:
             self.token, self.token_version = _Series(), sample.plan_version
         self.token.add(now, token.total_s)

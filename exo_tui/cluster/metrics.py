@@ -38,6 +38,7 @@ from exo_tui import events as ev
 from exo_tui.cluster.figures import ClusterFigures, LinkFigures, NodeFigures
 from exo_tui.cluster.node_handle import held_bytes
 from exo_tui.net.timing import HopTiming
+from exo_tui.scheduler.calibration import COORDINATOR as COORDINATOR  # a link's coordinator end
 
 WINDOW_S = 60.0  # percentiles, means and outcome counts are over this window
 TOK_RATE_S = 5.0  # tokens/s over this window (the header's figure too)
@@ -47,7 +48,6 @@ PROBES_KEPT = 10  # a link's loss is over its last probes
 # many streams make thousands of tokens a minute.
 WINDOW_MAX = 2048
 RING_MAX = 1024
-COORDINATOR = "coordinator"
 # Histogram buckets (seconds), upper bounds; Prometheus adds +Inf.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -26,6 +26,7 @@ beyond :data:`GAP` it is shown; a rebalance is applied alone only when the gap h
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -33,6 +34,7 @@ from exo_tui.scheduler.plan import Constraints
 from exo_tui.scheduler.profile import DeviceProfile, Link
 from exo_tui.scheduler.spec import ModelSpec
 
+COORDINATOR = "coordinator"  # the coordinator's end of a link in Measurements.links
 GAP = 0.15  # measured speed this far from the prediction is shown, and may be acted on
 MIN_GAIN = 0.10  # a rebalance applied alone must be predicted this much faster
 HOLD_S = 5.0  # seconds a gap must hold before a rebalance is applied alone
@@ -94,7 +96,7 @@ class LinkMeasure:
 class Measurements:
     nodes: Mapping[str, NodeMeasure] = field(default_factory=dict)  # at the load planned for
     links: Mapping[tuple[str, str], LinkMeasure] = field(default_factory=dict)
-    coordinator_s: float | None = None  # a token's time in the coordinator and on its links, per token
+    coordinator_s: float | None = None  # a token's time in the coordinator, between it and the next step
     by_load: Mapping[str, Mapping[tuple[int, int], NodeMeasure]] = field(default_factory=dict)  # every bucket
     cpu_per_busy_s: Mapping[str, float] = field(default_factory=dict)  # a node's CPU seconds a second of its runs
 
@@ -123,7 +125,15 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
     score's performance figure moves by the same ratio: the node is re-scored.
     The head's measured time (in the node's layers) replaces its bytes' estimate. Prefill, where
     not measured, keeps the start-up ratio of prefill to decode. A measured link
-    keeps its probed bandwidth; its latency is what the hop took beyond the bytes' time."""
+    keeps its probed bandwidth; its latency is what the hop took beyond the bytes' time. A link
+    between two nodes that the ring has not measured takes its probe's time plus what the measured
+    hops took beyond their probes' (:func:`hop_software_s`): a hop's frame is encoded, sent through
+    TLS and decoded by both nodes' software, which a ping does not show (1.3-1.5 ms a hop on the
+    2-core VM against pings of 0.1-0.3 ms), and without it a plan through pairs never measured
+    looked cheaper than the ring it was measured on."""
+    profiles = list(profiles)
+    by_id = {p.node_id: p for p in profiles}
+    software_s = hop_software_s(by_id, measured)
     out = []
     for p in profiles:
         m = measured.nodes.get(p.node_id)
@@ -140,23 +150,39 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
             p = replace(p, cpu_per_busy_s=measured.cpu_per_busy_s[p.node_id])
         links = dict(p.links)
         for (a, b), lm in measured.links.items():
-            if a != p.node_id or lm.samples <= 0:
+            if a != p.node_id or b == COORDINATOR or lm.samples <= 0:
                 continue
             known = p.link_to(b)
             latency = max(0.0, lm.hop_s - lm.nbytes / max(known.bandwidth_bytes_per_s, 1.0))
             links[b] = Link(latency, known.bandwidth_bytes_per_s, known.loss)
+        for b in by_id:
+            if software_s and b != p.node_id and (p.node_id, b) not in measured.links:
+                known = p.link_to(b)
+                links[b] = Link(known.latency_s + software_s, known.bandwidth_bytes_per_s, known.loss)
         if links != p.links:
             p = replace(p, links=links)
         out.append(p)
     return out
 
 
+def hop_software_s(profiles: Mapping[str, DeviceProfile], measured: Measurements) -> float:
+    """The median of what the measured hops took beyond their links' probed time (0: none)."""
+    extra = [lm.hop_s - profiles[a].link_to(b).hop_s(lm.nbytes) for (a, b), lm in measured.links.items()
+             if lm.samples > 0 and a in profiles and b in profiles]
+    return max(0.0, statistics.median(extra)) if extra else 0.0
+
+
 def measured_constraints(constraints: Constraints, measured: Measurements) -> Constraints:
-    """``constraints`` with the coordinator's measured share of a token, which the predictions
-    count in place of the token's way back from the last stage to the first."""
+    """``constraints`` with the coordinator's measured share of a token and its links to and from
+    each node measured, which the predictions count in place of the token's way back from the last
+    stage to the first (a plan's first and last stage may not be those of the ring measured: the
+    node behind a slow link last, its link to the coordinator is in the token)."""
     if measured.coordinator_s is None:
         return constraints
-    return replace(constraints, coordinator_s=measured.coordinator_s)
+    to = {b: lm.hop_s for (a, b), lm in measured.links.items() if a == COORDINATOR}
+    back = {a: lm.hop_s for (a, b), lm in measured.links.items() if b == COORDINATOR}
+    links = tuple((n, to[n], back[n]) for n in sorted(to.keys() & back.keys()))
+    return replace(constraints, coordinator_s=measured.coordinator_s, coordinator_links=links)
 
 
 def prediction_gap(predicted_tok_per_s: float, measured_tok_per_s: float) -> float | None:

@@ -59,6 +59,7 @@ class PlanContext:
     prompt_tokens: int
     act_bytes: int
     coordinator_s: float | None = None  # measured: the token's way back (Constraints.coordinator_s)
+    coordinator_links: tuple[tuple[str, float, float], ...] = ()  # Constraints.coordinator_links
     orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
     predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
 
@@ -71,6 +72,18 @@ class PlanContext:
         """An average layer with its KV cache on node ``nid``."""
         spec = self.spec
         return spec.mean_held_layer_bytes(self.backend[nid]) + self.kv[nid] * spec.kv_layers(0, spec.n_layers) / spec.n_layers
+
+    def coordinator_hop(self, first: str, last: str) -> float | None:
+        """The token's way back from ``last`` to ``first`` by the coordinator, as measured (None:
+        not measured): its own share, its hop to ``first`` and ``last``'s hop to it."""
+        if self.coordinator_s is None:
+            return None
+        links = {n: (to, back) for n, to, back in self.coordinator_links}
+        if not links:
+            return self.coordinator_s
+        to = links[first][0] if first in links else float(np.median([v[0] for v in links.values()]))
+        back = links[last][1] if last in links else float(np.median([v[1] for v in links.values()]))
+        return self.coordinator_s + to + back
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:
@@ -114,4 +127,4 @@ def make_context(
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
     return PlanContext(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
                 m, min(constraints.prompt_tokens, max(1, spec.context_length - 1)),  # a prompt the context holds
-                spec.activation_bytes_per_token, constraints.coordinator_s)
+                spec.activation_bytes_per_token, constraints.coordinator_s, constraints.coordinator_links)

@@ -169,12 +169,15 @@ class Constraints:
     failed: frozenset[str] = frozenset()
     min_layers_per_shard: int | None = None  # None: the config's value
     prompt_tokens: int = 512  # for the time-to-first-token prediction
-    # The coordinator's measured share of a decode token (its own time and its links to the first
-    # and from the last stage: scheduler/calibration.py), counted in place of the token's way back
-    # from the last stage to the first; None: that hop as the links predict it.
+    # The coordinator's measured share of a decode token (its own time; with ``coordinator_links``
+    # its links to the first and from the last stage: scheduler/calibration.py), counted in place
+    # of the token's way back from the last stage to the first; None: that hop as the links predict it.
     coordinator_s: float | None = None
     draft: DraftNeed | None = None  # a draft model to place beside the plan (scheduler/draft.py)
     reserved: tuple[tuple[str, int], ...] = ()  # (node, bytes) kept out of a node's memory for other work
+    # The coordinator's measured links: (node, its hop to the node, the node's hop back), the
+    # first stage's and the last's added to ``coordinator_s`` (a node not measured: their median).
+    coordinator_links: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass(frozen=True)

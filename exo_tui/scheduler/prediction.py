@@ -32,11 +32,14 @@ def predict(
     config: SchedulerConfig | None = None,
     prompt_tokens: int = 512,
     coordinator_s: float | None = None,
+    coordinator_links: tuple[tuple[str, float, float], ...] = (),
 ) -> Predictions:
-    """The predictions of a ring of shards (in order) on these profiles; ``coordinator_s``: the
-    coordinator's measured share of a token (:attr:`Constraints.coordinator_s`)."""
+    """The predictions of a ring of shards (in order) on these profiles; ``coordinator_s`` and
+    ``coordinator_links``: the coordinator's measured share of a token and its links
+    (:attr:`Constraints.coordinator_s`)."""
     config = config or SchedulerConfig()
-    ctx = make_context(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens, coordinator_s=coordinator_s))
+    ctx = make_context(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens, coordinator_s=coordinator_s,
+                                                           coordinator_links=coordinator_links))
     return predict_shards(ctx, [(s.node_id, s.start, s.end) if isinstance(s, PlanShard) else (s[0], s[1], s[2]) for s in shards])
 
 
@@ -56,7 +59,7 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
         if i < n - 1:
             hop = ctx.hop(nid, shards[i + 1][0])
         elif ctx.coordinator_s is not None:  # measured: the token's way back by the coordinator
-            hop = ctx.coordinator_s
+            hop = ctx.coordinator_hop(shards[0][0], nid) or 0.0
         elif n == 1:
             hop = 0.0
         else:

@@ -49,12 +49,14 @@ def test_a_measured_slow_node_loses_its_layers_and_the_prediction_is_the_measure
     assert moved.node_ids == ("b",)
 
 
-def test_a_measured_link_keeps_its_bandwidth_and_takes_the_measured_latency() -> None:
+def test_a_measured_link_keeps_its_bandwidth_and_the_others_take_its_software_time() -> None:
     nodes = [_node("a"), _node("b")]
     hop = LinkMeasure(0.021, SPEC.activation_bytes_per_token, 30)
     a, b = calibrate(nodes, SPEC, Measurements({}, {("a", "b"): hop}))
     assert a.link_to("b").latency_s == pytest.approx(0.021 - SPEC.activation_bytes_per_token / 1e9)
-    assert a.link_to("b").bandwidth_bytes_per_s == 1e9 and b.link_to("a").latency_s == 0.001
+    assert a.link_to("b").bandwidth_bytes_per_s == 1e9
+    # b -> a, not measured: its probe and what the measured hop took beyond its own (the software's)
+    assert b.link_to("a").latency_s == pytest.approx(0.001 + 0.021 - nodes[0].link_to("b").hop_s(hop.nbytes))
     assert predict([("a", 0, 8), ("b", 8, SPEC.n_layers)], {"a": a, "b": b}, SPEC).node("a").hop_s >= 0.021
 
 
@@ -140,3 +142,15 @@ def test_a_cpu_quota_bounds_a_token_and_nodes_of_one_host_share_its_cores() -> N
     cpu = sum(n.compute_s for n in apart.nodes) * 2.0 / 2
     assert shared.tok_per_s_saturated == pytest.approx(1 / cpu) and cpu > slowest
     assert shared.decode_s_per_token == apart.decode_s_per_token  # one stream: one stage at a time
+
+
+def test_the_token_way_back_counts_the_coordinators_links_to_the_plans_first_and_last_stage() -> None:
+    """Measured on a ring a -> b: the coordinator's own 1 ms, 10 ms to and from b (behind a slow
+    link), 0.5 ms to and from a. A plan of b alone pays b's 20 ms; of a alone, a's 1 ms."""
+    ms = {("coordinator", "a"): 0.0005, ("b", "coordinator"): 0.010, ("coordinator", "b"): 0.010, ("a", "coordinator"): 0.0005}
+    measured = Measurements({}, {k: LinkMeasure(v, 8, 5) for k, v in ms.items()}, 0.001)
+    c = measured_constraints(Constraints(), measured)
+    nodes = {p.node_id: p for p in (_node("a"), _node("b"))}
+    alone = {n: predict([(n, 0, SPEC.n_layers)], nodes, SPEC, coordinator_s=c.coordinator_s,
+                        coordinator_links=c.coordinator_links).decode_s_per_token for n in "ab"}
+    assert alone["b"] - alone["a"] == pytest.approx(0.020 - 0.001)
