@@ -53,12 +53,13 @@ STREAMS = 8
 
 
 async def _decode(c: Any, messages: list[dict[str, str]], tokens: int, mode: str | int,
-                  prediction: str | None = None) -> dict[str, Any]:
-    """One greedy answer: its tokens, decode tok/s (after the first token) and speculation stats."""
+                  prediction: str | None = None, temperature: float = 0.0) -> dict[str, Any]:
+    """One answer (greedy unless told): its tokens, decode tok/s (after the first token) and
+    speculation stats."""
     from exo_tui.inference.request import Request
     from exo_tui.inference.sampling import SamplingParams
 
-    request = Request(c.model.chat_prompt_ids(messages), SamplingParams(temperature=0.0, seed=1), tokens,
+    request = Request(c.model.chat_prompt_ids(messages), SamplingParams(temperature=temperature, seed=1), tokens,
                       speculative=mode,
                       predicted=c.model.tokenizer.encode(prediction, add_special=False, parse_special=False)
                       if prediction else None)
@@ -115,7 +116,10 @@ async def _clusters(rounds: int, tokens: int, home: Path,
             await c.stop()
 
 
-DRAFT_CASES = [("chat off", "off", False), ("chat draft auto", "auto", True), ("chat draft k=4", 4, True)]
+DRAFT_CASES = [  # (name, speculation, with the draft model, temperature)
+    ("chat off", "off", False, 0.0), ("chat draft auto", "auto", True, 0.0), ("chat draft k=4", 4, True, 0.0),
+    ("chat T=0.7 off", "off", False, 0.7), ("chat T=0.7 draft auto", "auto", True, 0.7),
+]
 
 
 async def _draft_clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int, ...], target: Path,
@@ -141,10 +145,10 @@ async def _draft_clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int
             await _decode(c, CHAT, 16, 4)
         for _ in range(rounds):
             for n, c in clusters.items():
-                for name, mode, drafting in DRAFT_CASES:
+                for name, mode, drafting, temperature in DRAFT_CASES:
                     saved, c.draft = c.draft, c.draft if drafting else None
                     try:
-                        runs[(name, n)].append(await _decode(c, CHAT, tokens, mode))
+                        runs[(name, n)].append(await _decode(c, CHAT, tokens, mode, temperature=temperature))
                     finally:
                         c.draft = saved
         return runs
@@ -158,16 +162,18 @@ def _print_draft(runs: dict[tuple[str, int], list[dict[str, Any]]], sizes: tuple
     def med(key: tuple[str, int]) -> float:
         return statistics.median(r["tok_s"] for r in runs[key])
 
-    print(f"\nA draft model: {draft.name} drafting for {target.name} (llama.cpp's requantization), free chat\n")
+    print(f"\nA draft model: {draft.name} drafting for {target.name} (llama.cpp's requantization), free chat "
+          "(sampled: speculative sampling with the draft's distribution, the same distribution, other draws)\n")
     print("| nodes | case | decode tok/s | ÷ off | acceptance | k chosen (median) | same text as off |")
     print("|---:|---|---:|---:|---:|---:|---|")
     for n in sizes:
-        off = ("chat off", n)
-        for name, *_ in DRAFT_CASES:
+        for name, _mode, _drafting, temperature in DRAFT_CASES:
+            off = ("chat off" if temperature == 0 else f"chat T={temperature:g} off", n)
             rs = runs[(name, n)]
             drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
             ks = [k for r in rs for k in r["k"]]
-            same = all(r["tokens"] == o["tokens"] for r, o in zip(rs, runs[off], strict=True))
+            same = all(r["tokens"] == o["tokens"] for r, o in zip(rs, runs[off], strict=True)) if temperature == 0 \
+                else "sampled"
             print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | "
                   f"{accepted / drafted if drafted else 0:.2f} | {statistics.median(ks) if ks else 0:g} | {same} |")
     if 1 in sizes and 3 in sizes:

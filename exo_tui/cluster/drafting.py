@@ -4,7 +4,9 @@ The draft model runs whole on one node (:mod:`exo_tui.node.drafting`). The plan 
 counts its bytes there (:meth:`ClusterDraft.need`, :mod:`exo_tui.scheduler.draft`: its weights
 and one stream's KV cache at the served context, on the node where it costs the ring least), so
 no shard is given that memory; the plan's :class:`~exo_tui.scheduler.plan.PlanDraft` names the
-node, for the partition view and ``exo-tui status``. Once loaded, its bytes are in that node's
+node, for the partition view and ``exo-tui status``. A node that reads the coordinator's files
+loads it from its path on the first ask; to another its weights are streamed first, as a
+shard's are (:meth:`ClusterDraft.source_on`). Once loaded, its bytes are in that node's
 measured memory, and its heartbeat lists them (:meth:`ClusterDraft.held_on` counts them back
 for the next plan, as a shard's are).
 
@@ -18,12 +20,14 @@ draft model on then.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from exo_tui.cluster.weights import WeightTransferError, stream_shard
 from exo_tui.inference.draft_model import vocabulary_mismatch
 from exo_tui.inference.drafts import DraftSource, PromptLookup
 from exo_tui.inference.sampling import SamplingParams
@@ -35,7 +39,7 @@ from exo_tui.net.codec import call
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import BadBody, ConnectionClosed, RemoteError
 from exo_tui.net.messages import Drafted, DraftStep
-from exo_tui.net.protocol import RingPlan
+from exo_tui.net.protocol import DRAFT_TAG, RingPlan
 from exo_tui.scheduler.plan import DraftNeed, Plan, PlanDraft
 from exo_tui.scheduler.spec import ModelSpec
 
@@ -60,6 +64,9 @@ class DraftHost(Protocol):
     def connection(self, node_id: str) -> Connection:
         ...
 
+    def reads_model_files(self, node_id: str) -> bool:
+        ...
+
 
 class ClusterDraft:
     """The served model's draft model and where it runs."""
@@ -77,6 +84,9 @@ class ClusterDraft:
         self.failed: dict[str, str] = {}  # node id -> why it stopped drafting there
         self._warned = False  # that another model is served now, and it drafts for none
         self._specs: dict[int, ModelSpec] = {}  # its spec at a served context
+        self.tag = DRAFT_TAG + self.name  # what a node it was streamed to knows it by
+        self._streamed: dict[str, asyncio.Lock] = {}  # nodes it was streamed to (or is being)
+        self.streamed: set[str] = set()  # nodes it was streamed to
 
     @property
     def name(self) -> str:
@@ -96,7 +106,23 @@ class ClusterDraft:
     def held_on(self, handle: Any) -> int:
         """Its weights' bytes loaded on the node of ``handle`` (its heartbeat's), else 0."""
         draft = (getattr(handle, "metrics", None) or {}).get("draft") or {}
-        return int(draft.get("nbytes", 0) or 0) if draft.get("path") == self.path else 0
+        return int(draft.get("nbytes", 0) or 0) if draft.get("path") in (self.path, self.tag) else 0
+
+    async def source_on(self, node_id: str) -> str:
+        """What a draft step names on ``node_id``: the file's path where the node reads the
+        coordinator's files, else its tag, once its weights are streamed there (as a shard's are:
+        checksummed chunks, :func:`~exo_tui.cluster.weights.stream_shard`)."""
+        if self.host.reads_model_files(node_id):
+            return self.path
+        lock = self._streamed.setdefault(node_id, asyncio.Lock())
+        async with lock:
+            if node_id not in self.streamed:
+                log.info("streaming the draft model %s to node %s", self.name, node_id)
+                gguf = self.model.gguf
+                await stream_shard(self.host.connection(node_id), gguf, 0, gguf.config.n_layers, self.backend,
+                                   tag=self.tag)
+                self.streamed.add(node_id)
+        return self.tag
 
     def placed(self) -> PlanDraft | None:
         """Where the plan in force runs it (None: a plan made without it, or no plan)."""
@@ -152,6 +178,7 @@ class ClusterDraft:
     def stream_failed(self, node_id: str, why: str) -> None:
         self.turned_off += 1
         self.failed.setdefault(node_id, why)
+        self.streamed.discard(node_id)
 
     def describe(self) -> str:
         """A line for the partition view and ``exo-tui status``."""
@@ -167,15 +194,20 @@ class ClusterDraft:
         return f"draft model {self.name} ({size}) on {where}{nowhere}{off}"
 
 
-def load_draft(name_or_path: str, host: DraftHost, target: Model, backend: str | None = None,
-               paths: Sequence[str] | None = None) -> ClusterDraft:
+def draft_model(name_or_path: str, target: Model, paths: Sequence[str] | None = None) -> Model:
     """The draft model ``name_or_path`` (a name ``exo-tui models`` lists or a path) for ``target``;
     ValueError (one sentence) when its vocabulary is not the target's."""
     model = Model(name_or_path, paths=paths)
     why = vocabulary_mismatch(target.tokenizer, model.tokenizer, model.name)
     if why:
         raise ValueError(why)
-    return ClusterDraft(model, host, target, backend)
+    return model
+
+
+def load_draft(name_or_path: str, host: DraftHost, target: Model, backend: str | None = None,
+               paths: Sequence[str] | None = None) -> ClusterDraft:
+    """The cluster's draft model (:func:`draft_model`) for ``target``, run by ``host``."""
+    return ClusterDraft(draft_model(name_or_path, target, paths), host, target, backend)
 
 
 class ModelDrafts(DraftSource):
@@ -199,7 +231,8 @@ class ModelDrafts(DraftSource):
         for _ in range(2):
             try:
                 conn = self.drafts.host.connection(self.node_id)
-                ask = DraftStep(self.rid, self.drafts.path, n, k, self.drafts.backend, self.sampling)
+                source = await self.drafts.source_on(self.node_id)
+                ask = DraftStep(self.rid, source, n, k, self.drafts.backend, self.sampling)
                 got = await call(conn, ask, Drafted, tensor=np.asarray(tokens[n:], dtype=np.int64),
                                  timeout=DRAFT_TIMEOUT_S)
                 q = None if got.q is None else DraftProbs.from_wire(got.q.counts, got.q.ids, got.q.probs)
@@ -207,7 +240,7 @@ class ModelDrafts(DraftSource):
                     raise BadBody(f"draft_step: {len(got.tokens)} tokens and {len(q or ())} distributions "
                                   f"drafted, not {k}")
             except (KeyError, ConnectionClosed, ConnectionError, OSError, RemoteError, TimeoutError, BadBody,
-                    ValueError) as exc:
+                    ValueError, WeightTransferError) as exc:
                 why = str(exc) or type(exc).__name__
                 log.warning("request %s: the draft model's node %s failed (%s): no more drafts from it for this "
                             "stream", self.rid, self.node_id, why)

@@ -425,6 +425,11 @@ class PlanSwitching(KVMoves):
         h.note_kv(body.kv)
         return body
 
+    def reads_model_files(self, node_id: str) -> bool:
+        """Whether the node reads the model files at the coordinator's paths (else they are streamed)."""
+        h = self.nodes.get(node_id)
+        return h is not None and self._use_path(h)
+
     def _use_path(self, h: NodeHandle) -> bool:
         if self.weights_mode != "auto":
             return self.weights_mode == "path"

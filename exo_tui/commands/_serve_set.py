@@ -104,6 +104,10 @@ async def serve_set(args: argparse.Namespace, config: Any, sock: socket.socket, 
     api_url = f"http://{host_port(url_host, port)}"
     model = await asyncio.to_thread(lambda: Model(args.model, paths=config.models.paths))
     _ = await asyncio.to_thread(lambda: model.tokenizer)
+    from exo_tui.cluster.drafting import ClusterDraft, draft_model
+
+    # each coordinator of the set is given the draft model: whichever leads runs it (refused here if unfit)
+    draft = await asyncio.to_thread(lambda: draft_model(args.draft, model, config.models.paths)) if args.draft else None
     cset = CoordinatorSet(self_address, partners, state_dir=Path(cfg.state_dir or home / "coordinator"),
                           cluster_key=cluster.cluster_key, api_url=api_url, name=f"{socket.gethostname()}:{port}")
     remote = RemoteCluster(cset, model, args.model, config, served_context(model.config.context_length,
@@ -117,8 +121,11 @@ async def serve_set(args: argparse.Namespace, config: Any, sock: socket.socket, 
         c.store, c.term = store, term
         c.coordinator_set = cset  # its join endpoint admits coordinators too
         store._on_write_error = c._state_write_error
+        c.speculative = args.speculative
         if name == args.model:
             c.model = model
+            if draft is not None:
+                c.draft = ClusterDraft(draft, c, model)
         return c
 
     leadership = Leadership(cset, make, on_change=front.set_leader)

@@ -56,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_draft(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="MODEL",
                    help="a draft model for speculative decoding: a name `exo-tui models` lists or a path to a .gguf "
-                        "of the served model's vocabulary (a smaller one of its family); one node runs it whole")
+                        "of the served model's vocabulary (a smaller one of its family); one node runs it whole (with "
+                        "--coordinators: give each coordinator of the set the same --draft)")
 
 
 def with_draft(coordinator: Any, args: argparse.Namespace, config: Any) -> None:
@@ -142,9 +143,6 @@ async def _serve(args: argparse.Namespace) -> int:
     # Listen before the heavy imports: a client's first request is queued by the kernel, then served.
     sock = bind_api_socket(host, port)
     if serve_set.wanted(args, config):
-        if args.draft:
-            raise ValueError("--draft is for a single coordinator: a coordinator set does not run a draft model yet "
-                             "(leave out --draft, or serve without the set)")
         return await serve_set.serve_set(args, config, sock, host, port)
     from exo_tui.api.server import ApiServer, exposure_warning
     from exo_tui.cluster.coordinator import Coordinator

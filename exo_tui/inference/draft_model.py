@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from backends import get_backend
-from backends.base import BackendError, Shard
+from backends.base import BackendError, ModelConfig, Shard
+from backends.weights import ShardWeights
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams
 from exo_tui.inference.speculative import Draft, DraftProbs, draw_draft
 from exo_tui.models.gguf_file import GGUFModel
@@ -61,16 +62,22 @@ class DraftModel:
     """A whole model on one backend, drafting for several streams. Not thread-safe: one caller
     (a node's drafting thread) at a time."""
 
-    def __init__(self, gguf: GGUFModel, backend: str, max_streams: int = MAX_STREAMS) -> None:
-        self.config = gguf.config
+    def __init__(self, config: ModelConfig, weights: ShardWeights, backend: str, max_streams: int = MAX_STREAMS) -> None:
+        if (weights.start, weights.end) != (0, config.n_layers):
+            raise ValueError(f"a draft model runs whole: layers [0, {config.n_layers}), not [{weights.start}, {weights.end})")
+        self.config = config
         self.backend = backend
-        weights = gguf.shard_weights(0, gguf.config.n_layers)
         self.nbytes = int(weights.nbytes)  # the weights' bytes as stored
-        self.shard: Shard = get_backend(backend).load_shard(gguf.config, weights)
+        self.shard: Shard = get_backend(backend).load_shard(config, weights)
         self.max_streams = max_streams
         self._held: OrderedDict[str, list[int]] = OrderedDict()  # stream -> the positions its cache holds
         self._samplers: dict[str, Sampler] = {}  # a sampled stream's sampler (its seed resolved once)
         self.steps = 0  # draft steps run (one token each), for the node's metrics
+
+    @classmethod
+    def open(cls, gguf: GGUFModel, backend: str, max_streams: int = MAX_STREAMS) -> DraftModel:
+        """The draft model of a file this process reads."""
+        return cls(gguf.config, gguf.shard_weights(0, gguf.config.n_layers), backend, max_streams)
 
     def propose(self, rid: str, pos: int, tokens: Sequence[int], k: int,
                 sampling: SamplingParams | None = None) -> Draft:

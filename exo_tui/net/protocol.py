@@ -22,6 +22,11 @@ FILLED = -1
 long prompt goes through the ring in such steps, each of the rows a node's ``prefill_rows`` holds,
 the last one drawing the first token."""
 
+DRAFT_TAG = "draft:"
+"""The model tag of a draft model's weights streamed to a node (``draft:NAME``): its load goes to the
+node's draft model (:mod:`exo_tui.node.drafting`), not among its shards, and draft steps name it
+in place of a path the node cannot read."""
+
 FILL_QUEUED = 2
 """A long prompt's chunks that may wait at a node while it runs another of the same request: the
 coordinator keeps at most this many more in flight than the one running (one a node of the ring,

@@ -64,6 +64,7 @@ from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.loop import loop_name
 from exo_tui.net.protocol import (
+    DRAFT_TAG,
     FILL_QUEUED,
     FILLED,
     HostError,
@@ -318,6 +319,11 @@ class NodeAgent:
         return reply(wire.ChunkReceived(transfer.received))
 
     async def _op_load_commit(self, conn: Connection, frame: Frame, msg: wire.LoadCommit) -> Frame:
+        transfer = self.started_host.transfers.get(msg.transfer_id)
+        if transfer is not None and transfer.model.startswith(DRAFT_TAG):  # a draft model's weights
+            draft = await self.drafts.install(self.started_host.take_transfer(msg.transfer_id))
+            return reply(wire.Loaded(0, draft.config.n_layers, draft.backend, draft.nbytes, draft.nbytes,
+                                     self._kv_report()))
         hosted = await self._in_loader(self.started_host.commit_transfer, msg.transfer_id)
         self._shards_changed()
         return self._loaded(hosted)

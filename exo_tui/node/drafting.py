@@ -1,6 +1,8 @@
 """A node's draft model (``draft_step``, :mod:`exo_tui.inference.draft_model`): loaded whole on the
-first ask that names it, run on a thread of its own beside the worker that runs the ring's steps,
-so a stream's drafts for its next step are made while other streams' steps run here."""
+first ask that names its path, or streamed here by the coordinator beforehand as a load tagged
+``draft:NAME`` (:data:`~exo_tui.net.protocol.DRAFT_TAG`: a node that cannot read the file), and
+run on a thread of its own beside the worker that runs the ring's steps, so a stream's drafts for
+its next step are made while other streams' steps run here."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from exo_tui.inference.draft_model import DraftModel, DraftStateLost
 from exo_tui.inference.sampling import SamplingParams
 from exo_tui.models.gguf_file import GGUFModel
 from exo_tui.net.messages import Drafted, DraftQ, DraftStep
+from exo_tui.net.protocol import DRAFT_TAG, HostError
+from exo_tui.node.host import Transfer
 
 log = logging.getLogger("exo_tui.node")
 
@@ -33,6 +37,9 @@ class NodeDrafts:
         async with self._lock:  # one ask at a time: the model and its caches are the thread's
             loop = asyncio.get_running_loop()
             if self.model is None or self.path != msg.path:
+                if msg.path.startswith(DRAFT_TAG):
+                    raise HostError(f"the draft model {msg.path.removeprefix(DRAFT_TAG)} is not on this node (it is "
+                                    "streamed here before its first draft step): stream it again")
                 await loop.run_in_executor(self._thread, self._load, msg.path, msg.backend or self.default_backend)
             model = self.model
             assert model is not None
@@ -46,12 +53,30 @@ class NodeDrafts:
             return Drafted(list(draft.tokens), nbytes=model.nbytes, q=q)
 
     def _load(self, path: str, backend: str) -> None:
+        self._close_model()
+        log.info("loading the draft model %s on %s", path, backend)
+        self.model = DraftModel.open(GGUFModel(path), backend)
+        self.path = path
+
+    async def install(self, transfer: Transfer) -> DraftModel:
+        """The draft model from a streamed transfer tagged ``draft:NAME`` (it replaces the one here)."""
+        async with self._lock:
+            def build() -> DraftModel:
+                self._close_model()
+                log.info("loading the streamed draft model %s on %s", transfer.model, transfer.backend)
+                try:
+                    self.model = DraftModel(transfer.config, transfer.shard_weights(), transfer.backend)
+                finally:
+                    transfer.buffer = bytearray()  # the backend has its own form of the bytes
+                self.path = transfer.model
+                return self.model
+
+            return await asyncio.get_running_loop().run_in_executor(self._thread, build)
+
+    def _close_model(self) -> None:
         if self.model is not None:
             self.model.close()
             self.model, self.path = None, ""
-        log.info("loading the draft model %s on %s", path, backend)
-        self.model = DraftModel(GGUFModel(path), backend)
-        self.path = path
 
     async def drop(self, rid: str) -> None:
         if self.model is not None:

@@ -191,6 +191,13 @@ class ShardHost:
         self.transfers[transfer_id] = transfer
         return transfer
 
+    def take_transfer(self, transfer_id: str) -> Transfer:
+        """A completed transfer's weights, for another holder than the shard table (a draft model)."""
+        transfer = self.transfers.pop(transfer_id, None)
+        if transfer is None:
+            raise HostError(f"no transfer {transfer_id} in progress here: begin it first")
+        return transfer
+
     def commit_transfer(self, transfer_id: str) -> HostedShard:
         transfer = self.transfers.pop(transfer_id, None)
         if transfer is None:

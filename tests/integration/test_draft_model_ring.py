@@ -1,5 +1,6 @@
 """A draft model (``--draft``, issue 42) through a ring of real node processes: a tiny random model
-drafts for its F32 twin (the same weights at 4 bits) on the node the plan places it on; greedy answers are
+drafts for its F32 twin (the same weights at 4 bits) on the node the plan places it on, its weights
+streamed there; greedy answers are
 token for token those of one process without speculation; sampled answers (drafts drawn with
 their distributions, checked by speculative sampling) repeat with their seed; a kill -9 of the draft model's node
 mid-answer turns the stream's drafts from it off and gives the same text."""
@@ -46,6 +47,7 @@ def test_a_draft_model_gives_the_plain_greedy_answer_and_its_node_dying_only_sto
             async with coordinator(ns, model=tiny_models["F32-untied"]) as c:
                 assert len(c.plan.shards) == 2
                 c.draft = load_draft(str(draft), c, c.model)
+                c.weights_mode = "stream"  # as to a node on another host: the draft's weights streamed to it
                 await c.replan("a draft model")  # the plan places it and counts its bytes
                 assert c.plan.draft is not None and c.plan.draft.nbytes > draft.stat().st_size
                 first = c.draft.node_id()
@@ -54,6 +56,7 @@ def test_a_draft_model_gives_the_plain_greedy_answer_and_its_node_dying_only_sto
                 tokens, drafted, accepted = await answer(c, greedy())
                 assert tokens == reference
                 assert drafted > accepted > 0  # some drafts rejected: the draft cache was cut back
+                assert c.draft.streamed == {first}
                 assert c.draft.turned_off == 0 and c.pipeline.failed_steps == 0
                 assert "draft model" in c.draft.describe() and c.nodes[first].name in c.draft.describe()
                 # sampled: the drafts come with their distributions (speculative sampling draws other
@@ -84,12 +87,18 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models: dict[str, P
         load_draft(str(default_model_path), None, Model(tiny_models["F32"]))  # type: ignore[arg-type]
 
 
-def test_serve_refuses_a_draft_model_of_another_vocabulary_before_starting(exo_home: Path,
-                                                                         tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("coordinators", [False, True], ids=["one", "set"])
+def test_serve_refuses_a_draft_model_of_another_vocabulary_before_starting(exo_home: Path, tmp_path: Path,
+                                                                         tiny_models: dict[str, Path],
+                                                                         coordinators: bool) -> None:
+    """One coordinator, and one of a set (each is given the set's --draft; whichever leads runs it)."""
     from tests.helpers.sshd import free_port
 
     env = {**os.environ, "EXO_TUI_HOME": str(exo_home)}
-    r = subprocess.run([sys.executable, "-m", "exo_tui.cli", "serve", "--local-nodes", "0", "--api-port",
+    raft = free_port()
+    one_set = ["--coordinators", f"127.0.0.1:{raft}", "--coordinator-port", str(raft), "--state-dir",
+               str(tmp_path / "state")] if coordinators else ["--local-nodes", "0"]
+    r = subprocess.run([sys.executable, "-m", "exo_tui.cli", "serve", *one_set, "--api-port",
                         str(free_port()), "--draft", str(tiny_models["F32"])],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2

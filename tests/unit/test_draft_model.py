@@ -38,7 +38,7 @@ def greedy(model: DraftModel, tokens: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["onnx", "mlx"])
 def test_drafts_follow_the_accepted_tokens_after_a_cut_back(tiny_models: dict[str, Path], backend: str) -> None:
-    model = DraftModel(GGUFModel(tiny_models["Q8_0"]), backend)
+    model = DraftModel.open(GGUFModel(tiny_models["Q8_0"]), backend)
     try:
         prompt = [5, 17, 40, 99, 3, 8]
         first = list(model.propose("r", 0, prompt, 4).tokens)
@@ -89,7 +89,7 @@ def test_speculative_sampling_with_a_draft_model_keeps_the_models_distribution(
     params, n, draft_seed = SAMPLED[name]
     target_gguf = GGUFModel(tiny_models["F32-untied"])
     (target,) = load_shards(target_gguf, [Stage("onnx", 0, target_gguf.config.n_layers)])
-    draft = DraftModel(GGUFModel(write_tiny_llama(tmp_path / "d.gguf", weight_type="Q4_0", tied=False,
+    draft = DraftModel.open(GGUFModel(write_tiny_llama(tmp_path / "d.gguf", weight_type="Q4_0", tied=False,
                                                         seed=draft_seed)),
                        "onnx")
     prompt = [5, 17, 40, 99, 3, 8]
