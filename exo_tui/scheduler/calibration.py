@@ -30,11 +30,11 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from exo_tui.scheduler.context import COORDINATOR as COORDINATOR  # a link's coordinator end
 from exo_tui.scheduler.plan import Constraints
 from exo_tui.scheduler.profile import DeviceProfile, Link
 from exo_tui.scheduler.spec import ModelSpec
 
-COORDINATOR = "coordinator"  # the coordinator's end of a link in Measurements.links
 GAP = 0.15  # measured speed this far from the prediction is shown, and may be acted on
 MIN_GAIN = 0.10  # a rebalance applied alone must be predicted this much faster
 HOLD_S = 5.0  # seconds a gap must hold before a rebalance is applied alone
@@ -179,9 +179,7 @@ def measured_constraints(constraints: Constraints, measured: Measurements) -> Co
     node behind a slow link last, its link to the coordinator is in the token)."""
     if measured.coordinator_s is None:
         return constraints
-    to = {b: lm.hop_s for (a, b), lm in measured.links.items() if a == COORDINATOR}
-    back = {a: lm.hop_s for (a, b), lm in measured.links.items() if b == COORDINATOR}
-    links = tuple((n, to[n], back[n]) for n in sorted(to.keys() & back.keys()))
+    links = tuple(sorted((a, b, lm.hop_s) for (a, b), lm in measured.links.items() if COORDINATOR in (a, b)))
     return replace(constraints, coordinator_s=measured.coordinator_s, coordinator_links=links)
 
 

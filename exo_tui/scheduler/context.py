@@ -19,6 +19,7 @@ from exo_tui.scheduler.spec import ModelSpec
 
 STRATEGIES = ("latency", "throughput", "memory", "exo-ring")
 GB = 1e9
+COORDINATOR = "coordinator"  # the coordinator's end of a measured link
 TOKEN_BYTES = 8  # a sampled token id (and its log-probability) back to the start of the ring
 MEMORY_HEADROOM = 1.3  # warn when the cluster's free memory is below this × the model
 
@@ -59,7 +60,7 @@ class PlanContext:
     prompt_tokens: int
     act_bytes: int
     coordinator_s: float | None = None  # measured: the token's way back (Constraints.coordinator_s)
-    coordinator_links: tuple[tuple[str, float, float], ...] = ()  # Constraints.coordinator_links
+    coordinator_links: tuple[tuple[str, str, float], ...] = ()  # Constraints.coordinator_links
     orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
     predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
 
@@ -78,12 +79,9 @@ class PlanContext:
         not measured): its own share, its hop to ``first`` and ``last``'s hop to it."""
         if self.coordinator_s is None:
             return None
-        links = {n: (to, back) for n, to, back in self.coordinator_links}
-        if not links:
-            return self.coordinator_s
-        to = links[first][0] if first in links else float(np.median([v[0] for v in links.values()]))
-        back = links[last][1] if last in links else float(np.median([v[1] for v in links.values()]))
-        return self.coordinator_s + to + back
+        to = {b: s for a, b, s in self.coordinator_links if a == COORDINATOR}
+        back = {a: s for a, b, s in self.coordinator_links if b == COORDINATOR}
+        return self.coordinator_s + _link_or(to, back, first) + _link_or(back, to, last)
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:
@@ -107,6 +105,17 @@ class PlanContext:
         np.fill_diagonal(lat, 0.0)
         np.fill_diagonal(bw, np.inf)
         return index, lat, bw
+
+
+def _link_or(way: dict[str, float], other_way: dict[str, float], node: str) -> float:
+    """A node's measured link to (or from) the coordinator; else the other way's (a link is
+    mostly the same both ways: a ring measures the coordinator's link to its first stage and from
+    its last only); else the median of that way's measured; else 0 (nothing measured)."""
+    if node in way:
+        return way[node]
+    if node in other_way:
+        return other_way[node]
+    return float(np.median(list(way.values()))) if way else 0.0
 
 
 def make_context(

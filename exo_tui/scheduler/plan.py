@@ -175,9 +175,10 @@ class Constraints:
     coordinator_s: float | None = None
     draft: DraftNeed | None = None  # a draft model to place beside the plan (scheduler/draft.py)
     reserved: tuple[tuple[str, int], ...] = ()  # (node, bytes) kept out of a node's memory for other work
-    # The coordinator's measured links: (node, its hop to the node, the node's hop back), the
-    # first stage's and the last's added to ``coordinator_s`` (a node not measured: their median).
-    coordinator_links: tuple[tuple[str, float, float], ...] = ()
+    # The coordinator's measured links, (from, to, seconds) with "coordinator" at one end: its hop
+    # to the first stage and the last stage's back are added to ``coordinator_s`` (a node not
+    # measured that way: its other way's, else the median of those measured).
+    coordinator_links: tuple[tuple[str, str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def predict(
     config: SchedulerConfig | None = None,
     prompt_tokens: int = 512,
     coordinator_s: float | None = None,
-    coordinator_links: tuple[tuple[str, float, float], ...] = (),
+    coordinator_links: tuple[tuple[str, str, float], ...] = (),
 ) -> Predictions:
     """The predictions of a ring of shards (in order) on these profiles; ``coordinator_s`` and
     ``coordinator_links``: the coordinator's measured share of a token and its links
