@@ -223,6 +223,55 @@ class KVCache:
         return KVCache(start, end, self.length, self.keys[a:b], self.values[a:b])
 
 
+class HeadRows:
+    """The rows of a last shard's step whose logits are computed when first asked for
+    (:meth:`Shard.forward_rows`). ``head(a, b)`` gives rows ``[a, b)``'s logits ``(b - a, vocab)``;
+    ``at_once``: how many rows, from the one asked for, each call computes (a head that costs
+    little more for several rows than for one, as on a memory-bound device: all of them)."""
+
+    def __init__(self, n_rows: int, head: Any, at_once: int) -> None:
+        self.n_rows = n_rows
+        self._head = head
+        self._at_once = max(1, at_once)
+        self._rows: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def of(cls, logits: np.ndarray) -> HeadRows:
+        """Rows whose logits are all computed already."""
+        rows = cls(logits.shape[0], None, logits.shape[0])
+        rows._rows = dict(enumerate(np.asarray(logits)))
+        return rows
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Row ``i``'s logits ``(vocab,)`` (``-1``: the last row)."""
+        if i < 0:
+            i += self.n_rows
+        if not 0 <= i < self.n_rows:
+            raise IndexError(f"row {i} of {self.n_rows}")
+        if i not in self._rows:
+            b = min(self.n_rows, i + self._at_once)
+            for j, row in enumerate(np.asarray(self._head(i, b), dtype=np.float32), start=i):
+                self._rows.setdefault(j, row)
+        return self._rows[i]
+
+    @property
+    def computed(self) -> int:
+        """Rows whose logits have been computed."""
+        return len(self._rows)
+
+    def last(self, n: int) -> HeadRows:
+        """The last ``n`` rows (computed, still, when asked for)."""
+        if n == self.n_rows:
+            return self
+        if not 0 < n < self.n_rows:
+            raise IndexError(f"the last {n} rows of {self.n_rows}")
+        off = self.n_rows - n
+        return HeadRows(n, lambda a, b: np.stack([self[off + j] for j in range(a, b)]), 1)
+
+
 class Shard(abc.ABC):
     """Layers ``[start, end)`` of a model loaded on one backend, with per-request KV caches."""
 
@@ -265,6 +314,13 @@ class Shard(abc.ABC):
     ) -> list[np.ndarray]:
         """``forward`` for several requests at once; backends may fuse decode steps."""
         return [self.forward(rid, x, pos) for rid, x, pos in items]
+
+    def forward_rows(self, request_id: str, x: np.ndarray, positions: np.ndarray) -> HeadRows:
+        """``forward`` of a verify step on the last shard: every row runs through the layers (and
+        into the cache) now, and each row's logits are what ``forward(..., all_logits=True)`` gives,
+        but a backend may run the head on a row only when its logits are first asked for (a check
+        of drafted tokens stops at the first it rejects). Here: all rows' logits at once."""
+        return HeadRows.of(self.forward(request_id, x, positions, all_logits=True))
 
     @abc.abstractmethod
     def kv_length(self, request_id: str) -> int:

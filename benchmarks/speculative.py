@@ -25,9 +25,10 @@ Tasks (greedy, so every configuration gives the same text; the benchmark checks 
 The clusters are all up at once and take turns, ``--rounds`` times (a shared machine's speed
 drifts over minutes; measured one after the other, the drift would land in the ratios). Then, per
 stage of a 3-way split of the model, in this process: the time of a step of ``k + 1`` rows against
-a 1-row step (what a verify step costs a node). Medians.
+a 1-row step (what a verify step costs a node), on ONNX and MLX. Medians.
 
     python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft | --draft-only] [--nodes 1,3]
+        [--stages-only] [--stage-backends onnx,mlx] [--ks 1,4,8,16,32] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backends import available_backends  # noqa: E402
 from benchmarks.quick import have_llama_cpp, parse  # noqa: E402
 
 COPY = [{"role": "user", "content": "Write a Python class for a bank account with deposit, withdraw and balance methods."}]
@@ -200,17 +202,24 @@ def _llama(model: Path, threads: int, tokens: int, rounds: int) -> dict[str, lis
     return out
 
 
-def _stage_costs(ks: list[int], repeats: int) -> list[tuple[str, int, float, float]]:
-    """Per stage of a 3-way ONNX split of the default model: a 1-row step's median seconds and a
-    (k + 1)-row step's, after 200 positions cached."""
+def _stage_costs(ks: list[int], repeats: int, backend: str) -> list[tuple[str, int, float, dict[str, float]]]:
+    """Per stage of a 3-way split of the default model on ``backend``, after 200 positions cached:
+    a 1-row step's median CPU seconds (the last stage's with its token drawn), and a (k + 1)-row
+    verify step's as the node runs it. On the last stage three ways: ``all``, the head on every row
+    (``forward(all_logits=True)``, as before ``Shard.forward_rows``) and the check; ``rejected``,
+    the rows head read as a check that rejects the first draft reads it (row 0); ``accepted``, as
+    one that accepts every draft (every row). CPU time of this process: on a shared machine a
+    step's wall time measures the neighbours as much as the step."""
     import numpy as np
 
     from exo_tui.inference.local import even_split, load_shards
+    from exo_tui.inference.sampling import Length, Sampler, SamplingParams
     from exo_tui.models.catalog import resolve_model
     from exo_tui.models.gguf_file import GGUFModel
 
     model = GGUFModel(resolve_model())
-    shards = load_shards(model, even_split(model.config.n_layers, ["onnx"] * 3))
+    shards = load_shards(model, even_split(model.config.n_layers, [backend] * 3))
+    sampler = Sampler(SamplingParams(temperature=0.0))
     rows_out = []
     try:
         rng = np.random.default_rng(0)
@@ -222,24 +231,48 @@ def _stage_costs(ks: list[int], repeats: int) -> list[tuple[str, int, float, flo
 
             shard.forward("warm", x_of(200), np.arange(200))
 
-            def timed(t: int, shard: Any = shard) -> float:
+            def timed(t: int, how: str, shard: Any = shard) -> float:
                 times = []
-                for _ in range(repeats):
-                    x = x_of(t)
-                    t0 = time.perf_counter()
-                    shard.forward("warm", x, np.arange(200, 200 + t), all_logits=shard.is_last)
-                    times.append(time.perf_counter() - t0)
+                for _ in range(repeats + 1):
+                    x, pos = x_of(t), np.arange(200, 200 + t)
+                    t0 = time.process_time()
+                    if not shard.is_last:
+                        shard.forward("warm", x, pos)
+                    elif how == "all" or t == 1:
+                        out = shard.forward("warm", x, pos, all_logits=True)
+                        for i in range(1 if how == "rejected" else t):
+                            sampler.sample(out[i], Length(200 + i))
+                    else:
+                        rows = shard.forward_rows("warm", x, pos)
+                        for i in range(1 if how == "rejected" else t):
+                            sampler.sample(rows[i], Length(200 + i))
+                    times.append(time.process_time() - t0)
                     shard.truncate_kv("warm", 200)
-                return statistics.median(times)
+                return statistics.median(times[1:])
 
-            one = timed(1)
+            one = timed(1, "rejected")
             name = f"[{shard.start}, {shard.end})" + (" + head" if shard.is_last else "")
             for k in ks:
-                rows_out.append((name, k, one, timed(k + 1)))
+                ways = ("all", "rejected", "accepted") if shard.is_last else ("all",)
+                rows_out.append((name, k, one, {how: timed(k + 1, how) for how in ways}))
     finally:
         for shard in shards:
             shard.close()
     return rows_out
+
+
+def _print_stage_costs(ks: list[int], repeats: int, backends: list[str]) -> None:
+    print("\nA verify step's cost per stage (3-way split, 200 positions cached, one thread, CPU time): (k + 1)-row "
+          "step ÷ 1-row step. Last stage: the head on every row (all) / on the rows a check reads that rejects the "
+          "first draft (rejected) / that accepts every draft (accepted)\n")
+    print("| backend | stage | 1 row, ms | " + " | ".join(f"k={k}" for k in ks) + " |")
+    print("|---|---|---:|" + "---:|" * len(ks))
+    for backend in backends:
+        costs = _stage_costs(ks, repeats, backend)
+        for stage in dict.fromkeys(c[0] for c in costs):
+            mine = [c for c in costs if c[0] == stage]
+            cells = [" / ".join(f"{v / c[2]:.2f}" for v in c[3].values()) for c in mine]
+            print(f"| {backend} | {stage} | {mine[0][2] * 1000:.2f} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -255,6 +288,9 @@ def main() -> None:
     ap.add_argument("--ks", default="1,4,8,16,32", help="drafted tokens whose step cost is measured per stage")
     ap.add_argument("--nodes", default="1,3", help="the clusters' sizes: 1, 3 or 1,3")
     ap.add_argument("--repeats", type=int, default=15, help="steps timed per stage and k (medians)")
+    ap.add_argument("--stage-backends", default=",".join(b for b in ("onnx", "mlx") if b in available_backends()),
+                    help="the backends whose verify step is timed per stage")
+    ap.add_argument("--stages-only", action="store_true", help="only the verify step's cost per stage")
     args = parse(ap, rounds=1, tokens=8, ks="1,4", nodes="1", repeats=2)
     sizes = tuple(int(n) for n in args.nodes.split(","))
     if not set(sizes) <= {1, 3}:
@@ -268,6 +304,9 @@ def main() -> None:
     from exo_tui.models.catalog import resolve_model
     from exo_tui.net import loop as event_loop
 
+    if args.stages_only:
+        _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
+        return
     draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
         runs = {} if args.draft_only else event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes))
@@ -313,14 +352,7 @@ def main() -> None:
               f"with the prediction: {med(('copy prediction', 1)) / ref:.2f}x")
     if draft_runs:
         _print_draft(draft_runs, sizes, target, draft)
-    ks = [int(k) for k in args.ks.split(",")]
-    print("\nA verify step's cost per stage (3-way ONNX split, 200 positions cached): (k + 1)-row step ÷ 1-row step\n")
-    print("| stage | 1 row, ms | " + " | ".join(f"k={k}" for k in ks) + " |")
-    print("|---|---:|" + "---:|" * len(ks))
-    costs = _stage_costs(ks, args.repeats)
-    for stage in dict.fromkeys(c[0] for c in costs):
-        mine = [c for c in costs if c[0] == stage]
-        print(f"| {stage} | {mine[0][2] * 1000:.2f} | " + " | ".join(f"{c[3] / c[2]:.2f}" for c in mine) + " |")
+    _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
 
 
 if __name__ == "__main__":

@@ -373,11 +373,12 @@ class ShardModel:
         return h * self.config.embed_scale if self.config.embed_scale != 1.0 else h
 
     def __call__(
-        self, x: mx.array, step: Step, keys: list[mx.array], values: list[mx.array], last_only: bool = True
+        self, x: mx.array, step: Step, keys: list[mx.array], values: list[mx.array], last_only: bool = True,
+        head: bool = True,
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         """``x``: token ids ``(T,)`` on the first shard, else hidden ``(T, hidden)``. Returns hidden
         ``(T, hidden)`` or logits (``(1, vocab)`` with ``last_only``, else ``(T, vocab)``) and the
-        updated caches."""
+        updated caches; without ``head``, the last layer's hidden ``(T, hidden)`` (for :meth:`head`)."""
         h = self.embed(x)[None]
         new_keys, new_values = [], []
         for layer, k, v in zip(self.layers, keys, values, strict=True):
@@ -385,6 +386,8 @@ class ShardModel:
             new_keys.append(k)
             new_values.append(v)
         h = h[0]
+        if not head:
+            return h, new_keys, new_values
         if last_only and self.lm_head is not None:
             h = h[-1:]
         return self.head(h), new_keys, new_values

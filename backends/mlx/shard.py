@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from backends.base import BackendError, KVCache, ModelConfig, Shard, validate_forward_input
+from backends.base import BackendError, HeadRows, KVCache, ModelConfig, Shard, validate_forward_input
 from backends.mlx.experts import on_cpu
 from backends.mlx.llama import Kinds, Ring, ShardModel, Step, step_inputs
 from backends.mlx.quant import MLXWeight
@@ -158,6 +158,32 @@ class MLXShard(Shard):
                 if b == t or all_logits or not self.is_last:
                     outs.append(np.array(out, dtype=np.float32))
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def forward_rows(self, request_id: str, x: np.ndarray, positions: np.ndarray) -> HeadRows:
+        """A verify step on the last shard: the layers now, the head on a row when its logits are
+        asked for. On the CPU the head's cost grows with its rows (SmolLM2's: ~20 ms a row on one
+        thread), so it runs a row at a time, and a check that rejects the first draft pays for one;
+        on a GPU, whose head reads its weights in about the same time for a few rows as for one,
+        all rows at once."""
+        x, positions = np.asarray(x), np.asarray(positions)
+        t = positions.shape[0]
+        if not self.is_last or t < 2 or t > self.prefill_chunk:
+            return super().forward_rows(request_id, x, positions)
+        with self._lock:
+            self._check_open()
+            cached = self._begin(request_id, x, positions)
+            cache = self._cache_for(request_id, cached + t)
+            step = self._step_inputs(cached, t, cached + t, cache.capacity)
+            hidden, keys, values = self.model(self._inputs(x), step, cache.keys, cache.values, head=False)
+            cache.keys, cache.values, cache.length = keys, values, cached + t
+            self._evaluate([request_id], hidden, keys, values)
+
+        def head(a: int, b: int) -> np.ndarray:
+            with self._lock:
+                self._check_open()
+                return np.array(self.model.head(hidden[a:b]), dtype=np.float32)
+
+        return HeadRows(t, head, 1 if on_cpu() else t)
 
     def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """Decode steps (one token each) of several requests run as one batch: each matmul runs

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends import get_backend
-from backends.base import Shard
+from backends.base import HeadRows, Shard
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import Length, Sampler, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import forward_scored
@@ -105,9 +105,15 @@ class LocalPipeline:
         sampler = self._samplers.setdefault(request.id, Sampler(request.sampling))
         tokens = request.tokens
         rows = [*tokens[start:], *draft.tokens]
-        logits = await self._call(run_shards, self.shards, request.id, rows, start, True)
-        logits = logits[-(len(draft) + 1):]
-        verdict = verify(sampler, logits, tokens if sampler.params.uses_history else Length(len(tokens)), draft)
+        history = tokens if sampler.params.uses_history else Length(len(tokens))
+
+        def check() -> tuple[HeadRows, Verdict]:  # on the worker: the head runs on the rows the check reads
+            x = run_shards(self.shards[:-1], request.id, rows, start, True) if len(self.shards) > 1 else rows
+            last = self.shards[-1].forward_rows(request.id, np.asarray(x), np.arange(start, start + len(rows)))
+            logits = last.last(len(draft) + 1)
+            return logits, verify(sampler, logits, history, draft)
+
+        logits, verdict = await self._call(check)
         kept = len(tokens) + verdict.accepted  # the request's tokens and the accepted drafts
         await self._call(self._each, lambda shard: shard.truncate_kv(request.id, kept))
         if request.top_logprobs is None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backends.base import HeadRows
 from exo_tui.inference.sampling import Length, Sampler
 
 ACCEPT_STREAM = 1  # the random stream of a draft's acceptance (Sampler.uniform)
@@ -165,14 +166,22 @@ class Verdict:
         return self.drafted - self.accepted
 
 
-def verify(sampler: Sampler, logits: np.ndarray, history: Sequence[int], draft: Draft) -> Verdict:
+def verify(sampler: Sampler, logits: np.ndarray | HeadRows, history: Sequence[int], draft: Draft) -> Verdict:
     """Check ``draft`` against ``logits`` ``(k + 1, vocab)``, the rows of a verify step that ran
     the last token of ``history`` and the ``k`` drafted tokens; ``history`` is the prompt and
-    tokens so far (a :class:`Length` where no penalty is on)."""
-    rows = np.asarray(logits)
+    tokens so far (a :class:`Length` where no penalty is on). Rows are read in order and only up
+    to the first rejected draft: given :class:`~backends.base.HeadRows`, the head runs on no row
+    past it."""
     k = len(draft)
-    if rows.ndim != 2 or rows.shape[0] != k + 1:
-        raise ValueError(f"a draft of {k} tokens is checked against {k + 1} rows of logits, not {rows.shape}")
+    if isinstance(logits, HeadRows):
+        rows = logits
+    else:
+        array = np.asarray(logits)
+        if array.ndim != 2:
+            raise ValueError(f"a draft of {k} tokens is checked against {k + 1} rows of logits, not {array.shape}")
+        rows = HeadRows.of(array)
+    if len(rows) != k + 1:
+        raise ValueError(f"a draft of {k} tokens is checked against {k + 1} rows of logits, not {len(rows)}")
     out: list[int] = []
     for i, d in enumerate(draft.tokens):
         seen = _grown(history, out, sampler)

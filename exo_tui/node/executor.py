@@ -332,9 +332,9 @@ class StepExecutor:
                         outs[j] = out
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which rebuilds
                 _failed(shard, items, outs, plain, exc)
-            for j in verifying:
+            for j in verifying:  # the head on the rows the check reads (Shard.forward_rows)
                 try:
-                    outs[j] = shard.forward(*items[j], all_logits=True)
+                    outs[j] = shard.forward_rows(*items[j])
                 except Exception as exc:  # noqa: BLE001
                     _failed(shard, items, outs, [j], exc)
             for j in scored:  # each in pieces; its failure (a bad ask included) fails it alone
@@ -353,7 +353,7 @@ class StepExecutor:
                         results[i] = Sampled(FILLED, None, None)  # a prompt's chunk: its caches filled, nothing drawn
                     elif not isinstance(results[i], Exception) and batch[i].body.draft is not None:
                         try:
-                            verdict, listed = self.samplers.verify(batch[i].body, results[i])
+                            verdict, listed = self.samplers.verify(batch[i].body, results[i], shard.config.vocab_size)
                             results[i] = Sampled(verdict.tokens[-1], None, None, verdict, listed)
                         except Exception as exc:  # noqa: BLE001 - a bad draft fails this request only
                             results[i] = exc

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import MAX_DRAFT
+from backends.base import MAX_DRAFT, HeadRows
 from backends.memory import logit_rows
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams, TokenLogprobs, token_logprobs
 from exo_tui.inference.scoring import SCORE_ROWS, forward_scored
@@ -47,17 +47,24 @@ class Samplers:
         logprobs = None if step.logprobs is None else token_logprobs(logits[-1], token, step.logprobs)
         return token, logprobs
 
-    def verify(self, step: Forward, logits: np.ndarray) -> tuple[Verdict, list[TokenLogprobs] | None]:
-        """A verify step's ``draft`` (the tokens its last ``k`` rows ran) checked against the last
-        ``k + 1`` rows of ``logits`` (:func:`exo_tui.inference.speculative.verify`), and each
-        kept token's logprobs when the step asks."""
+    def verify(self, step: Forward, rows: HeadRows | np.ndarray,
+               vocab: int | None = None) -> tuple[Verdict, list[TokenLogprobs] | None]:
+        """A verify step's ``draft`` (the tokens its ``k`` last rows ran) checked against ``rows``,
+        the step's rows (its last ``k + 1`` checked) whose logits the head gives when read
+        (:func:`exo_tui.inference.speculative.verify`: no row past the first rejected draft), or
+        their logits ``(T, vocab)``; and each kept token's logprobs when the step asks. ``vocab``:
+        the model's (read from the logits where it is not given)."""
+        if not isinstance(rows, HeadRows):
+            vocab = rows.shape[-1]
+            rows = HeadRows.of(rows)
+        if vocab is None:
+            raise ValueError("the vocabulary's size is needed to check drafts against rows not computed yet")
         draft = step.draft or []
-        vocab = logits.shape[-1]
-        if not 0 < len(draft) <= MAX_DRAFT or len(draft) >= logits.shape[0] or any(not 0 <= t < vocab for t in draft):
+        if not 0 < len(draft) <= MAX_DRAFT or len(draft) >= len(rows) or any(not 0 <= t < vocab for t in draft):
             raise ValueError(f"draft must be 1..{MAX_DRAFT} token ids under {vocab}, the step's last rows, "
                              f"not {draft!r:.80}")
         sampler, history = self._sampler(step)
-        rows = logits[-(len(draft) + 1) :]
+        rows = rows.last(len(draft) + 1)
         q = None if step.draft_q is None else DraftProbs.from_wire(step.draft_q.counts, step.draft_q.ids,
                                                                    step.draft_q.probs)
         verdict = verify(sampler, rows, history, Draft(tuple(draft), q=q))
