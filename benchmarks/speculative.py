@@ -12,7 +12,7 @@ Tasks (greedy, so every configuration gives the same text; the benchmark checks 
 * ``chat``: a free question; speculation ``auto`` (prompt lookup, drafting only where it measures a
   gain). Target: >= 0.97x off.
 * headline: the 3-node ring with speculation against one node without, on ``copy``: >= 1.0x.
-* 8 streams at once on one node, ``auto`` against ``off``: the throughput must not drop.
+* 8 streams at once, one node and ring, ``auto`` against ``off``: the throughput must not drop.
 * ``draft``: a draft model (``--draft``): the default Q4_1 file drafting for its own F16
   requantization (``benchmarks/draft_f16.py``, llama.cpp's quantizer) on free chat, the F16 model
   served with the draft model against without, ``auto`` and a fixed ``k`` of 4. Target: >= 1.5x off,
@@ -70,6 +70,7 @@ async def _decode(c: Any, messages: list[dict[str, str]], tokens: int, mode: str
     s = request.speculation.stats if request.speculation is not None else None
     return {"tokens": list(request.generated), "tok_s": request.decode_tok_per_s,
             "drafted": s.drafted if s else 0, "accepted": s.accepted if s else 0,
+            "shadowed": s.shadowed if s else 0, "shadow_kept": s.shadow_kept if s else 0,
             "k": list(s.k_chosen) if s else []}
 
 
@@ -105,13 +106,20 @@ async def _clusters(rounds: int, tokens: int, home: Path,
                 messages = COPY if task == "copy" else CHAT
                 answer = clusters[n].model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"]) if predicted else None
                 runs[(name, n)].append(await _decode(clusters[n], messages, tokens, mode, answer))
-            if 1 in clusters:
-                for mode in ("off", "auto"):  # 8 streams at once on one node: its throughput
+            for n, c in clusters.items():  # 8 streams at once: the cluster's throughput
+                answer = c.model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"])
+                for mode, predicted in (("off", False), ("auto", False), ("auto", True)):
                     t0 = time.perf_counter()
-                    answers = await asyncio.gather(*(_decode(clusters[1], CHAT if i % 2 else COPY, tokens, mode)
-                                                     for i in range(STREAMS)))
-                    runs.setdefault((f"{STREAMS} streams {mode}", 1), []).append(
-                        {"tok_s": sum(len(a["tokens"]) for a in answers) / (time.perf_counter() - t0)})
+                    answers = await asyncio.gather(*(
+                        _decode(c, CHAT, tokens, mode) if i % 2 else
+                        _decode(c, COPY, tokens, mode, answer if predicted else None) for i in range(STREAMS)))
+                    name = f"{STREAMS} streams {mode}" + (" predicted" if predicted else "")
+                    runs.setdefault((name, n), []).append(
+                        {"tok_s": sum(len(a["tokens"]) for a in answers) / (time.perf_counter() - t0),
+                         "drafted": sum(a["drafted"] for a in answers), "accepted": sum(a["accepted"] for a in answers),
+                         "shadowed": sum(a["shadowed"] for a in answers),
+                         "shadow_kept": sum(a["shadow_kept"] for a in answers),
+                         "k": [k for a in answers for k in a["k"]], "tokens": [a["tokens"] for a in answers]})
         return runs
     finally:
         for c in clusters.values():
@@ -327,20 +335,34 @@ def main() -> None:
 
     print(f"\nThe default model, greedy, {args.tokens} tokens, ONNX node processes on loopback, {args.rounds} rounds "
           f"taking turns, medians (a shared 2-core machine: noisy)\n")
-    print("| nodes | case | decode tok/s | ÷ off | acceptance | k chosen (median) | same text as off |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    print("| nodes | case | decode tok/s | ÷ off | drafted | accepted | acceptance | not run: proposed / would keep | "
+          "k chosen (median) | same text as off |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|---:|---|")
     for name, n, task, _mode, _p in (case for case in CASES if case[1] in sizes):
         off = (f"{task} off", n)
-        drafted = sum(r["drafted"] for r in runs[(name, n)])
+        drafted = sum(r["drafted"] for r in runs[(name, n)])  # all rounds' drafts
         accepted = sum(r["accepted"] for r in runs[(name, n)])
         ks = [k for r in runs[(name, n)] for k in r["k"]]
         same = all(r["tokens"] == o["tokens"] for r, o in zip(runs[(name, n)], runs[off], strict=True))
-        print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | "
-              f"{accepted / drafted if drafted else 0:.2f} | {statistics.median(ks) if ks else 0:g} | {same} |")
-    if 1 in sizes:
-        off8, auto8 = med((f"{STREAMS} streams off", 1)), med((f"{STREAMS} streams auto", 1))
-        print(f"\n{STREAMS} streams at once on one node (copy and chat prompts, no prediction): off {off8:.1f} "
-              f"tok/s, auto {auto8:.1f} tok/s: {auto8 / off8:.2f}x")
+        shadow = "{} / {}".format(*(sum(r[f] for r in runs[(name, n)]) for f in ("shadowed", "shadow_kept")))
+        print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | {drafted} | {accepted} | "
+              f"{accepted / drafted if drafted else 0:.2f} | {shadow} | {statistics.median(ks) if ks else 0:g} | {same} |")
+    print(f"\n{STREAMS} streams at once (4 copy and 4 chat prompts; 'predicted': the copies with their prediction): "
+          f"aggregate tok/s, first token to last\n")
+    print("| nodes | case | tok/s | ÷ off | drafted | accepted | not run: proposed / would keep | k chosen (median) | "
+          "same text as off |")
+    print("|---:|---|---:|---:|---:|---:|---|---:|---|")
+    for n in sizes:
+        off8 = runs[(f"{STREAMS} streams off", n)]
+        a_off = statistics.median(r["tok_s"] for r in off8)
+        for case in ("off", "auto", "auto predicted"):
+            rs = runs[(f"{STREAMS} streams {case}", n)]
+            tok_s = statistics.median(r["tok_s"] for r in rs)
+            ks = [k for r in rs for k in r["k"]]
+            same = all(r["tokens"] == o["tokens"] for r, o in zip(rs, off8, strict=True))
+            print(f"| {n} | {case} | {tok_s:.1f} | {tok_s / a_off:.2f} | {sum(r['drafted'] for r in rs)} | "
+                  f"{sum(r['accepted'] for r in rs)} | {sum(r['shadowed'] for r in rs)} / "
+                  f"{sum(r['shadow_kept'] for r in rs)} | {statistics.median(ks) if ks else 0:g} | {same} |")
     if sizes == (1, 3):
         print(f"\nHeadline: 3-node ring, copy with the prediction ÷ one node off: "
               f"{med(('copy prediction', 3)) / med(('copy off', 1)):.2f}x")

@@ -62,7 +62,7 @@ from exo_tui.cluster.view import (
 from exo_tui.config import Config, load_config
 from exo_tui.inference.generate import Chunk, GenerationError, generate
 from exo_tui.inference.request import Request
-from exo_tui.inference.speculation import Speculation
+from exo_tui.inference.speculation import Speculation, StepCosts
 from exo_tui.models.model import Model
 from exo_tui.models.spec import served_context, spec_from_gguf
 from exo_tui.net.address import split_host_port
@@ -118,6 +118,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
         # off, auto or a fixed number of drafted tokens; ``exo-tui serve --speculative``.
         self.speculative: str | int = "auto"
         self.draft: ClusterDraft | None = None  # a draft model (``--draft``, exo_tui.cluster.drafting)
+        self._step_costs: tuple[int | None, StepCosts] = (None, StepCosts())  # the plan's, by its version
         self.pipeline = RemotePipeline(self)
         self.pipeline.window = lambda: self.model.config.at_context(self.context_length).ring_window if self.model is not None else 0
         adm = self.config.admission
@@ -347,6 +348,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
             self.draft.attach(request.speculation, request.id, request.sampling)
         if request.speculation is not None:
             request.speculation.streams = lambda: len(self._active)
+            request.speculation.costs = self.step_costs()
         chunks = generate(AdmittedRunner(self.pipeline, self.admission, ticket), self.model.tokenizer, request,
                           context_length=self.context_length)
         try:
@@ -363,6 +365,14 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
             self._active.pop(request.id, None)
             self.admission.leave(ticket)
             self.metrics.ended(request)
+
+    def step_costs(self) -> StepCosts:
+        """The cost of a verify step's rows on the plan in force, as its streams measure it (a
+        new plan starts a new measure)."""
+        version = self.ring.version if self.ring is not None else None
+        if self._step_costs[0] != version:
+            self._step_costs = (version, StepCosts())
+        return self._step_costs[1]
 
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
         assert self.model is not None

@@ -2,21 +2,25 @@
 
 The mode is ``off``, ``auto`` or a fixed ``k`` (``exo-tui serve --speculative``, the console's
 ``:set speculative``, a request's own ``speculative``). With ``auto`` a stream drafts the ``k``
-that maximises the expected tokens a step per unit of step time, from what it measured itself:
+that maximises the ring's tokens per unit of step time, from what is measured:
 
-* the acceptance rate ``a`` of its drafts (a step of ``k`` drafts gives ``(1 - a^(k+1)) / (1 - a)``
+* the acceptance rate ``a`` of its drafts (a step of ``k`` drafts gives ``E = (1 - a^(k+1)) / (1 - a)``
   tokens on average, accepting each draft with probability ``a`` until the first rejection);
-* the time of its steps by their rows: a 1-row step's, and what each further row adds (the cost
-  of a ``k + 1``-row step against a 1-row one on this plan, through the whole ring, the other
-  streams batched beside it included).
+* the cost of a ``k + 1``-row step against a 1-row one on this plan (:class:`StepCosts`: what
+  ``k`` drafts add, relative to a 1-row step, through the whole ring, ``fixed + per_row k``; one
+  estimate per plan, fed by every stream's decode steps, the other streams batched beside them
+  included);
+* the streams running: ``n`` of them share a step (they batch), so a stream's extra rows slow the
+  other ``n - 1`` too. ``k`` drafts give the ring ``(n - 1 + E) / (n (1 + cost(k)))`` times the
+  tokens per second of plain steps; one stream alone, ``E / (1 + cost(k))``.
 
-Where more than :data:`BUSY_STREAMS` streams run, a stream without a prediction does not draft
-either: the ring's steps are batches then, whose rows every stream pays for. Where no ``k`` is
-expected to beat plain steps by :data:`MIN_GAIN`, the stream does not draft: it
-keeps proposing drafts without running them and checks them against the tokens that come (a
-"shadow" draft; free for lookups), so it starts again when its answer turns to copying. A
-prediction (OpenAI's Predicted Outputs) is drafted from the first step, since it is given to be
-copied.
+A stream drafts where that is at least ``1 + (MIN_GAIN - 1) / n`` (its share of a
+:data:`MIN_GAIN` margin). Where no ``k`` is, the stream does not draft: it keeps proposing
+drafts without running them and checks them against the tokens that come (a "shadow" draft;
+free for lookups), so it starts again when its answer turns to copying. Until a plan's cost is
+measured (:data:`PROBES` verify steps), a stream whose lookup proposes something runs it as one
+draft (a 2-row step: a probe), so the cost is this plan's, not a guess. A prediction (OpenAI's
+Predicted Outputs) starts from a high acceptance, since it is given to be copied.
 """
 
 from __future__ import annotations
@@ -25,19 +29,21 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from backends.base import MAX_DRAFT
 from exo_tui.inference.drafts import Drafter, DraftSource, Prediction, PromptLookup
 from exo_tui.inference.speculative import Draft, Verdict
 
 MODES = ("off", "auto")
 MIN_GAIN = 1.15  # auto drafts only where it expects at least this many times plain steps' tok/s
-BUSY_STREAMS = 2  # auto drafts lookups only while at most this many streams run (a prediction: always)
+PROBES = 3  # verify steps a plan's cost is measured from before it replaces the prior
 PRIOR_ACCEPT = 0.2  # a stream's acceptance rate before it has measured one: lookups start from drafts not run ...
 # ... (free chat rarely repeats itself; a copy shows in the first drafts checked), a prediction from this:
 PRIOR_PREDICTED = 0.9
 PRIOR_MODEL = 0.8  # a stream with a draft model (whose drafts are not asked for while it does not draft)
-# What each row past the first adds to a step, relative to a 1-row step, until measured: a verify
-# step runs the output head on every row (the default model's last stage took 4x a 1-row step at k = 4)
+# What each row past the first adds to a step, relative to a 1-row step, until measured (one node
+# of the default model: ONNX ~0.13 a row at k = 4 on one thread, MLX on the CPU ~0.85)
 PRIOR_ROW_COST = 0.5
 EMA = 0.2  # the weight of a new measurement in the running estimates
 
@@ -69,11 +75,57 @@ class SpeculationStats:
     accepted: int = 0
     prediction_accepted: int = 0  # of them, drafted from the request's prediction
     prediction_rejected: int = 0
+    shadowed: int = 0  # drafted tokens proposed and not run, checked against the tokens that came
+    shadow_kept: int = 0  # of them, those the answer went on as (up to the first it did not)
     k_chosen: list[int] = field(default_factory=list)  # the k of each verify step
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class StepCosts:
+    """What a verify step of ``k`` drafts adds to a decode step, relative to a 1-row step, as
+    ``fixed + per_row * k`` fitted to measured steps (least squares, recent ones weighing more).
+    A step's rows batch with the other streams' where the backend can; where a verify step runs
+    apart from them it pays a pass over the weights of its own, the ``fixed`` part. One for each
+    plan, fed by every stream's steps: a stream that has not drafted yet reads the others'.
+    With steps of one ``k`` only, ``fixed`` is taken as 0 (the cost put on the rows: the larger
+    estimate for a larger k)."""
+
+    DECAY = 0.9  # the weight of a measure, each new one after it
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self._sums = np.zeros(5)  # weight, k, k^2, extra, k * extra
+
+    def add(self, k: int, extra: float) -> None:
+        """A verify step of ``k`` drafts took ``1 + extra`` 1-row steps."""
+        self._sums = self.DECAY * self._sums + np.array([1.0, k, k * k, extra, k * extra])
+        self.samples += 1
+
+    @property
+    def measured(self) -> bool:
+        return self.samples >= PROBES
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed, per_row)`` (None: nothing measured)."""
+        if not self.samples:
+            return None
+        w, sk, skk, se, ske = self._sums
+        mk, me = sk / w, se / w
+        var = skk / w - mk * mk
+        if var > 0.25:  # steps of several k: a line through them
+            per_row = (ske / w - mk * me) / var
+            fixed = me - per_row * mk
+            if per_row >= 0 and fixed >= 0:
+                return fixed, per_row
+        return 0.0, max(me, 0.0) / mk
+
+    def extra(self, k: int) -> float | None:
+        """What ``k`` drafts add to a step, relative to a 1-row step (None: not measured)."""
+        fit = self.fit()
+        return None if fit is None else max(fit[0] + fit[1] * k, 1e-3 * k)
 
 
 class Speculation:
@@ -86,9 +138,10 @@ class Speculation:
         self.stats = SpeculationStats()
         self.accept_rate = PRIOR_PREDICTED if self.predicted else PRIOR_ACCEPT
         self.step_s: float | None = None  # a 1-row step's time
-        self.row_s: float | None = None  # what each further row adds
+        self.own = StepCosts()  # what its own verify steps cost
         self._shadow: tuple[int, tuple[int, ...]] | None = None  # (where a draft not run begins, its tokens)
-        self.streams: Callable[[], int] | None = None  # the streams running beside it (the coordinator's)
+        self.streams: Callable[[], int] | None = None  # the streams running, it included (the coordinator's)
+        self.costs = StepCosts()  # its plan's (the coordinator gives each stream the plan's own)
         self._primed = False  # the priors were set for the sources it has (a draft model is attached late)
 
     @classmethod
@@ -119,6 +172,8 @@ class Speculation:
         self._primed = True
         k = self.mode if isinstance(self.mode, int) else self.best_k(most)
         draft = await self.drafter.propose(tokens, prompt_len, min(k, most) if k else most, cheap_only=not k)
+        if not k and len(draft) and self._probe():  # the plan's cost not measured yet: one draft run
+            return draft.cut(1)
         if not k:  # not worth a verify step now: remembered, to be checked against what comes
             if len(draft) and self._shadow is None:
                 self._shadow = (len(tokens), draft.tokens)
@@ -126,25 +181,34 @@ class Speculation:
         return draft
 
     def best_k(self, most: int) -> int:
-        """The k with the most expected tokens per unit of step time (0: none beats plain steps
-        by MIN_GAIN)."""
-        if not self.predicted and self.streams is not None and self.streams() > BUSY_STREAMS:
-            return 0  # a busy ring's steps are batches already: drafts would cost the others
+        """The k with the most expected tokens per unit of the ring's step time, the streams
+        batched beside it paying for its rows too (0: none beats plain steps by its share of
+        MIN_GAIN)."""
+        n = max(1, self.streams()) if self.streams is not None else 1
         a = min(self.accept_rate, 0.999)
-        row = self.row_cost()
-        best, gain = 0, MIN_GAIN
+        best, gain = 0, 1 + (MIN_GAIN - 1) / n
         for k in range(1, min(most, MAX_DRAFT) + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)
-            g = tokens / (1 + row * k)
+            g = (n - 1 + tokens) / (n * (1 + self.step_cost(k)))
             if g > gain:
                 best, gain = k, g
         return best
 
+    def step_cost(self, k: int) -> float:
+        """What ``k`` drafts add to a step, relative to a 1-row step: the plan's measure, else
+        this stream's own, else :data:`PRIOR_ROW_COST` a row."""
+        costs = self.costs if self.costs.measured else self.own
+        extra = costs.extra(k)
+        return PRIOR_ROW_COST * k if extra is None else extra
+
     def row_cost(self) -> float:
-        """What each row past the first adds to a step, relative to a 1-row step."""
-        if self.step_s is None or self.row_s is None or self.step_s <= 0:
-            return PRIOR_ROW_COST
-        return max(self.row_s / self.step_s, 1e-3)
+        """What each row past the first adds, on average over a k of 1 (see step_cost)."""
+        return self.step_cost(1)
+
+    def _probe(self) -> bool:
+        """Whether a draft not worth running by the prior runs anyway, to measure the plan's cost
+        (a stream that has timed a plain step, while the plan has fewer than PROBES measures)."""
+        return not self.costs.measured and self.step_s is not None and not self.predicted
 
     # ------------------------------------------------------------------ told
 
@@ -154,9 +218,10 @@ class Speculation:
             return
         if rows == 1:
             self.step_s = seconds if self.step_s is None else (1 - EMA) * self.step_s + EMA * seconds
-        elif self.step_s is not None:
-            per_row = max(0.0, (seconds - self.step_s) / (rows - 1))
-            self.row_s = per_row if self.row_s is None else (1 - EMA) * self.row_s + EMA * per_row
+        elif self.step_s is not None and self.step_s > 0:
+            extra = max(0.0, seconds / self.step_s - 1)
+            self.own.add(rows - 1, extra)
+            self.costs.add(rows - 1, extra)
 
     def verified(self, draft: Draft, verdict: Verdict) -> None:
         """A verify step of ``draft`` gave ``verdict``."""
@@ -190,3 +255,5 @@ class Speculation:
         if agree < len(came) or len(came) == len(drafted):
             self._shadow = None
             self._learn(agree, len(drafted))
+            self.stats.shadowed += len(came)
+            self.stats.shadow_kept += agree

@@ -9,7 +9,7 @@ import pytest
 
 from backends.base import MAX_DRAFT
 from exo_tui.inference.drafts import Drafter, Prediction, PromptLookup
-from exo_tui.inference.speculation import Speculation, parse_mode
+from exo_tui.inference.speculation import PROBES, Speculation, StepCosts, parse_mode
 from exo_tui.inference.speculative import Draft, Verdict
 
 
@@ -87,6 +87,7 @@ def test_a_stream_that_stopped_drafting_learns_from_drafts_it_did_not_run() -> N
         tokens.append(t)
         asyncio.run(spec.draft(tokens, 2, 10))
     assert spec.accept_rate > 0.1
+    assert spec.stats.drafted == 0 and spec.stats.shadowed == spec.stats.shadow_kept > 0  # counted, not run
 
 
 def test_verified_steps_are_counted_by_source() -> None:
@@ -126,16 +127,41 @@ def test_the_cluster_figures_count_the_drafts_kept() -> None:
     assert m.figures([]).draft_acceptance == pytest.approx(30 / 40)
 
 
-def test_a_busy_ring_drafts_only_predictions() -> None:
-    from exo_tui.inference.speculation import BUSY_STREAMS
+def test_a_busy_ring_drafts_where_the_batch_gains() -> None:
+    """n streams share a step: a stream's rows slow the other n - 1 too, so what pays one stream
+    alone does not pay eight, unless the drafts are cheap and kept."""
+    spec = Speculation("auto", [PromptLookup()])
+    for k in (1, 4, 8):  # the plan's measure: each row past the first costs a quarter of a step
+        spec.costs.add(k, 0.25 * k)
+    spec.accept_rate = 0.7
+    alone = spec.best_k(8)
+    spec.streams = lambda: 8
+    assert alone > 0 and spec.best_k(8) == 0
+    spec.accept_rate = 0.999  # a prediction copied
+    spec.costs = StepCosts()  # rows that cost little once their step runs (a memory-bound ring) ...
+    for k in (1, 8, 16):
+        spec.costs.add(k, 0.3 + 0.01 * k)  # ... though it runs apart from the batch: 0.3 of a step
+    assert spec.costs.fit() == pytest.approx((0.3, 0.01))
+    assert spec.best_k(8) > 0
 
-    lookup, predicted = Speculation("auto", [PromptLookup()]), Speculation("auto", [Prediction([1, 2]), PromptLookup()])
-    for spec in (lookup, predicted):
-        spec.accept_rate = 0.9
-        spec.streams = lambda: BUSY_STREAMS + 1
-    assert lookup.best_k(8) == 0 and predicted.best_k(8) > 0
-    lookup.streams = lambda: BUSY_STREAMS
-    assert lookup.best_k(8) > 0
+
+def test_a_plans_cost_is_measured_once_for_its_streams() -> None:
+    """Until the plan's cost is measured a lookup's proposal runs as one draft (a probe); then
+    every stream of the plan reads that measure, whatever it measured itself."""
+    costs = StepCosts()
+    first = Speculation("auto", [PromptLookup()])
+    first.costs = costs
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert asyncio.run(first.draft(tokens, 2, 10)) == Draft(())  # no 1-row step timed yet: not run
+    first.timed(1, 0.010)
+    assert asyncio.run(first.draft(tokens, 2, 10)).tokens == (3,)  # a probe: one draft
+    for _ in range(PROBES):
+        first.timed(2, 0.0105)  # a 2-row step costs 5 % more
+    assert costs.measured and costs.extra(1) == pytest.approx(0.05)
+    second = Speculation("auto", [PromptLookup()])
+    second.costs = costs
+    assert second.row_cost() == pytest.approx(0.05)
+    assert asyncio.run(second.draft(tokens, 2, 10)) == Draft(())  # measured: no more probes at 0.2
 
 
 def test_a_prediction_that_repeats_itself_is_followed_where_the_answer_is() -> None:
