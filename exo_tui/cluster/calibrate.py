@@ -205,10 +205,10 @@ class Calibrator:
             pre = self.prefill[key].mean(now, 1) if key in self.prefill else None
             by_load[nid][bucket] = NodeMeasure(rate, pre[0] if pre else None, n, h)
         links = {}
-        for key, series in self.links.items():
+        for link, series in self.links.items():
             got = series.mean(now)
             if got is not None:
-                links[key] = LinkMeasure(got[0], float(self.act_bytes), got[1])
+                links[link] = LinkMeasure(got[0], float(self.act_bytes), got[1])
         coord = self.coordinator.mean(now)
         cpu = {nid: got[0] for nid, s in self.cpu.items() if (got := s.mean(now, CPU_SAMPLES)) is not None}
         return Measurements({}, links, coord[0] if coord else None, dict(by_load), cpu).at(*self.load)
