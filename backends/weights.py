@@ -215,6 +215,10 @@ class ShardWeights:
     # Those bytes by GGUF type ("Q4_K": ..., "F32": ...), when known, read from the file's header
     # without making a layer: what a backend may choose its math by (the ONNX backend's "auto").
     stored_types: dict[str, int] = field(default_factory=dict)
+    # What the bytes are, where known (a file's path, size and modification time): two shards of
+    # one source hold the same tensors for the layers they share, so a backend may share what it
+    # made of them while both are loaded (empty: unknown, nothing is shared).
+    source: str = ""
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.end - self.start:

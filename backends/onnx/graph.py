@@ -34,6 +34,8 @@ external initializers handed to the session as NumPy-backed ``OrtValue``s.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +71,35 @@ from backends.weights import QuantizedWeight, ShardWeights, Weight
 MS = "com.microsoft"
 OPSET = 21
 DENSE_HEAD_MAX_BYTES = 256 << 20  # a larger quantized head keeps one path (see _Builder.batched_head)
+
+# QLinear's tiles of the shards alive in this process, by what they were packed from (the
+# weights' source, the layer or head, the matmul, the precision), one entry per fused group: a
+# shard loaded beside one that holds some of its layers (a plan change: a node's [0, 10) grows
+# to [0, 15)) reads their tiles where they are, not reading, checking and packing those matrices
+# again, which is most of a load (SmolLM2, 15 layers: 0.6 of 0.7 s). The tiles are read-only;
+# they go with the last shard that reads them (weak references).
+_Tiled = tuple[np.ndarray, int, int, dict[str, int], str]  # tiles, N, K, QLinear's attributes, format
+_TILES: dict[tuple[Any, ...], tuple[tuple[weakref.ref[np.ndarray], int, int, dict[str, int], str], ...]] = {}
+_TILES_LOCK = threading.Lock()
+
+
+def _shared_tiles(key: tuple[Any, ...]) -> list[_Tiled] | None:
+    with _TILES_LOCK:
+        entry = _TILES.get(key)
+        if entry is None:
+            return None
+        out = [(ref(), n, k, attrs, fmt) for ref, n, k, attrs, fmt in entry]
+        if any(t is None for t, *_ in out):
+            del _TILES[key]
+            return None
+    return out  # type: ignore[return-value]  # every tile is alive: checked above
+
+
+def _share_tiles(key: tuple[Any, ...], made: list[_Tiled]) -> None:
+    with _TILES_LOCK:
+        for k in [k for k, e in _TILES.items() if any(ref() is None for ref, *_ in e)]:
+            del _TILES[k]
+        _TILES[key] = tuple((weakref.ref(t), n, kk, attrs, fmt) for t, n, kk, attrs, fmt in made)
 
 
 @dataclass
@@ -109,6 +140,8 @@ class _Builder:
         self._n = 0
         self._blocksums: dict[tuple[str, int], str] = {}
         self._indicators: dict[tuple[int, int], str] = {}
+        self.source = ""  # ShardWeights.source: where empty, nothing is shared (_TILES)
+        self.part: Any = None  # the layer (its index in the model) or "head" being built
 
     def name(self, stem: str) -> str:
         self._n += 1
@@ -200,27 +233,41 @@ class _Builder:
         return self.node("Reshape", [y, shape], f"{stem}_moe_out")[0]
 
     def linear(self, x: str, weights: list[Weight], stem: str) -> str:
-        """``x @ concat(weights).T``; matrices of one kind run as one fused op."""
-        groups: list[list[Weight]] = []
-        for w in weights:
-            if groups and same_kind(groups[-1][0], w) and (not self.kernel or kernel_format(groups[-1][0]) == kernel_format(w)):
-                groups[-1].append(w)
-            else:
-                groups.append([w])
-        outs = [self._linear_group(x, g, stem) for g in groups]
+        """``x @ concat(weights).T``; matrices of one kind run as one fused op. On the kernel, a
+        matmul whose tiles a live shard of the same source holds reads them (``_TILES``)."""
+        key = (self.source, self.part, stem.split("_", 1)[-1], self.xbits)
+        shared = _shared_tiles(key) if self.kernel and self.source else None
+        if shared is not None:
+            outs = [self._tiled(x, stem, *t) for t in shared]
+        else:
+            groups: list[list[Weight]] = []
+            for w in weights:
+                if groups and same_kind(groups[-1][0], w) and (not self.kernel or kernel_format(groups[-1][0]) == kernel_format(w)):
+                    groups[-1].append(w)
+                else:
+                    groups.append([w])
+            made: list[_Tiled] = []
+            outs = [self._linear_group(x, g, stem, made) for g in groups]
+            if self.source and made and len(made) == len(groups):
+                _share_tiles(key, made)
         if len(outs) == 1:
             return outs[0]
         return self.node("Concat", outs, stem, axis=-1)[0]
 
-    def _linear_group(self, x: str, weights: list[Weight], stem: str) -> str:
+    def _tiled(self, x: str, stem: str, blocks: np.ndarray, n: int, k: int, attributes: dict[str, int], fmt: str) -> str:
+        """``x`` through ``QLinear`` over packed ``blocks`` (``N`` x ``K``), read in place."""
+        w = self.weight(f"{stem}_{fmt.lower()}", blocks)
+        self.in_place.add(w)
+        return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, xbits=self.xbits, **attributes)[0]
+
+    def _linear_group(self, x: str, weights: list[Weight], stem: str, made: list[_Tiled]) -> str:
+        """One fused matmul; on the kernel its tiles are added to ``made``."""
         quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
         if self.kernel and all(runs_on_kernel(w) for w in weights):  # one format: see linear
             blocks = pack(quantized, self.xbits)  # runs_on_kernel: quantized, every one
             n, k = sum(w.shape[0] for w in quantized), quantized[0].shape[1]
-            attributes = op_attributes(quantized[0])
-            w = self.weight(f"{stem}_{str(kernel_format(quantized[0])).lower()}", blocks)
-            self.in_place.add(w)
-            return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, xbits=self.xbits, **attributes)[0]
+            made.append((blocks, n, k, op_attributes(quantized[0]), str(kernel_format(quantized[0]))))
+            return self._tiled(x, stem, *made[-1])
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
             return self.node("MatMul", [x, w], stem)[0]
@@ -314,6 +361,7 @@ def build_shard_graph(
     c = config
     is_last = weights.end == c.n_layers
     b = _Builder(c, accuracy_level, kernel, xbits)
+    b.source = weights.source
     f32 = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("hidden_in", f32, ["batch", "seq", c.hidden_size]),
@@ -332,7 +380,7 @@ def build_shard_graph(
     h, skip = "hidden_in", None
     for i in range(len(weights.layers)):  # by index: an iterator would hold the last layer while it makes the next
         lw = weights.layers[i]
-        layer = weights.start + i
+        layer = b.part = weights.start + i
         key = table_key(c, layer)
         if key not in tables:
             cos, sin = rotary_tables(c, layer)
@@ -394,6 +442,7 @@ def build_shard_graph(
             del lw  # else it lives on while the next layer is read (decoded whole, a layer is ~2.3x its file bytes)
 
     if is_last:
+        b.part = "head"
         if weights.norm is None or weights.output is None:
             raise ValueError("the last shard needs the final norm and the output matrix")
         normed, _ = b.rms_norm(h, weights.norm, skip)

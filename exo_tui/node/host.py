@@ -88,6 +88,7 @@ class Transfer:
         weights = lazy_shard(self.config, self.start, self.end, get, tied="output.weight" not in spans)
         weights.stored_nbytes = self.total_bytes
         weights.stored_types = bytes_by_type(self.tensors)
+        weights.source = self.model  # the coordinator's tag names the file these bytes are of (its path, size, mtime)
         return weights
 
 
@@ -136,10 +137,18 @@ class ShardHost:
         held = gguf.held_nbytes(start, end, name)
         self._check_room(held, gguf.load_peak_nbytes(start, end, name), start, end)
         try:
-            return self._install(gguf.config.at_context(context), lambda: gguf.shard_weights(start, end), backend, model,
-                                 held)
+            return self._install(gguf.config.at_context(context), lambda: self._weights_of(path, gguf, start, end),
+                                 backend, model, held)
         finally:
             gguf.release_pages()  # the shard has its own copy: the file's pages need not stay resident
+
+    def _weights_of(self, path: str, gguf: GGUFModel, start: int, end: int) -> ShardWeights:
+        """The file's layers ``[start, end)``, their source named by the file as opened (its path,
+        size and modification time): a backend shares what it made of a layer between shards."""
+        weights = gguf.shard_weights(start, end)
+        stamp, _ = self._files.get(path, (0, None))
+        weights.source = f"{path}:{os.path.getsize(path)}:{stamp}"
+        return weights
 
     def _check_room(self, nbytes: int, peak: int, start: int, end: int) -> None:
         """Refuse a load of ``nbytes`` that would take the process past its memory limit at its

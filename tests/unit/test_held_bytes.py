@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from backends import get_backend
@@ -217,3 +218,33 @@ def test_llama_cpps_quantized_files_are_held_as_counted_on_mlx(name: str) -> Non
     shard = backend.load_shard(m.config, m.shard_weights(0, m.config.n_layers))
     arrays = {id(a): a for a in shard._arrays()}
     assert sum(a.nbytes for a in arrays.values()) == m.held_nbytes(0, m.config.n_layers, "mlx")
+
+
+def test_a_shard_loaded_beside_one_of_the_same_file_reads_the_layers_they_share_where_they_are(tmp_path: Path) -> None:
+    """A node whose [0, 2) grows to [0, 3) (a plan change) packs layer 2 only: the new shard's
+    tiles of layers 0 and 1 are the old shard's, and what it computes is what a shard built alone
+    computes. Another file's layers (same shapes) are not taken for them."""
+    path = write_tiny_llama(tmp_path / "a.gguf", n_layers=3, hidden=256, intermediate=512, weight_type="Q4_0")
+    other = write_tiny_llama(tmp_path / "b.gguf", n_layers=3, hidden=256, intermediate=512, weight_type="Q4_0", seed=1)
+    host = ShardHost("n", "onnx")
+    small = host.load_from_file(str(path), 0, 2, "onnx", "a")
+    if not small.shard.kernel:
+        pytest.skip("the QLinear kernel library cannot be built here (no C compiler): MatMulNBits runs")
+
+    def tiles(hosted) -> set[int]:  # noqa: ANN001
+        return {v.data_ptr() for v in hosted.shard._in_place.values()}
+
+    grown = host.load_from_file(str(path), 0, 3, "onnx", "a")
+    stranger = host.load_from_file(str(other), 0, 2, "onnx", "b")
+    assert tiles(small) < tiles(grown) and len(tiles(grown) - tiles(small)) == len(tiles(small)) // 2 + 1  # layer 2's and the head's
+    assert not tiles(stranger) & tiles(grown)
+    m = GGUFModel(path)
+    alone = get_backend("onnx").load_shard(m.config, m.shard_weights(0, 3))  # no source: packs all its own
+    try:
+        assert not tiles(grown) & {v.data_ptr() for v in alone._in_place.values()}
+        prompt = np.array([5, 17, 30, 100, 7])
+        host.unload(0, 2, "a")  # the grown shard keeps the tiles it reads
+        assert np.array_equal(grown.shard.forward("r", prompt, np.arange(5)), alone.forward("r", prompt, np.arange(5)))
+    finally:
+        alone.close()
+        host.unload_all()
