@@ -8,6 +8,7 @@ A part of :class:`~exo_tui.cluster.coordinator.Coordinator` (through
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -70,27 +71,29 @@ class KVMoves(CoordinatorParts):
     async def _export_kv(self, rid: str, old: RingPlan, new: RingPlan, length: int) -> list[tuple[PlanEntry, KVCache]]:
         """Request ``rid``'s caches for each shard of ``new`` that is not already where it was: its
         first ``length`` positions, what its tokens so far fill (a verify step's rejected drafts
-        stay behind)."""
-        moved = []
-        for e in new.ring:
-            if any(o.node_id == e.node_id and (o.start, o.end) == (e.start, e.end) for o in old.ring):
-                continue  # the same shard on the same node keeps its cache
-            parts = []
-            for o in old.ring:
-                a, b = max(o.start, e.start), min(o.end, e.end)
-                if a >= b:
-                    continue
-                kv, frame = await call_frame(self.connection(o.node_id), KVExport(rid, a, b, old.model, length), KV,
-                                             timeout=30)
-                parts.append(kv_from_array(a, b, np.asarray(frame.tensor), kv.length, kv.held))
-            moved.append((e, _concat_kv(parts)))
-        return moved
+        stay behind). Every part is asked for at once (the pause lasts the slowest, not the sum:
+        a drain of the middle of three nodes reads four parts)."""
+        wanted = [e for e in new.ring
+                  if not any(o.node_id == e.node_id and (o.start, o.end) == (e.start, e.end) for o in old.ring)]
+        # the same shard on the same node keeps its cache
+
+        async def part(o: PlanEntry, a: int, b: int) -> KVCache:
+            kv, frame = await call_frame(self.connection(o.node_id), KVExport(rid, a, b, old.model, length), KV,
+                                         timeout=30)
+            return kv_from_array(a, b, np.asarray(frame.tensor), kv.length, kv.held)
+
+        asks = [[(o, max(o.start, e.start), min(o.end, e.end)) for o in old.ring if max(o.start, e.start) < min(o.end, e.end)]
+                for e in wanted]
+        got = iter(await asyncio.gather(*(part(*ask) for parts in asks for ask in parts)))
+        return [(e, _concat_kv([next(got) for _ in parts])) for e, parts in zip(wanted, asks, strict=True)]
 
     async def _import_kv(self, rid: str, new: RingPlan, moved: list[tuple[PlanEntry, KVCache]]) -> None:
-        for e, cache in moved:
+        async def write(e: PlanEntry, cache: KVCache) -> None:
             length, held = kv_shape(cache)
             await call(self.connection(e.node_id), KVImport(rid, e.start, e.end, length, held, new.model), Done,
                        tensor=kv_to_array(cache), timeout=30)
+
+        await asyncio.gather(*(write(e, cache) for e, cache in moved))
 
 
 def _concat_kv(parts: list[KVCache]) -> KVCache:

@@ -217,7 +217,7 @@ class Membership(CoordinatorParts):
             self._notice("warning", f"{reason}: the pin of {', '.join(broken)} cannot hold until the node returns")
         for attempt in range(1, 2 + len(self.nodes)):
             try:
-                await self.replan(reason, move_kv=False)
+                await self.replan(reason, move_kv=False, unload_later=True)
                 return
             except GenerationError:
                 return  # _cannot_serve has told requests and the operator why

@@ -196,17 +196,18 @@ class PlanSwitching(KVMoves):
             s.node_id in self.nodes and self.nodes[s.node_id].state != "failed" for s in self.plan.shards
         )
 
-    async def replan(self, reason: str, *, move_kv: bool = True) -> Plan:
+    async def replan(self, reason: str, *, move_kv: bool = True, unload_later: bool = False) -> Plan:
         """Make the best plan for the cluster as it is and switch to it. A node that refuses its
         load for want of room said how much it has: the plan is made again with that
-        (:mod:`exo_tui.cluster.room`), and if none fits, the cluster cannot serve."""
+        (:mod:`exo_tui.cluster.room`), and if none fits, the cluster cannot serve.
+        ``unload_later``: see :meth:`_switch`."""
         for attempt in range(REPLANS_AFTER_REFUSAL + 1):
             preview = self._preview(self.constraints())
             if preview.error or preview.new_plan is None:
                 self._cannot_serve(preview.error or "no plan")
                 raise GenerationError(self._serve_error)
             try:
-                await self._switch(preview.new_plan, reason, move_kv=move_kv)
+                await self._switch(preview.new_plan, reason, move_kv=move_kv, unload_later=unload_later)
             except RemoteError as exc:
                 if not is_refusal(exc):
                     raise
@@ -253,14 +254,19 @@ class PlanSwitching(KVMoves):
             return ""
         return f": give each node a memory limit of {need / 1e9:.2f} GB or more (--memory-limit, --local-memory-limit)"
 
-    async def _switch(self, new: Plan, reason: str, *, move_kv: bool = True) -> None:
+    async def _switch(self, new: Plan, reason: str, *, move_kv: bool = True, unload_later: bool = False) -> None:
         """Load, switch at a token boundary, move KV, unload (see the module doc).
+
+        ``unload_later``: return once the new plan is in force, the old shards unloading in a task
+        of their own (after a failure the steps waiting for this plan resume at once: the
+        unload's round trip, 13-38 ms, is not part of the stall).
 
         A node whose memory limit cannot hold its new shards beside the ones it serves now is
         *short*: it swaps them during the pause instead (the in-flight caches are read from its
         old shards first, then those unload, then the new ones load), so the pause lasts its load;
         its limit is never passed, and the answer goes on."""
         async with self._plan_lock:
+            began = time.monotonic()
             old_plan, old_ring = self.plan, self.ring
             same = old_plan is not None and self._plan_alive() and old_plan.shards == new.shards
             if same and not self._serve_error:
@@ -282,6 +288,7 @@ class PlanSwitching(KVMoves):
             await asyncio.gather(*(call(conn, PlanOp(ring), Plans, timeout=30) for conn in conns))
             # 2. switch at a token boundary: no new step starts; wait for the ones running
             self._plan_ready.clear()
+            paused = time.monotonic()
             try:
                 await self._idle.wait()
                 swap = (lambda: self._swap_shards(swapped, ring, old_ring)) if swapped else None
@@ -295,10 +302,15 @@ class PlanSwitching(KVMoves):
                 self._serve_error = ""
             finally:
                 self._plan_ready.set()
+            resumed = time.monotonic()
             # 4. unload what the new plan does not use, once steps have resumed: the nodes held the
             # old shards beside the new ones while both plans' shards loaded (a node short of room
             # swapped its shards during the pause instead, above); drained nodes become drained
-            await self._unload_unused(ring)
+            if unload_later:
+                unloading = asyncio.create_task(self._unload_after_switch())
+                self._tasks = [t for t in self._tasks if not t.done()] + [unloading]  # stop() cancels it
+            else:
+                await self._unload_unused(ring)
             self._refresh_states()
             if self.store is not None:
                 self.store.save_plan(new.version, str(self.model.path) if self.model else "", new.to_dict())
@@ -307,8 +319,19 @@ class PlanSwitching(KVMoves):
                     "swapped": swapped_ids}
             self.events.publish(ev.PlanChanged(version=new.version, plan=new.to_dict(), diff=diff, reason=reason))
             self._touch()
-            log.info("plan %d in force (%s): %s%s", new.version, reason, new.layout,
-                     f"; swapped on {', '.join(swapped_ids)} (short of memory)" if swapped else "")
+            log.info("plan %d in force (%s): %s%s; %d shards loaded in %.3f s, steps paused %.3f s", new.version, reason,
+                     new.layout, f"; swapped on {', '.join(swapped_ids)} (short of memory)" if swapped else "",
+                     len(missing), paused - began, resumed - paused)
+
+    async def _unload_after_switch(self) -> None:
+        """Unload what the plan in force does not use, once the steps the switch woke were sent
+        (they run first on the nodes), under the plan lock (a switch that comes meanwhile sees
+        the shards as they are, and this unloads against the plan then in force)."""
+        await asyncio.sleep(0)  # the woken steps' frames go out first; only the order, not the outcome, rests on it
+        async with self._plan_lock:
+            if self.ring is not None:
+                await self._unload_unused(self.ring)
+                self._refresh_states()
 
     def _short_of_room(self, missing: list[PlanEntry]) -> set[str]:
         """The nodes whose missing shards do not fit beside the shards they hold, under what their
