@@ -247,9 +247,11 @@ class CoordinatorSet:
     async def admit(self, name: str, host: str, raft_port: int, api_port: int) -> dict[str, Any]:
         """A coordinator joins the set (with a token, :mod:`exo_tui.discovery.join_coordinator`):
         a Raft membership change; what the new member needs to start. The change is answered
-        once a majority holds it, or after ``ADMIT_WAIT_S`` if it is still in the leader's log:
-        where the new member is needed for a majority (a set of 1 or 3 becoming 2 or 4... of
-        which the others cannot all answer), the change commits once it starts and answers."""
+        once a majority holds it (or after ``ADMIT_WAIT_S`` if it is still in the leader's log).
+        Where the new member is needed for that majority (a set of 1 becoming 2; a set of 3
+        becoming 4 with one of the 3 away) it is answered at once: the change commits once the
+        new member starts and answers. Meanwhile this leader, short of a majority, steps down
+        when its lease runs out, and is elected again with the new member's vote."""
         from exo_tui.discovery.join import NotLeader, SetRefused
 
         address = f"{host}:{raft_port}"
@@ -269,10 +271,14 @@ class CoordinatorSet:
 
             if not self.is_leader:
                 raise NotLeader("this coordinator no longer leads the set: make the token where the leader runs")
+            reachable = 1 + sum(1 for p in members[1:] if self._connected(p))
             self.sync.addNodeToCluster(address, callback=done)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(ADMIT_WAIT_S):
-                    await future  # a refusal (the leader lost its place) raises SetRefused
+            if reachable >= (len(members) + 1) // 2 + 1:  # a majority of the new set without the new member
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(ADMIT_WAIT_S):
+                        await future  # a refusal (the leader lost its place) raises SetRefused
+            else:
+                future.add_done_callback(lambda f: _log_refusal(name, f))
             members.append(address)
         log.info("coordinator %s joined the set at %s", name, address)
         return {"raft": address, "peers": members}
@@ -288,3 +294,9 @@ class CoordinatorSet:
 
     def close(self) -> None:
         self.sync.destroy()
+
+
+def _log_refusal(name: str, future: asyncio.Future[None]) -> None:
+    """A membership change answered before it committed, which the set then refused."""
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        log.warning("coordinator %s was not taken into the set after all: %s", name, exc)

@@ -1,7 +1,8 @@
 """``exo-tui serve --join TOKEN``: a coordinator joins a set as a standby with a one-time token
 from ``exo-tui join-token --coordinator``, from an exo-tui home of its own (it gets the cluster's
-secrets with the token), and holds the state the set had before it came. A node's token is
-refused. Three serve processes (a set of two, then the one that joins), no node agents."""
+secrets with the token), and holds the state the set had before it came; a set of one admits a
+second so. A node's token is refused. Two serve processes (a set of one, then the one that joins),
+no node agents."""
 
 from __future__ import annotations
 
@@ -42,24 +43,20 @@ def test_a_coordinator_joins_a_set_with_a_token_and_catches_up(tmp_path: Path) -
     write_tiny_llama(tmp_path / "tiny-join.gguf", weight_type="Q8_0", seed=5)
     home_a, home_b = tmp_path / "home-a", tmp_path / "home-b"
     home_a.mkdir(mode=0o700)
-    join_port, api_a, api_b, api_s = free_port(), free_port(), free_port(), free_port()
-    raft_a, raft_b, raft_s = free_port(), free_port(), free_port()
-    url_b = f"http://127.0.0.1:{api_b}"
+    join_port, api_a, api_b = free_port(), free_port(), free_port()
+    raft_a, raft_b = free_port(), free_port()
+    url_a, url_b = f"http://127.0.0.1:{api_a}", f"http://127.0.0.1:{api_b}"
     procs = []
     try:
-        # a set of two, sharing one home (the first's secrets): the join port on each, whichever leads
-        pair = f"127.0.0.1:{raft_a},127.0.0.1:{raft_s}"
-        for name, api, raft in (("a", api_a, raft_a), ("s", api_s, raft_s)):
-            procs.append(serve(tmp_path, name, home_a, f"network:\n  join:\n    host: 127.0.0.1\n    port: {join_port}\n",
-                               "--api-port", str(api), "--coordinators", pair, "--coordinator-port", str(raft),
-                               "--state-dir", str(tmp_path / f"state-{name}")))
-            assert procs[-1].stdout is not None and procs[-1].stdout.readline().startswith(READY_PREFIX)
+        # a set of one: it leads alone, and admits the second (whose vote the change needs) once it starts
+        procs.append(serve(tmp_path, "a", home_a, f"network:\n  join:\n    host: 127.0.0.1\n    port: {join_port}\n",
+                           "--api-port", str(api_a), "--coordinators", f"127.0.0.1:{raft_a}", "--coordinator-port",
+                           str(raft_a), "--state-dir", str(tmp_path / "state-a")))
+        assert procs[-1].stdout is not None and procs[-1].stdout.readline().startswith(READY_PREFIX)
         deadline = time.monotonic() + WAIT_S
-        while not (lead := next((f"http://127.0.0.1:{p}" for p in (api_a, api_s)
-                                 if httpx.get(f"http://127.0.0.1:{p}/health", timeout=10).json()["in_charge"]), None)):
-            assert time.monotonic() < deadline, "no coordinator of the two took charge"
+        while not httpx.get(f"{url_a}/health", timeout=10).json()["in_charge"]:
+            assert time.monotonic() < deadline, "the set of one did not take charge"
             time.sleep(0.1)
-        url_a = lead
         added = httpx.post(f"{url_a}/v1/cluster/hosts", json={"host": "10.7.7.7"}, timeout=30)
         assert added.status_code == 200, added.text
 
@@ -88,7 +85,7 @@ def test_a_coordinator_joins_a_set_with_a_token_and_catches_up(tmp_path: Path) -
             time.sleep(0.1)
         assert (home_b / "cluster" / "cluster.key").read_bytes() == (home_a / "cluster" / "cluster.key").read_bytes()
         assert sorted(c["role"] for c in httpx.get(f"{url_a}/health", timeout=10).json()["coordinators"]) == \
-            ["leader", "standby", "standby"]
+            ["leader", "standby"]
         # a change made through the new member reaches the leader, a majority, and the new member
         assert httpx.post(f"{url_b}/v1/cluster/hosts", json={"host": "10.7.7.8"}, timeout=30).status_code == 200
         deadline = time.monotonic() + WAIT_S
