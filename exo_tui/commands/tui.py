@@ -44,6 +44,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-discover", action="store_true",
         help="do not browse for nodes and hosts (network.discovery.mode picks mdns, manual or tailscale)",
     )
+    from exo_tui.commands import _serve_set as serve_set
+
+    serve_set.add_arguments(p)  # the console as one of a set of coordinators, as `exo-tui serve` is
+    p.add_argument("--api-host", default=None, metavar="HOST",
+                   help="with a set of coordinators: where this one's API listens (default network.api.host)")
+    p.add_argument("--api-port", type=int, default=None, metavar="PORT",
+                   help="with a set of coordinators: its API's port (default network.api.port, 52415)")
     p.set_defaults(func=run)
 
 
@@ -70,8 +77,16 @@ def run(args: argparse.Namespace) -> int:
 
     config = with_context(config, args)
 
+    from exo_tui.commands import _serve_set as serve_set
+
     control: ClusterClient | Coordinator
-    if args.attach:
+    if serve_set.wanted(args, config):
+        try:
+            control, on_start, on_stop = _set_member(args, config)
+        except (ValueError, OSError) as exc:  # ApiServerError is an OSError: the port is taken
+            print(f"exo-tui: {exc}", file=sys.stderr)
+            return 2
+    elif args.attach:
         from exo_tui.api.client import ClusterClient
 
         control = ClusterClient(args.attach)
@@ -115,6 +130,36 @@ def run(args: argparse.Namespace) -> int:
     )
     app.run()
     return int(app.return_code or 0)
+
+
+def _set_member(args: argparse.Namespace, config):  # noqa: ANN001, ANN202
+    """The console as one coordinator of a set (``--coordinators``, ``coordinators.peers`` or
+    ``--join``): this process runs the set's member (its API, Raft, and the coordinator while it
+    leads), and the console attaches to its API, so it shows the cluster whoever leads."""
+    from exo_tui.api.client import ClusterClient
+    from exo_tui.api.listen import bind_api_socket
+    from exo_tui.commands._serve_set import NO_LOCAL_NODES, SetMember, wanted
+
+    wanted(args, config)  # the flags into config.coordinators
+    for given, flag in ((args.attach, "--attach"), (args.local_nodes, "--local-nodes")):
+        if given:
+            raise ValueError(f"{flag} does not go with a set of coordinators" + (
+                f": {NO_LOCAL_NODES}" if flag == "--local-nodes" else " (leave it out, or run the console alone)"))
+    host = args.api_host or config.network.api.host
+    port = args.api_port if args.api_port is not None else config.network.api.port
+    member = SetMember(config, bind_api_socket(host, port), host, port, model=args.model, peers=list(args.peer),
+                       discover=not args.no_discover, join=args.join, draft=args.draft)
+    client = ClusterClient(member.local_url)
+
+    async def start() -> None:
+        await member.start()
+        await member.attach(client)
+
+    async def stop() -> None:
+        await client.stop()
+        await member.stop()
+
+    return client, start, stop
 
 
 def theme_saver(config, path: str | None):  # noqa: ANN001, ANN201
