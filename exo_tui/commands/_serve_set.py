@@ -161,7 +161,7 @@ class SetMember:
         from exo_tui.cluster.drafting import ClusterDraft, draft_model
 
         # each coordinator of the set is given the draft model: whichever leads runs it (refused here if unfit)
-        draft = await asyncio.to_thread(lambda: draft_model(self.draft, model, config.models.paths)) if self.draft else None
+        draft = await asyncio.to_thread(draft_model, self.draft, model, config.models.paths) if self.draft else None
         cset = CoordinatorSet(self_address, partners, state_dir=Path(cfg.state_dir or home / "coordinator"),
                               cluster_key=cluster.cluster_key, api_url=api_url, name=f"{socket.gethostname()}:{port}")
         remote = RemoteCluster(cset, model, self.model, config, served_context(model.config.context_length,
