@@ -1,7 +1,8 @@
 """Speculative decoding through a ring of real node processes (issue 42): verify steps carry the
 last token and k drafts, every node runs them as one step, the last one checks them, the caches
 drop the rejected positions. Greedy answers are token for token those of one process without
-speculation, on a mixed ONNX+MLX ring and on one node, with prompt lookup and with a prediction;
+speculation, on a mixed ONNX+MLX ring and on one node, with prompt lookup and with a prediction
+(and a draft model on the mixed ring);
 a kill -9 of the middle node and a drain during speculation give the same text."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from exo_tui.cluster.coordinator import Coordinator
+from exo_tui.cluster.drafting import load_draft
 from exo_tui.cluster.view import ChatParams, Command
 from tests.integration.cluster_helpers import coordinator, node_processes, reference_answer
 
@@ -50,8 +52,10 @@ async def drain(c: Coordinator, node_id: str) -> None:
     assert not done.error, done.error
 
 
-def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(exo_home: Path, reference: list[int]) -> None:
-    """Prompt lookup (k = 4), a prediction that is the answer, and one edited: the same tokens."""
+def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(exo_home: Path, reference: list[int],
+                                                                     default_model_path: Path) -> None:
+    """Prompt lookup (k = 4), a prediction that is the answer, one edited, and a draft model (the
+    model drafting for itself, on the node the plan places it): the same tokens."""
     with node_processes(exo_home, ["onnx", "mlx", "onnx"]) as ns:
 
         async def run() -> None:
@@ -67,6 +71,12 @@ def test_greedy_through_a_mixed_ring_and_one_node_is_the_plain_answer(exo_home: 
                     assert drafted >= accepted > 0, params
                     if params.prediction == text:
                         assert accepted >= N // 2  # copying: most of the answer came from drafts
+                c.draft = load_draft(str(default_model_path), c, c.model)
+                await c.replan("a draft model")
+                tokens, drafted, accepted = await answer(c, ChatParams(temperature=0.0, max_tokens=N, speculative=4))
+                assert tokens == reference and drafted >= accepted > 0
+                assert c.draft.turned_off == 0 and c.draft.node_id() in c.plan.node_ids
+                c.draft = None
                 assert c.pipeline.failed_steps == 0 and len(c.plan.shards) == 3  # no step was rebuilt
                 c.speculative = "off"
                 tokens, drafted, _ = await answer(c, ChatParams(temperature=0.0, max_tokens=N))
