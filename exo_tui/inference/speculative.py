@@ -44,7 +44,8 @@ ACCEPT_STREAM = 1  # the random stream of a draft's acceptance (Sampler.uniform)
 RESIDUAL_STREAM = 2  # the random stream of a rejected draft's replacement (Sampler.draw)
 DRAFT_STREAM = 3  # the random stream of a draft model's own draw (draw_draft)
 DRAFT_ROW_MAX = 256  # a draft model's row keeps at most this many tokens ...
-DRAFT_ROW_MASS = 0.999  # ... and no more than the heaviest holding this share of its probability
+DRAFT_ROW_MASS = 0.999  # ... no more than the heaviest holding this share of its probability ...
+DRAFT_ROW_FLOOR = 1e-4  # ... and none under this fraction of the likeliest's
 
 
 class DraftProbs:
@@ -110,12 +111,13 @@ class DraftProbs:
 def draw_draft(sampler: Sampler, logits: np.ndarray, history: Sequence[int]) -> tuple[int, np.ndarray, np.ndarray]:
     """A draft model's token after ``history``, drawn with the request's ``sampler`` (its seed, the
     position, :data:`DRAFT_STREAM`) from the sampler's distribution over ``logits`` cut to its
-    heaviest tokens (at most :data:`DRAFT_ROW_MAX`, no more than hold :data:`DRAFT_ROW_MASS`), and
+    heaviest tokens (at most :data:`DRAFT_ROW_MAX`, no more than hold :data:`DRAFT_ROW_MASS`, none
+    under :data:`DRAFT_ROW_FLOOR` of the likeliest's), and
     that row: its ids (ascending) and float32 probabilities, exactly what the token was drawn from."""
     p = sampler.probabilities(logits, history)
-    ids = np.flatnonzero(p)
+    ids = np.flatnonzero(p >= float(p.max()) * DRAFT_ROW_FLOOR)  # a few heavy ones, not the vocabulary to sort
     if ids.size > DRAFT_ROW_MAX:
-        ids = np.argpartition(-p, DRAFT_ROW_MAX - 1)[:DRAFT_ROW_MAX]
+        ids = ids[np.argpartition(-p[ids], DRAFT_ROW_MAX - 1)[:DRAFT_ROW_MAX]]
     if ids.size > 1:
         ids = ids[np.argsort(-p[ids], kind="stable")]
         cum = np.cumsum(p[ids])
