@@ -50,15 +50,22 @@ class CoordinatorSet:
         self.env.pop("EXO_TUI_API_KEY", None)
 
     def start(self, i: int) -> None:
+        self.launch(i)
+        self.ready(i)
+
+    def launch(self, i: int) -> None:
         peers = sum((["--peer", p] for p in self.nodes.peers), [])
         with open(self.d / f"c{i}.err", "a") as err:
-            proc = subprocess.Popen(
+            self.procs[i] = subprocess.Popen(
                 [sys.executable, "-m", "exo_tui.cli", "serve", "--model", str(self.model), "--strategy", "even",
                  "--api-port", str(self.apis[i]), "--coordinators", ",".join(f"127.0.0.1:{p}" for p in self.rafts),
                  "--coordinator-port", str(self.rafts[i]), "--state-dir", str(self.d / f"state{i}"), *peers],
                 stdout=subprocess.PIPE, stderr=err, text=True, env=self.env, start_new_session=True)
-        self.procs[i] = proc
-        line = proc.stdout.readline() if proc.stdout else ""
+
+    def ready(self, i: int) -> None:
+        """Waits for coordinator ``i``'s ready line."""
+        proc = self.procs[i]
+        line = proc.stdout.readline() if proc is not None and proc.stdout else ""
         assert line.startswith(READY_PREFIX), f"coordinator {i} did not start: {line!r}\n{self.log(i)[-3000:]}"
 
     def log(self, i: int) -> str:
@@ -110,8 +117,10 @@ def cset(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorSet]:
     with node_processes(home, ["onnx", "onnx"]) as nodes:
         s = CoordinatorSet(d, model, nodes)
         try:
+            for i in range(3):  # all three start at once (their imports overlap), as a set's members may
+                s.launch(i)
             for i in range(3):
-                s.start(i)
+                s.ready(i)
             yield s
         finally:
             s.stop()
