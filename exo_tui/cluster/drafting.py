@@ -81,12 +81,13 @@ class ClusterDraft:
         self.nbytes = model.path.stat().st_size  # its file's bytes: about what its weights take
         self.kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * STREAM_KV_POSITIONS
         self.turned_off = 0  # streams that stopped drafting from it because its node failed
-        self.failed: dict[str, str] = {}  # node id -> why it stopped drafting there
+        self.failed: dict[str, str] = {}  # node id -> why it stopped drafting there (until the node joins again)
+        self._failed_as: dict[str, Any] = {}  # node id -> its handle when it failed
         self._warned = False  # that another model is served now, and it drafts for none
         self._specs: dict[int, ModelSpec] = {}  # its spec at a served context
         self.tag = DRAFT_TAG + self.name  # what a node it was streamed to knows it by
-        self._streamed: dict[str, asyncio.Lock] = {}  # nodes it was streamed to (or is being)
-        self.streamed: set[str] = set()  # nodes it was streamed to
+        self._streaming: dict[str, asyncio.Lock] = {}  # one stream of its weights to a node at a time
+        self._streamed_to: dict[str, Any] = {}  # node id -> its handle when the weights were streamed to it
 
     @property
     def name(self) -> str:
@@ -114,15 +115,24 @@ class ClusterDraft:
         checksummed chunks, :func:`~exo_tui.cluster.weights.stream_shard`)."""
         if self.host.reads_model_files(node_id):
             return self.path
-        lock = self._streamed.setdefault(node_id, asyncio.Lock())
+        lock = self._streaming.setdefault(node_id, asyncio.Lock())
         async with lock:
-            if node_id not in self.streamed:
+            if node_id not in self.streamed:  # never, or the node joined again since (a new process)
                 log.info("streaming the draft model %s to node %s", self.name, node_id)
                 gguf = self.model.gguf
                 await stream_shard(self.host.connection(node_id), gguf, 0, gguf.config.n_layers, self.backend,
                                    tag=self.tag)
-                self.streamed.add(node_id)
+                self._streamed_to[node_id] = self.host.nodes.get(node_id)
         return self.tag
+
+    @property
+    def streamed(self) -> set[str]:
+        """The nodes that hold its weights streamed to them (the same node process since)."""
+        return {n for n, h in self._streamed_to.items() if h is not None and self.host.nodes.get(n) is h}
+
+    def failed_on(self, node_id: str) -> bool:
+        """Whether it failed on the node as it is now (a node that joined again is another chance)."""
+        return node_id in self.failed and self.host.nodes.get(node_id) is self._failed_as.get(node_id)
 
     def placed(self) -> PlanDraft | None:
         """Where the plan in force runs it (None: a plan made without it, or no plan)."""
@@ -133,14 +143,17 @@ class ClusterDraft:
     def node_id(self) -> str | None:
         """The node the draft model runs on for new streams (None: none, or no plan)."""
         placed = self.placed()
-        if placed is not None:
-            ok = placed.node_id and placed.node_id not in self.failed and placed.node_id in self.host.nodes
-            return placed.node_id if ok else None
-        plan = self.host.ring  # a plan made before the draft model was given: beside its shards
+        if placed is not None and not placed.node_id:
+            return None  # no node has room for it
+        if placed is not None and placed.node_id in self.host.nodes and not self.failed_on(placed.node_id):
+            return placed.node_id
+        # A plan made before the draft model was given, or it failed on the plan's node (until the
+        # next plan): beside the ring's shards
+        plan = self.host.ring
         if plan is None or not plan.ring:
             return None
         need = self.nbytes + self.kv_bytes
-        ids = [e.node_id for e in plan.ring if e.node_id not in self.failed]
+        ids = [e.node_id for e in plan.ring if not self.failed_on(e.node_id)]
         if not ids:
             return None
 
@@ -177,8 +190,10 @@ class ClusterDraft:
 
     def stream_failed(self, node_id: str, why: str) -> None:
         self.turned_off += 1
-        self.failed.setdefault(node_id, why)
-        self.streamed.discard(node_id)
+        if not self.failed_on(node_id):
+            self.failed[node_id] = why
+            self._failed_as[node_id] = self.host.nodes.get(node_id)
+        self._streamed_to.pop(node_id, None)
 
     def describe(self) -> str:
         """A line for the partition view and ``exo-tui status``."""

@@ -1,9 +1,9 @@
 """A draft model (``--draft``, issue 42) through a ring of real node processes: a tiny random model
 drafts for its F32 twin (the same weights at 4 bits) on the node the plan places it on, its weights
-streamed there; greedy answers are
-token for token those of one process without speculation; sampled answers (drafts drawn with
-their distributions, checked by speculative sampling) repeat with their seed; a kill -9 of the draft model's node
-mid-answer turns the stream's drafts from it off and gives the same text."""
+streamed there; greedy answers are token for token those of one process without speculation;
+sampled answers (drafts drawn with their distributions, checked by speculative sampling) repeat
+with their seed; a kill -9 of the draft model's node mid-answer turns the stream's drafts from it
+off and gives the same text, and the next stream drafts from the node the plan places it on then."""
 
 from __future__ import annotations
 
@@ -76,6 +76,10 @@ def test_a_draft_model_gives_the_plain_greedy_answer_and_its_node_dying_only_sto
                 assert tokens == reference
                 assert c.draft.turned_off == 1 and first in c.draft.failed
                 assert first not in c.plan.node_ids
+                # the plan after the failure places it on the node left: new streams draft from it there
+                tokens, drafted, accepted = await answer(c, greedy())
+                assert tokens == reference and drafted >= accepted > 0
+                assert c.draft.node_id() == c.plan.node_ids[0] and c.draft.streamed == {c.plan.node_ids[0]}
 
         asyncio.run(run())
 
