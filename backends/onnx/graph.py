@@ -34,10 +34,12 @@ external initializers handed to the session as NumPy-backed ``OrtValue``s.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import onnx
@@ -81,6 +83,25 @@ DENSE_HEAD_MAX_BYTES = 256 << 20  # a larger quantized head keeps one path (see 
 _Tiled = tuple[np.ndarray, int, int, dict[str, int], str]  # tiles, N, K, QLinear's attributes, format
 _TILES: dict[tuple[Any, ...], tuple[tuple[weakref.ref[np.ndarray], int, int, dict[str, int], str], ...]] = {}
 _TILES_LOCK = threading.Lock()
+_T = TypeVar("_T")
+
+
+_FORMS: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDictionary()
+
+
+def shared_form(source: str, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+    """``make()``, or what a live shard of weights of ``source`` made under ``key`` (a shard's
+    compact embedding: ``_TILES``' reason holds for it too). Empty ``source``: ``make()``."""
+    if not source:
+        return make()
+    with _TILES_LOCK:
+        found = _FORMS.get((source, *key))
+    if found is not None:
+        return found  # what make() made for this key (Any)
+    made = make()
+    with _TILES_LOCK, contextlib.suppress(TypeError):  # a form without weak references is not shared
+        _FORMS[(source, *key)] = made
+    return made
 
 
 def _shared_tiles(key: tuple[Any, ...]) -> list[_Tiled] | None:

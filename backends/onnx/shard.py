@@ -44,7 +44,7 @@ import onnxruntime as ort
 from backends.base import BackendError, KVCache, ModelConfig, Shard, validate_forward_input
 from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION
 from backends.onnx.affinity import CorePlan
-from backends.onnx.graph import build_shard_graph
+from backends.onnx.graph import build_shard_graph, shared_form
 from backends.onnx.kernels import runs_on_kernel
 from backends.onnx.kernels.tile_rows import TileRows
 from backends.onnx.kv_pool import CacheEntry, KVPool, PoolArrays
@@ -110,7 +110,8 @@ class ONNXShard(Shard):
         tied_head = (self.is_first and self.is_last and weights.output is weights.embed and library is not None
                      and runs_on_kernel(weights.embed))
         self._embed: Weight | EmbeddingRows | TileRows | None = (
-            compact_embedding(weights.embed) if self.is_first and not tied_head else None)
+            shared_form(weights.source, ("embed",), lambda: compact_embedding(weights.embed))
+            if self.is_first and not tied_head else None)
         self.kernel = library.isa if library is not None else ""  # which QLinear build runs, if any
         self.xbits = integer_codes(precision, library)  # QLinear's activation codes (0: float32 products)
         half_kv = caches_half(library, self.xbits)

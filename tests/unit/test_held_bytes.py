@@ -238,6 +238,8 @@ def test_a_shard_loaded_beside_one_of_the_same_file_reads_the_layers_they_share_
     stranger = host.load_from_file(str(other), 0, 2, "onnx", "b")
     assert tiles(small) < tiles(grown) and len(tiles(grown) - tiles(small)) == len(tiles(small)) // 2 + 1  # layer 2's and the head's
     assert not tiles(stranger) & tiles(grown)
+    first = host.load_from_file(str(path), 0, 1, "onnx", "a")  # the compact embedding is shared too
+    assert first.shard._embed is small.shard._embed is not stranger.shard._embed
     m = GGUFModel(path)
     alone = get_backend("onnx").load_shard(m.config, m.shard_weights(0, 3))  # no source: packs all its own
     try:
