@@ -261,14 +261,16 @@ class _Builder:
         if shared is not None:
             outs = [self._tiled(x, stem, *t) for t in shared]
         else:
-            groups: list[list[Weight]] = []
-            for w in weights:
-                if groups and same_kind(groups[-1][0], w) and (not self.kernel or kernel_format(groups[-1][0]) == kernel_format(w)):
-                    groups[-1].append(w)
+            # each matrix's format, found once (it reads the matrix's scales and biases)
+            formats = [kernel_format(w) if self.kernel else None for w in weights]
+            groups: list[list[int]] = []
+            for i, w in enumerate(weights):
+                if groups and same_kind(weights[groups[-1][0]], w) and formats[groups[-1][0]] == formats[i]:
+                    groups[-1].append(i)
                 else:
-                    groups.append([w])
+                    groups.append([i])
             made: list[_Tiled] = []
-            outs = [self._linear_group(x, g, stem, made) for g in groups]
+            outs = [self._linear_group(x, [weights[i] for i in g], stem, made, formats[g[0]]) for g in groups]
             if self.source and made and len(made) == len(groups):
                 _share_tiles(key, made)
         if len(outs) == 1:
@@ -281,13 +283,14 @@ class _Builder:
         self.in_place.add(w)
         return self.node(OP, [x, w], stem, domain=DOMAIN, K=k, N=n, xbits=self.xbits, **attributes)[0]
 
-    def _linear_group(self, x: str, weights: list[Weight], stem: str, made: list[_Tiled]) -> str:
-        """One fused matmul; on the kernel its tiles are added to ``made``."""
+    def _linear_group(self, x: str, weights: list[Weight], stem: str, made: list[_Tiled], fmt: str | None) -> str:
+        """One fused matmul of matrices of one format (``fmt``: their kernel format, None where
+        the kernel does not run them); on the kernel its tiles are added to ``made``."""
         quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
-        if self.kernel and all(runs_on_kernel(w) for w in weights):  # one format: see linear
-            blocks = pack(quantized, self.xbits)  # runs_on_kernel: quantized, every one
+        if self.kernel and fmt is not None:  # one format: see linear
+            blocks = pack(quantized, self.xbits)  # a kernel format: quantized, every one
             n, k = sum(w.shape[0] for w in quantized), quantized[0].shape[1]
-            made.append((blocks, n, k, op_attributes(quantized[0]), str(kernel_format(quantized[0]))))
+            made.append((blocks, n, k, op_attributes(quantized[0]), fmt))
             return self._tiled(x, stem, *made[-1])
         if not runs_quantized(weights[0]):
             w = self.weight(f"{stem}_w", dense_linear(weights))
