@@ -44,7 +44,8 @@ SAMPLES_MAX = 4096
 MIN_BUSY = 0.05  # a node's CPU a second of runs is measured over heartbeats it ran this share of
 QUOTA_HELD = 0.8  # ... and used less than this share of its CPU quota
 CPU_SAMPLES = 3  # heartbeats the figure needs in the window
-HEAD_FIT_LAYERS = 4.0  # a head found from two shards with it: their layers this far apart
+HEAD_FIT_LAYERS = 4.0
+HEAD_NEAR_LAYERS = 4.0  # the head from the same node without it: on about as many layers  # a head found from two shards with it: their layers this far apart
 
 
 class _Series:
@@ -77,18 +78,23 @@ def _median(values: Iterable[float]) -> float | None:
     return statistics.median(got) if got else None
 
 
-def _head_layers(rates: dict[tuple[str, Bucket], tuple[float, int]],
-                 heads: dict[tuple[str, Bucket], list[tuple[float, float, int]]]) -> dict[tuple[str, Bucket], float]:
+Points = dict[tuple[str, Bucket], list[tuple[float, float, int]]]  # (layers, figure, samples) per node and load
+
+
+def _head_layers(plain: Points, heads: Points) -> dict[tuple[str, Bucket], float]:
     """The output head's decode time in layers, for each node (and load) measured with the head
-    (its steps' time at each count of layers it held with it) and either without it (its seconds
-    per layer: the head is what the step leaves beyond its layers) or with it at two counts of
-    layers at least :data:`HEAD_FIT_LAYERS` apart (the step's time over its layers is a line:
-    its slope a layer's time, what it leaves at no layers the head's)."""
+    (its step's time at each count of layers it held with it) and either without it on about as
+    many layers (within :data:`HEAD_NEAR_LAYERS`: a layer's time depends on how many a shard
+    holds; the head is what the step leaves beyond its layers) or with it at two counts of layers
+    at least :data:`HEAD_FIT_LAYERS` apart (the step's time over its layers is a line: its slope a
+    layer's time, what it leaves at no layers the head's)."""
     out = {}
     for key, got in heads.items():
         units, residence, _ = max(got, key=lambda g: g[2])
-        if key in rates and rates[key][0] > 0:
-            out[key] = max(0.0, residence - rates[key][0] * units) / rates[key][0]
+        near = [p for p in plain.get(key, ()) if abs(p[0] - units) <= HEAD_NEAR_LAYERS and p[1] > 0]
+        if near:
+            rate = min(near, key=lambda p: abs(p[0] - units))[1]
+            out[key] = max(0.0, residence - rate * units) / rate
             continue
         low, high = min(got), max(got)
         if high[0] - low[0] >= HEAD_FIT_LAYERS and high[1] > low[1]:
@@ -97,14 +103,26 @@ def _head_layers(rates: dict[tuple[str, Bucket], tuple[float, int]],
     return out
 
 
+def _by_layers(points: list[tuple[float, float, int]]) -> tuple[tuple[float, float], ...]:
+    """A node's seconds per layer by the layers its shard held (samples-weighted where two
+    shards held as many), in order; empty when measured on one count only."""
+    merged: dict[float, tuple[float, int]] = {}
+    for units, rate, n in points:
+        total, count = merged.get(units, (0.0, 0))
+        merged[units] = (total + rate * n, count + n)
+    if len(merged) < 2:
+        return ()
+    return tuple((u, total / count) for u, (total, count) in sorted(merged.items()))
+
+
 class Calibrator:
     """Measured figures for the scheduler, from the steps' timing."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        # per (node, load bucket): a decode step's seconds per layer on shards without the head; on
-        # the shard with it, the step's time and its layers (the head's time is what they leave)
-        self.decode: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
+        # per (node, load bucket, the shard's layers): a decode step's seconds per layer on shards
+        # without the head; on the shard with it, the step's time (the head's is what its layers leave)
+        self.decode: dict[tuple[str, Bucket, float], _Series] = defaultdict(_Series)
         self.head: dict[tuple[str, Bucket, float], _Series] = defaultdict(_Series)  # by its layers
         self.prefill: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
         self.links: dict[tuple[str, str], _Series] = defaultdict(_Series)
@@ -116,7 +134,9 @@ class Calibrator:
         self.head_prior = 0.0  # the head in layers by its bytes, for a node measured only with it
         self.cpu: dict[str, _Series] = defaultdict(_Series)  # a node's CPU seconds a second of its runs
         self._cpu_last: dict[str, tuple[float, float, float]] = {}  # its last heartbeat's (time, CPU, busy)
-        self.held: set[str] = set()  # nodes their CPU quota held back at their last heartbeat
+        # nodes their CPU quota held back at their last heartbeat: their step times hold the quota's
+        # wait, so the planner is not given the quota again (it would count the wait twice)
+        self.held: set[str] = set()
 
     def heartbeat(self, node_id: str, metrics: dict[str, Any]) -> None:
         """A node's heartbeat: the CPU its process took since the last one over the time its runs
@@ -161,15 +181,13 @@ class Calibrator:
             if layers <= 0:
                 continue
             key = (h.node_id, bucket)
-            if h.node_id in self.held:  # its time is the quota's wait: the prediction counts that apart
-                continue
             # its residence: the run, and the wait for it (a node short of CPU waits to run)
             if sample.rows != 1:  # the head runs on one row of a prompt's: left out
                 self.prefill[key].add(now, h.residence_s / sample.rows / layers)
             elif e.end == spec.n_layers:
                 self.head[(*key, round(layers, 2))].add(now, h.residence_s)
             else:
-                self.decode[key].add(now, h.residence_s / layers)
+                self.decode[(*key, round(layers, 2))].add(now, h.residence_s / layers)
         if sample.rows != 1:
             return
         self.load = bucket
@@ -187,23 +205,24 @@ class Calibrator:
     def measurements(self) -> Measurements:
         """The figures, every load bucket's, and each node's at the latest decode step's load."""
         now = self.clock()
-        rates = {key: got for key, s in self.decode.items() if (got := s.mean(now)) is not None}
-        heads: dict[tuple[str, Bucket], list[tuple[float, float, int]]] = defaultdict(list)
+        plain: Points = defaultdict(list)
+        for (nid, bucket, units), s in self.decode.items():
+            if (got := s.mean(now)) is not None:
+                plain[(nid, bucket)].append((units, got[0], got[1]))
+        heads: Points = defaultdict(list)
         for (nid, bucket, units), s in self.head.items():
             if (got := s.mean(now)) is not None:
                 heads[(nid, bucket)].append((units, got[0], got[1]))
-        head_layers = _head_layers(rates, heads)
+        head_layers = _head_layers(plain, heads)
         by_load: dict[str, dict[Bucket, NodeMeasure]] = defaultdict(dict)
-        for key in {*rates, *heads}:
+        for key in {*plain, *heads}:
             nid, bucket = key
             h = head_layers.get(key, _median(v for (_, b), v in head_layers.items() if b == bucket))
-            if key in rates:
-                rate, n = rates[key]
-            else:
-                units, residence, n = max(heads[key], key=lambda g: g[2])  # the most measured
-                rate = residence / (units + (h if h is not None else self.head_prior))
+            head = h if h is not None else self.head_prior
+            points = plain.get(key, []) + [(u, r / (u + head), n) for u, r, n in heads.get(key, ())]
+            _, rate, n = max(points, key=lambda p: p[2])  # the most measured shard's
             pre = self.prefill[key].mean(now, 1) if key in self.prefill else None
-            by_load[nid][bucket] = NodeMeasure(rate, pre[0] if pre else None, n, h)
+            by_load[nid][bucket] = NodeMeasure(rate, pre[0] if pre else None, n, h, _by_layers(points))
         links = {}
         for link, series in self.links.items():
             got = series.mean(now)

@@ -115,7 +115,9 @@ class PlanSwitching(KVMoves):
                     drained=h.node_id in self.drained,
                     failed=h.state == "failed",
                     memory_limited=bool(p.memory_limit_bytes),
-                    cpu_quota_cores=quota if isinstance(quota := h.metrics.get("cpu_quota_cores"), (int, float)) else None,
+                    # a quota holding the node back now is in its measured step times already
+                    cpu_quota_cores=quota if isinstance(quota := h.metrics.get("cpu_quota_cores"), (int, float))
+                    and h.node_id not in self.calibrator.held else None,
                     host_id=p.hostname,
                 )
             )

@@ -83,6 +83,8 @@ class NodeMeasure:
     prefill_s_per_layer_token: float | None = None  # one prompt token, one mean layer
     samples: int = 0
     head_layers: float | None = None  # the output head's decode time in this node's layers, measured
+    # seconds per layer by the layers its shard held, where measured on more than one count
+    by_layers: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
             prefill = m.prefill_s_per_layer_token or startup_prefill * m.decode_s_per_layer / max(startup_decode, 1e-12)
             p = replace(p, decode_s_per_layer={backend: m.decode_s_per_layer},
                         prefill_s_per_layer_token={backend: prefill}, head_layers=m.head_layers,
+                        layer_s_by_layers=m.by_layers,
                         compute_ref_layer_bytes=int(round(spec.mean_active_layer_bytes)), load_factor=0.0,
                         benchmark_score=p.benchmark_score * startup_decode / m.decode_s_per_layer, calibrated=True)
         if p.node_id in measured.cpu_per_busy_s:

@@ -61,8 +61,18 @@ class PlanContext:
     act_bytes: int
     coordinator_s: float | None = None  # measured: the token's way back (Constraints.coordinator_s)
     coordinator_links: tuple[tuple[str, str, float], ...] = ()  # Constraints.coordinator_links
+    # a node's seconds per layer by its shard's count of layers, over ``t`` (index: the count),
+    # where measured on several counts (DeviceProfile.layer_s_by_layers); others: 1
+    size: dict[str, np.ndarray] = field(default_factory=dict)
     orders: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
     predictions: dict[tuple[tuple[str, int, int], ...], Predictions] = field(default_factory=dict)
+
+    def compute_s(self, nid: str, start: int, end: int, W: np.ndarray) -> float:
+        """One decode token through layers ``[start, end)`` on node ``nid`` (``W``: the model's
+        layer weight prefix), the head included on the last shard."""
+        f = self.size.get(nid)
+        layers = self.t[nid] * float(W[end] - W[start]) * (float(f[end - start]) if f is not None else 1.0)
+        return layers + (self.head_t[nid] if end == self.spec.n_layers else 0.0)
 
     def need(self, nid: str, start: int, end: int) -> int:
         """Memory node ``nid`` needs for layers ``[start, end)``: weights as its backend holds
@@ -122,7 +132,7 @@ def make_context(
     profiles: Mapping[str, DeviceProfile], spec: ModelSpec, config: SchedulerConfig, constraints: Constraints
 ) -> PlanContext:
     rr = config.resource_reservation
-    usable, t, head_t, backend, kv = {}, {}, {}, {}, {}
+    usable, t, head_t, backend, kv, size = {}, {}, {}, {}, {}, {}
     head_layers = spec.head_bytes / spec.mean_layer_bytes
     for nid, p in profiles.items():
         usable[nid] = p.usable_bytes(rr.system_reserved_ram * 1024**3, rr.system_reserved_vram * 1024**3, rr.emergency_reserve)
@@ -130,10 +140,14 @@ def make_context(
         kv[nid] = p.kv_bytes_per_layer(spec, backend[nid])
         t[nid] = p.layer_s(spec, backend[nid])
         head_t[nid] = t[nid] * (head_layers if p.head_layers is None else p.head_layers)
+        base = p.decode_s_per_layer.get(backend[nid])
+        if p.layer_s_by_layers and base:
+            xs, ys = zip(*p.layer_s_by_layers, strict=True)
+            size[nid] = np.interp(np.arange(spec.n_layers + 1), xs, ys) / base
     for nid, nbytes in constraints.reserved:  # kept for other work (a draft model: scheduler/draft.py)
         if nid in usable:
             usable[nid] -= nbytes
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
     return PlanContext(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
                 m, min(constraints.prompt_tokens, max(1, spec.context_length - 1)),  # a prompt the context holds
-                spec.activation_bytes_per_token, constraints.coordinator_s, constraints.coordinator_links)
+                spec.activation_bytes_per_token, constraints.coordinator_s, constraints.coordinator_links, size=size)

@@ -101,7 +101,7 @@ def dp_split(
     """
     spec = ctx.spec
     L = spec.n_layers
-    if mode == "sum" and not skip and not ctx.pins and cap is None and uniform_layers(spec):
+    if mode == "sum" and not skip and not ctx.pins and cap is None and uniform_layers(spec) and not ctx.size:
         return _fill_fastest(ctx, seq)
     mats = _mats(spec, ctx.pins, ctx.min_layers)
     inf = np.inf
@@ -112,7 +112,7 @@ def dp_split(
     W = layer_weight_prefix(spec)
     pin_cost = {}
     for p in ctx.pins:
-        c = ctx.t[p.node_id] * float(W[p.end] - W[p.start]) + (ctx.head_t[p.node_id] if p.end == L else 0.0)
+        c = ctx.compute_s(p.node_id, p.start, p.end, W)
         pin_cost[p] = 0.0 if mode == "dev" else c
 
     def jump(cur: np.ndarray) -> np.ndarray:
@@ -154,6 +154,8 @@ def dp_split(
             keep = cur + target * target
         else:
             compute = ctx.t[nid] * mats.Wd[:, cols]
+            if nid in ctx.size:  # its seconds per layer by the shard's count of layers
+                compute = compute * ctx.size[nid][cols]
             compute[L] += ctx.head_t[nid]
             prev = seq[i - 1] if i > 0 else seq[-1]
             hop_in = ctx.hop(prev, nid) if nseq > 1 else 0.0

@@ -55,7 +55,7 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
     for i, (nid, s, e) in enumerate(shards):
         p = ctx.profiles[nid]
         w = W[e] - W[s]
-        compute = ctx.t[nid] * w + (ctx.head_t[nid] if e == L else 0.0)
+        compute = ctx.compute_s(nid, s, e, W)
         if i < n - 1:
             hop = ctx.hop(nid, shards[i + 1][0])
         elif ctx.coordinator_s is not None:  # measured: the token's way back by the coordinator

@@ -86,6 +86,11 @@ class DeviceProfile:
     # The output head's decode time in this node's layers, as the ring measured it (None: its
     # bytes over a layer's).
     head_layers: float | None = None
+    # Its measured seconds per layer by the layers its shard held (layers, seconds), where measured
+    # on more than one count: a layer's time grows with the shard on a busy machine (a long run
+    # loses the core to other work; a short one, woken from sleep, gets it), and a plan for
+    # another count of layers is predicted between those measured (context.PlanContext.size).
+    layer_s_by_layers: tuple[tuple[float, float], ...] = ()
     # The CPU its process may use under a quota (a container's, a cgroup's), in cores (None: no
     # quota), and the CPU seconds a second of its runs takes (its threads; measured on the ring,
     # 1 until then): a step needing more CPU a second than the quota gives waits for it
@@ -190,6 +195,7 @@ class DeviceProfile:
         d["decode_s_per_layer"] = {k: float(v) for k, v in (d.get("decode_s_per_layer") or {}).items()}
         d["prefill_s_per_layer_token"] = {k: float(v) for k, v in (d.get("prefill_s_per_layer_token") or {}).items()}
         d["kv_value_bytes"] = {k: int(v) for k, v in (d.get("kv_value_bytes") or {}).items()}
+        d["layer_s_by_layers"] = tuple((float(a), float(b)) for a, b in d.get("layer_s_by_layers") or ())
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 

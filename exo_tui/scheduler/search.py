@@ -117,7 +117,7 @@ def _dp_stage_cap(ctx: PlanContext, seq: Sequence[str], bound: Sequence[tuple[st
     n = len(seq)
     worst = 0.0
     for nid, s, e in bound:
-        compute = ctx.t[nid] * (W[e] - W[s]) + (ctx.head_t[nid] if e == L else 0.0)
+        compute = ctx.compute_s(nid, s, e, W)
         if nid in pinned:
             stage = compute
         else:

@@ -154,3 +154,14 @@ def test_the_token_way_back_counts_the_coordinators_links_to_the_plans_first_and
     alone = {n: predict([(n, 0, SPEC.n_layers)], nodes, SPEC, coordinator_s=c.coordinator_s,
                         coordinator_links=c.coordinator_links).decode_s_per_token for n in "ab"}
     assert alone["b"] - alone["a"] == pytest.approx(0.020 - 0.001)
+
+
+def test_a_node_measured_on_shards_of_two_sizes_is_predicted_between_them() -> None:
+    """1 ms a layer measured on a quarter of the layers, 2 ms on all: five eighths, 1.5 ms."""
+    L = SPEC.n_layers
+    curve = ((L / 4, 1e-3), (float(L), 2e-3))
+    a = calibrate([_node("a")], SPEC, Measurements({"a": NodeMeasure(1e-3, None, 20, 0.0, curve)}))[0]
+    for n, per_layer in ((5 * L // 8, 1.5e-3), (L // 8, 1e-3), (L, 2e-3)):
+        pred = predict([("a", 0, n), ("b", n, L)], {"a": a, "b": _node("b")}, SPEC)
+        assert pred.node("a").compute_s == pytest.approx(n * per_layer)
+    assert make_plan([a, _node("b", 1.2e-3)], SPEC, "latency", now=0.0).node_ids != ("a",)  # not all on a at 2 ms
