@@ -4,7 +4,8 @@ on uvloop and on asyncio's own event loop (coordinator and nodes alike, ``EXO_TU
 For each loop and TLS setting, one real coordinator per node count runs with ``--local-nodes N``
 (the same backend on every node, layers split evenly), all of them up at once, and they take turns:
 each round every cluster decodes one greedy stream of ``--tokens`` tokens of the default model.
-Medians over all rounds' decode steps are reported. Taking turns in short blocks matters on a
+Each figure is the mean time a decode token over all rounds' streams (a stream's decode time over
+its tokens: where the ring hands tokens on by itself they may reach the coordinator in bursts). Taking turns in short blocks matters on a
 shared machine, whose speed drifts by 10-15 % over minutes: measured one configuration after the
 other, that drift lands in the ratios. The per-hop time is what each extra node adds to a decode
 step: ``(step(N) - step(1)) / (N - 1)``.
@@ -24,7 +25,8 @@ compute and queue, the links, the coordinator's own share) and counts the hops a
 ``EXO_TUI_ONNX_SPIN=0``), ``spin`` (they spin until each step ends, ``EXO_TUI_ONNX_SPIN=1``),
 ``pin`` (core pinning, ``EXO_TUI_ONNX_PIN=1``, see ``backends/onnx/affinity.py``) and ``1thread``
 (one intra-op thread a node, ``EXO_TUI_THREADS=1``: nodes sharing a machine then do not share
-cores within a step).
+cores within a step), and ``no-handoff`` (the default's nodes, the coordinator sending every step:
+the last hop does not hand its token to the first, ``RemotePipeline.lease_tokens = 1``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ VARIANTS = {  # name -> the environment the node processes start with (see backe
     "spin": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "1", "EXO_TUI_THREADS": ""},
     "pin": {"EXO_TUI_ONNX_PIN": "1", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
     "1thread": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": "1"},
+    # the default's nodes, the coordinator sending every step (no hand-off: cluster/pipeline.py's lease_tokens 1)
+    "no-handoff": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
 }
 
 if TYPE_CHECKING:
@@ -104,7 +108,7 @@ async def _group(
     counts: list[int], variants: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path,
     in_process: bool = False, splits: dict[tuple[str, int], dict[str, float]] | None = None,
 ) -> dict[tuple[str, int], float]:
-    """Median seconds per decode step for each variant and node count (and ``("in-process", 1)``),
+    """Mean seconds per decode step for each variant and node count (and ``("in-process", 1)``),
     the clusters taking turns; each cluster's token split into ``splits``."""
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
@@ -121,6 +125,8 @@ async def _group(
                 c = Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config,
                                 home=home / f"{n}-nodes-{variant}", persist=False)
                 await c.start()
+                if variant == "no-handoff":
+                    c.pipeline.lease_tokens = 1
                 coordinators[(variant, n)] = c
         local = None
         if in_process:
@@ -139,7 +145,7 @@ async def _group(
         if splits is not None:
             for k, c in coordinators.items():
                 splits[k] = _split(c)
-        return {k: statistics.median(g) for k, g in gaps.items()}
+        return {k: statistics.mean(g) for k, g in gaps.items()}
     finally:
         if local is not None:
             await local.close()
@@ -184,7 +190,7 @@ def main() -> None:
                 for (variant, n), parts in split.items():
                     splits[(loop, tls, variant, n)] = parts
     print(f"\nDecode of the default model, one stream, {args.backend} on every node, loopback, "
-          f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, medians\n")
+          f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, means\n")
     print("| loop | TLS | variant | nodes | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for loop in loops:

@@ -121,6 +121,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
         self._step_costs: tuple[int | None, StepCosts] = (None, StepCosts())  # the plan's, by its version
         self.pipeline = RemotePipeline(self)
         self.pipeline.window = lambda: self.model.config.at_context(self.context_length).ring_window if self.model is not None else 0
+        self.pipeline.context = lambda: self.context_length  # a hand-off lease stays within it ...
+        self.pipeline.halt_on = lambda: self.model.tokenizer.eos_ids if self.model is not None else frozenset()  # ... and stops at EOS
         adm = self.config.admission
         self.admission = Admission(lambda: ring_kv_capacity(self.ring, self.nodes), queue_bound=adm.queue_bound,
                                    kv_share=adm.kv_share, kept=self.pipeline.kept_positions,

@@ -122,6 +122,9 @@ class StepSample:
     coordinator_s: float | None  # the request's previous token to this step's send
     hops: tuple[HopTiming, ...]
     context: int = 0  # positions the request's caches hold once the step has run
+    # started by the ring's last hop (the hand-off): sent when that hop handed the token on (its
+    # clock), round trip from the previous token's coming; no link to the coordinator on its way
+    handed: bool = False
 
 
 @dataclass
@@ -143,17 +146,21 @@ def split_token(sample: StepSample, ts: float) -> _Token:
     clocks may be offset: a negative estimate counts as none)."""
     hops = sample.hops
     comm = max(0.0, sample.round_trip_s - sum(h.residence_s for h in hops))
-    ends = [(COORDINATOR, hops[0].node_id, hops[0].in_wall - sample.sent_wall)]
+    ends = [(hops[-1].node_id if sample.handed else COORDINATOR, hops[0].node_id, hops[0].in_wall - sample.sent_wall)]
     ends += [(a.node_id, b.node_id, b.in_wall - a.out_wall) for a, b in zip(hops, hops[1:], strict=False)]
-    ends.append((hops[-1].node_id, COORDINATOR, sample.recv_wall - hops[-1].out_wall))
+    if not sample.handed:
+        ends.append((hops[-1].node_id, COORDINATOR, sample.recv_wall - hops[-1].out_wall))
     raw = [max(0.0, x) for _, _, x in ends]
     total_raw = sum(raw)
     shares = [r / total_raw for r in raw] if total_raw > 0 else [1.0 / len(raw)] * len(raw)
     links: dict[tuple[str, str], float] = {}
-    for (a, b, _), share in zip(ends, shares, strict=True):
-        links[(a, b)] = links.get((a, b), 0.0) + comm * share
     compute: dict[str, float] = defaultdict(float)
     queue: dict[str, float] = defaultdict(float)
+    for (a, b, _), share in zip(ends, shares, strict=True):
+        if a == b:  # a one-node ring's hand-off: no link, the step waited on that node
+            queue[a] += comm * share
+        else:
+            links[(a, b)] = links.get((a, b), 0.0) + comm * share
     for h in hops:
         compute[h.node_id] += h.compute_s
         queue[h.node_id] += h.queue_s

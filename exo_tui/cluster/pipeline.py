@@ -4,6 +4,19 @@ A step sends the request's new tokens to the first hop of the plan in force; eac
 layers and forwards the hidden state to the next; the last samples and sends the token back on
 its connection to the coordinator, which resolves the step's future.
 
+The hand-off: a plain decode step (no drafts, nothing to rebuild) goes out with a lease of
+``lease_tokens - 1`` more steps (``ahead``): the last hop hands each token it draws straight to the
+first hop as the next step's, and tells the coordinator of it in parallel, so a token crosses the
+ring's links only, not the coordinator's. The coordinator still sees every token, in order, and
+decides the answer's end: the lease never runs past ``max_tokens`` or the context, stops at an
+end-of-sequence token (``halt_on``), and a stop string, a cancel or a failure abandons the rest
+(the nodes discard a handed step of a request dropped or sent a newer step, ``lead``); what the
+ring ran past is cut back when the caches are next used. The request's tokens (the accepted ones)
+stay the checkpoint. A lease counts as one step in flight on its plan until its last token came
+(a plan switch waits for it). A stream that drafts (:func:`_drafting`) takes no lease: each of its
+steps goes with the drafts of its time; one that starts drafting has them verified once its lease
+has run out.
+
 The pipeline remembers, per request, which plan version its KV caches belong to and how many
 tokens they hold. When the plan in force is a newer one — a drain, a rebalance, a failure — and
 the caches were not moved to it, the step re-runs the request's whole token history (its
@@ -24,6 +37,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -32,6 +46,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from backends.base import MAX_DRAFT
 from backends.memory import MIN_PREFILL_CHUNK
 from exo_tui.cluster.admission import KVBudgetExceeded
 from exo_tui.cluster.metrics import StepSample
@@ -49,6 +64,7 @@ from exo_tui.net.timing import HopTiming, timings_from_wire
 log = logging.getLogger("exo_tui.cluster")
 
 STEP_TIMEOUT_S = 600.0  # last resort; failures are normally detected by heartbeats and sockets
+LEASE_TOKENS = 16  # the steps of a hand-off lease (the one sent and those the ring runs on its own); 1: none
 KEEP_FINISHED = 2  # finished requests whose caches stay on their nodes for a next turn
 MIN_ADOPTED = 16  # fewer shared tokens than this are run again rather than taken over
 
@@ -153,6 +169,28 @@ class _Sent:
     times: tuple[float, float, float | None] = (0.0, 0.0, None)  # sent (monotonic, wall), the coordinator's share
     timer: asyncio.TimerHandle | None = None
     verdict: VerdictReply | None = None  # a verify step's, once its reply came
+    handed: bool = False  # started by the ring's last hop (a lease's), not sent by the coordinator
+
+
+@dataclass
+class _Lease:
+    """A step sent with ``ahead``, and the steps the ring then runs on its own (the hand-off)."""
+
+    plan: RingPlan
+    first: int  # the step (answer tokens so far) the coordinator sent
+    n0: int  # the request's tokens once that step has run
+    steps: dict[int, _Sent]  # step -> what awaits its token, the first's included
+    last: int  # the last step the ring may run
+    taken: int = -1  # the last step whose token the request asked for
+    open: bool = True  # the ring may still be running steps of it
+    holds_step: bool = False  # it ends the plan's step in flight (host.step_done) when it closes
+
+
+def _drafting(request: Request) -> bool:
+    """Whether the request's speculation drafts (a fixed k, a prediction, or auto expecting a gain):
+    its steps go one at a time, each with the drafts of its time, not in a lease."""
+    spec = request.speculation
+    return spec is not None and (spec.predicted or isinstance(spec.mode, int) or spec.best_k(MAX_DRAFT) > 0)
 
 
 def _expire(fut: asyncio.Future[Any]) -> None:
@@ -176,6 +214,12 @@ class RemotePipeline:
         self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
         self._verdicts: dict[tuple[str, int, int], VerdictReply] = {}  # verify steps' replies, by step
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
+        self._leases: dict[str, _Lease] = {}  # request id -> its hand-off lease
+        self._leads = itertools.count(secrets.randbits(48))  # each step the coordinator sends: a new lead
+        self.lease_tokens = LEASE_TOKENS
+        self.context: Callable[[], int] = lambda: 0  # the context requests run at (0: no hand-off)
+        self.halt_on: Callable[[], frozenset[int]] = frozenset  # tokens after which a lease stops (EOS)
+        self.handed_steps = 0  # steps the ring ran on its own and whose token was used
         self.filled_chunks = 0  # steps that filled a prompt's chunk (_fill_and_run)
         self.failed_steps = 0  # steps that failed and were tried again
         self._chunk_ids = itertools.count(1)  # a chunk's step id, negated (_send)
@@ -191,10 +235,64 @@ class RemotePipeline:
                  verdict: VerdictReply | None = None) -> None:
         fut = self._pending.get((rid, step, plan_version))
         if fut is not None and not fut.done():
-            self._timing[(rid, step, plan_version)] = (timings_from_wire(timing), time.monotonic(), time.time())
+            hops = timings_from_wire(timing)
+            self._timing[(rid, step, plan_version)] = (hops, time.monotonic(), time.time())
             if verdict is not None:
                 self._verdicts[(rid, step, plan_version)] = verdict
             fut.set_result((token, logprobs, scores))
+            lease = self._leases.get(rid)
+            if lease is not None and lease.plan.version == plan_version and lease.steps.get(step) is not None:
+                self._lease_token(rid, lease, step, token, hops)
+
+    def _lease_token(self, rid: str, lease: _Lease, step: int, token: int, hops: tuple[HopTiming, ...] | None) -> None:
+        """A lease's token came: the ring's caches hold its position, and it ran its next step
+        from it (timed from here), unless it was the lease's last or one it halts on."""
+        self._cached[rid] = _Cached(lease.plan.version, lease.n0 + step - lease.first)
+        nxt = lease.steps.get(step + 1)
+        if step >= lease.last or token in self.halt_on() or nxt is None:
+            self._close(lease, after=step)
+        elif hops:
+            nxt.times = (time.monotonic(), hops[-1].out_wall, None)
+
+    def _close(self, lease: _Lease, after: int = -1) -> None:
+        """The ring runs no more steps of ``lease`` (those after step ``after`` are abandoned);
+        its step in flight on the plan ends."""
+        for step, sent in list(lease.steps.items()):
+            if step > after and not sent.fut.done():
+                self._abandon(sent)
+                del lease.steps[step]
+        if lease.open:
+            lease.open = False
+            if lease.holds_step:
+                lease.holds_step = False
+                self.host.step_done()
+
+    def _lease_failed(self, lease: _Lease, fut: asyncio.Future[_Result]) -> None:
+        if lease.open and (fut.cancelled() or fut.exception() is not None):
+            self._close(lease)
+
+    def _leased(self, request: Request) -> _Sent | None:
+        """The lease's step that gives the request its next token, if the ring ran (or runs) it;
+        a lease the request has left (a step from elsewhere, a rebuild) is abandoned."""
+        lease = self._leases.get(request.id)
+        if lease is None:
+            return None
+        k = len(request.generated)
+        sent = lease.steps.get(k)
+        if sent is not None and k > lease.taken and not sent.fut.cancelled() and request.n_tokens == lease.n0 + k - lease.first:
+            lease.taken = k
+            if not lease.open and k == max(lease.steps):
+                del self._leases[request.id]
+            return sent
+        self._drop_lease(request.id)
+        return None
+
+    def _drop_lease(self, rid: str) -> None:
+        lease = self._leases.pop(rid, None)
+        if lease is not None:
+            self._close(lease)
+            for sent in lease.steps.values():
+                self._abandon(sent)
 
     def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None,
                        *, kv_budget: bool = False) -> None:
@@ -250,6 +348,16 @@ class RemotePipeline:
                     draft: Draft | None) -> tuple[int, TokenLogprobs | None, VerdictReply | None]:
         attempts = 0
         while True:
+            leased = self._leased(request)
+            if leased is not None:
+                try:
+                    token, logprobs, _ = await self._result(leased)
+                except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
+                    self._drop_lease(request.id)
+                    attempts = await self._failed(request, leased.plan, exc, attempts)
+                    continue
+                self.handed_steps += leased.handed
+                return token, logprobs, None
             plan = await self.host.plan_ready()
             if self._models.get(request.id, plan.model) != plan.model:
                 self.host.step_done()
@@ -275,6 +383,12 @@ class RemotePipeline:
                 pos = request.cached_tokens = adopted[1]
             # drafts run with the last token only: caches to rebuild first take a plain step
             drafts = draft if draft is not None and pos == request.n_tokens - 1 and adopted is None else None
+            # a plain decode step goes with a lease (the hand-off): the ring runs on from its token
+            ahead = 0
+            if draft is None and adopted is None and pos == request.n_tokens - 1 and not request.wants_prompt_scores \
+                    and not _drafting(request):
+                room = min(request.max_tokens - len(request.generated), self.context() - request.n_tokens)
+                ahead = max(0, min(self.lease_tokens - 1, room - 1))
             reply: VerdictReply | None = None
             try:
                 try:
@@ -283,6 +397,8 @@ class RemotePipeline:
                         (token, logprobs, scores), reply = await self._run_verify(plan, request, pos, drafts)
                     elif request.wants_prompt_scores:  # a prompt to score runs whole, as it is scored
                         token, logprobs, scores = await self._run(plan, request, pos, adopt)
+                    elif ahead:
+                        token, logprobs, scores = await self._run(plan, request, pos, ahead=ahead)
                     else:
                         token, logprobs, scores = await self._fill_and_run(plan, request, pos, adopt)
                     if scores is not None and [x.token for x in scores] != request.prompt_ids[1:]:
@@ -290,24 +406,18 @@ class RemotePipeline:
                         raise StepFailure(f"node {last} scored {len(scores)} tokens that are not the prompt's "
                                           f"{len(request.prompt_ids) - 1} after its first", last)
                 finally:
-                    self.host.step_done()
+                    lease = self._leases.get(request.id) if ahead else None
+                    if lease is not None and lease.plan is plan and lease.open and lease.first == len(request.generated):
+                        lease.holds_step = True  # the plan's step in flight ends with the lease
+                    else:
+                        self.host.step_done()
             except (TimeoutError, StepFailure, ConnectionClosed, ConnectionError, RemoteError) as exc:
+                if ahead:
+                    self._drop_lease(request.id)
                 if adopted is not None:  # whatever was not taken over yet goes; the retry runs it all
                     request.cached_tokens = 0
                     asyncio.create_task(self._drop_on(plan, adopted[0], final=True))
-                if isinstance(exc, StepFailure) and exc.kv_budget:
-                    self._cached.pop(request.id, None)
-                    raise KVBudgetExceeded(str(exc)) from exc  # admission decides: wait, or fail
-                attempts += 1
-                self.failed_steps += 1
-                failure = exc if isinstance(exc, StepFailure) else StepFailure(str(exc) or type(exc).__name__)
-                log.warning("request %s: step failed on plan %d (%s); attempt %d", request.id, plan.version, failure, attempts)
-                self._cached.pop(request.id, None)
-                if attempts > self.host.retry_limit:
-                    raise GenerationError(
-                        f"request {request.id} failed {attempts} times in a row; last error: {failure}"
-                    ) from exc
-                await self.host.step_failed(failure, plan)
+                attempts = await self._failed(request, plan, exc, attempts)
                 continue
             # the caches hold the request's tokens and the drafts accepted (the rejected ones'
             # positions are cut back when the next step begins there)
@@ -315,6 +425,24 @@ class RemotePipeline:
             if scores is not None:
                 request.prompt_scores = scores
             return token, logprobs, reply
+
+    async def _failed(self, request: Request, plan: RingPlan, exc: Exception, attempts: int) -> int:
+        """A step of ``request`` on ``plan`` failed with ``exc``: once a new plan is in force, the
+        attempts so far (the retry runs the request's tokens again); raises where it may not retry."""
+        if isinstance(exc, StepFailure) and exc.kv_budget:
+            self._cached.pop(request.id, None)
+            raise KVBudgetExceeded(str(exc)) from exc  # admission decides: wait, or fail
+        attempts += 1
+        self.failed_steps += 1
+        failure = exc if isinstance(exc, StepFailure) else StepFailure(str(exc) or type(exc).__name__)
+        log.warning("request %s: step failed on plan %d (%s); attempt %d", request.id, plan.version, failure, attempts)
+        self._cached.pop(request.id, None)
+        if attempts > self.host.retry_limit:
+            raise GenerationError(
+                f"request {request.id} failed {attempts} times in a row; last error: {failure}"
+            ) from exc
+        await self.host.step_failed(failure, plan)
+        return attempts
 
     async def _fill_and_run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None) -> _Result:
         """The step: a long prompt goes through the ring a chunk at a time, the last chunk drawing
@@ -393,6 +521,7 @@ class RemotePipeline:
         """Give back a request's caches between two of its steps (it was preempted for memory):
         its next step rebuilds them from its tokens."""
         self._cached.pop(request.id, None)
+        self._drop_lease(request.id)
         plan = self._active_plans.get(request.id)
         if plan is not None:
             await asyncio.shield(self._drop_on(plan, request.id))
@@ -402,10 +531,10 @@ class RemotePipeline:
         kept, self._kept = self._kept, OrderedDict()
         await asyncio.gather(*(self._drop_on(k.plan, rid, final=True) for rid, k in kept.items()))
 
-    async def _run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None) -> _Result:
+    async def _run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None, ahead: int = 0) -> _Result:
         """One step through the ring: the request's tokens from ``pos``, the last hop drawing the
-        next token."""
-        return await self._result(await self._send(plan, request, pos, adopt))
+        next token (and, ``ahead``, running on from it: a lease)."""
+        return await self._result(await self._send(plan, request, pos, adopt, ahead=ahead))
 
     async def _run_verify(self, plan: RingPlan, request: Request, pos: int,
                           draft: Draft) -> tuple[_Result, VerdictReply | None]:
@@ -421,17 +550,19 @@ class RemotePipeline:
             raise StepFailure(f"node {last} accepted tokens that were not the draft's", last)
         return result, reply
 
-    async def _send(self, plan: RingPlan, request: Request, pos: int,
-                    adopt: str | None = None, end: int | None = None, draft: Draft | None = None) -> _Sent:
+    async def _send(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None, end: int | None = None,
+                    draft: Draft | None = None, ahead: int = 0) -> _Sent:
         """Send a step to the ring's first node: the request's tokens from ``pos``, the last hop
         drawing the next token; or (``end``) its tokens up to ``end`` only, filling the caches (a
         prompt's chunk, which comes back as FILLED). A chunk's correlation id (``step``) is its
-        own, negative, so the chunks of one step in flight at once tell their replies apart."""
+        own, negative, so the chunks of one step in flight at once tell their replies apart.
+        ``ahead``: the ring runs that many more steps on its own (a lease, awaited here too)."""
         step = len(request.generated) if end is None else -next(self._chunk_ids)
         key = (request.id, step, plan.version)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_Result] = loop.create_future()
         self._pending[key] = fut
+        self._drop_lease(request.id)  # a step sent supersedes what the ring ran on its own
         self._active_plans[request.id] = plan
         self._served[request.id] = tuple(e.node_id for e in plan.ring)
         drafted = list(draft.tokens) if draft is not None else []
@@ -450,9 +581,21 @@ class RemotePipeline:
             if pos == 0 and request.wants_prompt_scores and request.prompt_logprobs is not None else None,
             draft=drafted or None,
             draft_q=DraftQ(*draft.q.to_wire()) if draft is not None and draft.q is not None else None,
+            ahead=ahead,
+            lead=next(self._leads),
+            halt_on=sorted(self.halt_on()) or None if ahead else None,
         )
         sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos + len(drafted),
                      (end or request.n_tokens) + len(drafted))
+        if ahead:
+            lease = self._leases[request.id] = _Lease(plan, step, request.n_tokens, {step: sent}, step + ahead)
+            for i in range(1, ahead + 1):
+                f: asyncio.Future[_Result] = loop.create_future()
+                k = (request.id, step + i, plan.version)
+                self._pending[k] = f
+                lease.steps[step + i] = _Sent(k, f, plan, 1, request.n_tokens + i, handed=True,
+                                              timer=loop.call_later(STEP_TIMEOUT_S, _expire, f))
+                f.add_done_callback(lambda f, lease=lease: self._lease_failed(lease, f))
         first = plan.ring[0].node_id
         try:
             try:
@@ -469,6 +612,8 @@ class RemotePipeline:
                 raise StepFailure(f"cannot send to {first}: {exc}", first) from exc
         except BaseException:  # not sent (or cancelled while sending): nothing to wait for
             self._abandon(sent)
+            if ahead:
+                self._drop_lease(request.id)
             raise
         # A timer that fails the future, not asyncio.timeout (a tenth of the coordinator's time
         # a token went to its task bookkeeping) nor wait_for (Python 3.11's drops a cancel that
@@ -482,7 +627,7 @@ class RemotePipeline:
         try:
             result = await sent.fut
             sent.verdict = self._verdicts.pop(sent.key, None)
-            self._timed(sent.key, sent.plan, sent.rows, sent.times, sent.end)
+            self._timed(sent.key, sent.plan, sent.rows, sent.times, sent.end, sent.handed)
             return result
         finally:
             self._abandon(sent)
@@ -501,7 +646,7 @@ class RemotePipeline:
         self._verdicts.pop(sent.key, None)
 
     def _timed(self, key: tuple[str, int, int], plan: RingPlan, rows: int, sent: tuple[float, float, float | None],
-               context: int) -> None:
+               context: int, handed: bool = False) -> None:
         """Hand the step's timing (the hops' records that came with its token) to ``on_step_timed``."""
         got = self._timing.pop(key, None)
         if got is None:
@@ -511,8 +656,12 @@ class RemotePipeline:
         if self.on_step_timed is None or hops is None or [h.node_id for h in hops] != [e.node_id for e in plan.ring]:
             return
         sent_m, sent_w, coordinator_s = sent
-        self.on_step_timed(StepSample(key[0], plan.version, rows, sent_w, recv_w, recv_m - sent_m, coordinator_s, hops,
-                                      context))
+        if not sent_m:  # a handed step whose previous token came without its timing
+            return
+        # a handed step's way: from the last hop's hand-off of the token before to its own (one clock)
+        round_trip = hops[-1].out_wall - sent_w if handed else recv_m - sent_m
+        self.on_step_timed(StepSample(key[0], plan.version, rows, sent_w, recv_w, round_trip, coordinator_s, hops,
+                                      context, handed))
 
     async def _drop_on(self, plan: RingPlan, rid: str, *, final: bool = False) -> None:
         async def drop(node_id: str) -> None:
@@ -529,7 +678,12 @@ class RemotePipeline:
         cached = self._cached.pop(request.id, None)
         self._models.pop(request.id, None)
         self._last_token_s.pop(request.id, None)
-        in_flight = False
+        lease = self._leases.get(request.id)
+        # the ring ran past the answer's end (a stop string): those positions are cut back when
+        # the caches are next used; where it still runs, they are dropped
+        ran_past = lease is not None and any(s.fut.done() for k, s in lease.steps.items() if k >= len(request.generated))
+        in_flight = lease is not None and lease.open
+        self._drop_lease(request.id)
         for key, fut in list(self._pending.items()):
             if key[0] == request.id and not fut.done():
                 fut.cancel()
@@ -538,6 +692,8 @@ class RemotePipeline:
         if plan is None:
             return
         ended = request.finish_reason in ("stop", "length")
+        if ran_past and self.window():  # the ring ran past the answer's end: windowed layers cannot cut it back
+            in_flight = True
         if ended and not in_flight and cached is not None and cached.version == plan.version \
                 and cached.length > len(request.prompt_ids):
             self._kept[request.id] = _Kept(tuple(request.tokens[: cached.length]), len(request.prompt_ids), plan)

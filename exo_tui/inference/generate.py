@@ -125,16 +125,19 @@ async def generate(
             decoding = start >= len(request.prompt_ids)  # the prompt is in the caches (a prompt's step runs no drafts)
             began = time.monotonic()  # a step's time includes its drafting's (a draft model's steps grow with k)
             draft = await spec.draft(request.tokens, len(request.prompt_ids), room) if spec is not None and decoding else None
+            ran = 0  # the drafts the step ran (a runner may take a plain step instead: caches to rebuild, a lease)
             if draft is not None and len(draft) and verifier is not None and spec is not None:
                 verdict, listed_lps = await verifier.verify(request, start, draft)
-                spec.verified(draft, verdict)
+                ran = verdict.drafted
+                if ran:
+                    spec.verified(draft, verdict)
                 tokens: tuple[int, ...] = verdict.tokens
                 lps: list[TokenLogprobs | None] = list(listed_lps) if listed_lps is not None else [None] * len(tokens)
             else:
                 token, logprobs = await runner.step(request, start)
                 tokens, lps = (token,), [logprobs]
             if spec is not None and decoding:  # a decode step, timed for the stream
-                spec.timed(1 + (len(draft) if draft is not None else 0), time.monotonic() - began)
+                spec.timed(1 + ran, time.monotonic() - began)
             start = request.n_tokens + len(tokens) - 1  # the last token is the first the caches lack
             for token, logprobs in zip(tokens, lps, strict=True):
                 if len(request.generated) >= request.max_tokens:

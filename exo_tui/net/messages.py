@@ -59,6 +59,15 @@ class Forward(Message):
     timing: list[Any] | None = None  # the hops' records so far (exo_tui.net.timing)
     draft: list[int] | None = None  # a verify step: the drafted tokens its last rows run (inference.speculative)
     draft_q: DraftQ | None = None  # the distributions the drafts were drawn from (a sampled draft model's)
+    # The hand-off (cluster.pipeline): after this step the last hop starts up to ``ahead`` more
+    # one-token steps itself, each with the token it drew, at the first hop (unless the token is
+    # one of ``halt_on``); ``handed``: a step so started. ``lead``: the coordinator's id of the
+    # step they follow: a node runs a handed step only while the latest step the coordinator sent
+    # for the request is that one.
+    ahead: int = 0
+    lead: int | None = None
+    handed: bool = False
+    halt_on: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

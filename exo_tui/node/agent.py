@@ -19,7 +19,9 @@ Operations (frame ``type`` → what the node does):
                 ``logprobs`` (k): the token's logprobs and its k likeliest alternatives' come
                 with it; ``score`` (``top``, ``targets``): the last hop scores the prompt, each
                 of ``targets`` given the tokens before it, and the ``token`` frame carries the
-                scores as its tensor
+                scores as its tensor; ``ahead`` (n): the last hop hands the token it drew
+                straight to the first hop as the next step's, n times (``handed`` steps), the
+                coordinator told of each token in parallel (the hand-off)
 ``kv_export``   a request's KV cache for some layers, as one tensor
 ``kv_import``   install a request's KV cache (from another node, maybe another backend)
 ``drop``        forget a request's caches
@@ -145,13 +147,17 @@ class NodeAgent:
         self.samplers = Samplers()  # the last hop's: each request's, from its first step here until it ends
         self._stats = RequestRates()  # each request's tokens drawn here and their rate
         self._finished: OrderedDict[str, None] = OrderedDict()  # requests ended for good
+        # request -> the lead of the latest step the coordinator sent it: its handed steps run
+        # while it is theirs (a newer step, a drop or the request's end discards them)
+        self._leads: OrderedDict[str, int | None] = OrderedDict()
+        self._handing: set[asyncio.Task[Any]] = set()  # handed steps on their way to this node's own first hop
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = asyncio.Event()
         self._advertiser: Any = None
         self._started_s = time.monotonic()
         self.kv = KVBudget(memory_limit_bytes)  # the bytes KV caches may take here, and what they hold
         # the queue, the worker thread, batch formation, and what a run does to each step
-        self.executor = StepExecutor(self.kv, self.samplers, self._finished, self._deliver)
+        self.executor = StepExecutor(self.kv, self.samplers, self._finished, self._deliver, self._superseded)
         self.drafts = NodeDrafts(self.backend)  # a draft model, where the coordinator asks this node to run one
 
     @property
@@ -354,6 +360,11 @@ class NodeAgent:
         if msg.rid in self._finished:
             return None  # the request ended while this step was on its way
         plan, _, _ = self.started_host.hop(frame.plan, msg.hop)  # refuse early: unknown plan, wrong node, shard missing
+        if msg.handed:
+            if self._superseded(msg):
+                return None  # the coordinator sent the request a newer step (or dropped it) since
+        else:
+            self._lead(msg.rid, msg.lead)
         if (adopt := msg.adopt) is not None:  # the finished request whose caches this one takes over: its own state goes
             self.samplers.forget(adopt)
             self._stats.forget(adopt)
@@ -392,6 +403,7 @@ class NodeAgent:
         self.samplers.forget(rid)
         self._stats.forget(rid)
         self.executor.forget(rid)
+        self._leads.pop(rid, None)  # its handed steps still on their way are discarded
         await self.executor.in_worker(self.started_host.drop, rid)
         self.kv.drop(rid)
         await self.drafts.drop(rid)
@@ -422,6 +434,17 @@ class NodeAgent:
         except Exception:
             log.exception("the worker loop stopped")
             raise
+
+    def _lead(self, rid: str, lead: int | None) -> None:
+        """The coordinator sent ``rid`` a step of lead ``lead``: handed steps of any other lead go."""
+        self._leads[rid] = lead
+        self._leads.move_to_end(rid)
+        while len(self._leads) > FINISHED_MEMORY:
+            self._leads.popitem(last=False)
+
+    def _superseded(self, msg: wire.Forward) -> bool:
+        """A handed step whose lead is no longer the latest step the coordinator sent its request."""
+        return msg.handed and (msg.lead is None or self._leads.get(msg.rid) != msg.lead)
 
     def _next_ready(self, plan: RingPlan, hop: int) -> bool:
         """Whether the result can go on without connecting first (a connection takes a while:
@@ -476,7 +499,7 @@ class NodeAgent:
         the same next hop right after this one (it then waits for them, to keep the batch)."""
         f, msg = step.frame, step.body
         rid = msg.rid
-        if result is DISCARDED or rid in self._finished:
+        if result is DISCARDED or rid in self._finished or self._superseded(msg):
             self._stats.forget(rid)
             return
         if isinstance(result, Exception):
@@ -501,7 +524,10 @@ class NodeAgent:
                               None if verdict is None else verdict.accepted,
                               None if result.listed is None else [x.to_wire() for x in result.listed])
             tensor = None if scores is None else scores_to_array(scores)  # the prompt's scores, as the frame's tensor
+            # the token goes out at the end of this loop turn (writes coalesce), the handed step after it
             await self._to_coordinator(token_msg, tensor=tensor, plan=f.plan)
+            if msg.ahead > 0 and verdict is None and token != FILLED and token not in (msg.halt_on or ()):
+                await self._hand_off(step, plan, int(token))
             return
         nxt = plan.ring[step.hop + 1]
         onward = msg.copy(hop=step.hop + 1, timing=timing, more=more)
@@ -510,6 +536,30 @@ class NodeAgent:
             await send(peer, onward, tensor=np.ascontiguousarray(result, dtype=np.float32), plan=f.plan)
         except (TimeoutError, OSError, ConnectionError, RemoteError) as exc:
             await self._fail_step(step, f"cannot reach next hop {nxt.node_id} at {nxt.host}:{nxt.port}: {exc}", failed=nxt.node_id)
+
+    async def _hand_off(self, step: Step, plan: RingPlan, token: int) -> None:
+        """The last hop hands the token it drew to the first hop as the next step (before the
+        coordinator hears of it): here, without a socket, where this node is the first hop."""
+        msg = step.body
+        nxt = msg.copy(hop=0, pos=msg.n_tokens, step=msg.step + 1, n_tokens=msg.n_tokens + 1, ahead=msg.ahead - 1,
+                       handed=True, history=None if msg.history is None else [*msg.history, token], adopt=None,
+                       score=None, timing=None, more=0)
+        tensor = np.array([token], dtype=np.int64)
+        first = plan.ring[0]
+        if first.node_id == self.started_profile.node_id:
+            handed = Step(step.conn, Frame("forward", tensor=tensor, plan=step.frame.plan), nxt)
+            # a task, not a call: the read loop runs between two steps (a drop, a newer step, pings)
+            task = asyncio.create_task(self.executor.arrived(handed, next_ready=self._next_ready(plan, 0)))
+            self._handing.add(task)
+            task.add_done_callback(self._handing.discard)
+            return
+        try:
+            await send(await self._peer(first.host, first.port), nxt, tensor=tensor, plan=step.frame.plan)
+        except (TimeoutError, OSError, ConnectionError, RemoteError) as exc:
+            reason = f"cannot hand the token to the first hop {first.node_id} at {first.host}:{first.port}: {exc}"
+            log.warning("step of %s failed: %s", msg.rid, reason)
+            await self._to_coordinator(wire.StepFailed(msg.rid, reason, nxt.step, self.started_profile.node_id,
+                                                       first.node_id, False), plan=step.frame.plan)
 
     async def _fail_step(self, step: Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
         # kv_budget: refused for want of memory, no node is at fault

@@ -116,10 +116,12 @@ class StepExecutor:
     on, ``more`` saying how many hidden states of the same run go to the same next hop after it.
     :meth:`start` gives it the shards to run on."""
 
-    def __init__(self, kv: KVBudget, samplers: Samplers, finished: Container[str], deliver: Deliver) -> None:
+    def __init__(self, kv: KVBudget, samplers: Samplers, finished: Container[str], deliver: Deliver,
+                 superseded: Callable[[Forward], bool] = lambda body: False) -> None:
         self.kv = kv
         self.samplers = samplers
         self.finished = finished
+        self.superseded = superseded  # a handed step the coordinator has moved past: discarded
         self.deliver = deliver
         self.host: ShardHost | None = None
         self.queue: deque[Step] = deque()
@@ -286,7 +288,7 @@ class StepExecutor:
         results: list[Any] = [None] * len(batch)
         groups: dict[ShardKey, list[int]] = {}
         for i, step in enumerate(batch):
-            if step.body.rid in self.finished:
+            if step.body.rid in self.finished or self.superseded(step.body):
                 results[i] = DISCARDED
                 continue
             try:

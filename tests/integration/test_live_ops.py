@@ -225,6 +225,7 @@ def test_kill_9_during_generation(home: Path, references, position: str) -> None
                 # and decoded on the survivors (the ring's MLX node makes each token slow here)
                 [tokens] = await _disturbed(c, [PROMPTS[0]], SHORT, kill)
                 assert tokens == _expected(references, PROMPTS[0], SHORT)
+                assert c.pipeline.handed_steps > 0  # killed while the ring handed its tokens on by itself
                 assert c.nodes[victim].state == "failed"
                 assert victim not in c.plan.node_ids
                 assert any(e.kind == "node_failed" and e.node_id == victim for e in c.events.history)

@@ -102,7 +102,9 @@ def test_stage_times_agree_with_the_nodes_own_and_the_heavier_stage_is_slowest(p
             assert share is not None and 0 < share < 1 and figures.node(heavy).idle_share == pytest.approx(1 - share)
             assert figures.measured_tok_per_s and figures.predicted_tok_per_s
             on_path = [x for x in figures.links if x.ring_s is not None]
-            assert [(x.src, x.dst) for x in on_path] == [("coordinator", ids[0]), (ids[0], ids[1]), (ids[1], "coordinator")]
+            # the coordinator sends a lease's first step, the last node hands the others' tokens to the first
+            assert [(x.src, x.dst) for x in on_path] == [("coordinator", ids[0]), (ids[0], ids[1]), (ids[1], "coordinator"),
+                                                         (ids[1], ids[0])]
 
             # The answer has ended, its caches kept for a next turn: the last node (which sampled
             # its tokens) still lists the request, and within a few heartbeats shows no tok/s for

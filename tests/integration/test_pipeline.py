@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from backends.base import PREFILL_CHUNK
 from exo_tui.cluster.local_nodes import spawn_node, stop_node, wait_ready
 from exo_tui.cluster.view import ChatParams
 from exo_tui.cluster.weights import WeightTransferError, stream_shard
+from exo_tui.events import RequestDone
 from exo_tui.models.gguf_file import GGUFModel
 from exo_tui.net.client import connect
 from exo_tui.net.errors import AuthError, HandshakeError, RemoteError
@@ -79,6 +81,16 @@ def test_ring_matches_single_process(nodes, reference_tokens: list[int], count: 
             assert ids == reference_tokens, f"{count} nodes ({backends}) answered {text!r}"
             assert "Paris" in text
             assert len(served) == count
+            # the last node handed its tokens straight to the first (the coordinator told in parallel)
+            assert c.pipeline.handed_steps > 0
+            # ... and the coordinator still ends the answer exactly: at a stop string (the ring may
+            # have drawn past it), and at max_tokens (the ring never draws past it)
+            chunks = [x async for x in c.chat(QUESTION, replace(GREEDY, stop=("Paris",)))]
+            assert chunks[-1].finish_reason == "stop"
+            assert "".join(x.text for x in chunks) == text[: text.index("Paris")]
+            chunks = [x async for x in c.chat(QUESTION, replace(GREEDY, max_tokens=7))]
+            assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 7
+            assert [t for x in chunks for t in x.token_ids] == reference_tokens[:7]
 
     asyncio.run(run())
 
@@ -191,8 +203,13 @@ def test_a_stop_that_lands_with_a_token_stops_the_answer(nodes) -> None:
             c.pipeline.on_token = token_then_stop
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert len(seen) == 4, f"the answer went on for {len(seen)} tokens after the stop"
-            assert not c.pipeline.in_flight()
+            # the answer ended there (the ring, handing its tokens on by itself, may have drawn
+            # another before the drop reached it: no answer has it)
+            done = [e for e in c.events.history if isinstance(e, RequestDone)][-1]
+            assert done.finish_reason == "cancelled" and done.completion_tokens <= 4, \
+                f"the answer went on for {done.completion_tokens} tokens after the stop"
+            assert c.pipeline.handed_steps > 0  # the stop landed while the ring ran on its own
+            assert not c.pipeline.in_flight() and not c.pipeline.steps_in_flight()
             del c.pipeline.on_token
             ids, text, _ = await _answer(c)  # and the cluster serves the next request
             assert "Paris" in text
