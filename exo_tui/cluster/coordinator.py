@@ -345,7 +345,7 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
         self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
         if request.speculation is None:
             mode = request.speculative if request.speculative is not None else self.speculative
-            request.speculation = Speculation.for_request(mode, request.predicted)
+            request.speculation = Speculation.for_request(mode, request.predicted, sampled=not request.sampling.greedy)
         if request.speculation is not None and self.draft is not None:
             self.draft.attach(request.speculation, request.id, request.sampling)
         if request.speculation is not None:

@@ -21,6 +21,13 @@ free for lookups), so it starts again when its answer turns to copying. Until a 
 measured (:data:`PROBES` verify steps), a stream whose lookup proposes something runs it as one
 draft (a 2-row step: a probe), so the cost is this plan's, not a guess. A prediction (OpenAI's
 Predicted Outputs) starts from a high acceptance, since it is given to be copied.
+
+A sampled stream that drafts from a draft model decides from what its answer gives only: its
+acceptance so far, the mode and the drafts, one stream and :data:`PRIOR_ROW_COST` a row, no probe
+(``sampled``). Its tokens depend on where its verify steps fall (a drafted position's token comes
+from ``min(1, p/q)`` or the residual, a plain one's from ``p``), so timings or the streams beside
+it would make the same seed give another answer. Lookups and predictions need not: their sampled
+tokens are those of plain steps, wherever the steps fall (:mod:`exo_tui.inference.speculative`).
 """
 
 from __future__ import annotations
@@ -131,8 +138,9 @@ class StepCosts:
 class Speculation:
     """A stream's speculation: asked for a draft before each step, told how the step went."""
 
-    def __init__(self, mode: str | int, sources: Sequence[DraftSource]) -> None:
+    def __init__(self, mode: str | int, sources: Sequence[DraftSource], sampled: bool = False) -> None:
         self.mode = parse_mode(mode)
+        self.sampled = sampled  # the request samples (temperature > 0): see reproducible
         self.drafter = Drafter(sources)
         self.predicted = any(isinstance(s, Prediction) for s in sources)
         self.stats = SpeculationStats()
@@ -145,9 +153,10 @@ class Speculation:
         self._primed = False  # the priors were set for the sources it has (a draft model is attached late)
 
     @classmethod
-    def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True) -> Speculation | None:
+    def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True,
+                    sampled: bool = False) -> Speculation | None:
         """The speculation of a request: its prediction's tokens first, then prompt lookup; None
-        when the mode is off."""
+        when the mode is off. ``sampled``: the request samples (temperature > 0)."""
         mode = parse_mode(mode)
         if mode == "off":
             return None
@@ -156,7 +165,14 @@ class Speculation:
             sources.append(Prediction(predicted))
         if lookup:
             sources.append(PromptLookup())
-        return cls(mode, sources)
+        return cls(mode, sources, sampled)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether its k must not depend on timings or load: a sampled stream with a source whose
+        drafts come with probabilities (a draft model), whose answer depends on where its verify
+        steps fall; the seed then gives the same answer again."""
+        return self.sampled and any(not s.cheap for s in self.drafter.sources)
 
     # ------------------------------------------------------------------ asking
 
@@ -184,7 +200,7 @@ class Speculation:
         """The k with the most expected tokens per unit of the ring's step time, the streams
         batched beside it paying for its rows too (0: none beats plain steps by its share of
         MIN_GAIN)."""
-        n = max(1, self.streams()) if self.streams is not None else 1
+        n = max(1, self.streams()) if self.streams is not None and not self.reproducible else 1
         a = min(self.accept_rate, 0.999)
         best, gain = 0, 1 + (MIN_GAIN - 1) / n
         for k in range(1, min(most, MAX_DRAFT) + 1):
@@ -196,7 +212,9 @@ class Speculation:
 
     def step_cost(self, k: int) -> float:
         """What ``k`` drafts add to a step, relative to a 1-row step: the plan's measure, else
-        this stream's own, else :data:`PRIOR_ROW_COST` a row."""
+        this stream's own, else (and where it is :attr:`reproducible`) :data:`PRIOR_ROW_COST` a row."""
+        if self.reproducible:
+            return PRIOR_ROW_COST * k
         costs = self.costs if self.costs.measured else self.own
         extra = costs.extra(k)
         return PRIOR_ROW_COST * k if extra is None else extra
@@ -208,7 +226,7 @@ class Speculation:
     def _probe(self) -> bool:
         """Whether a draft not worth running by the prior runs anyway, to measure the plan's cost
         (a stream that has timed a plain step, while the plan has fewer than PROBES measures)."""
-        return not self.costs.measured and self.step_s is not None and not self.predicted
+        return not self.costs.measured and self.step_s is not None and not self.predicted and not self.reproducible
 
     # ------------------------------------------------------------------ told
 

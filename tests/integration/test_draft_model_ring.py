@@ -67,6 +67,15 @@ def test_a_draft_model_gives_the_plain_greedy_answer_and_its_node_dying_only_sto
                 assert (await answer(c, sampled))[0] == tokens
                 plain, _, _ = await answer(c, replace(sampled, speculative="off"))
                 assert plain != tokens
+                # under auto too, whatever the plan's step costs measure: rows measured dear would
+                # make auto stop drafting, were a sampled stream's k not its answer's alone
+                auto = replace(sampled, speculative="auto")
+                tokens, drafted, _ = await answer(c, auto)
+                assert drafted > 0
+                costs = c.step_costs()
+                for k in (1, 2, 3, 4) * 3:
+                    costs.add(k, 3.0 * k)
+                assert (await answer(c, auto))[0] == tokens
 
                 async def kill_draft_node() -> None:
                     proc = next(n for n in ns.nodes if n.port == c.nodes[first].port)

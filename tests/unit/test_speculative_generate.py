@@ -6,17 +6,23 @@ sampled, logprobs included; drafts were run and accepted; usage counts add up.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from backends import available_backends
+from exo_tui.inference.draft_model import DraftModel
+from exo_tui.inference.drafts import DraftSource
 from exo_tui.inference.generate import generate
 from exo_tui.inference.local import LocalPipeline, even_split
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams
-from exo_tui.inference.speculation import Speculation
+from exo_tui.inference.speculation import Speculation, StepCosts
+from exo_tui.inference.speculative import Draft
+from exo_tui.models.gguf_file import GGUFModel
 from exo_tui.models.model import Model
+from tests.factory import write_tiny_llama
 
 PLANS = [p for p in (["onnx"], ["mlx"], ["onnx", "mlx"], ["mlx", "onnx", "onnx"])
          if set(p) <= set(available_backends())]
@@ -76,3 +82,69 @@ def test_every_draft_source_gives_the_answer_without_speculation(model: Model, b
             assert stats.steps < len(plain.generated) // 2
         if name == "edited prediction":
             assert stats.prediction_rejected > 0
+
+
+class InProcessDrafts(DraftSource):
+    """A real draft model in this process, asked as a node's ``draft_step`` asks it (the tokens
+    its cache holds kept, the rest run; :class:`~exo_tui.cluster.drafting.ModelDrafts` without
+    the network)."""
+
+    name = "model"
+    cheap = False
+
+    def __init__(self, model: DraftModel, rid: str, sampling: SamplingParams) -> None:
+        self.model, self.rid, self.sampling = model, rid, sampling
+        self.held: list[int] = []
+
+    async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
+        n = next((i for i, (a, b) in enumerate(zip(tokens, self.held, strict=False)) if a != b),
+                 min(len(tokens), len(self.held)))
+        draft = self.model.propose(self.rid, n, list(tokens[n:]), k, self.sampling)
+        self.held = [*tokens, *draft.tokens[:-1]]
+        return draft
+
+
+def measured(per_row: float) -> StepCosts:
+    """A plan's cost as its streams measured it: ``k`` drafts add ``per_row * k`` of a 1-row step."""
+    costs = StepCosts()
+    for k in (1, 2, 3, 4, 1, 2, 3, 4):
+        costs.add(k, per_row * k)
+    return costs
+
+
+# What auto reads besides the answer: the plan's measured step costs, the streams running, a 1-row
+# step's time (what enables a probe). Each would change k, so the places of the verify steps.
+CONDITIONS = {"nothing measured": (StepCosts(), 1, None), "cheap rows": (measured(0.02), 1, 0.01),
+              "dear rows, 8 streams": (measured(2.0), 8, 0.01), "a busy ring": (measured(0.3), 16, 0.01)}
+
+
+@pytest.mark.parametrize("source", ["model", "prediction", "lookup"])
+def test_a_seeded_sampled_answer_repeats_under_auto_whatever_it_measures(
+        model: Model, tmp_path: Path, source: str) -> None:
+    """The same seeded sampled request, sent under auto with the step costs and load it reads
+    injected differently each time (so auto would choose another k, or none), gives the same
+    answer every time, with a real draft model (whose drafts are checked with min(1, p/q) and
+    the residual: its tokens depend on where verify steps fall), a prediction or prompt lookup."""
+    sampling = SamplingParams(temperature=0.9, seed=11)
+    plain = request_of(model, sampling)
+    asyncio.run(answer(model, plain, ["onnx"]))
+    draft = DraftModel.open(GGUFModel(write_tiny_llama(tmp_path / "d.gguf", weight_type="Q4_0", seed=3)), "onnx")
+    texts, ks = [], []
+    try:
+        for i, (costs, streams, step_s) in enumerate(CONDITIONS.values()):
+            spec = Speculation.for_request("auto", plain.generated if source == "prediction" else None,
+                                           lookup=source != "prediction", sampled=True)
+            assert spec is not None
+            if source == "model":
+                spec.drafter.sources.insert(0, InProcessDrafts(draft, f"r{i}", sampling))
+            spec.costs, spec.step_s = costs, step_s
+            spec.streams = lambda n=streams: n
+            request = request_of(model, sampling, spec)
+            texts.append(asyncio.run(answer(model, request, ["onnx"])))
+            ks.append(spec.stats.k_chosen)
+    finally:
+        draft.close()
+    assert texts == [texts[0]] * len(texts), ks
+    assert any(ks) and len(texts[0]) > 20
+    if source != "model":  # drafts without probabilities: the tokens plain steps give
+        assert request.generated == plain.generated
