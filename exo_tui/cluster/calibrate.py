@@ -105,13 +105,11 @@ def _head_layers(plain: Points, heads: Points) -> dict[tuple[str, Bucket], float
 
 def _by_layers(points: list[tuple[float, float, int]]) -> tuple[tuple[float, float], ...]:
     """A node's seconds per layer by the layers its shard held (samples-weighted where two
-    shards held as many), in order; empty when measured on one count only."""
+    shards held as many), in order."""
     merged: dict[float, tuple[float, int]] = {}
     for units, rate, n in points:
         total, count = merged.get(units, (0.0, 0))
         merged[units] = (total + rate * n, count + n)
-    if len(merged) < 2:
-        return ()
     return tuple((u, total / count) for u, (total, count) in sorted(merged.items()))
 
 

@@ -83,7 +83,7 @@ class NodeMeasure:
     prefill_s_per_layer_token: float | None = None  # one prompt token, one mean layer
     samples: int = 0
     head_layers: float | None = None  # the output head's decode time in this node's layers, measured
-    # seconds per layer by the layers its shard held, where measured on more than one count
+    # seconds per layer by the layers its shard held (the counts it was measured on)
     by_layers: tuple[tuple[float, float], ...] = ()
 
 

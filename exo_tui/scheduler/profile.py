@@ -86,10 +86,11 @@ class DeviceProfile:
     # The output head's decode time in this node's layers, as the ring measured it (None: its
     # bytes over a layer's).
     head_layers: float | None = None
-    # Its measured seconds per layer by the layers its shard held (layers, seconds), where measured
-    # on more than one count: a layer's time grows with the shard on a busy machine (a long run
-    # loses the core to other work; a short one, woken from sleep, gets it), and a plan for
-    # another count of layers is predicted between those measured (context.PlanContext.size).
+    # Its measured seconds per layer by the layers its shard held (layers, seconds): a layer's
+    # time grows with the shard on a busy machine (a long run loses the core to other work; a
+    # short one, woken from sleep, gets it); a plan for another count of layers is predicted
+    # between those measured, and beyond them as other nodes of its host measured it grow
+    # (context.PlanContext.size).
     layer_s_by_layers: tuple[tuple[float, float], ...] = ()
     # The CPU its process may use under a quota (a container's, a cgroup's), in cores (None: no
     # quota), and the CPU seconds a second of its runs takes (its threads; measured on the ring,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from exo_tui.cluster.calibrate import Calibrator
@@ -157,7 +158,8 @@ def test_the_token_way_back_counts_the_coordinators_links_to_the_plans_first_and
 
 
 def test_a_node_measured_on_shards_of_two_sizes_is_predicted_between_them() -> None:
-    """1 ms a layer measured on a quarter of the layers, 2 ms on all: five eighths, 1.5 ms."""
+    """1 ms a layer measured on a quarter of the layers, 2 ms on all: five eighths, 1.5 ms. Another
+    node measured on a quarter only is predicted to grow as this one did."""
     L = SPEC.n_layers
     curve = ((L / 4, 1e-3), (float(L), 2e-3))
     a = calibrate([_node("a")], SPEC, Measurements({"a": NodeMeasure(1e-3, None, 20, 0.0, curve)}))[0]
@@ -165,3 +167,7 @@ def test_a_node_measured_on_shards_of_two_sizes_is_predicted_between_them() -> N
         pred = predict([("a", 0, n), ("b", n, L)], {"a": a, "b": _node("b")}, SPEC)
         assert pred.node("a").compute_s == pytest.approx(n * per_layer)
     assert make_plan([a, _node("b", 1.2e-3)], SPEC, "latency", now=0.0).node_ids != ("a",)  # not all on a at 2 ms
+    # b, measured on a quarter of the layers only (1.2 ms), grows as a did: all of them, 2.4 ms a layer
+    b = calibrate([_node("b")], SPEC, Measurements({"b": NodeMeasure(1.2e-3, None, 20, 0.0, ((L / 4, 1.2e-3),))}))[0]
+    pred = predict([("a", 0, 1), ("b", 1, L)], {"a": a, "b": b}, SPEC)
+    assert pred.node("b").compute_s == pytest.approx((L - 1) * 1.2e-3 * np.interp(L - 1, [L / 4, L], [1, 2]))
