@@ -33,7 +33,7 @@ from exo_tui.models.gguf_file import (
     tensor_from_raw,
 )
 from exo_tui.net.messages import HeldShard
-from exo_tui.net.protocol import ChunkChecksumError, HostError, NoRoom, PlanEntry, RingPlan
+from exo_tui.net.protocol import DRAFT_TAG, ChunkChecksumError, HostError, NoRoom, PlanEntry, RingPlan
 
 
 @dataclass
@@ -88,7 +88,9 @@ class Transfer:
         weights = lazy_shard(self.config, self.start, self.end, get, tied="output.weight" not in spans)
         weights.stored_nbytes = self.total_bytes
         weights.stored_types = bytes_by_type(self.tensors)
-        weights.source = self.model  # the coordinator's tag names the file these bytes are of (its path, size, mtime)
+        # the coordinator's tag names the file these bytes are of (a hash of its path, size and mtime); a
+        # draft model's (draft:NAME) names only the model, so its layers are not shared
+        weights.source = "" if self.model.startswith(DRAFT_TAG) else self.model
         return weights
 
 
