@@ -26,7 +26,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from exo_tui.cluster.metrics import StepSample, split_token
+from exo_tui.cluster.metrics import COORDINATOR, StepSample, split_token
 from exo_tui.scheduler.calibration import (
     LinkMeasure,
     Measurements,
@@ -194,6 +194,10 @@ class Calibrator:
         token = split_token(sample, now)
         for (a, b), s in token.links.items():  # the coordinator's own too (its ends of the ring)
             self.links[(a, b)].add(now, s)
+        if sample.handed:  # handed on by the last node: its way passed no link of the coordinator's,
+            # which count per token (as its share does): what a lease's first step took, spread
+            self.links[(COORDINATOR, sample.hops[0].node_id)].add(now, 0.0)
+            self.links[(sample.hops[-1].node_id, COORDINATOR)].add(now, 0.0)
         self.coordinator.add(now, token.coordinator_s)
         if self.token_version != sample.plan_version:
             self.token, self.token_version = _Series(), sample.plan_version
