@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 TINY = dict(n_layers=16, hidden=256, intermediate=512, n_heads=4, n_kv_heads=4, context_length=1024, seed=5)
 PROMPTS = [f"question number {k}: tell me about {w}" for k, w in enumerate(("cats", "rivers", "stars", "bread"))]
-MAX_TOKENS = 400
+MAX_TOKENS = 200
 FIT = 8  # requests whose caches the node's limit holds
 DEFAULT_MODEL_TOKENS = 256  # an answer of the default model: its caches ~7 MB, two or three of them the budget of a
 # node that can just load the model (its load's peak a chunk's, ~16 MB: five answers of 96 tokens)
