@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -595,7 +596,7 @@ class RemotePipeline:
                 self._pending[k] = f
                 lease.steps[step + i] = _Sent(k, f, plan, 1, request.n_tokens + i, handed=True,
                                               timer=loop.call_later(STEP_TIMEOUT_S, _expire, f))
-                f.add_done_callback(lambda f, lease=lease: self._lease_failed(lease, f))
+                f.add_done_callback(functools.partial(self._lease_failed, lease))
         first = plan.ring[0].node_id
         try:
             try:
