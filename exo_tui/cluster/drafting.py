@@ -15,7 +15,9 @@ drafted before prompt lookup): the tokens accepted since its last ask, ``k`` and
 sampling. When that node fails (gone, refusing, no answer within :data:`DRAFT_TIMEOUT_S`), the
 stream drafts from the model no more: its other sources go on, and its steps are plain ones where
 it has none. Nothing else changes; a new stream asks the node that the plan in force places the
-draft model on then.
+draft model on then. A node whose KV budget has no room for a stream's draft cache (it counts
+every stream's, up to 16, :mod:`exo_tui.node.drafting`) drafts nothing for that step and says why;
+the stream asks again at its next step.
 """
 
 from __future__ import annotations
@@ -250,6 +252,9 @@ class ModelDrafts(DraftSource):
                 ask = DraftStep(self.rid, source, n, k, self.drafts.backend, self.sampling)
                 got = await call(conn, ask, Drafted, tensor=np.asarray(tokens[n:], dtype=np.int64),
                                  timeout=DRAFT_TIMEOUT_S)
+                if got.refused:  # no room for its draft cache on the node now: this step without
+                    log.info("request %s: %s", self.rid, got.refused)
+                    return Draft(())
                 q = None if got.q is None else DraftProbs.from_wire(got.q.counts, got.q.ids, got.q.probs)
                 if not got.lost and (len(got.tokens) != k or (q is not None and len(q) != k)):
                     raise BadBody(f"draft_step: {len(got.tokens)} tokens and {len(q or ())} distributions "

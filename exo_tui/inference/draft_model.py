@@ -151,6 +151,14 @@ class DraftModel:
     def streams(self) -> int:
         return len(self._held)
 
+    def held(self) -> dict[str, int]:
+        """Each stream's positions in its cache here."""
+        return {rid: len(h) for rid, h in self._held.items()}
+
+    def by_age(self) -> list[str]:
+        """The streams whose caches it keeps, the least recently asked first (the first it drops)."""
+        return list(self._held)
+
     def close(self) -> None:
         for rid in list(self._held):
             self.drop(rid)

@@ -108,7 +108,8 @@ class DraftStep(Message):
 class Drafted(Message):
     """A draft step's tokens, and (a sampled request's) the distributions they were drawn from.
     ``lost``: the node held fewer of the stream's positions than ``pos`` (ask again from 0);
-    ``nbytes``: the draft model's weights here."""
+    ``nbytes``: the draft model's weights here; ``refused``: why it drafted nothing (no room in
+    the node's KV budget for the stream's draft cache)."""
 
     TYPE: ClassVar[str] = "ok"
 
@@ -116,6 +117,7 @@ class Drafted(Message):
     lost: bool = False
     nbytes: int = 0
     q: DraftQ | None = None
+    refused: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,7 +158,7 @@ class NodeAgent:
         self.kv = KVBudget(memory_limit_bytes)  # the bytes KV caches may take here, and what they hold
         # the queue, the worker thread, batch formation, and what a run does to each step
         self.executor = StepExecutor(self.kv, self.samplers, self._finished, self._deliver, self._superseded)
-        self.drafts = NodeDrafts(self.backend)  # a draft model, where the coordinator asks this node to run one
+        self.drafts = NodeDrafts(self.backend, self.kv)  # a draft model, where the coordinator asks this node to run one
 
     @property
     def started_host(self) -> ShardHost:
@@ -328,6 +328,7 @@ class NodeAgent:
         transfer = self.started_host.transfers.get(msg.transfer_id)
         if transfer is not None and transfer.model.startswith(DRAFT_TAG):  # a draft model's weights
             draft = await self.drafts.install(self.started_host.take_transfer(msg.transfer_id))
+            self._shards_changed()
             return reply(wire.Loaded(0, draft.config.n_layers, draft.backend, draft.nbytes, draft.nbytes,
                                      self._kv_report()))
         hosted = await self._in_loader(self.started_host.commit_transfer, msg.transfer_id)
@@ -412,7 +413,13 @@ class NodeAgent:
     async def _op_draft_step(self, conn: Connection, frame: Frame, msg: wire.DraftStep) -> Frame:
         if self._stopping.is_set():
             raise HostError(f"node {self.name} is shutting down")
-        return reply(await self.drafts.step(msg, np.asarray(frame.tensor if frame.tensor is not None else [], np.int64)))
+        model = self.drafts.model
+        try:
+            return reply(await self.drafts.step(msg, np.asarray(frame.tensor if frame.tensor is not None else [],
+                                                                np.int64)))
+        finally:
+            if self.drafts.model is not model:  # loaded here: the weights are the runtime's, measured again
+                self._shards_changed()
 
     async def _op_ping(self, conn: Connection, frame: Frame, msg: wire.Ping) -> Frame:
         return reply(wire.Pong(msg.t, self.profile.node_id if self.profile else ""))

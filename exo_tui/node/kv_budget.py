@@ -30,6 +30,12 @@ window's positions, which is all its ring holds). A step that would take the
 caches past the budget is refused (:class:`BudgetExceeded`) before it runs; the coordinator's
 admission (:mod:`exo_tui.cluster.admission`) keeps that from happening by admitting no more than
 the ring's budgets hold. Pure and clock-free: the agent feeds it measurements.
+
+A draft model on the node (:mod:`exo_tui.node.drafting`) keeps a cache for each stream it drafts
+for (up to 16): they are counted here too, under :data:`DRAFT_KEY` at the draft's own cost a
+position (:meth:`KVBudget.set_draft`), in the bytes used that admission reads, but not in the
+ring's bytes a position. A draft step that would take the caches past the budget makes room by
+dropping other streams' draft caches (least recently asked first), else runs no drafts.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ floats (0.8 MB each for 96 rows at hidden 2048), and a cache pool's growth (it c
 caches at a time)."""
 
 ShardKey = tuple[str, int, int]  # a shard of a model: (model tag, start, end)
+DRAFT_KEY: ShardKey = ("draft model", 0, 0)  # where a stream's draft cache is counted
 
 
 def process_budget_bytes(limit_bytes: int | None, baseline_bytes: int) -> int | None:
@@ -96,6 +103,7 @@ class KVBudget:
     per_position: dict[ShardKey, ShardCost] = field(default_factory=dict)
     positions: dict[str, dict[ShardKey, int]] = field(default_factory=dict)
     refused: int = 0  # steps refused for want of room
+    draft_cost: ShardCost | None = None  # a position of a stream's draft cache (None: no draft model here)
     # Steps run on the node's worker thread, heartbeats on its event loop: one lock for both.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -123,11 +131,24 @@ class KVBudget:
     def _set_shards(self, per_position: Mapping[ShardKey, ShardCost | int]) -> None:
         self.per_position = {k: c if isinstance(c, ShardCost) else ShardCost(int(c)) for k, c in per_position.items()}
         for rid in list(self.positions):
-            kept = {k: n for k, n in self.positions[rid].items() if k in self.per_position}
+            kept = {k: n for k, n in self.positions[rid].items() if k in self.per_position or
+                    (k == DRAFT_KEY and self.draft_cost is not None)}
             if kept:
                 self.positions[rid] = kept
             else:
                 del self.positions[rid]
+
+    def set_draft(self, cost: ShardCost | None) -> None:
+        """The draft model here takes ``cost`` a position of a stream's cache (None: none here;
+        its streams' counts go)."""
+        with self._lock:
+            self.draft_cost = cost
+            self._set_shards(self.per_position)
+
+    def draft_held(self) -> dict[str, int]:
+        """Each stream's positions in the draft model's cache, as counted."""
+        with self._lock:
+            return {rid: held[DRAFT_KEY] for rid, held in self.positions.items() if DRAFT_KEY in held}
 
     # ------------------------------------------------------------------ the budget
 
@@ -174,7 +195,14 @@ class KVBudget:
         return sum(self._cost(k).bytes(n) for held in self.positions.values() for k, n in held.items())
 
     def _cost(self, key: ShardKey) -> ShardCost:
+        if key == DRAFT_KEY:
+            return self.draft_cost or ShardCost(0)
         return self.per_position.get(key, ShardCost(0))
+
+    @property
+    def draft_bytes(self) -> int:
+        """What the draft model's caches take here."""
+        return sum(self._cost(DRAFT_KEY).bytes(held.get(DRAFT_KEY, 0)) for held in self.positions.values())
 
     @property
     def ring_bytes_per_position(self) -> int:
@@ -221,9 +249,14 @@ class KVBudget:
             self.positions.pop(rid, None)
 
     def rename(self, old: str, new: str) -> None:
-        with self._lock:
-            if old in self.positions:
-                self.positions[new] = self.positions.pop(old)
+        with self._lock:  # the ring's caches are taken over; a draft cache stays its stream's
+            held = self.positions.pop(old, None)
+            if held is not None:
+                draft = held.pop(DRAFT_KEY, None)
+                if held:
+                    self.positions[new] = held
+                if draft is not None:
+                    self.positions[old] = {DRAFT_KEY: draft}
 
     def refusal(self, rid: str, need_bytes: int) -> str:
         return (f"KV budget exceeded: request {rid} needs {need_bytes / 1e6:.1f} MB more of KV cache and this node has "
@@ -250,6 +283,7 @@ class KVBudget:
             "window_bytes": sum(c.window_per_position * c.window for c in self.per_position.values()),
             "full_bytes_per_position": sum(c.per_position for c in self.per_position.values()),
             "requests": len(self.positions),
+            "draft_bytes": self.draft_bytes,  # of used_bytes, the draft model's streams' caches
             "refused": self.refused,
         }
 

@@ -5,6 +5,7 @@ sampling, keep the target's distribution (issue 42's must-show, with a real draf
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -12,12 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from backends import get_backend
 from exo_tui.inference.draft_model import DraftModel, DraftStateLost, vocabulary_mismatch
 from exo_tui.inference.local import Stage, load_shards, run_shards
 from exo_tui.inference.sampling import Length, Sampler, SamplingParams
 from exo_tui.models.gguf_file import GGUFModel
 from exo_tui.models.tokenizer import Tokenizer
-from exo_tui.net.messages import DraftQ, Forward
+from exo_tui.net.messages import Drafted, DraftQ, DraftStep, Forward
+from exo_tui.node.drafting import NodeDrafts
+from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, KVBudget, bytes_per_position
 from exo_tui.node.sampling_step import Samplers
 from tests.factory import write_tiny_llama
 from tests.unit.test_speculative import chi_square, critical
@@ -138,3 +142,54 @@ def test_speculative_sampling_with_a_draft_model_keeps_the_models_distribution(
         stat, df = chi_square(counts, exact, RUNS)
         assert stat < critical(df), f"{name} {what}: chi-square {stat:.1f} on {df} degrees of freedom"
     assert 0.2 < tally["accepted"] / tally["drafted"] < 0.8  # both ways taken, often
+
+
+# ------------------------------------------------------------------ a node's draft caches in its KV budget
+
+def test_a_nodes_draft_caches_count_against_its_kv_budget(tiny_models: dict[str, Path]) -> None:
+    """The node's draft model (its ``draft_step``, the real tiny model) counts every stream's draft
+    cache in the node's KV budget: a stream that would take the caches past it drops the least
+    recently asked stream's draft cache first; one that cannot fit at all drafts nothing and says
+    why; the caches counted never pass the budget, and a ring step sees the room they take."""
+    path = str(tiny_models["Q8_0"])
+    config = GGUFModel(path).config
+    per_position = bytes_per_position(config.n_layers, config.n_kv_heads, config.head_dim,
+                                      get_backend("onnx").kv_value_bytes())
+    kv = KVBudget(RESERVE_MIN_BYTES + 50 * per_position)  # 50 positions of the draft's caches
+    kv.observe(0, 0, settled=True)
+    assert kv.budget_bytes == 50 * per_position
+    drafts = NodeDrafts("onnx", kv)
+    prompt = list(range(5, 25))  # 20 tokens: with k = 4 a stream holds 23 positions
+
+    async def ask(rid: str, tokens: list[int], k: int = 4) -> Drafted:
+        got = await drafts.step(DraftStep(rid, path, 0, k), np.asarray(tokens, np.int64))
+        assert kv.used_bytes <= kv.budget_bytes
+        return got
+
+    async def run() -> None:
+        assert len((await ask("a", prompt)).tokens) == 4
+        assert len((await ask("b", prompt)).tokens) == 4
+        assert kv.draft_held() == {"a": 23, "b": 23} and kv.used_bytes == 46 * per_position
+        assert kv.report()["draft_bytes"] == kv.used_bytes
+        # a ring shard loaded beside it; its step's cache finds the room the draft caches take
+        ring = ("m", 0, config.n_layers)
+        kv.set_shards({ring: per_position})
+        assert kv.draft_held() == {"a": 23, "b": 23}
+        assert kv.check({("r", ring): 5}) != {} and kv.check({("r", ring): 4}) == {}
+        got = await ask("c", prompt)  # no room beside a and b: a (the least recently asked) is dropped
+        assert len(got.tokens) == 4 and not got.refused
+        assert kv.draft_held() == {"b": 23, "c": 23}
+        assert drafts.model is not None and drafts.model.by_age() == ["b", "c"]
+        got = await ask("d", list(range(60)))  # more than the whole budget: drafts nothing, says why
+        assert got.tokens == [] and got.refused.startswith("no room for the draft model's cache of request d")
+        assert "KV budget exceeded" in got.refused and kv.draft_held() == {}
+        await drafts.drop("c")
+        assert kv.used_bytes == 0
+        assert len((await ask("c", prompt)).tokens) == 4  # asked again: from the start, counted again
+        assert kv.draft_held() == {"c": 23}
+
+    try:
+        asyncio.run(run())
+    finally:
+        drafts.close()
+    assert kv.draft_cost is None and kv.used_bytes == 0  # closed: its caches counted no more

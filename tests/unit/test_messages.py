@@ -33,6 +33,7 @@ SAMPLES: list[Message] = [
             scored=True, tokens=[7, 17], accepted=1, listed=[[7, -0.1, []], [17, -0.5, []]]),
     m.DraftStep(rid="r", path="/d.gguf", pos=12, k=4, backend="onnx", sampling={"temperature": 0.7, "seed": 4}),
     m.Drafted(tokens=[7, 8, 9], lost=True, nbytes=100, q=m.DraftQ([3], b"\0" * 12, b"\0" * 12)),
+    m.Drafted(tokens=[], refused="no room for the draft model's cache"),
     m.StepFailed(rid="r", error="boom", step=None, node_id="n2", failed_node="n3", kv_budget=True),
     m.Heartbeat(metrics={"cpu_percent": 3.5, "kv": {"budget_bytes": 10}}, t=1.25),
     m.HeldShard(start=0, end=2, backend="onnx", nbytes=100, model="m", held_bytes=90, precision="int8"),
