@@ -22,13 +22,14 @@ Tasks (greedy, so every configuration gives the same text; the benchmark checks 
   one node of exo-tui with prompt lookup and with the prediction against it: >= 1.5x. (llama.cpp
   has no predictions: its lookup drafts from the prompt and answer only.)
 
-The clusters are all up at once and take turns, ``--rounds`` times (a shared machine's speed
-drifts over minutes; measured one after the other, the drift would land in the ratios). Then, per
+The clusters are all up at once and take turns, ``--rounds`` times, every other round in the
+reverse order (a shared machine's speed drifts over minutes; measured one after the other, the
+drift would land in the ratios). Then, per
 stage of a 3-way split of the model, in this process: the time of a step of ``k + 1`` rows against
 a 1-row step (what a verify step costs a node), on ONNX and MLX. Medians.
 
     python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft | --draft-only] [--nodes 1,3]
-        [--stages-only] [--stage-backends onnx,mlx] [--ks 1,4,8,16,32] [--repeats 15]
+        [--tasks copy,chat,streams] [--stages-only] [--stage-backends onnx,mlx] [--ks 1,4,8,16,32] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from benchmarks.quick import have_llama_cpp, parse  # noqa: E402
 COPY = [{"role": "user", "content": "Write a Python class for a bank account with deposit, withdraw and balance methods."}]
 CHAT = [{"role": "user", "content": "Tell me about the history of bicycles."}]
 STREAMS = 8
+TASKS = ("copy", "chat", "streams")
 
 
 async def _decode(c: Any, messages: list[dict[str, str]], tokens: int, mode: str | int,
@@ -83,15 +85,15 @@ CASES = [  # (name, nodes, task, speculation, with the prediction)
 ]
 
 
-async def _clusters(rounds: int, tokens: int, home: Path,
-                    sizes: tuple[int, ...] = (1, 3)) -> dict[tuple[str, int], list[dict[str, Any]]]:
+async def _clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int, ...] = (1, 3),
+                    tasks: tuple[str, ...] = TASKS) -> dict[tuple[str, int], list[dict[str, Any]]]:
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
 
     config = Config()
     config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
     clusters: dict[int, Coordinator] = {}
-    cases = [case for case in CASES if case[1] in sizes]
+    cases = [case for case in CASES if case[1] in sizes and case[2] in tasks]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {(name, n): [] for name, n, *_ in cases}
     try:
         for n in sorted({n for _, n, *_ in cases}):
@@ -101,14 +103,17 @@ async def _clusters(rounds: int, tokens: int, home: Path,
             clusters[n] = c
         for c in clusters.values():  # warm up: the first answers run slower
             await _decode(c, COPY, 16, "off")
-        for _ in range(rounds):
-            for name, n, task, mode, predicted in cases:
+        for r in range(rounds):  # every other round in the reverse order: no case always runs after the same one
+            for name, n, task, mode, predicted in cases if r % 2 == 0 else cases[::-1]:
                 messages = COPY if task == "copy" else CHAT
                 answer = clusters[n].model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"]) if predicted else None
                 runs[(name, n)].append(await _decode(clusters[n], messages, tokens, mode, answer))
             for n, c in clusters.items():  # 8 streams at once: the cluster's throughput
-                answer = c.model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"])
-                for mode, predicted in (("off", False), ("auto", False), ("auto", True)):
+                if "streams" not in tasks:
+                    break
+                answer = c.model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"]) if "copy" in tasks else None
+                modes = (("off", False), ("auto", False), ("auto", True))[: 3 if answer else 2]
+                for mode, predicted in modes if r % 2 == 0 else modes[::-1]:
                     t0 = time.perf_counter()
                     answers = await asyncio.gather(*(
                         _decode(c, CHAT, tokens, mode) if i % 2 else
@@ -299,10 +304,14 @@ def main() -> None:
     ap.add_argument("--stage-backends", default=",".join(b for b in ("onnx", "mlx") if b in available_backends()),
                     help="the backends whose verify step is timed per stage")
     ap.add_argument("--stages-only", action="store_true", help="only the verify step's cost per stage")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="the cases run on the clusters: some of copy,chat,streams")
     args = parse(ap, rounds=1, tokens=8, ks="1,4", nodes="1", repeats=2)
     sizes = tuple(int(n) for n in args.nodes.split(","))
     if not set(sizes) <= {1, 3}:
         ap.error("--nodes takes 1, 3 or 1,3")
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    if not tasks or not set(tasks) <= set(TASKS):
+        ap.error(f"--tasks takes some of {','.join(TASKS)}")
     os.environ["EXO_TUI_THREADS"] = str(args.threads)  # the node processes and this process's shards read it
     if not args.no_llama and not have_llama_cpp():
         args.no_llama = True
@@ -317,7 +326,7 @@ def main() -> None:
         return
     draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        runs = {} if args.draft_only else event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes))
+        runs = {} if args.draft_only else event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes, tasks))
         if not args.no_draft:
             from benchmarks.draft_f16 import default_out_dir, f16_requantization
 
@@ -328,7 +337,7 @@ def main() -> None:
         if draft_runs:
             _print_draft(draft_runs, sizes, target, draft)
         return
-    llama = {} if args.no_llama else _llama(resolve_model(), args.threads, args.tokens, args.rounds)
+    llama = {} if args.no_llama or "copy" not in tasks else _llama(resolve_model(), args.threads, args.tokens, args.rounds)
 
     def med(key: tuple[str, int]) -> float:
         return statistics.median(r["tok_s"] for r in runs[key])
@@ -338,7 +347,7 @@ def main() -> None:
     print("| nodes | case | decode tok/s | ÷ off | drafted | accepted | acceptance | not run: proposed / would keep | "
           "k chosen (median) | same text as off |")
     print("|---:|---|---:|---:|---:|---:|---:|---|---:|---|")
-    for name, n, task, _mode, _p in (case for case in CASES if case[1] in sizes):
+    for name, n, task, _mode, _p in (case for case in CASES if case[1] in sizes and case[2] in tasks):
         off = (f"{task} off", n)
         drafted = sum(r["drafted"] for r in runs[(name, n)])  # all rounds' drafts
         accepted = sum(r["accepted"] for r in runs[(name, n)])
@@ -347,23 +356,26 @@ def main() -> None:
         shadow = "{} / {}".format(*(sum(r[f] for r in runs[(name, n)]) for f in ("shadowed", "shadow_kept")))
         print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | {drafted} | {accepted} | "
               f"{accepted / drafted if drafted else 0:.2f} | {shadow} | {statistics.median(ks) if ks else 0:g} | {same} |")
-    print(f"\n{STREAMS} streams at once (4 copy and 4 chat prompts; 'predicted': the copies with their prediction): "
-          f"aggregate tok/s, first token to last\n")
-    print("| nodes | case | tok/s | ÷ off | drafted | accepted | not run: proposed / would keep | k chosen (median) | "
-          "same text as off |")
-    print("|---:|---|---:|---:|---:|---:|---|---:|---|")
-    for n in sizes:
-        off8 = runs[(f"{STREAMS} streams off", n)]
-        a_off = statistics.median(r["tok_s"] for r in off8)
-        for case in ("off", "auto", "auto predicted"):
-            rs = runs[(f"{STREAMS} streams {case}", n)]
-            tok_s = statistics.median(r["tok_s"] for r in rs)
-            ks = [k for r in rs for k in r["k"]]
-            same = all(r["tokens"] == o["tokens"] for r, o in zip(rs, off8, strict=True))
-            print(f"| {n} | {case} | {tok_s:.1f} | {tok_s / a_off:.2f} | {sum(r['drafted'] for r in rs)} | "
-                  f"{sum(r['accepted'] for r in rs)} | {sum(r['shadowed'] for r in rs)} / "
-                  f"{sum(r['shadow_kept'] for r in rs)} | {statistics.median(ks) if ks else 0:g} | {same} |")
-    if sizes == (1, 3):
+    if "streams" in tasks:
+        print(f"\n{STREAMS} streams at once (4 copy and 4 chat prompts; 'predicted': the copies with their prediction): "
+              f"aggregate tok/s, first token to last\n")
+        print("| nodes | case | tok/s | ÷ off | drafted | accepted | not run: proposed / would keep | k chosen (median) | "
+              "same text as off |")
+        print("|---:|---|---:|---:|---:|---:|---|---:|---|")
+        for n in sizes:
+            off8 = runs[(f"{STREAMS} streams off", n)]
+            a_off = statistics.median(r["tok_s"] for r in off8)
+            for case in ("off", "auto", "auto predicted"):
+                if (f"{STREAMS} streams {case}", n) not in runs:
+                    continue
+                rs = runs[(f"{STREAMS} streams {case}", n)]
+                tok_s = statistics.median(r["tok_s"] for r in rs)
+                ks = [k for r in rs for k in r["k"]]
+                same = all(r["tokens"] == o["tokens"] for r, o in zip(rs, off8, strict=True))
+                print(f"| {n} | {case} | {tok_s:.1f} | {tok_s / a_off:.2f} | {sum(r['drafted'] for r in rs)} | "
+                      f"{sum(r['accepted'] for r in rs)} | {sum(r['shadowed'] for r in rs)} / "
+                      f"{sum(r['shadow_kept'] for r in rs)} | {statistics.median(ks) if ks else 0:g} | {same} |")
+    if sizes == (1, 3) and "copy" in tasks:
         print(f"\nHeadline: 3-node ring, copy with the prediction ÷ one node off: "
               f"{med(('copy prediction', 3)) / med(('copy off', 1)):.2f}x")
     if llama and 1 in sizes:

@@ -6,10 +6,11 @@ that maximises the ring's tokens per unit of step time, from what is measured:
 
 * the acceptance rate ``a`` of its drafts (a step of ``k`` drafts gives ``E = (1 - a^(k+1)) / (1 - a)``
   tokens on average, accepting each draft with probability ``a`` until the first rejection);
-* the cost of a ``k + 1``-row step against a 1-row one on this plan (:class:`StepCosts`: what
-  ``k`` drafts add, relative to a 1-row step, through the whole ring, ``fixed + per_row k``; one
-  estimate per plan, fed by every stream's decode steps, the other streams batched beside them
-  included);
+* the cost of a ``k + 1``-row step against a 1-row one on this plan: the seconds ``k`` drafts add
+  to a step through the whole ring (:class:`StepCosts`, ``fixed + per_row k``; one estimate per
+  plan, fed by every stream's decode steps) over the stream's own 1-row step's seconds now (the
+  other streams batched beside it included: the more streams share a step, the less a verify
+  step's rows add to it);
 * the streams running: ``n`` of them share a step (they batch), so a stream's extra rows slow the
   other ``n - 1`` too. ``k`` drafts give the ring ``(n - 1 + E) / (n (1 + cost(k)))`` times the
   tokens per second of plain steps; one stream alone, ``E / (1 + cost(k))``.
@@ -92,7 +93,7 @@ class SpeculationStats:
 
 
 class StepCosts:
-    """What a verify step of ``k`` drafts adds to a decode step, relative to a 1-row step, as
+    """The seconds a verify step of ``k`` drafts adds to a decode step, as
     ``fixed + per_row * k`` fitted to measured steps (least squares, recent ones weighing more).
     A step's rows batch with the other streams' where the backend can; where a verify step runs
     apart from them it pays a pass over the weights of its own, the ``fixed`` part. One for each
@@ -107,7 +108,7 @@ class StepCosts:
         self._sums = np.zeros(5)  # weight, k, k^2, extra, k * extra
 
     def add(self, k: int, extra: float) -> None:
-        """A verify step of ``k`` drafts took ``1 + extra`` 1-row steps."""
+        """A verify step of ``k`` drafts took ``extra`` seconds more than a 1-row step."""
         self._sums = self.DECAY * self._sums + np.array([1.0, k, k * k, extra, k * extra])
         self.samples += 1
 
@@ -130,9 +131,9 @@ class StepCosts:
         return 0.0, max(me, 0.0) / mk
 
     def extra(self, k: int) -> float | None:
-        """What ``k`` drafts add to a step, relative to a 1-row step (None: not measured)."""
+        """The seconds ``k`` drafts add to a step (None: not measured)."""
         fit = self.fit()
-        return None if fit is None else max(fit[0] + fit[1] * k, 1e-3 * k)
+        return None if fit is None else fit[0] + fit[1] * k
 
 
 class Speculation:
@@ -211,13 +212,16 @@ class Speculation:
         return best
 
     def step_cost(self, k: int) -> float:
-        """What ``k`` drafts add to a step, relative to a 1-row step: the plan's measure, else
-        this stream's own, else (and where it is :attr:`reproducible`) :data:`PRIOR_ROW_COST` a row."""
+        """What ``k`` drafts add to a step, relative to the stream's 1-row step: the plan's
+        measure, else this stream's own, else (and where it is :attr:`reproducible`)
+        :data:`PRIOR_ROW_COST` a row."""
         if self.reproducible:
             return PRIOR_ROW_COST * k
         costs = self.costs if self.costs.measured else self.own
         extra = costs.extra(k)
-        return PRIOR_ROW_COST * k if extra is None else extra
+        if extra is None or not self.step_s:
+            return PRIOR_ROW_COST * k
+        return max(extra / self.step_s, 1e-3 * k)
 
     def row_cost(self) -> float:
         """What each row past the first adds, on average over a k of 1 (see step_cost)."""
@@ -237,7 +241,7 @@ class Speculation:
         if rows == 1:
             self.step_s = seconds if self.step_s is None else (1 - EMA) * self.step_s + EMA * seconds
         elif self.step_s is not None and self.step_s > 0:
-            extra = max(0.0, seconds / self.step_s - 1)
+            extra = max(0.0, seconds - self.step_s)
             self.own.add(rows - 1, extra)
             self.costs.add(rows - 1, extra)
 

@@ -129,20 +129,23 @@ def test_the_cluster_figures_count_the_drafts_kept() -> None:
 
 def test_a_busy_ring_drafts_where_the_batch_gains() -> None:
     """n streams share a step: a stream's rows slow the other n - 1 too, so what pays one stream
-    alone does not pay eight, unless the drafts are cheap and kept."""
+    alone does not pay eight, unless the drafts are kept and cheap against the batch's step."""
     spec = Speculation("auto", [PromptLookup()])
-    for k in (1, 4, 8):  # the plan's measure: each row past the first costs a quarter of a step
-        spec.costs.add(k, 0.25 * k)
+    spec.timed(1, 0.010)  # a 1-row step: 10 ms
+    for k in (1, 4, 8):  # the plan's measure: each row past the first adds 2.5 ms
+        spec.costs.add(k, 0.0025 * k)
     spec.accept_rate = 0.7
     alone = spec.best_k(8)
     spec.streams = lambda: 8
     assert alone > 0 and spec.best_k(8) == 0
-    spec.accept_rate = 0.999  # a prediction copied
-    spec.costs = StepCosts()  # rows that cost little once their step runs (a memory-bound ring) ...
-    for k in (1, 8, 16):
-        spec.costs.add(k, 0.3 + 0.01 * k)  # ... though it runs apart from the batch: 0.3 of a step
-    assert spec.costs.fit() == pytest.approx((0.3, 0.01))
-    assert spec.best_k(8) > 0
+    spec.accept_rate = 0.999  # a prediction copied ...
+    spec.costs = StepCosts()
+    for k in (1, 8, 16):  # ... by a verify step that runs apart from the batch: 20 ms, and 0.5 ms a row
+        spec.costs.add(k, 0.020 + 0.0005 * k)
+    assert spec.costs.fit() == pytest.approx((0.020, 0.0005))
+    assert spec.best_k(16) == 0  # against 10 ms steps: not worth it
+    spec.step_s = 0.040  # the eight streams' batched steps take 40 ms: now it is
+    assert spec.best_k(16) > 0
 
 
 def test_a_plans_cost_is_measured_once_for_its_streams() -> None:
@@ -157,9 +160,10 @@ def test_a_plans_cost_is_measured_once_for_its_streams() -> None:
     assert asyncio.run(first.draft(tokens, 2, 10)).tokens == (3,)  # a probe: one draft
     for _ in range(PROBES):
         first.timed(2, 0.0105)  # a 2-row step costs 5 % more
-    assert costs.measured and costs.extra(1) == pytest.approx(0.05)
+    assert costs.measured and costs.extra(1) == pytest.approx(0.0005)
     second = Speculation("auto", [PromptLookup()])
     second.costs = costs
+    second.timed(1, 0.010)
     assert second.row_cost() == pytest.approx(0.05)
     assert asyncio.run(second.draft(tokens, 2, 10)) == Draft(())  # measured: no more probes at 0.2
 
