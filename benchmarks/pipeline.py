@@ -4,8 +4,8 @@ on uvloop and on asyncio's own event loop (coordinator and nodes alike, ``EXO_TU
 For each loop and TLS setting, one real coordinator per node count runs with ``--local-nodes N``
 (the same backend on every node, layers split evenly), all of them up at once, and they take turns:
 each round every cluster decodes one greedy stream of ``--tokens`` tokens of the default model.
-Each figure is the mean time a decode token over all rounds' streams (a stream's decode time over
-its tokens: where the ring hands tokens on by itself they may reach the coordinator in bursts). Taking turns in short blocks matters on a
+Each figure is the median over the rounds of a stream's mean time a decode token (its decode time
+over its tokens: where the ring hands tokens on by itself they may reach the coordinator in bursts). Taking turns in short blocks matters on a
 shared machine, whose speed drifts by 10-15 % over minutes: measured one configuration after the
 other, that drift lands in the ratios. The per-hop time is what each extra node adds to a decode
 step: ``(step(N) - step(1)) / (N - 1)``.
@@ -25,8 +25,9 @@ compute and queue, the links, the coordinator's own share) and counts the hops a
 ``EXO_TUI_ONNX_SPIN=0``), ``spin`` (they spin until each step ends, ``EXO_TUI_ONNX_SPIN=1``),
 ``pin`` (core pinning, ``EXO_TUI_ONNX_PIN=1``, see ``backends/onnx/affinity.py``) and ``1thread``
 (one intra-op thread a node, ``EXO_TUI_THREADS=1``: nodes sharing a machine then do not share
-cores within a step), and ``no-handoff`` (the default's nodes, the coordinator sending every step:
-the last hop does not hand its token to the first, ``RemotePipeline.lease_tokens = 1``).
+cores within a step), and ``no-handoff`` (the coordinator sending every step: the last hop does
+not hand its token to the first, ``RemotePipeline.lease_tokens = 1``; beside ``default``, on the
+same cluster, the two ways taking turns).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -90,9 +91,8 @@ async def _local_steps(pipeline: LocalPipeline, c: Coordinator, tokens: int) -> 
     return [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
 
 
-def _split(c: Coordinator) -> dict[str, float]:
-    """The mean decode token of ``c``'s ring figures, split (seconds), and the hops it crossed."""
-    ring = list(c.metrics.ring)
+def _split(ring: list[Any]) -> dict[str, float]:
+    """The mean decode token of these ring figures' tokens, split (seconds), and the links it crossed."""
     if not ring:
         return {}
     n = len(ring)
@@ -108,9 +108,11 @@ async def _group(
     counts: list[int], variants: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path,
     in_process: bool = False, splits: dict[tuple[str, int], dict[str, float]] | None = None,
 ) -> dict[tuple[str, int], float]:
-    """Mean seconds per decode step for each variant and node count (and ``("in-process", 1)``),
+    """Seconds per decode step for each variant and node count (and ``("in-process", 1)``), the
+    median of the streams' means,
     the clusters taking turns; each cluster's token split into ``splits``."""
     from exo_tui.cluster.coordinator import Coordinator
+    from exo_tui.cluster.pipeline import LEASE_TOKENS
     from exo_tui.config import Config
     from exo_tui.inference.local import LocalPipeline, Stage
 
@@ -122,11 +124,12 @@ async def _group(
         for variant in variants:
             os.environ.update(VARIANTS[variant])  # the node processes read it at start
             for n in counts:
+                if variant == "no-handoff" and ("default", n) in coordinators:  # the same cluster, the other way
+                    coordinators[(variant, n)] = coordinators[("default", n)]
+                    continue
                 c = Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config,
                                 home=home / f"{n}-nodes-{variant}", persist=False)
                 await c.start()
-                if variant == "no-handoff":
-                    c.pipeline.lease_tokens = 1
                 coordinators[(variant, n)] = c
         local = None
         if in_process:
@@ -137,19 +140,23 @@ async def _group(
         gaps: dict[tuple[str, int], list[float]] = {k: [] for k in coordinators}
         if local is not None:
             gaps[("in-process", 1)] = []
+        timed: dict[tuple[str, int], list[Any]] = {k: [] for k in coordinators}
         for _ in range(rounds):
             for k, c in coordinators.items():
-                gaps[k] += await _steps(c, tokens)
+                c.pipeline.lease_tokens = 1 if k[0] == "no-handoff" else LEASE_TOKENS
+                began = time.monotonic()
+                gaps[k].append(statistics.mean(await _steps(c, tokens)))
+                timed[k] += [t for t in c.metrics.ring if t.ts >= began]
             if local is not None:
-                gaps[("in-process", 1)] += await _local_steps(local, c0, tokens)
+                gaps[("in-process", 1)].append(statistics.mean(await _local_steps(local, c0, tokens)))
         if splits is not None:
-            for k, c in coordinators.items():
-                splits[k] = _split(c)
-        return {k: statistics.mean(g) for k, g in gaps.items()}
+            for k, ring in timed.items():
+                splits[k] = _split(ring)
+        return {k: statistics.median(g) for k, g in gaps.items()}
     finally:
         if local is not None:
             await local.close()
-        for c in coordinators.values():
+        for c in {id(c): c for c in coordinators.values()}.values():
             await c.stop()
 
 
@@ -190,7 +197,7 @@ def main() -> None:
                 for (variant, n), parts in split.items():
                     splits[(loop, tls, variant, n)] = parts
     print(f"\nDecode of the default model, one stream, {args.backend} on every node, loopback, "
-          f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, means\n")
+          f"the clusters taking turns, {args.rounds} streams of {args.tokens} tokens each, medians of the streams' means\n")
     print("| loop | TLS | variant | nodes | ms/token | tok/s | ÷ 1 node | per extra hop, ms |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for loop in loops:
