@@ -32,10 +32,11 @@ Operations (frame ``type`` → what the node does):
 Nothing in a frame is ever executed: the type selects one of these functions, and the body holds
 plain values.
 
-Here: the lifecycle, the operations above, where a step's result goes (the next hop or the
-coordinator), and heartbeats. Elsewhere: the steps' queue, worker thread, batches and what a run
-does (cache adoption, truncation, scoring, sampling) in :mod:`exo_tui.node.executor`, the rules of
-batch formation in :mod:`exo_tui.node.batching` (pure), what the last hop adds to a step in
+Here: the lifecycle, the operations above, and heartbeats. Elsewhere: where a step's result
+goes (the next hop, the coordinator, the hand-off to the first hop) in :mod:`exo_tui.node.routing`,
+the steps' queue, worker thread, batches and what a run does (cache adoption, truncation, scoring,
+sampling) in :mod:`exo_tui.node.executor`, the rules of batch formation in
+:mod:`exo_tui.node.batching` (pure), what the last hop adds to a step in
 :mod:`exo_tui.node.sampling_step`, the shards, plans and weight transfers in
 :mod:`exo_tui.node.host`, every body sent or received as a type in :mod:`exo_tui.net.messages`.
 """
@@ -56,11 +57,9 @@ import numpy as np
 from backends import default_backend_name, get_backend
 from backends.base import PREFILL_CHUNK, BackendError, ModelConfig
 from backends.memory import prefill_rows
-from exo_tui.inference.sampling import scores_to_array
 from exo_tui.models.gguf_file import ModelFileError, TensorInfo
 from exo_tui.net import messages as wire
-from exo_tui.net.client import connect
-from exo_tui.net.codec import Message, reply, send
+from exo_tui.net.codec import Message, reply
 from exo_tui.net.connection import Connection
 from exo_tui.net.errors import RemoteError
 from exo_tui.net.frame import Frame
@@ -68,23 +67,20 @@ from exo_tui.net.loop import loop_name
 from exo_tui.net.protocol import (
     DRAFT_TAG,
     FILL_QUEUED,
-    FILLED,
     HostError,
-    RingPlan,
     kv_from_array,
     kv_shape,
     kv_to_array,
 )
 from exo_tui.net.server import serve
-from exo_tui.net.timing import hop_timing, measure_link
+from exo_tui.net.timing import measure_link
 from exo_tui.node import sensors
 from exo_tui.node.drafting import NodeDrafts
-from exo_tui.node.executor import DISCARDED, Sampled, Step, StepExecutor
+from exo_tui.node.executor import Step, StepExecutor
 from exo_tui.node.fencing import Fence
 from exo_tui.node.host import ShardHost
 from exo_tui.node.kv_budget import (
     RESERVE_MIN_BYTES,
-    BudgetExceeded,
     KVBudget,
     ShardCost,
     ShardKey,
@@ -99,15 +95,15 @@ from exo_tui.node.profile import (
     process_rss_bytes,
     runs_on,
 )
+from exo_tui.node.routing import FINISHED_MEMORY, StepRouting
 from exo_tui.node.sampling_step import Samplers
 
 log = logging.getLogger("exo_tui.node")
 
 HEARTBEAT_INTERVAL_S = 1.0
-FINISHED_MEMORY = 10_000  # ended requests remembered, so late steps of theirs are discarded
 
 
-class NodeAgent:
+class NodeAgent(StepRouting):
     def __init__(
         self,
         *,
@@ -159,20 +155,6 @@ class NodeAgent:
         # the queue, the worker thread, batch formation, and what a run does to each step
         self.executor = StepExecutor(self.kv, self.samplers, self._finished, self._deliver, self._superseded)
         self.drafts = NodeDrafts(self.backend, self.kv)  # a draft model, where the coordinator asks this node to run one
-
-    @property
-    def started_host(self) -> ShardHost:
-        """The shards and plans this node holds (set when it starts)."""
-        if self.host is None:
-            raise HostError("the node agent has not started: it holds no shards yet")
-        return self.host
-
-    @property
-    def started_profile(self) -> NodeProfile:
-        """This device's profile (measured when it starts)."""
-        if self.profile is None:
-            raise HostError("the node agent has not started: it has no profile yet")
-        return self.profile
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -442,26 +424,6 @@ class NodeAgent:
             log.exception("the worker loop stopped")
             raise
 
-    def _lead(self, rid: str, lead: int | None) -> None:
-        """The coordinator sent ``rid`` a step of lead ``lead``: handed steps of any other lead go."""
-        self._leads[rid] = lead
-        self._leads.move_to_end(rid)
-        while len(self._leads) > FINISHED_MEMORY:
-            self._leads.popitem(last=False)
-
-    def _superseded(self, msg: wire.Forward) -> bool:
-        """A handed step whose lead is no longer the latest step the coordinator sent its request."""
-        return msg.handed and (msg.lead is None or self._leads.get(msg.rid) != msg.lead)
-
-    def _next_ready(self, plan: RingPlan, hop: int) -> bool:
-        """Whether the result can go on without connecting first (a connection takes a while:
-        that is done by the worker's loop, not in the read loop where steps run inline)."""
-        if hop + 1 >= len(plan.ring):
-            return True
-        nxt = plan.ring[hop + 1]
-        conn = self._peers.get((nxt.host, nxt.port))
-        return conn is not None and not conn.is_closed
-
     def _shards_changed(self) -> None:
         """The shards held changed: the bytes a cache position takes on each, and the memory the
         process holds besides caches, measured again."""
@@ -500,100 +462,6 @@ class NodeAgent:
         if (limit := self.kv.process_limit_bytes) is None:
             return None
         return limit - process_rss_bytes() - RESERVE_MIN_BYTES
-
-    async def _deliver(self, step: Step, result: Any, more: int = 0) -> None:
-        """Send a step's result on. ``more``: how many more hidden states of the same run go to
-        the same next hop right after this one (it then waits for them, to keep the batch)."""
-        f, msg = step.frame, step.body
-        rid = msg.rid
-        if result is DISCARDED or rid in self._finished or self._superseded(msg):
-            self._stats.forget(rid)
-            return
-        if isinstance(result, Exception):
-            await self._fail_step(step, str(result), kv_budget=isinstance(result, BudgetExceeded))
-            return
-        plan = self.started_host.plans.get(f.plan) if f.plan is not None else None
-        if plan is None:
-            await self._fail_step(step, f"plan {f.plan} was dropped during the step")
-            return
-        if step.rows == 1:
-            self.decode_steps += 1
-            self.decode_compute_s += step.compute_s
-        timing = [*(msg.timing or ()),
-                  hop_timing(self.started_profile.node_id, step.received_s, step.started_s, step.compute_s).to_wire()]
-        if isinstance(result, Sampled):  # the last hop: a sampled token (or FILLED)
-            token, logprobs, scores = result.token, result.logprobs, result.scores
-            if token != FILLED:
-                self._stats.drew(rid, 1 if result.verdict is None else len(result.verdict.tokens))
-            verdict = result.verdict  # a verify step's: the drafts kept and the next token
-            token_msg = wire.Token(rid, msg.step, int(token), timing, None if logprobs is None else logprobs.to_wire(),
-                              scores is not None, None if verdict is None else list(verdict.tokens),
-                              None if verdict is None else verdict.accepted,
-                              None if result.listed is None else [x.to_wire() for x in result.listed])
-            tensor = None if scores is None else scores_to_array(scores)  # the prompt's scores, as the frame's tensor
-            # the token goes out at the end of this loop turn (writes coalesce), the handed step after it
-            await self._to_coordinator(token_msg, tensor=tensor, plan=f.plan)
-            if msg.ahead > 0 and verdict is None and token != FILLED and token not in (msg.halt_on or ()):
-                await self._hand_off(step, plan, int(token))
-            return
-        nxt = plan.ring[step.hop + 1]
-        onward = msg.copy(hop=step.hop + 1, timing=timing, more=more)
-        try:
-            peer = await self._peer(nxt.host, nxt.port)
-            await send(peer, onward, tensor=np.ascontiguousarray(result, dtype=np.float32), plan=f.plan)
-        except (TimeoutError, OSError, ConnectionError, RemoteError) as exc:
-            await self._fail_step(step, f"cannot reach next hop {nxt.node_id} at {nxt.host}:{nxt.port}: {exc}", failed=nxt.node_id)
-
-    async def _hand_off(self, step: Step, plan: RingPlan, token: int) -> None:
-        """The last hop hands the token it drew to the first hop as the next step (before the
-        coordinator hears of it): here, without a socket, where this node is the first hop."""
-        msg = step.body
-        nxt = msg.copy(hop=0, pos=msg.n_tokens, step=msg.step + 1, n_tokens=msg.n_tokens + 1, ahead=msg.ahead - 1,
-                       handed=True, history=None if msg.history is None else [*msg.history, token], adopt=None,
-                       score=None, timing=None, more=0)
-        tensor = np.array([token], dtype=np.int64)
-        first = plan.ring[0]
-        if first.node_id == self.started_profile.node_id:
-            handed = Step(step.conn, Frame("forward", tensor=tensor, plan=step.frame.plan), nxt)
-            # a task, not a call: the read loop runs between two steps (a drop, a newer step, pings)
-            task = asyncio.create_task(self.executor.arrived(handed, next_ready=self._next_ready(plan, 0)))
-            self._handing.add(task)
-            task.add_done_callback(self._handing.discard)
-            return
-        try:
-            await send(await self._peer(first.host, first.port), nxt, tensor=tensor, plan=step.frame.plan)
-        except (TimeoutError, OSError, ConnectionError, RemoteError) as exc:
-            reason = f"cannot hand the token to the first hop {first.node_id} at {first.host}:{first.port}: {exc}"
-            log.warning("step of %s failed: %s", msg.rid, reason)
-            await self._to_coordinator(wire.StepFailed(msg.rid, reason, nxt.step, self.started_profile.node_id,
-                                                       first.node_id, False), plan=step.frame.plan)
-
-    async def _fail_step(self, step: Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
-        # kv_budget: refused for want of memory, no node is at fault
-        failure = wire.StepFailed(step.body.rid, reason, step.body.step, self.profile.node_id if self.profile else "", failed,
-                             kv_budget)
-        log.warning("step of %s failed: %s", failure.rid, reason)
-        await self._to_coordinator(failure, plan=step.frame.plan)
-
-    async def _to_coordinator(self, msg: Message, *, tensor: np.ndarray | None = None, plan: int | None = None) -> None:
-        conn = self.coordinator
-        if conn is None or conn.is_closed:
-            log.warning("no coordinator attached: dropping %s", msg.TYPE)
-            return
-        try:
-            await send(conn, msg, tensor=tensor, plan=plan)
-        except (OSError, ConnectionError) as exc:
-            log.warning("coordinator unreachable: %s", exc)
-
-    async def _peer(self, host: str, port: int) -> Connection:
-        key = (host, port)
-        lock = self._peer_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            conn = self._peers.get(key)
-            if conn is None or conn.is_closed:
-                conn = await connect(host, port, security=self.security, timeout=3.0)
-                self._peers[key] = conn
-            return conn
 
     # ------------------------------------------------------------------ heartbeats
 
