@@ -24,7 +24,7 @@ from exo_tui.inference.sampling import TokenLogprobs, scores_from_array
 from exo_tui.net.client import connect
 from exo_tui.net.codec import Message, call
 from exo_tui.net.connection import Connection
-from exo_tui.net.errors import ConnectError, HandshakeError, RemoteError
+from exo_tui.net.errors import BadBody, ConnectError, HandshakeError, RemoteError
 from exo_tui.net.frame import Frame
 from exo_tui.net.messages import (
     Attach,
@@ -247,7 +247,12 @@ class Membership(CoordinatorParts):
         kind = _NODE_FRAMES.get(frame.type)
         if kind is None:
             raise RemoteError(f"the coordinator does not take {frame.type!r} frames")
-        msg = kind.decode(frame.body)  # the one place a node's frame is read: BadBody names what does not fit
+        try:
+            msg = kind.decode(frame.body)  # the one place a node's frame is read: BadBody names what does not fit
+        except BadBody as exc:
+            if kind is not Heartbeat:  # a step's reply that cannot be read: the step fails now, not at its timeout
+                self._unreadable_step_reply(node_id, frame, exc)
+            raise  # and the node is told what it sent wrong
         if isinstance(msg, Token):
             try:
                 logprobs = None if msg.logprobs is None else TokenLogprobs.from_wire(msg.logprobs)
@@ -273,6 +278,17 @@ class Membership(CoordinatorParts):
             self.pipeline.on_step_failed(msg.rid, msg.step, frame.plan, msg.error, msg.failed_node or None,
                                          kv_budget=msg.kv_budget)
         return None
+
+    def _unreadable_step_reply(self, node_id: str, frame: Frame, exc: BadBody) -> None:
+        """A token or step_failed frame whose body does not fit: the step it names fails (and is
+        tried again); where it names none that can be read, every step through the node does."""
+        reason = f"node {self.node_name(node_id)} sent a {frame.type} frame that cannot be read ({exc}): is it running the same exo-tui version?"
+        body = frame.body if isinstance(frame.body, dict) else {}
+        rid, step = body.get("rid"), body.get("step")
+        if isinstance(rid, str) and type(step) is int:
+            self.pipeline.on_step_failed(rid, step, frame.plan, reason, node_id)
+        else:
+            self.pipeline.fail_node(node_id, reason)
 
     # ================================================================== monitoring
 

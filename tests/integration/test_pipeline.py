@@ -217,6 +217,35 @@ def test_a_stop_that_lands_with_a_token_stops_the_answer(nodes) -> None:
     asyncio.run(run())
 
 
+def test_a_token_frame_that_cannot_be_read_fails_its_step_at_once_and_the_answer_goes_on(
+        nodes, reference_tokens: list[int]) -> None:
+    """A node's token frame whose body does not fit (here its token is a string) is refused with
+    an error frame to the node, and the step it names fails at once and is run again: the answer
+    is still the single-process one. Before, the step waited out its 600 s timeout."""
+
+    async def run() -> None:
+        async with coordinator(nodes, peers=nodes.peers[:2]) as c:
+            bent: list[str] = []
+            for handle in c.nodes.values():
+                conn = handle.live_conn
+                assert conn is not None and conn.handler is not None
+                forward = conn.handler
+
+                async def bend(conn, frame, forward=forward):  # noqa: ANN001, ANN202
+                    if frame.type == "token" and not bent:
+                        bent.append(frame.body["rid"])
+                        frame = replace(frame, body={**frame.body, "token": "seven"})
+                    return await forward(conn, frame)
+
+                conn.handler = bend
+            ids, _, _ = await asyncio.wait_for(_answer(c), 120)  # only a hung step fails this
+            assert bent, "no token frame was bent"
+            assert ids == reference_tokens
+            assert c.pipeline.failed_steps >= 1
+
+    asyncio.run(run())
+
+
 def test_corrupted_chunk_is_detected_and_resent(nodes, tiny_model: Path, home: Path) -> None:
     security = ensure_cluster(home).security()
     model = GGUFModel(tiny_model)
