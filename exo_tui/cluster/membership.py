@@ -17,7 +17,7 @@ from typing import Any
 from exo_tui import events as ev
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.parts import CoordinatorParts
-from exo_tui.cluster.pipeline import verdict_from_wire
+from exo_tui.cluster.ring_steps import verdict_from_wire
 from exo_tui.cluster.view import Action, Command, HostView
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.sampling import TokenLogprobs, scores_from_array

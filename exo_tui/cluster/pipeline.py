@@ -13,7 +13,7 @@ end-of-sequence token (``halt_on``), and a stop string, a cancel or a failure ab
 (the nodes discard a handed step of a request dropped or sent a newer step, ``lead``); what the
 ring ran past is cut back when the caches are next used. The request's tokens (the accepted ones)
 stay the checkpoint. A lease counts as one step in flight on its plan until its last token came
-(a plan switch waits for it). A stream that drafts (:func:`_drafting`) takes no lease: each of its
+(a plan switch waits for it). A stream that drafts (:func:`drafting`) takes no lease: each of its
 steps goes with the drafts of its time; one that starts drafting has them verified once its lease
 has run out.
 
@@ -42,180 +42,63 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
-from backends.base import MAX_DRAFT
 from backends.memory import MIN_PREFILL_CHUNK
 from exo_tui.cluster.admission import KVBudgetExceeded
+from exo_tui.cluster.handoff import Leases
 from exo_tui.cluster.metrics import StepSample
+from exo_tui.cluster.ring_steps import (
+    STEP_TIMEOUT_S,
+    Cached,
+    Kept,
+    Lease,
+    PipelineHost,
+    Result,
+    Sent,
+    StepFailure,
+    VerdictReply,
+    drafting,
+    expire,
+    shared_prefix,
+)
 from exo_tui.inference.generate import GenerationError
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.inference.speculative import Draft, Verdict
 from exo_tui.net.codec import call, send
-from exo_tui.net.connection import Connection
 from exo_tui.net.errors import ConnectionClosed, RemoteError
-from exo_tui.net.messages import Done, DraftQ, Drop, Forward, ScoreAsk, Token
+from exo_tui.net.messages import Done, DraftQ, Drop, Forward, ScoreAsk
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.timing import HopTiming, timings_from_wire
 
 log = logging.getLogger("exo_tui.cluster")
 
-STEP_TIMEOUT_S = 600.0  # last resort; failures are normally detected by heartbeats and sockets
 LEASE_TOKENS = 16  # the steps of a hand-off lease (the one sent and those the ring runs on its own); 1: none
 KEEP_FINISHED = 2  # finished requests whose caches stay on their nodes for a next turn
 MIN_ADOPTED = 16  # fewer shared tokens than this are run again rather than taken over
 
 
-class StepFailure(Exception):
-    """A step could not complete; ``node_id`` is the node to suspect (None: unknown)."""
-
-    def __init__(self, message: str, node_id: str | None = None, *, kv_budget: bool = False) -> None:
-        super().__init__(message)
-        self.node_id = node_id
-        self.kv_budget = kv_budget  # refused for want of memory: no node is at fault
-
-
-class PipelineHost(Protocol):
-    """What the pipeline needs from the coordinator."""
-
-    retry_limit: int
-
-    async def plan_ready(self) -> RingPlan:
-        """The plan in force, waiting while a plan switch is under way, and counts a step as
-        running on it until :meth:`step_done`. Raises :class:`GenerationError` when the
-        cluster cannot serve the model."""
-        ...
-
-    def step_done(self) -> None:
-        """The step that :meth:`plan_ready` let start has ended (a token boundary)."""
-        ...
-
-    def prefill_rows(self, plan: RingPlan) -> int:
-        """The rows a step of a prompt may carry through ``plan``'s ring at most."""
-        ...
-
-    def fill_window(self, plan: RingPlan) -> int:
-        """How many of a long prompt's chunks to keep in flight through ``plan``'s ring at once."""
-        ...
-
-    def connection(self, node_id: str) -> Connection:
-        ...
-
-    def node_name(self, node_id: str) -> str:
-        ...
-
-    async def step_failed(self, failure: StepFailure, plan: RingPlan) -> None:
-        """Handle a failed step: suspect/fail the node, and return once a new plan is in force
-        (or raise :class:`GenerationError` when none can be made)."""
-        ...
-
-
-@dataclass
-class _Cached:
-    version: int
-    length: int
-
-
-@dataclass
-class _Kept:
-    """A finished request's caches, left on the nodes of ``plan`` for a next turn."""
-
-    tokens: tuple[int, ...]  # the positions they hold
-    prompt: int  # how many of them were its prompt
-    plan: RingPlan
-
-
-def _shared_prefix(a: list[int], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(diff[0]) if len(diff) else n
-
-
-# What a step gives back: the token, its logprobs (when asked) and the prompt's scores (when asked
-# and the step ran the prompt from its start).
-_Result = tuple[int, TokenLogprobs | None, list[TokenLogprobs] | None]
-# What a verify step gives back besides: the tokens kept (the accepted drafts, then the next
-# token), how many drafts were accepted, and each token's logprobs (when asked).
-VerdictReply = tuple[tuple[int, ...], int, list[TokenLogprobs] | None]
-
-
-def verdict_from_wire(msg: Token) -> VerdictReply:
-    """A verify step's token frame's ``tokens``, ``accepted`` and ``listed``; ValueError when
-    they do not fit together."""
-    tokens, accepted, listed = msg.tokens, msg.accepted, msg.listed
-    if not tokens or accepted is None or accepted != len(tokens) - 1 or tokens[-1] != msg.token:
-        raise ValueError(f"a verify step's reply must list the accepted drafts and the next token (accepted + 1 "
-                         f"token ids, the last its token), not tokens={tokens!r:.80} accepted={accepted!r}")
-    lps = None
-    if listed is not None:
-        if len(listed) != len(tokens):
-            raise ValueError("a verify step's listed logprobs must be one for each of its tokens")
-        lps = [TokenLogprobs.from_wire(x) for x in listed]
-    return tuple(tokens), accepted, lps
-
-
-@dataclass
-class _Sent:
-    """A step sent to the ring, whose reply is awaited."""
-
-    key: tuple[str, int, int]  # (request id, step, plan version): what the reply is matched by
-    fut: asyncio.Future[_Result]
-    plan: RingPlan
-    rows: int
-    end: int  # the positions its request's caches hold once it has run
-    times: tuple[float, float, float | None] = (0.0, 0.0, None)  # sent (monotonic, wall), the coordinator's share
-    timer: asyncio.TimerHandle | None = None
-    verdict: VerdictReply | None = None  # a verify step's, once its reply came
-    handed: bool = False  # started by the ring's last hop (a lease's), not sent by the coordinator
-
-
-@dataclass
-class _Lease:
-    """A step sent with ``ahead``, and the steps the ring then runs on its own (the hand-off)."""
-
-    plan: RingPlan
-    first: int  # the step (answer tokens so far) the coordinator sent
-    n0: int  # the request's tokens once that step has run
-    steps: dict[int, _Sent]  # step -> what awaits its token, the first's included
-    last: int  # the last step the ring may run
-    taken: int = -1  # the last step whose token the request asked for
-    open: bool = True  # the ring may still be running steps of it
-    holds_step: bool = False  # it ends the plan's step in flight (host.step_done) when it closes
-
-
-def _drafting(request: Request) -> bool:
-    """Whether the request's speculation drafts (a fixed k, a prediction, or auto expecting a gain):
-    its steps go one at a time, each with the drafts of its time, not in a lease."""
-    spec = request.speculation
-    return spec is not None and (spec.predicted or isinstance(spec.mode, int) or spec.best_k(MAX_DRAFT) > 0)
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError(f"no token within {STEP_TIMEOUT_S:.0f} s"))
-
-
-class RemotePipeline:
+class RemotePipeline(Leases):
     """A :class:`~exo_tui.inference.generate.StepRunner` over node agents."""
 
     def __init__(self, host: PipelineHost) -> None:
         self.host = host
-        self._pending: dict[tuple[str, int, int], asyncio.Future[_Result]] = {}
-        self._cached: dict[str, _Cached] = {}
+        self._pending: dict[tuple[str, int, int], asyncio.Future[Result]] = {}
+        self._cached: dict[str, Cached] = {}
         self._served: dict[str, tuple[str, ...]] = {}
         self._active_plans: dict[str, RingPlan] = {}
         self._models: dict[str, str] = {}  # request id -> the model tag its tokens are of (pin_model)
-        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        self._kept: OrderedDict[str, Kept] = OrderedDict()
         # Each step's timing goes to this, when set (the coordinator's metrics).
         self.on_step_timed: Callable[[StepSample], None] | None = None
         self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
         self._verdicts: dict[tuple[str, int, int], VerdictReply] = {}  # verify steps' replies, by step
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
-        self._leases: dict[str, _Lease] = {}  # request id -> its hand-off lease
+        self._leases: dict[str, Lease] = {}  # request id -> its hand-off lease
         self._leads = itertools.count(secrets.randbits(48))  # each step the coordinator sends: a new lead
         self.lease_tokens = LEASE_TOKENS
         self.context: Callable[[], int] = lambda: 0  # the context requests run at (0: no hand-off)
@@ -245,56 +128,6 @@ class RemotePipeline:
             if lease is not None and lease.plan.version == plan_version and lease.steps.get(step) is not None:
                 self._lease_token(rid, lease, step, token, hops)
 
-    def _lease_token(self, rid: str, lease: _Lease, step: int, token: int, hops: tuple[HopTiming, ...] | None) -> None:
-        """A lease's token came: the ring's caches hold its position, and it ran its next step
-        from it (timed from here), unless it was the lease's last or one it halts on."""
-        self._cached[rid] = _Cached(lease.plan.version, lease.n0 + step - lease.first)
-        nxt = lease.steps.get(step + 1)
-        if step >= lease.last or token in self.halt_on() or nxt is None:
-            self._close(lease, after=step)
-        elif hops:
-            nxt.times = (time.monotonic(), hops[-1].out_wall, None)
-
-    def _close(self, lease: _Lease, after: int = -1) -> None:
-        """The ring runs no more steps of ``lease`` (those after step ``after`` are abandoned);
-        its step in flight on the plan ends."""
-        for step, sent in list(lease.steps.items()):
-            if step > after and not sent.fut.done():
-                self._abandon(sent)
-                del lease.steps[step]
-        if lease.open:
-            lease.open = False
-            if lease.holds_step:
-                lease.holds_step = False
-                self.host.step_done()
-
-    def _lease_failed(self, lease: _Lease, fut: asyncio.Future[_Result]) -> None:
-        if lease.open and (fut.cancelled() or fut.exception() is not None):
-            self._close(lease)
-
-    def _leased(self, request: Request) -> _Sent | None:
-        """The lease's step that gives the request its next token, if the ring ran (or runs) it;
-        a lease the request has left (a step from elsewhere, a rebuild) is abandoned."""
-        lease = self._leases.get(request.id)
-        if lease is None:
-            return None
-        k = len(request.generated)
-        sent = lease.steps.get(k)
-        if sent is not None and k > lease.taken and not sent.fut.cancelled() and request.n_tokens == lease.n0 + k - lease.first:
-            lease.taken = k
-            if not lease.open and k == max(lease.steps):
-                del self._leases[request.id]
-            return sent
-        self._drop_lease(request.id)
-        return None
-
-    def _drop_lease(self, rid: str) -> None:
-        lease = self._leases.pop(rid, None)
-        if lease is not None:
-            self._close(lease)
-            for sent in lease.steps.values():
-                self._abandon(sent)
-
     def on_step_failed(self, rid: str, step: int | None, plan_version: int | None, error: str, node_id: str | None,
                        *, kv_budget: bool = False) -> None:
         for key, fut in list(self._pending.items()):
@@ -316,7 +149,7 @@ class RemotePipeline:
 
     def set_cached(self, rid: str, version: int, length: int) -> None:
         """Record that a request's caches now live on plan ``version`` (after a KV move)."""
-        self._cached[rid] = _Cached(version, length)
+        self._cached[rid] = Cached(version, length)
 
     def forget_cached(self, rid: str) -> None:
         """The request's caches are gone (a node unloaded their shard): its next step rebuilds them
@@ -387,7 +220,7 @@ class RemotePipeline:
             # a plain decode step goes with a lease (the hand-off): the ring runs on from its token
             ahead = 0
             if draft is None and adopted is None and pos == request.n_tokens - 1 and not request.wants_prompt_scores \
-                    and not _drafting(request):
+                    and not drafting(request):
                 room = min(request.max_tokens - len(request.generated), self.context() - request.n_tokens)
                 ahead = max(0, min(self.lease_tokens - 1, room - 1))
             reply: VerdictReply | None = None
@@ -422,7 +255,7 @@ class RemotePipeline:
                 continue
             # the caches hold the request's tokens and the drafts accepted (the rejected ones'
             # positions are cut back when the next step begins there)
-            self._cached[request.id] = _Cached(plan.version, request.n_tokens + (reply[1] if reply else 0))
+            self._cached[request.id] = Cached(plan.version, request.n_tokens + (reply[1] if reply else 0))
             if scores is not None:
                 request.prompt_scores = scores
             return token, logprobs, reply
@@ -445,7 +278,7 @@ class RemotePipeline:
         await self.host.step_failed(failure, plan)
         return attempts
 
-    async def _fill_and_run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None) -> _Result:
+    async def _fill_and_run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None) -> Result:
         """The step: a long prompt goes through the ring a chunk at a time, the last chunk drawing
         the first token. Whole, each node would receive and send all its rows' hidden states at
         once (rows x hidden floats, a few copies), which a node under a memory limit cannot hold
@@ -460,8 +293,8 @@ class RemotePipeline:
             return await self._run(plan, request, pos, adopt)
         rows = self.host.prefill_rows(plan)
         window = self.host.fill_window(plan)
-        filling: deque[_Sent] = deque()
-        last: _Sent | None = None
+        filling: deque[Sent] = deque()
+        last: Sent | None = None
         try:
             while True:
                 if len(filling) >= window:
@@ -479,10 +312,10 @@ class RemotePipeline:
             for sent in (*filling, *([last] if last is not None else [])):
                 self._abandon(sent)
 
-    async def _filled(self, request: Request, sent: _Sent) -> None:
+    async def _filled(self, request: Request, sent: Sent) -> None:
         await self._result(sent)
         self.filled_chunks += 1
-        self._cached[request.id] = _Cached(sent.plan.version, sent.end)
+        self._cached[request.id] = Cached(sent.plan.version, sent.end)
 
     def _take_kept(self, request: Request, plan: RingPlan) -> tuple[str, int] | None:
         """The kept request whose caches this one's first step can take over, and how many of its
@@ -497,7 +330,7 @@ class RemotePipeline:
                 del self._kept[rid]
                 asyncio.create_task(self._drop_on(kept.plan, rid, final=True))
                 continue
-            n = _shared_prefix(request.tokens, kept.tokens)
+            n = shared_prefix(request.tokens, kept.tokens)
             held = len(kept.tokens)
             cuttable = not window or max(0, held - window) <= max(0, n - window + 1)
             if cuttable and n > kept.prompt and MIN_ADOPTED <= n < len(request.tokens) and (best is None or n > best[1]):
@@ -532,13 +365,13 @@ class RemotePipeline:
         kept, self._kept = self._kept, OrderedDict()
         await asyncio.gather(*(self._drop_on(k.plan, rid, final=True) for rid, k in kept.items()))
 
-    async def _run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None, ahead: int = 0) -> _Result:
+    async def _run(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None, ahead: int = 0) -> Result:
         """One step through the ring: the request's tokens from ``pos``, the last hop drawing the
         next token (and, ``ahead``, running on from it: a lease)."""
         return await self._result(await self._send(plan, request, pos, adopt, ahead=ahead))
 
     async def _run_verify(self, plan: RingPlan, request: Request, pos: int,
-                          draft: Draft) -> tuple[_Result, VerdictReply | None]:
+                          draft: Draft) -> tuple[Result, VerdictReply | None]:
         """A verify step through the ring, and its last hop's verdict."""
         sent = await self._send(plan, request, pos, draft=draft)
         result = await self._result(sent)
@@ -552,7 +385,7 @@ class RemotePipeline:
         return result, reply
 
     async def _send(self, plan: RingPlan, request: Request, pos: int, adopt: str | None = None, end: int | None = None,
-                    draft: Draft | None = None, ahead: int = 0) -> _Sent:
+                    draft: Draft | None = None, ahead: int = 0) -> Sent:
         """Send a step to the ring's first node: the request's tokens from ``pos``, the last hop
         drawing the next token; or (``end``) its tokens up to ``end`` only, filling the caches (a
         prompt's chunk, which comes back as FILLED). A chunk's correlation id (``step``) is its
@@ -561,7 +394,7 @@ class RemotePipeline:
         step = len(request.generated) if end is None else -next(self._chunk_ids)
         key = (request.id, step, plan.version)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[_Result] = loop.create_future()
+        fut: asyncio.Future[Result] = loop.create_future()
         self._pending[key] = fut
         self._drop_lease(request.id)  # a step sent supersedes what the ring ran on its own
         self._active_plans[request.id] = plan
@@ -586,16 +419,16 @@ class RemotePipeline:
             lead=next(self._leads),
             halt_on=sorted(self.halt_on()) or None if ahead else None,
         )
-        sent = _Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos + len(drafted),
+        sent = Sent(key, fut, plan, (request.n_tokens if end is None else end) - pos + len(drafted),
                      (end or request.n_tokens) + len(drafted))
         if ahead:
-            lease = self._leases[request.id] = _Lease(plan, step, request.n_tokens, {step: sent}, step + ahead)
+            lease = self._leases[request.id] = Lease(plan, step, request.n_tokens, {step: sent}, step + ahead)
             for i in range(1, ahead + 1):
-                f: asyncio.Future[_Result] = loop.create_future()
+                f: asyncio.Future[Result] = loop.create_future()
                 k = (request.id, step + i, plan.version)
                 self._pending[k] = f
-                lease.steps[step + i] = _Sent(k, f, plan, 1, request.n_tokens + i, handed=True,
-                                              timer=loop.call_later(STEP_TIMEOUT_S, _expire, f))
+                lease.steps[step + i] = Sent(k, f, plan, 1, request.n_tokens + i, handed=True,
+                                              timer=loop.call_later(STEP_TIMEOUT_S, expire, f))
                 f.add_done_callback(functools.partial(self._lease_failed, lease))
         first = plan.ring[0].node_id
         try:
@@ -620,10 +453,10 @@ class RemotePipeline:
         # a token went to its task bookkeeping) nor wait_for (Python 3.11's drops a cancel that
         # lands when the token has just come, so a stopped answer went on). A cancel of the task
         # awaiting it cancels ``fut`` and comes out of the await as it is.
-        sent.timer = loop.call_later(STEP_TIMEOUT_S, _expire, fut)
+        sent.timer = loop.call_later(STEP_TIMEOUT_S, expire, fut)
         return sent
 
-    async def _result(self, sent: _Sent) -> _Result:
+    async def _result(self, sent: Sent) -> Result:
         """What a sent step gives back (raises its failure); it is then no longer waited for."""
         try:
             result = await sent.fut
@@ -633,7 +466,7 @@ class RemotePipeline:
         finally:
             self._abandon(sent)
 
-    def _abandon(self, sent: _Sent) -> None:
+    def _abandon(self, sent: Sent) -> None:
         """A sent step is no longer waited for (its reply came, or it was given up): a reply that
         still comes is dropped."""
         if sent.timer is not None:
@@ -697,7 +530,7 @@ class RemotePipeline:
             in_flight = True
         if ended and not in_flight and cached is not None and cached.version == plan.version \
                 and cached.length > len(request.prompt_ids):
-            self._kept[request.id] = _Kept(tuple(request.tokens[: cached.length]), len(request.prompt_ids), plan)
+            self._kept[request.id] = Kept(tuple(request.tokens[: cached.length]), len(request.prompt_ids), plan)
             while len(self._kept) > KEEP_FINISHED:
                 rid, old = self._kept.popitem(last=False)
                 await asyncio.shield(self._drop_on(old.plan, rid, final=True))
@@ -708,7 +541,7 @@ class RemotePipeline:
         """Caches that a request of an earlier leader left on the nodes of ``plan``, holding
         ``tokens``: kept as a finished request's, so that the request resumed from it (a stream a
         standby re-issues, :mod:`exo_tui.api.forwarding`) takes them over, not a prefill."""
-        self._kept[rid] = _Kept(tuple(tokens), prompt, plan)
+        self._kept[rid] = Kept(tuple(tokens), prompt, plan)
 
     def served_by(self) -> tuple[str, ...]:
         """Names of the nodes of the most recent request's ring."""

@@ -21,7 +21,7 @@ from backends.memory import LOAD_CHUNK_BYTES, LOAD_PEAK_DECODED
 from exo_tui import events as ev
 from exo_tui.cluster.kv_moves import KVMoves
 from exo_tui.cluster.node_handle import NodeHandle, held_bytes
-from exo_tui.cluster.pipeline import StepFailure
+from exo_tui.cluster.ring_steps import StepFailure
 from exo_tui.cluster.room import REPLANS_AFTER_REFUSAL, is_refusal, limit_needed
 from exo_tui.cluster.view import (
     LayerMove,

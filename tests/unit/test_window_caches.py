@@ -308,7 +308,8 @@ def test_a_kept_cache_is_taken_over_only_where_its_rings_can_be_cut_back(window:
     """A finished request's 60 kept positions and a next turn sharing ``shared`` of them: with
     rings of ``window``, the nodes hold positions 52..59 only, so the turn may start at 59 or 60
     (its first query sees 52.. or 53..), not at 50 (it would need 43..)."""
-    from exo_tui.cluster.pipeline import RemotePipeline, _Kept
+    from exo_tui.cluster.pipeline import RemotePipeline
+    from exo_tui.cluster.ring_steps import Kept
     from exo_tui.inference.request import Request
     from exo_tui.inference.sampling import SamplingParams
     from exo_tui.net.protocol import PlanEntry, RingPlan
@@ -317,7 +318,7 @@ def test_a_kept_cache_is_taken_over_only_where_its_rings_can_be_cut_back(window:
     pipeline = RemotePipeline(host=None)  # type: ignore[arg-type]  # _take_kept touches no host
     pipeline.window = lambda: window
     kept = tuple(range(100, 160))
-    pipeline._kept["old"] = _Kept(kept, 20, plan)
+    pipeline._kept["old"] = Kept(kept, 20, plan)
     request = Request([*kept[:shared], 7, 8, 9], SamplingParams(temperature=0.0), 4)
     assert pipeline._take_kept(request, plan) == (("old", shared) if taken else None)
 
