@@ -37,8 +37,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from backends.base import MAX_DRAFT
 from exo_tui.inference.drafts import Drafter, DraftSource, Prediction, PromptLookup
 from exo_tui.inference.speculative import Draft, Verdict
@@ -105,21 +103,31 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.samples = 0
-        self._sums = np.zeros(5)  # weight, k, k^2, extra, k * extra
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, k, k^2, extra, k * extra
+        self._fit: tuple[float, float] | None = None  # fit()'s, until the next add
 
     def add(self, k: int, extra: float) -> None:
         """A verify step of ``k`` drafts took ``extra`` seconds more than a 1-row step."""
-        self._sums = self.DECAY * self._sums + np.array([1.0, k, k * k, extra, k * extra])
+        d = self.DECAY
+        w, sk, skk, se, ske = self._sums
+        self._sums = (d * w + 1.0, d * sk + k, d * skk + k * k, d * se + extra, d * ske + k * extra)
         self.samples += 1
+        self._fit = None
 
     @property
     def measured(self) -> bool:
         return self.samples >= PROBES
 
     def fit(self) -> tuple[float, float] | None:
-        """``(fixed, per_row)`` (None: nothing measured)."""
+        """``(fixed, per_row)`` (None: nothing measured). Asked for every k a stream weighs at
+        every step: worked out once for each measure added."""
         if not self.samples:
             return None
+        if self._fit is None:
+            self._fit = self._line()
+        return self._fit
+
+    def _line(self) -> tuple[float, float]:
         w, sk, skk, se, ske = self._sums
         mk, me = sk / w, se / w
         var = skk / w - mk * mk
