@@ -133,7 +133,7 @@ async def _serve_each(name: str, note: str, nodes: object, peers: list[str], arg
                 plan = c.plan
                 pred = predict(plan.shards, {p.node_id: p for p in c.device_profiles()}, c.spec, c.config.scheduler,
                                prompt, c.constraints().coordinator_s,
-                               c.constraints().coordinator_links)
+                               c.constraints().coordinator_links, c.constraints().handed_share)
                 await _answer(c, 8)  # warm-up
                 for _ in range(args.answers):
                     ttft, tps = await _answer(c, args.tokens)

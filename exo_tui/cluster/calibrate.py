@@ -26,7 +26,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from exo_tui.cluster.metrics import COORDINATOR, StepSample, split_token
+from exo_tui.cluster.metrics import StepSample, split_token
 from exo_tui.scheduler.calibration import (
     LinkMeasure,
     Measurements,
@@ -124,7 +124,8 @@ class Calibrator:
         self.head: dict[tuple[str, Bucket, float], _Series] = defaultdict(_Series)  # by its layers
         self.prefill: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
         self.links: dict[tuple[str, str], _Series] = defaultdict(_Series)
-        self.coordinator = _Series()
+        self.coordinator = _Series()  # its share of a token, on the steps it sends
+        self.handed = _Series()  # 1 for a decode token handed from the last node to the first, else 0
         self.token = _Series()  # a decode token's whole time (the ring and the coordinator)
         self.token_version: int | None = None  # the plan version ``token`` measures
         self.act_bytes = 0  # a decode token's hidden state, the bytes a link's hop carried
@@ -194,11 +195,13 @@ class Calibrator:
         token = split_token(sample, now)
         for (a, b), s in token.links.items():  # the coordinator's own too (its ends of the ring)
             self.links[(a, b)].add(now, s)
-        if sample.handed:  # handed on by the last node: its way passed no link of the coordinator's,
-            # which count per token (as its share does): what a lease's first step took, spread
-            self.links[(COORDINATOR, sample.hops[0].node_id)].add(now, 0.0)
-            self.links[(sample.hops[-1].node_id, COORDINATOR)].add(now, 0.0)
-        self.coordinator.add(now, token.coordinator_s)
+        # a token the last node handed on passed none of the coordinator's links or time (its way
+        # back is the last->first link, above): the coordinator's figures are those of the steps it
+        # sends, and the share of tokens handed on is measured beside them (scheduler/context.py's
+        # way_back weighs the two ways by it)
+        self.handed.add(now, 1.0 if sample.handed else 0.0)
+        if not sample.handed:
+            self.coordinator.add(now, token.coordinator_s)
         if self.token_version != sample.plan_version:
             self.token, self.token_version = _Series(), sample.plan_version
         self.token.add(now, token.total_s)
@@ -232,7 +235,9 @@ class Calibrator:
                 links[link] = LinkMeasure(got[0], float(self.act_bytes), got[1])
         coord = self.coordinator.mean(now)
         cpu = {nid: got[0] for nid, s in self.cpu.items() if (got := s.mean(now, CPU_SAMPLES)) is not None}
-        return Measurements({}, links, coord[0] if coord else None, dict(by_load), cpu).at(*self.load)
+        handed = self.handed.mean(now)
+        return Measurements({}, links, coord[0] if coord else None, dict(by_load), cpu,
+                            handed[0] if handed else None).at(*self.load)
 
     def measured_tok_per_s(self, plan_version: int | None) -> tuple[float, int] | None:
         """One stream's measured tokens/s on plan ``plan_version`` over the window, and the tokens

@@ -74,10 +74,10 @@ from exo_tui.net.errors import ConnectionClosed, RemoteError
 from exo_tui.net.messages import Done, DraftQ, Drop, Forward, ScoreAsk
 from exo_tui.net.protocol import RingPlan
 from exo_tui.net.timing import HopTiming, timings_from_wire
+from exo_tui.scheduler.plan import LEASE_TOKENS as LEASE_TOKENS
 
 log = logging.getLogger("exo_tui.cluster")
 
-LEASE_TOKENS = 16  # the steps of a hand-off lease (the one sent and those the ring runs on its own); 1: none
 KEEP_FINISHED = 2  # finished requests whose caches stay on their nodes for a next turn
 MIN_ADOPTED = 16  # fewer shared tokens than this are run again rather than taken over
 
@@ -100,7 +100,7 @@ class RemotePipeline(Leases):
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
         self._leases: dict[str, Lease] = {}  # request id -> its hand-off lease
         self._leads = itertools.count(secrets.randbits(48))  # each step the coordinator sends: a new lead
-        self.lease_tokens = LEASE_TOKENS
+        self.lease_tokens = LEASE_TOKENS  # the steps of a hand-off lease (scheduler/plan.py); 1: none
         self.context: Callable[[], int] = lambda: 0  # the context requests run at (0: no hand-off)
         self.halt_on: Callable[[], frozenset[int]] = frozenset  # tokens after which a lease stops (EOS)
         self.handed_steps = 0  # steps the ring ran on its own and whose token was used

@@ -12,8 +12,9 @@ and hands the figures in as values; nothing here reads a clock or a socket.
   together) and context length (:func:`load_bucket`), since a step's time grows with both;
   :meth:`Measurements.at` picks a load's, the nearest bucket measured where its own is not;
 * :class:`LinkMeasure` — the time a decode token's hidden state spent on a link, and its bytes;
-* :class:`Measurements` — those, with the coordinator's share of a token (its own time between a
-  token and the next step, and its links to the first and from the last stage).
+* :class:`Measurements` — those, with the coordinator's share of a token on the steps it sends (its
+  own time between a token and the next step, and its links to the first and from the last stage)
+  and the share of tokens the last stage handed straight to the first (the hand-off).
 
 :func:`calibrate` gives the profiles those figures in place of the start-up benchmark's (a node
 with no measurement keeps its own); :func:`measured_constraints` carries the coordinator's share
@@ -98,9 +99,10 @@ class LinkMeasure:
 class Measurements:
     nodes: Mapping[str, NodeMeasure] = field(default_factory=dict)  # at the load planned for
     links: Mapping[tuple[str, str], LinkMeasure] = field(default_factory=dict)
-    coordinator_s: float | None = None  # a token's time in the coordinator, between it and the next step
+    coordinator_s: float | None = None  # a token's time in the coordinator, between it and the step it sends
     by_load: Mapping[str, Mapping[tuple[int, int], NodeMeasure]] = field(default_factory=dict)  # every bucket
     cpu_per_busy_s: Mapping[str, float] = field(default_factory=dict)  # a node's CPU seconds a second of its runs
+    handed_share: float | None = None  # decode tokens the last node handed straight to the first
 
     @property
     def empty(self) -> bool:
@@ -177,9 +179,12 @@ def hop_software_s(profiles: Mapping[str, DeviceProfile], measured: Measurements
 
 def measured_constraints(constraints: Constraints, measured: Measurements) -> Constraints:
     """``constraints`` with the coordinator's measured share of a token and its links to and from
-    each node measured, which the predictions count in place of the token's way back from the last
-    stage to the first (a plan's first and last stage may not be those of the ring measured: the
-    node behind a slow link last, its link to the coordinator is in the token)."""
+    each node measured, which the predictions count on the tokens' way back from the last stage to
+    the first that the coordinator sends (a plan's first and last stage may not be those of the
+    ring measured: the node behind a slow link last, its link to the coordinator is in the token),
+    and the measured share of tokens handed straight from the last stage to the first."""
+    if measured.handed_share is not None:
+        constraints = replace(constraints, handed_share=measured.handed_share)
     if measured.coordinator_s is None:
         return constraints
     links = tuple(sorted((a, b, lm.hop_s) for (a, b), lm in measured.links.items() if COORDINATOR in (a, b)))

@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.plan import Constraints, Pin, Predictions
+from exo_tui.scheduler.plan import LEASE_TOKENS, Constraints, Pin, Predictions
 from exo_tui.scheduler.profile import UNKNOWN_LINK, DeviceProfile
 from exo_tui.scheduler.spec import ModelSpec
 
@@ -61,6 +61,7 @@ class PlanContext:
     act_bytes: int
     coordinator_s: float | None = None  # measured: the token's way back (Constraints.coordinator_s)
     coordinator_links: tuple[tuple[str, str, float], ...] = ()  # Constraints.coordinator_links
+    handed_share: float = 1.0 - 1.0 / LEASE_TOKENS  # tokens handed from the last stage to the first (Constraints.handed_share)
     # a node's seconds per layer by its shard's count of layers, over ``t`` (index: the count),
     # where measured on several counts (DeviceProfile.layer_s_by_layers); others: 1
     size: dict[str, np.ndarray] = field(default_factory=dict)
@@ -84,9 +85,21 @@ class PlanContext:
         spec = self.spec
         return spec.mean_held_layer_bytes(self.backend[nid]) + self.kv[nid] * spec.kv_layers(0, spec.n_layers) / spec.n_layers
 
+    def way_back(self, last: str, first: str) -> float:
+        """A decode token's way from the last stage ``last`` to the first ``first``: handed on
+        (:attr:`handed_share` of the tokens) over that link (measured, or as other links not
+        measured: the probe plus a hop's software; none on one node), the rest through the
+        coordinator as measured (:meth:`coordinator_hop`). Where the coordinator is not measured,
+        the link alone."""
+        handed = self.hop(last, first, TOKEN_BYTES)
+        via = self.coordinator_hop(first, last)
+        if via is None:
+            return handed
+        return self.handed_share * handed + (1.0 - self.handed_share) * via
+
     def coordinator_hop(self, first: str, last: str) -> float | None:
-        """The token's way back from ``last`` to ``first`` by the coordinator, as measured (None:
-        not measured): its own share, its hop to ``first`` and ``last``'s hop to it."""
+        """The token's way back from ``last`` to ``first`` by the coordinator, on a step it sends,
+        as measured (None: not measured): its own share, its hop to ``first`` and ``last``'s hop to it."""
         if self.coordinator_s is None:
             return None
         to = {b: s for a, b, s in self.coordinator_links if a == COORDINATOR}
@@ -174,6 +187,10 @@ def make_context(
             usable[nid] -= nbytes
     size = size_factors(profiles, backend, spec.n_layers)
     m = constraints.min_layers_per_shard or config.partition.min_layers_per_shard
+    handed = constraints.handed_share
+    if handed is None:  # a lease's share; a stream that drafts takes no lease
+        handed = 0.0 if constraints.draft is not None else 1.0 - 1.0 / LEASE_TOKENS
     return PlanContext(spec, dict(profiles), usable, t, head_t, backend, kv, tuple(sorted(constraints.pins, key=lambda p: p.start)),
                 m, min(constraints.prompt_tokens, max(1, spec.context_length - 1)),  # a prompt the context holds
-                spec.activation_bytes_per_token, constraints.coordinator_s, constraints.coordinator_links, size=size)
+                spec.activation_bytes_per_token, constraints.coordinator_s, constraints.coordinator_links,
+                min(1.0, max(0.0, handed)), size=size)

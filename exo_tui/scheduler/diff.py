@@ -219,7 +219,7 @@ def preview_change(
     if current is not None:
         if all(s.node_id in ps and s.node_id not in failed for s in current.shards):
             now_pr = predict(current.shards, ps, spec, config, constraints.prompt_tokens, constraints.coordinator_s,
-                             constraints.coordinator_links)
+                             constraints.coordinator_links, constraints.handed_share)
             before, sat_before = now_pr.tok_per_s_single, now_pr.tok_per_s_saturated
         else:
             lost = sorted({s.node_id for s in current.shards} & failed | {s.node_id for s in current.shards} - set(ps))

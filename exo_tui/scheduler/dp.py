@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from exo_tui.scheduler.context import TOKEN_BYTES, PlanContext
+from exo_tui.scheduler.context import PlanContext
 from exo_tui.scheduler.order import ring_order
 from exo_tui.scheduler.plan import Pin
 from exo_tui.scheduler.spec import ModelSpec
@@ -160,7 +160,7 @@ def dp_split(
             prev = seq[i - 1] if i > 0 else seq[-1]
             hop_in = ctx.hop(prev, nid) if nseq > 1 else 0.0
             nxt = seq[(i + 1) % nseq]
-            close_s = ctx.hop(nid, seq[0], TOKEN_BYTES) if close else 0.0
+            close_s = ctx.way_back(nid, seq[0]) if close else 0.0
             if mode == "max" or cap is not None:
                 stage = compute + ctx.hop(nid, nxt)
                 stage[L] += close_s - ctx.hop(nid, nxt)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.context import MEMORY_HEADROOM, TOKEN_BYTES, InfeasiblePlan, PlanContext, gb, ms_text
+from exo_tui.scheduler.context import MEMORY_HEADROOM, InfeasiblePlan, PlanContext, gb, ms_text
 from exo_tui.scheduler.plan import Pin, Predictions
 from exo_tui.scheduler.profile import DeviceProfile
 
@@ -158,7 +158,7 @@ def plan_reasons(
         d_compute = m * (ctx.t[n] - ctx.t[slowest_used])
         k = len(used)
         if k == 1:
-            d_hop = ctx.hop(used[0], n) + ctx.hop(n, used[0], TOKEN_BYTES)
+            d_hop = ctx.hop(used[0], n) + ctx.way_back(n, used[0]) - ctx.way_back(used[0], used[0])
         else:
             d_hop = min(ctx.hop(used[i], n) + ctx.hop(n, used[(i + 1) % k]) - ctx.hop(used[i], used[(i + 1) % k])
                         for i in range(k))

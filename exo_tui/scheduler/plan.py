@@ -160,6 +160,9 @@ class Pin:
             raise ValueError(f"pin {text!r} is not NODE:START-END (layers START..END-1), e.g. studio:0-40") from exc
 
 
+LEASE_TOKENS = 16  # a hand-off lease's steps: the one the coordinator sends and those the ring runs on its own
+
+
 @dataclass(frozen=True)
 class Constraints:
     """What the operator imposes on a plan."""
@@ -179,6 +182,11 @@ class Constraints:
     # to the first stage and the last stage's back are added to ``coordinator_s`` (a node not
     # measured that way: its other way's, else the median of those measured).
     coordinator_links: tuple[tuple[str, str, float], ...] = ()
+    # The share of decode tokens the last stage hands straight to the first (the hand-off: the
+    # coordinator, told in parallel, is not on their way), measured; the rest go by the coordinator
+    # (a lease's first step, a stream that drafts). None: a lease's share (1 - 1/LEASE_TOKENS),
+    # none where the plan has a draft (a stream that drafts takes no lease).
+    handed_share: float | None = None
 
 
 @dataclass(frozen=True)

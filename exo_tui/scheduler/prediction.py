@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from exo_tui.config import SchedulerConfig
-from exo_tui.scheduler.context import TOKEN_BYTES, PlanContext, make_context
+from exo_tui.scheduler.context import PlanContext, make_context
 from exo_tui.scheduler.dp import layer_weight_prefix
 from exo_tui.scheduler.plan import Constraints, NodePrediction, PlanShard, Predictions
 from exo_tui.scheduler.profile import DeviceProfile
@@ -33,13 +33,16 @@ def predict(
     prompt_tokens: int = 512,
     coordinator_s: float | None = None,
     coordinator_links: tuple[tuple[str, str, float], ...] = (),
+    handed_share: float | None = None,
 ) -> Predictions:
     """The predictions of a ring of shards (in order) on these profiles; ``coordinator_s`` and
     ``coordinator_links``: the coordinator's measured share of a token and its links
-    (:attr:`Constraints.coordinator_s`)."""
+    (:attr:`Constraints.coordinator_s`); ``handed_share``: the tokens the last stage hands to the
+    first (:attr:`Constraints.handed_share`)."""
     config = config or SchedulerConfig()
     ctx = make_context(profiles, spec, config, Constraints(prompt_tokens=prompt_tokens, coordinator_s=coordinator_s,
-                                                           coordinator_links=coordinator_links))
+                                                           coordinator_links=coordinator_links,
+                                                           handed_share=handed_share))
     return predict_shards(ctx, [(s.node_id, s.start, s.end) if isinstance(s, PlanShard) else (s[0], s[1], s[2]) for s in shards])
 
 
@@ -58,12 +61,8 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
         compute = ctx.compute_s(nid, s, e, W)
         if i < n - 1:
             hop = ctx.hop(nid, shards[i + 1][0])
-        elif ctx.coordinator_s is not None:  # measured: the token's way back by the coordinator
-            hop = ctx.coordinator_hop(shards[0][0], nid) or 0.0
-        elif n == 1:
-            hop = 0.0
-        else:
-            hop = ctx.hop(nid, shards[0][0], TOKEN_BYTES)
+        else:  # the token's way back: handed on to the first stage, or by the coordinator
+            hop = ctx.way_back(nid, shards[0][0])
         prefill = p.prefill_s(spec, ctx.backend[nid]) * P * w + (ctx.head_t[nid] if e == L else 0.0)
         prefill_hop = ctx.hop(nid, shards[i + 1][0], ctx.act_bytes * P) if i < n - 1 else 0.0
         decode += compute + hop

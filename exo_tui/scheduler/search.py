@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from exo_tui.scheduler.context import TOKEN_BYTES, PlanContext
+from exo_tui.scheduler.context import PlanContext
 from exo_tui.scheduler.dp import dp_split, layer_weight_prefix, uniform_layers
 
 LOCAL_SEARCH_MAX_NODES = 12  # clusters this small also get the local search below
@@ -122,6 +122,6 @@ def _dp_stage_cap(ctx: PlanContext, seq: Sequence[str], bound: Sequence[tuple[st
             stage = compute
         else:
             i = seq.index(nid)
-            stage = compute + (ctx.hop(nid, seq[0], TOKEN_BYTES) if e == L else ctx.hop(nid, seq[(i + 1) % n]))
+            stage = compute + (ctx.way_back(nid, seq[0]) if e == L else ctx.hop(nid, seq[(i + 1) % n]))
         worst = max(worst, stage)
     return worst * (1 + 1e-9) + 1e-15

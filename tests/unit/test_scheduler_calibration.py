@@ -22,6 +22,7 @@ from exo_tui.scheduler.calibration import (
     prediction_gap,
     shard_layer_units,
 )
+from exo_tui.scheduler.plan import LEASE_TOKENS
 
 SPEC = synthetic_spec("1b", context_length=1024)
 
@@ -45,7 +46,8 @@ def test_a_measured_slow_node_loses_its_layers_and_the_prediction_is_the_measure
     assert a.benchmark_score == pytest.approx(nodes[0].benchmark_score / 10)  # re-scored by the same ratio
     again = predict(plan.shards, {p.node_id: p for p in calibrated}, SPEC, coordinator_s=0.002)
     units = shard_layer_units(SPEC, 0, SPEC.n_layers)
-    assert again.decode_s_per_token == pytest.approx(units * 10e-3 + 0.002)
+    # one node hands its tokens to itself: the coordinator's 2 ms on the lease's step it sends
+    assert again.decode_s_per_token == pytest.approx(units * 10e-3 + 0.002 / LEASE_TOKENS)
     moved = make_plan(calibrated, SPEC, "latency", measured_constraints(Constraints(), measured), now=0.0, current=plan)
     assert moved.node_ids == ("b",)
 
@@ -146,14 +148,16 @@ def test_a_cpu_quota_bounds_a_token_and_nodes_of_one_host_share_its_cores() -> N
 
 
 def test_the_token_way_back_counts_the_coordinators_links_to_the_plans_first_and_last_stage() -> None:
-    """Measured on a ring a -> b: the coordinator's own 1 ms, 0.5 ms to a, 10 ms back from b
-    (behind a slow link). A plan of b alone pays b's link both ways; of a alone, a's."""
+    """Measured on a ring a -> b that drafts (the coordinator sends every step): the coordinator's
+    own 1 ms, 0.5 ms to a, 10 ms back from b (behind a slow link). A plan of b alone pays b's link
+    both ways; of a alone, a's."""
     ms = {("coordinator", "a"): 0.0005, ("b", "coordinator"): 0.010}
-    measured = Measurements({}, {k: LinkMeasure(v, 8, 5) for k, v in ms.items()}, 0.001)
+    measured = Measurements({}, {k: LinkMeasure(v, 8, 5) for k, v in ms.items()}, 0.001, handed_share=0.0)
     c = measured_constraints(Constraints(), measured)
     nodes = {p.node_id: p for p in (_node("a"), _node("b"))}
     alone = {n: predict([(n, 0, SPEC.n_layers)], nodes, SPEC, coordinator_s=c.coordinator_s,
-                        coordinator_links=c.coordinator_links).decode_s_per_token for n in "ab"}
+                        coordinator_links=c.coordinator_links, handed_share=c.handed_share).decode_s_per_token
+             for n in "ab"}
     assert alone["b"] - alone["a"] == pytest.approx(0.020 - 0.001)
 
 
