@@ -11,7 +11,11 @@ head's time, once the node was also measured without it or with it on shards of 
 (SmolLM2's head is 13.6 layers' bytes and takes about 5 layers' time on ONNX: counted by its bytes,
 the node holding it looked twice as fast as it was). The links and the coordinator take what the
 round trip leaves (:func:`~exo_tui.cluster.metrics.split_token`), so the parts add up to the token;
-they, and the token, count only while one request runs (a batch's round trip is shared). The figures
+they, and the token, count only while one request runs (a batch's round trip is shared). A link
+between two nodes is also timed on the steps of many rows (a prompt's, a verify step's: their
+hidden states are that many times a decode token's bytes), and its bandwidth is fitted from those
+against the decode steps' (:func:`~exo_tui.scheduler.calibration.fit_link`; the probe's holds where
+the sizes do not separate latency and bandwidth). The figures
 are means over the last :data:`WINDOW_S` seconds, so a node that slows down (other work, a CPU
 quota, heat, a battery) is seen within seconds; a figure no longer measured (the node holds no
 layers, or another shard, or the load moved) is kept for :data:`KEEP_S`, after which its start-up
@@ -31,6 +35,7 @@ from exo_tui.scheduler.calibration import (
     LinkMeasure,
     Measurements,
     NodeMeasure,
+    fit_link,
     head_bytes_layers,
     load_bucket,
     shard_layer_units,
@@ -45,6 +50,7 @@ MIN_BUSY = 0.05  # a node's CPU a second of runs is measured over heartbeats it 
 QUOTA_HELD = 0.8  # ... and used less than this share of its CPU quota
 CPU_SAMPLES = 3  # heartbeats the figure needs in the window
 HEAD_FIT_LAYERS = 4.0
+SIZED_MAX = 64  # a link's hops on steps of many rows kept (for KEEP_S) to fit its bandwidth
 HEAD_NEAR_LAYERS = 4.0  # the head from the same node without it: on about as many layers  # a head found from two shards with it: their layers this far apart
 
 
@@ -124,6 +130,9 @@ class Calibrator:
         self.head: dict[tuple[str, Bucket, float], _Series] = defaultdict(_Series)  # by its layers
         self.prefill: dict[tuple[str, Bucket], _Series] = defaultdict(_Series)
         self.links: dict[tuple[str, str], _Series] = defaultdict(_Series)
+        # a link between two nodes on steps of many rows: (time, bytes, seconds), for its bandwidth
+        self.sized: dict[tuple[str, str], deque[tuple[float, float, float]]] = defaultdict(
+            lambda: deque(maxlen=SIZED_MAX))
         self.coordinator = _Series()  # its share of a token, on the steps it sends
         self.handed = _Series()  # 1 for a decode token handed from the last node to the first, else 0
         self.token = _Series()  # a decode token's whole time (the ring and the coordinator)
@@ -166,12 +175,17 @@ class Calibrator:
         one token's, so not counted)."""
         if spec is None or ring is None or sample.plan_version != ring.version or not sample.hops:
             return
-        if answering and sample.rows != 1:
-            return
         entries = {e.node_id: e for e in ring.ring}
         if [h.node_id for h in sample.hops] != [e.node_id for e in ring.ring]:
             return
         now = self.clock()
+        if sample.rows != 1 and running == 1 and act_bytes > 0:  # a link's time on many rows' bytes
+            links = split_token(sample, now).links
+            for pair in zip((h.node_id for h in sample.hops), (h.node_id for h in sample.hops[1:]), strict=False):
+                if pair in links:
+                    self.sized[pair].append((now, float(sample.rows * act_bytes), links[pair]))
+        if answering and sample.rows != 1:
+            return
         bucket = load_bucket(max(1, running), sample.context)
         self.head_prior = head_bytes_layers(spec)
         for h in sample.hops:
@@ -232,12 +246,23 @@ class Calibrator:
         for link, series in self.links.items():
             got = series.mean(now)
             if got is not None:
-                links[link] = LinkMeasure(got[0], float(self.act_bytes), got[1])
+                links[link] = LinkMeasure(got[0], float(self.act_bytes), got[1], self._bandwidth(link, got[0], now))
         coord = self.coordinator.mean(now)
         cpu = {nid: got[0] for nid, s in self.cpu.items() if (got := s.mean(now, CPU_SAMPLES)) is not None}
         handed = self.handed.mean(now)
         return Measurements({}, links, coord[0] if coord else None, dict(by_load), cpu,
                             handed[0] if handed else None).at(*self.load)
+
+    def _bandwidth(self, link: tuple[str, str], mean_s: float, now: float) -> float | None:
+        """``link``'s bandwidth fitted from its hops on steps of many rows (of the last
+        :data:`KEEP_S`) against its decode hops (the window's, else their kept mean)."""
+        sized = self.sized.get(link)
+        while sized and sized[0][0] < now - KEEP_S:
+            sized.popleft()
+        if not sized:
+            return None
+        small = [(float(self.act_bytes), v) for _, v in self.links[link].items] or [(float(self.act_bytes), mean_s)]
+        return fit_link(small, ((n, s) for _, n, s in sized))
 
     def measured_tok_per_s(self, plan_version: int | None) -> tuple[float, int] | None:
         """One stream's measured tokens/s on plan ``plan_version`` over the window, and the tokens

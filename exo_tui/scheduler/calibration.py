@@ -12,6 +12,8 @@ and hands the figures in as values; nothing here reads a clock or a socket.
   together) and context length (:func:`load_bucket`), since a step's time grows with both;
   :meth:`Measurements.at` picks a load's, the nearest bucket measured where its own is not;
 * :class:`LinkMeasure` — the time a decode token's hidden state spent on a link, and its bytes;
+  and the link's bandwidth where steps of different sizes crossed it (:func:`fit_link`: a prompt's
+  or a verify step's rows against a decode step's one);
 * :class:`Measurements` — those, with the coordinator's share of a token on the steps it sends (its
   own time between a token and the next step, and its links to the first and from the last stage)
   and the share of tokens the last stage handed straight to the first (the hand-off).
@@ -93,6 +95,30 @@ class LinkMeasure:
     hop_s: float  # mean time a decode token's hidden state spent on the link
     nbytes: float  # what it carried
     samples: int = 0
+    bandwidth_bytes_per_s: float | None = None  # learned from steps of different sizes (None: the probe's)
+
+
+FIT_SPREAD = 4.0  # a link's bandwidth is fitted from steps at least this many times a decode step's bytes
+FIT_MIN = 2  # ... and at least this many of them
+
+
+def fit_link(small: Iterable[tuple[float, float]], big: Iterable[tuple[float, float]]) -> float | None:
+    """A link's bandwidth (bytes/s) from its hops: ``small``, (bytes, seconds) of one-row steps
+    (decode), and ``big``, of steps of many rows (a prompt's, a verify step's). A hop takes
+    latency + bytes / bandwidth; anchored at the small steps' median, the bandwidth is the inverse
+    of the median slope to each big step at least :data:`FIT_SPREAD` times their bytes (robust to a
+    stray hop either way). None where the sizes do not separate the two (too few big steps, or big
+    steps no slower than small ones): the probe's bandwidth holds."""
+    small = list(small)
+    if not small:
+        return None
+    x0 = statistics.median(x for x, _ in small)
+    y0 = statistics.median(y for _, y in small)
+    slopes = [(y - y0) / (x - x0) for x, y in big if x >= FIT_SPREAD * x0 and x > x0]
+    if len(slopes) < FIT_MIN:
+        return None
+    slope = statistics.median(slopes)
+    return 1.0 / slope if slope > 0 else None
 
 
 @dataclass(frozen=True)
@@ -128,8 +154,9 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
     so ``load_factor`` is 0, and the memory-bandwidth floor is not applied (``calibrated``). The
     score's performance figure moves by the same ratio: the node is re-scored.
     The head's measured time (in the node's layers) replaces its bytes' estimate. Prefill, where
-    not measured, keeps the start-up ratio of prefill to decode. A measured link
-    keeps its probed bandwidth; its latency is what the hop took beyond the bytes' time. A link
+    not measured, keeps the start-up ratio of prefill to decode. A measured link takes its
+    learned bandwidth (:func:`fit_link`), else keeps its probed one; its latency is what the decode
+    hop took beyond the bytes' time at that bandwidth. A link
     between two nodes that the ring has not measured takes its probe's time plus what the measured
     hops took beyond their probes' (:func:`hop_software_s`): a hop's frame is encoded, sent through
     TLS and decoded by both nodes' software, which a ping does not show (1.3-1.5 ms a hop on the
@@ -158,8 +185,9 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
             if a != p.node_id or b == COORDINATOR or lm.samples <= 0:
                 continue
             known = p.link_to(b)
-            latency = max(0.0, lm.hop_s - lm.nbytes / max(known.bandwidth_bytes_per_s, 1.0))
-            links[b] = Link(latency, known.bandwidth_bytes_per_s, known.loss)
+            bandwidth = lm.bandwidth_bytes_per_s or known.bandwidth_bytes_per_s
+            latency = max(0.0, lm.hop_s - lm.nbytes / max(bandwidth, 1.0))
+            links[b] = Link(latency, bandwidth, known.loss)
         for b in by_id:
             if software_s and b != p.node_id and (p.node_id, b) not in measured.links:
                 known = p.link_to(b)

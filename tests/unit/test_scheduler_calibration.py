@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,7 @@ from exo_tui.scheduler.calibration import (
     Measurements,
     NodeMeasure,
     calibrate,
+    fit_link,
     follow,
     measured_constraints,
     prediction_gap,
@@ -61,6 +64,52 @@ def test_a_measured_link_keeps_its_bandwidth_and_the_others_take_its_software_ti
     # b -> a, not measured: its probe and what the measured hop took beyond its own (the software's)
     assert b.link_to("a").latency_s == pytest.approx(0.001 + 0.021 - nodes[0].link_to("b").hop_s(hop.nbytes))
     assert predict([("a", 0, 8), ("b", 8, SPEC.n_layers)], {"a": a, "b": b}, SPEC).node("a").hop_s >= 0.021
+
+
+def _link_step(c: Calibrator, ring: RingPlan, rows: int, link_s: float) -> None:
+    """A step of ``rows`` rows around a->b whose hop a->b took ``link_s`` (1 ms each way to the coordinator)."""
+    out_a = 0.001 + 0.004 * rows
+    hops = (HopTiming("a", 0.0, out_a - 0.001, 0.001, out_a), HopTiming("b", 0.0, 0.004 * rows, out_a + link_s,
+                                                                        out_a + link_s + 0.004 * rows))
+    recv = hops[1].out_wall + 0.001
+    c.step(StepSample("r", ring.version, rows, 0.0, recv, recv, None, hops, 100), ring, SPEC, 1,
+           SPEC.activation_bytes_per_token)
+
+
+def test_a_link_slow_for_big_steps_learns_its_bandwidth_and_predicts_a_slower_prefill() -> None:
+    """a->b: 2 ms a hop and 10 MB/s (its probe: 1 ms, 1 GB/s). Decode steps alone cannot tell the
+    bandwidth (the probe's holds); with prompts' steps of 64 rows it is learned, and the prefill's
+    hop is predicted at it, the decode token as measured."""
+    t, act, bw = [0.0], SPEC.activation_bytes_per_token, 1e7
+    c = Calibrator(clock=lambda: t[0])
+    ring = _ring(1, ("a", 0, 8), ("b", 8, SPEC.n_layers))
+    for _ in range(10):
+        t[0] += 0.1
+        _link_step(c, ring, 1, 0.002 + act / bw)
+    assert c.measurements().links[("a", "b")].bandwidth_bytes_per_s is None  # one size: the probe's
+    for i in range(3):
+        t[0] += 0.1
+        _link_step(c, ring, 64, 0.002 + 64 * act / bw * (1.0 + 0.02 * i))
+    lm = c.measurements().links[("a", "b")]
+    assert lm.bandwidth_bytes_per_s == pytest.approx(bw, rel=0.03)
+    nodes = [_node("a"), _node("b")]
+    shards = [("a", 0, 8), ("b", 8, SPEC.n_layers)]
+    probed = {p.node_id: p for p in calibrate(nodes, SPEC, Measurements({}, {("a", "b"): replace(lm, bandwidth_bytes_per_s=None)}))}
+    learned = {p.node_id: p for p in calibrate(nodes, SPEC, Measurements({}, {("a", "b"): lm}))}
+    assert learned["a"].link_to("b").latency_s == pytest.approx(0.002, rel=0.05)
+    before, after = predict(shards, probed, SPEC, prompt_tokens=256), predict(shards, learned, SPEC, prompt_tokens=256)
+    assert after.node("a").hop_s == pytest.approx(before.node("a").hop_s)  # a decode token: as measured
+    assert after.ttft_s - before.ttft_s == pytest.approx(256 * act / bw - 256 * act / 1e9, rel=0.05)
+
+
+def test_a_link_fit_needs_big_steps_that_are_slower() -> None:
+    small = [(100.0, 0.002)] * 5
+    assert fit_link(small, [(6400.0, 0.0021)] * 3) == pytest.approx(6300 / 0.0001)
+    assert fit_link(small, [(6400.0, 0.0019)] * 3) is None  # no slower: the probe's
+    assert fit_link(small, [(200.0, 0.01)] * 3) is None  # too close in size to separate the two
+    assert fit_link(small, [(6400.0, 0.0021)]) is None  # one big step: too few
+    # a stray hop either way moves the median slope little
+    assert fit_link(small, [(6400.0, 0.0021), (6400.0, 0.5), (6400.0, 0.00211)]) == pytest.approx(6300 / 0.00011)
 
 
 def test_the_gap_is_measured_over_predicted() -> None:
