@@ -395,10 +395,14 @@ def test_a_prediction_is_drafted_and_its_accepted_tokens_counted(client: openai.
     counts = same.model_extra["speculation"]  # the extension: every source's drafts
     assert counts["accepted_tokens"] >= details.accepted_prediction_tokens and counts["verify_steps"] > 0
     assert plain.model_extra.get("speculation") is None  # nothing drafted
+    # an edited prediction, with k fixed: auto may stop drafting it after its first rejections
+    # (its measured acceptance and the plan's measured step costs decide), and then no draft is
+    # rejected at all
     edited = text.replace("a", "e")
     stream = client.chat.completions.create(model="smollm2-135m", messages=COPY, temperature=0, max_tokens=40,
                                             prediction={"type": "content", "content": [{"type": "text", "text": edited}]},
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"speculative": 4})
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     usage = chunks[-1].usage.completion_tokens_details
