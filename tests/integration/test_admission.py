@@ -29,8 +29,8 @@ import pytest
 
 from exo_tui.api.server import ApiServer
 from exo_tui.cluster.coordinator import Coordinator
-from exo_tui.cluster.local_nodes import free_port
 from tests.factory import write_tiny_llama
+from tests.helpers.sshd import free_port
 from tests.integration.cluster_helpers import cluster_config, node_processes
 
 pytestmark = pytest.mark.slow

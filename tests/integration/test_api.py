@@ -21,10 +21,10 @@ import pytest
 
 from exo_tui.api.server import ApiServer
 from exo_tui.cluster.coordinator import Coordinator
-from exo_tui.cluster.local_nodes import free_port
 from exo_tui.inference.local import LocalPipeline, even_split
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams
+from tests.helpers.sshd import free_port
 from tests.integration.cluster_helpers import cluster_config, node_processes
 
 pytestmark = pytest.mark.slow

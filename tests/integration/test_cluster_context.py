@@ -15,11 +15,11 @@ import openai
 import pytest
 
 from exo_tui.api.server import ApiServer
-from exo_tui.cluster.local_nodes import free_port
 from exo_tui.config import DEFAULT_CONTEXT
 from exo_tui.inference.generate import GenerationError
 from exo_tui.models.gguf_file import GGUFModel
 from tests.factory import write_tiny_llama
+from tests.helpers.sshd import free_port
 from tests.integration.cluster_helpers import cluster_config, coordinator, node_processes, reference_answer
 
 pytestmark = pytest.mark.slow

@@ -50,7 +50,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exo_tui.cluster.local_nodes import READY_LINE, free_port
+from exo_tui.cluster.local_nodes import READY_LINE
 from exo_tui.commands.serve import READY_PREFIX
 from exo_tui.net.client import connect, open_authenticated
 from exo_tui.net.errors import HandshakeError
@@ -58,6 +58,7 @@ from exo_tui.net.frame import PROTOCOL_VERSION, Frame, decode_frame, frame_bytes
 from exo_tui.net.security import _make_ca, ensure_cluster, load_chain, write_node_bundle
 from tests.factory import write_tiny_llama
 from tests.helpers.benchmarks import share_benchmarks
+from tests.helpers.sshd import free_port
 from tests.helpers.wire import raw_frame, read_to_eof
 
 pytestmark = pytest.mark.slow

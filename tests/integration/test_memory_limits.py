@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exo_tui.cluster.local_nodes import free_port
 from exo_tui.commands.serve import READY_PREFIX
 from tests.helpers.benchmarks import share_benchmarks
+from tests.helpers.sshd import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ import ollama
 import openai
 import pytest
 
-from exo_tui.cluster.local_nodes import free_port
 from exo_tui.cluster.view import Command
 from exo_tui.commands.serve import READY_PREFIX
 from tests.helpers.benchmarks import share_benchmarks
+from tests.helpers.sshd import free_port
 from tests.model_store import Store, build_store
 
 pytestmark = pytest.mark.slow

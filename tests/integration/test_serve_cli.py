@@ -23,10 +23,10 @@ import httpx
 import psutil
 import pytest
 
-from exo_tui.cluster.local_nodes import free_port
 from exo_tui.commands.serve import READY_PREFIX
 from tests.factory import write_tiny_llama
 from tests.helpers.benchmarks import share_benchmarks
+from tests.helpers.sshd import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ import httpx
 import ollama
 import pytest
 
-from exo_tui.cluster.local_nodes import free_port
 from exo_tui.commands.serve import READY_PREFIX
+from tests.helpers.sshd import free_port
 
 pytestmark = pytest.mark.slow
 
