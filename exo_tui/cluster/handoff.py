@@ -21,9 +21,7 @@ class Leases:
     halt_on: Callable[[], frozenset[int]]
     _cached: dict[str, Cached]
     _leases: dict[str, Lease]
-
-    def _abandon(self, sent: Sent) -> None:
-        raise NotImplementedError
+    _abandon: Callable[[Sent], None]  # the pipeline's: a sent step is no longer waited for
 
     def _lease_token(self, rid: str, lease: Lease, step: int, token: int, hops: tuple[HopTiming, ...] | None) -> None:
         """A lease's token came: the ring's caches hold its position, and it ran its next step
