@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -310,10 +311,18 @@ class Shard(abc.ABC):
         """
 
     def forward_batch(
-        self, items: list[tuple[str, np.ndarray, np.ndarray]]
+        self, items: list[tuple[str, np.ndarray, np.ndarray]], all_logits: Collection[int] = ()
     ) -> list[np.ndarray]:
-        """``forward`` for several requests at once; backends may fuse decode steps."""
-        return [self.forward(rid, x, pos) for rid, x, pos in items]
+        """``forward`` for several requests at once; backends may fuse decode steps. The items
+        whose index is in ``all_logits`` give every row's logits (``forward``'s ``all_logits``)."""
+        return [self.forward(rid, x, pos, all_logits=i in all_logits) for i, (rid, x, pos) in enumerate(items)]
+
+    @property
+    def verifies_in_batch(self) -> bool:
+        """Whether a verify step on the last shard runs in ``forward_batch`` beside other requests'
+        steps (its rows in their pass over the weights, every row's logits asked for) rather than
+        alone through :meth:`forward_rows`. Here: alone."""
+        return False
 
     def forward_rows(self, request_id: str, x: np.ndarray, positions: np.ndarray) -> HeadRows:
         """``forward`` of a verify step on the last shard: every row runs through the layers (and

@@ -21,7 +21,7 @@ chosen expert once on its rows), attention per request over its own cache.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,7 +185,8 @@ class MLXShard(Shard):
 
         return HeadRows(t, head, 1 if on_cpu() else t)
 
-    def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]],
+                      all_logits: Collection[int] = ()) -> list[np.ndarray]:
         """Decode steps (one token each) of several requests run as one batch: each matmul runs
         once for all of them; a step of several rows among them runs alone. A bad item fails the whole call
         before any cache changes."""
@@ -197,9 +198,10 @@ class MLXShard(Shard):
                 for rid, x, p in items:  # every item checked before any cache changes
                     self._begin(rid, x, p)
                 batched = dict(zip(single, self.forward_batch([items[i] for i in single]), strict=True))
-                return [batched[i] if i in batched else self.forward(*items[i]) for i in range(len(items))]
+                return [batched[i] if i in batched else self.forward(*items[i], all_logits=i in all_logits)
+                        for i in range(len(items))]
         if len(items) < 2 or any(p.shape != (1,) for _, _, p in items) or len({r for r, _, _ in items}) < len(items):
-            return super().forward_batch(items)
+            return super().forward_batch(items, all_logits)
         with self._lock:
             self._check_open()
             cached = [self._begin(rid, x, p) for rid, x, p in items]

@@ -12,7 +12,9 @@ That layout is what lets several requests decode in one run (``forward_batch``):
 one batch, at its own position (``seqlens_k`` per row), and every weight matrix is read once for
 all of them. On exo-tui's ``Attention`` the whole pool is bound and a ``slots`` input names each
 row's slot, so a batch is any set of a pool's requests: requests that ended (or whose caches are
-kept for a next turn) leave holes between the live ones, and those cost nothing. On
+kept for a next turn) leave holes between the live ones, and those cost nothing; a verify step
+(a stream's last token and its drafts) is as many rows sharing its slot (:data:`FOLD_ROWS`), so it
+shares the other streams' pass over the weights. On
 ``GroupQueryAttention`` (row b is slot b) a run covers a contiguous range of slots instead, and a
 slot inside it whose request is not in the batch rides along as a padding row: it writes one junk
 position just past its cache's end, which its next real step overwrites. So a slot always keeps
@@ -35,13 +37,13 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
-from backends.base import BackendError, KVCache, ModelConfig, Shard, validate_forward_input
+from backends.base import MAX_DRAFT, BackendError, KVCache, ModelConfig, Shard, validate_forward_input
 from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph, shared_form
@@ -63,14 +65,27 @@ of 1 / 4 / 8 / 16 rows takes 2.8 / 4.1 / 5.9 / 10.8 ms batched at the int16 prec
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
 
 
+FOLD_ROWS = MAX_DRAFT + 1
+"""A step of up to this many tokens (a verify step: the last accepted token and its drafts) joins a
+batch on the kernel as that many one-token rows sharing its request's cache slot, at consecutive
+positions (``Attention`` writes every row's keys before any row attends, so each sees the cache and
+the rows before it): its pass over the weights is the other requests' decode steps' pass."""
+
+
 @dataclass
 class _Step:
-    """One request's single-token step inside ``forward_batch``: ``index`` is its place in the batch."""
+    """One request's step inside ``forward_batch``, of one token or (on the kernel) a few run as
+    rows of the batch: ``index`` is its place in the batch, ``cached`` its positions before."""
 
     index: int
     rid: str
     entry: CacheEntry
-    hidden: np.ndarray  # (1, hidden)
+    hidden: np.ndarray  # (T, hidden)
+    cached: int
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
 
 
 @dataclass
@@ -291,10 +306,17 @@ class ONNXShard(Shard):
                 raise
             return np.concatenate(outs)
 
-    def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    @property
+    def verifies_in_batch(self) -> bool:
+        return self._slot_map
+
+    def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]],
+                      all_logits: Collection[int] = ()) -> list[np.ndarray]:
         """``forward`` for several requests: their single-token steps run as batched runs (rows of
-        one ``session.run`` per range of neighbouring slots), longer ones alone. All items are
-        checked before any cache changes."""
+        one ``session.run`` per range of neighbouring slots); on the kernel a step of up to
+        :data:`FOLD_ROWS` tokens joins the batch as that many rows (on the last shard, where it
+        asks for ``all_logits``: a verify step), longer ones run alone. All items are checked
+        before any cache changes."""
         with self._lock:
             self._check_open()
             seen: set[str] = set()
@@ -306,28 +328,43 @@ class ONNXShard(Shard):
                 x, positions = np.asarray(x), np.asarray(positions)
                 prepared.append((rid, x, positions, self._validate(rid, x, positions)))
             results: list[np.ndarray | None] = [None] * len(items)
+            alone = [i for i, (_, _, p, cached) in enumerate(prepared)
+                     if p.shape[0] != 1 and not self._joins(cached, p.shape[0], i in all_logits)]
+            for i in alone:
+                rid, x, positions, _ = prepared[i]
+                results[i] = self.forward(rid, x, positions, all_logits=i in all_logits)
             steps: list[_Step] = []
             for i, (rid, x, positions, cached) in enumerate(prepared):
-                if positions.shape[0] != 1:
-                    results[i] = self.forward(rid, x, positions)
+                if results[i] is not None:
                     continue
                 new = rid not in self.kv.caches
                 try:
-                    entry = self.kv.with_room(rid, cached + 1)
+                    entry = self.kv.with_room(rid, cached + positions.shape[0])
                 except Exception:
                     if new:
                         self.kv.release(rid)
                     raise
-                steps.append(_Step(i, rid, entry, self._hidden(x)))
+                steps.append(_Step(i, rid, entry, self._hidden(x), cached))
             steps.sort(key=lambda step: step.entry.slot)  # all in the one pool
             runs = [steps] if self._slot_map else self._runs(steps)
             for run in filter(None, runs):
-                for i, out in self._run_rows(run) if len(run) >= MIN_BATCH else self._run_each(run):
+                rows = sum(step.rows for step in run)
+                for i, out in self._run_rows(run) if rows >= MIN_BATCH else self._run_each(run):
                     results[i] = out
             done = [r for r in results if r is not None]
             if len(done) != len(results):
                 raise BackendError("a batch step gave no output for some of its items")
             return done
+
+    def _joins(self, cached: int, t: int, all_logits: bool) -> bool:
+        """Whether a step of ``t`` tokens after ``cached`` runs as rows of a batch (else alone): on
+        the kernel, up to :data:`FOLD_ROWS` of them, on the last shard only where every row's
+        logits are wanted, and on a ring only where its last key does not overwrite one its first
+        query sees (the kernel's rule)."""
+        if not self._slot_map or t > FOLD_ROWS or (self.is_last and not all_logits):
+            return False
+        r = self.rings
+        return not r.n_ring or cached + t - 1 - r.size < max(0, cached - r.window + 1)
 
     def _runs(self, group: list[_Step]) -> list[list[_Step]]:
         """Splits one pool's steps (sorted by slot) into ranges worth running as one batch: a gap
@@ -348,23 +385,29 @@ class ONNXShard(Shard):
         return runs
 
     def _run_each(self, run: list[_Step]) -> list[tuple[int, np.ndarray]]:
-        return [(step.index, self._run(step.rid, step.hidden, step.entry.length, False)) for step in run]
+        return [(step.index, self._run(step.rid, step.hidden, step.cached, False)) for step in run]
 
     def _run_rows(self, run: list[_Step]) -> list[tuple[int, np.ndarray]]:
-        """One ``session.run`` of single-token steps of one pool: any of its requests on
-        ``Attention``; on ``GroupQueryAttention`` neighbouring slots, where slots of the range not
-        in ``run`` are padding rows (their one junk position is overwritten later)."""
-        c = self.config
+        """One ``session.run`` of the steps of one pool, a token a row: on ``Attention`` any of its
+        requests, a step of several tokens as that many rows of its slot at consecutive positions;
+        on ``GroupQueryAttention`` single tokens of neighbouring slots, where slots of the range
+        not in ``run`` are padding rows (their one junk position is overwritten later)."""
         pool = run[0].entry.pool
+        first: list[int] = []  # each step's first row
         if self._slot_map:
-            slots = np.array([step.entry.slot for step in run], np.int32)
+            slots = np.concatenate([np.full(step.rows, step.entry.slot, np.int32) for step in run])
+            seqlens = np.concatenate([step.cached + np.arange(step.rows, dtype=np.int32) for step in run])
+            hidden = np.concatenate([step.hidden for step in run])[:, None, :]
+            first = np.cumsum([0] + [step.rows for step in run[:-1]]).tolist()
         else:
             slots = np.arange(run[0].entry.slot, run[-1].entry.slot + 1, dtype=np.int32)
-        row = {int(s): i for i, s in enumerate(slots)}
-        seqlens = np.array([self.kv.caches[o].length if (o := pool.owners[s]) is not None else 0 for s in slots], np.int32)
-        hidden = np.zeros((len(slots), 1, c.hidden_size), np.float32)
-        for step in run:
-            hidden[row[step.entry.slot], 0] = step.hidden[0]
+            row = {int(s): i for i, s in enumerate(slots)}
+            seqlens = np.array([self.kv.caches[o].length if (o := pool.owners[s]) is not None else 0 for s in slots],
+                               np.int32)
+            hidden = np.zeros((len(slots), 1, self.config.hidden_size), np.float32)
+            for step in run:
+                hidden[row[step.entry.slot], 0] = step.hidden[0]
+                first.append(row[step.entry.slot])
         try:
             out = self._session_run(pool, slots, hidden, seqlens, rows=1)
         except Exception as exc:
@@ -375,8 +418,8 @@ class ONNXShard(Shard):
                 f"ONNX Runtime failed on layers [{self.start}, {self.end}) for a batch of {len(run)} requests ({exc})"
             ) from exc
         for step in run:
-            step.entry.length += 1
-        return [(step.index, out[row[step.entry.slot]]) for step in run]
+            step.entry.length = step.cached + step.rows
+        return [(step.index, out[a : a + step.rows, 0]) for step, a in zip(run, first, strict=True)]
 
     def _session_run(
         self, pool: PoolArrays, slots: np.ndarray, hidden: np.ndarray, seqlens: np.ndarray, rows: int

@@ -55,7 +55,7 @@ class GatherPolicy:
 
 class _Queued(Protocol):
     @property
-    def rows(self) -> int: ...
+    def prompt(self) -> bool: ...
 
     @property
     def key(self) -> Key: ...
@@ -68,12 +68,12 @@ S = TypeVar("S", bound=_Queued)
 
 def decodes_first(steps: list[S]) -> tuple[list[S], list[S]]:
     """This run's steps and the next run's. While decode steps of running streams wait, prompts
-    (steps of several positions) not deferred before go to the next run, so a burst of new
-    requests does not hold every running stream for the length of their prompts. A prompt is
-    deferred once: it waits at most one run."""
-    now = [s for s in steps if s.rows <= 1 or s.deferred]
-    fresh = [s for s in steps if s.rows > 1 and not s.deferred]
-    if not fresh or not any(s.rows <= 1 for s in now):  # nothing to defer, or no decode step waits
+    (steps of several positions that are not a verify step's: those decode) not deferred before
+    go to the next run, so a burst of new requests does not hold every running stream for the
+    length of their prompts. A prompt is deferred once: it waits at most one run."""
+    now = [s for s in steps if not s.prompt or s.deferred]
+    fresh = [s for s in steps if s.prompt and not s.deferred]
+    if not fresh or not any(not s.prompt for s in now):  # nothing to defer, or no decode step waits
         return steps, []
     for s in fresh:
         s.deferred = True

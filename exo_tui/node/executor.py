@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from backends.base import BackendError
+from backends.base import BackendError, HeadRows
 from exo_tui.inference.sampling import TokenLogprobs
 from exo_tui.inference.speculative import Verdict
 from exo_tui.net.connection import Connection
@@ -82,6 +82,12 @@ class Step:
         """Positions this step computes: 1 for a decode step, the prompt's length for a prefill."""
         tensor = self.frame.tensor
         return int(np.shape(tensor)[0]) if tensor is not None and np.ndim(tensor) else 1
+
+    @property
+    def prompt(self) -> bool:
+        """A step of several positions other than a verify step's (the last accepted token and
+        its drafts: a stream's decode step, batched as one)."""
+        return self.rows > 1 and self.body.draft is None
 
     @property
     def hop(self) -> int:
@@ -319,19 +325,26 @@ class StepExecutor:
                             shard.drop(rid)
                 x = np.asarray(f.tensor)
                 items.append((rid, x, np.arange(start, start + x.shape[0], dtype=np.int64)))
-            # a prompt to score, and a verify step (its drafts), need every row's logits: each runs on its own
+            # a prompt to score, and a verify step (its drafts), need every row's logits: a prompt
+            # runs on its own, a verify step in the batch where the backend runs it there (its rows
+            # beside the other steps' in one pass over the weights), else alone
             scored = [j for j, i in enumerate(idxs) if shard.is_last and batch[i].body.score is not None]
             verifying = [j for j, i in enumerate(idxs) if shard.is_last and batch[i].body.draft is not None
                          and j not in scored]
             plain = [j for j in range(len(items)) if j not in scored and j not in verifying]
+            if shard.verifies_in_batch and len(plain) + len(verifying) > 1:
+                plain, verifying, every = sorted(plain + verifying), [], set(verifying)
+            else:
+                every = set()
             outs: list[Any] = [None] * len(items)
             scores: dict[int, list[TokenLogprobs]] = {}
             try:
                 if len(plain) == 1:
                     outs[plain[0]] = shard.forward(*items[plain[0]])
                 elif plain:
-                    for j, out in zip(plain, shard.forward_batch([items[j] for j in plain]), strict=True):
-                        outs[j] = out
+                    wanted = [n for n, j in enumerate(plain) if j in every]
+                    for j, out in zip(plain, shard.forward_batch([items[j] for j in plain], wanted), strict=True):
+                        outs[j] = HeadRows.of(out) if j in every else out
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which rebuilds
                 _failed(shard, items, outs, plain, exc)
             for j in verifying:  # the head on the rows the check reads (Shard.forward_rows)

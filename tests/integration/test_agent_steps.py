@@ -238,6 +238,43 @@ async def test_a_batch_stays_whole_on_the_next_hop(cluster: Cluster, tiny_model:
         assert not r.failures
 
 
+async def test_a_verify_step_runs_in_the_pass_of_other_streams_decode_steps(cluster: Cluster, tiny_model: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    """Two streams' decode steps and a third's verify step (its last token and 3 drafts, the last
+    one wrong), sent back to back: each node runs them as one batch in one pass over its layers
+    (on the kernel the verify step's rows are rows of that pass, not deferred as a prompt's nor
+    run alone), and every stream gets its solo tokens: the verify step its 2 right drafts and the
+    token after them."""
+    from backends.onnx import kernels
+
+    if kernels.library() is None:
+        pytest.skip("the verify step's rows join a batch on exo-tui's attention kernel")
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        solo = (await r.prefill(["solo"]))["solo"]
+        for _ in range(DECODE_STEPS):
+            await r.decode_round({"solo": solo})
+        await r.end(["solo"])
+        histories = await r.prefill(["a", "b", "v"])
+        passes: list[str] = []
+        for agent in r.agents:
+            for hosted in agent.executor.started_host.shards.values():
+                shard, run = hosted.shard, hosted.shard._run_bound
+                monkeypatch.setattr(shard, "_run_bound", lambda io, run=run, n=agent.name: (passes.append(n), run(io)))
+        v = histories.pop("v")
+        n = len(v)
+        drafts = [solo[n], solo[n + 1], 0 if solo[n + 2] else 1]
+        for rid, tokens in histories.items():
+            await r.send(rid, tokens, n - 1)
+        await r.send("v", v + drafts, n - 1, step=n - len(PROMPT), n_tokens=n, draft=drafts)
+        assert [await r.token(rid, n - len(PROMPT)) for rid in ("a", "b")] == [solo[n]] * 2
+        assert await r.token("v", n - len(PROMPT)) == solo[n + 2]
+        body = r.bodies["v", n - len(PROMPT)]
+        assert (body["accepted"], body["tokens"]) == (2, solo[n : n + 3])
+        assert sorted(passes) == ["steps-0", "steps-1"], passes  # one pass a node
+        assert [agent.executor.batch_sizes[3] for agent in r.agents] == [1, 1]
+        assert not r.failures
+
+
 async def test_a_prompts_chunks_sent_back_to_back_run_one_a_run_in_order(cluster: Cluster, tiny_model: Path):
     """The coordinator sends a long prompt's chunks without waiting for each to come back: queued
     together at a node (here the first frame announces the others, so the node waits for them),

@@ -209,3 +209,40 @@ async def test_a_cancel_while_the_first_chunk_is_being_stopped_is_not_swallowed(
             await task
     release.set()
     assert task.cancelled() and not carried_on
+
+
+def test_a_verify_steps_drafted_rows_count_against_the_nodes_budget() -> None:
+    """A node checks each step of a run against its KV budget with every position the step will
+    hold: a verify step's drafted rows count like any others, so where the budget has room for a
+    decode step but not for the drafts, that step is refused (the coordinator runs it as a plain
+    step, ``AdmittedRunner.verify``) and the decode steps beside it run."""
+    import numpy as np
+
+    from exo_tui.net.frame import Frame
+    from exo_tui.net.messages import Forward
+    from exo_tui.node.executor import Step, StepExecutor
+    from exo_tui.node.sampling_step import Samplers
+
+    key = (0, 4)
+    b = KVBudget(limit_bytes=1_000_000_000)
+    b.set_shards({key: 1000})
+    b.observe(rss_bytes=400_000_000, available_bytes=10**10, settled=True)
+    room = b.budget_bytes // 1000
+    b.record("a", key, room // 2 - 1)
+    b.record("v", key, room - room // 2 - 2)  # room for three more positions: "a"'s next and two
+
+    def step(rid: str, rows: int, draft: list[int] | None = None) -> Step:
+        pos = b.held(rid, key)
+        return Step(None, Frame("forward", tensor=np.zeros(rows, np.int64)),  # type: ignore[arg-type]
+                    Forward(rid, 0, pos, 1, pos + 1, draft=draft))
+
+    executor = StepExecutor(b, Samplers(), set(), deliver=None)  # type: ignore[arg-type]
+    try:
+        batch = [step("a", 1), step("v", 4, draft=[5, 6, 7])]
+        results: list = [None, None]
+        assert executor._within_budget(batch, key, [0, 1], results) == [0]
+        assert results[0] is None and "KV budget exceeded" in str(results[1])
+        batch = [step("a", 1), step("v", 2, draft=[5])]  # one draft: it fits beside "a"'s step
+        assert executor._within_budget(batch, key, [0, 1], [None, None]) == [0, 1]
+    finally:
+        executor.close()

@@ -119,14 +119,15 @@ def test_visits_not_seen_for_a_while_are_forgotten() -> None:
 
 
 class _S:
-    def __init__(self, rows: int, deferred: bool = False, key: tuple[str, int] = ("r", 0)) -> None:
+    def __init__(self, rows: int, deferred: bool = False, key: tuple[str, int] = ("r", 0), verify: bool = False) -> None:
         self.rows, self.deferred, self.key = rows, deferred, key
+        self.prompt = rows > 1 and not verify
 
 
 def test_prompts_let_waiting_decode_steps_go_first_once() -> None:
-    d1, d2, p1 = _S(1), _S(1), _S(40)
-    now, later = decodes_first([d1, p1, d2])
-    assert now == [d1, d2] and later == [p1] and p1.deferred
+    d1, d2, p1, v = _S(1), _S(1), _S(40), _S(5, verify=True)
+    now, later = decodes_first([d1, p1, v, d2])
+    assert now == [d1, v, d2] and later == [p1] and p1.deferred  # a verify step decodes: it is not deferred
     now, later = decodes_first([_S(1), p1])  # deferred once already: it runs now
     assert later == [] and p1 in now
     only = [_S(30), _S(20)]

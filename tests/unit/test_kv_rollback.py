@@ -144,21 +144,50 @@ def test_an_imported_ring_is_not_cut_back_past_what_came(name: str) -> None:
         close([src, dst])
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_a_verify_step_in_a_batch_of_decode_steps(model, name: str) -> None:
+def batch(shards: list, items: list[tuple[str, np.ndarray, int]], verify: int) -> list[np.ndarray]:
+    """One batch of steps ``(request, tokens, first position)`` through ``shards`` (as nodes run
+    them: ``forward_batch`` on each), item ``verify`` a verify step (every row's logits)."""
+    xs = [x for _, x, _ in items]
+    for shard in shards:
+        xs = shard.forward_batch([(rid, x, np.arange(p, p + len(t))) for (rid, t, p), x in zip(items, xs, strict=True)],
+                                 [verify] if shard.is_last else [])
+    return xs
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("name", [*BACKENDS, "onnx-gqa"])
+def test_a_verify_step_in_a_batch_of_decode_steps(model, name: str, plan: str, monkeypatch) -> None:
     """A batch of two decode steps and a verify step's rows (as a node runs requests that are at
-    its shard together): each one's logits are the model's."""
+    its shard together; on ONNX's kernel the verify step's rows are rows of the batch, sharing its
+    slot): each one's logits are the model's, the verify step's every row is, bit for bit, what it
+    gives run alone, and after its rejected rows are cut back all three go on right."""
     gguf, tokens, want = model
-    [shard] = load(gguf, name, [(0, gguf.config.n_layers)])
+    if name == "onnx-gqa":  # GroupQueryAttention: the verify step runs alone
+        if "onnx" not in BACKENDS:
+            pytest.skip("needs ONNX Runtime")
+        from backends.onnx import kernels
+
+        monkeypatch.setattr(kernels, "_enabled", False)
+        name = "onnx"
+    shards = load(gguf, name, PLANS[plan](gguf.config.n_layers))
     try:
         for rid, n in (("a", 9), ("b", 14), ("v", 20)):
-            step([shard], rid, tokens[:n], 0)
-        items = [("a", tokens[9:10], np.array([9])), ("v", tokens[20:26], np.arange(20, 26)),
-                 ("b", tokens[14:15], np.array([14]))]
-        got = shard.forward_batch(items)
-        assert_close(got[0], want[9:10], f"{name}: decode a")
-        assert_close(got[2], want[14:15], f"{name}: decode b")
-        assert_close(got[1][-1:], want[25:26], f"{name}: the verify step's last row")
-        assert [shard.kv_length(r) for r in "avb"] == [10, 26, 15]
+            step(shards, rid, tokens[:n], 0)
+        drafts = np.concatenate([tokens[20:23], JUNK[:3]])  # the true token, 2 right drafts, 3 wrong
+        a, v, b = batch(shards, [("a", tokens[9:10], 9), ("v", drafts, 20), ("b", tokens[14:15], 14)], verify=1)
+        assert_close(a, want[9:10], f"{name} {plan}: decode a")
+        assert_close(b, want[14:15], f"{name} {plan}: decode b")
+        assert v.shape[0] == 6
+        assert_close(v[:3], want[20:23], f"{name} {plan}: the verify step's rows up to its first wrong draft")
+        assert [s.kv_length(r) for s in shards for r in "avb"] == [10, 26, 15] * len(shards)
+        for shard in shards:
+            shard.truncate_kv("v", 20)
+        assert np.array_equal(step(shards, "v", drafts, 20), v)  # alone: the same numbers
+        for shard in shards:  # the rejected rows go
+            shard.truncate_kv("v", 23)
+        a, v, b = batch(shards, [("a", tokens[10:11], 10), ("v", tokens[23:27], 23), ("b", tokens[15:16], 15)],
+                        verify=1)
+        assert_close(np.concatenate([a, b, v]), want[[10, 15, 23, 24, 25, 26]], f"{name} {plan}: after the cut")
+        assert [s.kv_length(r) for s in shards for r in "avb"] == [11, 27, 16] * len(shards)
     finally:
-        shard.close()
+        close(shards)

@@ -639,11 +639,19 @@ def test_forward_batch(tiny_models):
     items = [("a", np.array([4]), np.array([3])), ("b", np.array([8]), np.array([9])), ("new", PROMPT[:2], np.arange(2))]
     for (rid, x, pos), got in zip(items, shard.forward_batch(items), strict=True):
         close(got, ref.forward(rid, x, pos))
+    # a verify step (every row's logits) beside decode steps: on the kernel its rows join the batch
+    items = [("a", np.array([6]), np.array([4])), ("b", PROMPT[2:7], np.arange(10, 15)), ("new", PROMPT[4:5], np.array([2]))]
+    got = shard.forward_batch(items, all_logits=[1])
+    assert got[1].shape == (5, cfg.vocab_size)
+    for (rid, x, pos), out in zip(items, got, strict=True):
+        close(out, ref.forward(rid, x, pos, all_logits=rid == "b"))
     with pytest.raises(BackendError, match="positions start at 0"):
-        shard.forward_batch([("a", np.array([1]), np.array([4])), ("b", np.array([1]), np.array([0]))])
+        shard.forward_batch([("a", np.array([1]), np.array([5])), ("b", np.array([1]), np.array([0]))])
     with pytest.raises(BackendError, match="twice"):
-        shard.forward_batch([("a", np.array([1]), np.array([4])), ("a", np.array([1]), np.array([5]))])
-    assert shard.kv_length("a") == 4 and shard.kv_length("b") == 10  # nothing ran
+        shard.forward_batch([("a", np.array([1]), np.array([5])), ("a", np.array([1]), np.array([6]))])
+    with pytest.raises(BackendError, match="consecutive"):  # a verify step's bad positions: nothing runs
+        shard.forward_batch([("a", np.array([1]), np.array([5])), ("b", PROMPT[:3], np.array([15, 16, 18]))], [1])
+    assert shard.kv_length("a") == 5 and shard.kv_length("b") == 15  # nothing ran
 
 
 @pytest.mark.parametrize("layers", [(0, None), (0, 2), (2, None)], ids=["whole", "first", "last"])

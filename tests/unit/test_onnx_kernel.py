@@ -322,6 +322,52 @@ def test_an_attention_rows_numbers_do_not_depend_on_its_batch(library: kernels.L
         assert np.array_equal(alone.in_session(library.path)[0][0], together[i])
 
 
+@pytest.mark.parametrize("half", [True, False], ids=["float16-caches", "float32-caches"])
+def test_a_requests_tokens_as_rows_sharing_its_slot(library: kernels.Library, half: bool) -> None:
+    """A verify step's 5 tokens as 5 one-token rows of one slot (out of order, between two other
+    requests' decode steps): each row attends to the cache and to the rows before it, so the
+    outputs and caches are, bit for bit, those of the same tokens as one row of 5, and the model's."""
+    rng = np.random.default_rng(11)
+    whole = kernels.AttentionCase.random(rng, 1, 5, heads=9, kv_heads=3, head_dim=64, capacity=200, half=half, slots=3)
+    first = int(whole.seqlens[0]) - 4
+    order = np.array([3, 0, 4, 1, 2])
+    other = kernels.AttentionCase.random(rng, 2, 1, heads=9, kv_heads=3, head_dim=64, capacity=200, half=half)
+    mine = int(whole.slot_ids[0])
+    others = np.array([s for s in range(3) if s != mine], np.int32)
+    rows = dataclasses.replace(
+        whole, qkv=np.concatenate([other.qkv[:1], whole.qkv[0, order][:, None], other.qkv[1:]]),
+        seqlens=np.concatenate([other.seqlens[:1], first + order, other.seqlens[1:]]).astype(np.int32),
+        slots=np.concatenate([others[:1], np.full(5, mine, np.int32), others[1:]]),
+    )
+    out, keys, values = rows.in_session(library.path)
+    want = rows.reference()
+    assert np.allclose(out, want[0], **close_enough(half))
+    alone, alone_keys, alone_values = whole.in_session(library.path)
+    assert np.array_equal(out[1:6, 0][np.argsort(order)], alone[0])
+    assert np.array_equal(keys[mine], alone_keys[mine]) and np.array_equal(values[mine], alone_values[mine])
+
+
+def test_rows_share_a_slot_only_one_token_each_at_distinct_positions(library: kernels.Library) -> None:
+    """Rows sharing a slot: refused with several tokens each, at one position, or on a ring where
+    the later row's key would overwrite a key the earlier row's query sees."""
+    rng = np.random.default_rng(12)
+    case = kernels.AttentionCase.random(rng, 2, 1, heads=4, kv_heads=2, head_dim=16, capacity=40)
+    same = dataclasses.replace(case, slots=np.array([1, 1], np.int32), seqlens=np.array([7, 7], np.int32))
+    with pytest.raises(kernels.KernelUnavailable, match="row 1's slot 1 is another row's at the same position"):
+        same.in_session(library.path)
+    two = kernels.AttentionCase.random(rng, 2, 2, heads=4, kv_heads=2, head_dim=16, capacity=40)
+    two = dataclasses.replace(two, slots=np.array([0, 0], np.int32), seqlens=np.array([5, 7], np.int32))
+    with pytest.raises(kernels.KernelUnavailable, match="one token each"):
+        two.in_session(library.path)
+    ring = dataclasses.replace(case, window=8, slots=np.array([0, 0], np.int32))  # a ring of 12 rows: 4 to spare
+    ok = dataclasses.replace(ring, keys=case.keys[:, :, :12], values=case.values[:, :, :12],
+                             seqlens=np.array([20, 24], np.int32))
+    ok.in_session(library.path)  # 24 overwrites 12, which 20's window (13..20) no longer sees
+    far = dataclasses.replace(ok, seqlens=np.array([20, 25], np.int32))
+    with pytest.raises(kernels.KernelUnavailable, match="too far ahead on the ring"):
+        far.in_session(library.path)
+
+
 def test_attention_refuses_positions_outside_the_cache(library: kernels.Library) -> None:
     rng = np.random.default_rng(10)
     case = kernels.AttentionCase.random(rng, 2, 1, heads=4, kv_heads=2, head_dim=16, capacity=8)

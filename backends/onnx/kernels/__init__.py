@@ -431,7 +431,7 @@ class AttentionCase:
             x0, x1 = x[0::2], x[1::2]
             return np.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(-1)
 
-        for i, slot in enumerate(self.slot_ids):
+        for i, slot in enumerate(self.slot_ids):  # every row's keys first (rows may share a slot)
             first = int(self.seqlens[i]) - (t - 1)
             for j in range(t):
                 for kv in range(g):
@@ -440,6 +440,8 @@ class AttentionCase:
                     if half:
                         keys[slot, kv, first + j] = keys[slot, kv, first + j].astype(np.float16)
                         values[slot, kv, first + j] = values[slot, kv, first + j].astype(np.float16)
+        for i, slot in enumerate(self.slot_ids):  # then each row attends
+            first = int(self.seqlens[i]) - (t - 1)
             for j in range(t):
                 pos = first + j
                 for head in range(h):

@@ -11,7 +11,10 @@
    T - 1; total_seq_len int32 (a scalar, the largest cached + T: checked); cos, sin float32
    (max_pos, D / 2); slots int32 (B,): the cache slot of each row. The caches hold S >= B slots,
    (S, G, cap, D): row b reads and appends to slot slots[b], so a batch is any set of requests of a
-   pool of caches, with no padding rows for the slots between them (each slot at most once).
+   pool of caches, with no padding rows for the slots between them. Rows of one token (T = 1) may
+   share a slot at distinct positions: a request's several tokens (a verify step's, beside other
+   requests' decode steps), each attending to the cache and to the rows before it, as one row of
+   those tokens would (every row's keys are written before any row attends: the phases below).
    Attributes num_heads (H) and kv_num_heads (G); optional scale (the queries' factor, default
    1 / sqrt(D)) and window (> 0: a query at p sees only the keys at p - window + 1 .. p, and the
    caches are rings: position p lives at p % cap, so a cache of cap >= window positions holds a
@@ -681,6 +684,22 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable *given, const OrtKer
     return NULL;
 }
 
+/* Why two rows of one token (T = 1) at positions p and q may not share a slot, or NULL where they
+   may: they are one request's tokens at distinct positions (a verify step's rows beside other
+   requests' decode steps), and on a ring (window > 0) the later one's key does not overwrite a
+   key the earlier one's query sees (rows sharing a slot are at most cap - window apart). */
+static const char *shared_slot(int64_t t, int64_t p, int64_t q, int64_t cap, int64_t window)
+{
+    if (t != 1)
+        return "is another row's (rows share a slot only with one token each)";
+    if (p == q)
+        return "is another row's at the same position";
+    const int64_t lo = p < q ? p : q, hi = p < q ? q : p;
+    if (window > 0 && hi - cap >= (lo >= window ? lo - window + 1 : 0))
+        return "is another row's too far ahead on the ring (its key would overwrite one the other sees)";
+    return NULL;
+}
+
 static OrtStatus *input(OrtKernelContext *context, size_t index, const OrtValue **value, void **data)
 {
     CHECK(API(API_KernelContext_GetInput, KernelContext_GetInput_t)(context, index, value));
@@ -722,21 +741,23 @@ static OrtStatus *compute(void *arg, OrtKernelContext *context)
     if (l_rank != 1 || l_dims[0] != b)
         return fail("Attention: slots must be (B,)");
     const int32_t *slots = (const int32_t *)slot;
+    const int32_t *seqlens = (const int32_t *)seq;
+    const int64_t cap = k_dims[2];
     for (int64_t i = 0; i < b; i++) {
-        int taken = slots[i] < 0 || slots[i] >= k_dims[0];
-        for (int64_t j = 0; j < i && !taken; j++)
-            taken = slots[j] == slots[i];
-        if (taken) {
-            char message[160];
-            snprintf(message, sizeof message, "Attention: row %lld's slot %lld is outside the caches' %lld or another row's",
-                     (long long)i, (long long)slots[i], (long long)k_dims[0]);
+        const char *why = slots[i] < 0 || slots[i] >= k_dims[0] ? "is outside the caches'" : NULL;
+        for (int64_t j = 0; j < i && why == NULL; j++)
+            if (slots[j] == slots[i])
+                why = shared_slot(t, seqlens[i], seqlens[j], cap, kernel->window);
+        if (why != NULL) {
+            char message[240];
+            snprintf(message, sizeof message, "Attention: row %lld's slot %lld %s (%lld slots)", (long long)i,
+                     (long long)slots[i], why, (long long)k_dims[0]);
             return fail(message);
         }
     }
     if (c_rank != 2 || c_dims[1] != d / 2 || n_rank != 2 || memcmp(c_dims, n_dims, 2 * sizeof(int64_t)) != 0)
         return fail("Attention: cos and sin must be (max_position, head_size / 2)");
-    const int64_t cap = k_dims[2], max_pos = c_dims[0], limit = *(const int32_t *)total;
-    const int32_t *seqlens = (const int32_t *)seq;
+    const int64_t max_pos = c_dims[0], limit = *(const int32_t *)total;
     for (int64_t i = 0; i < b; i++) {
         const int64_t last = seqlens[i];
         if (last - (t - 1) < 0 || (last >= cap && (kernel->window <= 0 || cap < kernel->window)) || last >= max_pos
