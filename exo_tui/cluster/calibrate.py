@@ -135,6 +135,7 @@ class Calibrator:
             lambda: deque(maxlen=SIZED_MAX))
         self.coordinator = _Series()  # its share of a token, on the steps it sends
         self.handed = _Series()  # 1 for a decode token handed from the last node to the first, else 0
+        self.handoff: dict[str, _Series] = defaultdict(_Series)  # a one-node ring's hand-off to itself
         self.token = _Series()  # a decode token's whole time (the ring and the coordinator)
         self.token_version: int | None = None  # the plan version ``token`` measures
         self.act_bytes = 0  # a decode token's hidden state, the bytes a link's hop carried
@@ -214,6 +215,8 @@ class Calibrator:
         # sends, and the share of tokens handed on is measured beside them (scheduler/context.py's
         # way_back weighs the two ways by it)
         self.handed.add(now, 1.0 if sample.handed else 0.0)
+        if sample.handed and len(sample.hops) == 1:  # one node handed the token to itself: no link holds that way
+            self.handoff[sample.hops[0].node_id].add(now, max(0.0, sample.round_trip_s - sample.hops[0].residence_s))
         if not sample.handed:
             self.coordinator.add(now, token.coordinator_s)
         if self.token_version != sample.plan_version:
@@ -250,8 +253,9 @@ class Calibrator:
         coord = self.coordinator.mean(now)
         cpu = {nid: got[0] for nid, s in self.cpu.items() if (got := s.mean(now, CPU_SAMPLES)) is not None}
         handed = self.handed.mean(now)
+        handoff = {nid: got[0] for nid, s in self.handoff.items() if (got := s.mean(now)) is not None}
         return Measurements({}, links, coord[0] if coord else None, dict(by_load), cpu,
-                            handed[0] if handed else None).at(*self.load)
+                            handed[0] if handed else None, handoff).at(*self.load)
 
     def _bandwidth(self, link: tuple[str, str], mean_s: float, now: float) -> float | None:
         """``link``'s bandwidth fitted from its hops on steps of many rows (of the last

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -137,7 +138,7 @@ class StepRouting:
         if first.node_id == self.started_profile.node_id:
             handed = Step(step.conn, Frame("forward", tensor=tensor, plan=step.frame.plan), nxt)
             # a task, not a call: the read loop runs between two steps (a drop, a newer step, pings)
-            task = asyncio.create_task(self.executor.arrived(handed, next_ready=self._next_ready(plan, 0)))
+            task = asyncio.create_task(self._arrive_handed(handed, self._next_ready(plan, 0)))
             self._handing.add(task)
             task.add_done_callback(self._handing.discard)
             return
@@ -148,6 +149,13 @@ class StepRouting:
             log.warning("step of %s failed: %s", msg.rid, reason)
             await self._to_coordinator(wire.StepFailed(msg.rid, reason, nxt.step, self.started_profile.node_id,
                                                        first.node_id, False), plan=step.frame.plan)
+
+    async def _arrive_handed(self, step: Step, next_ready: bool) -> None:
+        """A step this node handed itself arrives: now, once the token before it has gone to the
+        coordinator (that write is the hand-off's, as it is a link's between two nodes, not the
+        step's time here)."""
+        step.received_s = time.monotonic()
+        await self.executor.arrived(step, next_ready=next_ready)
 
     async def _fail_step(self, step: Step, reason: str, failed: str | None = None, *, kv_budget: bool = False) -> None:
         # kv_budget: refused for want of memory, no node is at fault

@@ -16,7 +16,8 @@ and hands the figures in as values; nothing here reads a clock or a socket.
   or a verify step's rows against a decode step's one);
 * :class:`Measurements` — those, with the coordinator's share of a token on the steps it sends (its
   own time between a token and the next step, and its links to the first and from the last stage)
-  and the share of tokens the last stage handed straight to the first (the hand-off).
+  and the share of tokens the last stage handed straight to the first (the hand-off); and, where
+  one node held every layer, its hand-off to itself (the ring's way back there: no link holds it).
 
 :func:`calibrate` gives the profiles those figures in place of the start-up benchmark's (a node
 with no measurement keeps its own); :func:`measured_constraints` carries the coordinator's share
@@ -129,6 +130,7 @@ class Measurements:
     by_load: Mapping[str, Mapping[tuple[int, int], NodeMeasure]] = field(default_factory=dict)  # every bucket
     cpu_per_busy_s: Mapping[str, float] = field(default_factory=dict)  # a node's CPU seconds a second of its runs
     handed_share: float | None = None  # decode tokens the last node handed straight to the first
+    handoff: Mapping[str, float] = field(default_factory=dict)  # a one-node ring's hand-off to itself, by node
 
     @property
     def empty(self) -> bool:
@@ -180,6 +182,8 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
                         benchmark_score=p.benchmark_score * startup_decode / m.decode_s_per_layer, calibrated=True)
         if p.node_id in measured.cpu_per_busy_s:
             p = replace(p, cpu_per_busy_s=measured.cpu_per_busy_s[p.node_id])
+        if p.node_id in measured.handoff:
+            p = replace(p, handoff_s=measured.handoff[p.node_id])
         links = dict(p.links)
         for (a, b), lm in measured.links.items():
             if a != p.node_id or b == COORDINATOR or lm.samples <= 0:
@@ -201,7 +205,7 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
 def hop_software_s(profiles: Mapping[str, DeviceProfile], measured: Measurements) -> float:
     """The median of what the measured hops took beyond their links' probed time (0: none)."""
     extra = [lm.hop_s - profiles[a].link_to(b).hop_s(lm.nbytes) for (a, b), lm in measured.links.items()
-             if lm.samples > 0 and a in profiles and b in profiles]
+             if lm.samples > 0 and a in profiles and b in profiles and a != b]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
 

@@ -88,7 +88,8 @@ class PlanContext:
     def way_back(self, last: str, first: str) -> float:
         """A decode token's way from the last stage ``last`` to the first ``first``: handed on
         (:attr:`handed_share` of the tokens) over that link (measured, or as other links not
-        measured: the probe plus a hop's software; none on one node), the rest through the
+        measured: the probe plus a hop's software; on one node, its hand-off to itself:
+        :attr:`handoff`), the rest through the
         coordinator as measured (:meth:`coordinator_hop`). Where the coordinator is not measured,
         the link alone."""
         handed = self.hop(last, first, TOKEN_BYTES)
@@ -108,8 +109,24 @@ class PlanContext:
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:
-            return 0.0
+            return self.handoff[a]
         return self.profiles[a].link_to(b).hop_s(self.act_bytes if nbytes is None else nbytes)
+
+    @cached_property
+    def handoff(self) -> dict[str, float]:
+        """Each node's hand-off to itself when it holds the whole ring (the way back of a one-node
+        ring's token): as measured there; else the median of the other nodes' measured, of its host
+        first (the same software on the same cores); else 0."""
+        measured = {n: p.handoff_s for n, p in self.profiles.items() if p.handoff_s is not None}
+        out = {}
+        for nid, p in self.profiles.items():
+            if p.handoff_s is not None:
+                out[nid] = p.handoff_s
+                continue
+            host = [s for n, s in measured.items() if p.host_id and self.profiles[n].host_id == p.host_id]
+            others = host or list(measured.values())
+            out[nid] = float(np.median(others)) if others else 0.0
+        return out
 
     @cached_property
     def links(self) -> tuple[dict[str, int], np.ndarray, np.ndarray]:

@@ -99,6 +99,10 @@ class DeviceProfile:
     cpu_quota_cores: float | None = None
     cpu_per_busy_s: float = 1.0
     host_id: str = ""
+    # A ring of this node alone: a token's way from its last stage back to its first, as the ring
+    # measured it (its token written to the coordinator, a turn of its loop; None: not measured).
+    # Between two nodes that way is their link's; on one node the ring counted it nowhere else.
+    handoff_s: float | None = None
 
     def __hash__(self) -> int:
         return hash(self.node_id)

@@ -137,3 +137,38 @@ def test_the_coordinators_share_is_measured_on_the_steps_it_sends_and_the_share_
                    handed_share=constraints.handed_share)
     b_to_a = next(p for p in nodes if p.node_id == "b").link_to("a").hop_s(TOKEN_BYTES)
     assert pred.node("b").hop_s == pytest.approx(H * b_to_a + (1 - H) * (0.004 + 0.001 + 0.001))
+
+
+def test_one_node_measures_its_hand_off_to_itself_and_its_plan_is_predicted_with_it() -> None:
+    """A ring of one node: 4 ms a step; a token it hands itself starts its next step 0.8 ms after
+    the token before left (written to the coordinator first); one step in 16 the coordinator sends
+    (4 ms of its own, 1 ms each way). No link holds that 0.8 ms: measured as the node's hand-off,
+    the one-node plan is predicted at the measured token (without it, 15 % too fast); a node of
+    the same host not measured alone takes it too."""
+    clock = [0.0]
+    c = Calibrator(clock=lambda: clock[0])
+    ring = RingPlan(1, L, (PlanEntry("a", "127.0.0.1", 1, 0, L),))
+    for i in range(5 * LEASE_TOKENS):
+        clock[0] += 0.01
+        handed = i % LEASE_TOKENS != 0
+        a_in = 0.0008 if handed else 0.001
+        hops = (HopTiming("a", 0.0, 0.004, a_in, a_in + 0.004),)
+        if handed:
+            sample = StepSample("r", 1, 1, 0.0, 0.0, hops[-1].out_wall, None, hops, 100, handed=True)
+        else:
+            recv = hops[-1].out_wall + 0.001
+            sample = StepSample("r", 1, 1, 0.0, recv, recv, 0.004, hops, 100)
+        c.step(sample, ring, SPEC, 1, SPEC.activation_bytes_per_token)
+    m = c.measurements()
+    assert m.handoff == {"a": pytest.approx(0.0008)}
+    measured = c.measured_tok_per_s(1)
+    assert measured is not None
+    constraints = measured_constraints(Constraints(), m)
+    host = {p.node_id: p.with_(host_id="h") for p in calibrate([_node("a", {}), _node("b", {})], SPEC, m)}
+
+    def alone(node: str) -> Predictions:
+        return predict([(node, 0, L)], host, SPEC, coordinator_s=constraints.coordinator_s,
+                       coordinator_links=constraints.coordinator_links, handed_share=constraints.handed_share)
+
+    assert alone("a").tok_per_s_single == pytest.approx(measured[0], rel=0.01)
+    assert alone("b").node("b").hop_s == pytest.approx(alone("a").node("a").hop_s)
