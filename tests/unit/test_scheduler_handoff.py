@@ -3,6 +3,8 @@ that link, the coordinator's way only on the steps it sends (scheduler/context.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from exo_tui.cluster.calibrate import Calibrator
@@ -104,24 +106,32 @@ def _ring() -> RingPlan:
     return RingPlan(1, L, (PlanEntry("a", "127.0.0.1", 1, 0, L // 2), PlanEntry("b", "127.0.0.1", 2, L // 2, L)))
 
 
-def test_the_coordinators_share_is_measured_on_the_steps_it_sends_and_the_share_handed_on_beside_it() -> None:
-    """A lease: one step the coordinator sends (4 ms of its own, 1 ms to a, 1 ms back from b), then
-    15 the ring runs on its own (b -> a in 2 ms). The coordinator's figures are the sent steps'
-    alone (a handed token's 0 no longer dilutes them), the share handed on 15/16."""
+def _leases(ring: RingPlan, hops_at: Callable[[float], tuple[HopTiming, ...]], handed_in: float) -> Calibrator:
+    """A calibrator given 5 leases on ``ring``: each one step the coordinator sends (4 ms of its
+    own, 1 ms to the first stage, 1 ms back from the last), then 15 the ring runs on its own, its
+    first stage reached ``handed_in`` after the last stage handed the token before on (its clock).
+    ``hops_at``: a step's hops, the first stage reached at the given time."""
     clock = [0.0]
     c = Calibrator(clock=lambda: clock[0])
-    ring = _ring()
     for i in range(5 * LEASE_TOKENS):
         clock[0] += 0.01
         handed = i % LEASE_TOKENS != 0
-        a_in = 0.002 if handed else 0.001
-        hops = (HopTiming("a", 0.0, 0.001, a_in, a_in + 0.001), HopTiming("b", 0.0, 0.001, a_in + 0.0015, a_in + 0.0025))
-        if handed:  # from b's hand-off of the token before (its clock) to its own
+        hops = hops_at(handed_in if handed else 0.001)
+        if handed:
             sample = StepSample("r", 1, 1, 0.0, 0.0, hops[-1].out_wall, None, hops, 100, handed=True)
         else:
             recv = hops[-1].out_wall + 0.001
             sample = StepSample("r", 1, 1, 0.0, recv, recv, 0.004, hops, 100)
         c.step(sample, ring, SPEC, 1, SPEC.activation_bytes_per_token)
+    return c
+
+
+def test_the_coordinators_share_is_measured_on_the_steps_it_sends_and_the_share_handed_on_beside_it() -> None:
+    """A lease: one step the coordinator sends (4 ms of its own, 1 ms to a, 1 ms back from b), then
+    15 the ring runs on its own (b -> a in 2 ms). The coordinator's figures are the sent steps'
+    alone (a handed token's 0 no longer dilutes them), the share handed on 15/16."""
+    c = _leases(_ring(), lambda a_in: (HopTiming("a", 0.0, 0.001, a_in, a_in + 0.001),
+                                       HopTiming("b", 0.0, 0.001, a_in + 0.0015, a_in + 0.0025)), handed_in=0.002)
     m = c.measurements()
     assert m.coordinator_s == pytest.approx(0.004)
     assert m.handed_share == pytest.approx(1 - 1 / LEASE_TOKENS)
@@ -145,20 +155,8 @@ def test_one_node_measures_its_hand_off_to_itself_and_its_plan_is_predicted_with
     (4 ms of its own, 1 ms each way). No link holds that 0.8 ms: measured as the node's hand-off,
     the one-node plan is predicted at the measured token (without it, 15 % too fast); a node of
     the same host not measured alone takes it too."""
-    clock = [0.0]
-    c = Calibrator(clock=lambda: clock[0])
-    ring = RingPlan(1, L, (PlanEntry("a", "127.0.0.1", 1, 0, L),))
-    for i in range(5 * LEASE_TOKENS):
-        clock[0] += 0.01
-        handed = i % LEASE_TOKENS != 0
-        a_in = 0.0008 if handed else 0.001
-        hops = (HopTiming("a", 0.0, 0.004, a_in, a_in + 0.004),)
-        if handed:
-            sample = StepSample("r", 1, 1, 0.0, 0.0, hops[-1].out_wall, None, hops, 100, handed=True)
-        else:
-            recv = hops[-1].out_wall + 0.001
-            sample = StepSample("r", 1, 1, 0.0, recv, recv, 0.004, hops, 100)
-        c.step(sample, ring, SPEC, 1, SPEC.activation_bytes_per_token)
+    c = _leases(RingPlan(1, L, (PlanEntry("a", "127.0.0.1", 1, 0, L),)),
+                lambda a_in: (HopTiming("a", 0.0, 0.004, a_in, a_in + 0.004),), handed_in=0.0008)
     m = c.measurements()
     assert m.handoff == {"a": pytest.approx(0.0008)}
     measured = c.measured_tok_per_s(1)
