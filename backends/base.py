@@ -70,6 +70,10 @@ MAX_DRAFT = 32
 """The most drafted positions one step may carry and a cache may then drop (speculative
 decoding: ``Shard.truncate_kv``); a windowed layer's ring keeps this many rows beyond its window
 (:mod:`backends.rings`), so a verify step's rejected positions can go."""
+FOLD_ROWS = MAX_DRAFT + 1
+"""A step of up to this many tokens (a verify step: the last accepted token and its drafts) may run
+in ``Shard.forward_batch`` as rows beside other requests' decode steps: its pass over the weights
+is theirs."""
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "yarn")
 

@@ -196,16 +196,20 @@ class Attention:
         self, x: mx.array, steps: list[Step], cos: list[mx.array], sin: list[mx.array],
         keys: list[mx.array], values: list[mx.array],
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        """One new token of each of ``B`` requests, ``x`` ``(B, 1, hidden)``: one matmul for all,
-        attention per request over its own cache (``cos``/``sin``: the batch's, per table)."""
+        """The new tokens of several requests, ``x`` ``(1, N, hidden)`` (each request's step its
+        masks' rows of them, in order): one matmul for all, attention per request over its own
+        cache and its own rows (``cos``/``sin``: the batch's, per table)."""
         q, k, v = self.project(x, cos[self.table], sin[self.table])
         outs, new_keys, new_values = [], [], []
-        for i, (step, ks, vs) in enumerate(zip(steps, keys, values, strict=True)):
-            o, ks, vs = self.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], step, ks, vs)
+        a = 0
+        for step, ks, vs in zip(steps, keys, values, strict=True):
+            b = a + step.masks[0].shape[0]
+            o, ks, vs = self.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], step, ks, vs)
             outs.append(o)
             new_keys.append(ks)
             new_values.append(vs)
-        return self.output(mx.concatenate(outs, axis=0)), new_keys, new_values
+            a = b
+        return self.output(mx.concatenate(outs, axis=2)), new_keys, new_values
 
     def project(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """q, k (normed per head where the model does, then rotated) and v as ``(B, heads, T, head_dim)``."""
@@ -395,19 +399,21 @@ class ShardModel:
     def decode_batch(
         self, x: mx.array, steps: list[Step], keys: list[list[mx.array]], values: list[list[mx.array]]
     ) -> tuple[mx.array, list[list[mx.array]], list[list[mx.array]]]:
-        """One new token of each of ``B`` requests (``x``: ``(B,)`` ids or ``(B, hidden)``), with
-        ``keys[r][layer]``: one matmul per weight for the batch. Returns ``(B, hidden | vocab)``."""
-        h = self.embed(x)[:, None, :]
+        """The new tokens of several requests, one step each (``x``: ``(N,)`` ids or ``(N, hidden)``,
+        request r's step its masks' rows of them: one token for a decode step, a verify step's
+        several), with ``keys[r][layer]``: one matmul per weight for the batch. Returns
+        ``(N, hidden | vocab)``."""
+        h = self.embed(x)[None]  # (1, N, hidden): the requests' rows one after another
         n_tables = len(steps[0].cos)
-        cos = [mx.concatenate([s.cos[i] for s in steps])[:, None] for i in range(n_tables)]  # (B, 1, 1, head_dim)
-        sin = [mx.concatenate([s.sin[i] for s in steps])[:, None] for i in range(n_tables)]
+        cos = [mx.concatenate([s.cos[i] for s in steps]) for i in range(n_tables)]  # (N, 1, head_dim)
+        sin = [mx.concatenate([s.sin[i] for s in steps]) for i in range(n_tables)]
         by_layer_k = [list(ks) for ks in zip(*keys, strict=True)]  # [layer][request]
         by_layer_v = [list(vs) for vs in zip(*values, strict=True)]
         for li, layer in enumerate(self.layers):
             h, by_layer_k[li], by_layer_v[li] = layer.decode_batch(h, steps, cos, sin, by_layer_k[li], by_layer_v[li])
         new_keys = [list(ks) for ks in zip(*by_layer_k, strict=True)] if self.layers else [[] for _ in steps]
         new_values = [list(vs) for vs in zip(*by_layer_v, strict=True)] if self.layers else [[] for _ in steps]
-        return self.head(h[:, 0]), new_keys, new_values
+        return self.head(h[0]), new_keys, new_values
 
     def head(self, h: mx.array) -> mx.array:
         """Logits of hidden ``(T, hidden)`` on the last shard (soft-capped where the model does);

@@ -12,7 +12,8 @@ CPU streams (``threads``).
 A windowed layer's buffer is a ring of at most its window's positions and the few a verify step
 may drop (:mod:`backends.rings`), so a long request costs such a layer no more than that.
 
-Several requests' decode steps go through :meth:`MLXShard.forward_batch` together: one matmul
+Several requests' decode steps go through :meth:`MLXShard.forward_batch` together (a verify
+step's few rows among them: their requests' tokens one after another, run eagerly): one matmul
 per weight for all of them (a mixture of experts' layer: one gathered product per kind of expert
 matrix for all their rows, :mod:`backends.mlx.experts`; on the CPU such a batch runs eagerly, each
 chosen expert once on its rows), attention per request over its own cache.
@@ -28,7 +29,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from backends.base import BackendError, HeadRows, KVCache, ModelConfig, Shard, validate_forward_input
+from backends.base import (
+    FOLD_ROWS,
+    BackendError,
+    HeadRows,
+    KVCache,
+    ModelConfig,
+    Shard,
+    validate_forward_input,
+)
 from backends.mlx.experts import on_cpu
 from backends.mlx.llama import Kinds, Ring, ShardModel, Step, step_inputs
 from backends.mlx.quant import MLXWeight
@@ -185,40 +194,61 @@ class MLXShard(Shard):
 
         return HeadRows(t, head, 1 if on_cpu() else t)
 
+    @property
+    def verifies_in_batch(self) -> bool:
+        """On a GPU a verify step's rows join the batch (its head reads the weights once for all
+        rows); on the CPU the head costs every row its own (~20 ms), so it runs alone, its head a
+        row at a time (:meth:`forward_rows`)."""
+        return not on_cpu()
+
+    def _joins(self, t: int, all_logits: bool) -> bool:
+        """Whether a step of ``t`` tokens runs in a batch (else alone): a decode step, or up to
+        :data:`FOLD_ROWS` tokens (a verify step's), on the last shard where every row's logits are
+        wanted."""
+        return t == 1 or (t <= FOLD_ROWS and (all_logits or not self.is_last))
+
     def forward_batch(self, items: list[tuple[str, np.ndarray, np.ndarray]],
                       all_logits: Collection[int] = ()) -> list[np.ndarray]:
-        """Decode steps (one token each) of several requests run as one batch: each matmul runs
-        once for all of them; a step of several rows among them runs alone. A bad item fails the whole call
+        """Steps of several requests run as one batch: each matmul runs once for all their rows,
+        decode steps (one token each) as one compiled step, with a verify step's (a few tokens:
+        :meth:`_joins`) eagerly; longer steps among them run alone. A bad item fails the whole call
         before any cache changes."""
         items = [(rid, np.asarray(x), np.asarray(p)) for rid, x, p in items]
-        single = [i for i, (_, _, p) in enumerate(items) if p.shape == (1,)]
-        if 2 <= len(single) < len(items) and len({r for r, _, _ in items}) == len(items):
-            # several rows of some (a verify step's drafts, a prompt): those alone, the decode steps batched
+        joins = [i for i, (_, _, p) in enumerate(items) if p.ndim == 1 and self._joins(p.shape[0], i in all_logits)]
+        if len(joins) < 2 or len({r for r, _, _ in items}) < len(items):
+            return super().forward_batch(items, all_logits)
+        if len(joins) < len(items):  # those alone, the others batched
             with self._lock:
                 for rid, x, p in items:  # every item checked before any cache changes
                     self._begin(rid, x, p)
-                batched = dict(zip(single, self.forward_batch([items[i] for i in single]), strict=True))
+                part = self.forward_batch([items[i] for i in joins], [n for n, i in enumerate(joins) if i in all_logits])
+                batched = dict(zip(joins, part, strict=True))
                 return [batched[i] if i in batched else self.forward(*items[i], all_logits=i in all_logits)
                         for i in range(len(items))]
-        if len(items) < 2 or any(p.shape != (1,) for _, _, p in items) or len({r for r, _, _ in items}) < len(items):
-            return super().forward_batch(items, all_logits)
         with self._lock:
             self._check_open()
             cached = [self._begin(rid, x, p) for rid, x, p in items]
-            caches = [self._cache_for(rid, n + 1) for (rid, _, _), n in zip(items, cached, strict=True)]
-            steps = [self._step_inputs(n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
+            ts = [p.shape[0] for _, _, p in items]
+            caches = [self._cache_for(rid, n + t) for (rid, _, _), n, t in zip(items, cached, ts, strict=True)]
             hidden = self._inputs(np.concatenate([x for _, x, _ in items]))
-            if self.config.n_experts and on_cpu():  # eager: each chosen expert once on its rows (backends.mlx.experts)
-                ran, keys, values = self.model.decode_batch(hidden, steps, [c.keys for c in caches], [c.values for c in caches])
+            keys_in, values_in = [c.keys for c in caches], [c.values for c in caches]
+            if max(ts) > 1:  # a verify step's rows among them: eagerly, each request's step its tokens
+                steps = [self._step_inputs(n, t, n + t, c.capacity) for n, t, c in zip(cached, ts, caches, strict=True)]
+                ran, keys, values = self.model.decode_batch(hidden, steps, keys_in, values_in)
+            elif self.config.n_experts and on_cpu():  # eager: each chosen expert once on its rows (backends.mlx.experts)
+                steps = [self._step_inputs(n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
+                ran, keys, values = self.model.decode_batch(hidden, steps, keys_in, values_in)
             else:
+                steps = [self._step_inputs(n, 1, self._decode_keys(c)) for n, c in zip(cached, caches, strict=True)]
                 ran, keys, values = self._compiled("decode_batch", self._batch_step)(
-                    hidden, [_flat(s) for s in steps], [c.keys for c in caches], [c.values for c in caches],
+                    hidden, [_flat(s) for s in steps], keys_in, values_in,
                 )
-            for cache, n, ks, vs in zip(caches, cached, keys, values, strict=True):
-                cache.keys, cache.values, cache.length = ks, vs, n + 1
+            for cache, n, t, ks, vs in zip(caches, cached, ts, keys, values, strict=True):
+                cache.keys, cache.values, cache.length = ks, vs, n + t
             self._evaluate([rid for rid, _, _ in items], ran, keys, values)
             rows = np.array(ran, dtype=np.float32)
-            return [rows[i : i + 1] for i in range(len(items))]
+            ends = np.cumsum(ts)
+            return [rows[b - t : b] for b, t in zip(ends, ts, strict=True)]
 
     def _evaluate(self, request_ids: list[str], *arrays: Any) -> None:
         """Run the step; when it fails, its requests' caches are half-written, so they are dropped

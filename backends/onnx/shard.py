@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from backends.base import MAX_DRAFT, BackendError, KVCache, ModelConfig, Shard, validate_forward_input
+from backends.base import FOLD_ROWS, BackendError, KVCache, ModelConfig, Shard, validate_forward_input
 from backends.onnx import ACCURACY_LEVEL, DEFAULT_PRECISION
 from backends.onnx.affinity import CorePlan
 from backends.onnx.graph import build_shard_graph, shared_form
@@ -63,13 +63,6 @@ of 1 / 4 / 8 / 16 rows takes 2.8 / 4.1 / 5.9 / 10.8 ms batched at the int16 prec
 9.7 / 17.3 in float32 and 2.9 / 3.9 / 5.8 / 9.3 in int8 (``benchmarks/onnx_kernels.py``, one run). (On MatMulNBits, whose multi-row path dequantizes the whole matrix, 2 / 3 / 4 rows took 28 /
 30 / 32 ms against 15 ms for one.)"""
 PROBE_ID = "\0probe"  # the request id of the load-time probe steps
-
-
-FOLD_ROWS = MAX_DRAFT + 1
-"""A step of up to this many tokens (a verify step: the last accepted token and its drafts) joins a
-batch on the kernel as that many one-token rows sharing its request's cache slot, at consecutive
-positions (``Attention`` writes every row's keys before any row attends, so each sees the cache and
-the rows before it): its pass over the weights is the other requests' decode steps' pass."""
 
 
 @dataclass
@@ -358,7 +351,9 @@ class ONNXShard(Shard):
 
     def _joins(self, cached: int, t: int, all_logits: bool) -> bool:
         """Whether a step of ``t`` tokens after ``cached`` runs as rows of a batch (else alone): on
-        the kernel, up to :data:`FOLD_ROWS` of them, on the last shard only where every row's
+        the kernel, up to :data:`FOLD_ROWS` of them (as one-token rows sharing its slot at
+        consecutive positions: ``Attention`` writes every row's keys before any row attends, so
+        each sees the cache and the rows before it), on the last shard only where every row's
         logits are wanted, and on a ring only where its last key does not overwrite one its first
         query sees (the kernel's rule)."""
         if not self._slot_map or t > FOLD_ROWS or (self.is_last and not all_logits):

@@ -159,7 +159,7 @@ def batch(shards: list, items: list[tuple[str, np.ndarray, int]], verify: int) -
 def test_a_verify_step_in_a_batch_of_decode_steps(model, name: str, plan: str, monkeypatch) -> None:
     """A batch of two decode steps and a verify step's rows (as a node runs requests that are at
     its shard together; on ONNX's kernel the verify step's rows are rows of the batch, sharing its
-    slot): each one's logits are the model's, the verify step's every row is, bit for bit, what it
+    slot, and on MLX its tokens are rows of the batch's eager step): each one's logits are the model's, the verify step's every row is, bit for bit, what it
     gives run alone, and after its rejected rows are cut back all three go on right."""
     gguf, tokens, want = model
     if name == "onnx-gqa":  # GroupQueryAttention: the verify step runs alone
