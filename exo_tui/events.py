@@ -241,13 +241,17 @@ class EventBus:
             if len(self.history) > self._history_len:
                 del self.history[: len(self.history) - self._history_len]
         for sub in list(self._subscribers):
-            sub.put(event)
+            if sub.kinds is None or isinstance(event, sub.kinds):
+                sub.put(event)
 
-    def subscribe(self, *, replay: bool = False) -> _Subscription:
-        sub = _Subscription(self, self._maxsize)
+    def subscribe(self, *, replay: bool = False, kinds: tuple[type[Event], ...] | None = None) -> _Subscription:
+        """A subscription to every event, or (``kinds``) to events of those types only: a task that
+        waits for a few kinds is not woken by every token streamed."""
+        sub = _Subscription(self, self._maxsize, kinds)
         if replay:
             for event in self.history:
-                sub.put(event)
+                if kinds is None or isinstance(event, kinds):
+                    sub.put(event)
         self._subscribers.append(sub)
         return sub
 
@@ -257,8 +261,9 @@ class EventBus:
 
 
 class _Subscription:
-    def __init__(self, bus: EventBus, maxsize: int) -> None:
+    def __init__(self, bus: EventBus, maxsize: int, kinds: tuple[type[Event], ...] | None = None) -> None:
         self._bus = bus
+        self.kinds = kinds
         self._queue: asyncio.Queue[Event] = asyncio.Queue(maxsize)
         self.dropped = 0
 

@@ -30,7 +30,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from exo_tui.cluster.metrics import StepSample, split_token
+from exo_tui.cluster.metrics import StepSample, TokenSplit, split_token
 from exo_tui.scheduler.calibration import (
     LinkMeasure,
     Measurements,
@@ -169,11 +169,12 @@ class Calibrator:
                 self.cpu[node_id].add(now, d_cpu / d_busy)
 
     def step(self, sample: StepSample, ring: Any, spec: ModelSpec | None, running: int, act_bytes: int,
-             *, answering: bool = False) -> None:
+             *, answering: bool = False, token: TokenSplit | None = None) -> None:
         """One step's timing, taken on ``ring`` (the RingPlan in force) with ``running`` requests
         (the nodes run their steps together: the batch); ``answering``: the request has its first
         token (a step of several rows is then a speculative verify step: neither a prompt's nor
-        one token's, so not counted)."""
+        one token's, so not counted); ``token``: the decode step's split where the cluster's
+        figures made it already (:func:`~exo_tui.cluster.metrics.split_token`)."""
         if spec is None or ring is None or sample.plan_version != ring.version or not sample.hops:
             return
         entries = {e.node_id: e for e in ring.ring}
@@ -207,7 +208,8 @@ class Calibrator:
         self.load = bucket
         if running != 1:  # the links and the token: one stream's
             return
-        token = split_token(sample, now)
+        if token is None:
+            token = split_token(sample, now)
         for (a, b), s in token.links.items():  # the coordinator's own too (its ends of the ring)
             self.links[(a, b)].add(now, s)
         # a token the last node handed on passed none of the coordinator's links or time (its way

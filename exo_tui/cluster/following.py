@@ -38,10 +38,10 @@ class Following(CoordinatorParts):
 
     def _step_timed(self, sample: StepSample) -> None:
         """The pipeline's timing of a step: the cluster strip's figures, and the scheduler's."""
-        self.metrics.step(sample)
+        token = self.metrics.step(sample)
         act = self.spec.activation_bytes_per_token if self.spec is not None else 0
         self.calibrator.step(sample, self.ring, self.spec, self.metrics.running, act,
-                             answering=self.metrics.has_first_token(sample.request_id))
+                             answering=self.metrics.has_first_token(sample.request_id), token=token)
 
     def remeasured_tok_per_s(self) -> float | None:
         """The plan in force predicted again on the measured figures (None before a check)."""

@@ -60,6 +60,9 @@ MONITOR_INTERVAL_S = 0.25
 STALL_S = 0.5  # a monitor tick this late means this process's loop was held: see _monitor_loop
 RECONNECT_INTERVAL_S = 2.0
 LINK_PROBE_INTERVAL_S = 10.0
+# what the discovery loop acts on (_on_discovery_event): it is not woken by the rest (a token streamed)
+DISCOVERY_EVENTS = (ev.NodeDiscovered, ev.NodeStateChanged, ev.NodeGone, ev.HostDiscovered, ev.HostGone,
+                    ev.BootstrapProgress)
 
 
 # What a node sends its coordinator unasked, by frame type.
@@ -87,7 +90,7 @@ class Membership(CoordinatorParts):
             self._notice("warning", f"discovery could not start ({exc}): add nodes with --peer")
 
     async def _discovery_loop(self) -> None:
-        with self.events.subscribe() as sub:
+        with self.events.subscribe(kinds=DISCOVERY_EVENTS) as sub:
             async for event in sub:
                 try:
                     await self._on_discovery_event(event)

@@ -140,6 +140,9 @@ class _Token:
     links: dict[tuple[str, str], float]
 
 
+TokenSplit = _Token  # what split_token gives (the calibrator takes it from the cluster's figures)
+
+
 def split_token(sample: StepSample, ts: float) -> _Token:
     """The communication is what the round trip leaves after the nodes' residences (each on its
     own clock, exact); the wall times at the hops' ends split it between the links (hosts'
@@ -255,7 +258,7 @@ class ClusterMetrics:
 
     async def follow(self, bus: ev.EventBus) -> None:
         """Take outcomes and plan changes from the bus, and sample the sparklines once a second."""
-        with bus.subscribe() as sub:
+        with bus.subscribe(kinds=(ev.RequestDone, ev.PlanChanged)) as sub:
             next_tick = self.clock()
             while True:
                 with contextlib.suppress(TimeoutError):
@@ -277,10 +280,11 @@ class ClusterMetrics:
 
     # ------------------------------------------------------------------ the ring
 
-    def step(self, sample: StepSample) -> None:
-        """A step's timing came back with its token (decode steps go into the ring's figures)."""
+    def step(self, sample: StepSample) -> _Token | None:
+        """A step's timing came back with its token (decode steps go into the ring's figures): its
+        split (None: not a decode step's)."""
         if sample.rows != 1 or not sample.hops:
-            return
+            return None
         now = self.clock()
         token = split_token(sample, now)
         self.ring.append(token)
@@ -292,6 +296,7 @@ class ClusterMetrics:
         for link, s in token.links.items():
             self.link_total[link] += s
         self.coordinator_total_s += token.coordinator_s
+        return token
 
     def link_probed(self, src: str, dst: str, rtt_s: float | None) -> None:
         """A link probe's round trip, or None when it failed."""

@@ -308,9 +308,10 @@ def reply(msg: Message, *, tensor: np.ndarray | None = None) -> Frame:
     return Frame(msg.TYPE, body=msg.to_body(), tensor=tensor)
 
 
-async def send(conn: Connection, msg: Message, *, tensor: np.ndarray | None = None, plan: int | None = None) -> None:
+async def send(conn: Connection, msg: Message, *, tensor: np.ndarray | None = None, plan: int | None = None,
+               hold_s: float = 0.0) -> None:
     """Send ``msg`` one way (see :meth:`Connection.send`)."""
-    await conn.send(msg.TYPE, msg.to_body(), tensor=tensor, plan=plan)
+    await conn.send(msg.TYPE, msg.to_body(), tensor=tensor, plan=plan, hold_s=hold_s)
 
 
 async def call_frame(conn: Connection, msg: Message, expect: type[R], *, tensor: np.ndarray | None = None,

@@ -27,7 +27,10 @@ Ordering and concurrency (the choice made here):
 * **Writes coalesce**: small frames sent in one turn of the event loop leave in one write at the
   end of that turn (one TLS record, one system call, one wake-up of the peer). A node that ran
   eight requests' steps together sends their eight results as one write, and the coordinator its
-  eight next steps; a lone frame waits only for the rest of the turn it was sent in.
+  eight next steps; a lone frame waits only for the rest of the turn it was sent in. A frame sent
+  with ``hold_s`` may wait longer, up to that long, for the frames after it: the last node of a
+  lease sends the coordinator the tokens it hands on so, a few to a write (the peer wakes once for
+  them); a frame sent without it takes the held ones along at the end of its turn.
 
 A handler's returned frame is sent back as the response of a call (its ``id`` and ``response``
 flag are set for you); ``None`` answers an empty ``ok`` frame. An exception answers an ``error``
@@ -52,6 +55,7 @@ import logging
 import ssl
 import struct
 import sys
+import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -173,6 +177,9 @@ class Connection:
         self._watchdog: asyncio.TimerHandle | None = None
         self._outbox: list[bytes] = []  # encoded frames to write at the end of this loop turn
         self._outbox_bytes = 0
+        self._flush_soon = False  # a write at the end of this loop turn is scheduled
+        self._held: asyncio.TimerHandle | None = None  # the write of held frames, at the first one's limit
+        self._held_since: float | None = None  # when the first frame held (hold_s) went into the outbox
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else "open"
@@ -243,12 +250,19 @@ class Connection:
         payload: bytes | bytearray | memoryview | None = None,
         plan: int | None = None,
         lane: str | None = None,
+        hold_s: float = 0.0,
     ) -> None:
         """Send a one-way frame (no response). Returns once it is written and the socket drained
-        enough (backpressure). ``lane``: see the module doc (default: the type)."""
+        enough (backpressure). ``lane``: see the module doc (default: the type). ``hold_s``: a
+        small frame may wait up to that long for the frames sent after it (see the module doc)."""
         if self._closing:
             raise self._closed_error()
-        await self._write(Frame(type, body or {}, tensor, payload, plan, 0, lane=lane))
+        await self._write(Frame(type, body or {}, tensor, payload, plan, 0, lane=lane), hold_s)
+
+    @property
+    def held_s(self) -> float:
+        """How long the oldest frame sent with ``hold_s`` has waited in the outbox (0: none waits)."""
+        return 0.0 if self._held_since is None else time.monotonic() - self._held_since
 
     def on_close(self, callback: CloseCallback) -> None:
         """Call ``callback(conn, reason)`` once when the connection closes (at once if it has).
@@ -312,13 +326,13 @@ class Connection:
             return reason
         return ConnectionClosed(f"connection to {self.peer} is closed" + (f": {reason}" if reason else ""))
 
-    async def _write(self, frame: Frame) -> None:
+    async def _write(self, frame: Frame, hold_s: float = 0.0) -> None:
         head, raw = encode_frame(frame)
         if self._closing:
             raise self._closed_error()
         w = self._writer
         if raw is None or len(raw) <= SMALL_FRAME:
-            self._hold(head if raw is None else head + raw)  # one TLS record for a hidden state
+            self._hold(head if raw is None else head + raw, hold_s)  # one TLS record for a hidden state
         else:
             self._flush()  # what was sent before goes first
             w.writelines((head, raw))  # no copy of a large payload here
@@ -328,17 +342,27 @@ class Connection:
             self._shutdown(ConnectionClosed(f"connection to {self.peer} lost: {e}"))
             raise self._closed_error() from None
 
-    def _hold(self, data: bytes) -> None:
-        """Queue ``data`` for the write at the end of this loop turn (at once past OUTBOX_BYTES,
-        so a sender that never yields cannot grow the queue without bound)."""
-        if not self._outbox:
-            self._loop.call_soon(self._flush)
+    def _hold(self, data: bytes, hold_s: float = 0.0) -> None:
+        """Queue ``data`` for the write at the end of this loop turn, or (``hold_s``) for the
+        next write, within ``hold_s`` (at once past OUTBOX_BYTES, so a sender that never yields
+        cannot grow the queue without bound)."""
         self._outbox.append(data)
         self._outbox_bytes += len(data)
         if self._outbox_bytes >= OUTBOX_BYTES:
             self._flush()
+        elif hold_s <= 0.0:
+            if not self._flush_soon:
+                self._flush_soon = True
+                self._loop.call_soon(self._flush)
+        elif self._held is None:
+            self._held_since = time.monotonic()
+            self._held = self._loop.call_later(hold_s, self._flush)
 
     def _flush(self) -> None:
+        self._flush_soon = False
+        if self._held is not None:
+            self._held.cancel()
+            self._held = self._held_since = None
         box = self._outbox
         if not box:
             return

@@ -30,6 +30,10 @@ from exo_tui.node.profile import NodeProfile, RequestRates
 log = logging.getLogger("exo_tui.node")
 
 FINISHED_MEMORY = 10_000  # ended requests remembered, so late steps of theirs are discarded
+# A token the last node hands on waits up to this long for the next ones, so that they go to the
+# coordinator a few to a write (one wake-up of its process, one TLS record: on one 2-core machine
+# each took CPU from the node's next step); a step longer than it sends each token at once.
+TOKEN_HOLD_S = 0.010
 
 
 class StepRouting:
@@ -113,9 +117,12 @@ class StepRouting:
                               None if verdict is None else verdict.accepted,
                               None if result.listed is None else [x.to_wire() for x in result.listed])
             tensor = None if scores is None else scores_to_array(scores)  # the prompt's scores, as the frame's tensor
-            # the token goes out at the end of this loop turn (writes coalesce), the handed step after it
-            await self._to_coordinator(token_msg, tensor=tensor, plan=f.plan)
-            if msg.ahead > 0 and verdict is None and token != FILLED and token not in (msg.halt_on or ()):
+            hand_on = msg.ahead > 0 and verdict is None and token != FILLED and token not in (msg.halt_on or ())
+            # the token goes out at the end of this loop turn (writes coalesce), the handed step after it;
+            # one handed on may wait for the next ones (TOKEN_HOLD_S), the lease's last takes them along
+            await self._to_coordinator(token_msg, tensor=tensor, plan=f.plan,
+                                       hold_s=self._token_hold_s(step) if hand_on else 0.0)
+            if hand_on:
                 await self._hand_off(step, plan, int(token))
             return
         nxt = plan.ring[step.hop + 1]
@@ -164,13 +171,24 @@ class StepRouting:
         log.warning("step of %s failed: %s", failure.rid, reason)
         await self._to_coordinator(failure, plan=step.frame.plan)
 
-    async def _to_coordinator(self, msg: Message, *, tensor: np.ndarray | None = None, plan: int | None = None) -> None:
+    def _token_hold_s(self, step: Step) -> float:
+        """How long a token this node hands on may wait for the next ones before it goes to the
+        coordinator: what TOKEN_HOLD_S leaves after the tokens already waiting, where the next
+        step (as long as this one) ends within it; else 0 (it goes at the end of this turn)."""
+        conn = self.coordinator
+        if conn is None:
+            return 0.0
+        left = TOKEN_HOLD_S - conn.held_s
+        return left if left >= step.compute_s else 0.0
+
+    async def _to_coordinator(self, msg: Message, *, tensor: np.ndarray | None = None, plan: int | None = None,
+                              hold_s: float = 0.0) -> None:
         conn = self.coordinator
         if conn is None or conn.is_closed:
             log.warning("no coordinator attached: dropping %s", msg.TYPE)
             return
         try:
-            await send(conn, msg, tensor=tensor, plan=plan)
+            await send(conn, msg, tensor=tensor, plan=plan, hold_s=hold_s)
         except (OSError, ConnectionError) as exc:
             log.warning("coordinator unreachable: %s", exc)
 

@@ -434,8 +434,8 @@ async def test_inline_types_run_in_the_read_loop_in_order(coord: Security, node:
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
 async def test_frames_sent_in_one_loop_turn_leave_in_one_write(coord: Security, node: Security, tls: bool):
     """A node that ran eight requests' steps together sends their eight results in one write (one
-    TLS record, one wake-up of the peer); order holds around a large frame, and a close still
-    sends what was held."""
+    TLS record, one wake-up of the peer); order holds around a large frame; frames sent with
+    ``hold_s`` wait for the next frame, or their hold; and a close still sends what was held."""
     coord, node = coord.replace(enable_tls=tls), node.replace(enable_tls=tls)
     app = App()
     # inline: the last frame is handled before the close that comes right behind it
@@ -462,11 +462,26 @@ async def test_frames_sent_in_one_loop_turn_leave_in_one_write(coord: Security, 
                                  conn.send("record", {"i": 11}))
             await until(lambda: len(app.seen) == 12)
             assert [i for _, i in app.seen[9:]] == [9, 10, 11]
-            await conn.send("record", {"i": 12})
+            # frames sent with hold_s wait across turns for the next one sent without, and leave with it
+            n = len(writes)
+            await conn.send("record", {"i": 12}, hold_s=60.0)
+            for _ in range(3):
+                await asyncio.sleep(0)  # turns of the loop pass
+            await conn.send("record", {"i": 13}, hold_s=60.0)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert len(writes) == n and conn.held_s > 0
+            await conn.send("record", {"i": 14})
+            await until(lambda: len(app.seen) == 15)
+            assert len(writes) == n + 1 and conn.held_s == 0
+            await conn.send("record", {"i": 15}, hold_s=0.05)  # alone, it goes when its hold ends
+            await until(lambda: len(app.seen) == 16)
+            assert len(writes) == n + 2
+            await conn.send("record", {"i": 16})
         finally:
             await conn.aclose()  # the held frame goes before the close
-        await until(lambda: len(app.seen) == 13)
-        assert app.seen[-1] == ("record", 12)
+        await until(lambda: len(app.seen) == 17)
+        assert app.seen[-1] == ("record", 16)
 
 
 async def test_both_sides_can_call(coord: Security, node: Security):
