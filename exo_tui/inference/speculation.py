@@ -212,9 +212,13 @@ class Speculation:
         n = max(1, self.streams()) if self.streams is not None and not self.reproducible else 1
         a = min(self.accept_rate, 0.999)
         best, gain = 0, 1 + (MIN_GAIN - 1) / n
+        line = self._cost_line()  # asked before every step (twice): the fit read once, not per k
+        power = a
         for k in range(1, min(most, MAX_DRAFT) + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            g = (n - 1 + tokens) / (n * (1 + self.step_cost(k)))
+            power *= a
+            tokens = (1 - power) / (1 - a)
+            cost = PRIOR_ROW_COST * k if line is None else max(line[0] + line[1] * k, 1e-3 * k)
+            g = (n - 1 + tokens) / (n * (1 + cost))
             if g > gain:
                 best, gain = k, g
         return best
@@ -223,13 +227,18 @@ class Speculation:
         """What ``k`` drafts add to a step, relative to the stream's 1-row step: the plan's
         measure, else this stream's own, else (and where it is :attr:`reproducible`)
         :data:`PRIOR_ROW_COST` a row."""
+        line = self._cost_line()
+        return PRIOR_ROW_COST * k if line is None else max(line[0] + line[1] * k, 1e-3 * k)
+
+    def _cost_line(self) -> tuple[float, float] | None:
+        """The measured cost of a step's drafts as (fixed, per row) over the 1-row step (None:
+        the prior's :data:`PRIOR_ROW_COST` a row): see :meth:`step_cost`."""
         if self.reproducible:
-            return PRIOR_ROW_COST * k
-        costs = self.costs if self.costs.measured else self.own
-        extra = costs.extra(k)
-        if extra is None or not self.step_s:
-            return PRIOR_ROW_COST * k
-        return max(extra / self.step_s, 1e-3 * k)
+            return None
+        fit = (self.costs if self.costs.measured else self.own).fit()
+        if fit is None or not self.step_s:
+            return None
+        return fit[0] / self.step_s, fit[1] / self.step_s
 
     def row_cost(self) -> float:
         """What each row past the first adds, on average over a k of 1 (see step_cost)."""

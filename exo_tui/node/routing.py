@@ -119,9 +119,10 @@ class StepRouting:
             tensor = None if scores is None else scores_to_array(scores)  # the prompt's scores, as the frame's tensor
             hand_on = msg.ahead > 0 and verdict is None and token != FILLED and token not in (msg.halt_on or ())
             # the token goes out at the end of this loop turn (writes coalesce), the handed step after it;
-            # one handed on may wait for the next ones (TOKEN_HOLD_S), the lease's last takes them along
+            # one of a handed step handed on may wait for the next ones (TOKEN_HOLD_S; the lease's last
+            # takes them along); a step the coordinator sent answers at once (its round trip is timed)
             await self._to_coordinator(token_msg, tensor=tensor, plan=f.plan,
-                                       hold_s=self._token_hold_s(step) if hand_on else 0.0)
+                                       hold_s=self._token_hold_s(step) if hand_on and msg.handed else 0.0)
             if hand_on:
                 await self._hand_off(step, plan, int(token))
             return
