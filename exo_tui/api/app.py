@@ -178,7 +178,7 @@ def create_app(coordinator: ServingCluster, *, api_key: str | None = None,
                                 f"{context - len(prompt_ids)}{context_note(coordinator)}", param="max_tokens",
                            code="context_length_exceeded")
         return GenRequest(prompt_ids, sampling(body), max_tokens, stops(body.stop), top_logprobs=top_logprobs,
-                          prompt_logprobs=prompt_logprobs, **speculation_of(body))
+                          prompt_logprobs=prompt_logprobs, seeded=body.seed is not None, **speculation_of(body))
 
     async def start(http: Request, request: GenRequest) -> Generation:
         """Start generating; wait for the first chunk so a cluster that cannot serve is a 503."""

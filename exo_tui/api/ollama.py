@@ -312,7 +312,9 @@ def ollama_router(coordinator: Any, prompts: Prompts | None = None) -> APIRouter
             raise OllamaError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds {context}: "
                                    f"shorten it{context_note(coordinator)}")
         room = context - len(prompt_ids)
-        return GenRequest(prompt_ids, params, min(num_predict or room, room), stops, **speculation_options(options))
+        seeded = isinstance(options, dict) and options.get("seed") is not None
+        return GenRequest(prompt_ids, params, min(num_predict or room, room), stops, seeded=seeded,
+                          **speculation_options(options))
 
     def speculation_options(options: Any) -> dict[str, Any]:
         """exo-tui's options ``speculative`` (off, auto or k) and ``prediction`` (text the answer

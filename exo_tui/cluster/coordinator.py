@@ -345,7 +345,8 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
         self.pipeline.pin_model(request.id, self._model_key)  # its prompt's tokens are this model's
         if request.speculation is None:
             mode = request.speculative if request.speculative is not None else self.speculative
-            request.speculation = Speculation.for_request(mode, request.predicted, sampled=not request.sampling.greedy)
+            request.speculation = Speculation.for_request(mode, request.predicted,
+                                                          seeded=not request.sampling.greedy and request.seeded)
         if request.speculation is not None and self.draft is not None:
             self.draft.attach(request.speculation, request.id, request.sampling)
         if request.speculation is not None:
@@ -378,11 +379,12 @@ class Coordinator(Membership, PlanSwitching, OperatorActions, Snapshots, Followi
 
     def new_request(self, messages: list[dict[str, str]], params: ChatParams) -> Request:
         assert self.model is not None
-        sampling = params.sampling(self.model.sampling).with_seed()
+        sampling = params.sampling(self.model.sampling)
         predicted = self.model.tokenizer.encode(params.prediction, add_special=False, parse_special=False) \
             if params.prediction else None
-        return Request(self.model.chat_prompt_ids(messages), sampling, params.max_tokens, tuple(params.stop),
-                       speculative=params.speculative, predicted=predicted)
+        return Request(self.model.chat_prompt_ids(messages), sampling.with_seed(), params.max_tokens,
+                       tuple(params.stop), speculative=params.speculative, predicted=predicted,
+                       seeded=sampling.seed is not None)
 
     async def chat(self, messages: list[dict[str, str]], params: ChatParams) -> AsyncGenerator[ChatChunk, None]:
         request = self.new_request(messages, params)

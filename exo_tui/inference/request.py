@@ -41,6 +41,9 @@ class Request:
     speculation: Speculation | None = None  # drafts checked by verify steps (None: plain steps only)
     speculative: str | int | None = None  # the request's own mode (off, auto, k); None: the cluster's
     predicted: list[int] | None = None  # OpenAI's prediction, tokenized: drafted from first
+    # The seed is its client's (or a console's :set seed), to give the same answer again; False:
+    # exo-tui chose it (SamplingParams.with_seed), and nobody can ask for the answer again
+    seeded: bool = True
 
     @property
     def tokens(self) -> list[int]:

@@ -23,12 +23,14 @@ measured (:data:`PROBES` verify steps), a stream whose lookup proposes something
 draft (a 2-row step: a probe), so the cost is this plan's, not a guess. A prediction (OpenAI's
 Predicted Outputs) starts from a high acceptance, since it is given to be copied.
 
-A sampled stream that drafts from a draft model decides from what its answer gives only: its
-acceptance so far, the mode and the drafts, one stream and :data:`PRIOR_ROW_COST` a row, no probe
-(``sampled``). Its tokens depend on where its verify steps fall (a drafted position's token comes
-from ``min(1, p/q)`` or the residual, a plain one's from ``p``), so timings or the streams beside
-it would make the same seed give another answer. Lookups and predictions need not: their sampled
-tokens are those of plain steps, wherever the steps fall (:mod:`exo_tui.inference.speculative`).
+A sampled stream with a seed its client gave (``seeded``) that drafts from a draft model decides
+from what its answer gives only: its acceptance so far, the mode and the drafts, one stream and
+:data:`PRIOR_ROW_COST` a row, no probe. Its tokens depend on where its verify steps fall (a
+drafted position's token comes from ``min(1, p/q)`` or the residual, a plain one's from ``p``), so
+timings or the streams beside it would make the same seed give another answer. A sampled stream
+whose seed exo-tui chose (no one can ask for its answer again) decides as a greedy one does, and
+so turns its drafts off where they would slow the ring. Lookups and predictions need not: their
+sampled tokens are those of plain steps, wherever the steps fall (:mod:`exo_tui.inference.speculative`).
 """
 
 from __future__ import annotations
@@ -147,9 +149,9 @@ class StepCosts:
 class Speculation:
     """A stream's speculation: asked for a draft before each step, told how the step went."""
 
-    def __init__(self, mode: str | int, sources: Sequence[DraftSource], sampled: bool = False) -> None:
+    def __init__(self, mode: str | int, sources: Sequence[DraftSource], seeded: bool = False) -> None:
         self.mode = parse_mode(mode)
-        self.sampled = sampled  # the request samples (temperature > 0): see reproducible
+        self.seeded = seeded  # the request samples (temperature > 0) with its client's seed: see reproducible
         self.drafter = Drafter(sources)
         self.predicted = any(isinstance(s, Prediction) for s in sources)
         self.stats = SpeculationStats()
@@ -163,9 +165,10 @@ class Speculation:
 
     @classmethod
     def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True,
-                    sampled: bool = False) -> Speculation | None:
+                    seeded: bool = False) -> Speculation | None:
         """The speculation of a request: its prediction's tokens first, then prompt lookup; None
-        when the mode is off. ``sampled``: the request samples (temperature > 0)."""
+        when the mode is off. ``seeded``: the request samples (temperature > 0) with a seed its
+        client gave."""
         mode = parse_mode(mode)
         if mode == "off":
             return None
@@ -174,14 +177,14 @@ class Speculation:
             sources.append(Prediction(predicted))
         if lookup:
             sources.append(PromptLookup())
-        return cls(mode, sources, sampled)
+        return cls(mode, sources, seeded)
 
     @property
     def reproducible(self) -> bool:
-        """Whether its k must not depend on timings or load: a sampled stream with a source whose
-        drafts come with probabilities (a draft model), whose answer depends on where its verify
-        steps fall; the seed then gives the same answer again."""
-        return self.sampled and any(not s.cheap for s in self.drafter.sources)
+        """Whether its k must not depend on timings or load: a stream sampled with its client's
+        seed and a source whose drafts come with probabilities (a draft model), whose answer
+        depends on where its verify steps fall; the seed then gives the same answer again."""
+        return self.seeded and any(not s.cheap for s in self.drafter.sources)
 
     # ------------------------------------------------------------------ asking
 

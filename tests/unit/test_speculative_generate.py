@@ -133,7 +133,7 @@ def test_a_seeded_sampled_answer_repeats_under_auto_whatever_it_measures(
     try:
         for i, (costs, streams, step_s) in enumerate(CONDITIONS.values()):
             spec = Speculation.for_request("auto", plain.generated if source == "prediction" else None,
-                                           lookup=source != "prediction", sampled=True)
+                                           lookup=source != "prediction", seeded=True)
             assert spec is not None
             if source == "model":
                 spec.drafter.sources.insert(0, InProcessDrafts(draft, f"r{i}", sampling))
@@ -148,3 +148,25 @@ def test_a_seeded_sampled_answer_repeats_under_auto_whatever_it_measures(
     assert any(ks) and len(texts[0]) > 20
     if source != "model":  # drafts without probabilities: the tokens plain steps give
         assert request.generated == plain.generated
+
+
+def test_a_draft_model_turns_off_where_it_slows_the_ring_unless_the_client_seeded_the_answer(
+        model: Model, tmp_path: Path) -> None:
+    """Under 8 streams whose verify rows cost a ring's step each, a sampled stream whose seed
+    exo-tui chose (nobody can ask for its answer again) runs none of its draft model's drafts,
+    as a greedy one would not; one whose client gave the seed keeps the k its answer alone gives
+    (above: the seed gives the same answer again)."""
+    sampling = SamplingParams(temperature=0.9, seed=11)
+    draft = DraftModel.open(GGUFModel(write_tiny_llama(tmp_path / "d.gguf", weight_type="Q4_0", seed=3)), "onnx")
+    drafted = {}
+    try:
+        for seeded in (True, False):
+            spec = Speculation.for_request("auto", lookup=False, seeded=seeded)
+            assert spec is not None
+            spec.drafter.sources.insert(0, InProcessDrafts(draft, f"r{seeded}", sampling))
+            spec.costs, spec.step_s, spec.streams = measured(2.0), 0.01, lambda: 8
+            asyncio.run(answer(model, request_of(model, sampling, spec), ["onnx"]))
+            drafted[seeded] = spec.stats.drafted
+    finally:
+        draft.close()
+    assert drafted[True] > 0 and drafted[False] == 0, drafted
