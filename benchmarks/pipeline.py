@@ -18,7 +18,10 @@ step: ``(step(N) - step(1)) / (N - 1)``.
 process (the same generation loop over :class:`~exo_tui.inference.local.LocalPipeline`, the same
 speculation mode as the coordinator's): "served ÷ in-process" is a cluster's tok/s over it. A
 second table splits each cluster's decode token as the coordinator's ring figures do (the nodes'
-compute and queue, the links, the coordinator's own share) and counts the hops a token crosses.
+compute and queue, the links, the coordinator's own share), counts the hops a token crosses, and
+gives the CPU a token of the coordinator's process and of the cluster's node processes (a stream's
+CPU time over its tokens, medians) beside the in-process loop's: on a machine other work keeps
+busy, CPU a token moves far less than wall time.
 
 ``--variants`` runs every cluster in each of these ONNX settings, side by side: ``default``
 (intra-op threads spin up to ``SPIN_US`` between the ops of a step), ``nospin`` (they never spin,
@@ -91,6 +94,23 @@ async def _local_steps(pipeline: LocalPipeline, c: Coordinator, tokens: int) -> 
     return [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
 
 
+def _cpu(c: Coordinator | None) -> tuple[float, float]:
+    """CPU seconds so far of this process and of ``c``'s node processes (none: in process)."""
+    import psutil
+
+    nodes = 0.0
+    for node in (c._local if c is not None else ()):  # noqa: SLF001 - the benchmark reads its own cluster
+        try:
+            nodes += sum(psutil.Process(node.process.pid).cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return time.process_time(), nodes
+
+
+def _per_token(before: tuple[float, float], after: tuple[float, float], tokens: int) -> tuple[float, float]:
+    return (after[0] - before[0]) / tokens, (after[1] - before[1]) / tokens
+
+
 def _split(ring: list[Any]) -> dict[str, float]:
     """The mean decode token of these ring figures' tokens, split (seconds), and the links it crossed."""
     if not ring:
@@ -141,17 +161,25 @@ async def _group(
         if local is not None:
             gaps[("in-process", 1)] = []
         timed: dict[tuple[str, int], list[Any]] = {k: [] for k in coordinators}
+        cpu: dict[tuple[str, int], list[tuple[float, float]]] = {k: [] for k in gaps}
         for _ in range(rounds):
             for k, c in coordinators.items():
                 c.pipeline.lease_tokens = 1 if k[0] == "no-handoff" else LEASE_TOKENS
                 began = time.monotonic()
+                before = _cpu(c)
                 gaps[k].append(statistics.mean(await _steps(c, tokens)))
+                cpu[k].append(_per_token(before, _cpu(c), tokens))
                 timed[k] += [t for t in c.metrics.ring if t.ts >= began]
             if local is not None:
+                before = _cpu(None)
                 gaps[("in-process", 1)].append(statistics.mean(await _local_steps(local, c0, tokens)))
+                cpu[("in-process", 1)].append(_per_token(before, _cpu(None), tokens))
         if splits is not None:
             for k, ring in timed.items():
                 splits[k] = _split(ring)
+            for k, got in cpu.items():
+                splits.setdefault(k, {}).update(cpu_self=statistics.median(x for x, _ in got),
+                                                cpu_nodes=statistics.median(y for _, y in got))
         return {k: statistics.median(g) for k, g in gaps.items()}
     finally:
         if local is not None:
@@ -213,17 +241,23 @@ def main() -> None:
             if local:
                 print(f"| {loop} | {'on' if tls else 'off'} | in-process | 1 | {local * 1000:.1f} | {1 / local:.1f} | – | – |")
     if any(k[2] == "in-process" for k in med):
-        print("\nEach cluster's decode token as its ring figures split it (means, ms), and served ÷ in-process\n")
-        print("| loop | TLS | variant | nodes | compute | queue | links | coordinator | hops a token | served ÷ in-process |")
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("\nEach cluster's decode token as its ring figures split it (means, ms), served ÷ in-process, and the "
+              "CPU a token (ms) of the coordinator's process / its nodes' (in process: the one process's)\n")
+        print("| loop | TLS | variant | nodes | compute | queue | links | coordinator | hops a token | served ÷ in-process "
+              "| CPU a token |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for (loop, tls, variant, n), parts in splits.items():
             local = med.get((loop, tls, "in-process", 1))
             ratio = f"{local / med[(loop, tls, variant, n)]:.2f}" if local else "–"
-            if not parts:
-                continue
             ms = {k: f"{v * 1000:.2f}" for k, v in parts.items()}
+            if variant == "in-process":
+                print(f"| {loop} | {'on' if tls else 'off'} | in-process | 1 | | | | | | 1.00 | {ms['cpu_self']} |")
+                continue
+            if "compute" not in parts:
+                continue
             print(f"| {loop} | {'on' if tls else 'off'} | {variant} | {n} | {ms['compute']} | {ms['queue']} | "
-                  f"{ms['links']} | {ms['coordinator']} | {parts['hops']:.1f} | {ratio} |")
+                  f"{ms['links']} | {ms['coordinator']} | {parts['hops']:.1f} | {ratio} | "
+                  f"{ms['cpu_self']} / {ms['cpu_nodes']} |")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from exo_tui.cluster.metrics import StepSample, TokenSplit, split_token
@@ -87,13 +87,17 @@ def _median(values: Iterable[float]) -> float | None:
 Points = dict[tuple[str, Bucket], list[tuple[float, float, int]]]  # (layers, figure, samples) per node and load
 
 
-def _head_layers(plain: Points, heads: Points) -> dict[tuple[str, Bucket], float]:
+def _head_layers(plain: Points, heads: Points, quota: Collection[str] = ()) -> dict[tuple[str, Bucket], float]:
     """The output head's decode time in layers, for each node (and load) measured with the head
     (its step's time at each count of layers it held with it) and either without it on about as
     many layers (within :data:`HEAD_NEAR_LAYERS`: a layer's time depends on how many a shard
     holds; the head is what the step leaves beyond its layers) or with it at two counts of layers
     at least :data:`HEAD_FIT_LAYERS` apart (the step's time over its layers is a line: its slope a
-    layer's time, what it leaves at no layers the head's)."""
+    layer's time, what it leaves at no layers the head's); else, against the layer time of the
+    other nodes measured without it on about as many layers (the median; not nodes under a CPU
+    quota, ``quota``): a ring measures its last node with the head only, and the head's bytes
+    (SmolLM2's: 13.6 layers against the 5 it takes on ONNX) made that node's layer 0.65 of its
+    time, and the plan putting every layer on it 1.2× too fast."""
     out = {}
     for key, got in heads.items():
         units, residence, _ = max(got, key=lambda g: g[2])
@@ -106,6 +110,11 @@ def _head_layers(plain: Points, heads: Points) -> dict[tuple[str, Bucket], float
         if high[0] - low[0] >= HEAD_FIT_LAYERS and high[1] > low[1]:
             rate = (high[1] - low[1]) / (high[0] - low[0])
             out[key] = max(0.0, low[1] / rate - low[0])
+            continue
+        peers = _median(p[1] for (nid, bucket), pts in plain.items() if bucket == key[1] and nid != key[0]
+                        and nid not in quota for p in pts if abs(p[0] - units) <= HEAD_NEAR_LAYERS and p[1] > 0)
+        if peers:
+            out[key] = max(0.0, residence - peers * units) / peers
     return out
 
 
@@ -146,11 +155,17 @@ class Calibrator:
         # nodes their CPU quota held back at their last heartbeat: their step times hold the quota's
         # wait, so the planner is not given the quota again (it would count the wait twice)
         self.held: set[str] = set()
+        self.quota: set[str] = set()  # nodes under a CPU quota (their heartbeats say)
 
     def heartbeat(self, node_id: str, metrics: dict[str, Any]) -> None:
         """A node's heartbeat: the CPU its process took since the last one over the time its runs
         took, where it ran enough to tell (:data:`MIN_BUSY`) and no quota held it back (then
         the CPU is the quota's, not what its runs would take)."""
+        quota = metrics.get("cpu_quota_cores")
+        if isinstance(quota, (int, float)) and quota > 0:
+            self.quota.add(node_id)
+        else:
+            self.quota.discard(node_id)
         cpu, busy = metrics.get("cpu_time_s"), metrics.get("busy_s")
         if not isinstance(cpu, (int, float)) or not isinstance(busy, (int, float)):
             return
@@ -159,7 +174,6 @@ class Calibrator:
         if last is None or now <= last[0]:
             return
         dt, d_cpu, d_busy = now - last[0], cpu - last[1], busy - last[2]
-        quota = metrics.get("cpu_quota_cores")
         held = isinstance(quota, (int, float)) and quota > 0 and d_cpu / dt > QUOTA_HELD * quota
         if held:
             self.held.add(node_id)
@@ -237,7 +251,7 @@ class Calibrator:
         for (nid, bucket, units), s in self.head.items():
             if (got := s.mean(now)) is not None:
                 heads[(nid, bucket)].append((units, got[0], got[1]))
-        head_layers = _head_layers(plain, heads)
+        head_layers = _head_layers(plain, heads, self.quota)
         by_load: dict[str, dict[Bucket, NodeMeasure]] = defaultdict(dict)
         for key in {*plain, *heads}:
             nid, bucket = key

@@ -6,8 +6,9 @@ its connection to the coordinator, which resolves the step's future.
 
 The hand-off: a plain decode step (no drafts, nothing to rebuild) goes out with a lease of
 ``lease_tokens - 1`` more steps (``ahead``): the last hop hands each token it draws straight to the
-first hop as the next step's, and tells the coordinator of it in parallel, so a token crosses the
-ring's links only, not the coordinator's. The coordinator still sees every token, in order, and
+first hop as the next step's, and tells the coordinator of it in parallel (a handed step's tokens
+a few to a write, within ``TOKEN_HOLD_S`` of node/routing.py), so a token crosses the ring's links
+only, not the coordinator's. The coordinator still sees every token, in order, and
 decides the answer's end: the lease never runs past ``max_tokens`` or the context, stops at an
 end-of-sequence token (``halt_on``), and a stop string, a cancel or a failure abandons the rest
 (the nodes discard a handed step of a request dropped or sent a newer step, ``lead``); what the

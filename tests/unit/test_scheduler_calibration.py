@@ -224,3 +224,22 @@ def test_a_node_measured_on_shards_of_two_sizes_is_predicted_between_them() -> N
     b = calibrate([_node("b")], SPEC, Measurements({"b": NodeMeasure(1.2e-3, None, 20, 0.0, ((L / 4, 1.2e-3),))}))[0]
     pred = predict([("a", 0, 1), ("b", 1, L)], {"a": a, "b": b}, SPEC)
     assert pred.node("b").compute_s == pytest.approx((L - 1) * 1.2e-3 * np.interp(L - 1, [L / 4, L], [1, 2]))
+
+
+def test_the_head_of_a_node_measured_only_with_it_is_its_time_beyond_its_peers_layers() -> None:
+    """A ring measures its last node with the head only (1 ms a layer, its head 5 layers' time):
+    against the layer time of the node measured without it (not b's, held to a CPU quota), the
+    plan that puts every layer on it is predicted at its measured speed, not by the head's bytes."""
+    t = [0.0]
+    c = Calibrator(clock=lambda: t[0])
+    L, third = SPEC.n_layers, SPEC.n_layers // 3
+    ring = _ring(1, ("a", 0, third), ("b", third, 2 * third), ("c", 2 * third, L))
+    c.heartbeat("b", {"cpu_time_s": 0.0, "busy_s": 0.0, "cpu_quota_cores": 0.25})
+    for _ in range(6):
+        t[0] += 0.1
+        _step(c, ring, {"a": 1e-3 * shard_layer_units(SPEC, 0, third), "b": 4e-3 * shard_layer_units(SPEC, third, 2 * third),
+                        "c": 1e-3 * shard_layer_units(SPEC, 2 * third, L, head_layers=5.0)})
+    m = c.measurements()
+    alone = predict([("c", 0, L)], {p.node_id: p for p in calibrate([_node(n) for n in "abc"], SPEC, m)}, SPEC)
+    assert alone.node("c").compute_s == pytest.approx(1e-3 * shard_layer_units(SPEC, 0, L, head_layers=5.0))
+    assert m.nodes["c"].head_layers == pytest.approx(5.0) and m.nodes["c"].decode_s_per_layer == pytest.approx(1e-3)
