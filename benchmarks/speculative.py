@@ -26,7 +26,8 @@ The clusters are all up at once and take turns, ``--rounds`` times, every other 
 reverse order (a shared machine's speed drifts over minutes; measured one after the other, the
 drift would land in the ratios). Then, per
 stage of a 3-way split of the model, in this process: the time of a step of ``k + 1`` rows against
-a 1-row step (what a verify step costs a node), on ONNX and MLX. Medians.
+a 1-row step (what a verify step costs a node), on ONNX and MLX, and among 8 streams' decode steps
+what one stream's verify step adds to their batched step, its rows in the batch and apart. Medians.
 
     python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft | --draft-only] [--nodes 1,3]
         [--tasks copy,chat,streams] [--stages-only] [--stage-backends onnx,mlx] [--ks 1,4,8,16,32] [--repeats 15]
@@ -288,6 +289,73 @@ def _print_stage_costs(ks: list[int], repeats: int, backends: list[str]) -> None
             print(f"| {backend} | {stage} | {mine[0][2] * 1000:.2f} | " + " | ".join(cells) + " |")
 
 
+def _batch_costs(ks: list[int], repeats: int, backend: str) -> list[tuple[str, int, float, float, float]]:
+    """Per stage of a 3-way split of the default model on ``backend``, 8 streams at 200 positions
+    cached: the CPU seconds of their batched decode step, and of that step with one stream's
+    verify step of ``k + 1`` rows instead of its token, in the batch (``forward_batch``, every row's
+    logits on the last stage) and apart (the other 7 batched, the verify step alone: a second
+    pass over the weights). Medians."""
+    import numpy as np
+
+    from exo_tui.inference.local import even_split, load_shards
+    from exo_tui.models.catalog import resolve_model
+    from exo_tui.models.gguf_file import GGUFModel
+
+    model = GGUFModel(resolve_model())
+    shards = load_shards(model, even_split(model.config.n_layers, [backend] * 3))
+    rids = [f"s{i}" for i in range(STREAMS)]
+    out = []
+    try:
+        rng = np.random.default_rng(0)
+        for shard in shards:
+            def x_of(t: int, shard: Any = shard) -> np.ndarray:
+                if shard.is_first:
+                    return rng.integers(0, model.config.vocab_size, size=t)
+                return rng.standard_normal((t, model.config.hidden_size)).astype(np.float32)
+
+            for rid in rids:
+                shard.forward(rid, x_of(200), np.arange(200))
+
+            def timed(rows: int, together: bool, shard: Any = shard) -> float:
+                times = []
+                for _ in range(repeats + 1):
+                    items = [(rid, x_of(rows if i == 0 else 1), np.arange(200, 200 + (rows if i == 0 else 1)))
+                             for i, rid in enumerate(rids)]
+                    every = [0] if shard.is_last and rows > 1 else []
+                    t0 = time.process_time()
+                    if together or rows == 1:
+                        shard.forward_batch(items, every)
+                    else:
+                        shard.forward_batch(items[1:])
+                        shard.forward(*items[0], all_logits=shard.is_last)
+                    times.append(time.process_time() - t0)
+                    for rid in rids:
+                        shard.truncate_kv(rid, 200)
+                return statistics.median(times[1:])
+
+            plain = timed(1, True)
+            name = f"[{shard.start}, {shard.end})" + (" + head" if shard.is_last else "")
+            out += [(name, k, plain, timed(k + 1, True), timed(k + 1, False)) for k in ks]
+    finally:
+        for shard in shards:
+            shard.close()
+    return out
+
+
+def _print_batch_costs(ks: list[int], repeats: int, backends: list[str]) -> None:
+    print(f"\nA verify step among {STREAMS} streams' decode steps, per stage (3-way split, 200 positions cached, one "
+          "thread, CPU time): the step with one stream's k + 1 rows ÷ the plain batched step, its rows in the batch / "
+          "apart (a pass of its own)\n")
+    print(f"| backend | stage | {STREAMS} streams, ms | " + " | ".join(f"k={k}" for k in ks) + " |")
+    print("|---|---|---:|" + "---:|" * len(ks))
+    for backend in backends:
+        costs = _batch_costs(ks, repeats, backend)
+        for stage in dict.fromkeys(c[0] for c in costs):
+            mine = [c for c in costs if c[0] == stage]
+            cells = [f"{c[3] / c[2]:.2f} / {c[4] / c[2]:.2f}" for c in mine]
+            print(f"| {backend} | {stage} | {mine[0][2] * 1000:.2f} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -323,6 +391,7 @@ def main() -> None:
 
     if args.stages_only:
         _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
+        _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
         return
     draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
@@ -387,6 +456,7 @@ def main() -> None:
     if draft_runs:
         _print_draft(draft_runs, sizes, target, draft)
     _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
+    _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
 
 
 if __name__ == "__main__":
