@@ -30,7 +30,8 @@ a 1-row step (what a verify step costs a node), on ONNX and MLX, and among 8 str
 what one stream's verify step adds to their batched step, its rows in the batch and apart. Medians.
 
     python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft | --draft-only] [--nodes 1,3]
-        [--tasks copy,chat,streams] [--stages-only] [--stage-backends onnx,mlx] [--ks 1,4,8,16,32] [--repeats 15]
+        [--tasks copy,chat,streams] [--stages-only] [--stage-backends onnx,mlx] [--batch-backends onnx]
+        [--ks 1,4,8,16,32] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -216,6 +217,29 @@ def _llama(model: Path, threads: int, tokens: int, rounds: int) -> dict[str, lis
     return out
 
 
+def _split_shards(backend: str) -> tuple[Any, list[Any]]:
+    """The default model and its shards, a 3-way split on ``backend`` (the caller closes them)."""
+    from exo_tui.inference.local import even_split, load_shards
+    from exo_tui.models.catalog import resolve_model
+    from exo_tui.models.gguf_file import GGUFModel
+
+    model = GGUFModel(resolve_model())
+    return model, load_shards(model, even_split(model.config.n_layers, [backend] * 3))
+
+
+def _rows_of(model: Any, shard: Any, rng: Any) -> Any:
+    """A function of ``t``: random inputs of ``t`` rows for ``shard`` (token ids on the first
+    stage, else hidden states)."""
+    import numpy as np
+
+    def x_of(t: int) -> np.ndarray:
+        if shard.is_first:
+            return rng.integers(0, model.config.vocab_size, size=t)
+        return rng.standard_normal((t, model.config.hidden_size)).astype(np.float32)
+
+    return x_of
+
+
 def _stage_costs(ks: list[int], repeats: int, backend: str) -> list[tuple[str, int, float, dict[str, float]]]:
     """Per stage of a 3-way split of the default model on ``backend``, after 200 positions cached:
     a 1-row step's median CPU seconds (the last stage's with its token drawn), and a (k + 1)-row
@@ -226,26 +250,18 @@ def _stage_costs(ks: list[int], repeats: int, backend: str) -> list[tuple[str, i
     step's wall time measures the neighbours as much as the step."""
     import numpy as np
 
-    from exo_tui.inference.local import even_split, load_shards
     from exo_tui.inference.sampling import Length, Sampler, SamplingParams
-    from exo_tui.models.catalog import resolve_model
-    from exo_tui.models.gguf_file import GGUFModel
 
-    model = GGUFModel(resolve_model())
-    shards = load_shards(model, even_split(model.config.n_layers, [backend] * 3))
+    model, shards = _split_shards(backend)
     sampler = Sampler(SamplingParams(temperature=0.0))
     rows_out = []
     try:
         rng = np.random.default_rng(0)
         for shard in shards:
-            def x_of(t: int, shard: Any = shard) -> np.ndarray:
-                if shard.is_first:
-                    return rng.integers(0, model.config.vocab_size, size=t)
-                return rng.standard_normal((t, model.config.hidden_size)).astype(np.float32)
-
+            x_of = _rows_of(model, shard, rng)
             shard.forward("warm", x_of(200), np.arange(200))
 
-            def timed(t: int, how: str, shard: Any = shard) -> float:
+            def timed(t: int, how: str, shard: Any = shard, x_of: Any = x_of) -> float:
                 times = []
                 for _ in range(repeats + 1):
                     x, pos = x_of(t), np.arange(200, 200 + t)
@@ -297,26 +313,17 @@ def _batch_costs(ks: list[int], repeats: int, backend: str) -> list[tuple[str, i
     pass over the weights). Medians."""
     import numpy as np
 
-    from exo_tui.inference.local import even_split, load_shards
-    from exo_tui.models.catalog import resolve_model
-    from exo_tui.models.gguf_file import GGUFModel
-
-    model = GGUFModel(resolve_model())
-    shards = load_shards(model, even_split(model.config.n_layers, [backend] * 3))
+    model, shards = _split_shards(backend)
     rids = [f"s{i}" for i in range(STREAMS)]
     out = []
     try:
         rng = np.random.default_rng(0)
         for shard in shards:
-            def x_of(t: int, shard: Any = shard) -> np.ndarray:
-                if shard.is_first:
-                    return rng.integers(0, model.config.vocab_size, size=t)
-                return rng.standard_normal((t, model.config.hidden_size)).astype(np.float32)
-
+            x_of = _rows_of(model, shard, rng)
             for rid in rids:
                 shard.forward(rid, x_of(200), np.arange(200))
 
-            def timed(rows: int, together: bool, shard: Any = shard) -> float:
+            def timed(rows: int, together: bool, shard: Any = shard, x_of: Any = x_of) -> float:
                 times = []
                 for _ in range(repeats + 1):
                     items = [(rid, x_of(rows if i == 0 else 1), np.arange(200, 200 + (rows if i == 0 else 1)))
@@ -371,6 +378,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15, help="steps timed per stage and k (medians)")
     ap.add_argument("--stage-backends", default=",".join(b for b in ("onnx", "mlx") if b in available_backends()),
                     help="the backends whose verify step is timed per stage")
+    ap.add_argument("--batch-backends", default="onnx",
+                    help="the backends whose verify step among 8 streams is timed per stage (MLX on the CPU: minutes)")
     ap.add_argument("--stages-only", action="store_true", help="only the verify step's cost per stage")
     ap.add_argument("--tasks", default=",".join(TASKS), help="the cases run on the clusters: some of copy,chat,streams")
     args = parse(ap, rounds=1, tokens=8, ks="1,4", nodes="1", repeats=2)
@@ -391,7 +400,7 @@ def main() -> None:
 
     if args.stages_only:
         _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
-        _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
+        _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.batch_backends.split(","))
         return
     draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
@@ -456,7 +465,7 @@ def main() -> None:
     if draft_runs:
         _print_draft(draft_runs, sizes, target, draft)
     _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
-    _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
+    _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.batch_backends.split(","))
 
 
 if __name__ == "__main__":
