@@ -10,8 +10,10 @@ STAMP  := $(VENV)/.installed
 run: setup
 	$(BIN)/exo-tui $(ARGS)
 
+# The suite runs on one worker process per core, at most 4 (pytest-xdist; a file's tests on one
+# worker, the slowest files first: tests/helpers/schedule.py). PYTEST_ARGS="-n 0" runs it in one process.
 test: setup system-deps
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)
 
 setup: $(STAMP)
 

@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random GGUF models, the real default model, process cleanup."""
+"""Shared fixtures: tiny random GGUF models, the real default model, process cleanup; how
+``make test`` spreads the suite over workers (tests/helpers/schedule.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,27 @@ from tests.factory import write_tiny_llama
 # drawing examples is slow. A test that needs more names it in its own settings.
 settings.register_profile("exo-tui", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("exo-tui")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: see tests/helpers/schedule.py (xdist's own count where
+    PYTEST_XDIST_AUTO_NUM_WORKERS is set)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    from tests.helpers.schedule import auto_workers
+
+    return auto_workers()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.helpers.schedule import FileScheduling
+
+    return FileScheduling(config, log)
+
 
 WEIGHT_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.helpers.sshd import SshServer, ThrowawayUser
+from tests.helpers.workers import share
 
 
 class NetemUnavailable(RuntimeError):
@@ -117,8 +118,9 @@ class NetnsLab:
     def create(cls, n: int = 3, workdir: Path | None = None) -> NetnsLab:
         tag = secrets.token_hex(2)
         used = _ip("-4", "addr").stdout
+        thirds = share(1, 251)  # this worker's subnets: two workers never take the same one at once
         for _ in range(50):
-            third = 1 + secrets.randbelow(250)
+            third = thirds[secrets.randbelow(len(thirds))]
             subnet = f"10.250.{third}"
             if f"inet {subnet}." not in used:
                 break

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers.workers import share
+
 SSHD = Path("/usr/sbin/sshd")
 TEST_ROOT = Path("/tmp/exo-tui-test-hosts")  # world-traversable, so throwaway homes can live here
 
@@ -63,10 +65,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a process to bind a little later: below the kernel's ephemeral range,
     so no socket bound to port 0 (a node agent's, a local node's) and no outgoing connection can
     take it in the meantime (one from that range once was: a join endpoint's port went to the
-    serve's own local node), and never the same one twice in a test run."""
+    serve's own local node), and never the same one twice in a test run: each worker of the run
+    takes its own part of the range (:func:`tests.helpers.workers.share`) and remembers what it
+    gave."""
     lo, _ = _ephemeral_range()
-    for _ in range(200):
-        port = 10000 + secrets.randbelow(max(1, lo - 10000))
+    ports = share(10000, lo) if lo > 10000 else range(0)
+    for _ in range(200 if ports else 0):
+        port = ports[secrets.randbelow(len(ports))]
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import platformdirs
 
+from exo_tui.paths import file_lock
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,10 +26,18 @@ def wheelhouse_dir() -> Path:
 
 
 def ensure_wheelhouse() -> tuple[Path | None, str]:
-    """(directory, "") when ready, else (None, why)."""
+    """(directory, "") when ready, else (None, why). Built by one process at a time (the suite's
+    workers may all ask at once): the others wait, then take what it built."""
     dest = wheelhouse_dir()
     if (dest / ".complete").exists():
         return dest, ""
+    with file_lock(dest.with_name(dest.name + ".lock")):
+        if (dest / ".complete").exists():
+            return dest, ""
+        return _build(dest)
+
+
+def _build(dest: Path) -> tuple[Path | None, str]:
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -7,6 +7,8 @@ deliberate change, and look at the report before committing.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from exo_tui.tui.screens.detail import NodeDetailScreen
@@ -118,3 +120,11 @@ VIEWS = {
 def test_view(snap_compare, make_app, view: str, size: tuple[int, int], theme: str) -> None:
     app = make_app(theme=theme)
     assert snap_compare(app, run_before=VIEWS[view], terminal_size=size)
+
+
+def test_every_stored_snapshot_is_of_a_view_here() -> None:
+    """A snapshot left behind by a renamed or removed view fails here. syrupy finds such files
+    itself only in a run on one process; ``make test`` runs on several (pytest-xdist)."""
+    stored = {p.name for p in (Path(__file__).parent / "__snapshots__" / "test_snapshots").glob("*.svg")}
+    made = {f"test_view[{view}-{w}x{h}-{theme}].svg" for view in VIEWS for w, h in SIZES for theme in THEMES}
+    assert stored - made == set(), "snapshots of no view: delete them"
