@@ -12,7 +12,9 @@ Tasks (greedy, so every configuration gives the same text; the benchmark checks 
 * ``chat``: a free question; speculation ``auto`` (prompt lookup, drafting only where it measures a
   gain). Target: >= 0.97x off.
 * headline: the 3-node ring with speculation against one node without, on ``copy``: >= 1.0x.
-* 8 streams at once, one node and ring, ``auto`` against ``off``: the throughput must not drop.
+* 8 streams at once, one node and ring, ``auto`` against ``off``: the throughput must not drop;
+  also the copies with their prediction, under ``auto`` and at a fixed ``--stream-k`` (their verify
+  steps run, batched with the other streams' decode steps).
 * ``draft``: a draft model (``--draft``): the default Q4_1 file drafting for its own F16
   requantization (``benchmarks/draft_f16.py``, llama.cpp's quantizer) on free chat, the F16 model
   served with the draft model against without, ``auto`` and a fixed ``k`` of 4. Target: >= 1.5x off,
@@ -30,7 +32,8 @@ a 1-row step (what a verify step costs a node), on ONNX and MLX, and among 8 str
 what one stream's verify step adds to their batched step, its rows in the batch and apart. Medians.
 
     python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft | --draft-only] [--nodes 1,3]
-        [--tasks copy,chat,streams] [--stages-only] [--stage-backends onnx,mlx] [--batch-backends onnx]
+        [--tasks copy,chat,streams] [--stages-only | --no-stages] [--stage-backends onnx,mlx] [--batch-backends onnx]
+        [--stream-k 4]
         [--ks 1,4,8,16,32] [--repeats 15]
 """
 
@@ -88,7 +91,7 @@ CASES = [  # (name, nodes, task, speculation, with the prediction)
 
 
 async def _clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int, ...] = (1, 3),
-                    tasks: tuple[str, ...] = TASKS) -> dict[tuple[str, int], list[dict[str, Any]]]:
+                    tasks: tuple[str, ...] = TASKS, stream_k: int = 4) -> dict[tuple[str, int], list[dict[str, Any]]]:
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
 
@@ -114,11 +117,14 @@ async def _clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int, ...]
                 if "streams" not in tasks:
                     break
                 answer = c.model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"]) if "copy" in tasks else None
-                modes = (("off", False), ("auto", False), ("auto", True))[: 3 if answer else 2]
+                modes: tuple[tuple[str | int, bool], ...] = (("off", False), ("auto", False))
+                if answer:  # the copies with their prediction: under auto, and at a fixed k (their verify
+                    # steps run; the chats under auto)
+                    modes += (("auto", True), (stream_k, True))
                 for mode, predicted in modes if r % 2 == 0 else modes[::-1]:
                     t0 = time.perf_counter()
                     answers = await asyncio.gather(*(
-                        _decode(c, CHAT, tokens, mode) if i % 2 else
+                        _decode(c, CHAT, tokens, mode if isinstance(mode, str) else "auto") if i % 2 else
                         _decode(c, COPY, tokens, mode, answer if predicted else None) for i in range(STREAMS)))
                     name = f"{STREAMS} streams {mode}" + (" predicted" if predicted else "")
                     runs.setdefault((name, n), []).append(
@@ -381,6 +387,9 @@ def main() -> None:
     ap.add_argument("--batch-backends", default="onnx",
                     help="the backends whose verify step among 8 streams is timed per stage (MLX on the CPU: minutes)")
     ap.add_argument("--stages-only", action="store_true", help="only the verify step's cost per stage")
+    ap.add_argument("--no-stages", action="store_true", help="leave the verify step's cost per stage out")
+    ap.add_argument("--stream-k", type=int, default=4,
+                    help="the fixed k of the 8 streams' case whose copies run their prediction at that k")
     ap.add_argument("--tasks", default=",".join(TASKS), help="the cases run on the clusters: some of copy,chat,streams")
     args = parse(ap, rounds=1, tokens=8, ks="1,4", nodes="1", repeats=2)
     sizes = tuple(int(n) for n in args.nodes.split(","))
@@ -404,7 +413,8 @@ def main() -> None:
         return
     draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        runs = {} if args.draft_only else event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes, tasks))
+        runs = {} if args.draft_only else event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes, tasks,
+                                                                   args.stream_k))
         if not args.no_draft:
             from benchmarks.draft_f16 import default_out_dir, f16_requantization
 
@@ -443,7 +453,7 @@ def main() -> None:
         for n in sizes:
             off8 = runs[(f"{STREAMS} streams off", n)]
             a_off = statistics.median(r["tok_s"] for r in off8)
-            for case in ("off", "auto", "auto predicted"):
+            for case in ("off", "auto", "auto predicted", f"{args.stream_k} predicted"):
                 if (f"{STREAMS} streams {case}", n) not in runs:
                     continue
                 rs = runs[(f"{STREAMS} streams {case}", n)]
@@ -464,8 +474,9 @@ def main() -> None:
               f"with the prediction: {med(('copy prediction', 1)) / ref:.2f}x")
     if draft_runs:
         _print_draft(draft_runs, sizes, target, draft)
-    _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
-    _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.batch_backends.split(","))
+    if not args.no_stages:
+        _print_stage_costs([int(k) for k in args.ks.split(",")], args.repeats, args.stage_backends.split(","))
+        _print_batch_costs([int(k) for k in args.ks.split(",")], args.repeats, args.batch_backends.split(","))
 
 
 if __name__ == "__main__":
