@@ -12,7 +12,7 @@ step: ``(step(N) - step(1)) / (N - 1)``.
 
     python benchmarks/pipeline.py [--backend onnx] [--tokens 48] [--rounds 5] [--nodes 1,2,3,4]
                                   [--loops uvloop,asyncio] [--variants default,nospin,spin,pin,1thread]
-                                  [--in-process]
+                                  [--in-process] [--threads N]
 
 ``--in-process`` adds, taking turns with the clusters, the whole model on one shard in this
 process (the same generation loop over :class:`~exo_tui.inference.local.LocalPipeline`, the same
@@ -21,7 +21,9 @@ second table splits each cluster's decode token as the coordinator's ring figure
 compute and queue, the links, the coordinator's own share), counts the hops a token crosses, and
 gives the CPU a token of the coordinator's process and of the cluster's node processes (a stream's
 CPU time over its tokens, medians) beside the in-process loop's: on a machine other work keeps
-busy, CPU a token moves far less than wall time.
+busy, CPU a token moves far less than wall time. ``--threads N`` gives every node and the
+in-process shard ``N`` intra-op threads (default: the physical cores), so that the two compare at
+the same setting.
 
 ``--variants`` runs every cluster in each of these ONNX settings, side by side: ``default``
 (intra-op threads spin up to ``SPIN_US`` between the ops of a step), ``nospin`` (they never spin,
@@ -126,7 +128,7 @@ def _split(ring: list[Any]) -> dict[str, float]:
 
 async def _group(
     counts: list[int], variants: list[str], backend: str, tls: bool, tokens: int, rounds: int, home: Path,
-    in_process: bool = False, splits: dict[tuple[str, int], dict[str, float]] | None = None,
+    in_process: bool = False, splits: dict[tuple[str, int], dict[str, float]] | None = None, threads: int = 0,
 ) -> dict[tuple[str, int], float]:
     """Seconds per decode step for each variant and node count (and ``("in-process", 1)``), the
     median of the streams' means,
@@ -143,6 +145,8 @@ async def _group(
     try:
         for variant in variants:
             os.environ.update(VARIANTS[variant])  # the node processes read it at start
+            if threads and not os.environ["EXO_TUI_THREADS"]:
+                os.environ["EXO_TUI_THREADS"] = str(threads)
             for n in counts:
                 if variant == "no-handoff" and ("default", n) in coordinators:  # the same cluster, the other way
                     coordinators[(variant, n)] = coordinators[("default", n)]
@@ -155,6 +159,10 @@ async def _group(
         if in_process:
             c0 = next(iter(coordinators.values()))
             assert c0.model is not None
+            if threads:
+                from backends import configure_backend
+
+                configure_backend(backend, threads=threads)
             local = LocalPipeline()
             await local.load(c0.model.gguf, [Stage(backend, 0, c0.model.config.n_layers)])
         gaps: dict[tuple[str, int], list[float]] = {k: [] for k in coordinators}
@@ -199,6 +207,8 @@ def main() -> None:
     ap.add_argument("--variants", default="default", help=f"ONNX settings to compare, of {', '.join(VARIANTS)}")
     ap.add_argument("--in-process", action="store_true",
                     help="also the whole model in this process, taking turns with the clusters")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads of every node and of the in-process shard (default: the physical cores)")
     args = parse(ap, tokens=4, rounds=1, nodes="2", loops="asyncio", tls="on")
     from exo_tui.net import loop as event_loop
 
@@ -219,7 +229,7 @@ def main() -> None:
                 home = Path(d) / f"{loop}-{'tls' if tls else 'plain'}"
                 split: dict[tuple[str, int], dict[str, float]] = {}
                 steps = event_loop.run(_group(counts, variants, args.backend, tls, args.tokens, args.rounds, home,
-                                              args.in_process, split))
+                                              args.in_process, split, args.threads))
                 for (variant, n), step in steps.items():
                     med[(loop, tls, variant, n)] = step
                 for (variant, n), parts in split.items():
