@@ -37,10 +37,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from exo_tui import events as ev
 from exo_tui.api.app import create_app
 from exo_tui.api.guard import DEFAULT_MAX_BODY_BYTES, ApiGuard
+from exo_tui.api.resume_body import ResumeBody
 from exo_tui.cluster.replicated_state import NotAcknowledged
 from exo_tui.inference.generate import Chunk, GenerationError
 from exo_tui.inference.request import Request
-from exo_tui.inference.sampling import SamplingParams, TokenLogprobs
+from exo_tui.inference.sampling import TokenLogprobs
 
 if TYPE_CHECKING:
     from exo_tui.cluster.view import ServingCluster
@@ -75,14 +76,12 @@ async def _resume(scope: Any, receive: Any, send: Any, coordinator: Any) -> None
     ``generated``: every token of the answer)."""
     http = StarletteRequest(scope, receive)
     try:
-        b = await http.json()
-        request = Request([int(t) for t in b["prompt_ids"]], SamplingParams(**b["sampling"]), int(b["max_tokens"]),
-                          tuple(str(x) for x in b.get("stop", ())), id=str(b["id"]), top_logprobs=b.get("top_logprobs"),
-                          generated=[int(t) for t in b.get("generated", ())])
-        left = str(b.get("left") or "")
-    except (ValueError, KeyError, TypeError) as exc:
-        await _json(send, 400, _error(f"a resume needs id, prompt_ids, sampling, max_tokens: {exc}", "invalid_request"))
+        body = ResumeBody.model_validate_json(await http.body())
+    except ValueError as exc:  # pydantic's ValidationError is one
+        await _json(send, 400, _error(f"a resume body was refused (is the standby's exo-tui another version?): {exc}",
+                                      "invalid_request"))
         return
+    request, left = body.request(), body.left
     ring = getattr(coordinator, "ring", None)
     if left and request.generated and ring is not None:
         # The caches the dead leader's steps left on the nodes hold the prompt and the answer but
@@ -150,8 +149,6 @@ class RemoteCluster:
 
     async def generate(self, request: Request, on_queued: Any = None) -> AsyncIterator[Chunk]:
         history: list[int] = []  # the tokens whose text the client has
-        body = {"prompt_ids": request.prompt_ids, "sampling": request.sampling.to_dict(), "max_tokens": request.max_tokens,
-                "stop": list(request.stop), "top_logprobs": request.top_logprobs}
         failed_at: float | None = None
         incarnation, left, lost = request.id, "", 0  # the id the leader runs it under; the one a dead leader ran
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as client:
@@ -159,7 +156,8 @@ class RemoteCluster:
                 url = await self._leader_api(time.monotonic() + FAILOVER_WAIT_S)
                 try:
                     async with client.stream("POST", url + RESUME_PATH, headers=self._headers,
-                                             json={**body, "id": incarnation, "left": left, "generated": history}) as resp:
+                                             json=ResumeBody.of(request, id=incarnation, left=left,
+                                                                  generated=history).model_dump()) as resp:
                         if resp.status_code != 200:
                             text = (await resp.aread()).decode(errors="replace")
                             if resp.status_code in (502, 503) and (failed_at is None or time.monotonic() - failed_at < FAILOVER_WAIT_S):
