@@ -22,6 +22,9 @@ class Leases:
     _cached: dict[str, Cached]
     _leases: dict[str, Lease]
     _abandon: Callable[[Sent], None]  # the pipeline's: a sent step is no longer waited for
+    # Handed steps given up while the ring may still run them: a verify step sent next takes the
+    # first one's step, and the handed one's token (no verdict) must not pass for its reply
+    _handed_gone: set[tuple[str, int, int]]
 
     def _lease_token(self, rid: str, lease: Lease, step: int, token: int, hops: tuple[HopTiming, ...] | None) -> None:
         """A lease's token came: the ring's caches hold its position, and it ran its next step
@@ -39,6 +42,8 @@ class Leases:
         for step, sent in list(lease.steps.items()):
             if step > after and not sent.fut.done():
                 self._abandon(sent)
+                if sent.handed:
+                    self._handed_gone.add(sent.key)
                 del lease.steps[step]
         if lease.open:
             lease.open = False
@@ -50,9 +55,12 @@ class Leases:
         if lease.open and (fut.cancelled() or fut.exception() is not None):
             self._close(lease)
 
-    def _leased(self, request: Request) -> Sent | None:
+    def _leased(self, request: Request, drafts: bool = False) -> Sent | None:
         """The lease's step that gives the request its next token, if the ring ran (or runs) it;
-        a lease the request has left (a step from elsewhere, a rebuild) is abandoned."""
+        a lease the request has left (a step from elsewhere, a rebuild) is abandoned. ``drafts``:
+        the request has drafts to run (its speculation found them worth a verify step again): the
+        lease ends at this token (the steps whose token already came still give theirs), so its
+        next step runs them rather than waiting for the lease's last."""
         lease = self._leases.get(request.id)
         if lease is None:
             return None
@@ -60,6 +68,8 @@ class Leases:
         sent = lease.steps.get(k)
         if sent is not None and k > lease.taken and not sent.fut.cancelled() and request.n_tokens == lease.n0 + k - lease.first:
             lease.taken = k
+            if drafts and lease.open:
+                self._close(lease, after=k)
             if not lease.open and k == max(lease.steps):
                 del self._leases[request.id]
             return sent

@@ -98,6 +98,8 @@ class RemotePipeline(Leases):
         self.on_step_timed: Callable[[StepSample], None] | None = None
         self._timing: dict[tuple[str, int, int], tuple[tuple[HopTiming, ...] | None, float, float]] = {}
         self._verdicts: dict[tuple[str, int, int], VerdictReply] = {}  # verify steps' replies, by step
+        self._verifying: set[tuple[str, int, int]] = set()  # the verify steps awaited
+        self._handed_gone = set()
         self._last_token_s: dict[str, float] = {}  # request id -> when its last token came
         self._leases: dict[str, Lease] = {}  # request id -> its hand-off lease
         self._leads = itertools.count(secrets.randbits(48))  # each step the coordinator sends: a new lead
@@ -118,7 +120,10 @@ class RemotePipeline(Leases):
     def on_token(self, rid: str, step: int, plan_version: int, token: int, logprobs: TokenLogprobs | None,
                  scores: list[TokenLogprobs] | None = None, timing: Any = None,
                  verdict: VerdictReply | None = None) -> None:
-        fut = self._pending.get((rid, step, plan_version))
+        key = (rid, step, plan_version)
+        fut = self._pending.get(key)
+        if verdict is None and key in self._verifying and key in self._handed_gone:
+            return  # the token of a handed step given up (a lease left for drafts), not the verify step's reply
         if fut is not None and not fut.done():
             hops = timings_from_wire(timing)
             self._timing[(rid, step, plan_version)] = (hops, time.monotonic(), time.time())
@@ -183,7 +188,8 @@ class RemotePipeline(Leases):
                     draft: Draft | None) -> tuple[int, TokenLogprobs | None, VerdictReply | None]:
         attempts = 0
         while True:
-            leased = self._leased(request)
+            # drafts worth a verify step (not a probe of the plan's cost) end a lease at its next token
+            leased = self._leased(request, drafts=draft is not None and len(draft) > 0 and drafting(request))
             if leased is not None:
                 try:
                     token, logprobs, _ = await self._result(leased)
@@ -398,6 +404,8 @@ class RemotePipeline(Leases):
         fut: asyncio.Future[Result] = loop.create_future()
         self._pending[key] = fut
         self._drop_lease(request.id)  # a step sent supersedes what the ring ran on its own
+        if draft is not None and len(draft):
+            self._verifying.add(key)
         self._active_plans[request.id] = plan
         self._served[request.id] = tuple(e.node_id for e in plan.ring)
         drafted = list(draft.tokens) if draft is not None else []
@@ -479,6 +487,9 @@ class RemotePipeline(Leases):
         self._pending.pop(sent.key, None)
         self._timing.pop(sent.key, None)
         self._verdicts.pop(sent.key, None)
+        if sent.key in self._verifying:
+            self._verifying.discard(sent.key)
+            self._handed_gone.discard(sent.key)
 
     def _timed(self, key: tuple[str, int, int], plan: RingPlan, rows: int, sent: tuple[float, float, float | None],
                context: int, handed: bool = False) -> None:
@@ -519,6 +530,7 @@ class RemotePipeline(Leases):
         ran_past = lease is not None and any(s.fut.done() for k, s in lease.steps.items() if k >= len(request.generated))
         in_flight = lease is not None and lease.open
         self._drop_lease(request.id)
+        self._handed_gone = {k for k in self._handed_gone if k[0] != request.id}
         for key, fut in list(self._pending.items()):
             if key[0] == request.id and not fut.done():
                 fut.cancel()

@@ -139,12 +139,13 @@ class Lease:
 
 
 def drafting(request: Request) -> bool:
-    """Whether the request's speculation drafts (a fixed k, a prediction, or auto expecting a gain):
-    its steps go one at a time, each with the drafts of its time, not in a lease. A stream with a
-    prediction stays out of leases even while auto runs none of its drafts, so that each step can
-    take them up again (in a lease it would wait up to ``LEASE_TOKENS`` for its next draft)."""
+    """Whether the request's speculation drafts (a fixed k, or auto expecting a gain, a prediction's
+    drafts included): its steps go one at a time, each with the drafts of its time, not in a lease.
+    A stream whose drafts auto finds not worth a verify step now (a prediction's among many
+    streams batched, say) takes leases as a plain one does; where its drafts become worth one
+    again, its lease ends at the next token (:meth:`Leases._leased`), not at the lease's last."""
     spec = request.speculation
-    return spec is not None and (spec.predicted or isinstance(spec.mode, int) or spec.best_k(MAX_DRAFT) > 0)
+    return spec is not None and (isinstance(spec.mode, int) or spec.best_k(MAX_DRAFT) > 0)
 
 
 def expire(fut: asyncio.Future[Any]) -> None:

@@ -1,0 +1,56 @@
+"""The hand-off's leases as the coordinator keeps them (exo_tui/cluster/handoff.py): a stream in a
+lease whose drafts become worth a verify step again leaves the lease at its next token (the tokens
+the ring already gave still count), rather than waiting for the lease's last step; the token of a
+handed step given up is not taken for the reply of the verify step sent in its place."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from exo_tui.cluster.pipeline import RemotePipeline
+from exo_tui.cluster.ring_steps import Lease, Result, Sent
+from exo_tui.inference.request import Request
+from exo_tui.inference.sampling import SamplingParams
+from exo_tui.net.protocol import PlanEntry, RingPlan
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_a_stream_with_drafts_leaves_its_lease_at_the_next_token(drafts: bool) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        plan = RingPlan(1, 6, (PlanEntry("n", "127.0.0.1", 1, 0, 6),))
+        pipeline = RemotePipeline(host=None)  # type: ignore[arg-type]  # a lease without a step in flight touches no host
+        request = Request([1, 2, 3], SamplingParams(temperature=0.0), 32, generated=[4, 5])
+        steps: dict[int, Sent] = {}
+        for step in range(2, 8):  # a lease sent at the answer's 2nd token, running 5 steps on
+            fut: asyncio.Future[Result] = loop.create_future()
+            key = (request.id, step, plan.version)
+            pipeline._pending[key] = fut
+            steps[step] = Sent(key, fut, plan, 1, request.n_tokens + step - 2, handed=step > 2)
+        lease = pipeline._leases[request.id] = Lease(plan, 2, request.n_tokens, dict(steps), 7)
+        for step in (2, 3):  # the ring gave two tokens; the others are on their way
+            steps[step].fut.set_result((10 + step, None, None))
+        assert pipeline._leased(request, drafts=drafts) is steps[2]
+        request.generated.append(12)
+        assert pipeline._leased(request) is steps[3]  # a token the ring gave is taken either way
+        request.generated.append(13)
+        if drafts:  # the steps not run yet were given up: the next step is the coordinator's, with the drafts
+            assert not lease.open and all(steps[s].fut.cancelled() for s in range(4, 8))
+            assert pipeline._leased(request, drafts=True) is None and request.id not in pipeline._leases
+            assert all(steps[s].key not in pipeline._pending for s in range(4, 8))  # their replies are dropped
+            # the verify step sent next takes step 4: the ring's token for the handed step 4 (it may
+            # have run it before the verify step superseded the lease) is not its reply
+            verify: asyncio.Future[Result] = loop.create_future()
+            pipeline._pending[steps[4].key] = verify
+            pipeline._verifying.add(steps[4].key)
+            pipeline.on_token(request.id, 4, plan.version, 14, None)
+            assert not verify.done()
+            pipeline.on_token(request.id, 4, plan.version, 14, None, verdict=((9, 14), 1, None))
+            assert verify.result() == (14, None, None) and pipeline._verdicts[steps[4].key] == ((9, 14), 1, None)
+        else:  # the lease runs on to its last step
+            assert lease.open and pipeline._leased(request) is steps[4]
+            assert not any(steps[s].fut.done() for s in range(4, 8))
+
+    asyncio.run(run())
