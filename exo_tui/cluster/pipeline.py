@@ -188,7 +188,7 @@ class RemotePipeline(Leases):
                     draft: Draft | None) -> tuple[int, TokenLogprobs | None, VerdictReply | None]:
         attempts = 0
         while True:
-            # drafts worth a verify step, or a probe of the plan's cost, end a lease at its next token
+            # drafts worth a verify step, or a prediction's probe of the plan's cost, end a lease at its next token
             spec = request.speculation
             leased = self._leased(request, drafts=draft is not None and len(draft) > 0 and (
                 drafting(request) or (spec is not None and spec.probing)))

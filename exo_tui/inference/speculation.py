@@ -167,7 +167,9 @@ class Speculation:
         self.streams: Callable[[], int] | None = None  # the streams running, it included (the coordinator's)
         self.costs = StepCosts()  # its plan's (the coordinator gives each stream the plan's own)
         self._primed = False  # the priors were set for the sources it has (a draft model is attached late)
-        self.probing = False  # the latest draft asked for is a probe of the plan's cost (it ends a lease)
+        # the latest draft asked for is a probe of the plan's cost from its prediction: it ends a
+        # hand-off lease (a lookup's probe does not: its proposal is often gone by the next token)
+        self.probing = False
 
     @classmethod
     def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True,
@@ -208,8 +210,8 @@ class Speculation:
         k = self.mode if isinstance(self.mode, int) else self.best_k(most)
         draft = await self.drafter.propose(tokens, prompt_len, min(k, most) if k else most, cheap_only=not k)
         if not k and len(draft) and self._probe():  # the plan's cost not measured yet: a few drafts run
-            self.probing = True
-            return draft.cut(PROBE_PREDICTED if draft.source == Prediction.name else 1)
+            self.probing = draft.source == Prediction.name
+            return draft.cut(PROBE_PREDICTED if self.probing else 1)
         if not k:  # not worth a verify step now: remembered, to be checked against what comes
             if len(draft) and self._shadow is None:
                 self._shadow = (len(tokens), draft.tokens)
