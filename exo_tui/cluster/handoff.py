@@ -58,7 +58,7 @@ class Leases:
     def _leased(self, request: Request, drafts: bool = False) -> Sent | None:
         """The lease's step that gives the request its next token, if the ring ran (or runs) it;
         a lease the request has left (a step from elsewhere, a rebuild) is abandoned. ``drafts``:
-        the request has drafts to run (worth a verify step again, or a prediction's probe of the plan's cost): the
+        the request has drafts to run (its speculation found them worth a verify step again): the
         lease ends at this token (the steps whose token already came still give theirs), so its
         next step runs them rather than waiting for the lease's last."""
         lease = self._leases.get(request.id)

@@ -188,10 +188,8 @@ class RemotePipeline(Leases):
                     draft: Draft | None) -> tuple[int, TokenLogprobs | None, VerdictReply | None]:
         attempts = 0
         while True:
-            # drafts worth a verify step, or a prediction's probe of the plan's cost, end a lease at its next token
-            spec = request.speculation
-            leased = self._leased(request, drafts=draft is not None and len(draft) > 0 and (
-                drafting(request) or (spec is not None and spec.probing)))
+            # drafts worth a verify step (not a probe of the plan's cost) end a lease at its next token
+            leased = self._leased(request, drafts=draft is not None and len(draft) > 0 and drafting(request))
             if leased is not None:
                 try:
                     token, logprobs, _ = await self._result(leased)

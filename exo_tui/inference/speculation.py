@@ -20,12 +20,8 @@ A stream drafts where that is at least ``1 + (MIN_GAIN - 1) / n`` (its share of 
 drafts without running them and checks them against the tokens that come (a "shadow" draft;
 free for lookups), so it starts again when its answer turns to copying. Until a plan's cost is
 measured (:data:`PROBES` verify steps), a stream whose lookup proposes something runs it as one
-draft (a 2-row step: a probe), so the cost is this plan's, not a guess; a stream with a prediction
-(OpenAI's Predicted Outputs) runs :data:`PROBE_PREDICTED` of its drafts (kept where the answer
-copies it, they cost it little, and a second k lets the fit tell a step's fixed cost from its
-rows'). A prediction starts from a high acceptance, since it is given to be copied; among many
-streams the prior's :data:`PRIOR_ROW_COST` finds no k worth it, the measure often does (a step of
-4 drafts adds 27-36 % to an 8-stream batched step).
+draft (a 2-row step: a probe), so the cost is this plan's, not a guess. A prediction (OpenAI's
+Predicted Outputs) starts from a high acceptance, since it is given to be copied.
 
 A sampled stream with a seed its client gave (``seeded``) that drafts from a draft model decides
 from what its answer gives only: its acceptance so far, the mode and the drafts, one stream and
@@ -50,7 +46,6 @@ from exo_tui.inference.speculative import Draft, Verdict
 MODES = ("off", "auto")
 MIN_GAIN = 1.15  # auto drafts only where it expects at least this many times plain steps' tok/s
 PROBES = 3  # verify steps a plan's cost is measured from before it replaces the prior
-PROBE_PREDICTED = 4  # drafts a prediction's probe runs (a lookup's: 1)
 PRIOR_ACCEPT = 0.2  # a stream's acceptance rate before it has measured one: lookups start from drafts not run ...
 # ... (free chat rarely repeats itself; a copy shows in the first drafts checked), a prediction from this:
 PRIOR_PREDICTED = 0.9
@@ -167,9 +162,6 @@ class Speculation:
         self.streams: Callable[[], int] | None = None  # the streams running, it included (the coordinator's)
         self.costs = StepCosts()  # its plan's (the coordinator gives each stream the plan's own)
         self._primed = False  # the priors were set for the sources it has (a draft model is attached late)
-        # the latest draft asked for is a probe of the plan's cost from its prediction: it ends a
-        # hand-off lease (a lookup's probe does not: its proposal is often gone by the next token)
-        self.probing = False
 
     @classmethod
     def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True,
@@ -200,7 +192,6 @@ class Speculation:
         """The draft to run with the next step (empty: a plain step). ``room``: the most tokens
         the step may give (the answer's and the context's room left, at least 1)."""
         self._score_shadow(tokens)
-        self.probing = False
         most = min(MAX_DRAFT, room - 1)
         if most <= 0:
             return Draft(())
@@ -209,9 +200,8 @@ class Speculation:
         self._primed = True
         k = self.mode if isinstance(self.mode, int) else self.best_k(most)
         draft = await self.drafter.propose(tokens, prompt_len, min(k, most) if k else most, cheap_only=not k)
-        if not k and len(draft) and self._probe():  # the plan's cost not measured yet: a few drafts run
-            self.probing = draft.source == Prediction.name
-            return draft.cut(PROBE_PREDICTED if self.probing else 1)
+        if not k and len(draft) and self._probe():  # the plan's cost not measured yet: one draft run
+            return draft.cut(1)
         if not k:  # not worth a verify step now: remembered, to be checked against what comes
             if len(draft) and self._shadow is None:
                 self._shadow = (len(tokens), draft.tokens)
@@ -259,9 +249,8 @@ class Speculation:
 
     def _probe(self) -> bool:
         """Whether a draft not worth running by the prior runs anyway, to measure the plan's cost
-        (a stream that has timed a plain step, while the plan has fewer than PROBES measures; not
-        one whose k must not depend on timings)."""
-        return not self.costs.measured and self.step_s is not None and not self.reproducible
+        (a stream that has timed a plain step, while the plan has fewer than PROBES measures)."""
+        return not self.costs.measured and self.step_s is not None and not self.predicted and not self.reproducible
 
     # ------------------------------------------------------------------ told
 

@@ -9,7 +9,7 @@ import pytest
 
 from backends.base import MAX_DRAFT
 from exo_tui.inference.drafts import Drafter, Prediction, PromptLookup
-from exo_tui.inference.speculation import PROBE_PREDICTED, PROBES, Speculation, StepCosts, parse_mode
+from exo_tui.inference.speculation import PROBES, Speculation, StepCosts, parse_mode
 from exo_tui.inference.speculative import Draft, Verdict
 
 
@@ -166,25 +166,6 @@ def test_a_plans_cost_is_measured_once_for_its_streams() -> None:
     second.timed(1, 0.010)
     assert second.row_cost() == pytest.approx(0.05)
     assert asyncio.run(second.draft(tokens, 2, 10)) == Draft(())  # measured: no more probes at 0.2
-
-
-def test_a_predicted_stream_among_many_probes_the_plan_and_then_drafts() -> None:
-    """Among 8 streams the prior's row cost finds no k worth a prediction's verify step; on a plan
-    not measured yet the stream runs its prediction's drafts as a probe, and once that step's cost
-    is measured (4 drafts add 30 % to a batched step) and the drafts were kept, it drafts."""
-    predicted = list(range(100, 160))
-    spec = Speculation.for_request("auto", predicted)
-    assert spec is not None
-    spec.streams = lambda: 8
-    assert spec.best_k(MAX_DRAFT) == 0  # the prior: not worth it
-    spec.timed(1, 0.040)  # the 8 streams' batched step: 40 ms
-    prompt = [1, 2, 3]
-    probe = asyncio.run(spec.draft([*prompt, 100, 101], 3, 64))
-    assert probe.tokens == tuple(predicted[2:2 + PROBE_PREDICTED]) and spec.probing
-    spec.timed(1 + len(probe), 0.052)
-    spec.verified(probe, Verdict((*probe.tokens, 106), len(probe), len(probe)))
-    draft = asyncio.run(spec.draft([*prompt, *predicted[:7]], 3, 64))
-    assert len(draft) > 1 and draft.tokens[0] == 107 and not spec.probing
 
 
 def test_a_prediction_that_repeats_itself_is_followed_where_the_answer_is() -> None:
