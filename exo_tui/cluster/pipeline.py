@@ -260,12 +260,21 @@ class RemotePipeline(Leases):
                     asyncio.create_task(self._drop_on(plan, adopted[0], final=True))
                 attempts = await self._failed(request, plan, exc, attempts)
                 continue
-            # the caches hold the request's tokens and the drafts accepted (the rejected ones'
-            # positions are cut back when the next step begins there)
-            self._cached[request.id] = Cached(plan.version, request.n_tokens + (reply[1] if reply else 0))
+            self._ran(request, plan, request.n_tokens + (reply[1] if reply else 0), leased=bool(ahead))
             if scores is not None:
                 request.prompt_scores = scores
             return token, logprobs, reply
+
+    def _ran(self, request: Request, plan: RingPlan, length: int, *, leased: bool) -> None:
+        """A step the coordinator sent came back: the caches hold the request's tokens and the
+        drafts accepted, ``length`` positions (the rejected ones' are cut back when the next step
+        begins there). A step that opened a lease may come back after tokens of the lease's later
+        steps (a node sends a lease's tokens a few to a write): those positions, which the lease's
+        tokens recorded, are on the nodes too, and stay counted."""
+        known = self._cached.get(request.id)
+        if leased and known is not None and known.version == plan.version and known.length > length:
+            return
+        self._cached[request.id] = Cached(plan.version, length)
 
     async def _failed(self, request: Request, plan: RingPlan, exc: Exception, attempts: int) -> int:
         """A step of ``request`` on ``plan`` failed with ``exc``: once a new plan is in force, the

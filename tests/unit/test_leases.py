@@ -54,3 +54,31 @@ def test_a_stream_with_drafts_leaves_its_lease_at_the_next_token(drafts: bool) -
             assert not any(steps[s].fut.done() for s in range(4, 8))
 
     asyncio.run(run())
+
+
+def test_a_leases_tokens_that_came_before_its_first_steps_return_stay_counted() -> None:
+    """A node sends a lease's tokens a few to a write: the tokens of later steps can come in the
+    same loop turn as the first step's, before the coordinator's step returns. Its return must not
+    set the caches' length back to the first step's (they hold the later steps' positions too: a
+    kept cache counted 5 positions short, and the nodes' KV report disagreed with it)."""
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        plan = RingPlan(1, 6, (PlanEntry("n", "127.0.0.1", 1, 0, 6),))
+        pipeline = RemotePipeline(host=None)  # type: ignore[arg-type]  # tokens and their counts touch no host
+        request = Request([1, 2, 3], SamplingParams(temperature=0.0), 32, generated=[4, 5])
+        n0, steps = request.n_tokens, {}
+        for step in range(2, 8):
+            fut: asyncio.Future[Result] = loop.create_future()
+            key = (request.id, step, plan.version)
+            pipeline._pending[key] = fut
+            steps[step] = Sent(key, fut, plan, 1, n0 + step - 2, handed=step > 2)
+        pipeline._leases[request.id] = Lease(plan, 2, n0, dict(steps), 7)
+        for step in (2, 3, 4):  # one write: the first step's token and two handed ones
+            pipeline.on_token(request.id, step, plan.version, 10 + step, None)
+        assert pipeline.cached(request.id) == (plan.version, n0 + 2)
+        pipeline._ran(request, plan, n0, leased=True)  # the step that opened the lease returns now
+        assert pipeline.cached(request.id) == (plan.version, n0 + 2)
+        pipeline._ran(request, plan, n0 + 1, leased=False)  # a verify step's: its rejected drafts are cut back
+        assert pipeline.cached(request.id) == (plan.version, n0 + 1)
+
+    asyncio.run(run())
