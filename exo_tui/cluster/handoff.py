@@ -29,7 +29,8 @@ class Leases:
     def _lease_token(self, rid: str, lease: Lease, step: int, token: int, hops: tuple[HopTiming, ...] | None) -> None:
         """A lease's token came: the ring's caches hold its position, and it ran its next step
         from it (timed from here), unless it was the lease's last or one it halts on."""
-        self._cached[rid] = Cached(lease.plan.version, lease.n0 + step - lease.first)
+        lease.cached = max(lease.cached, lease.n0 + step - lease.first)
+        self._cached[rid] = Cached(lease.plan.version, lease.cached)
         nxt = lease.steps.get(step + 1)
         if step >= lease.last or token in self.halt_on() or nxt is None:
             self._close(lease, after=step)

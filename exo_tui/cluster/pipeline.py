@@ -270,10 +270,11 @@ class RemotePipeline(Leases):
         drafts accepted, ``length`` positions (the rejected ones' are cut back when the next step
         begins there). A step that opened a lease may come back after tokens of the lease's later
         steps (a node sends a lease's tokens a few to a write): those positions, which the lease's
-        tokens recorded, are on the nodes too, and stay counted."""
-        known = self._cached.get(request.id)
-        if leased and known is not None and known.version == plan.version and known.length > length:
-            return
+        tokens recorded, are on the nodes too, and stay counted (an earlier lease's count does not:
+        a step sent after it starts where the request's tokens say, and the nodes cut back there)."""
+        lease = self._leases.get(request.id) if leased else None
+        if lease is not None and lease.plan is plan and lease.first == len(request.generated):
+            length = max(length, lease.cached)
         self._cached[request.id] = Cached(plan.version, length)
 
     async def _failed(self, request: Request, plan: RingPlan, exc: Exception, attempts: int) -> int:

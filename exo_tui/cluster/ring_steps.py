@@ -136,6 +136,7 @@ class Lease:
     taken: int = -1  # the last step whose token the request asked for
     open: bool = True  # the ring may still be running steps of it
     holds_step: bool = False  # it ends the plan's step in flight (host.step_done) when it closes
+    cached: int = 0  # the positions the ring's caches hold after the latest step whose token came
 
 
 def drafting(request: Request) -> bool:

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from exo_tui.cluster.pipeline import RemotePipeline
-from exo_tui.cluster.ring_steps import Lease, Result, Sent
+from exo_tui.cluster.ring_steps import Cached, Lease, Result, Sent
 from exo_tui.inference.request import Request
 from exo_tui.inference.sampling import SamplingParams
 from exo_tui.net.protocol import PlanEntry, RingPlan
@@ -80,5 +80,11 @@ def test_a_leases_tokens_that_came_before_its_first_steps_return_stay_counted() 
         assert pipeline.cached(request.id) == (plan.version, n0 + 2)
         pipeline._ran(request, plan, n0 + 1, leased=False)  # a verify step's: its rejected drafts are cut back
         assert pipeline.cached(request.id) == (plan.version, n0 + 1)
+        # an earlier lease's count is not this one's: the lease left (its tokens dropped), the
+        # coordinator sent the step again from the request's tokens, and the nodes cut back there
+        pipeline._cached[request.id] = Cached(plan.version, n0 + 5)
+        pipeline._leases[request.id] = Lease(plan, 2, n0, {}, 7)
+        pipeline._ran(request, plan, n0, leased=True)
+        assert pipeline.cached(request.id) == (plan.version, n0)
 
     asyncio.run(run())
