@@ -8,7 +8,7 @@ The public API, importable from here:
   :func:`write_node_bundle`, :func:`home_dir`, :func:`default_bundle_path`
 * RPC — :func:`serve` → :class:`Server` (:mod:`exo_tui.net.server`), :func:`connect`
   (:mod:`exo_tui.net.client`) → :class:`Connection` and :class:`Dispatcher`
-  (:mod:`exo_tui.net.connection`); the TCP and TLS setup both sides share is
+  (:mod:`exo_tui.net.connection`, :mod:`exo_tui.net.dispatcher`); the TCP and TLS setup both sides share is
   :mod:`exo_tui.net.transport`
 * errors — :class:`ConnectError`, :class:`HandshakeError`, :class:`AuthError`,
   :class:`ProtocolMismatch`, :class:`ConnectionClosed`, :class:`RemoteError`,
@@ -18,7 +18,8 @@ See :mod:`exo_tui.net.server` for an example.
 """
 
 from exo_tui.net.client import connect
-from exo_tui.net.connection import Connection, Dispatcher, error_frame
+from exo_tui.net.connection import Connection
+from exo_tui.net.dispatcher import Dispatcher, error_frame
 from exo_tui.net.errors import (
     AuthError,
     ConnectError,

@@ -15,7 +15,8 @@ from collections.abc import Collection
 
 from exo_tui.net import auth
 from exo_tui.net.address import host_port
-from exo_tui.net.connection import MAX_CONCURRENT_CALLS, STREAM_LIMIT, Connection, Handler
+from exo_tui.net.connection import MAX_CONCURRENT_CALLS, STREAM_LIMIT, Connection
+from exo_tui.net.dispatcher import Handler
 from exo_tui.net.errors import AuthError, ConnectError, HandshakeError
 from exo_tui.net.frame import DEFAULT_LIMITS, Limits
 from exo_tui.net.security import Security

@@ -1,10 +1,12 @@
-"""A :class:`Connection`: one authenticated, multiplexed connection, and :class:`Dispatcher`.
+"""A :class:`Connection`: one authenticated, multiplexed connection.
 
 A :class:`Connection` is bidirectional and multiplexed: either side may :meth:`~Connection.call`
 (request → response matched by id) or :meth:`~Connection.send` (one-way), and frames that are not
 responses go to the side's handler ``async def handler(conn, frame) -> Frame | None``. It is made
 by :func:`exo_tui.net.client.connect` or handed to a server's handler
-(:func:`exo_tui.net.server.serve`); this module knows nothing of how the stream was opened.
+(:func:`exo_tui.net.server.serve`); this module knows nothing of how the stream was opened. Its
+write side is :mod:`exo_tui.net.outbox`; error frames and :class:`Dispatcher` are
+:mod:`exo_tui.net.dispatcher`.
 
 Ordering and concurrency (the choice made here):
 
@@ -24,13 +26,9 @@ Ordering and concurrency (the choice made here):
   connection until such a handler returns, so give only handlers that return quickly and never
   await a call on the same connection.
 * **Responses** are delivered to the waiting caller right in the read loop.
-* **Writes coalesce**: small frames sent in one turn of the event loop leave in one write at the
-  end of that turn (one TLS record, one system call, one wake-up of the peer). A node that ran
-  eight requests' steps together sends their eight results as one write, and the coordinator its
-  eight next steps; a lone frame waits only for the rest of the turn it was sent in. A frame sent
-  with ``hold_s`` may wait longer, up to that long, for the frames after it: the last node of a
-  lease sends the coordinator the tokens it hands on so, a few to a write (the peer wakes once for
-  them); a frame sent without it takes the held ones along at the end of its turn.
+* **Writes coalesce** (:mod:`exo_tui.net.outbox`): small frames sent in one turn of the event loop
+  leave in one write at the end of that turn; a frame sent with ``hold_s`` may wait up to that long
+  for the frames after it.
 
 A handler's returned frame is sent back as the response of a call (its ``id`` and ``response``
 flag are set for you); ``None`` answers an empty ``ok`` frame. An exception answers an ``error``
@@ -55,18 +53,19 @@ import logging
 import ssl
 import struct
 import sys
-import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
 
 from exo_tui.net.budget import ReceiveBudget, receive_budget
+from exo_tui.net.outbox import SMALL_FRAME, Outbox
 from exo_tui.net.ratelog import RateLimitedLog
 
 if sys.platform != "win32":  # input_pending() asks the kernel how many bytes wait in a socket (POSIX)
     import fcntl
     import termios
+from exo_tui.net.dispatcher import Handler, error_frame, remote_error
 from exo_tui.net.errors import BadBody, ConnectionClosed, RemoteError, UnknownFrameType
 from exo_tui.net.frame import (
     DEFAULT_LIMITS,
@@ -83,7 +82,6 @@ from exo_tui.net.frame import (
 
 log = logging.getLogger("exo_tui.net")
 
-Handler = Callable[["Connection", Frame], Awaitable[Frame | None]]
 CloseCallback = Callable[["Connection", BaseException | None], Any]
 
 STREAM_LIMIT = 1 << 20  # StreamReader buffer: reading pauses above twice this
@@ -91,27 +89,7 @@ MAX_CONCURRENT_CALLS = 256
 MAX_LANES = 64
 LANE_QUEUE = 64
 CLOSE_TIMEOUT_S = 5.0
-SMALL_FRAME = 64 << 10  # a frame this small is copied into one write with its header ...
-OUTBOX_BYTES = 64 << 10  # ... and frames sent in one loop turn are held up to this many bytes
 CHUNK = STREAM_LIMIT  # a payload larger than this is read in pieces of this size into one buffer
-
-
-def error_frame(message: str, code: str = "error", detail: dict[str, int | float | str] | None = None) -> Frame:
-    return Frame("error", {"message": message, "code": code, **({"detail": detail} if detail else {})})
-
-
-def _remote_error(frame: Frame) -> RemoteError:
-    body = frame.body if isinstance(frame.body, dict) else {}
-    message = body.get("message")
-    code = body.get("code")
-    cls = UnknownFrameType if code == UnknownFrameType.code else RemoteError
-    detail = body.get("detail")
-    detail = {str(k): v for k, v in detail.items() if type(v) in (int, float, str)} if isinstance(detail, dict) else None
-    return cls(
-        str(message) if message is not None else "error without a message",
-        code=str(code) if code is not None else None,
-        detail=detail,
-    )
 
 
 def _bare(e: BaseException) -> BaseException:
@@ -120,7 +98,6 @@ def _bare(e: BaseException) -> BaseException:
     (up to the payload limit), for as long as the reason is kept."""
     e.__traceback__ = e.__context__ = e.__cause__ = None
     return e
-
 
 
 class Connection:
@@ -175,11 +152,7 @@ class Connection:
         self._frame_since: float | None = None
         self._frame_timed_out = False
         self._watchdog: asyncio.TimerHandle | None = None
-        self._outbox: list[bytes] = []  # encoded frames to write at the end of this loop turn
-        self._outbox_bytes = 0
-        self._flush_soon = False  # a write at the end of this loop turn is scheduled
-        self._held: asyncio.TimerHandle | None = None  # the write of held frames, at the first one's limit
-        self._held_since: float | None = None  # when the first frame held (hold_s) went into the outbox
+        self._outbox = Outbox(writer, loop, peer)  # small frames wait here for the end of the loop turn
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else "open"
@@ -262,7 +235,7 @@ class Connection:
     @property
     def held_s(self) -> float:
         """How long the oldest frame sent with ``hold_s`` has waited in the outbox (0: none waits)."""
-        return 0.0 if self._held_since is None else time.monotonic() - self._held_since
+        return self._outbox.held_s
 
     def on_close(self, callback: CloseCallback) -> None:
         """Call ``callback(conn, reason)`` once when the connection closes (at once if it has).
@@ -330,47 +303,15 @@ class Connection:
         head, raw = encode_frame(frame)
         if self._closing:
             raise self._closed_error()
-        w = self._writer
         if raw is None or len(raw) <= SMALL_FRAME:
-            self._hold(head if raw is None else head + raw, hold_s)  # one TLS record for a hidden state
+            self._outbox.put(head if raw is None else head + raw, hold_s)  # one TLS record for a hidden state
         else:
-            self._flush()  # what was sent before goes first
-            w.writelines((head, raw))  # no copy of a large payload here
+            self._outbox.write_large(head, raw)
         try:
-            await w.drain()
+            await self._writer.drain()
         except (ConnectionError, OSError) as e:
             self._shutdown(ConnectionClosed(f"connection to {self.peer} lost: {e}"))
             raise self._closed_error() from None
-
-    def _hold(self, data: bytes, hold_s: float = 0.0) -> None:
-        """Queue ``data`` for the write at the end of this loop turn, or (``hold_s``) for the
-        next write, within ``hold_s`` (at once past OUTBOX_BYTES, so a sender that never yields
-        cannot grow the queue without bound)."""
-        self._outbox.append(data)
-        self._outbox_bytes += len(data)
-        if self._outbox_bytes >= OUTBOX_BYTES:
-            self._flush()
-        elif hold_s <= 0.0:
-            if not self._flush_soon:
-                self._flush_soon = True
-                self._loop.call_soon(self._flush)
-        elif self._held is None:
-            self._held_since = time.monotonic()
-            self._held = self._loop.call_later(hold_s, self._flush)
-
-    def _flush(self) -> None:
-        self._flush_soon = False
-        if self._held is not None:
-            self._held.cancel()
-            self._held = self._held_since = None
-        box = self._outbox
-        if not box:
-            return
-        self._outbox, self._outbox_bytes = [], 0
-        try:
-            self._writer.write(box[0] if len(box) == 1 else b"".join(box))
-        except (ConnectionError, OSError, RuntimeError) as e:  # the read loop sees the loss too
-            log.debug("write to %s failed: %s", self.peer, e)
 
     async def _read_exactly(self, n: int, what: str) -> bytes:
         try:
@@ -440,7 +381,7 @@ class Connection:
             self._limited.warning("bad_frame", "closing connection with %s: bad frame: %s", self.peer, e)
             with contextlib.suppress(Exception):
                 head, _ = encode_frame(error_frame(str(e), e.code))
-                self._hold(head)
+                self._outbox.put(head)
             reason = _bare(e)
         except asyncio.CancelledError:
             raise
@@ -458,12 +399,12 @@ class Connection:
             if fut is None or fut.done():
                 log.debug("dropping a late or unknown response %s #%d from %s", frame.type, frame.id, self.peer)
             elif frame.type == "error":
-                fut.set_exception(_remote_error(frame))
+                fut.set_exception(remote_error(frame))
             else:
                 fut.set_result(frame)
             return
         if frame.type == "error":
-            err = _remote_error(frame)
+            err = remote_error(frame)
             if err.code == BadBody.code:  # a one-way frame of ours it refused; it goes on serving
                 self.refusals += 1
                 self.last_refusal = err
@@ -570,7 +511,7 @@ class Connection:
             if t is not None and t is not current:
                 t.cancel()
         with contextlib.suppress(Exception):
-            self._flush()  # frames sent before the close still go
+            self._outbox.flush()  # frames sent before the close still go
             self._writer.close()
         callbacks, self._close_callbacks = self._close_callbacks, []
         for cb in callbacks:
@@ -586,35 +527,3 @@ class Connection:
         except Exception:
             log.exception("close callback of %s failed", self.peer)
 
-
-class Dispatcher:
-    """A handler that routes frames by type; an unknown type is refused (``unknown_type``).
-
-    ::
-
-        d = Dispatcher()
-
-        @d.route("ping")
-        async def ping(conn, frame): return Frame("pong")
-
-        d.add("forward", node.forward)
-    """
-
-    def __init__(self) -> None:
-        self.routes: dict[str, Handler] = {}
-
-    def add(self, type: str, handler: Handler) -> None:
-        self.routes[type] = handler
-
-    def route(self, type: str) -> Callable[[Handler], Handler]:
-        def deco(fn: Handler) -> Handler:
-            self.add(type, fn)
-            return fn
-
-        return deco
-
-    async def __call__(self, conn: Connection, frame: Frame) -> Frame | None:
-        fn = self.routes.get(frame.type)
-        if fn is None:
-            raise UnknownFrameType(f"unknown frame type {frame.type!r}")
-        return await fn(conn, frame)

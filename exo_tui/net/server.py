@@ -36,7 +36,8 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from exo_tui.net import auth
-from exo_tui.net.connection import CLOSE_TIMEOUT_S, MAX_CONCURRENT_CALLS, STREAM_LIMIT, Connection, Handler
+from exo_tui.net.connection import CLOSE_TIMEOUT_S, MAX_CONCURRENT_CALLS, STREAM_LIMIT, Connection
+from exo_tui.net.dispatcher import Handler
 from exo_tui.net.errors import AuthError, ConnectionClosed, HandshakeError
 from exo_tui.net.frame import DEFAULT_LIMITS, Limits
 from exo_tui.net.gate import STRANGER_S, HandshakeGate, Refused, Ticket

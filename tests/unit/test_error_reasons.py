@@ -67,7 +67,7 @@ async def test_a_peer_that_fails_its_profile_is_logged(tmp_path: Path, caplog: p
     """A peer of our cluster that does not answer ``profile`` is not listed, and the log says why."""
     from exo_tui.discovery.service import net_probe
     from exo_tui.discovery.static import Peer
-    from exo_tui.net.connection import Dispatcher
+    from exo_tui.net.dispatcher import Dispatcher
     from exo_tui.net.server import serve
 
     security = ensure_cluster(tmp_path / "home").security()

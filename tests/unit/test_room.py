@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from exo_tui.cluster.node_handle import NodeHandle
 from exo_tui.cluster.room import RoomNotes, is_refusal, limit_needed
-from exo_tui.net.connection import _remote_error, error_frame
+from exo_tui.net.dispatcher import error_frame, remote_error
 from exo_tui.net.errors import RemoteError
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES
 from exo_tui.node.profile import NodeProfile
@@ -23,10 +23,10 @@ def _handle(node_id: str, *, limit: int = 120 * MB, runtime_growth: int = 0, sha
 
 def test_a_refusal_crosses_the_wire_with_its_figures() -> None:
     frame = error_frame("loading layers [0, 7) needs 64 MB", "no_room", {"need_bytes": 64 * MB, "room_bytes": 53 * MB})
-    exc = _remote_error(frame)
+    exc = remote_error(frame)
     assert is_refusal(exc) and exc.detail == {"need_bytes": 64 * MB, "room_bytes": 53 * MB}
-    assert not is_refusal(_remote_error(error_frame("busy", "error")))
-    assert _remote_error(error_frame("x", "no_room")).detail == {}
+    assert not is_refusal(remote_error(error_frame("busy", "error")))
+    assert remote_error(error_frame("x", "no_room")).detail == {}
 
 
 def test_a_refusal_sets_what_the_node_and_the_nodes_that_have_not_opened_the_file_grew_by() -> None:
