@@ -70,7 +70,7 @@ class OperatorActions(CoordinatorParts):
             drained, pins = propose(command, ids, state)
         except ValueError as exc:
             return PlanPreview(action, command.targets, error=str(exc), layers=layers), None, set(), {}
-        change = await asyncio.to_thread(self._preview, self.constraints(drained=drained, pins=pins))
+        change = await asyncio.to_thread(self._preview, self.constraints(drained=drained, pins=pins), self.device_profiles())
         view = replace(_to_view_preview(action, ids, change, self, self._streaming_note()), layers=layers)
         return view, change, drained, pins
 

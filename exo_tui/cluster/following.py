@@ -67,7 +67,8 @@ class Following(CoordinatorParts):
         measured = got[0]
         now = time.monotonic()
         gap = prediction_gap(plan.predictions.tok_per_s_single, measured)
-        change: ChangePreview = await asyncio.to_thread(self._preview, self.constraints())
+        # the figures read here, on the loop's thread, where the ring's steps add to them
+        change: ChangePreview = await asyncio.to_thread(self._preview, self.constraints(), self.device_profiles())
         self._remeasured = (plan.version, change.tok_per_s_before)
         if gap is None or abs(gap) <= GAP:
             self._follow_state, _ = follow(self._follow_state, gap, None, now)

@@ -154,12 +154,16 @@ class PlanSwitching(KVMoves):
             draft=draft,
         ), self.calibrator.measurements())
 
-    def _preview(self, constraints: Constraints) -> ChangePreview:
+    def _preview(self, constraints: Constraints, profiles: list[DeviceProfile] | None = None) -> ChangePreview:
+        """The plan the scheduler would choose now, and what switching to it would move.
+        ``profiles``: :meth:`device_profiles`, taken by a caller that plans on another thread
+        (the ring's steps feed the figures on the event loop's; read there, they are not read
+        while they change)."""
         if self.strategy == "even":
-            return self._even_preview(constraints)
+            return self._even_preview(constraints, profiles=profiles)
         return preview_change(
             self.plan,
-            self.device_profiles(),
+            self.device_profiles() if profiles is None else profiles,
             self._served_spec(),
             constraints,
             self.config.scheduler,
@@ -173,7 +177,8 @@ class PlanSwitching(KVMoves):
         return self.spec
 
     def _even_preview(self, constraints: Constraints, *, spec: ModelSpec | None = None,
-                      current: Plan | None | Literal[True] = True) -> ChangePreview:
+                      current: Plan | None | Literal[True] = True,
+                      profiles: list[DeviceProfile] | None = None) -> ChangePreview:
         """Layers split evenly over the live, undrained nodes in the order they joined
         (``exo-tui chat --nodes``: the operator's order is the ring); see :mod:`exo_tui.scheduler.even`.
         ``spec``/``current``: another model's and no plan (a model switch), instead of the served
@@ -184,7 +189,8 @@ class PlanSwitching(KVMoves):
         version = (old.version + 1) if old else 1
         try:
             plan = even_plan([h.node_id for h in live], {h.node_id: self._node_backend(h) for h in live},
-                             {p.node_id: p for p in self.device_profiles(spec)}, spec, constraints,
+                             {p.node_id: p for p in (self.device_profiles(spec) if profiles is None else profiles)},
+                             spec, constraints,
                              self.config.scheduler, version)
         except InfeasiblePlan as exc:
             return ChangePreview(None, None, error=str(exc))

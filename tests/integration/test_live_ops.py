@@ -138,8 +138,8 @@ def test_apply_reports_the_change_it_made(four) -> None:
             leaving = c.plan.shards[-1].node_id
             real = c._preview
 
-            def tipped(constraints):  # since the preview, that node has dropped out of the running
-                return real(replace(constraints, drained=constraints.drained | {leaving}))
+            def tipped(constraints, profiles=None):  # since the preview, that node has dropped out of the running
+                return real(replace(constraints, drained=constraints.drained | {leaving}), profiles)
 
             c._preview = tipped
             done = await c.apply(preview)
