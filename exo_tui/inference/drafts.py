@@ -46,37 +46,72 @@ class DraftSource(abc.ABC):
 
 
 class _NgramIndex:
-    """Where each n-gram (1..``max_ngram`` tokens) of a growing token list begins, in order.
-    An n-gram is listed once the token after it is there (its continuation exists)."""
+    """Where each n-gram (``min_ngram``..``max_ngram`` tokens) of a growing token list begins, in
+    order (``every``) or its latest occurrence only. An n-gram is listed once the token after it
+    is there (its continuation exists).
 
-    def __init__(self, max_ngram: int) -> None:
+    An n-gram's key is one int (:func:`_ngram_key`) and a latest start another: a lookup indexes
+    every token of every stream as it comes, and tuples and lists kept by the thousand would grow
+    the garbage collector's young generation with each token, its collections (the oldest
+    generation's of the coordinator's whole heap, 80 ms, among them) coming with them."""
+
+    def __init__(self, max_ngram: int, min_ngram: int = 1, every: bool = True) -> None:
         self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.every = every
         self.tokens: list[int] = []
-        self.starts: dict[tuple[int, ...], list[int]] = {}
+        self.starts: dict[int, list[int]] = {}  # every: key -> starts, ascending
+        self.latest: dict[int, int] = {}  # not every: key -> the latest start
         self._indexed = 0  # n-grams ending before this position are listed
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Catch up with ``tokens``, which begin with what was seen before."""
         n = len(self.tokens)
         if len(tokens) < n or list(tokens[: min(n, 8)]) != self.tokens[: min(n, 8)]:
-            self.tokens, self.starts, self._indexed, n = [], {}, 0, 0
-        self.tokens.extend(int(t) for t in tokens[n:])
-        for end in range(self._indexed, len(self.tokens) - 1):  # n-grams ending at ``end``, followed
-            for size in range(1, min(self.max_ngram, end + 1) + 1):
-                self.starts.setdefault(tuple(self.tokens[end - size + 1 : end + 1]), []).append(end - size + 1)
+            self.tokens, self.starts, self.latest, self._indexed, n = [], {}, {}, 0, 0
+        self.tokens.extend(map(int, tokens[n:]))
+        seq, lo, hi, every, starts, latest = self.tokens, self.min_ngram, self.max_ngram, self.every, self.starts, self.latest
+        for end in range(self._indexed, len(seq) - 1):  # n-grams ending at ``end``, followed
+            key = 0
+            for size in range(1, min(hi, end + 1) + 1):
+                at = end - size + 1
+                key |= (seq[at] + 1) << (_KEY_BITS * (size - 1))
+                if size < lo:
+                    pass
+                elif every:
+                    starts.setdefault(key, []).append(at)
+                else:
+                    latest[key] = at
         self._indexed = max(self._indexed, len(self.tokens) - 1)
 
-    def follow(self, key: tuple[int, ...], near: int | None = None) -> int | None:
-        """Where the tokens after an occurrence of ``key`` begin: after the first occurrence
-        starting at or after ``near``, else after the latest one; None when it never occurred."""
+    def follow(self, ngram: Sequence[int], near: int | None = None) -> int | None:
+        """Where the tokens after an occurrence of ``ngram`` begin: after the first occurrence
+        starting at or after ``near`` (``every`` only), else after the latest one; None when it
+        never occurred."""
+        key = _ngram_key(ngram)
+        if not self.every:
+            at = self.latest.get(key)
+            return None if at is None else at + len(ngram)
         starts = self.starts.get(key)
         if not starts:
             return None
         if near is not None:
             i = bisect.bisect_left(starts, near)
             if i < len(starts):
-                return starts[i] + len(key)
-        return starts[-1] + len(key)
+                return starts[i] + len(ngram)
+        return starts[-1] + len(ngram)
+
+
+_KEY_BITS = 32  # bits of a token in an n-gram's key (token ids below 2^32 - 1)
+
+
+def _ngram_key(ngram: Sequence[int]) -> int:
+    """An n-gram as one int: token i (from the end) + 1 in bits ``32 i`` on (the first token's
+    nonzero bits give its length too)."""
+    key = 0
+    for i, t in enumerate(reversed(ngram)):
+        key |= (int(t) + 1) << (_KEY_BITS * i)
+    return key
 
 
 class PromptLookup(DraftSource):
@@ -86,16 +121,17 @@ class PromptLookup(DraftSource):
     name = "lookup"
 
     def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
-        self._index = _NgramIndex(max_ngram)
+        self._index = _NgramIndex(max_ngram, min_ngram, every=False)
         self.min_ngram = min_ngram
 
     async def propose(self, tokens: Sequence[int], prompt_len: int, k: int) -> Draft:
         index = self._index
         index.extend(tokens)
+        seq = index.tokens
         for size in range(min(index.max_ngram, len(tokens)), self.min_ngram - 1, -1):
-            at = index.follow(tuple(index.tokens[-size:]))
+            at = index.follow(seq[-size:])
             if at is not None:
-                return Draft(tuple(index.tokens[at : at + k]), self.name)
+                return Draft(tuple(seq[at : at + k]), self.name)
         return Draft((), self.name)
 
 
@@ -118,7 +154,7 @@ class Prediction(DraftSource):
             return Draft(tuple(self.predicted[:k]), self.name)
         guess = self._cursor + len(answer) - self._answered  # where it is now, if it went on as predicted
         for size in range(min(self._index.max_ngram, len(answer)), 0, -1):
-            at = self._index.follow(tuple(int(t) for t in answer[-size:]), near=max(0, guess - size))
+            at = self._index.follow(answer[-size:], near=max(0, guess - size))
             if at is not None:
                 self._cursor, self._answered = at, len(answer)
                 return Draft(tuple(self.predicted[at : at + k]), self.name)

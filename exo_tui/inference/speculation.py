@@ -18,7 +18,10 @@ that maximises the ring's tokens per unit of step time, from what is measured:
 A stream drafts where that is at least ``1 + (MIN_GAIN - 1) / n`` (its share of a
 :data:`MIN_GAIN` margin). Where no ``k`` is, the stream does not draft: it keeps proposing
 drafts without running them and checks them against the tokens that come (a "shadow" draft;
-free for lookups), so it starts again when its answer turns to copying. Until a plan's cost is
+free for lookups), so it starts again when its answer turns to copying. It asks its sources
+again once a shadow draft is checked, and :data:`QUIET` tokens after a lookup that found
+nothing: asked before every token of every stream, a stream that does not draft costs the
+coordinator's Python about what a plain stream does. Until a plan's cost is
 measured (:data:`PROBES` verify steps), a stream whose lookup proposes something runs it as one
 draft (a 2-row step: a probe), so the cost is this plan's, not a guess. A prediction (OpenAI's
 Predicted Outputs) starts from a high acceptance, since it is given to be copied.
@@ -54,6 +57,8 @@ PRIOR_MODEL = 0.8  # a stream with a draft model (whose drafts are not asked for
 # of the default model: ONNX ~0.13 a row at k = 4 on one thread, MLX on the CPU ~0.85)
 PRIOR_ROW_COST = 0.5
 EMA = 0.2  # the weight of a new measurement in the running estimates
+QUIET = 4  # a stream not drafting whose lookup found nothing asks again this many tokens later
+NO_DRAFT = Draft(())
 
 
 def parse_mode(value: str | int | None) -> str | int:
@@ -162,6 +167,7 @@ class Speculation:
         self.streams: Callable[[], int] | None = None  # the streams running, it included (the coordinator's)
         self.costs = StepCosts()  # its plan's (the coordinator gives each stream the plan's own)
         self._primed = False  # the priors were set for the sources it has (a draft model is attached late)
+        self._quiet = 0  # steps to go before a stream not drafting, whose lookup found nothing, asks again
 
     @classmethod
     def for_request(cls, mode: str | int, predicted: Sequence[int] | None = None, lookup: bool = True,
@@ -191,21 +197,29 @@ class Speculation:
     async def draft(self, tokens: Sequence[int], prompt_len: int, room: int) -> Draft:
         """The draft to run with the next step (empty: a plain step). ``room``: the most tokens
         the step may give (the answer's and the context's room left, at least 1)."""
-        self._score_shadow(tokens)
+        if self._shadow is not None:
+            self._score_shadow(tokens)
+        if self._quiet:  # not drafting, and its lookup found nothing lately: a plain step, as off's
+            self._quiet -= 1
+            return NO_DRAFT
         most = min(MAX_DRAFT, room - 1)
         if most <= 0:
-            return Draft(())
+            return NO_DRAFT
         if not self._primed and any(not s.cheap for s in self.drafter.sources):  # a draft model attached
             self.accept_rate = max(self.accept_rate, PRIOR_MODEL)
         self._primed = True
         k = self.mode if isinstance(self.mode, int) else self.best_k(most)
+        if not k and self._shadow is not None and not self._probe():  # what it proposed is still to be
+            return NO_DRAFT  # checked: a proposal now would be neither run nor remembered
         draft = await self.drafter.propose(tokens, prompt_len, min(k, most) if k else most, cheap_only=not k)
         if not k and len(draft) and self._probe():  # the plan's cost not measured yet: one draft run
             return draft.cut(1)
         if not k:  # not worth a verify step now: remembered, to be checked against what comes
             if len(draft) and self._shadow is None:
                 self._shadow = (len(tokens), draft.tokens)
-            return Draft(())
+            elif not len(draft):
+                self._quiet = QUIET - 1
+            return NO_DRAFT
         return draft
 
     def best_k(self, most: int) -> int:
@@ -216,14 +230,21 @@ class Speculation:
         a = min(self.accept_rate, 0.999)
         best, gain = 0, 1 + (MIN_GAIN - 1) / n
         line = self._cost_line()  # asked before every step (twice): the fit read once, not per k
-        power = a
+        # Asked before every token of every stream, so it stops at the first k past which none can
+        # win: g rises to a peak and falls (the tokens are concave in k, the cost convex and rising),
+        # and no k gives more than 1 / (1 - a) tokens
+        power, last, ceiling = a, 0.0, n - 1 + 1 / (1 - a)
         for k in range(1, min(most, MAX_DRAFT) + 1):
-            power *= a
-            tokens = (1 - power) / (1 - a)
             cost = PRIOR_ROW_COST * k if line is None else max(line[0] + line[1] * k, 1e-3 * k)
-            g = (n - 1 + tokens) / (n * (1 + cost))
+            if ceiling <= gain * n * (1 + cost):
+                break
+            power *= a
+            g = (n - 1 + (1 - power) / (1 - a)) / (n * (1 + cost))
             if g > gain:
                 best, gain = k, g
+            elif g < last:
+                break
+            last = g
         return best
 
     def step_cost(self, k: int) -> float:

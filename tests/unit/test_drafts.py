@@ -204,3 +204,104 @@ def test_a_stream_not_drafting_asks_only_its_cheap_sources() -> None:
     assert model.asked == 0 and spec.accept_rate == PRIOR_MODEL
     spec.streams = lambda: 1
     assert len(asyncio.run(spec.draft([1, 2, 3, 1, 2], 3, 10))) > 0 and model.asked == 1
+
+
+class _Asked(PromptLookup):
+    """A prompt lookup that counts the times it is asked."""
+
+    asked = 0
+
+    async def propose(self, tokens, prompt_len, k):  # noqa: ANN001, ANN201
+        self.asked += 1
+        return await super().propose(tokens, prompt_len, k)
+
+
+def test_a_stream_not_drafting_whose_lookup_finds_nothing_asks_it_every_few_tokens() -> None:
+    """Asked before every token of every stream, a lookup that finds nothing costs the
+    coordinator's Python what a plain stream's step does not: it waits QUIET tokens before asking
+    again, and then finds what the tokens it skipped repeated (its index caught up)."""
+    from exo_tui.inference.speculation import QUIET
+
+    lookup = _Asked()
+    spec = Speculation("auto", [lookup])
+    spec.streams = lambda: 8  # busy: nothing drafts
+    tokens = list(range(100, 110))
+    for t in range(10, 10 + 4 * QUIET):  # free text: nothing repeats
+        tokens.append(t)
+        assert asyncio.run(spec.draft(tokens, 10, 10)) == Draft(())
+    assert lookup.asked == 4
+    tokens += [100, 101]  # the answer turns to quoting its prompt
+    for _ in range(QUIET):
+        asyncio.run(spec.draft(tokens, 10, 10))
+        tokens.append(tokens[-1] + 1)
+    assert lookup.asked == 5 and spec._shadow is not None  # found within QUIET tokens, checked as they come
+
+
+def test_a_stream_not_drafting_does_not_ask_while_its_last_proposal_is_being_checked() -> None:
+    """What it proposed and did not run is checked against the tokens that come; a proposal made
+    meanwhile would be dropped, so its sources are not asked until that check ends."""
+    lookup = _Asked()
+    spec = Speculation("auto", [lookup])
+    spec.streams = lambda: 8
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    asyncio.run(spec.draft(tokens, 2, 10))
+    for t in (3, 4, 5):  # the answer goes on as proposed (3 4 5 6 7 8 1 2)
+        tokens.append(t)
+        asyncio.run(spec.draft(tokens, 2, 10))
+    assert lookup.asked == 1 and spec.stats.shadowed == 0
+    tokens.append(9)  # it leaves the proposal: checked (3 of 4 kept), and the lookup asked again
+    asyncio.run(spec.draft(tokens, 2, 10))
+    assert (spec.stats.shadowed, spec.stats.shadow_kept, lookup.asked) == (4, 3, 2)
+
+
+def test_best_k_stops_early_with_the_k_every_k_gives() -> None:
+    """best_k stops where no larger k can win; it chooses what weighing every k chooses."""
+    def every_k(spec: Speculation, most: int) -> int:
+        n = spec.streams() if spec.streams else 1
+        a = min(spec.accept_rate, 0.999)
+        best, gain = 0, 1 + 0.15 / n
+        for k in range(1, most + 1):
+            g = (n - 1 + (1 - a ** (k + 1)) / (1 - a)) / (n * (1 + spec.step_cost(k)))
+            if g > gain:
+                best, gain = k, g
+        return best
+
+    chosen = set()
+    for n in (1, 2, 8):
+        for fixed, per_row in ((None, None), (0.0, 0.0005), (0.002, 0.0001), (0.02, 0.0005), (0.0, 0.004)):
+            spec = Speculation("auto", [PromptLookup()])
+            spec.streams = lambda n=n: n
+            spec.timed(1, 0.010)
+            if fixed is not None:
+                for k in (1, 4, 8, 16):
+                    spec.costs.add(k, fixed + per_row * k)
+            for a in (0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0):
+                spec.accept_rate = a
+                for most in (1, 4, MAX_DRAFT):
+                    assert spec.best_k(most) == every_k(spec, most), (n, fixed, per_row, a, most)
+                    chosen.add(spec.best_k(most))
+    assert len(chosen) > 5  # the grid reaches many k, 0 among them
+
+
+def test_a_lookups_index_keeps_nothing_the_garbage_collector_tracks() -> None:
+    """Every stream's lookup indexes each token as it comes: its keys and starts are ints, so
+    the collector's young generation does not grow with the tokens (its collections, a full one
+    of the coordinator's heap among them, would come with them)."""
+    import gc
+
+    lookup = PromptLookup()
+    tokens = [(7 * i) % 1000 for i in range(50)]
+    asyncio.run(lookup.propose(tokens, 10, 4))
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        for i in range(2000):
+            tokens.append((7919 * i) % 5000)
+            lookup._index.extend(tokens)
+        grown = len(gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert grown < 100  # not a tuple and a list for each n-gram of each of 2,000 tokens
+    tokens += tokens[60:62]
+    assert propose(lookup, tokens, 10, 3) == tuple(tokens[62:65])  # and it finds them
