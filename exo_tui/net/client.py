@@ -23,6 +23,15 @@ from exo_tui.net.security import Security
 from exo_tui.net.slot import slot_cookie
 from exo_tui.net.transport import error_text, is_tls_alert, local_name, peer_identity, start_tls, tune_socket
 
+BUSY_RETRIES = (0.05, 0.15, 0.4)  # the pauses before connecting again to a node that dropped us unanswered
+
+
+def _dropped(e: BaseException) -> bool:
+    """Whether the peer closed or reset the connection before answering the ClientHello: a node
+    under a flood drops the oldest connection whose ClientHello it has not received to make room
+    (:mod:`exo_tui.net.gate`), and ours, sent late by a busy loop, can be that one."""
+    return not isinstance(e, ssl.SSLError) or isinstance(e, ssl.SSLEOFError)
+
 
 def _tls_refusal(peer: str, e: BaseException) -> HandshakeError:
     """What a failed client-side TLS handshake means, from how it failed."""
@@ -53,28 +62,40 @@ async def open_authenticated(
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
     """TCP, TLS and the HMAC handshake, without the frame layer: ``(reader, writer, peer_name)``.
 
-    For tools and tests that speak raw bytes; applications use :func:`connect`. Raises like it.
+    A node that closes the connection before answering the ClientHello (a node under a flood drops
+    connections whose ClientHello has not arrived to make room) is tried again, up to
+    ``len(BUSY_RETRIES)`` times within ``timeout``. For tools and tests that speak raw bytes;
+    applications use :func:`connect`. Raises like it.
     """
     peer = host_port(host, port)
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(timeout):
-            try:
-                reader, writer = await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
-            except OSError as e:
-                raise ConnectError(
-                    f"cannot connect to {peer}: {e.strerror or e}: is the node agent running there "
-                    "(exo-tui node) and the port reachable?"
-                ) from None
-            tune_socket(writer)
-            fp_server, name = b"", ""
-            if security.enable_tls:
+            for pause in (*BUSY_RETRIES, None):
+                try:
+                    reader, writer = await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
+                except OSError as e:
+                    raise ConnectError(
+                        f"cannot connect to {peer}: {e.strerror or e}: is the node agent running there "
+                        "(exo-tui node) and the port reachable?"
+                    ) from None
+                tune_socket(writer)
+                fp_server, name = b"", ""
+                if not security.enable_tls:
+                    break
                 try:
                     # the slot cookie: a node under a flood of strangers still gives this side a slot
+                    # once its ClientHello is in
                     await start_tls(writer, security.client_context(), slot_cookie(security.cluster_key))
                 except (ssl.SSLError, ConnectionError, OSError) as e:
-                    raise _tls_refusal(peer, e) from None
+                    writer.transport.abort()
+                    if pause is None or not _dropped(e):
+                        raise _tls_refusal(peer, e) from None
+                    await asyncio.sleep(pause)
+                    continue
                 fp_server, name = peer_identity(writer)
+                break
+            assert writer is not None  # the loop above ends with a connection or raises
             try:
                 await auth.client_handshake(
                     reader, writer, security.cluster_key, fp_server=fp_server,

@@ -7,7 +7,10 @@ shared out so that strangers cannot lock out the node's coordinator and peers:
 * at most ``total`` connections hold slots at once;
 * a connection that has not sent its TLS ClientHello yet is *idle*: when the slots are full, a
   newcomer makes room by dropping the oldest idle one (a real client sends its ClientHello at
-  once, so an idle connection is cheap to drop and a flood of idle ones cannot refuse anyone);
+  once, so an idle connection is cheap to drop and a flood of idle ones cannot refuse anyone).
+  Whether it has sent one is asked of what arrived (``sent``), not of how far its accept task
+  got: on a loop busy with a flood, the task that would read a ClientHello already received can
+  run after a newcomer's, and a legitimate connection was dropped so;
 * at its ClientHello a connection is *proved* when the hello carries a valid slot cookie (a proof
   of the cluster key, :mod:`exo_tui.net.slot`): the coordinator and ring peers. A proved one always
   keeps its slot. The others are strangers: at most ``total - reserved`` of them past their
@@ -32,11 +35,12 @@ STRANGER_S = 2.0  # a stranger's whole handshake, from its accept, while the slo
 
 @dataclass(eq=False)
 class Ticket:
-    """One connection's slot. ``hello``: its ClientHello arrived (no longer idle); ``proved``: with
-    a valid slot cookie."""
+    """One connection's slot. ``sent()``: its ClientHello has arrived, whether or not its task has
+    read it yet (not idle); ``hello``: the gate has counted it; ``proved``: with a valid slot cookie."""
 
     address: str
     drop: Callable[[], object] = field(repr=False)
+    sent: Callable[[], bool] = field(default=lambda: False, repr=False)
     hello: bool = False
     proved: bool = False
 
@@ -66,12 +70,13 @@ class HandshakeGate:
         """Strangers hold half their share of the slots or more."""
         return self.strangers() * 2 >= self.total - self.reserved
 
-    def admit(self, address: str, drop: Callable[[], object]) -> Ticket:
+    def admit(self, address: str, drop: Callable[[], object], sent: Callable[[], bool] | None = None) -> Ticket:
         """An idle slot for a connection from ``address`` just accepted (``drop()`` closes it if it
-        must make room later), or :class:`Refused` when every slot is past its ClientHello."""
+        must make room later; ``sent()`` says whether its ClientHello has arrived), or
+        :class:`Refused` when every slot is past its ClientHello."""
         if len(self._tickets) >= self.total and not self._drop_idle():
             raise Refused(f"{self.total} handshakes are in progress, none of them idle")
-        ticket = Ticket(address, drop)
+        ticket = Ticket(address, drop) if sent is None else Ticket(address, drop, sent)
         self._tickets[ticket] = None
         return ticket
 
@@ -97,7 +102,7 @@ class HandshakeGate:
 
     def _drop_idle(self) -> bool:
         for t in self._tickets:
-            if not t.hello:
+            if not t.hello and not t.sent():
                 self._tickets.pop(t, None)
                 self.dropped += 1
                 t.drop()

@@ -118,7 +118,9 @@ class Server:
         address = str(peername[0]) if isinstance(peername, tuple) and peername else peer
         accepted = asyncio.get_running_loop().time()
         try:
-            ticket = self.gate.admit(address, task.cancel)
+            protocol = getattr(writer, "_protocol", None)
+            sent = protocol.hello.is_set if isinstance(protocol, TLSFirst) else None
+            ticket = self.gate.admit(address, task.cancel, sent)
         except Refused as e:
             self.refused += 1
             self.limited.warning("busy", "refused connection from %s: %s (someone may be flooding this port)", peer, e)

@@ -303,6 +303,51 @@ async def test_strangers_in_handshake_leave_the_reserved_slots_to_proved_peers(c
     assert any("without a proof of the cluster key are in progress" in m for m in messages), messages
 
 
+async def test_a_client_dropped_before_its_client_hello_was_read_connects_again(coord: Security, node: Security):
+    """A node under a flood drops the oldest connection whose ClientHello has not arrived, and a
+    legitimate client whose loop was slow to send its own can be that one (test_hostile's flood
+    lost 1 of 10 links so under a second test worker). The client connects again, a few times:
+    here a front that drops its first two connections unanswered, then one that always does."""
+    accepted = 0
+
+    async def serve_front(dropping: int, port: int) -> asyncio.Server:
+        async def front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            if accepted <= dropping:
+                writer.transport.abort()  # as the gate's drop does
+                return
+            up_reader, up_writer = await asyncio.open_connection(HOST, port)
+
+            async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+                with contextlib.suppress(ConnectionError):
+                    while data := await r.read(1 << 16):
+                        w.write(data)
+                        await w.drain()
+                w.close()
+
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+        return await asyncio.start_server(front, HOST, 0)
+
+    async with running(node) as server:
+        front = await serve_front(2, server.port)
+        try:
+            async with await connect(HOST, front.sockets[0].getsockname()[1], security=coord, timeout=5) as conn:
+                assert (await conn.call("echo", {"n": 1})).body == {"n": 1}
+            assert accepted == 3
+        finally:
+            front.close()
+        accepted = 0
+        front = await serve_front(1000, server.port)
+        try:
+            with pytest.raises(HandshakeError, match="busy refusing handshakes"):
+                await connect(HOST, front.sockets[0].getsockname()[1], security=coord, timeout=5)
+            assert accepted == 4  # the first try and three more, then the node's refusal is said
+        finally:
+            front.close()
+
+
 async def test_large_frames_on_many_connections_share_the_receive_budget(coord, node, monkeypatch):
     """With a 4 MiB budget for the whole loop (server and clients alike), 3 MiB tensors sent on
     four connections at once are read a few at a time, in pieces, and all come back whole."""

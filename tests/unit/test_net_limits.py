@@ -46,6 +46,23 @@ def test_idle_connections_make_room_oldest_first() -> None:
     assert dropped == ["10.9.0.0"] and len(gate) == 4 and gate.dropped == 1
 
 
+def test_a_connection_whose_client_hello_arrived_is_not_dropped_as_idle_before_its_task_reads_it() -> None:
+    """test_hostile's flood once dropped a legitimate link: its ClientHello had arrived, but on the
+    flooded loop a newcomer's accept ran before the task that would read it, and the gate took the
+    oldest connection it had not counted a ClientHello of as idle."""
+    gate = HandshakeGate(total=3, reserved=1, per_address=10)
+    dropped: list[str] = []
+    arrived = {"coordinator": True}
+    gate.admit("coordinator", lambda: dropped.append("coordinator"), lambda: arrived["coordinator"])
+    _admit(gate, "10.9.0.1", dropped)
+    _admit(gate, "10.9.0.2", dropped)
+    _admit(gate, "10.9.0.3", dropped)  # full: the oldest idle one goes, not the one whose hello is in
+    assert dropped == ["10.9.0.1"]
+    arrived["coordinator"] = False  # had nothing arrived, it would have been first
+    _admit(gate, "10.9.0.4", dropped)
+    assert dropped == ["10.9.0.1", "coordinator"]
+
+
 def test_one_address_loopback_too_holds_at_most_per_address_strangers() -> None:
     gate = HandshakeGate(total=100, reserved=10, per_address=2)
     dropped: list[str] = []
