@@ -17,6 +17,11 @@ from tests.factory import write_tiny_llama
 settings.register_profile("exo-tui", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("exo-tui")
 
+# Every coordinator a test starts (a serve, the console) serves its join endpoint on loopback, not
+# on every interface as an operator's does: tests talk to loopback only. (A test that joins sets
+# its own port; two workers' serves may both want 52417, and the second then serves no join.)
+os.environ.setdefault("EXO_TUI__NETWORK__JOIN__HOST", "127.0.0.1")
+
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
