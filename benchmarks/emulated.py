@@ -16,10 +16,15 @@ bandwidth). Scenarios:
 In each scenario one coordinator first serves exo's ring (every node and link measured), then
 plans each strategy on the measured figures (exo_tui/scheduler/calibration.py) and serves it:
 a warm-up answer, then ``--answers`` answers of ``--tokens`` tokens, one at a time; the
-strategies take turns for ``--rounds`` rounds (the machine's load drifts). Reported per plan:
-its layers, the medians of predicted and measured tok/s (one stream, decode, speculative decoding
-off: the predictions are of one token a step) and time to first token (each answer's prompt its
-own, so none reuses a cached one), measured over predicted, and measured tok/s over exo's ring measured in the same scenario.
+strategies take turns for ``--rounds`` rounds (the machine's load drifts). Each round plans a
+strategy again on the figures measured so far, as a coordinator serving that strategy all along
+would: its plan of the round before stays unless one is predicted ``KEEP_GAIN`` better
+(exo_tui/scheduler/partition.py), the re-plan's hysteresis (the strategies taking turns, the plan
+in force when a strategy's turn comes is another strategy's). Reported per plan: its layers, the
+medians of predicted and measured tok/s (one stream, decode, speculative decoding off: the
+predictions are of one token a step) and time to first token (each answer's prompt its own, so
+none reuses a cached one), the median of each answer's measured over its plan's prediction, and
+measured tok/s over exo's ring measured in the same scenario.
 Timings on a shared machine are noisy: the ratios are measured side by side, one scenario at a
 time.
 """
@@ -41,7 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.quick import parse  # noqa: E402
+from exo_tui.cluster.room import is_refusal  # noqa: E402
 from exo_tui.cluster.view import ChatParams  # noqa: E402
+from exo_tui.net.errors import RemoteError  # noqa: E402
+from exo_tui.scheduler.diff import preview_change  # noqa: E402
 from exo_tui.scheduler.prediction import predict  # noqa: E402
 from tests.helpers.emulation import CpuQuota, Relay, cpu_quota_unavailable, slow_down  # noqa: E402
 from tests.integration.cluster_helpers import cluster_config, coordinator, node_processes  # noqa: E402
@@ -122,15 +130,16 @@ async def _serve_each(name: str, note: str, nodes: object, peers: list[str], arg
         prompt = len(c.model.chat_prompt_ids([{"role": "user", "content": _prompt(100)}]))
         runs: dict[str, list[tuple[str, float, float, float, float]]] = {}
         errors: dict[str, str] = {}
+        kept: dict[str, object] = {}  # each strategy's plan of the round before
         for _ in range(args.rounds):  # the strategies in turn, round after round: the machine's load drifts
             for strategy in STRATEGIES:
                 c.strategy = strategy
                 try:
-                    await c.replan(f"benchmark: {strategy}")
+                    await _replan(c, strategy, kept.get(strategy))
                 except Exception as exc:  # noqa: BLE001 - an infeasible plan is a result of the scenario
                     errors[strategy] = str(exc)[:120]
                     continue
-                plan = c.plan
+                plan = kept[strategy] = c.plan
                 pred = predict(plan.shards, {p.node_id: p for p in c.device_profiles()}, c.spec, c.config.scheduler,
                                prompt, c.constraints().coordinator_s,
                                c.constraints().coordinator_links, c.constraints().handed_share)
@@ -145,9 +154,30 @@ async def _serve_each(name: str, note: str, nodes: object, peers: list[str], arg
                 continue
             med = [statistics.median(g[i] for g in got) for i in range(1, 5)]
             rows.append({"scenario": name, "note": note, "strategy": strategy,
-                         "layout": " / ".join(sorted({g[0] for g in got})),
-                         "pred_tps": med[0], "tps": med[1], "pred_ttft": med[2], "ttft": med[3]})
+                         "layout": " / ".join(dict.fromkeys(g[0] for g in got)),  # in the order served
+                         "pred_tps": med[0], "tps": med[1], "pred_ttft": med[2], "ttft": med[3],
+                         "ratio": statistics.median(g[2] / g[1] for g in got)})
     return rows
+
+
+async def _replan(c: object, strategy: str, before: object | None) -> None:
+    """``c`` switched to ``strategy``'s plan on the figures measured so far, ``before`` (the
+    strategy's plan of the round before) kept unless one is predicted KEEP_GAIN better: the
+    hysteresis a re-plan has against the plan in force, here against the plan this strategy
+    serves, as it would have on a coordinator serving only this strategy."""
+    if before is None:
+        await c.replan(f"benchmark: {strategy}")  # type: ignore[attr-defined]
+        return
+    preview = preview_change(before, c.device_profiles(), c.spec, c.constraints(),  # type: ignore[attr-defined]
+                             c.config.scheduler, now=time.monotonic(), strategy=strategy)  # type: ignore[attr-defined]
+    if preview.new_plan is None:
+        raise RuntimeError(preview.error)
+    try:
+        await c._switch(preview.new_plan, f"benchmark: {strategy}")  # type: ignore[attr-defined]  # noqa: SLF001
+    except RemoteError as exc:  # a load refused for want of room: planned again with the room it reported
+        if not is_refusal(exc):
+            raise
+        await c.replan(f"benchmark: {strategy}")  # type: ignore[attr-defined]
 
 
 def _layout(c: object, plan: object) -> str:
@@ -167,7 +197,7 @@ def _table(rows: list[dict]) -> str:
         base = ring.get(r["scenario"])
         vs = f"×{r['tps'] / base:.2f}" if base else "–"
         out.append(f"| {r['scenario']} | {r['strategy']} | {r['layout']} | {r['pred_tps']:.1f} | {r['tps']:.1f} | "
-                   f"{r['tps'] / r['pred_tps']:.2f} | {vs} | {r['pred_ttft'] * 1000:.0f} ms | {r['ttft'] * 1000:.0f} ms |")
+                   f"{r['ratio']:.2f} | {vs} | {r['pred_ttft'] * 1000:.0f} ms | {r['ttft'] * 1000:.0f} ms |")
     return "\n".join(out)
 
 

@@ -32,7 +32,10 @@ the same setting.
 (one intra-op thread a node, ``EXO_TUI_THREADS=1``: nodes sharing a machine then do not share
 cores within a step), and ``no-handoff`` (the coordinator sending every step: the last hop does
 not hand its token to the first, ``RemotePipeline.lease_tokens = 1``; beside ``default``, on the
-same cluster, the two ways taking turns).
+same cluster, the two ways taking turns); on that cluster too, ``lease64`` (leases of 64 steps:
+the coordinator sends a step every 64 tokens) and ``coord-batch`` / ``coord-idle`` (the
+coordinator's event loop thread, this process's, at ``SCHED_BATCH``: it never preempts a thread
+on waking, or ``SCHED_IDLE``: it runs where a core has nothing else, during those streams).
 """
 
 from __future__ import annotations
@@ -58,7 +61,22 @@ VARIANTS = {  # name -> the environment the node processes start with (see backe
     "1thread": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": "1"},
     # the default's nodes, the coordinator sending every step (no hand-off: cluster/pipeline.py's lease_tokens 1)
     "no-handoff": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
+    # the default's nodes, a lease 4x as long: the coordinator sends a step every 64 tokens
+    "lease64": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
+    # the default's nodes, the coordinator's thread under another scheduling policy during its streams
+    "coord-batch": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
+    "coord-idle": {"EXO_TUI_ONNX_PIN": "0", "EXO_TUI_ONNX_SPIN": "", "EXO_TUI_THREADS": ""},
 }
+SAME_NODES = {"no-handoff", "lease64", "coord-batch", "coord-idle"}  # the default's cluster, used another way
+LEASES = {"no-handoff": 1, "lease64": 64}
+POLICIES = {"coord-batch": "SCHED_BATCH", "coord-idle": "SCHED_IDLE"}
+
+
+def _policy(variant: str) -> None:
+    """The scheduling policy of this (the coordinator's event loop) thread for ``variant``'s
+    streams (Linux: a thread's own); SCHED_OTHER for every other."""
+    if hasattr(os, "sched_setscheduler"):
+        os.sched_setscheduler(0, getattr(os, POLICIES.get(variant, "SCHED_OTHER")), os.sched_param(0))
 
 if TYPE_CHECKING:
     from exo_tui.cluster.coordinator import Coordinator
@@ -148,7 +166,7 @@ async def _group(
             if threads and not os.environ["EXO_TUI_THREADS"]:
                 os.environ["EXO_TUI_THREADS"] = str(threads)
             for n in counts:
-                if variant == "no-handoff" and ("default", n) in coordinators:  # the same cluster, the other way
+                if variant in SAME_NODES and ("default", n) in coordinators:  # the same cluster, the other way
                     coordinators[(variant, n)] = coordinators[("default", n)]
                     continue
                 c = Coordinator(local_nodes=n, local_backends=[backend], strategy="even", config=config,
@@ -172,10 +190,14 @@ async def _group(
         cpu: dict[tuple[str, int], list[tuple[float, float]]] = {k: [] for k in gaps}
         for _ in range(rounds):
             for k, c in coordinators.items():
-                c.pipeline.lease_tokens = 1 if k[0] == "no-handoff" else LEASE_TOKENS
+                c.pipeline.lease_tokens = LEASES.get(k[0], LEASE_TOKENS)
                 began = time.monotonic()
                 before = _cpu(c)
-                gaps[k].append(statistics.mean(await _steps(c, tokens)))
+                _policy(k[0])
+                try:
+                    gaps[k].append(statistics.mean(await _steps(c, tokens)))
+                finally:
+                    _policy("default")
                 cpu[k].append(_per_token(before, _cpu(c), tokens))
                 timed[k] += [t for t in c.metrics.ring if t.ts >= began]
             if local is not None:
