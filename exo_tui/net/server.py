@@ -119,8 +119,8 @@ class Server:
         accepted = asyncio.get_running_loop().time()
         try:
             protocol = getattr(writer, "_protocol", None)
-            sent = protocol.hello.is_set if isinstance(protocol, TLSFirst) else None
-            ticket = self.gate.admit(address, task.cancel, sent)
+            hello_in = (lambda p=protocol: p.client_hello_in) if isinstance(protocol, TLSFirst) else None
+            ticket = self.gate.admit(address, task.cancel, hello_in)
         except Refused as e:
             self.refused += 1
             self.limited.warning("busy", "refused connection from %s: %s (someone may be flooding this port)", peer, e)

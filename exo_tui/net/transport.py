@@ -143,7 +143,14 @@ class TLSFirst(asyncio.StreamReaderProtocol):
         elif len(held) > self.MAX_HELD:
             self._refuse(f"{len(held)} bytes before the TLS handshake (not a TLS client)")
 
+    @property
+    def client_hello_in(self) -> bool:
+        """A whole first TLS record has arrived and the connection is still there (neither junk nor
+        a connection already gone: what :class:`~exo_tui.net.gate.HandshakeGate` may not drop)."""
+        return bool(self.first_record) and self._plain is not None
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._plain = None
         if not self.hello.is_set():
             self.not_tls = self.not_tls or "it closed the connection before its TLS ClientHello"
             self.hello.set()

@@ -303,6 +303,32 @@ async def test_strangers_in_handshake_leave_the_reserved_slots_to_proved_peers(c
     assert any("without a proof of the cluster key are in progress" in m for m in messages), messages
 
 
+async def test_only_a_whole_client_hello_on_a_live_connection_keeps_its_slot_from_being_dropped():
+    """The gate may not drop a connection whose ClientHello is in (TLSFirst.client_hello_in), but
+    junk, a part of a hello, or a connection gone since stay droppable: a flood of them must not
+    hold slots a legitimate link needs."""
+    from exo_tui.net.transport import TLSFirst
+
+    class Plain(asyncio.Transport):
+        def pause_reading(self) -> None:
+            pass
+
+    def fed(*chunks: bytes, lost: bool = False) -> TLSFirst:
+        p = TLSFirst(asyncio.StreamReader())
+        p.connection_made(Plain())
+        for c in chunks:
+            p.data_received(c)
+        if lost:
+            p.connection_lost(None)
+        return p
+
+    hello = _client_hello()
+    assert fed(hello).client_hello_in
+    assert not fed(hello[:20]).client_hello_in  # a part of it
+    assert not fed(b"GET / HTTP/1.1\r\n\r\n").client_hello_in  # not TLS
+    assert not fed(hello, lost=True).client_hello_in  # gone before its task read it
+
+
 async def test_a_client_dropped_before_its_client_hello_was_read_connects_again(coord: Security, node: Security):
     """A node under a flood drops the oldest connection whose ClientHello has not arrived, and a
     legitimate client whose loop was slow to send its own can be that one (test_hostile's flood
