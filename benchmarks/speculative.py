@@ -14,7 +14,10 @@ Tasks (greedy, so every configuration gives the same text; the benchmark checks 
 * headline: the 3-node ring with speculation against one node without, on ``copy``: >= 1.0x.
 * 8 streams at once, one node and ring, ``auto`` against ``off``: the throughput must not drop;
   also the copies with their prediction, under ``auto`` and at a fixed ``--stream-k`` (their verify
-  steps run, batched with the other streams' decode steps).
+  steps run, batched with the other streams' decode steps). Each round's ratio against that
+  round's ``off``, many rounds' median, interval, quartiles and sign test, the coordinator's CPU
+  time per token (``benchmarks/_streams.py``). To show it: ``--tasks streams --stream-modes auto
+  --rounds 40 --tokens 48`` (``--profile``: the coordinator's busiest functions per mode).
 * ``draft``: a draft model (``--draft``): the default Q4_1 file drafting for its own F16
   requantization (``benchmarks/draft_f16.py``, llama.cpp's quantizer) on free chat, the F16 model
   served with the draft model against without, ``auto`` and a fixed ``k`` of 4. Target: >= 1.5x off,
@@ -33,14 +36,14 @@ what one stream's verify step adds to their batched step, its rows in the batch 
 
     python benchmarks/speculative.py [--rounds 3] [--tokens 96] [--threads 1] [--no-llama] [--no-draft | --draft-only] [--nodes 1,3]
         [--tasks copy,chat,streams] [--stages-only | --no-stages] [--stage-backends onnx,mlx] [--batch-backends onnx]
-        [--stream-k 4]
+        [--stream-k 4] [--stream-modes off,auto,predicted,fixed] [--profile]
         [--ks 1,4,8,16,32] [--repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import cProfile
 import importlib.util
 import os
 import statistics
@@ -53,12 +56,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends import available_backends  # noqa: E402
+from benchmarks._streams import STREAMS, modes, print_profiles, print_streams, streams_round  # noqa: E402
 from benchmarks.quick import have_llama_cpp, parse  # noqa: E402
 
 COPY = [{"role": "user", "content": "Write a Python class for a bank account with deposit, withdraw and balance methods."}]
 CHAT = [{"role": "user", "content": "Tell me about the history of bicycles."}]
-STREAMS = 8
 TASKS = ("copy", "chat", "streams")
+Runs = dict[tuple[str, int], list[dict[str, Any]]]
 
 
 async def _decode(c: Any, messages: list[dict[str, str]], tokens: int, mode: str | int,
@@ -91,7 +95,9 @@ CASES = [  # (name, nodes, task, speculation, with the prediction)
 
 
 async def _clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int, ...] = (1, 3),
-                    tasks: tuple[str, ...] = TASKS, stream_k: int = 4) -> dict[tuple[str, int], list[dict[str, Any]]]:
+                    tasks: tuple[str, ...] = TASKS, stream_modes: list[tuple[str, str | int, bool]] | None = None,
+                    profiles: dict[tuple[str, int], cProfile.Profile] | None = None) -> tuple[Runs, Runs]:
+    """The single-stream cases' runs, and the 8 streams' (``stream_modes``: benchmarks/_streams.py)."""
     from exo_tui.cluster.coordinator import Coordinator
     from exo_tui.config import Config
 
@@ -99,41 +105,35 @@ async def _clusters(rounds: int, tokens: int, home: Path, sizes: tuple[int, ...]
     config.scheduler.fault_tolerance.heartbeat_timeout = 30.0
     clusters: dict[int, Coordinator] = {}
     cases = [case for case in CASES if case[1] in sizes and case[2] in tasks]
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(name, n): [] for name, n, *_ in cases}
+    runs: Runs = {(name, n): [] for name, n, *_ in cases}
+    streams: Runs = {}
+    stream_modes = stream_modes or modes("off,auto", 4)
     try:
         for n in sorted(sizes):  # every size asked for: the streams task alone has no case of its own
             c = Coordinator(local_nodes=n, local_backends=["onnx"], strategy="even", config=config,
                             home=home / f"{n}-nodes", persist=False)
             await c.start()
             clusters[n] = c
-        for c in clusters.values():  # warm up: the first answers run slower
-            await _decode(c, COPY, 16, "off")
+        answers = {}  # the copies' prediction in the 8 streams: the copy's answer (greedy: every round's)
+        for n, c in clusters.items():  # warm up: the first answers run slower
+            answers[n] = c.model.tokenizer.decode((await _decode(c, COPY, tokens, "off"))["tokens"])
         for r in range(rounds):  # every other round in the reverse order: no case always runs after the same one
             for name, n, task, mode, predicted in cases if r % 2 == 0 else cases[::-1]:
                 messages = COPY if task == "copy" else CHAT
                 answer = clusters[n].model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"]) if predicted else None
                 runs[(name, n)].append(await _decode(clusters[n], messages, tokens, mode, answer))
-            for n, c in clusters.items():  # 8 streams at once: the cluster's throughput
+            for n, c in clusters.items():  # 8 streams at once: the cluster's throughput (benchmarks/_streams.py)
                 if "streams" not in tasks:
                     break
-                answer = c.model.tokenizer.decode(runs[("copy off", n)][-1]["tokens"]) if "copy" in tasks else None
-                modes: tuple[tuple[str | int, bool], ...] = (("off", False), ("auto", False))
-                if answer:  # the copies with their prediction: under auto, and at a fixed k (their verify
-                    # steps run; the chats under auto)
-                    modes += (("auto", True), (stream_k, True))
-                for mode, predicted in modes if r % 2 == 0 else modes[::-1]:
-                    t0 = time.perf_counter()
-                    answers = await asyncio.gather(*(
-                        _decode(c, CHAT, tokens, mode if isinstance(mode, str) else "auto") if i % 2 else
-                        _decode(c, COPY, tokens, mode, answer if predicted else None) for i in range(STREAMS)))
-                    name = f"{STREAMS} streams {mode}" + (" predicted" if predicted else "")
-                    runs.setdefault((name, n), []).append(
-                        {"tok_s": sum(len(a["tokens"]) for a in answers) / (time.perf_counter() - t0),
-                         "drafted": sum(a["drafted"] for a in answers), "accepted": sum(a["accepted"] for a in answers),
-                         "shadowed": sum(a["shadowed"] for a in answers),
-                         "shadow_kept": sum(a["shadow_kept"] for a in answers),
-                         "k": [k for a in answers for k in a["k"]], "tokens": [a["tokens"] for a in answers]})
-        return runs
+                for name, mode, predicted in stream_modes if r % 2 == 0 else stream_modes[::-1]:
+                    profile = profiles.setdefault((name, n), cProfile.Profile()) if profiles is not None else None
+                    streams.setdefault((name, n), []).append(await streams_round(
+                        _decode, c, COPY, CHAT, tokens, mode, answers[n] if predicted else None, profile))
+            if "streams" in tasks and len(stream_modes) > 1:
+                print(f"round {r + 1}/{rounds}, {STREAMS} streams ÷ off: " + ", ".join(
+                    f"{n} node(s) {name} {streams[(name, n)][-1]['tok_s'] / streams[('off', n)][-1]['tok_s']:.2f}"
+                    for n in clusters for name, *_ in stream_modes[1:]), flush=True)
+        return runs, streams
     finally:
         for c in clusters.values():
             await c.stop()
@@ -390,6 +390,10 @@ def main() -> None:
     ap.add_argument("--no-stages", action="store_true", help="leave the verify step's cost per stage out")
     ap.add_argument("--stream-k", type=int, default=4,
                     help="the fixed k of the 8 streams' case whose copies run their prediction at that k")
+    ap.add_argument("--stream-modes", default="off,auto,predicted,fixed",
+                    help="the 8 streams' modes, each against off: some of auto, predicted (the copies with their "
+                         "prediction, auto), fixed (the same at --stream-k)")
+    ap.add_argument("--profile", action="store_true", help="the coordinator's busiest functions in each 8 streams' mode")
     ap.add_argument("--tasks", default=",".join(TASKS), help="the cases run on the clusters: some of copy,chat,streams")
     args = parse(ap, rounds=1, tokens=8, ks="1,4", nodes="1", repeats=2)
     sizes = tuple(int(n) for n in args.nodes.split(","))
@@ -398,6 +402,11 @@ def main() -> None:
     tasks = tuple(t for t in args.tasks.split(",") if t)
     if not tasks or not set(tasks) <= set(TASKS):
         ap.error(f"--tasks takes some of {','.join(TASKS)}")
+    try:
+        stream_modes = modes(args.stream_modes, args.stream_k)
+    except ValueError as exc:
+        ap.error(str(exc))
+    profiles: dict[tuple[str, int], cProfile.Profile] | None = {} if args.profile else None
     os.environ["EXO_TUI_THREADS"] = str(args.threads)  # the node processes and this process's shards read it
     if not args.no_llama and not have_llama_cpp():
         args.no_llama = True
@@ -413,8 +422,8 @@ def main() -> None:
         return
     draft_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="exo-bench-") as d:
-        runs = {} if args.draft_only else event_loop.run(_clusters(args.rounds, args.tokens, Path(d), sizes, tasks,
-                                                                   args.stream_k))
+        runs, streams = ({}, {}) if args.draft_only else event_loop.run(
+            _clusters(args.rounds, args.tokens, Path(d), sizes, tasks, stream_modes, profiles))
         if not args.no_draft:
             from benchmarks.draft_f16 import default_out_dir, f16_requantization
 
@@ -445,24 +454,8 @@ def main() -> None:
         print(f"| {n} | {name} | {med((name, n)):.1f} | {med((name, n)) / med(off):.2f} | {drafted} | {accepted} | "
               f"{accepted / drafted if drafted else 0:.2f} | {shadow} | {statistics.median(ks) if ks else 0:g} | {same} |")
     if "streams" in tasks:
-        print(f"\n{STREAMS} streams at once (4 copy and 4 chat prompts; 'predicted': the copies with their prediction): "
-              f"aggregate tok/s, first token to last\n")
-        print("| nodes | case | tok/s | ÷ off | drafted | accepted | not run: proposed / would keep | k chosen (median) | "
-              "same text as off |")
-        print("|---:|---|---:|---:|---:|---:|---|---:|---|")
-        for n in sizes:
-            off8 = runs[(f"{STREAMS} streams off", n)]
-            a_off = statistics.median(r["tok_s"] for r in off8)
-            for case in ("off", "auto", "auto predicted", f"{args.stream_k} predicted"):
-                if (f"{STREAMS} streams {case}", n) not in runs:
-                    continue
-                rs = runs[(f"{STREAMS} streams {case}", n)]
-                tok_s = statistics.median(r["tok_s"] for r in rs)
-                ks = [k for r in rs for k in r["k"]]
-                same = all(r["tokens"] == o["tokens"] for r, o in zip(rs, off8, strict=True))
-                print(f"| {n} | {case} | {tok_s:.1f} | {tok_s / a_off:.2f} | {sum(r['drafted'] for r in rs)} | "
-                      f"{sum(r['accepted'] for r in rs)} | {sum(r['shadowed'] for r in rs)} / "
-                      f"{sum(r['shadow_kept'] for r in rs)} | {statistics.median(ks) if ks else 0:g} | {same} |")
+        print_streams(streams, sizes, [name for name, *_ in stream_modes], args.rounds, args.tokens)
+        print_profiles(profiles or {})
     if sizes == (1, 3) and "copy" in tasks:
         print(f"\nHeadline: 3-node ring, copy with the prediction ÷ one node off: "
               f"{med(('copy prediction', 3)) / med(('copy off', 1)):.2f}x")
