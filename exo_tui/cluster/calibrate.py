@@ -25,10 +25,11 @@ benchmark counts again.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Collection, Iterable
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from exo_tui.cluster.metrics import StepSample, TokenSplit, split_token
 from exo_tui.scheduler.calibration import (
@@ -87,17 +88,22 @@ def _median(values: Iterable[float]) -> float | None:
 Points = dict[tuple[str, Bucket], list[tuple[float, float, int]]]  # (layers, figure, samples) per node and load
 
 
-def _head_layers(plain: Points, heads: Points, quota: Collection[str] = ()) -> dict[tuple[str, Bucket], float]:
+def _head_layers(plain: Points, heads: Points, quota: Collection[str] = (),
+                 hosts: Mapping[str, str] | None = None) -> dict[tuple[str, Bucket], float]:
     """The output head's decode time in layers, for each node (and load) measured with the head
     (its step's time at each count of layers it held with it) and either without it on about as
     many layers (within :data:`HEAD_NEAR_LAYERS`: a layer's time depends on how many a shard
     holds; the head is what the step leaves beyond its layers) or with it at two counts of layers
     at least :data:`HEAD_FIT_LAYERS` apart (the step's time over its layers is a line: its slope a
     layer's time, what it leaves at no layers the head's); else, against the layer time of the
-    other nodes measured without it on about as many layers (the median; not nodes under a CPU
-    quota, ``quota``): a ring measures its last node with the head only, and the head's bytes
-    (SmolLM2's: 13.6 layers against the 5 it takes on ONNX) made that node's layer 0.65 of its
-    time, and the plan putting every layer on it 1.2× too fast."""
+    other nodes of its host (``hosts``: node → host) measured without it on about as many layers
+    (the median; not nodes under a CPU quota, ``quota``): a ring measures its last node with the
+    head only, and the head's bytes (SmolLM2's: 13.6 layers against the 5 it takes on ONNX) made
+    that node's layer 0.65 of its time, and the plan putting every layer on it 1.2× too fast. Only
+    its host's: another machine's layer time would make the node as fast as that machine and book
+    all of its own slowness as the head. Else none (the caller takes another node's head, or the
+    head's bytes)."""
+    known = hosts or {}
     out = {}
     for key, got in heads.items():
         units, residence, _ = max(got, key=lambda g: g[2])
@@ -111,8 +117,12 @@ def _head_layers(plain: Points, heads: Points, quota: Collection[str] = ()) -> d
             rate = (high[1] - low[1]) / (high[0] - low[0])
             out[key] = max(0.0, low[1] / rate - low[0])
             continue
+        host = known.get(key[0])
+        if not host:
+            continue
         peers = _median(p[1] for (nid, bucket), pts in plain.items() if bucket == key[1] and nid != key[0]
-                        and nid not in quota for p in pts if abs(p[0] - units) <= HEAD_NEAR_LAYERS and p[1] > 0)
+                        and nid not in quota and known.get(nid) == host
+                        for p in pts if abs(p[0] - units) <= HEAD_NEAR_LAYERS and p[1] > 0)
         if peers:
             out[key] = max(0.0, residence - peers * units) / peers
     return out
@@ -128,11 +138,27 @@ def _by_layers(points: list[tuple[float, float, int]]) -> tuple[tuple[float, flo
     return tuple((u, total / count) for u, (total, count) in sorted(merged.items()))
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[Calibrator, _P], _R]) -> Callable[Concatenate[Calibrator, _P], _R]:
+    def run(self: Calibrator, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    run.__name__, run.__doc__ = method.__name__, method.__doc__
+    return run
+
+
 class Calibrator:
     """Measured figures for the scheduler, from the steps' timing."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        # the ring's steps and heartbeats add to the series on the event loop's thread; a plan made
+        # on a worker thread reads (and trims) them: every method that touches them holds this
+        self._lock = threading.Lock()
         # per (node, load bucket, the shard's layers): a decode step's seconds per layer on shards
         # without the head; on the shard with it, the step's time (the head's is what its layers leave)
         self.decode: dict[tuple[str, Bucket, float], _Series] = defaultdict(_Series)
@@ -157,6 +183,7 @@ class Calibrator:
         self.held: set[str] = set()
         self.quota: set[str] = set()  # nodes under a CPU quota (their heartbeats say)
 
+    @_locked
     def heartbeat(self, node_id: str, metrics: dict[str, Any]) -> None:
         """A node's heartbeat: the CPU its process took since the last one over the time its runs
         took, where it ran enough to tell (:data:`MIN_BUSY`) and no quota held it back (then
@@ -182,6 +209,7 @@ class Calibrator:
             if d_busy >= MIN_BUSY * dt and d_cpu > 0:
                 self.cpu[node_id].add(now, d_cpu / d_busy)
 
+    @_locked
     def step(self, sample: StepSample, ring: Any, spec: ModelSpec | None, running: int, act_bytes: int,
              *, answering: bool = False, token: TokenSplit | None = None) -> None:
         """One step's timing, taken on ``ring`` (the RingPlan in force) with ``running`` requests
@@ -240,8 +268,11 @@ class Calibrator:
         self.token.add(now, token.total_s)
         self.act_bytes = act_bytes
 
-    def measurements(self) -> Measurements:
-        """The figures, every load bucket's, and each node's at the latest decode step's load."""
+    @_locked
+    def measurements(self, hosts: Mapping[str, str] | None = None) -> Measurements:
+        """The figures, every load bucket's, and each node's at the latest decode step's load.
+        ``hosts``: each node's host, where known (a node measured only with the head is timed
+        against its host's other nodes: :func:`_head_layers`)."""
         now = self.clock()
         plain: Points = defaultdict(list)
         for (nid, bucket, units), s in self.decode.items():
@@ -251,10 +282,11 @@ class Calibrator:
         for (nid, bucket, units), s in self.head.items():
             if (got := s.mean(now)) is not None:
                 heads[(nid, bucket)].append((units, got[0], got[1]))
-        head_layers = _head_layers(plain, heads, self.quota)
+        head_layers = _head_layers(plain, heads, self.quota, hosts)
         by_load: dict[str, dict[Bucket, NodeMeasure]] = defaultdict(dict)
         for key in {*plain, *heads}:
             nid, bucket = key
+            # else another node's head in layers (a ratio, whatever that node's speed), else its bytes'
             h = head_layers.get(key, _median(v for (_, b), v in head_layers.items() if b == bucket))
             head = h if h is not None else self.head_prior
             points = plain.get(key, []) + [(u, r / (u + head), n) for u, r, n in heads.get(key, ())]
@@ -284,6 +316,7 @@ class Calibrator:
         small = [(float(self.act_bytes), v) for _, v in self.links[link].items] or [(float(self.act_bytes), mean_s)]
         return fit_link(small, ((n, s) for _, n, s in sized))
 
+    @_locked
     def measured_tok_per_s(self, plan_version: int | None) -> tuple[float, int] | None:
         """One stream's measured tokens/s on plan ``plan_version`` over the window, and the tokens
         it is measured on (None before :data:`MIN_SAMPLES` of them)."""

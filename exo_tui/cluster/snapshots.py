@@ -68,7 +68,7 @@ class Snapshots(CoordinatorParts):
         profiles = self.device_profiles()
         scores = score_nodes(profiles, self.spec, self.config.scheduler, now) if self.spec is not None and profiles else {}
         startup = {p.node_id: p.layer_s(self.spec) for p in self.device_profiles(measured=False)} if self.spec is not None else {}
-        measured = self.calibrator.measurements().nodes
+        measured = self.measured().nodes
         nodes = []
         for h in self.nodes.values():
             s = scores.get(h.node_id)

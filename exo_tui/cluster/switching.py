@@ -40,7 +40,7 @@ from exo_tui.net.protocol import (
 )
 from exo_tui.node.kv_budget import RESERVE_MIN_BYTES, process_budget_bytes
 from exo_tui.node.profile import NodeProfile
-from exo_tui.scheduler.calibration import calibrate, measured_constraints
+from exo_tui.scheduler.calibration import Measurements, calibrate, measured_constraints
 from exo_tui.scheduler.context import InfeasiblePlan
 from exo_tui.scheduler.diff import ChangePreview, plan_diff, preview_change
 from exo_tui.scheduler.even import even_plan
@@ -123,7 +123,11 @@ class PlanSwitching(KVMoves):
             )
         if planned is None or not measured:
             return out
-        return calibrate(out, planned, self.calibrator.measurements())  # measured, then planned
+        return calibrate(out, planned, self.measured())  # measured, then planned
+
+    def measured(self) -> Measurements:
+        """What the ring measured (:meth:`Calibrator.measurements`), each node's host named."""
+        return self.calibrator.measurements({h.node_id: h.profile.hostname for h in self.nodes.values()})
 
     def _load_peak_bytes(self, backend: str, spec: ModelSpec | None = None) -> int:
         """What a load of ``spec``'s model (by default the served one) on ``backend`` takes at its
@@ -152,7 +156,7 @@ class PlanSwitching(KVMoves):
             drained=frozenset(drained if drained is not None else self.drained),
             failed=failed,
             draft=draft,
-        ), self.calibrator.measurements())
+        ), self.measured())
 
     def _preview(self, constraints: Constraints, profiles: list[DeviceProfile] | None = None) -> ChangePreview:
         """The plan the scheduler would choose now, and what switching to it would move.

@@ -239,7 +239,60 @@ def test_the_head_of_a_node_measured_only_with_it_is_its_time_beyond_its_peers_l
         t[0] += 0.1
         _step(c, ring, {"a": 1e-3 * shard_layer_units(SPEC, 0, third), "b": 4e-3 * shard_layer_units(SPEC, third, 2 * third),
                         "c": 1e-3 * shard_layer_units(SPEC, 2 * third, L, head_layers=5.0)})
-    m = c.measurements()
+    m = c.measurements({"a": "host", "b": "host", "c": "host"})
     alone = predict([("c", 0, L)], {p.node_id: p for p in calibrate([_node(n) for n in "abc"], SPEC, m)}, SPEC)
     assert alone.node("c").compute_s == pytest.approx(1e-3 * shard_layer_units(SPEC, 0, L, head_layers=5.0))
     assert m.nodes["c"].head_layers == pytest.approx(5.0) and m.nodes["c"].decode_s_per_layer == pytest.approx(1e-3)
+
+
+def test_a_node_measured_only_with_the_head_is_not_timed_against_another_machines_layers() -> None:
+    """a (one machine) 1 ms a layer; c (another, 3 ms a layer, its head 5 layers' time) measured only
+    with the head. Against a's layers, c came out as fast as a with a head of ~25 layers; now its
+    head is its bytes' (nothing of its host measured), and it is as slow as it is."""
+    t = [0.0]
+    c = Calibrator(clock=lambda: t[0])
+    L, half = SPEC.n_layers, SPEC.n_layers // 2
+    ring = _ring(1, ("a", 0, half), ("c", half, L))
+    for _ in range(6):
+        t[0] += 0.1
+        _step(c, ring, {"a": 1e-3 * shard_layer_units(SPEC, 0, half),
+                        "c": 3e-3 * shard_layer_units(SPEC, half, L, head_layers=5.0)})
+    apart = c.measurements({"a": "mac", "c": "linux-box"}).nodes
+    assert apart["c"].decode_s_per_layer > 2e-3, apart["c"]
+    assert apart["a"].decode_s_per_layer == pytest.approx(1e-3)
+    together = c.measurements({"a": "host", "c": "host"}).nodes  # one machine: a's layers do tell
+    assert together["c"].decode_s_per_layer == pytest.approx(1e-3)
+
+
+def test_the_figures_are_read_on_one_thread_while_steps_add_to_them_on_another() -> None:
+    """A plan made on a worker thread (a preview, the model list) reads the figures while the ring's
+    steps add to them on the loop's: 'deque mutated during iteration' killed a run so."""
+    import sys
+    import threading
+
+    c = Calibrator()
+    L, half = SPEC.n_layers, SPEC.n_layers // 2
+    ring = _ring(1, ("a", 0, half), ("b", half, L))
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                c.measurements()
+                c.measured_tok_per_s(1)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns within each other's loops
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(3000):
+            _step(c, ring, {"a": 1e-3, "b": 2e-3})
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(switch)
+    assert not errors, errors
