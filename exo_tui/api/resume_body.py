@@ -58,11 +58,16 @@ class ResumeBody(BaseModel):
     @classmethod
     def of(cls, request: Request, *, id: str, left: str = "", generated: list[int] | None = None) -> ResumeBody:  # noqa: A002
         """The body that resumes ``request`` under ``id`` from ``generated`` (the answer the
-        client has), on a leader after the one that ran it as ``left`` (if any)."""
-        return cls(id=id, left=left, prompt_ids=request.prompt_ids, generated=list(generated or ()),
-                   sampling=request.sampling.to_dict(), max_tokens=request.max_tokens, stop=list(request.stop),
-                   top_logprobs=request.top_logprobs, speculative=request.speculative,
-                   predicted=request.predicted, seeded=request.seeded)
+        client has), on a leader after the one that ran it as ``left`` (if any). Token ids are
+        made plain ints here (a tokenizer's or a sampler's may be NumPy's, which the strict
+        fields refuse on receipt, not here in the middle of a failover)."""
+        return cls(id=id, left=left, prompt_ids=[int(t) for t in request.prompt_ids],
+                   generated=[int(t) for t in generated or ()],
+                   sampling=request.sampling.to_dict(), max_tokens=int(request.max_tokens), stop=list(request.stop),
+                   top_logprobs=None if request.top_logprobs is None else int(request.top_logprobs),
+                   speculative=request.speculative,
+                   predicted=None if request.predicted is None else [int(t) for t in request.predicted],
+                   seeded=request.seeded)
 
     def request(self) -> Request:
         """The request the leader runs: the standby's, its answer so far included."""

@@ -40,3 +40,13 @@ def test_a_bad_resume_body_is_refused_with_what_is_wrong(change: dict[str, objec
     good = ResumeBody.of(Request([1, 2], SamplingParams(temperature=0.0), 8, speculative=2, predicted=[3]), id="r")
     with pytest.raises(ValidationError, match=says):
         ResumeBody.model_validate_json(json.dumps({**good.model_dump(), **change}))
+
+
+def test_numpy_token_ids_make_a_body_the_leader_takes() -> None:
+    """A sampler's or a tokenizer's ids may be NumPy ints: the standby's body was refused by its own
+    strict fields mid-failover (pydantic's int_type), the stream lost."""
+    import numpy as np
+
+    sent = Request([np.int64(1), np.int32(2)], SamplingParams(temperature=0.0), 8, predicted=[np.int64(7)])
+    body = ResumeBody.model_validate_json(json.dumps(ResumeBody.of(sent, id="r", generated=[np.int64(4)]).model_dump()))
+    assert (body.prompt_ids, body.generated, body.predicted) == ([1, 2], [4], [7])
