@@ -43,7 +43,7 @@ class Outbox:
 
     def put(self, data: bytes, hold_s: float = 0.0) -> None:
         """Queue ``data`` for the write at the end of this loop turn, or (``hold_s``) for the
-        next write, within ``hold_s``."""
+        next write, within ``hold_s`` (and within every frame's held before it)."""
         self._box.append(data)
         self._bytes += len(data)
         if self._bytes >= OUTBOX_BYTES:
@@ -52,9 +52,15 @@ class Outbox:
             if not self._flush_soon:
                 self._flush_soon = True
                 self._loop.call_soon(self.flush)
-        elif self._held is None:
-            self._held_since = time.monotonic()
-            self._held = self._loop.call_later(hold_s, self.flush)
+        else:
+            at = self._loop.time() + hold_s
+            if self._held is None:
+                self._held_since = time.monotonic()
+            elif self._held.when() <= at:
+                return
+            else:  # it may not wait past its own limit for an earlier frame's
+                self._held.cancel()
+            self._held = self._loop.call_at(at, self.flush)
 
     def write_large(self, head: bytes, raw: bytes | bytearray | memoryview) -> None:
         """Write a frame too large to copy: what was queued before it goes first, then its header
