@@ -128,7 +128,7 @@ class StepSample:
 
 
 @dataclass
-class _Token:
+class TokenSplit:
     """A decode token's time, split: compute and queue per node, each link, the coordinator."""
 
     ts: float
@@ -140,10 +140,8 @@ class _Token:
     links: dict[tuple[str, str], float]
 
 
-TokenSplit = _Token  # what split_token gives (the calibrator takes it from the cluster's figures)
 
-
-def split_token(sample: StepSample, ts: float) -> _Token:
+def split_token(sample: StepSample, ts: float) -> TokenSplit:
     """The communication is what the round trip leaves after the nodes' residences (each on its
     own clock, exact); the wall times at the hops' ends split it between the links (hosts'
     clocks may be offset: a negative estimate counts as none)."""
@@ -168,7 +166,7 @@ def split_token(sample: StepSample, ts: float) -> _Token:
         compute[h.node_id] += h.compute_s
         queue[h.node_id] += h.queue_s
     coord = sample.coordinator_s or 0.0
-    return _Token(ts, sample.plan_version, sample.round_trip_s + coord, coord, dict(compute), dict(queue), links)
+    return TokenSplit(ts, sample.plan_version, sample.round_trip_s + coord, coord, dict(compute), dict(queue), links)
 
 
 class ClusterMetrics:
@@ -180,7 +178,7 @@ class ClusterMetrics:
         self.wait = Window(window_s)
         self.tokens = Window(TOK_RATE_S)
         self.outcomes: dict[str, Window] = {o: Window(window_s) for o in ("completed", "failed", "cancelled", "rejected")}
-        self.ring: deque[_Token] = deque(maxlen=RING_MAX)
+        self.ring: deque[TokenSplit] = deque(maxlen=RING_MAX)
         # running totals (Prometheus)
         self.ttft_hist = Histogram(TTFT_BUCKETS)
         self.itl_hist = Histogram(ITL_BUCKETS)
@@ -280,7 +278,7 @@ class ClusterMetrics:
 
     # ------------------------------------------------------------------ the ring
 
-    def step(self, sample: StepSample) -> _Token | None:
+    def step(self, sample: StepSample) -> TokenSplit | None:
         """A step's timing came back with its token (decode steps go into the ring's figures): its
         split (None: not a decode step's)."""
         if sample.rows != 1 or not sample.hops:
@@ -312,7 +310,7 @@ class ClusterMetrics:
 
     # ------------------------------------------------------------------ figures
 
-    def _tokens(self, now: float, plan_version: int | None) -> list[_Token]:
+    def _tokens(self, now: float, plan_version: int | None) -> list[TokenSplit]:
         return [t for t in self.ring if t.ts >= now - self.window_s and (plan_version is None or t.plan_version == plan_version)]
 
     def balance(self, plan_version: int | None) -> float | None:
@@ -367,7 +365,7 @@ class ClusterMetrics:
             **outcomes,
         )
 
-    def _node(self, h: Any, tokens: list[_Token], stage_s: float | None, token_s: float | None) -> NodeFigures:
+    def _node(self, h: Any, tokens: list[TokenSplit], stage_s: float | None, token_s: float | None) -> NodeFigures:
         m = h.metrics if h.state != "failed" else {}
         mine = [t for t in tokens if h.node_id in t.compute]
         share = _mean([t.compute[h.node_id] / t.total_s for t in mine if t.total_s > 0])
@@ -383,7 +381,7 @@ class ClusterMetrics:
             own_stage_s=float(spent) / steps if steps and spent is not None else None,
         )
 
-    def _links(self, handles: list[Any], ring: Any, tokens: list[_Token]) -> tuple[LinkFigures, ...]:
+    def _links(self, handles: list[Any], ring: Any, tokens: list[TokenSplit]) -> tuple[LinkFigures, ...]:
         if ring is None or not ring.ring:
             return ()
         ids = [e.node_id for e in ring.ring]
@@ -399,7 +397,7 @@ class ClusterMetrics:
         return tuple(out)
 
 
-def _stages(tokens: list[_Token]) -> dict[str, float]:
+def _stages(tokens: list[TokenSplit]) -> dict[str, float]:
     """Each node's mean compute time per token."""
     spent: dict[str, list[float]] = defaultdict(list)
     for t in tokens:
