@@ -177,17 +177,27 @@ class Calibrator:
         self.load: Bucket = load_bucket(1, 1)  # the latest decode step's: the load plans are predicted for
         self.head_prior = 0.0  # the head in layers by its bytes, for a node measured only with it
         self.cpu: dict[str, _Series] = defaultdict(_Series)  # a node's CPU seconds a second of its runs
-        self._cpu_last: dict[str, tuple[float, float, float]] = {}  # its last heartbeat's (time, CPU, busy)
-        # nodes their CPU quota held back at their last heartbeat: their step times hold the quota's
-        # wait, so the planner is not given the quota again (it would count the wait twice)
+        self._cpu_last: dict[str, tuple[float, float, float, float]] = {}  # its last heartbeat's (time, CPU, busy, resided)
+        self.resided: dict[str, float] = defaultdict(float)  # a node's steps' residences, summed (its share of the steps' time)
+        self.layers: dict[str, int] = {}  # the layers of the shard each node ran its latest decode step on
+        # nodes their CPU quota held back at their last heartbeat (their step times hold the quota's
+        # wait, and their CPU a second of runs is the quota's spread over those runs: see heartbeat)
         self.held: set[str] = set()
         self.quota: set[str] = set()  # nodes under a CPU quota (their heartbeats say)
 
     @_locked
     def heartbeat(self, node_id: str, metrics: dict[str, Any]) -> None:
         """A node's heartbeat: the CPU its process took since the last one over the time its runs
-        took, where it ran enough to tell (:data:`MIN_BUSY`) and no quota held it back (then
-        the CPU is the quota's, not what its runs would take)."""
+        took, where it ran enough to tell (:data:`MIN_BUSY`). Where its quota held it back, the
+        CPU over its steps' residences instead (what the planner counts as its time on them, the
+        quota's waits in it, before a run and during one): with those residences the quota's
+        bound is the ring's measured token, and on a plan that gives the node more layers than it
+        held then (:attr:`layers`; the bound counts only there, scheduler/prediction.py's
+        ``cpu_bounds``) it grows with them: a node a quarter core gave a third of the layers at
+        100 tokens a second gives all of them at 33 or fewer. Without it the
+        planner saw only the stretched residences, which hold the quota's wait at the measured
+        share of the work, and put every layer on the throttled node (benchmarks/emulated.py's
+        slow-node: 0.69 of the prediction)."""
         quota = metrics.get("cpu_quota_cores")
         if isinstance(quota, (int, float)) and quota > 0:
             self.quota.add(node_id)
@@ -197,13 +207,16 @@ class Calibrator:
         if not isinstance(cpu, (int, float)) or not isinstance(busy, (int, float)):
             return
         now = self.clock()
-        last, self._cpu_last[node_id] = self._cpu_last.get(node_id), (now, float(cpu), float(busy))
+        resided = self.resided[node_id]
+        last, self._cpu_last[node_id] = self._cpu_last.get(node_id), (now, float(cpu), float(busy), resided)
         if last is None or now <= last[0]:
             return
-        dt, d_cpu, d_busy = now - last[0], cpu - last[1], busy - last[2]
+        dt, d_cpu, d_busy, d_resided = now - last[0], cpu - last[1], busy - last[2], resided - last[3]
         held = isinstance(quota, (int, float)) and quota > 0 and d_cpu / dt > QUOTA_HELD * quota
         if held:
             self.held.add(node_id)
+            if d_resided >= MIN_BUSY * dt and d_cpu > 0:
+                self.cpu[node_id].add(now, d_cpu / d_resided)
         else:
             self.held.discard(node_id)
             if d_busy >= MIN_BUSY * dt and d_cpu > 0:
@@ -222,6 +235,10 @@ class Calibrator:
         entries = {e.node_id: e for e in ring.ring}
         if [h.node_id for h in sample.hops] != [e.node_id for e in ring.ring]:
             return
+        for h in sample.hops:
+            self.resided[h.node_id] += h.residence_s
+            if sample.rows == 1:
+                self.layers[h.node_id] = entries[h.node_id].end - entries[h.node_id].start
         now = self.clock()
         if sample.rows != 1 and running == 1 and act_bytes > 0:  # a link's time on many rows' bytes
             links = split_token(sample, now).links
@@ -302,8 +319,9 @@ class Calibrator:
         cpu = {nid: got[0] for nid, s in self.cpu.items() if (got := s.mean(now, CPU_SAMPLES)) is not None}
         handed = self.handed.mean(now)
         handoff = {nid: got[0] for nid, s in self.handoff.items() if (got := s.mean(now)) is not None}
+        held = {nid: self.layers[nid] for nid in self.held if nid in self.layers}
         return Measurements({}, links, coord[0] if coord else None, dict(by_load), cpu,
-                            handed[0] if handed else None, handoff).at(*self.load)
+                            handed[0] if handed else None, handoff, held).at(*self.load)
 
     def _bandwidth(self, link: tuple[str, str], mean_s: float, now: float) -> float | None:
         """``link``'s bandwidth fitted from its hops on steps of many rows (of the last

@@ -115,9 +115,10 @@ class PlanSwitching(KVMoves):
                     drained=h.node_id in self.drained,
                     failed=h.state == "failed",
                     memory_limited=bool(p.memory_limit_bytes),
-                    # a quota holding the node back now is in its measured step times already
-                    cpu_quota_cores=quota if isinstance(quota := h.metrics.get("cpu_quota_cores"), (int, float))
-                    and h.node_id not in self.calibrator.held else None,
+                    # held back by it, its CPU a second of runs is measured over the runs it stretched
+                    # (calibrate.py's heartbeat): the bound holds for the ring measured, and grows with
+                    # the layers a plan gives it
+                    cpu_quota_cores=quota if isinstance(quota := h.metrics.get("cpu_quota_cores"), (int, float)) else None,
                     host_id=p.hostname,
                 )
             )

@@ -131,6 +131,7 @@ class Measurements:
     cpu_per_busy_s: Mapping[str, float] = field(default_factory=dict)  # a node's CPU seconds a second of its runs
     handed_share: float | None = None  # decode tokens the last node handed straight to the first
     handoff: Mapping[str, float] = field(default_factory=dict)  # a one-node ring's hand-off to itself, by node
+    held_layers: Mapping[str, int] = field(default_factory=dict)  # a node its CPU quota holds back: its shard's layers
 
     @property
     def empty(self) -> bool:
@@ -184,6 +185,8 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
             p = replace(p, cpu_per_busy_s=measured.cpu_per_busy_s[p.node_id])
         if p.node_id in measured.handoff:
             p = replace(p, handoff_s=measured.handoff[p.node_id])
+        if p.node_id in measured.held_layers:
+            p = replace(p, quota_held_layers=measured.held_layers[p.node_id])
         links = dict(p.links)
         for (a, b), lm in measured.links.items():
             if a != p.node_id or b == COORDINATOR or lm.samples <= 0:

@@ -71,7 +71,7 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
     stages = np.array([x.stage_s for x in nodes]) if nodes else np.zeros(1)
     mean = float(stages.mean())
     coeff = float(stages.std() / mean) if mean > 0 and len(nodes) > 1 else 0.0
-    quota_s, host_s = cpu_bounds(ctx, nodes)
+    quota_s, host_s = cpu_bounds(ctx, nodes, shards)
     decode = max(decode, quota_s)
     slowest = max(float(stages.max()), quota_s, host_s)
     return Predictions(
@@ -86,15 +86,18 @@ def predict_shards(ctx: PlanContext, shards: Sequence[tuple[str, int, int]]) -> 
     )
 
 
-def cpu_bounds(ctx: PlanContext, nodes: Sequence[NodePrediction]) -> tuple[float, float]:
+def cpu_bounds(ctx: PlanContext, nodes: Sequence[NodePrediction],
+               shards: Sequence[tuple[str, int, int]]) -> tuple[float, float]:
     """(the least time a token takes by the nodes' CPU quotas, the least by their hosts' cores
-    when the stages run at once): a node's CPU a token is its compute times its CPU a second."""
+    when the stages run at once): a node's CPU a token is its compute times its CPU a second.
+    A node its quota held back on the ring measured (``quota_held_layers``) is bounded only on
+    a shard of more layers than that: up to there its measured step times hold the wait."""
     quota_s = 0.0
     hosts: dict[str, tuple[float, int]] = {}
-    for x in nodes:
+    for x, (_, s, e) in zip(nodes, shards, strict=True):
         p = ctx.profiles[x.node_id]
         cpu = x.compute_s * p.cpu_per_busy_s
-        if p.cpu_quota_cores:
+        if p.cpu_quota_cores and (p.quota_held_layers is None or e - s > p.quota_held_layers):
             quota_s = max(quota_s, cpu / p.cpu_quota_cores)
         if p.host_id:
             spent, cores = hosts.get(p.host_id, (0.0, 0))

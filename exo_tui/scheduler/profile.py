@@ -98,6 +98,9 @@ class DeviceProfile:
     # (scheduler/prediction.py). Nodes with the same ``host_id`` share ``cpu_cores``.
     cpu_quota_cores: float | None = None
     cpu_per_busy_s: float = 1.0
+    # Its quota held it back while it ran a shard of this many layers (None: not so measured): its
+    # measured step times hold the quota's wait up to that many, and the bound counts beyond it.
+    quota_held_layers: int | None = None
     host_id: str = ""
     # A ring of this node alone: a token's way from its last stage back to its first, as the ring
     # measured it (its token written to the coordinator, a turn of its loop; None: not measured).

@@ -296,3 +296,38 @@ def test_the_figures_are_read_on_one_thread_while_steps_add_to_them_on_another()
         reader.join()
         sys.setswitchinterval(switch)
     assert not errors, errors
+
+
+def test_a_node_its_quota_held_back_is_bounded_by_it_on_more_layers_and_not_twice_on_its_own() -> None:
+    """b, a quarter core, holds a third of the layers and its quota holds it back (its CPU a
+    second is the quota's, its steps stretched to 4 ms a layer, half of it before its runs): its
+    CPU is measured over its steps' residences. The ring measured is predicted on its step times
+    (the wait in them once); b given every layer, at most a third as fast as the ring's token."""
+    t = [0.0]
+    c = Calibrator(clock=lambda: t[0])
+    L, third = SPEC.n_layers, SPEC.n_layers // 3
+    ring = _ring(1, ("a", 0, third), ("b", third, 2 * third), ("c", 2 * third, L))
+    res = {"a": 1e-3 * shard_layer_units(SPEC, 0, third), "b": 4e-3 * shard_layer_units(SPEC, third, 2 * third),
+           "c": 1e-3 * shard_layer_units(SPEC, 2 * third, L, head_layers=5.0)}
+    token_s = sum(res.values()) + 0.002  # _step's round trip
+    c.heartbeat("b", {"cpu_time_s": 0.0, "busy_s": 0.0, "cpu_quota_cores": 0.25})
+    resided = 0.0
+    for second in (1, 2, 3):  # each second of tokens: b used its quarter core, and ran half of its steps' time
+        while t[0] + token_s <= second:
+            t[0] += token_s
+            _step(c, ring, res)
+            resided += res["b"]
+        t[0] = float(second)
+        c.heartbeat("b", {"cpu_time_s": 0.25 * second, "busy_s": resided / 2, "cpu_quota_cores": 0.25})
+    assert c.held == {"b"}
+    m = c.measurements()
+    assert m.cpu_per_busy_s["b"] == pytest.approx(0.25 * token_s / res["b"], rel=0.05)
+    nodes = [_node(n) for n in "ac"] + [_node("b").with_(cpu_quota_cores=0.25)]  # the quota its heartbeat says
+    profiles = {p.node_id: p for p in calibrate(nodes, SPEC, m)}
+    shards = [(e.node_id, e.start, e.end) for e in ring.ring]
+    unbound = {**profiles, "b": profiles["b"].with_(cpu_quota_cores=None)}
+    # the ring measured: its step times hold the quota's wait, counted once
+    assert predict(shards, profiles, SPEC).decode_s_per_token == predict(shards, unbound, SPEC).decode_s_per_token
+    alone = predict([("b", 0, L)], profiles, SPEC)
+    layers = shard_layer_units(SPEC, 0, L, head_layers=0.0) / shard_layer_units(SPEC, third, 2 * third)
+    assert alone.decode_s_per_token >= 0.95 * layers * token_s
