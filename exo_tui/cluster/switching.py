@@ -115,9 +115,8 @@ class PlanSwitching(KVMoves):
                     drained=h.node_id in self.drained,
                     failed=h.state == "failed",
                     memory_limited=bool(p.memory_limit_bytes),
-                    # held back by it, its CPU a second of runs is measured over the runs it stretched
-                    # (calibrate.py's heartbeat): the bound holds for the ring measured, and grows with
-                    # the layers a plan gives it
+                    # held back by it, its step times hold the quota's wait up to the layers it held then;
+                    # beyond, the bound counts (calibrate.py's heartbeat, prediction.py's cpu_bounds)
                     cpu_quota_cores=quota if isinstance(quota := h.metrics.get("cpu_quota_cores"), (int, float)) else None,
                     host_id=p.hostname,
                 )
