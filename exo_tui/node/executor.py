@@ -131,6 +131,10 @@ class StepExecutor:
         self.deliver = deliver
         self.host: ShardHost | None = None
         self.queue: deque[Step] = deque()
+        # the requests and hops of the run under way, from its start until its last result has gone
+        # on: a later step of one of them waits for the queue (run inline, its result could go on
+        # first: a pipelined verify window's overtaking the window before it)
+        self._running: set[tuple[str, int]] = set()
         self._wakeup = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-worker")
         self._jobs: set[Future[Any]] = set()  # submitted to the worker and not finished
@@ -214,15 +218,19 @@ class StepExecutor:
                 self.queue.clear()
                 self.queue.extend(left)
                 self.batch_sizes[len(batch)] += 1
-                t0 = time.monotonic()
-                results = await self.in_worker(self.run, batch)
-                ran_s = time.monotonic() - t0
-                self.batching.ran(ran_s)
-                for step in batch:
-                    step.started_s, step.compute_s = t0, ran_s
-                following = self._following(batch, results)
-                for step, result, more in zip(batch, results, following, strict=True):
-                    await self._deliver(step, result, more)
+                self._running = {step.key for step in batch}
+                try:
+                    t0 = time.monotonic()
+                    results = await self.in_worker(self.run, batch)
+                    ran_s = time.monotonic() - t0
+                    self.batching.ran(ran_s)
+                    for step in batch:
+                        step.started_s, step.compute_s = t0, ran_s
+                    following = self._following(batch, results)
+                    for step, result, more in zip(batch, results, following, strict=True):
+                        await self._deliver(step, result, more)
+                finally:
+                    self._running = set()
 
     async def _deliver(self, step: Step, result: Any, more: int = 0) -> None:
         self.batching.left(step.key, time.monotonic())
@@ -254,7 +262,7 @@ class StepExecutor:
     def _inline_ok(self, step: Step, key: tuple[str, int]) -> bool:
         """A lone stream's decode step runs at once, on the loop's thread; anything else goes
         through the queue, where batches form."""
-        if self.queue or self._burst or not self._worker_idle():
+        if self.queue or self._burst or not self._worker_idle() or key in self._running:
             return False
         if step.frame.tensor is None or np.ndim(step.frame.tensor) == 0 or step.rows > INLINE_MAX_ROWS:
             return False  # a prefill runs on the worker: the loop keeps answering pings meanwhile

@@ -160,6 +160,45 @@ async def test_lone_stream_steps_run_inline_and_a_prefill_does_not(cluster: Clus
         assert node.executor.batching.shared_cores  # its plan reaches every hop on loopback: one machine's cores
 
 
+async def test_a_step_that_comes_while_the_run_before_it_delivers_waits_for_it(cluster: Cluster, tiny_model: Path):
+    """The next step of a request can arrive after the worker ran the step before it but before
+    that step's result went on (its run's delivery awaits): run inline then, it went on first and
+    overtook it at the next node ('positions start at 12 but the request has 0 cached tokens').
+    Here the first node's delivery of the prompt's step is held until the next step has arrived."""
+    async with ring(cluster, tiny_model, [(0, 2), (2, 4)]) as r:
+        node = r.agents[0].executor
+        delivering, release, second_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        deliver, arrived = node.deliver, node.arrived
+
+        async def held(step, result, more):  # noqa: ANN001, ANN202 - the executor's Deliver
+            if step.body.rid == "race" and not delivering.is_set():
+                delivering.set()
+                await release.wait()
+            await deliver(step, result, more)
+
+        async def seen(step, *, next_ready):  # noqa: ANN001, ANN202
+            await arrived(step, next_ready=next_ready)
+            if step.body.rid == "race" and step.body.step == 1:
+                second_in.set()
+
+        await r.prefill(["warm"])  # the first node's link to the second is up
+        await r.end(["warm"])
+        node.deliver, node.arrived = held, seen  # type: ignore[method-assign]
+        tokens = [int(t) for t in PROMPT]
+        await r.send("race", tokens, 0)  # 12 rows: run on the worker
+        async with asyncio.timeout(30):
+            await delivering.wait()
+        await r.send("race", [*tokens, 3], len(tokens))  # the next step, of one row: inline-sized
+        async with asyncio.timeout(30):
+            await second_in.wait()
+        inline = node.inline_steps
+        release.set()
+        await r.token("race", 0)
+        await r.token("race", 1)
+        assert not r.failures, r.failures
+        assert inline == 0  # it waited in the queue for the run before it
+
+
 async def test_steps_of_several_requests_run_as_one_batch_with_their_solo_tokens(cluster: Cluster, tiny_model: Path):
     async with ring(cluster, tiny_model, [(0, 4)]) as r:
         node = r.agents[0]
