@@ -164,15 +164,22 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
     hops took beyond their probes' (:func:`hop_software_s`): a hop's frame is encoded, sent through
     TLS and decoded by both nodes' software, which a ping does not show (1.3-1.5 ms a hop on the
     2-core VM against pings of 0.1-0.3 ms), and without it a plan through pairs never measured
-    looked cheaper than the ring it was measured on."""
+    looked cheaper than the ring it was measured on.
+
+    A node not measured, on a host where others were (``host_id``; not nodes their CPU quota held
+    back), takes their measured ÷ start-up ratio (the median) on its start-up figures: the host's
+    cores are as busy for it as for them. Without it, a node measured while other work loaded its
+    machine looked slower than its idle neighbours' start-up figures, and the plan offered to move
+    its layers to a neighbour that would run no faster (and, measured there, back again)."""
     profiles = list(profiles)
     by_id = {p.node_id: p for p in profiles}
     software_s = hop_software_s(by_id, measured)
+    busier = host_slowdown(profiles, spec, measured)
     out = []
     for p in profiles:
         m = measured.nodes.get(p.node_id)
+        backend = p.best_backend()
         if m is not None and m.decode_s_per_layer:
-            backend = p.best_backend()
             startup_decode = p.layer_s(spec, backend)
             startup_prefill = p.prefill_s(spec, backend)
             prefill = m.prefill_s_per_layer_token or startup_prefill * m.decode_s_per_layer / max(startup_decode, 1e-12)
@@ -181,6 +188,12 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
                         layer_s_by_layers=m.by_layers,
                         compute_ref_layer_bytes=int(round(spec.mean_active_layer_bytes)), load_factor=0.0,
                         benchmark_score=p.benchmark_score * startup_decode / m.decode_s_per_layer, calibrated=True)
+        elif p.host_id in busier and backend in p.decode_s_per_layer:
+            ratio = busier[p.host_id]
+            p = replace(p, decode_s_per_layer={backend: p.layer_s(spec, backend) * ratio},
+                        prefill_s_per_layer_token={backend: p.prefill_s(spec, backend) * ratio},
+                        compute_ref_layer_bytes=int(round(spec.mean_active_layer_bytes)), load_factor=0.0,
+                        benchmark_score=p.benchmark_score / ratio, calibrated=True)
         if p.node_id in measured.cpu_per_busy_s:
             p = replace(p, cpu_per_busy_s=measured.cpu_per_busy_s[p.node_id])
         if p.node_id in measured.handoff:
@@ -203,6 +216,20 @@ def calibrate(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Meas
             p = replace(p, links=links)
         out.append(p)
     return out
+
+
+def host_slowdown(profiles: Iterable[DeviceProfile], spec: ModelSpec, measured: Measurements) -> dict[str, float]:
+    """Each host's measured ÷ start-up decode time per layer, the median over its nodes measured
+    (not those their CPU quota held back: their slowness is their own)."""
+    ratios: dict[str, list[float]] = {}
+    for p in profiles:
+        m = measured.nodes.get(p.node_id)
+        if not p.host_id or m is None or not m.decode_s_per_layer or p.node_id in measured.held_layers:
+            continue
+        startup = p.layer_s(spec, p.best_backend())
+        if startup > 0:
+            ratios.setdefault(p.host_id, []).append(m.decode_s_per_layer / startup)
+    return {host: statistics.median(r) for host, r in ratios.items()}
 
 
 def hop_software_s(profiles: Mapping[str, DeviceProfile], measured: Measurements) -> float:

@@ -331,3 +331,24 @@ def test_a_node_its_quota_held_back_is_bounded_by_it_on_more_layers_and_not_twic
     alone = predict([("b", 0, L)], profiles, SPEC)
     layers = shard_layer_units(SPEC, 0, L, head_layers=0.0) / shard_layer_units(SPEC, third, 2 * third)
     assert alone.decode_s_per_token >= 0.95 * layers * token_s
+
+
+def test_a_node_slowed_by_its_machines_load_does_not_send_its_layers_to_a_neighbour_as_loaded() -> None:
+    """a and b share a machine; other work on it slows the one serving to 2.5x its start-up figure
+    while the other, holding nothing, is not measured: it runs no faster, and the plan stays. c, on
+    another machine, is not scaled, nor is the host by a node its CPU quota held back."""
+    a, b, c = (replace(_node(n), host_id=h) for n, h in (("a", "box"), ("b", "box"), ("c", "other")))
+    nodes = [a, b, replace(c, decode_s_per_layer={"onnx": 3e-3})]
+    plan = make_plan(nodes, SPEC, "latency", now=0.0)
+    (serving,) = plan.node_ids
+    idle = "b" if serving == "a" else "a"
+    measured = Measurements({serving: NodeMeasure(2.5e-3, None, 20)}, {}, 0.002)
+    got = {p.node_id: p for p in calibrate(nodes, SPEC, measured)}
+    assert got[idle].layer_s(SPEC) == pytest.approx(2.5e-3)
+    assert got["c"].layer_s(SPEC) == pytest.approx(nodes[2].layer_s(SPEC))
+    kept = make_plan(list(got.values()), SPEC, "latency", measured_constraints(Constraints(), measured), now=0.0,
+                     current=plan)
+    assert kept.node_ids == (serving,)  # before: every layer to the idle neighbour, at its start-up figure
+    held = replace(measured, held_layers={serving: SPEC.n_layers})  # its quota, not the machine, held it
+    assert next(p for p in calibrate(nodes, SPEC, held) if p.node_id == idle).layer_s(SPEC) == \
+        pytest.approx(nodes[0].layer_s(SPEC))
