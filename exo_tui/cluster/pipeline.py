@@ -494,6 +494,9 @@ class RemotePipeline(Leases):
             sent.fut.cancel()
         elif not sent.fut.cancelled():
             sent.fut.exception()  # retrieved: a failure behind the one being raised is not logged as lost
+        waited = self._pending.get(sent.key)
+        if waited is not None and waited is not sent.fut:
+            return  # a step sent since under the same key (a verify step in a lease's place): its own
         self._pending.pop(sent.key, None)
         self._timing.pop(sent.key, None)
         self._verdicts.pop(sent.key, None)

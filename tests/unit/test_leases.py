@@ -47,6 +47,8 @@ def test_a_stream_with_drafts_leaves_its_lease_at_the_next_token(drafts: bool) -
             pipeline._verifying.add(steps[4].key)
             pipeline.on_token(request.id, 4, plan.version, 14, None)
             assert not verify.done()
+            pipeline._abandon(steps[4])  # the handed step given up again (a second drop): the verify step stays
+            assert pipeline._pending[steps[4].key] is verify and steps[4].key in pipeline._verifying
             pipeline.on_token(request.id, 4, plan.version, 14, None, verdict=((9, 14), 1, None))
             assert verify.result() == (14, None, None) and pipeline._verdicts[steps[4].key] == ((9, 14), 1, None)
         else:  # the lease runs on to its last step
