@@ -105,7 +105,36 @@ class PlanContext:
             return None
         to = {b: s for a, b, s in self.coordinator_links if a == COORDINATOR}
         back = {a: s for a, b, s in self.coordinator_links if b == COORDINATOR}
-        return self.coordinator_s + _link_or(to, back, first) + _link_or(back, to, last)
+        return self.coordinator_s + self._coordinator_link(to, back, first) + self._coordinator_link(back, to, last)
+
+    def _coordinator_link(self, way: dict[str, float], other_way: dict[str, float], node: str) -> float:
+        """A node's measured link to (or from) the coordinator; else the other way's (a link is
+        mostly the same both ways: a ring measures the coordinator's link to its first stage and
+        from its last only); else what the measured ones took beyond their nodes' :meth:`reach`,
+        the median, plus this node's (0: nothing measured). A node behind a slow link is slow to
+        reach from the coordinator too, and the others are not: its measured link, taken as theirs,
+        made every one-node plan on another node pay it (slow-link's, measured 1.19-1.21 of their
+        prediction)."""
+        if node in way:
+            return way[node]
+        if node in other_way:
+            return other_way[node]
+        if not way:
+            return 0.0
+        beyond = float(np.median([s - self.reach[n] for n, s in way.items() if n in self.reach] or list(way.values())))
+        return max(0.0, beyond + self.reach.get(node, 0.0))
+
+    @cached_property
+    def reach(self) -> dict[str, float]:
+        """Each node's fastest link to or from another node (0 without any): how far it is on the
+        network from the rest of the cluster (a link behind a slow one is slow to every node; the
+        others' are slow only to it), the coordinator's side included."""
+        out = {}
+        for nid, p in self.profiles.items():
+            lat = [p.links[o].latency_s for o in self.profiles if o != nid and o in p.links]
+            lat += [q.links[nid].latency_s for o, q in self.profiles.items() if o != nid and nid in q.links]
+            out[nid] = min(lat, default=0.0)
+        return out
 
     def hop(self, a: str, b: str, nbytes: float | None = None) -> float:
         if a == b:
@@ -145,17 +174,6 @@ class PlanContext:
         np.fill_diagonal(lat, 0.0)
         np.fill_diagonal(bw, np.inf)
         return index, lat, bw
-
-
-def _link_or(way: dict[str, float], other_way: dict[str, float], node: str) -> float:
-    """A node's measured link to (or from) the coordinator; else the other way's (a link is
-    mostly the same both ways: a ring measures the coordinator's link to its first stage and from
-    its last only); else the median of that way's measured; else 0 (nothing measured)."""
-    if node in way:
-        return way[node]
-    if node in other_way:
-        return other_way[node]
-    return float(np.median(list(way.values()))) if way else 0.0
 
 
 def size_factors(profiles: Mapping[str, DeviceProfile], backend: Mapping[str, str], n_layers: int) -> dict[str, np.ndarray]:

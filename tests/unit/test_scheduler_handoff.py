@@ -170,3 +170,19 @@ def test_one_node_measures_its_hand_off_to_itself_and_its_plan_is_predicted_with
 
     assert alone("a").tok_per_s_single == pytest.approx(measured[0], rel=0.01)
     assert alone("b").node("b").hop_s == pytest.approx(alone("a").node("a").hop_s)
+
+
+def test_a_node_behind_a_slow_link_does_not_lend_its_coordinator_link_to_the_others() -> None:
+    """A ring measured the coordinator's link to its first stage a (0.5 ms) and from its last c, behind
+    a 10 ms relay (10.5 ms). A one-node plan on b, whose links to the coordinator were never measured,
+    pays b's own: the others' beyond their reach, plus b's (before: c's 10.5 ms, the median of the way
+    back measured, and slow-link's one-node plans measured 1.19-1.21 of their prediction)."""
+    relay = 0.010
+    nodes = {n: _node(n, {p: (relay if "c" in (n, p) else FAST) for p in "abc" if p != n}) for n in "abc"}
+    links = (("coordinator", "a", 0.0005), ("c", "coordinator", relay + 0.0005))
+    ctx = make_context(nodes, SPEC, SchedulerConfig(), Constraints(coordinator_s=0.002, coordinator_links=links))
+    assert ctx.reach["c"] == pytest.approx(relay) and ctx.reach["b"] == pytest.approx(FAST)
+    to_b = 0.0005 - FAST + FAST  # what the measured way took beyond its node's reach, plus b's
+    back_b = (relay + 0.0005) - relay + FAST
+    assert ctx.coordinator_hop("b", "b") == pytest.approx(0.002 + to_b + back_b)  # 4 ms, against 13 before
+    assert ctx.coordinator_hop("c", "c") == pytest.approx(0.002 + 2 * (relay + 0.0005))  # its own, both ways
