@@ -331,7 +331,7 @@ class AdmittedRunner:
                 await self._preempt(request, need)
                 continue
             try:
-                return await self.pipeline.step(request, start)
+                return await self.pipeline.step(request, start, reserved=self.ticket.reserved)
             except KVBudgetExceeded:
                 if self.admission.alone(self.ticket):
                     raise  # nothing else holds memory it could wait for

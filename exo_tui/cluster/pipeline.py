@@ -170,8 +170,10 @@ class RemotePipeline(Leases):
         a model switch) ends it rather than running them there."""
         self._models[rid] = model
 
-    async def step(self, request: Request, start: int) -> tuple[int, TokenLogprobs | None]:
-        token, logprobs, _ = await self._step(request, start, None)
+    async def step(self, request: Request, start: int, *, reserved: int | None = None) -> tuple[int, TokenLogprobs | None]:
+        """A plain step; ``reserved``: the positions admission holds for the request's caches, which
+        a lease's steps (the ring running on alone) may not pass."""
+        token, logprobs, _ = await self._step(request, start, None, reserved)
         return token, logprobs
 
     async def verify(self, request: Request, start: int, draft: Draft) -> tuple[Verdict, list[TokenLogprobs] | None]:
@@ -184,8 +186,8 @@ class RemotePipeline(Leases):
         tokens, accepted, listed = reply
         return Verdict(tokens, accepted, len(draft)), listed
 
-    async def _step(self, request: Request, start: int,
-                    draft: Draft | None) -> tuple[int, TokenLogprobs | None, VerdictReply | None]:
+    async def _step(self, request: Request, start: int, draft: Draft | None,
+                    reserved: int | None = None) -> tuple[int, TokenLogprobs | None, VerdictReply | None]:
         attempts = 0
         while True:
             # drafts worth a verify step (not a probe of the plan's cost) end a lease at its next token
@@ -229,6 +231,8 @@ class RemotePipeline(Leases):
             if draft is None and adopted is None and pos == request.n_tokens - 1 and not request.wants_prompt_scores \
                     and not drafting(request):
                 room = min(request.max_tokens - len(request.generated), self.context() - request.n_tokens)
+                if reserved is not None:  # a lease's steps grow the caches with no word from admission
+                    room = min(room, reserved - request.n_tokens + 1)
                 ahead = max(0, min(self.lease_tokens - 1, room - 1))
             reply: VerdictReply | None = None
             try:
