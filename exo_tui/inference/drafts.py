@@ -76,12 +76,11 @@ class _NgramIndex:
             for size in range(1, min(hi, end + 1) + 1):
                 at = end - size + 1
                 key |= (seq[at] + 1) << (_KEY_BITS * (size - 1))
-                if size < lo:
-                    pass
-                elif every:
-                    starts.setdefault(key, []).append(at)
-                else:
-                    latest[key] = at
+                if size >= lo:
+                    if every:
+                        starts.setdefault(key, []).append(at)
+                    else:
+                        latest[key] = at
         self._indexed = max(self._indexed, len(self.tokens) - 1)
 
     def follow(self, ngram: Sequence[int], near: int | None = None) -> int | None:

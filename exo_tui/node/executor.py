@@ -132,8 +132,8 @@ class StepExecutor:
         self.host: ShardHost | None = None
         self.queue: deque[Step] = deque()
         # the requests and hops of the run under way, from its start until its last result has gone
-        # on: a later step of one of them waits for the queue (run inline, its result could go on
-        # first: a pipelined verify window's overtaking the window before it)
+        # on: a later step of one of them (a prompt's next chunk) waits for the queue; run inline
+        # in the gap after the worker returned, its result went on first and overtook the run's
         self._running: set[tuple[str, int]] = set()
         self._wakeup = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-node-worker")
